@@ -1,0 +1,200 @@
+//! The storage contract every byte of PSLS persistent state goes through.
+//!
+//! Contract of [`DiskFile`]:
+//! - `write_at` may be lost entirely or partially (torn at any byte) by a crash until a later
+//!   `sync` on the same file returns `Ok`. After `sync` returns `Ok`, every write that returned
+//!   before the `sync` call is durable.
+//! - If `sync` fails, nothing about earlier writes is known; callers must stop trusting the file.
+//! - `read_at` fills the buffer completely or returns an error; bytes never written read as 0.
+//!
+//! Contract of [`Disk`] (a directory of named files):
+//! - a newly created or removed name is durable only after `sync_dir` returns `Ok`.
+
+use std::fs::{self, File, OpenOptions};
+use std::io;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+/// One file of a [`Disk`].
+pub trait DiskFile: Send + Sync + std::fmt::Debug {
+    /// Reads `buf.len()` bytes at `offset`; bytes past the end of the file read as zero.
+    fn read_at(&self, offset: u64, buf: &mut [u8]) -> io::Result<()>;
+    /// Writes all of `data` at `offset`, extending the file if needed.
+    fn write_at(&self, offset: u64, data: &[u8]) -> io::Result<()>;
+    /// Makes every earlier write durable.
+    fn sync(&self) -> io::Result<()>;
+    /// Current length in bytes.
+    fn len(&self) -> io::Result<u64>;
+    /// Truncates or extends (with zeros).
+    fn set_len(&self, len: u64) -> io::Result<()>;
+    /// Whether the file has length zero.
+    fn is_empty(&self) -> io::Result<bool> {
+        Ok(self.len()? == 0)
+    }
+}
+
+/// A directory of files.
+pub trait Disk: Send + Sync + std::fmt::Debug {
+    /// Opens `name`, creating it when `create` is set.
+    fn open(&self, name: &str, create: bool) -> io::Result<Arc<dyn DiskFile>>;
+    /// Removes `name`; a missing name is not an error.
+    fn remove(&self, name: &str) -> io::Result<()>;
+    /// Names of all files.
+    fn list(&self) -> io::Result<Vec<String>>;
+    /// Makes creations and removals durable.
+    fn sync_dir(&self) -> io::Result<()>;
+    /// Bytes used by the files (allocated blocks).
+    fn used_bytes(&self) -> io::Result<u64>;
+    /// Bytes still free on the underlying file system.
+    fn free_bytes(&self) -> io::Result<u64>;
+}
+
+/// The real disk: a directory on a local file system, `pwrite`/`pread`/`fdatasync`.
+#[derive(Debug)]
+pub struct FileDisk {
+    root: PathBuf,
+}
+
+impl FileDisk {
+    /// Uses `root` (created if missing).
+    pub fn new(root: impl Into<PathBuf>) -> io::Result<Self> {
+        let root = root.into();
+        fs::create_dir_all(&root)?;
+        Ok(FileDisk { root })
+    }
+
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+}
+
+/// A real file.
+#[derive(Debug)]
+pub struct RealFile {
+    file: File,
+}
+
+impl DiskFile for RealFile {
+    fn read_at(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
+        let mut done = 0;
+        while done < buf.len() {
+            let n = self.file.read_at(&mut buf[done..], offset + done as u64)?;
+            if n == 0 {
+                buf[done..].fill(0);
+                break;
+            }
+            done += n;
+        }
+        Ok(())
+    }
+    fn write_at(&self, offset: u64, data: &[u8]) -> io::Result<()> {
+        self.file.write_all_at(data, offset)
+    }
+    fn sync(&self) -> io::Result<()> {
+        self.file.sync_data()
+    }
+    fn len(&self) -> io::Result<u64> {
+        Ok(self.file.metadata()?.len())
+    }
+    fn set_len(&self, len: u64) -> io::Result<()> {
+        self.file.set_len(len)
+    }
+}
+
+pub(crate) fn check_name(name: &str) -> io::Result<()> {
+    if name.is_empty() || name.contains('/') || name == "." || name == ".." {
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("bad file name {name:?}")));
+    }
+    Ok(())
+}
+
+impl Disk for FileDisk {
+    fn open(&self, name: &str, create: bool) -> io::Result<Arc<dyn DiskFile>> {
+        check_name(name)?;
+        let file = OpenOptions::new().read(true).write(true).create(create).open(self.root.join(name))?;
+        Ok(Arc::new(RealFile { file }))
+    }
+    fn remove(&self, name: &str) -> io::Result<()> {
+        check_name(name)?;
+        match fs::remove_file(self.root.join(name)) {
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+            r => r,
+        }
+    }
+    fn list(&self) -> io::Result<Vec<String>> {
+        let mut out = Vec::new();
+        for e in fs::read_dir(&self.root)? {
+            let e = e?;
+            if e.file_type()?.is_file() {
+                if let Some(n) = e.file_name().to_str() {
+                    out.push(n.to_string());
+                }
+            }
+        }
+        out.sort();
+        Ok(out)
+    }
+    fn sync_dir(&self) -> io::Result<()> {
+        File::open(&self.root)?.sync_all()
+    }
+    fn used_bytes(&self) -> io::Result<u64> {
+        use std::os::unix::fs::MetadataExt;
+        let mut total = 0;
+        for e in fs::read_dir(&self.root)? {
+            let m = e?.metadata()?;
+            if m.is_file() {
+                total += m.blocks() * 512;
+            }
+        }
+        Ok(total)
+    }
+    fn free_bytes(&self) -> io::Result<u64> {
+        statvfs_free(&self.root)
+    }
+}
+
+/// Free bytes available to unprivileged users on the file system holding `path`.
+pub fn statvfs_free(path: &Path) -> io::Result<u64> {
+    use std::ffi::CString;
+    use std::os::unix::ffi::OsStrExt;
+    let c = CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "path contains NUL"))?;
+    let mut st = std::mem::MaybeUninit::<libc::statvfs>::zeroed();
+    // SAFETY: `c` is a valid NUL-terminated path and `st` points to writable memory of the
+    // size and layout of `struct statvfs`.
+    let rc = unsafe { libc::statvfs(c.as_ptr(), st.as_mut_ptr()) };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: statvfs returned 0, so it initialised the struct.
+    let st = unsafe { st.assume_init() };
+    Ok(st.f_bavail.saturating_mul(st.f_frsize))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn real_file_roundtrip_and_holes_read_zero() {
+        let dir = tempfile::tempdir().unwrap();
+        let disk = FileDisk::new(dir.path()).unwrap();
+        let f = disk.open("a", true).unwrap();
+        f.write_at(8192, b"hello").unwrap();
+        f.sync().unwrap();
+        let mut buf = [7u8; 10];
+        f.read_at(0, &mut buf).unwrap();
+        assert_eq!(buf, [0u8; 10]);
+        let mut buf = [0u8; 10];
+        f.read_at(8192, &mut buf).unwrap();
+        assert_eq!(&buf[..5], b"hello");
+        assert_eq!(&buf[5..], &[0u8; 5]);
+        assert_eq!(disk.list().unwrap(), vec!["a".to_string()]);
+        assert!(disk.open("../x", true).is_err());
+        assert!(disk.free_bytes().unwrap() > 0);
+        disk.remove("a").unwrap();
+        disk.remove("a").unwrap();
+        assert!(disk.list().unwrap().is_empty());
+    }
+}

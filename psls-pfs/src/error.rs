@@ -1,0 +1,62 @@
+//! Error types of the page store and of the metadata store.
+
+use psls_svm::FileId;
+use std::io;
+
+/// Errors of [`crate::PageStore`] operations.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("disk I/O error on {what}: {source}")]
+    Io {
+        what: String,
+        #[source]
+        source: io::Error,
+    },
+    /// An fsync failed earlier: the store can no longer tell what is durable and refuses
+    /// every further operation until the daemon restarts (see redb / PostgreSQL fsyncgate).
+    #[error("page store is poisoned after a failed fsync; restart the node")]
+    Poisoned,
+    #[error("page data must be exactly 4096 bytes, got {0}")]
+    BadPageLength(usize),
+    #[error("file {0} has no local data")]
+    NoSuchFile(FileId),
+}
+
+impl StoreError {
+    pub fn io(what: impl Into<String>, source: io::Error) -> Self {
+        StoreError::Io { what: what.into(), source }
+    }
+}
+
+/// Errors of [`crate::meta::MetaStore`] and of applying metadata operations.
+#[derive(Debug, thiserror::Error)]
+pub enum MetaError {
+    #[error("metadata database error: {0}")]
+    Db(String),
+    #[error("metadata record is corrupt: {0}")]
+    Corrupt(String),
+    #[error("file '{0}' already exists")]
+    Exists(String),
+    #[error("no file named '{0}'")]
+    NotFound(String),
+    #[error("file '{name}' changed while it was being replaced (expected id {expected}, found {found})")]
+    Conflict { name: String, expected: FileId, found: FileId },
+    #[error("invalid metadata operation: {0}")]
+    Invalid(String),
+}
+
+macro_rules! db_err {
+    ($($t:ty),*) => {$(
+        impl From<$t> for MetaError {
+            fn from(e: $t) -> Self { MetaError::Db(e.to_string()) }
+        }
+    )*};
+}
+db_err!(
+    redb::Error,
+    redb::DatabaseError,
+    redb::TransactionError,
+    redb::TableError,
+    redb::StorageError,
+    redb::CommitError
+);

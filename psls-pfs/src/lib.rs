@@ -1,0 +1,28 @@
+//! `psls-pfs`: the mirrored on-disk page store of one node, page placement, and the
+//! namespace metadata store.
+//!
+//! What this crate owns:
+//! - [`disk`]: the `Disk`/`DiskFile` storage contract, the real implementation, and
+//!   [`fault::FaultDisk`], which keeps every write that was not fsync'd in memory so that a
+//!   crash of the process (or [`fault::FaultDisk::power_cut`]) loses exactly those writes.
+//! - [`slot`]: the little-endian, versioned, checksummed on-disk slot header.
+//! - [`store::PageStore`]: two slots per page (current + shadow) selected by generation.
+//! - [`placement`]: home and mirror node of every page.
+//! - [`meta`]: the replicated namespace (names, sizes, owners, commit records, logical map)
+//!   persisted in redb through the same `Disk` contract.
+//!
+//! The crate does no networking; the node daemon decides which node's store a page goes to.
+
+pub mod disk;
+pub mod error;
+pub mod fault;
+pub mod meta;
+pub mod placement;
+pub mod slot;
+pub mod store;
+
+pub use disk::{Disk, DiskFile, FileDisk};
+pub use error::{MetaError, StoreError};
+pub use fault::FaultDisk;
+pub use placement::{Placement, Role};
+pub use store::{PageStore, ReadOutcome};

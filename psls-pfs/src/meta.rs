@@ -1,0 +1,332 @@
+//! Namespace metadata: file names, sizes, owners and modes, the commit record (generation) of
+//! each file, and the versioned logical → physical node map.
+//!
+//! The whole state is one [`MetaState`] value. It changes only through [`MetaOp`]s, applied in
+//! sequence-number order: `apply` is a pure function (validated, deterministic), and
+//! [`MetaStore`] persists each new state in redb with immediate durability, so a committed
+//! operation survives a power cut and an uncommitted one leaves no trace. Every node keeps a
+//! replica; the coordinator orders operations (see `psls-node`).
+//!
+//! On-disk record (redb table `meta`, key `"state"`): `[format version u16 LE][postcard state]`.
+
+use crate::disk::{Disk, DiskFile};
+use crate::error::MetaError;
+use psls_svm::{FileId, PAGE_SIZE};
+use redb::{ReadableDatabase, TableDefinition};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::io;
+use std::sync::Arc;
+
+const META_TABLE: TableDefinition<&str, &[u8]> = TableDefinition::new("meta");
+const STATE_KEY: &str = "state";
+const STATE_FORMAT: u16 = 1;
+
+/// Longest accepted file name in bytes.
+pub const MAX_NAME_LEN: usize = 255;
+
+/// One parallel file.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileMeta {
+    pub id: FileId,
+    pub name: String,
+    pub size: u64,
+    pub uid: u32,
+    pub gid: u32,
+    /// Permission bits (0o777 mask).
+    pub mode: u32,
+    /// Generation of every page's committed version; 0 means "all zero, never written".
+    pub gen: u64,
+    pub created_unix_ms: u64,
+}
+
+impl FileMeta {
+    pub fn pages(&self) -> u64 {
+        self.size.div_ceil(PAGE_SIZE as u64)
+    }
+}
+
+/// A logical node whose copies are being re-created on a new physical node.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Rebuild {
+    pub physical: String,
+}
+
+/// The replicated namespace.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MetaState {
+    /// Sequence number of the last applied operation.
+    pub seq: u64,
+    pub files: BTreeMap<String, FileMeta>,
+    /// Logical node id → physical node name. Empty until the cluster first starts.
+    pub logical: BTreeMap<u32, String>,
+    /// Bumped at every change of `logical`.
+    pub map_version: u64,
+    /// Logical nodes whose copies are being rebuilt (not yet readable).
+    pub rebuilding: BTreeMap<u32, Rebuild>,
+}
+
+/// A change to the namespace.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum MetaOp {
+    /// Sets the initial logical map if none is set yet.
+    InitMap { logical: BTreeMap<u32, String> },
+    /// Commit record of a file whose pages are durable on both copies. With `replaces`, the
+    /// name must still point to that id (atomic replace); without it the name must be free.
+    CommitFile { meta: FileMeta, replaces: Option<FileId> },
+    RemoveFile { name: String, id: FileId },
+    /// A spare takes over a logical id; its copies must be rebuilt.
+    Replace { logical: u32, physical: String },
+    RebuildDone { logical: u32, physical: String },
+}
+
+/// Checks a user-supplied file name.
+pub fn validate_name(name: &str) -> Result<(), MetaError> {
+    if name.is_empty() || name.len() > MAX_NAME_LEN {
+        return Err(MetaError::Invalid(format!("file name must be 1..={MAX_NAME_LEN} bytes")));
+    }
+    if name.chars().any(|c| c.is_control() || c == '/') {
+        return Err(MetaError::Invalid("file name must not contain '/' or control characters".into()));
+    }
+    Ok(())
+}
+
+impl MetaState {
+    /// Applies `op` as operation number `self.seq + 1`; on error `self` is unchanged.
+    pub fn apply(&mut self, op: &MetaOp) -> Result<(), MetaError> {
+        let mut next = self.clone();
+        match op {
+            MetaOp::InitMap { logical } => {
+                if next.logical.is_empty() {
+                    next.logical = logical.clone();
+                    next.map_version += 1;
+                }
+            }
+            MetaOp::CommitFile { meta, replaces } => {
+                validate_name(&meta.name)?;
+                match (next.files.get(&meta.name), replaces) {
+                    (Some(_), None) => return Err(MetaError::Exists(meta.name.clone())),
+                    (Some(cur), Some(old)) if cur.id != *old => {
+                        return Err(MetaError::Conflict { name: meta.name.clone(), expected: *old, found: cur.id })
+                    }
+                    (None, Some(old)) => {
+                        return Err(MetaError::Conflict { name: meta.name.clone(), expected: *old, found: FileId(0) })
+                    }
+                    _ => {}
+                }
+                if next.files.values().any(|f| f.id == meta.id && f.name != meta.name) {
+                    return Err(MetaError::Invalid(format!("file id {} already in use", meta.id)));
+                }
+                next.files.insert(meta.name.clone(), meta.clone());
+            }
+            MetaOp::RemoveFile { name, id } => match next.files.get(name) {
+                Some(f) if f.id == *id => {
+                    next.files.remove(name);
+                }
+                Some(f) => return Err(MetaError::Conflict { name: name.clone(), expected: *id, found: f.id }),
+                None => return Err(MetaError::NotFound(name.clone())),
+            },
+            MetaOp::Replace { logical, physical } => {
+                if !next.logical.contains_key(logical) {
+                    return Err(MetaError::Invalid(format!("no logical node {logical}")));
+                }
+                if next.logical.values().any(|p| p == physical) {
+                    return Err(MetaError::Invalid(format!("{physical} already holds a logical id")));
+                }
+                next.logical.insert(*logical, physical.clone());
+                next.map_version += 1;
+                next.rebuilding.insert(*logical, Rebuild { physical: physical.clone() });
+            }
+            MetaOp::RebuildDone { logical, physical } => {
+                if next.rebuilding.get(logical).map(|r| &r.physical) == Some(physical) {
+                    next.rebuilding.remove(logical);
+                }
+            }
+        }
+        next.seq += 1;
+        *self = next;
+        Ok(())
+    }
+
+    /// Encodes the state (format version first).
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = STATE_FORMAT.to_le_bytes().to_vec();
+        out.extend(postcard::to_stdvec(self).expect("MetaState serializes"));
+        out
+    }
+
+    pub fn decode(bytes: &[u8]) -> Result<MetaState, MetaError> {
+        if bytes.len() < 2 {
+            return Err(MetaError::Corrupt("metadata record too short".into()));
+        }
+        let v = u16::from_le_bytes([bytes[0], bytes[1]]);
+        if v != STATE_FORMAT {
+            return Err(MetaError::Corrupt(format!("unknown metadata format version {v}")));
+        }
+        postcard::from_bytes(&bytes[2..]).map_err(|e| MetaError::Corrupt(e.to_string()))
+    }
+}
+
+/// redb storage backend over a [`DiskFile`], so metadata obeys the same durability contract
+/// (and the same fault injection) as page data.
+#[derive(Debug)]
+struct Backend(Arc<dyn DiskFile>);
+
+impl redb::StorageBackend for Backend {
+    fn len(&self) -> Result<u64, io::Error> {
+        self.0.len()
+    }
+    fn read(&self, offset: u64, out: &mut [u8]) -> Result<(), io::Error> {
+        if offset + out.len() as u64 > self.0.len()? {
+            return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "read past end of metadata file"));
+        }
+        self.0.read_at(offset, out)
+    }
+    fn set_len(&self, len: u64) -> Result<(), io::Error> {
+        self.0.set_len(len)
+    }
+    fn sync_data(&self) -> Result<(), io::Error> {
+        self.0.sync()
+    }
+    fn write(&self, offset: u64, data: &[u8]) -> Result<(), io::Error> {
+        self.0.write_at(offset, data)
+    }
+}
+
+/// The durable replica of [`MetaState`] on one node.
+pub struct MetaStore {
+    db: redb::Database,
+    state: MetaState,
+}
+
+impl std::fmt::Debug for MetaStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MetaStore").field("seq", &self.state.seq).finish()
+    }
+}
+
+impl MetaStore {
+    /// Opens (or creates) `meta.redb` on `disk`.
+    pub fn open(disk: &dyn Disk) -> Result<MetaStore, MetaError> {
+        let file = disk.open("meta.redb", true).map_err(|e| MetaError::Db(format!("open meta.redb: {e}")))?;
+        disk.sync_dir().map_err(|e| MetaError::Db(format!("fsync directory: {e}")))?;
+        let db = redb::Database::builder().create_with_backend(Backend(file))?;
+        let state = {
+            let tx = db.begin_read()?;
+            match tx.open_table(META_TABLE) {
+                Ok(t) => match t.get(STATE_KEY)? {
+                    Some(v) => MetaState::decode(v.value())?,
+                    None => MetaState::default(),
+                },
+                Err(redb::TableError::TableDoesNotExist(_)) => MetaState::default(),
+                Err(e) => return Err(e.into()),
+            }
+        };
+        Ok(MetaStore { db, state })
+    }
+
+    pub fn state(&self) -> &MetaState {
+        &self.state
+    }
+
+    fn persist(&mut self, next: MetaState) -> Result<(), MetaError> {
+        let tx = self.db.begin_write()?;
+        {
+            let mut t = tx.open_table(META_TABLE)?;
+            t.insert(STATE_KEY, next.encode().as_slice())?;
+        }
+        tx.commit()?;
+        self.state = next;
+        Ok(())
+    }
+
+    /// Validates, applies and durably records `op` as the next operation.
+    pub fn apply(&mut self, op: &MetaOp) -> Result<(), MetaError> {
+        let mut next = self.state.clone();
+        next.apply(op)?;
+        self.persist(next)
+    }
+
+    /// Replaces the whole state (catch-up from a peer with a newer replica).
+    pub fn install(&mut self, state: MetaState) -> Result<(), MetaError> {
+        self.persist(state)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{FaultDisk, FileDisk};
+
+    fn meta(name: &str, id: u64) -> FileMeta {
+        FileMeta { id: FileId(id), name: name.into(), size: 10_000, uid: 1, gid: 1, mode: 0o644, gen: 1, created_unix_ms: 0 }
+    }
+
+    #[test]
+    fn ops_validate_and_persist() {
+        let dir = tempfile::tempdir().unwrap();
+        let disk = FileDisk::new(dir.path()).unwrap();
+        {
+            let mut m = MetaStore::open(&disk).unwrap();
+            m.apply(&MetaOp::CommitFile { meta: meta("a", 1), replaces: None }).unwrap();
+            assert!(matches!(m.apply(&MetaOp::CommitFile { meta: meta("a", 2), replaces: None }), Err(MetaError::Exists(_))));
+            assert!(matches!(
+                m.apply(&MetaOp::CommitFile { meta: meta("a", 3), replaces: Some(FileId(9)) }),
+                Err(MetaError::Conflict { .. })
+            ));
+            m.apply(&MetaOp::CommitFile { meta: meta("a", 3), replaces: Some(FileId(1)) }).unwrap();
+            assert!(m.apply(&MetaOp::CommitFile { meta: meta("b/c", 4), replaces: None }).is_err());
+            assert!(matches!(m.apply(&MetaOp::RemoveFile { name: "zz".into(), id: FileId(1) }), Err(MetaError::NotFound(_))));
+            assert_eq!(m.state().seq, 2);
+            assert_eq!(m.state().files["a"].pages(), 3);
+        }
+        let m = MetaStore::open(&disk).unwrap();
+        assert_eq!(m.state().seq, 2);
+        assert_eq!(m.state().files["a"].id, FileId(3));
+    }
+
+    #[test]
+    fn replace_map() {
+        let mut s = MetaState::default();
+        let map: BTreeMap<u32, String> = (0..4).map(|i| (i, format!("n{i}"))).collect();
+        s.apply(&MetaOp::InitMap { logical: map.clone() }).unwrap();
+        s.apply(&MetaOp::InitMap { logical: BTreeMap::new() }).unwrap();
+        assert_eq!(s.logical, map);
+        assert!(s.apply(&MetaOp::Replace { logical: 2, physical: "n3".into() }).is_err());
+        assert!(s.apply(&MetaOp::Replace { logical: 9, physical: "s0".into() }).is_err());
+        s.apply(&MetaOp::Replace { logical: 2, physical: "s0".into() }).unwrap();
+        assert_eq!(s.logical[&2], "s0");
+        assert!(s.rebuilding.contains_key(&2));
+        s.apply(&MetaOp::RebuildDone { logical: 2, physical: "s0".into() }).unwrap();
+        assert!(s.rebuilding.is_empty());
+        assert_eq!(MetaState::decode(&s.encode()).unwrap(), s);
+        assert!(MetaState::decode(&[9, 9, 1]).is_err());
+        assert!(MetaState::decode(&[1]).is_err());
+    }
+
+    #[test]
+    fn power_cut_during_commit_keeps_old_or_new() {
+        for k in 0..30 {
+            for seed in [0u64, 7, 8] {
+                let dir = tempfile::tempdir().unwrap();
+                let committed;
+                {
+                    let disk = FaultDisk::new(dir.path()).unwrap();
+                    let mut m = MetaStore::open(&disk).unwrap();
+                    m.apply(&MetaOp::CommitFile { meta: meta("a", 1), replaces: None }).unwrap();
+                    disk.halt_after(k);
+                    committed = m.apply(&MetaOp::CommitFile { meta: meta("a", 2), replaces: Some(FileId(1)) }).is_ok();
+                    disk.power_cut(seed);
+                }
+                let disk = FaultDisk::new(dir.path()).unwrap();
+                let m = MetaStore::open(&disk).unwrap_or_else(|e| panic!("k={k} seed={seed}: {e}"));
+                let id = m.state().files["a"].id;
+                if committed {
+                    assert_eq!(id, FileId(2), "k={k} seed={seed}: acknowledged commit lost");
+                } else {
+                    assert!(id == FileId(1) || id == FileId(2), "k={k}");
+                }
+            }
+        }
+    }
+}
