@@ -1,1 +1,166 @@
-//! placeholder
+//! `psls-client`: the client side of a node's Unix socket. [`Client`] is a synchronous
+//! connection used by the `psls` admin CLI (and, later, by the client library and the rank
+//! launcher). [`cluster`] holds what the CLI does to local daemons (start, stop, find).
+
+pub mod cluster;
+
+use psls_ipc::proto::{self, ClusterStatus, FileInfo, FrameError, Request, Response, ScrubReport, Stripe, CHUNK};
+use psls_ipc::ErrorKind;
+use std::io::{BufReader, BufWriter, Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+
+/// An error from the daemon or from talking to it.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    #[error("{message}")]
+    Daemon { kind: ErrorKind, message: String },
+    #[error("cannot reach the node daemon at {path}: {source}")]
+    Connect { path: String, source: std::io::Error },
+    #[error("connection to the node daemon failed: {0}")]
+    Frame(#[from] FrameError),
+    #[error("local file error: {0}")]
+    Local(#[from] std::io::Error),
+    #[error("unexpected answer from the daemon: {0}")]
+    Protocol(String),
+}
+
+pub struct Client {
+    r: BufReader<UnixStream>,
+    w: BufWriter<UnixStream>,
+}
+
+fn unexpected(r: Response) -> ClientError {
+    match r {
+        Response::Error { kind, message } => ClientError::Daemon { kind, message },
+        other => ClientError::Protocol(format!("{other:?}")),
+    }
+}
+
+impl Client {
+    pub fn connect(path: &Path) -> Result<Client, ClientError> {
+        let s = UnixStream::connect(path).map_err(|source| ClientError::Connect { path: path.display().to_string(), source })?;
+        let r = BufReader::with_capacity(1 << 20, s.try_clone()?);
+        Ok(Client { r, w: BufWriter::with_capacity(1 << 20, s) })
+    }
+
+    fn send(&mut self, req: &Request) -> Result<(), ClientError> {
+        proto::write_frame(&mut self.w, req)?;
+        self.w.flush()?;
+        Ok(())
+    }
+
+    fn recv(&mut self) -> Result<Response, ClientError> {
+        Ok(proto::read_frame(&mut self.r)?)
+    }
+
+    fn call(&mut self, req: &Request) -> Result<Response, ClientError> {
+        self.send(req)?;
+        self.recv()
+    }
+
+    pub fn status(&mut self) -> Result<ClusterStatus, ClientError> {
+        match self.call(&Request::Status)? {
+            Response::Status(s) => Ok(s),
+            r => Err(unexpected(r)),
+        }
+    }
+
+    pub fn create(&mut self, name: &str, size: u64, mode: u32) -> Result<FileInfo, ClientError> {
+        match self.call(&Request::Create { name: name.into(), size, mode })? {
+            Response::Files(mut f) if f.len() == 1 => Ok(f.remove(0)),
+            r => Err(unexpected(r)),
+        }
+    }
+
+    /// Imports `size` bytes from `src`; succeeds only after the daemon's durable commit.
+    pub fn import(&mut self, src: &mut impl Read, size: u64, name: &str, mode: u32, replace: bool) -> Result<FileInfo, ClientError> {
+        self.send(&Request::ImportBegin { name: name.into(), size, mode, replace })?;
+        let mut left = size;
+        let mut buf = vec![0u8; CHUNK];
+        let streamed: Result<(), ClientError> = (|| {
+            while left > 0 {
+                let n = (left as usize).min(CHUNK);
+                src.read_exact(&mut buf[..n])?;
+                proto::write_frame(&mut self.w, &Request::ImportData { data: buf[..n].to_vec() })?;
+                left -= n as u64;
+            }
+            proto::write_frame(&mut self.w, &Request::ImportCommit)?;
+            self.w.flush()?;
+            Ok(())
+        })();
+        // If the daemon refused midway it has sent its error and closed: report that first.
+        match (streamed, self.recv()) {
+            (_, Ok(Response::Files(mut f))) if f.len() == 1 => Ok(f.remove(0)),
+            (_, Ok(r @ Response::Error { .. })) => Err(unexpected(r)),
+            (Err(e), _) => Err(e),
+            (Ok(()), Ok(r)) => Err(unexpected(r)),
+            (Ok(()), Err(e)) => Err(e),
+        }
+    }
+
+    /// Exports `name` into `dst`; returns the size.
+    pub fn export(&mut self, name: &str, dst: &mut impl Write) -> Result<u64, ClientError> {
+        let size = match self.call(&Request::Export { name: name.into() })? {
+            Response::ExportBegin { size } => size,
+            r => return Err(unexpected(r)),
+        };
+        let mut got = 0u64;
+        loop {
+            match self.recv()? {
+                Response::Data(d) => {
+                    got += d.len() as u64;
+                    dst.write_all(&d)?;
+                }
+                Response::ExportEnd => break,
+                r => return Err(unexpected(r)),
+            }
+        }
+        if got != size {
+            return Err(ClientError::Protocol(format!("export ended after {got} of {size} bytes")));
+        }
+        Ok(size)
+    }
+
+    pub fn ls(&mut self) -> Result<Vec<FileInfo>, ClientError> {
+        match self.call(&Request::Ls)? {
+            Response::Files(f) => Ok(f),
+            r => Err(unexpected(r)),
+        }
+    }
+
+    pub fn stat(&mut self, name: &str) -> Result<(FileInfo, Vec<Stripe>), ClientError> {
+        match self.call(&Request::Stat { name: name.into() })? {
+            Response::Stat { file, stripes } => Ok((file, stripes)),
+            r => Err(unexpected(r)),
+        }
+    }
+
+    pub fn rm(&mut self, name: &str) -> Result<(), ClientError> {
+        match self.call(&Request::Rm { name: name.into() })? {
+            Response::Ok => Ok(()),
+            r => Err(unexpected(r)),
+        }
+    }
+
+    pub fn scrub(&mut self) -> Result<ScrubReport, ClientError> {
+        match self.call(&Request::Scrub)? {
+            Response::Scrub(s) => Ok(s),
+            r => Err(unexpected(r)),
+        }
+    }
+
+    pub fn replace(&mut self, logical: u32, spare: &str) -> Result<(), ClientError> {
+        match self.call(&Request::NodeReplace { logical, spare: spare.into() })? {
+            Response::Ok => Ok(()),
+            r => Err(unexpected(r)),
+        }
+    }
+
+    pub fn shutdown(&mut self) -> Result<(), ClientError> {
+        match self.call(&Request::Shutdown)? {
+            Response::Ok => Ok(()),
+            r => Err(unexpected(r)),
+        }
+    }
+}

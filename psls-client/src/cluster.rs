@@ -1,0 +1,205 @@
+//! Local cluster management for the CLI: the cluster folder layout, starting daemons in the
+//! background, stopping them, and finding a reachable node socket.
+//!
+//! Folder layout (`$PSLS_HOME` or `./.psls`): `cluster.toml`, `certs/`, `data/NAME/`,
+//! `run/NAME.sock`, `run/NAME.pid`, `logs/NAME.log`.
+
+use crate::Client;
+use anyhow::{anyhow, bail, Context, Result};
+use psls_ipc::proto::NodeState;
+use psls_ipc::{ClusterConfig, NodeEntry};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+pub fn config_path(dir: &Path) -> PathBuf {
+    dir.join("cluster.toml")
+}
+
+pub fn load(dir: &Path) -> Result<ClusterConfig> {
+    let p = config_path(dir);
+    if !p.exists() {
+        bail!("no cluster at {} (run `psls cluster init` first, or set PSLS_HOME / --dir)", dir.display());
+    }
+    Ok(ClusterConfig::load(&p)?)
+}
+
+/// `psls cluster init`.
+pub fn init(dir: &Path, nodes: u32, spares: u32, memory_mb: u64, base_port: u16, force: bool) -> Result<ClusterConfig> {
+    if config_path(dir).exists() && !force {
+        bail!("a cluster already exists at {} (use --force to overwrite it)", dir.display());
+    }
+    if !(2..=1024).contains(&nodes) {
+        bail!("--nodes must be between 2 and 1024");
+    }
+    if base_port as u32 + nodes + spares > 65535 || base_port == 0 {
+        bail!("--base-port {base_port} leaves no room for {} ports", nodes + spares);
+    }
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let mut cfg = ClusterConfig::local(nodes, spares, memory_mb, base_port);
+    cfg.validate().map_err(|e| anyhow!(e))?;
+    cfg.base_dir = dir.to_path_buf();
+    let names: Vec<String> = cfg.all().map(|n| n.name.clone()).collect();
+    psls_ipc::certs::generate(&cfg.cert_dir(), &cfg.cluster.name, &names)?;
+    for n in cfg.all() {
+        std::fs::create_dir_all(cfg.data_dir(n))?;
+    }
+    std::fs::create_dir_all(dir.join("run"))?;
+    std::fs::create_dir_all(dir.join("logs"))?;
+    std::fs::write(config_path(dir), cfg.to_toml())?;
+    Ok(cfg)
+}
+
+fn pid_file(dir: &Path, name: &str) -> PathBuf {
+    dir.join("run").join(format!("{name}.pid"))
+}
+
+pub fn log_file(dir: &Path, name: &str) -> PathBuf {
+    dir.join("logs").join(format!("{name}.log"))
+}
+
+/// The pid of node `name`'s daemon if it is running.
+pub fn running_pid(dir: &Path, name: &str) -> Option<i32> {
+    let pid: i32 = std::fs::read_to_string(pid_file(dir, name)).ok()?.trim().parse().ok()?;
+    let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+    let args: Vec<&[u8]> = cmd.split(|&b| b == 0).collect();
+    let is_ours = args.first().is_some_and(|a| a.ends_with(b"psls-node"))
+        && args.windows(2).any(|w| w[0] == b"--node" && w[1] == name.as_bytes());
+    // A zombie (killed but not reaped) is not running.
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let zombie = stat.rsplit(')').next().is_some_and(|s| s.trim_start().starts_with('Z'));
+    (is_ours && !zombie).then_some(pid)
+}
+
+fn node_binary() -> Result<PathBuf> {
+    if let Ok(p) = std::env::var("PSLS_NODE_BIN") {
+        return Ok(PathBuf::from(p));
+    }
+    let me = std::env::current_exe()?;
+    let p = me.with_file_name("psls-node");
+    if p.exists() {
+        Ok(p)
+    } else {
+        bail!("psls-node not found next to {} (set PSLS_NODE_BIN)", me.display())
+    }
+}
+
+fn tail(path: &Path, lines: usize) -> String {
+    let s = std::fs::read_to_string(path).unwrap_or_default();
+    let v: Vec<&str> = s.lines().collect();
+    v[v.len().saturating_sub(lines)..].join("\n")
+}
+
+/// Starts daemon `n` in the background.
+fn spawn(dir: &Path, n: &NodeEntry) -> Result<std::process::Child> {
+    let log = std::fs::OpenOptions::new().create(true).append(true).open(log_file(dir, &n.name))?;
+    let child = Command::new(node_binary()?)
+        .arg("--config")
+        .arg(config_path(dir))
+        .arg("--node")
+        .arg(&n.name)
+        .stdin(Stdio::null())
+        .stdout(log.try_clone()?)
+        .stderr(log)
+        .process_group(0)
+        .spawn()
+        .context("starting psls-node")?;
+    std::fs::write(pid_file(dir, &n.name), child.id().to_string())?;
+    Ok(child)
+}
+
+/// `psls cluster up`: starts every daemon that is not running, waits until all are healthy.
+pub fn up(dir: &Path, timeout: Duration, quiet: bool) -> Result<()> {
+    let cfg = load(dir)?;
+    let mut children = Vec::new();
+    let mut expected = Vec::new();
+    for n in cfg.all() {
+        if running_pid(dir, &n.name).is_some() {
+            expected.push(n.clone());
+            continue;
+        }
+        if !cfg.data_dir(n).is_dir() {
+            if !quiet {
+                eprintln!("psls: {}: data dir {} is missing; not started (replace it with `psls node replace`)", n.name, cfg.data_dir(n).display());
+            }
+            continue;
+        }
+        children.push((n.name.clone(), spawn(dir, n)?));
+        expected.push(n.clone());
+        if !quiet {
+            println!("started {}", n.name);
+        }
+    }
+    let deadline = Instant::now() + timeout;
+    loop {
+        for (name, child) in &mut children {
+            if let Some(status) = child.try_wait()? {
+                bail!("{name} exited ({status}) during start-up:\n{}", tail(&log_file(dir, name), 5));
+            }
+        }
+        if healthy(&cfg, &expected) {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            bail!("the cluster did not become healthy within {} s (see {}/logs)", timeout.as_secs(), dir.display());
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Every expected node answers on its socket and sees every other expected node up.
+fn healthy(cfg: &ClusterConfig, expected: &[NodeEntry]) -> bool {
+    expected.iter().all(|n| {
+        let Ok(mut c) = Client::connect(&cfg.socket_path(n)) else { return false };
+        let Ok(st) = c.status() else { return false };
+        expected.iter().all(|e| {
+            st.nodes.iter().any(|s| s.name == e.name && (s.state == NodeState::Up || s.state == NodeState::Replaced))
+        })
+    })
+}
+
+/// `psls cluster down`: SIGTERM every daemon, SIGKILL after 10 s.
+pub fn down(dir: &Path) -> Result<Vec<String>> {
+    use nix::sys::signal::{kill, Signal};
+    use nix::unistd::Pid;
+    let cfg = load(dir)?;
+    let mut stopped = Vec::new();
+    let mut pids = Vec::new();
+    for n in cfg.all() {
+        if let Some(pid) = running_pid(dir, &n.name) {
+            let _ = kill(Pid::from_raw(pid), Signal::SIGTERM);
+            pids.push((n.name.clone(), pid));
+        }
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    for (name, pid) in pids {
+        while running_pid(dir, &name) == Some(pid) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        if running_pid(dir, &name) == Some(pid) {
+            let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
+        }
+        let _ = std::fs::remove_file(pid_file(dir, &name));
+        stopped.push(name);
+    }
+    Ok(stopped)
+}
+
+/// A connection to `node` (or the first node that answers).
+pub fn connect(dir: &Path, node: Option<&str>) -> Result<Client> {
+    if let Ok(s) = std::env::var("PSLS_SOCKET") {
+        return Ok(Client::connect(Path::new(&s))?);
+    }
+    let cfg = load(dir)?;
+    if let Some(name) = node {
+        let n = cfg.entry(name).ok_or_else(|| anyhow!("no node named '{name}' in {}", config_path(dir).display()))?;
+        return Ok(Client::connect(&cfg.socket_path(n))?);
+    }
+    for n in cfg.all() {
+        if let Ok(c) = Client::connect(&cfg.socket_path(n)) {
+            return Ok(c);
+        }
+    }
+    bail!("no node daemon of the cluster at {} is running (run `psls cluster up`)", dir.display())
+}

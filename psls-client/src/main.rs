@@ -1,0 +1,391 @@
+//! `psls`: the PSLS admin and user CLI.
+
+use anyhow::{bail, Context, Result};
+use clap::{Parser, Subcommand};
+use psls_client::cluster;
+use psls_ipc::proto::{ClusterStatus, NodeState};
+use std::io::{IsTerminal, Write};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+#[derive(Parser)]
+#[command(name = "psls", version, about = "PSLS: a parallel single-level store")]
+struct Cli {
+    /// Cluster folder (default: $PSLS_HOME or ./.psls).
+    #[arg(long, global = true)]
+    dir: Option<PathBuf>,
+    /// Talk to this node's daemon (default: the first that answers, or $PSLS_SOCKET).
+    #[arg(long, global = true)]
+    node: Option<String>,
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Cluster set-up and state.
+    #[command(subcommand)]
+    Cluster(ClusterCmd),
+    /// Node administration.
+    #[command(subcommand, name = "node")]
+    NodeAdmin(NodeCmd),
+    /// Create a zero-filled parallel file.
+    Create {
+        name: String,
+        #[arg(long)]
+        size: u64,
+        /// Permission bits, octal.
+        #[arg(long, default_value = "644", value_parser = parse_mode)]
+        mode: u32,
+    },
+    /// Copy a local file into the PFS (atomic: all or nothing).
+    Import {
+        local: PathBuf,
+        name: String,
+        /// Replace an existing file atomically.
+        #[arg(long)]
+        replace: bool,
+        #[arg(long, default_value = "644", value_parser = parse_mode)]
+        mode: u32,
+    },
+    /// Copy a parallel file to a local file.
+    Export { name: String, local: PathBuf },
+    /// List parallel files.
+    Ls {
+        #[arg(long)]
+        json: bool,
+    },
+    /// Size, pages, owner, and the home and mirror node of each stripe.
+    Stat {
+        name: String,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Remove a parallel file.
+    Rm { name: String },
+    /// Verify every copy of every page; repair bad copies from the good one.
+    Scrub,
+    /// The main job: bring up a local 4-node cluster, import a file, lose a node, export the
+    /// file intact, show status.
+    Demo {
+        #[arg(long, default_value_t = 64)]
+        size_mb: u64,
+    },
+}
+
+#[derive(Subcommand)]
+enum ClusterCmd {
+    /// Write the cluster config, a cluster CA and one certificate per node.
+    Init {
+        #[arg(long, default_value_t = 4)]
+        nodes: u32,
+        #[arg(long, default_value_t = 1)]
+        spares: u32,
+        #[arg(long, default_value_t = 1024)]
+        memory_mb: u64,
+        #[arg(long, default_value_t = 7400)]
+        base_port: u16,
+        /// Overwrite an existing cluster folder's config and certificates.
+        #[arg(long)]
+        force: bool,
+    },
+    /// Start every daemon that is not running; wait until the cluster is healthy.
+    Up {
+        #[arg(long, default_value_t = 30)]
+        timeout_s: u64,
+    },
+    /// Stop every daemon.
+    Down,
+    /// Per-node state.
+    Status {
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Subcommand)]
+enum NodeCmd {
+    /// Give a lost node's logical id to a spare and re-mirror its pages.
+    Replace {
+        id: u32,
+        #[arg(long = "with")]
+        spare: String,
+        /// Return at once instead of waiting for the re-mirroring.
+        #[arg(long)]
+        no_wait: bool,
+    },
+}
+
+fn parse_mode(s: &str) -> Result<u32, String> {
+    let m = u32::from_str_radix(s, 8).map_err(|_| format!("'{s}' is not an octal mode"))?;
+    if m > 0o777 {
+        return Err(format!("mode {s} has bits outside 777"));
+    }
+    Ok(m)
+}
+
+fn home(cli: &Cli) -> PathBuf {
+    cli.dir.clone().or_else(|| std::env::var_os("PSLS_HOME").map(PathBuf::from)).unwrap_or_else(|| PathBuf::from(".psls"))
+}
+
+fn main() -> std::process::ExitCode {
+    let cli = Cli::parse();
+    match run(&cli) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("psls: error: {e:#}");
+            std::process::ExitCode::from(1)
+        }
+    }
+}
+
+fn mib(b: u64) -> String {
+    format!("{:.1} MiB", b as f64 / (1024.0 * 1024.0))
+}
+
+fn print_status(s: &ClusterStatus) {
+    println!(
+        "cluster {} (answered by {}, coordinator {}, metadata seq {}, map v{}, {} files)",
+        s.cluster,
+        s.via,
+        s.coordinator.as_deref().unwrap_or("none"),
+        s.meta_seq,
+        s.map_version,
+        s.files
+    );
+    println!("{:<6} {:>3} {:<21} {:>8} {:>4} {:<9} {:>22} {:>12} {:>12}", "NODE", "ID", "ADDRESS", "PID", "INC", "STATE", "MEMORY", "DISK USED", "DISK FREE");
+    let tty = std::io::stdout().is_terminal();
+    for n in &s.nodes {
+        let state = match (&n.state, n.spare, n.coordinator) {
+            (st, _, true) => format!("{st}*"),
+            (NodeState::Up, true, _) => "spare".into(),
+            (st, _, _) => st.to_string(),
+        };
+        println!(
+            "{:<6} {:>3} {:<21} {:>8} {:>4} {:<9} {:>22} {:>12} {:>12}",
+            n.name,
+            n.logical.map_or("-".into(), |l| l.to_string()),
+            n.addr,
+            n.pid.map_or("-".into(), |p| p.to_string()),
+            n.incarnation,
+            state,
+            format!("{} / {}", mib(n.memory_used_bytes), mib(n.memory_capacity_bytes)),
+            mib(n.disk_used_bytes),
+            mib(n.disk_free_bytes)
+        );
+        if let Some((done, total)) = n.rebuild {
+            let pct = if total == 0 { 100.0 } else { done as f64 * 100.0 / total as f64 };
+            if tty {
+                let filled = (pct / 5.0) as usize;
+                println!("       re-mirroring [{}{}] {pct:5.1}% {done}/{total} pages", "#".repeat(filled), "-".repeat(20 - filled.min(20)));
+            } else {
+                println!("       re-mirroring {done}/{total} pages ({pct:.1}%)");
+            }
+        }
+    }
+    println!("(* coordinator)");
+}
+
+fn run(cli: &Cli) -> Result<()> {
+    let dir = home(cli);
+    let node = cli.node.as_deref();
+    match &cli.cmd {
+        Cmd::Cluster(ClusterCmd::Init { nodes, spares, memory_mb, base_port, force }) => {
+            let cfg = cluster::init(&dir, *nodes, *spares, *memory_mb, *base_port, *force)?;
+            println!(
+                "initialised cluster '{}' in {}: {} nodes, {} spares, ports {}..{}",
+                cfg.cluster.name,
+                dir.display(),
+                nodes,
+                spares,
+                base_port,
+                *base_port as u32 + nodes + spares - 1
+            );
+        }
+        Cmd::Cluster(ClusterCmd::Up { timeout_s }) => {
+            cluster::up(&dir, Duration::from_secs(*timeout_s), false)?;
+            println!("cluster is up");
+        }
+        Cmd::Cluster(ClusterCmd::Down) => {
+            let stopped = cluster::down(&dir)?;
+            println!("stopped {} daemons", stopped.len());
+        }
+        Cmd::Cluster(ClusterCmd::Status { json }) => {
+            let s = cluster::connect(&dir, node)?.status()?;
+            if *json {
+                println!("{}", serde_json::to_string_pretty(&s)?);
+            } else {
+                print_status(&s);
+            }
+        }
+        Cmd::NodeAdmin(NodeCmd::Replace { id, spare, no_wait }) => {
+            cluster::connect(&dir, node)?.replace(*id, spare)?;
+            println!("{spare} now holds logical id {id}; re-mirroring its pages");
+            if !no_wait {
+                wait_rebuild(&dir, spare)?;
+            }
+        }
+        Cmd::Create { name, size, mode } => {
+            let f = cluster::connect(&dir, node)?.create(name, *size, *mode)?;
+            println!("created {} ({} bytes, {} pages)", f.name, f.size, f.pages);
+        }
+        Cmd::Import { local, name, replace, mode } => {
+            let mut file = std::fs::File::open(local).with_context(|| format!("opening {}", local.display()))?;
+            let size = file.metadata()?.len();
+            let t = Instant::now();
+            let f = cluster::connect(&dir, node)?.import(&mut std::io::BufReader::with_capacity(1 << 20, &mut file), size, name, *mode, *replace)?;
+            let secs = t.elapsed().as_secs_f64();
+            println!("imported {} ({} bytes, {} pages) in {secs:.2} s ({:.0} MiB/s)", f.name, f.size, f.pages, size as f64 / 1048576.0 / secs.max(1e-9));
+        }
+        Cmd::Export { name, local } => {
+            let tmp = local.with_extension("psls-partial");
+            let t = Instant::now();
+            let size = {
+                let file = std::fs::File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
+                let mut w = std::io::BufWriter::with_capacity(1 << 20, file);
+                let r = cluster::connect(&dir, node)?.export(name, &mut w);
+                let r = r.map_err(anyhow::Error::from).and_then(|s| w.flush().map(|()| s).map_err(Into::into));
+                if r.is_err() {
+                    let _ = std::fs::remove_file(&tmp);
+                }
+                r?
+            };
+            std::fs::rename(&tmp, local)?;
+            let secs = t.elapsed().as_secs_f64();
+            println!("exported {name} to {} ({size} bytes) in {secs:.2} s ({:.0} MiB/s)", local.display(), size as f64 / 1048576.0 / secs.max(1e-9));
+        }
+        Cmd::Ls { json } => {
+            let files = cluster::connect(&dir, node)?.ls()?;
+            if *json {
+                println!("{}", serde_json::to_string_pretty(&files)?);
+            } else {
+                for f in files {
+                    println!("{:>4o} {:>6} {:>6} {:>14} {}", f.mode, f.uid, f.gid, f.size, f.name);
+                }
+            }
+        }
+        Cmd::Stat { name, json } => {
+            let (f, stripes) = cluster::connect(&dir, node)?.stat(name)?;
+            if *json {
+                println!("{}", serde_json::json!({ "file": f, "stripes": stripes }));
+            } else {
+                println!("name: {}\nid: {:016x}\nsize: {} bytes\npages: {}\nowner: uid {} gid {}\nmode: {:o}\ngeneration: {}", f.name, f.id, f.size, f.pages, f.uid, f.gid, f.mode, f.gen);
+                println!("stripes (pages first, first+N, ...):");
+                for s in stripes {
+                    println!("  first page {:>6}: {:>8} pages  home node {}  mirror node {}", s.first_page, s.pages, s.home, s.mirror);
+                }
+            }
+        }
+        Cmd::Rm { name } => {
+            cluster::connect(&dir, node)?.rm(name)?;
+            println!("removed {name}");
+        }
+        Cmd::Scrub => {
+            let r = cluster::connect(&dir, node)?.scrub()?;
+            println!(
+                "scrub: {} files, {} copies checked, {} bad, {} repaired, {} unrepairable",
+                r.files, r.copies_checked, r.bad_copies, r.repaired, r.unrepairable
+            );
+            if r.unrepairable > 0 {
+                bail!("{} copies could not be repaired", r.unrepairable);
+            }
+        }
+        Cmd::Demo { size_mb } => demo(&dir, *size_mb)?,
+    }
+    Ok(())
+}
+
+fn wait_rebuild(dir: &Path, spare: &str) -> Result<()> {
+    let bar = std::io::stdout().is_terminal().then(|| {
+        let b = indicatif::ProgressBar::new(0);
+        b.set_style(
+            indicatif::ProgressStyle::with_template("re-mirroring {bar:40} {pos}/{len} pages ({eta})")
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        );
+        b
+    });
+    let deadline = Instant::now() + Duration::from_secs(3600);
+    let mut seen_rebuild = false;
+    loop {
+        let st = cluster::connect(dir, None)?.status()?;
+        let n = st.nodes.iter().find(|n| n.name == spare).context("spare vanished from status")?;
+        match n.rebuild {
+            Some((done, total)) => {
+                seen_rebuild = true;
+                if let Some(b) = &bar {
+                    b.set_length(total);
+                    b.set_position(done);
+                }
+            }
+            None if seen_rebuild || n.logical.is_some() && Instant::now() > deadline - Duration::from_secs(3590) => {
+                // Done once the spare reported progress and stopped, or it never needed any.
+                let rebuilding_meta = st.nodes.iter().any(|x| x.rebuild.is_some());
+                if !rebuilding_meta {
+                    if let Some(b) = &bar {
+                        b.finish_and_clear();
+                    }
+                    println!("re-mirroring done: every page has two copies again");
+                    return Ok(());
+                }
+            }
+            None => {}
+        }
+        if Instant::now() > deadline {
+            bail!("re-mirroring did not finish within an hour");
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// Deterministic pseudo-random bytes (splitmix64).
+fn fill_random(buf: &mut [u8], seed: u64) {
+    let mut s = seed;
+    for chunk in buf.chunks_mut(8) {
+        s = s.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = s;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        chunk.copy_from_slice(&z.to_le_bytes()[..chunk.len()]);
+    }
+}
+
+fn demo(dir: &Path, size_mb: u64) -> Result<()> {
+    use nix::sys::signal::{kill, Signal};
+    if !cluster::config_path(dir).exists() {
+        cluster::init(dir, 4, 1, 1024, 7400, false)?;
+        println!("[1/6] initialised a 4-node cluster (+1 spare) in {}", dir.display());
+    } else {
+        println!("[1/6] using the cluster in {}", dir.display());
+    }
+    cluster::up(dir, Duration::from_secs(30), true)?;
+    println!("[2/6] cluster is up");
+    let size = size_mb * 1024 * 1024;
+    let mut data = vec![0u8; size as usize];
+    fill_random(&mut data, 2026);
+    let t = Instant::now();
+    let exists = cluster::connect(dir, Some("n0"))?.ls()?.iter().any(|f| f.name == "demo.dat");
+    let f = cluster::connect(dir, Some("n0"))?.import(&mut data.as_slice(), size, "demo.dat", 0o644, exists)?;
+    println!("[3/6] imported demo.dat: {} MiB, {} pages, in {:.2} s", size_mb, f.pages, t.elapsed().as_secs_f64());
+    let victim = "n2";
+    let pid = cluster::running_pid(dir, victim).context("n2 is not running")?;
+    kill(nix::unistd::Pid::from_raw(pid), Signal::SIGKILL)?;
+    println!("[4/6] killed {victim} (pid {pid}) with SIGKILL");
+    let mut out = Vec::with_capacity(size as usize);
+    let t = Instant::now();
+    cluster::connect(dir, Some("n0"))?.export("demo.dat", &mut out)?;
+    let same = out == data;
+    println!(
+        "[5/6] exported demo.dat with {victim} down in {:.2} s: {}",
+        t.elapsed().as_secs_f64(),
+        if same { "bit-identical to the original" } else { "DIFFERENT from the original" }
+    );
+    if !same {
+        bail!("exported data differs from what was imported");
+    }
+    cluster::up(dir, Duration::from_secs(30), true)?;
+    println!("[6/6] restarted {victim}; cluster status:");
+    print_status(&cluster::connect(dir, Some("n0"))?.status()?);
+    println!("the cluster is still running: `psls --dir {} cluster down` stops it", dir.display());
+    Ok(())
+}

@@ -1,0 +1,257 @@
+//! The cluster configuration (TOML). Relative paths are relative to the config file's folder.
+//!
+//! ```toml
+//! [cluster]
+//! name = "psls"
+//! heartbeat_interval_ms = 200
+//! heartbeat_timeout_ms = 1000
+//! replace_after_ms = 0          # 0: never replace a down node automatically
+//! request_timeout_ms = 5000
+//! cert_dir = "certs"
+//!
+//! [[node]]                      # logical ids are the order of [[node]] entries
+//! name = "n0"
+//! addr = "127.0.0.1:7400"
+//! data_dir = "data/n0"
+//! socket = "run/n0.sock"
+//! memory_mb = 1024
+//!
+//! [[spare]]                     # same fields; takes over a lost node's logical id
+//! ```
+
+use serde::{Deserialize, Serialize};
+use std::collections::HashSet;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+/// Errors loading or validating a configuration.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config {path}: {source}")]
+    Read { path: PathBuf, source: std::io::Error },
+    #[error("config {path} is invalid: {message}")]
+    Parse { path: PathBuf, message: String },
+    #[error("config {path} is invalid: {message}")]
+    Invalid { path: PathBuf, message: String },
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ClusterSection {
+    #[serde(default = "default_name")]
+    pub name: String,
+    #[serde(default = "default_hb_interval")]
+    pub heartbeat_interval_ms: u64,
+    #[serde(default = "default_hb_timeout")]
+    pub heartbeat_timeout_ms: u64,
+    #[serde(default)]
+    pub replace_after_ms: u64,
+    #[serde(default = "default_request_timeout")]
+    pub request_timeout_ms: u64,
+    #[serde(default = "default_cert_dir")]
+    pub cert_dir: PathBuf,
+}
+
+fn default_name() -> String {
+    "psls".into()
+}
+fn default_hb_interval() -> u64 {
+    200
+}
+fn default_hb_timeout() -> u64 {
+    1000
+}
+fn default_request_timeout() -> u64 {
+    5000
+}
+fn default_cert_dir() -> PathBuf {
+    "certs".into()
+}
+
+impl Default for ClusterSection {
+    fn default() -> Self {
+        ClusterSection {
+            name: default_name(),
+            heartbeat_interval_ms: default_hb_interval(),
+            heartbeat_timeout_ms: default_hb_timeout(),
+            replace_after_ms: 0,
+            request_timeout_ms: default_request_timeout(),
+            cert_dir: default_cert_dir(),
+        }
+    }
+}
+
+/// One physical node (a daemon).
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct NodeEntry {
+    pub name: String,
+    pub addr: SocketAddr,
+    pub data_dir: PathBuf,
+    pub socket: PathBuf,
+    #[serde(default = "default_memory_mb")]
+    pub memory_mb: u64,
+}
+
+fn default_memory_mb() -> u64 {
+    1024
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ClusterConfig {
+    #[serde(default)]
+    pub cluster: ClusterSection,
+    #[serde(default, rename = "node")]
+    pub nodes: Vec<NodeEntry>,
+    #[serde(default, rename = "spare")]
+    pub spares: Vec<NodeEntry>,
+    /// Folder of the config file; relative paths are resolved against it. Not serialized.
+    #[serde(skip)]
+    pub base_dir: PathBuf,
+}
+
+impl ClusterConfig {
+    /// Reads, parses and validates `path`.
+    pub fn load(path: &Path) -> Result<ClusterConfig, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.into(), source })?;
+        let mut cfg = Self::parse(&text).map_err(|message| ConfigError::Parse { path: path.into(), message })?;
+        cfg.base_dir = path.parent().map(Path::to_path_buf).unwrap_or_default();
+        if cfg.base_dir.as_os_str().is_empty() {
+            cfg.base_dir = PathBuf::from(".");
+        }
+        cfg.validate().map_err(|message| ConfigError::Invalid { path: path.into(), message })?;
+        Ok(cfg)
+    }
+
+    /// Parses TOML text (no validation).
+    pub fn parse(text: &str) -> Result<ClusterConfig, String> {
+        toml::from_str(text).map_err(|e| e.to_string().trim().replace('\n', " "))
+    }
+
+    pub fn to_toml(&self) -> String {
+        toml::to_string_pretty(self).expect("config serializes")
+    }
+
+    /// Checks the semantic rules.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.nodes.len() < 2 {
+            return Err("at least two [[node]] entries are needed for mirroring".into());
+        }
+        if self.nodes.len() > 1024 {
+            return Err("at most 1024 nodes are supported".into());
+        }
+        let c = &self.cluster;
+        if c.heartbeat_interval_ms == 0 || c.heartbeat_timeout_ms < 2 * c.heartbeat_interval_ms {
+            return Err("heartbeat_timeout_ms must be at least twice heartbeat_interval_ms (> 0)".into());
+        }
+        if c.request_timeout_ms == 0 {
+            return Err("request_timeout_ms must be > 0".into());
+        }
+        let mut names = HashSet::new();
+        let mut addrs = HashSet::new();
+        for n in self.all() {
+            if n.name.is_empty() || n.name.len() > 63 || !n.name.chars().all(|c| c.is_ascii_alphanumeric() || c == '-') {
+                return Err(format!("node name {:?} must be 1..63 letters, digits or '-'", n.name));
+            }
+            if !names.insert(n.name.clone()) {
+                return Err(format!("node name {:?} appears twice", n.name));
+            }
+            if !addrs.insert(n.addr) {
+                return Err(format!("address {} appears twice", n.addr));
+            }
+            if n.memory_mb == 0 {
+                return Err(format!("node {}: memory_mb must be > 0", n.name));
+            }
+        }
+        Ok(())
+    }
+
+    /// Nodes then spares.
+    pub fn all(&self) -> impl Iterator<Item = &NodeEntry> {
+        self.nodes.iter().chain(self.spares.iter())
+    }
+
+    pub fn entry(&self, name: &str) -> Option<&NodeEntry> {
+        self.all().find(|n| n.name == name)
+    }
+
+    pub fn resolve(&self, p: &Path) -> PathBuf {
+        if p.is_absolute() {
+            p.to_path_buf()
+        } else {
+            self.base_dir.join(p)
+        }
+    }
+
+    pub fn data_dir(&self, n: &NodeEntry) -> PathBuf {
+        self.resolve(&n.data_dir)
+    }
+    pub fn socket_path(&self, n: &NodeEntry) -> PathBuf {
+        self.resolve(&n.socket)
+    }
+    pub fn cert_dir(&self) -> PathBuf {
+        self.resolve(&self.cluster.cert_dir)
+    }
+
+    /// The default local cluster: `nodes` daemons and `spares` spares on loopback.
+    pub fn local(nodes: u32, spares: u32, memory_mb: u64, base_port: u16) -> ClusterConfig {
+        let entry = |name: String, i: u32| NodeEntry {
+            addr: SocketAddr::from(([127, 0, 0, 1], base_port.wrapping_add(i as u16))),
+            data_dir: PathBuf::from("data").join(&name),
+            socket: PathBuf::from("run").join(format!("{name}.sock")),
+            memory_mb,
+            name,
+        };
+        ClusterConfig {
+            cluster: ClusterSection::default(),
+            nodes: (0..nodes).map(|i| entry(format!("n{i}"), i)).collect(),
+            spares: (0..spares).map(|i| entry(format!("s{i}"), nodes + i)).collect(),
+            base_dir: PathBuf::from("."),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn local_roundtrip_and_validation() {
+        let c = ClusterConfig::local(4, 1, 512, 7400);
+        c.validate().unwrap();
+        let mut back = ClusterConfig::parse(&c.to_toml()).unwrap();
+        back.base_dir = c.base_dir.clone();
+        assert_eq!(back, c);
+        assert_eq!(c.spares[0].addr.port(), 7404);
+    }
+
+    #[test]
+    fn unknown_keys_and_bad_values_are_rejected() {
+        let c = ClusterConfig::local(2, 0, 512, 7400);
+        let t = c.to_toml().replace("[cluster]", "[cluster]\nbogus = 1");
+        let e = ClusterConfig::parse(&t).unwrap_err();
+        assert!(e.contains("bogus"), "{e}");
+        let t = c.to_toml().replace("memory_mb = 512", "memory_mb = \"lots\"");
+        assert!(ClusterConfig::parse(&t).is_err());
+        let mut d = c.clone();
+        d.nodes[1].name = "n0".into();
+        assert!(d.validate().unwrap_err().contains("twice"));
+        let mut d = c.clone();
+        d.nodes.pop();
+        assert!(d.validate().is_err());
+        let mut d = c;
+        d.cluster.heartbeat_timeout_ms = 100;
+        assert!(d.validate().is_err());
+    }
+
+    #[test]
+    fn load_reports_path() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("c.toml");
+        let e = ClusterConfig::load(&p).unwrap_err().to_string();
+        assert!(e.contains("c.toml"), "{e}");
+        std::fs::write(&p, "[[node]]\nname=1").unwrap();
+        assert!(ClusterConfig::load(&p).is_err());
+    }
+}

@@ -1,0 +1,213 @@
+//! Client ↔ daemon protocol on the node's Unix stream socket.
+//!
+//! Framing: `[length u32 LE][postcard body]`, length ≤ [`MAX_FRAME`]. Requests and responses
+//! alternate, except the two streams:
+//! - import: `ImportBegin`, any number of `ImportData` (page-sized pieces, in order), then
+//!   `ImportCommit`; the daemon answers once, after the durable commit (or with the first error);
+//! - export: `Export` is answered by `ExportBegin`, `Data`…, `ExportEnd` (or an `Error`).
+
+use serde::{Deserialize, Serialize};
+use std::io::{self, Read, Write};
+
+/// Upper bound of one frame body (a 4 MiB data chunk plus headers).
+pub const MAX_FRAME: usize = 4 * 1024 * 1024 + 4096;
+/// Data chunk size used by the CLI for import and by the daemon for export.
+pub const CHUNK: usize = 1024 * 1024;
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Request {
+    Status,
+    Create { name: String, size: u64, mode: u32 },
+    ImportBegin { name: String, size: u64, mode: u32, replace: bool },
+    ImportData {
+        #[serde(with = "serde_bytes")]
+        data: Vec<u8>,
+    },
+    ImportCommit,
+    Export { name: String },
+    Ls,
+    Stat { name: String },
+    Rm { name: String },
+    Scrub,
+    NodeReplace { logical: u32, spare: String },
+    Shutdown,
+}
+
+/// Class of an error, so that callers can react without parsing text.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ErrorKind {
+    NotFound,
+    Exists,
+    Permission,
+    Invalid,
+    NoSpace,
+    Unavailable,
+    Io,
+    Internal,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum NodeState {
+    Up,
+    Suspect,
+    Down,
+    /// Its logical id was given to a spare.
+    Replaced,
+}
+
+impl std::fmt::Display for NodeState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            NodeState::Up => "up",
+            NodeState::Suspect => "suspect",
+            NodeState::Down => "down",
+            NodeState::Replaced => "replaced",
+        })
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeStatus {
+    pub name: String,
+    pub logical: Option<u32>,
+    pub addr: String,
+    pub spare: bool,
+    pub state: NodeState,
+    pub pid: Option<u32>,
+    pub incarnation: u64,
+    pub memory_used_bytes: u64,
+    pub memory_capacity_bytes: u64,
+    pub disk_used_bytes: u64,
+    pub disk_free_bytes: u64,
+    pub coordinator: bool,
+    /// Pages copied / pages to copy while this node rebuilds its copies.
+    pub rebuild: Option<(u64, u64)>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClusterStatus {
+    pub cluster: String,
+    /// The node that answered.
+    pub via: String,
+    pub coordinator: Option<String>,
+    pub meta_seq: u64,
+    pub map_version: u64,
+    pub files: u64,
+    pub nodes: Vec<NodeStatus>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileInfo {
+    pub name: String,
+    pub id: u64,
+    pub size: u64,
+    pub pages: u64,
+    pub uid: u32,
+    pub gid: u32,
+    pub mode: u32,
+    pub gen: u64,
+    pub created_unix_ms: u64,
+}
+
+/// One stripe unit: the pages `first, first+N, first+2N, …` share home and mirror.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Stripe {
+    pub first_page: u64,
+    pub pages: u64,
+    pub home: u32,
+    pub mirror: u32,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ScrubReport {
+    pub files: u64,
+    pub copies_checked: u64,
+    pub bad_copies: u64,
+    pub repaired: u64,
+    pub unrepairable: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Response {
+    Ok,
+    Error { kind: ErrorKind, message: String },
+    Status(ClusterStatus),
+    Files(Vec<FileInfo>),
+    Stat { file: FileInfo, stripes: Vec<Stripe> },
+    ExportBegin { size: u64 },
+    Data(#[serde(with = "serde_bytes")] Vec<u8>),
+    ExportEnd,
+    Scrub(ScrubReport),
+}
+
+/// Errors of framing.
+#[derive(Debug, thiserror::Error)]
+pub enum FrameError {
+    #[error("connection closed")]
+    Closed,
+    #[error("frame of {0} bytes exceeds the limit of {MAX_FRAME}")]
+    TooLarge(usize),
+    #[error("malformed message: {0}")]
+    Malformed(String),
+    #[error("I/O error: {0}")]
+    Io(#[from] io::Error),
+}
+
+pub fn encode<T: Serialize>(msg: &T) -> Result<Vec<u8>, FrameError> {
+    let body = postcard::to_stdvec(msg).map_err(|e| FrameError::Malformed(e.to_string()))?;
+    if body.len() > MAX_FRAME {
+        return Err(FrameError::TooLarge(body.len()));
+    }
+    let mut out = Vec::with_capacity(4 + body.len());
+    out.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    out.extend_from_slice(&body);
+    Ok(out)
+}
+
+pub fn decode<T: for<'de> Deserialize<'de>>(body: &[u8]) -> Result<T, FrameError> {
+    postcard::from_bytes(body).map_err(|e| FrameError::Malformed(e.to_string()))
+}
+
+/// Checks a frame length prefix.
+pub fn check_len(prefix: [u8; 4]) -> Result<usize, FrameError> {
+    let len = u32::from_le_bytes(prefix) as usize;
+    if len > MAX_FRAME {
+        return Err(FrameError::TooLarge(len));
+    }
+    Ok(len)
+}
+
+pub fn write_frame<T: Serialize>(w: &mut impl Write, msg: &T) -> Result<(), FrameError> {
+    w.write_all(&encode(msg)?)?;
+    Ok(())
+}
+
+pub fn read_frame<T: for<'de> Deserialize<'de>>(r: &mut impl Read) -> Result<T, FrameError> {
+    let mut prefix = [0u8; 4];
+    if let Err(e) = r.read_exact(&mut prefix) {
+        return Err(if e.kind() == io::ErrorKind::UnexpectedEof { FrameError::Closed } else { e.into() });
+    }
+    let len = check_len(prefix)?;
+    let mut body = vec![0u8; len];
+    r.read_exact(&mut body)?;
+    decode(&body)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn roundtrip_and_bounds() {
+        let mut buf = Vec::new();
+        write_frame(&mut buf, &Request::Stat { name: "x".into() }).unwrap();
+        let r: Request = read_frame(&mut buf.as_slice()).unwrap();
+        assert_eq!(r, Request::Stat { name: "x".into() });
+        let huge = (MAX_FRAME as u32 + 1).to_le_bytes();
+        assert!(matches!(read_frame::<Request>(&mut huge.as_slice()), Err(FrameError::TooLarge(_))));
+        let garbage = [3u8, 0, 0, 0, 0xff, 0xff, 0xff];
+        assert!(matches!(read_frame::<Request>(&mut garbage.as_slice()), Err(FrameError::Malformed(_))));
+        assert!(matches!(read_frame::<Request>(&mut [].as_slice()), Err(FrameError::Closed)));
+        assert!(encode(&Request::ImportData { data: vec![0; MAX_FRAME] }).is_err());
+    }
+}

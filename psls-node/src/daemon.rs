@@ -1,0 +1,112 @@
+//! Daemon start-up and shutdown: checks the data folder and its identity marker, bumps the
+//! incarnation, opens the store and metadata, binds the QUIC port and the client socket, and
+//! runs until SIGTERM/SIGINT or an admin shutdown.
+
+use crate::node::Node;
+use crate::transport::{self, Transport};
+use anyhow::{bail, Context, Result};
+use psls_ipc::ClusterConfig;
+use psls_pfs::meta::MetaStore;
+use psls_pfs::{Disk, FaultDisk, FileDisk, PageStore};
+use std::io::Write;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Checks (or writes, in an empty folder) the marker naming the node a data folder belongs to.
+fn check_marker(dir: &Path, cluster: &str, name: &str) -> Result<()> {
+    let marker = dir.join("node.id");
+    let want = format!("cluster={cluster}\nnode={name}\n");
+    match std::fs::read_to_string(&marker) {
+        Ok(s) if s == want => Ok(()),
+        Ok(s) => bail!(
+            "data dir {} belongs to another node ({}); refusing to use it as {name}",
+            dir.display(),
+            s.trim().replace('\n', ", ")
+        ),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            write_durably(&marker, want.as_bytes())?;
+            Ok(())
+        }
+        Err(e) => Err(e).with_context(|| format!("reading {}", marker.display())),
+    }
+}
+
+fn write_durably(path: &Path, data: &[u8]) -> Result<()> {
+    let tmp = path.with_extension("tmp");
+    let mut f = std::fs::File::create(&tmp).with_context(|| format!("writing {}", tmp.display()))?;
+    f.write_all(data)?;
+    f.sync_all()?;
+    std::fs::rename(&tmp, path)?;
+    if let Some(dir) = path.parent() {
+        std::fs::File::open(dir)?.sync_all()?;
+    }
+    Ok(())
+}
+
+fn next_incarnation(dir: &Path) -> Result<u64> {
+    let p = dir.join("incarnation");
+    let cur = match std::fs::read_to_string(&p) {
+        Ok(s) => s.trim().parse::<u64>().with_context(|| format!("{} is corrupt", p.display()))?,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => 0,
+        Err(e) => return Err(e).with_context(|| format!("reading {}", p.display())),
+    };
+    let next = cur + 1;
+    write_durably(&p, next.to_string().as_bytes())?;
+    Ok(next)
+}
+
+fn open_disk(dir: &Path, fault: bool) -> Result<Arc<dyn Disk>> {
+    Ok(if fault { Arc::new(FaultDisk::new(dir)?) } else { Arc::new(FileDisk::new(dir)?) })
+}
+
+/// Runs node `name` of the cluster in `config` until it is told to stop.
+pub async fn run(config: &Path, name: &str) -> Result<()> {
+    let cfg = Arc::new(ClusterConfig::load(config)?);
+    let Some(me) = cfg.entry(name).cloned() else {
+        bail!("node '{name}' is not in {}", config.display());
+    };
+    let dir = cfg.data_dir(&me);
+    if !dir.is_dir() {
+        bail!("data dir {} of node {name} does not exist (run `psls cluster init`, or create it for an empty node)", dir.display());
+    }
+    check_marker(&dir, &cfg.cluster.name, name)?;
+    let incarnation = next_incarnation(&dir)?;
+    // PSLS_FAULT_DISK=1 keeps unsynced writes in memory: a kill -9 is then a power cut.
+    let fault = std::env::var("PSLS_FAULT_DISK").is_ok_and(|v| v == "1");
+    let meta_disk = open_disk(&dir, fault)?;
+    let store = Arc::new(PageStore::new(open_disk(&dir.join("pages"), fault)?));
+    let meta = MetaStore::open(meta_disk.as_ref()).with_context(|| format!("opening metadata in {}", dir.display()))?;
+
+    let (server, client) = crate::tls::configs(&cfg.cert_dir(), name)?;
+    let peers = cfg.all().filter(|n| n.name != name).map(|n| (n.name.clone(), n.addr)).collect();
+    let net = Transport::bind(me.addr, server, client, peers).map_err(|e| {
+        if e.kind() == std::io::ErrorKind::AddrInUse {
+            anyhow::anyhow!("cannot listen on {}: the port is in use", me.addr)
+        } else {
+            anyhow::anyhow!("cannot listen on {}: {e}", me.addr)
+        }
+    })?;
+    let socket = cfg.socket_path(&me);
+    let listener = crate::ipc_server::bind(&socket)?;
+
+    let node = Arc::new(Node::new(cfg.clone(), me.clone(), incarnation, store, meta, net, Instant::now()));
+    let known: Arc<Vec<String>> = Arc::new(cfg.all().map(|n| n.name.clone()).collect());
+    tokio::spawn(transport::serve(node.net.endpoint().clone(), node.clone(), known));
+    tokio::spawn(node.clone().run_ticks());
+    tokio::spawn(crate::ipc_server::serve(node.clone(), listener, socket.clone()));
+    tracing::info!(node = name, incarnation, addr = %me.addr, socket = %socket.display(), fault_disk = fault, "psls-node ready");
+
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    tokio::select! {
+        _ = term.recv() => tracing::info!(node = name, "SIGTERM: stopping"),
+        _ = tokio::signal::ctrl_c() => tracing::info!(node = name, "SIGINT: stopping"),
+        _ = node.shutdown.notified() => tracing::info!(node = name, "shutdown requested"),
+    }
+    let _ = std::fs::remove_file(&socket);
+    node.net.endpoint().close(0u32.into(), b"shutdown");
+    if let Err(e) = node.store.sync() {
+        tracing::error!(node = name, error = %e, "final fsync failed");
+    }
+    Ok(())
+}

@@ -1,0 +1,38 @@
+//! `psls-node --config FILE --node NAME`: runs one node daemon in the foreground.
+
+use clap::Parser;
+use std::path::PathBuf;
+
+#[derive(Parser)]
+#[command(name = "psls-node", about = "PSLS node daemon", version)]
+struct Args {
+    /// Cluster configuration (TOML).
+    #[arg(long)]
+    config: PathBuf,
+    /// Name of this node in the configuration.
+    #[arg(long)]
+    node: String,
+}
+
+fn main() -> std::process::ExitCode {
+    let args = Args::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("PSLS_LOG").unwrap_or_else(|_| "info,quinn=warn".into()))
+        .with_writer(std::io::stderr)
+        .init();
+    let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("psls-node: cannot start runtime: {e}");
+            return std::process::ExitCode::from(1);
+        }
+    };
+    match rt.block_on(psls_node::daemon::run(&args.config, &args.node)) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!("{e:#}");
+            eprintln!("psls-node: error: {e:#}");
+            std::process::ExitCode::from(2)
+        }
+    }
+}

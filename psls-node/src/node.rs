@@ -1,0 +1,595 @@
+//! The node daemon's state and its peer-facing side: the page store, the metadata replica,
+//! membership, metadata replication through the coordinator, heartbeats and background work
+//! (rebuild after a replacement, automatic replacement, metadata catch-up).
+//!
+//! Invariants:
+//! - a page is written to this node's store only if placement makes this node's logical id its
+//!   holder in that role (checked on every `WritePages`);
+//! - metadata operations are ordered by the coordinator (lowest live logical id) and reach
+//!   every live node; a node that misses one catches up from a peer with a newer replica;
+//! - blocking disk work runs on the blocking pool, never on the async workers.
+
+use crate::membership::Membership;
+use crate::peer::{BadCopy, Heartbeat, PageRead, PeerReq, PeerResp};
+use crate::transport::{BoxFuture, Handler, NetError, Transport};
+use psls_ipc::proto::NodeState;
+use psls_ipc::{ClusterConfig, ErrorKind, NodeEntry};
+use psls_pfs::meta::{MetaOp, MetaState, MetaStore};
+use psls_pfs::MetaError;
+use psls_pfs::store::PageLoc;
+use psls_pfs::{PageStore, Placement, ReadOutcome, Role};
+use psls_svm::{FileId, NodeId, PAGE_SIZE};
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// An error to report to a client or peer: a class and one line of text.
+#[derive(Clone, Debug, thiserror::Error)]
+#[error("{message}")]
+pub struct OpError {
+    pub kind: ErrorKind,
+    pub message: String,
+}
+
+impl OpError {
+    pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
+        OpError { kind, message: message.into() }
+    }
+}
+
+impl From<MetaError> for OpError {
+    fn from(e: MetaError) -> Self {
+        let kind = match &e {
+            MetaError::Exists(_) => ErrorKind::Exists,
+            MetaError::NotFound(_) => ErrorKind::NotFound,
+            MetaError::Conflict { .. } | MetaError::Invalid(_) => ErrorKind::Invalid,
+            MetaError::Db(_) | MetaError::Corrupt(_) => ErrorKind::Io,
+        };
+        OpError::new(kind, e.to_string())
+    }
+}
+
+impl From<NetError> for OpError {
+    fn from(e: NetError) -> Self {
+        OpError::new(ErrorKind::Unavailable, e.to_string())
+    }
+}
+
+impl From<psls_pfs::StoreError> for OpError {
+    fn from(e: psls_pfs::StoreError) -> Self {
+        OpError::new(ErrorKind::Io, e.to_string())
+    }
+}
+
+pub fn peer_error(e: OpError) -> PeerResp {
+    PeerResp::Error { kind: e.kind, message: e.message }
+}
+
+/// Runs blocking work on the blocking pool.
+pub async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Result<T, OpError> {
+    tokio::task::spawn_blocking(f).await.map_err(|e| OpError::new(ErrorKind::Internal, format!("worker failed: {e}")))
+}
+
+pub struct Node {
+    pub cfg: Arc<ClusterConfig>,
+    pub me: NodeEntry,
+    pub incarnation: u64,
+    pub store: Arc<PageStore>,
+    pub meta: Arc<Mutex<MetaStore>>,
+    pub members: Mutex<Membership>,
+    pub net: Transport,
+    pub placement: Placement,
+    pub request_timeout: Duration,
+    pub euid: u32,
+    coord_lock: tokio::sync::Mutex<()>,
+    rebuild_running: AtomicBool,
+    pub rebuild_done: AtomicU64,
+    pub rebuild_total: AtomicU64,
+    disk_used: AtomicU64,
+    disk_free: AtomicU64,
+    pub shutdown: tokio::sync::Notify,
+}
+
+impl Node {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        cfg: Arc<ClusterConfig>,
+        me: NodeEntry,
+        incarnation: u64,
+        store: Arc<PageStore>,
+        meta: MetaStore,
+        net: Transport,
+        now: Instant,
+    ) -> Node {
+        let peers = cfg.all().filter(|n| n.name != me.name).map(|n| n.name.clone());
+        let members = Membership::new(peers, Duration::from_millis(cfg.cluster.heartbeat_timeout_ms), now);
+        let placement = Placement::new(cfg.nodes.len() as u32).expect("validated config has >= 2 nodes");
+        Node {
+            request_timeout: Duration::from_millis(cfg.cluster.request_timeout_ms),
+            cfg,
+            me,
+            incarnation,
+            store,
+            meta: Arc::new(Mutex::new(meta)),
+            members: Mutex::new(members),
+            net,
+            placement,
+            euid: nix::unistd::geteuid().as_raw(),
+            coord_lock: tokio::sync::Mutex::new(()),
+            rebuild_running: AtomicBool::new(false),
+            rebuild_done: AtomicU64::new(0),
+            rebuild_total: AtomicU64::new(0),
+            disk_used: AtomicU64::new(0),
+            disk_free: AtomicU64::new(0),
+            shutdown: tokio::sync::Notify::new(),
+        }
+    }
+
+    pub fn name(&self) -> &str {
+        &self.me.name
+    }
+
+    /// A copy of the metadata replica.
+    pub fn meta_state(&self) -> MetaState {
+        self.meta.lock().unwrap_or_else(|e| e.into_inner()).state().clone()
+    }
+
+    /// Logical → physical map (the configured one until the first replacement).
+    pub fn logical_map(&self, st: &MetaState) -> BTreeMap<u32, String> {
+        if st.logical.is_empty() {
+            self.cfg.nodes.iter().enumerate().map(|(i, n)| (i as u32, n.name.clone())).collect()
+        } else {
+            st.logical.clone()
+        }
+    }
+
+    pub fn physical_of(&self, st: &MetaState, logical: NodeId) -> String {
+        self.logical_map(st).get(&logical.0).cloned().unwrap_or_default()
+    }
+
+    pub fn my_logical(&self, st: &MetaState) -> Option<NodeId> {
+        self.logical_map(st).iter().find(|(_, p)| **p == self.me.name).map(|(l, _)| NodeId(*l))
+    }
+
+    pub fn is_live(&self, physical: &str) -> bool {
+        physical == self.me.name || self.members.lock().unwrap_or_else(|e| e.into_inner()).is_live(Instant::now(), physical)
+    }
+
+    pub fn state_of(&self, physical: &str) -> NodeState {
+        if physical == self.me.name {
+            NodeState::Up
+        } else {
+            self.members.lock().unwrap_or_else(|e| e.into_inner()).state(Instant::now(), physical)
+        }
+    }
+
+    /// Whether logical node `l` can serve its copies (live and not rebuilding).
+    pub fn can_serve(&self, st: &MetaState, l: NodeId) -> bool {
+        !st.rebuilding.contains_key(&l.0) && self.is_live(&self.physical_of(st, l))
+    }
+
+    /// The coordinator: the lowest logical id whose node is live.
+    pub fn coordinator(&self, st: &MetaState) -> Option<(u32, String)> {
+        self.logical_map(st).into_iter().find(|(_, p)| self.is_live(p))
+    }
+
+    /// Sends a request to a physical node (handled in-process when it is this node).
+    pub async fn call(self: &Arc<Self>, physical: &str, req: PeerReq) -> Result<PeerResp, NetError> {
+        if physical == self.me.name {
+            return Ok(self.clone().handle(physical.to_string(), req).await);
+        }
+        self.net.request(physical, &req, self.request_timeout).await
+    }
+
+    /// Like [`Node::call`] with a caller-chosen timeout.
+    pub async fn call_within(self: &Arc<Self>, physical: &str, req: PeerReq, timeout: Duration) -> Result<PeerResp, NetError> {
+        if physical == self.me.name {
+            return Ok(self.clone().handle(physical.to_string(), req).await);
+        }
+        self.net.request(physical, &req, timeout).await
+    }
+
+    /// How long a read waits for a copy before trying the other one: a dead node is declared
+    /// down after the heartbeat timeout, so waiting longer than that only adds latency.
+    pub fn read_timeout(&self) -> Duration {
+        self.request_timeout.min(Duration::from_millis(self.cfg.cluster.heartbeat_timeout_ms))
+    }
+
+    /// Sends a request and turns a peer's error reply into an error.
+    pub async fn call_ok(self: &Arc<Self>, physical: &str, req: PeerReq) -> Result<PeerResp, OpError> {
+        match self.call(physical, req).await? {
+            PeerResp::Error { kind, message } => Err(OpError::new(kind, format!("{physical}: {message}"))),
+            r => Ok(r),
+        }
+    }
+
+    fn heartbeat(&self) -> Heartbeat {
+        let st = self.meta_state();
+        let rebuilding = self.my_logical(&st).is_some_and(|l| st.rebuilding.contains_key(&l.0));
+        Heartbeat {
+            incarnation: self.incarnation,
+            pid: std::process::id(),
+            meta_seq: st.seq,
+            memory_used_bytes: rss_bytes(),
+            memory_capacity_bytes: self.me.memory_mb * 1024 * 1024,
+            disk_used_bytes: self.disk_used.load(Ordering::Relaxed),
+            disk_free_bytes: self.disk_free.load(Ordering::Relaxed),
+            rebuild: rebuilding.then(|| (self.rebuild_done.load(Ordering::Relaxed), self.rebuild_total.load(Ordering::Relaxed))),
+        }
+    }
+
+    /// This node's own heartbeat (for status).
+    pub fn own_heartbeat(&self) -> Heartbeat {
+        self.heartbeat()
+    }
+
+    fn loc(&self, file: FileId, role: Role, index: u64) -> PageLoc {
+        PageLoc { file, role, index, local: self.placement.local_index(index) }
+    }
+
+    // ---- metadata replication ----
+
+    /// Submits `op` to the coordinator and waits until it is applied on every live node.
+    pub async fn submit(self: &Arc<Self>, op: MetaOp) -> Result<(), OpError> {
+        let deadline = Instant::now() + self.request_timeout * 3;
+        let mut last = OpError::new(ErrorKind::Unavailable, "no coordinator is reachable");
+        while Instant::now() < deadline {
+            let st = self.meta_state();
+            match self.coordinator(&st) {
+                Some((_, c)) if c == self.me.name => return self.coordinate(op).await,
+                Some((_, c)) => match self.call(&c, PeerReq::MetaSubmit { op: op.clone() }).await {
+                    Ok(PeerResp::Ok) => return Ok(()),
+                    Ok(PeerResp::Error { kind, message }) => return Err(OpError::new(kind, message)),
+                    Ok(other) => last = OpError::new(ErrorKind::Unavailable, format!("coordinator {c} answered {other:?}")),
+                    Err(e) => last = e.into(),
+                },
+                None => {}
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        Err(last)
+    }
+
+    async fn coordinate(self: &Arc<Self>, op: MetaOp) -> Result<(), OpError> {
+        let _g = self.coord_lock.lock().await;
+        self.catch_up().await;
+        let meta = self.meta.clone();
+        let op2 = op.clone();
+        let seq = blocking(move || {
+            let mut m = meta.lock().unwrap_or_else(|e| e.into_inner());
+            m.apply(&op2).map(|()| m.state().seq)
+        })
+        .await??;
+        tracing::info!(node = %self.me.name, seq, ?op, "metadata committed");
+        let peers: Vec<String> = self.cfg.all().map(|n| n.name.clone()).filter(|n| *n != self.me.name && self.is_live(n)).collect();
+        let mut tasks = tokio::task::JoinSet::new();
+        for p in peers.clone() {
+            let me = self.clone();
+            let op = op.clone();
+            tasks.spawn(async move { (p.clone(), me.call(&p, PeerReq::MetaApply { seq, op }).await) });
+        }
+        let mut acks = 0;
+        while let Some(r) = tasks.join_next().await {
+            match r {
+                Ok((_, Ok(PeerResp::Ok))) => acks += 1,
+                Ok((p, other)) => tracing::warn!(peer = %p, ?other, seq, "metadata not acknowledged"),
+                Err(e) => tracing::warn!(error = %e, "metadata replication task failed"),
+            }
+        }
+        if acks == 0 {
+            return Err(OpError::new(
+                ErrorKind::Unavailable,
+                "metadata could not be replicated to a second node (no other node is up)",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Pulls a newer metadata replica from a live peer that reports one.
+    pub async fn catch_up(self: &Arc<Self>) {
+        let mine = self.meta_state().seq;
+        let best = {
+            let m = self.members.lock().unwrap_or_else(|e| e.into_inner());
+            let now = Instant::now();
+            self.cfg
+                .all()
+                .filter(|n| n.name != self.me.name && m.is_live(now, &n.name))
+                .filter_map(|n| m.view(&n.name).and_then(|v| v.heartbeat.as_ref()).map(|h| (h.meta_seq, n.name.clone())))
+                .max()
+        };
+        if let Some((seq, peer)) = best.filter(|(s, _)| *s > mine) {
+            self.fetch_snapshot(&peer, seq).await;
+        }
+    }
+
+    async fn fetch_snapshot(self: &Arc<Self>, peer: &str, at_least: u64) {
+        match self.call(peer, PeerReq::MetaFetch).await {
+            Ok(PeerResp::Snapshot(bytes)) => match MetaState::decode(&bytes) {
+                Ok(st) if st.seq >= at_least => {
+                    let meta = self.meta.clone();
+                    let seq = st.seq;
+                    let r = blocking(move || {
+                        let mut m = meta.lock().unwrap_or_else(|e| e.into_inner());
+                        if st.seq > m.state().seq {
+                            m.install(st)
+                        } else {
+                            Ok(())
+                        }
+                    })
+                    .await;
+                    match r {
+                        Ok(Ok(())) => tracing::info!(node = %self.me.name, from = peer, seq, "metadata caught up"),
+                        Ok(Err(e)) => tracing::error!(error = %e, "cannot install metadata snapshot"),
+                        Err(e) => tracing::error!(error = %e, "cannot install metadata snapshot"),
+                    }
+                }
+                Ok(_) => {}
+                Err(e) => tracing::warn!(from = peer, error = %e, "bad metadata snapshot"),
+            },
+            Ok(other) => tracing::warn!(from = peer, ?other, "unexpected answer to MetaFetch"),
+            Err(e) => tracing::debug!(from = peer, error = %e, "metadata fetch failed"),
+        }
+    }
+
+    async fn apply_remote(self: &Arc<Self>, from: String, seq: u64, op: MetaOp) -> PeerResp {
+        let meta = self.meta.clone();
+        let r = blocking(move || {
+            let mut m = meta.lock().unwrap_or_else(|e| e.into_inner());
+            let cur = m.state().seq;
+            if seq <= cur {
+                Ok(true)
+            } else if seq == cur + 1 {
+                m.apply(&op).map(|()| true)
+            } else {
+                Ok(false)
+            }
+        })
+        .await;
+        match r {
+            Ok(Ok(true)) => PeerResp::Ok,
+            Ok(Ok(false)) | Ok(Err(MetaError::Exists(_) | MetaError::NotFound(_) | MetaError::Conflict { .. } | MetaError::Invalid(_))) => {
+                // Missed or diverged: take the coordinator's replica.
+                self.fetch_snapshot(&from, seq).await;
+                if self.meta_state().seq >= seq {
+                    PeerResp::Ok
+                } else {
+                    peer_error(OpError::new(ErrorKind::Unavailable, "metadata catch-up failed"))
+                }
+            }
+            Ok(Err(e)) => peer_error(e.into()),
+            Err(e) => peer_error(e),
+        }
+    }
+
+    // ---- background work ----
+
+    /// Heartbeats and periodic duties, until shutdown.
+    pub async fn run_ticks(self: Arc<Self>) {
+        let interval = Duration::from_millis(self.cfg.cluster.heartbeat_interval_ms);
+        let mut t = tokio::time::interval(interval);
+        t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut n: u64 = 0;
+        loop {
+            t.tick().await;
+            if n % 10 == 0 {
+                let store = self.store.clone();
+                if let Ok((u, f)) = blocking(move || (store.disk().used_bytes().unwrap_or(0), store.disk().free_bytes().unwrap_or(0))).await {
+                    self.disk_used.store(u, Ordering::Relaxed);
+                    self.disk_free.store(f, Ordering::Relaxed);
+                }
+            }
+            n += 1;
+            let hb = self.heartbeat();
+            for peer in self.cfg.all().filter(|p| p.name != self.me.name) {
+                let me = self.clone();
+                let name = peer.name.clone();
+                let hb = hb.clone();
+                tokio::spawn(async move {
+                    if let Ok(PeerResp::HeartbeatAck(theirs)) = me.net.request(&name, &PeerReq::Heartbeat(hb), interval * 2).await {
+                        me.heard(&name, theirs);
+                    }
+                });
+            }
+            self.catch_up().await;
+            self.maybe_rebuild();
+            self.maybe_auto_replace().await;
+        }
+    }
+
+    fn heard(&self, peer: &str, hb: Heartbeat) {
+        let restarted = self.members.lock().unwrap_or_else(|e| e.into_inner()).heard(Instant::now(), peer, hb);
+        if restarted {
+            tracing::info!(node = %self.me.name, peer, "peer restarted with a new incarnation");
+        }
+    }
+
+    fn maybe_rebuild(self: &Arc<Self>) {
+        let st = self.meta_state();
+        let Some(l) = self.my_logical(&st) else { return };
+        if st.rebuilding.get(&l.0).is_none_or(|r| r.physical != self.me.name) {
+            return;
+        }
+        if self.rebuild_running.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let me = self.clone();
+        tokio::spawn(async move {
+            let r = crate::pfs::rebuild(&me, l).await;
+            if let Err(e) = &r {
+                tracing::warn!(node = %me.me.name, error = %e, "rebuild interrupted; will retry");
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+            me.rebuild_running.store(false, Ordering::SeqCst);
+        });
+    }
+
+    async fn maybe_auto_replace(self: &Arc<Self>) {
+        let after = self.cfg.cluster.replace_after_ms;
+        let downs = self.members.lock().unwrap_or_else(|e| e.into_inner()).tick(Instant::now());
+        if after == 0 {
+            return;
+        }
+        let st = self.meta_state();
+        if self.coordinator(&st).map(|c| c.1) != Some(self.me.name.clone()) {
+            return;
+        }
+        let map = self.logical_map(&st);
+        for (peer, down_for) in downs {
+            if down_for < Duration::from_millis(after) {
+                continue;
+            }
+            let Some((&logical, _)) = map.iter().find(|(_, p)| **p == peer) else { continue };
+            let spare = self
+                .cfg
+                .spares
+                .iter()
+                .find(|s| !map.values().any(|p| *p == s.name) && self.state_of(&s.name) == NodeState::Up)
+                .map(|s| s.name.clone());
+            if let Some(spare) = spare {
+                tracing::warn!(logical, down = %peer, %spare, "node down too long: replacing it with a spare");
+                if let Err(e) = crate::pfs::replace(self, logical, &spare).await {
+                    tracing::warn!(error = %e, "automatic replacement failed");
+                }
+                return;
+            }
+        }
+    }
+
+    // ---- local page store requests ----
+
+    fn check_holder(&self, file: FileId, role: Role, indices: impl Iterator<Item = u64>) -> Result<(), OpError> {
+        let st = self.meta_state();
+        let Some(me) = self.my_logical(&st) else {
+            return Err(OpError::new(ErrorKind::Invalid, format!("{} holds no logical id", self.me.name)));
+        };
+        for i in indices {
+            if self.placement.holder(file, i, role) != me {
+                return Err(OpError::new(ErrorKind::Invalid, format!("page {file}:{i} ({role:?}) does not belong to {me}")));
+            }
+        }
+        Ok(())
+    }
+
+    async fn write_pages(&self, file: FileId, role: Role, gen: u64, keep_gen: u64, pages: Vec<crate::peer::PageData>) -> Result<(), OpError> {
+        self.check_holder(file, role, pages.iter().map(|p| p.index))?;
+        if let Some(p) = pages.iter().find(|p| p.data.len() != PAGE_SIZE) {
+            return Err(OpError::new(ErrorKind::Invalid, format!("page {} has {} bytes", p.index, p.data.len())));
+        }
+        let store = self.store.clone();
+        let locs: Vec<PageLoc> = pages.iter().map(|p| self.loc(file, role, p.index)).collect();
+        blocking(move || {
+            for (loc, p) in locs.into_iter().zip(pages) {
+                store.write(loc, gen, keep_gen, &p.data)?;
+            }
+            Ok::<(), psls_pfs::StoreError>(())
+        })
+        .await??;
+        Ok(())
+    }
+
+    async fn read_pages(&self, file: FileId, role: Role, gen: u64, indices: Vec<u64>) -> Result<Vec<PageRead>, OpError> {
+        if indices.len() > crate::peer::BATCH_PAGES * 4 {
+            return Err(OpError::new(ErrorKind::Invalid, "too many pages in one read"));
+        }
+        self.check_holder(file, role, indices.iter().copied())?;
+        let store = self.store.clone();
+        let locs: Vec<PageLoc> = indices.iter().map(|&i| self.loc(file, role, i)).collect();
+        blocking(move || {
+            locs.into_iter()
+                .map(|loc| match store.read(loc, gen) {
+                    Ok(ReadOutcome::Ok(d)) => PageRead::Ok(d),
+                    Ok(ReadOutcome::Missing) => PageRead::Missing,
+                    Ok(ReadOutcome::Stale { found }) => PageRead::Stale(found),
+                    Ok(ReadOutcome::Corrupt) => PageRead::Corrupt,
+                    Err(e) => PageRead::Error(e.to_string()),
+                })
+                .collect()
+        })
+        .await
+    }
+
+    async fn scrub_local(&self, files: Vec<(FileId, u64, u64)>) -> Result<(u64, Vec<BadCopy>), OpError> {
+        let st = self.meta_state();
+        let Some(me) = self.my_logical(&st) else { return Ok((0, Vec::new())) };
+        let store = self.store.clone();
+        let placement = self.placement;
+        blocking(move || {
+            let mut checked = 0;
+            let mut bad = Vec::new();
+            for (file, pages, gen) in files {
+                if gen == 0 {
+                    continue;
+                }
+                for role in [Role::Primary, Role::Mirror] {
+                    for index in placement.held(me, file, pages, role) {
+                        checked += 1;
+                        let loc = PageLoc { file, role, index, local: placement.local_index(index) };
+                        if !matches!(store.read(loc, gen), Ok(ReadOutcome::Ok(_))) {
+                            bad.push(BadCopy { file, role, index });
+                        }
+                    }
+                }
+            }
+            (checked, bad)
+        })
+        .await
+    }
+}
+
+impl Handler for Node {
+    fn handle(self: Arc<Self>, from: String, req: PeerReq) -> BoxFuture<PeerResp> {
+        Box::pin(self.handle_inner(from, req))
+    }
+}
+
+impl Node {
+    async fn handle_inner(self: Arc<Self>, from: String, req: PeerReq) -> PeerResp {
+        let r: Result<PeerResp, OpError> = match req {
+            PeerReq::Heartbeat(hb) => {
+                self.heard(&from, hb);
+                Ok(PeerResp::HeartbeatAck(self.heartbeat()))
+            }
+            PeerReq::WritePages { file, role, gen, keep_gen, pages } => {
+                self.write_pages(file, role, gen, keep_gen, pages).await.map(|()| PeerResp::Ok)
+            }
+            PeerReq::Sync => {
+                let store = self.store.clone();
+                match blocking(move || store.sync()).await {
+                    Ok(Ok(())) => Ok(PeerResp::Ok),
+                    Ok(Err(e)) => {
+                        tracing::error!(node = %self.me.name, error = %e, "fsync failed; page store poisoned");
+                        Err(e.into())
+                    }
+                    Err(e) => Err(e),
+                }
+            }
+            PeerReq::ReadPages { file, role, gen, indices } => self.read_pages(file, role, gen, indices).await.map(PeerResp::Pages),
+            PeerReq::RemoveFile { file } => {
+                let store = self.store.clone();
+                blocking(move || store.remove_file(file)).await.and_then(|r| r.map_err(OpError::from)).map(|()| PeerResp::Ok)
+            }
+            PeerReq::ScrubLocal { files } => self.scrub_local(files).await.map(|(checked, bad)| PeerResp::Scrub { checked, bad }),
+            PeerReq::MetaSubmit { op } => {
+                let st = self.meta_state();
+                if self.coordinator(&st).map(|c| c.1) != Some(self.me.name.clone()) {
+                    Ok(PeerResp::NotCoordinator)
+                } else {
+                    self.coordinate(op).await.map(|()| PeerResp::Ok)
+                }
+            }
+            PeerReq::MetaApply { seq, op } => Ok(self.apply_remote(from, seq, op).await),
+            PeerReq::MetaFetch => Ok(PeerResp::Snapshot(self.meta_state().encode())),
+        };
+        r.unwrap_or_else(peer_error)
+    }
+}
+
+/// Resident set size of this process.
+pub fn rss_bytes() -> u64 {
+    std::fs::read_to_string("/proc/self/statm")
+        .ok()
+        .and_then(|s| s.split_whitespace().nth(1).and_then(|v| v.parse::<u64>().ok()))
+        .map(|pages| pages * 4096)
+        .unwrap_or(0)
+}

@@ -1,0 +1,624 @@
+//! The mirrored parallel file system across nodes: import, export, create, remove, scrub,
+//! node replacement and the rebuild of a replaced node's copies.
+//!
+//! Write protocol (import, create): pages of a new file id are written to the shadow slots on
+//! the home and the mirror node, every node is fsync'd, and only then is the commit record
+//! (`MetaOp::CommitFile`) ordered by the coordinator. A crash before the commit leaves the old
+//! name binding (old contents or no file); after it, the new. Replacing a file writes a new id,
+//! so readers of the old contents are never disturbed.
+//!
+//! Read protocol: from the primary; on a missing, stale, corrupt or unreachable primary, from
+//! the mirror, and the primary is then repaired in place from the good copy.
+
+use crate::node::{blocking, Node, OpError};
+use crate::peer::{PageData, PageRead, PeerReq, PeerResp, BATCH_PAGES};
+use psls_ipc::proto::{FileInfo, ScrubReport, Stripe};
+use psls_ipc::ErrorKind;
+use psls_pfs::meta::{validate_name, FileMeta, MetaOp, MetaState};
+use psls_pfs::Role;
+use psls_svm::{FileId, NodeId, PAGE_SIZE};
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+/// Bytes one page copy takes on disk (data slot and header).
+const COPY_BYTES: u64 = PAGE_SIZE as u64 + psls_pfs::slot::HEADER_LEN as u64;
+/// Write batches in flight per import.
+const MAX_INFLIGHT: usize = 16;
+/// Export chunks read ahead.
+const READ_AHEAD: usize = 4;
+
+/// Who is asking (from SO_PEERCRED).
+#[derive(Clone, Copy, Debug)]
+pub struct Caller {
+    pub uid: u32,
+    pub gid: u32,
+}
+
+impl Caller {
+    fn may(&self, f: &FileMeta, bit: u32) -> bool {
+        self.uid == 0
+            || (self.uid == f.uid && f.mode & (bit << 6) != 0)
+            || (self.gid == f.gid && f.mode & (bit << 3) != 0)
+            || f.mode & bit != 0
+    }
+    pub fn check_read(&self, f: &FileMeta) -> Result<(), OpError> {
+        if self.may(f, 4) {
+            Ok(())
+        } else {
+            Err(OpError::new(ErrorKind::Permission, format!("permission denied: cannot read '{}'", f.name)))
+        }
+    }
+    pub fn check_write(&self, f: &FileMeta) -> Result<(), OpError> {
+        if self.may(f, 2) {
+            Ok(())
+        } else {
+            Err(OpError::new(ErrorKind::Permission, format!("permission denied: cannot write '{}'", f.name)))
+        }
+    }
+}
+
+pub fn info(f: &FileMeta) -> FileInfo {
+    FileInfo {
+        name: f.name.clone(),
+        id: f.id.0,
+        size: f.size,
+        pages: f.pages(),
+        uid: f.uid,
+        gid: f.gid,
+        mode: f.mode,
+        gen: f.gen,
+        created_unix_ms: f.created_unix_ms,
+    }
+}
+
+fn lookup(st: &MetaState, name: &str) -> Result<FileMeta, OpError> {
+    st.files.get(name).cloned().ok_or_else(|| OpError::new(ErrorKind::NotFound, format!("no file named '{name}'")))
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
+}
+
+/// Every logical node must be able to take writes.
+fn check_all_serving(node: &Node, st: &MetaState) -> Result<(), OpError> {
+    for (l, p) in node.logical_map(st) {
+        if st.rebuilding.contains_key(&l) {
+            return Err(OpError::new(ErrorKind::Unavailable, format!("node {l} ({p}) is rebuilding its copies; writes wait until it is done")));
+        }
+        if !node.is_live(&p) {
+            return Err(OpError::new(ErrorKind::Unavailable, format!("node {l} ({p}) is down; writes need both copies (replace it or restart it)")));
+        }
+    }
+    Ok(())
+}
+
+/// Refuses a file that does not fit on some node's disk.
+fn check_space(node: &Node, st: &MetaState, id: FileId, size: u64) -> Result<(), OpError> {
+    let pages = size.div_ceil(PAGE_SIZE as u64);
+    for (l, p) in node.logical_map(st) {
+        let held = [Role::Primary, Role::Mirror].iter().map(|&r| node.placement.held(NodeId(l), id, pages, r).count() as u64).sum::<u64>();
+        let need = held.saturating_mul(COPY_BYTES);
+        let free = if p == node.me.name {
+            node.own_heartbeat().disk_free_bytes
+        } else {
+            node.members.lock().unwrap_or_else(|e| e.into_inner()).view(&p).and_then(|v| v.heartbeat.as_ref()).map_or(0, |h| h.disk_free_bytes)
+        };
+        if need > free {
+            return Err(OpError::new(
+                ErrorKind::NoSpace,
+                format!("file of {size} bytes needs {need} bytes on node {l} ({p}), which has {free} bytes free"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn new_file_id(st: &MetaState) -> FileId {
+    loop {
+        let id = FileId(rand::random::<u64>() | 1);
+        if !st.files.values().any(|f| f.id == id) {
+            return id;
+        }
+    }
+}
+
+/// Validates a new name or a replacement; returns the id being replaced.
+fn prepare_name(st: &MetaState, caller: Caller, name: &str, replace: bool) -> Result<Option<FileId>, OpError> {
+    validate_name(name).map_err(OpError::from)?;
+    match st.files.get(name) {
+        Some(_) if !replace => Err(OpError::new(ErrorKind::Exists, format!("file '{name}' already exists"))),
+        Some(f) => {
+            caller.check_write(f)?;
+            Ok(Some(f.id))
+        }
+        None => Ok(None),
+    }
+}
+
+fn check_mode(mode: u32) -> Result<(), OpError> {
+    if mode & !0o777 != 0 {
+        return Err(OpError::new(ErrorKind::Invalid, format!("mode {mode:o} has bits outside 0777")));
+    }
+    Ok(())
+}
+
+/// `psls create`: a zero-filled file (generation 0: no page written yet).
+pub async fn create(node: &Arc<Node>, caller: Caller, name: &str, size: u64, mode: u32) -> Result<FileInfo, OpError> {
+    check_mode(mode)?;
+    let st = node.meta_state();
+    prepare_name(&st, caller, name, false)?;
+    let id = new_file_id(&st);
+    check_space(node, &st, id, size)?;
+    let meta = FileMeta { id, name: name.into(), size, uid: caller.uid, gid: caller.gid, mode, gen: 0, created_unix_ms: now_ms() };
+    node.submit(MetaOp::CommitFile { meta: meta.clone(), replaces: None }).await?;
+    Ok(info(&meta))
+}
+
+/// An import in progress.
+pub struct Importer {
+    node: Arc<Node>,
+    meta: FileMeta,
+    replaces: Option<FileId>,
+    received: u64,
+    partial: Vec<u8>,
+    batches: BTreeMap<(u32, Role), Vec<PageData>>,
+    inflight: tokio::task::JoinSet<Result<(), OpError>>,
+}
+
+impl Importer {
+    pub async fn begin(node: &Arc<Node>, caller: Caller, name: &str, size: u64, mode: u32, replace: bool) -> Result<Importer, OpError> {
+        check_mode(mode)?;
+        let st = node.meta_state();
+        let replaces = prepare_name(&st, caller, name, replace)?;
+        check_all_serving(node, &st)?;
+        let id = new_file_id(&st);
+        check_space(node, &st, id, size)?;
+        tracing::info!(node = %node.name(), file = %id, name, size, "import started");
+        Ok(Importer {
+            node: node.clone(),
+            meta: FileMeta { id, name: name.into(), size, uid: caller.uid, gid: caller.gid, mode, gen: 1, created_unix_ms: now_ms() },
+            replaces,
+            received: 0,
+            partial: Vec::with_capacity(PAGE_SIZE),
+            batches: BTreeMap::new(),
+            inflight: tokio::task::JoinSet::new(),
+        })
+    }
+
+    async fn reap(&mut self, limit: usize) -> Result<(), OpError> {
+        while self.inflight.len() > limit {
+            match self.inflight.join_next().await {
+                Some(Ok(r)) => r?,
+                Some(Err(e)) => return Err(OpError::new(ErrorKind::Internal, format!("write task failed: {e}"))),
+                None => break,
+            }
+        }
+        Ok(())
+    }
+
+    fn flush_batch(&mut self, key: (u32, Role)) {
+        let Some(pages) = self.batches.remove(&key) else { return };
+        if pages.is_empty() {
+            return;
+        }
+        let node = self.node.clone();
+        let file = self.meta.id;
+        let gen = self.meta.gen;
+        self.inflight.spawn(async move {
+            let st = node.meta_state();
+            let phys = node.physical_of(&st, NodeId(key.0));
+            match node.call_ok(&phys, PeerReq::WritePages { file, role: key.1, gen, keep_gen: 0, pages }).await? {
+                PeerResp::Ok => Ok(()),
+                other => Err(OpError::new(ErrorKind::Internal, format!("{phys}: unexpected answer {other:?}"))),
+            }
+        });
+    }
+
+    fn push_page(&mut self, index: u64, data: Vec<u8>) {
+        let p = self.node.placement;
+        for role in [Role::Primary, Role::Mirror] {
+            let key = (p.holder(self.meta.id, index, role).0, role);
+            let batch = self.batches.entry(key).or_default();
+            batch.push(PageData { index, data: data.clone() });
+            if batch.len() >= BATCH_PAGES {
+                self.flush_batch(key);
+            }
+        }
+    }
+
+    /// Takes the next piece of the file's bytes.
+    pub async fn data(&mut self, bytes: &[u8]) -> Result<(), OpError> {
+        if self.received + bytes.len() as u64 > self.meta.size {
+            return Err(OpError::new(ErrorKind::Invalid, format!("import sent more than the announced {} bytes", self.meta.size)));
+        }
+        let mut rest = bytes;
+        while !rest.is_empty() {
+            let take = (PAGE_SIZE - self.partial.len()).min(rest.len());
+            self.partial.extend_from_slice(&rest[..take]);
+            rest = &rest[take..];
+            self.received += take as u64;
+            if self.partial.len() == PAGE_SIZE {
+                let index = (self.received - 1) / PAGE_SIZE as u64;
+                let page = std::mem::replace(&mut self.partial, Vec::with_capacity(PAGE_SIZE));
+                self.push_page(index, page);
+            }
+        }
+        self.reap(MAX_INFLIGHT).await
+    }
+
+    /// Writes the rest, makes every copy durable, then commits.
+    pub async fn commit(mut self) -> Result<FileInfo, OpError> {
+        let r = self.finish().await;
+        if r.is_err() {
+            self.abort().await;
+        }
+        r
+    }
+
+    async fn finish(&mut self) -> Result<FileInfo, OpError> {
+        if self.received != self.meta.size {
+            return Err(OpError::new(ErrorKind::Invalid, format!("import ended after {} of {} bytes", self.received, self.meta.size)));
+        }
+        if !self.partial.is_empty() {
+            let index = self.received / PAGE_SIZE as u64;
+            let mut page = std::mem::take(&mut self.partial);
+            page.resize(PAGE_SIZE, 0);
+            self.push_page(index, page);
+        }
+        let keys: Vec<(u32, Role)> = self.batches.keys().copied().collect();
+        for k in keys {
+            self.flush_batch(k);
+        }
+        self.reap(0).await?;
+        sync_all(&self.node).await?;
+        self.node.submit(MetaOp::CommitFile { meta: self.meta.clone(), replaces: self.replaces }).await?;
+        tracing::info!(node = %self.node.name(), file = %self.meta.id, name = %self.meta.name, "import committed");
+        if let Some(old) = self.replaces {
+            remove_everywhere(&self.node, old).await;
+        }
+        Ok(info(&self.meta))
+    }
+
+    /// Drops what was written (best effort; nothing was committed).
+    pub async fn abort(mut self) {
+        self.inflight.abort_all();
+        while self.inflight.join_next().await.is_some() {}
+        if self.node.meta_state().files.values().any(|f| f.id == self.meta.id) {
+            return;
+        }
+        tracing::info!(node = %self.node.name(), file = %self.meta.id, "import aborted; discarding its pages");
+        remove_everywhere(&self.node, self.meta.id).await;
+    }
+}
+
+/// fsync on every logical node.
+async fn sync_all(node: &Arc<Node>) -> Result<(), OpError> {
+    let st = node.meta_state();
+    let mut tasks = tokio::task::JoinSet::new();
+    for (_, p) in node.logical_map(&st) {
+        let node = node.clone();
+        tasks.spawn(async move { node.call_ok(&p, PeerReq::Sync).await.map(|_| ()) });
+    }
+    while let Some(r) = tasks.join_next().await {
+        r.map_err(|e| OpError::new(ErrorKind::Internal, e.to_string()))??;
+    }
+    Ok(())
+}
+
+async fn remove_everywhere(node: &Arc<Node>, file: FileId) {
+    for n in node.cfg.all().map(|n| n.name.clone()).collect::<Vec<_>>() {
+        if node.is_live(&n) {
+            if let Err(e) = node.call_ok(&n, PeerReq::RemoveFile { file }).await {
+                tracing::warn!(node = %n, %file, error = %e, "could not remove file data");
+            }
+        }
+    }
+}
+
+/// `psls rm`.
+pub async fn remove(node: &Arc<Node>, caller: Caller, name: &str) -> Result<(), OpError> {
+    let st = node.meta_state();
+    let f = lookup(&st, name)?;
+    caller.check_write(&f)?;
+    node.submit(MetaOp::RemoveFile { name: name.into(), id: f.id }).await?;
+    remove_everywhere(node, f.id).await;
+    Ok(())
+}
+
+pub fn stat(node: &Node, caller: Caller, name: &str) -> Result<(FileInfo, Vec<Stripe>), OpError> {
+    let st = node.meta_state();
+    let f = lookup(&st, name)?;
+    caller.check_read(&f)?;
+    let n = node.placement.nodes() as u64;
+    let stripes = (0..n.min(f.pages()))
+        .map(|first| Stripe {
+            first_page: first,
+            pages: (f.pages() - first).div_ceil(n),
+            home: node.placement.home(f.id, first).0,
+            mirror: node.placement.mirror(f.id, first).0,
+        })
+        .collect();
+    Ok((info(&f), stripes))
+}
+
+pub fn list(node: &Node) -> Vec<FileInfo> {
+    node.meta_state().files.values().map(info).collect()
+}
+
+/// Reads pages `indices` of `role` copies from logical node `l`.
+async fn read_from(node: &Arc<Node>, st: &MetaState, f: &FileMeta, role: Role, l: NodeId, indices: Vec<u64>) -> Vec<PageRead> {
+    let n = indices.len();
+    if !node.can_serve(st, l) {
+        return vec![PageRead::Error(format!("{l} is not available")); n];
+    }
+    let phys = node.physical_of(st, l);
+    match node.call_within(&phys, PeerReq::ReadPages { file: f.id, role, gen: f.gen, indices }, node.read_timeout()).await {
+        Ok(PeerResp::Pages(p)) if p.len() == n => p,
+        Ok(other) => vec![PageRead::Error(format!("{phys}: unexpected answer {other:?}")); n],
+        Err(e) => vec![PageRead::Error(e.to_string()); n],
+    }
+}
+
+fn group_by<F: Fn(u64) -> NodeId>(indices: impl Iterator<Item = u64>, key: F) -> BTreeMap<NodeId, Vec<u64>> {
+    let mut m: BTreeMap<NodeId, Vec<u64>> = BTreeMap::new();
+    for i in indices {
+        m.entry(key(i)).or_default().push(i);
+    }
+    m
+}
+
+/// Reads pages `first..first+count` of `f`, with mirror fallback and primary repair.
+async fn read_chunk(node: Arc<Node>, f: FileMeta, first: u64, count: u64) -> Result<Vec<u8>, OpError> {
+    let mut out = vec![0u8; (count as usize) * PAGE_SIZE];
+    if f.gen == 0 {
+        return Ok(out);
+    }
+    let st = node.meta_state();
+    let p = node.placement;
+    // (page, why the primary failed, whether the primary answered with a bad copy)
+    let mut failed: Vec<(u64, String, bool)> = Vec::new();
+    let homes = group_by(first..first + count, |i| p.home(f.id, i));
+    let mut reads = tokio::task::JoinSet::new();
+    for (l, idx) in homes {
+        let (node, st, f) = (node.clone(), st.clone(), f.clone());
+        reads.spawn(async move {
+            let r = read_from(&node, &st, &f, Role::Primary, l, idx.clone()).await;
+            (idx, r)
+        });
+    }
+    while let Some(r) = reads.join_next().await {
+        let (idx, pages) = r.map_err(|e| OpError::new(ErrorKind::Internal, e.to_string()))?;
+        for (i, pr) in idx.into_iter().zip(pages) {
+            match pr {
+                PageRead::Ok(d) => out[((i - first) as usize) * PAGE_SIZE..][..PAGE_SIZE].copy_from_slice(&d),
+                PageRead::Error(e) => failed.push((i, e, false)),
+                other => failed.push((i, format!("{other:?}"), true)),
+            }
+        }
+    }
+    if failed.is_empty() {
+        return Ok(out);
+    }
+    let reasons: BTreeMap<u64, (String, bool)> = failed.iter().map(|(i, r, bad)| (*i, (r.clone(), *bad))).collect();
+    let mirrors = group_by(failed.iter().map(|(i, _, _)| *i), |i| p.mirror(f.id, i));
+    for (l, idx) in mirrors {
+        let pages = read_from(&node, &st, &f, Role::Mirror, l, idx.clone()).await;
+        let mut repairs: BTreeMap<NodeId, Vec<PageData>> = BTreeMap::new();
+        for (i, pr) in idx.into_iter().zip(pages) {
+            match pr {
+                PageRead::Ok(d) => {
+                    let home = p.home(f.id, i);
+                    let (why, bad_copy) = &reasons[&i];
+                    tracing::debug!(node = %node.name(), page = %format!("{}:{i}", f.id), primary = %why, "served from mirror");
+                    if *bad_copy && node.can_serve(&st, home) {
+                        repairs.entry(home).or_default().push(PageData { index: i, data: d.clone() });
+                    }
+                    out[((i - first) as usize) * PAGE_SIZE..][..PAGE_SIZE].copy_from_slice(&d);
+                }
+                other => {
+                    return Err(OpError::new(
+                        ErrorKind::Io,
+                        format!("page {i} of '{}' is unreadable: primary {}, mirror {other:?}", f.name, reasons[&i].0),
+                    ))
+                }
+            }
+        }
+        for (home, pages) in repairs {
+            let (node, st) = (node.clone(), st.clone());
+            let (file, gen) = (f.id, f.gen);
+            tokio::spawn(async move {
+                let phys = node.physical_of(&st, home);
+                let n = pages.len();
+                let r = async {
+                    node.call_ok(&phys, PeerReq::WritePages { file, role: Role::Primary, gen, keep_gen: gen, pages }).await?;
+                    node.call_ok(&phys, PeerReq::Sync).await
+                }
+                .await;
+                match r {
+                    Ok(_) => tracing::info!(node = %phys, %file, pages = n, "primary copies repaired from mirror"),
+                    Err(e) => tracing::warn!(node = %phys, %file, error = %e, "primary repair failed"),
+                }
+            });
+        }
+    }
+    Ok(out)
+}
+
+/// Starts an export: returns the file and a channel of chunks (an error ends the stream).
+pub fn export_stream(node: &Arc<Node>, caller: Caller, name: &str) -> Result<(FileMeta, tokio::sync::mpsc::Receiver<Result<Vec<u8>, OpError>>), OpError> {
+    let st = node.meta_state();
+    let f = lookup(&st, name)?;
+    caller.check_read(&f)?;
+    let (tx, rx) = tokio::sync::mpsc::channel(READ_AHEAD);
+    let node = node.clone();
+    let f2 = f.clone();
+    tokio::spawn(async move {
+        let f = f2;
+        let pages = f.pages();
+        let mut next = 0u64;
+        let mut pending: VecDeque<tokio::task::JoinHandle<Result<Vec<u8>, OpError>>> = VecDeque::new();
+        let mut sent = 0u64;
+        loop {
+            while pending.len() < READ_AHEAD && next < pages {
+                let count = (BATCH_PAGES as u64).min(pages - next);
+                pending.push_back(tokio::spawn(read_chunk(node.clone(), f.clone(), next, count)));
+                next += count;
+            }
+            let Some(h) = pending.pop_front() else { break };
+            let r = h.await.unwrap_or_else(|e| Err(OpError::new(ErrorKind::Internal, e.to_string())));
+            let r = r.map(|mut d| {
+                let keep = (f.size - sent).min(d.len() as u64) as usize;
+                d.truncate(keep);
+                sent += keep as u64;
+                d
+            });
+            let stop = r.is_err();
+            if tx.send(r).await.is_err() || stop {
+                for h in pending {
+                    h.abort();
+                }
+                return;
+            }
+        }
+    });
+    Ok((f, rx))
+}
+
+/// `psls scrub`: verifies every copy on every node and repairs bad ones from the good copy.
+pub async fn scrub(node: &Arc<Node>) -> Result<ScrubReport, OpError> {
+    let st = node.meta_state();
+    check_all_serving(node, &st)?;
+    let files: Vec<(FileId, u64, u64)> = st.files.values().map(|f| (f.id, f.pages(), f.gen)).collect();
+    let by_id: BTreeMap<FileId, FileMeta> = st.files.values().map(|f| (f.id, f.clone())).collect();
+    let mut report = ScrubReport { files: files.len() as u64, ..Default::default() };
+    let mut bad = Vec::new();
+    for (l, p) in node.logical_map(&st) {
+        match node.call_ok(&p, PeerReq::ScrubLocal { files: files.clone() }).await? {
+            PeerResp::Scrub { checked, bad: b } => {
+                report.copies_checked += checked;
+                report.bad_copies += b.len() as u64;
+                bad.extend(b.into_iter().map(|c| (NodeId(l), c)));
+            }
+            other => return Err(OpError::new(ErrorKind::Internal, format!("{p}: unexpected answer {other:?}"))),
+        }
+    }
+    // Group: (file, bad role, bad holder, good holder) → indices.
+    let mut groups: BTreeMap<(FileId, Role, NodeId, NodeId), Vec<u64>> = BTreeMap::new();
+    for (l, c) in bad {
+        let good = node.placement.holder(c.file, c.index, c.role.other());
+        groups.entry((c.file, c.role, l, good)).or_default().push(c.index);
+    }
+    for ((file, role, dst, src), idx) in groups {
+        let Some(f) = by_id.get(&file) else { continue };
+        for chunk in idx.chunks(BATCH_PAGES) {
+            let (ok, failed) = copy_pages(node, &st, f, role.other(), src, dst, chunk.to_vec()).await;
+            report.repaired += ok;
+            report.unrepairable += failed;
+        }
+    }
+    if report.repaired > 0 {
+        sync_all(node).await?;
+    }
+    tracing::info!(node = %node.name(), ?report, "scrub finished");
+    Ok(report)
+}
+
+/// Copies pages from `src`'s `src_role` copies into `dst`'s other-role copies.
+async fn copy_pages(node: &Arc<Node>, st: &MetaState, f: &FileMeta, src_role: Role, src: NodeId, dst: NodeId, idx: Vec<u64>) -> (u64, u64) {
+    let reads = read_from(node, st, f, src_role, src, idx.clone()).await;
+    let mut pages = Vec::new();
+    let mut failed = 0;
+    for (i, r) in idx.into_iter().zip(reads) {
+        match r {
+            PageRead::Ok(data) => pages.push(PageData { index: i, data }),
+            other => {
+                tracing::error!(file = %f.id, page = i, ?other, "both copies bad: cannot repair");
+                failed += 1;
+            }
+        }
+    }
+    let n = pages.len() as u64;
+    if n == 0 {
+        return (0, failed);
+    }
+    let phys = node.physical_of(st, dst);
+    match node.call_ok(&phys, PeerReq::WritePages { file: f.id, role: src_role.other(), gen: f.gen, keep_gen: f.gen, pages }).await {
+        Ok(_) => (n, failed),
+        Err(e) => {
+            tracing::error!(node = %phys, error = %e, "repair write failed");
+            (0, failed + n)
+        }
+    }
+}
+
+/// `psls node replace`: gives logical id `logical` to `spare`; the spare then rebuilds.
+pub async fn replace(node: &Arc<Node>, logical: u32, spare: &str) -> Result<(), OpError> {
+    let st = node.meta_state();
+    let map = node.logical_map(&st);
+    let Some(old) = map.get(&logical).cloned() else {
+        return Err(OpError::new(ErrorKind::Invalid, format!("there is no logical node {logical} (the cluster has {})", map.len())));
+    };
+    if node.cfg.entry(spare).is_none() {
+        return Err(OpError::new(ErrorKind::Invalid, format!("no node named '{spare}' in the cluster config")));
+    }
+    if map.values().any(|p| p == spare) {
+        return Err(OpError::new(ErrorKind::Invalid, format!("'{spare}' already holds a logical id")));
+    }
+    if node.is_live(&old) {
+        return Err(OpError::new(ErrorKind::Invalid, format!("node {logical} ({old}) is up; only a down node can be replaced")));
+    }
+    if !node.is_live(spare) {
+        return Err(OpError::new(ErrorKind::Unavailable, format!("spare '{spare}' is not up")));
+    }
+    if st.logical.is_empty() {
+        node.submit(MetaOp::InitMap { logical: map.clone() }).await?;
+    }
+    node.submit(MetaOp::Replace { logical, physical: spare.into() }).await?;
+    tracing::warn!(logical, old = %old, new = %spare, "node replaced; rebuilding its copies");
+    Ok(())
+}
+
+/// Re-creates every copy logical node `l` (this node) must hold, from the other copies.
+pub async fn rebuild(node: &Arc<Node>, l: NodeId) -> Result<(), OpError> {
+    let st = node.meta_state();
+    let p = node.placement;
+    let files: Vec<FileMeta> = st.files.values().filter(|f| f.gen > 0).cloned().collect();
+    let total: u64 = files
+        .iter()
+        .map(|f| [Role::Primary, Role::Mirror].iter().map(|&r| p.held(l, f.id, f.pages(), r).count() as u64).sum::<u64>())
+        .sum();
+    node.rebuild_total.store(total, Ordering::Relaxed);
+    node.rebuild_done.store(0, Ordering::Relaxed);
+    tracing::info!(node = %node.name(), logical = %l, pages = total, "rebuild started");
+    for f in &files {
+        for role in [Role::Primary, Role::Mirror] {
+            let src_role = role.other();
+            let held: Vec<u64> = p.held(l, f.id, f.pages(), role).collect();
+            for chunk in held.chunks(BATCH_PAGES) {
+                let src = p.holder(f.id, chunk[0], src_role);
+                let reads = read_from(node, &st, f, src_role, src, chunk.to_vec()).await;
+                let mut pages = Vec::with_capacity(chunk.len());
+                for (&i, r) in chunk.iter().zip(reads) {
+                    match r {
+                        PageRead::Ok(data) => pages.push(PageData { index: i, data }),
+                        other => {
+                            return Err(OpError::new(ErrorKind::Unavailable, format!("cannot copy page {}:{i} from {src}: {other:?}", f.id)))
+                        }
+                    }
+                }
+                let n = pages.len() as u64;
+                match node.clone().call_ok(node.name(), PeerReq::WritePages { file: f.id, role, gen: f.gen, keep_gen: f.gen, pages }).await? {
+                    PeerResp::Ok => {}
+                    other => return Err(OpError::new(ErrorKind::Internal, format!("unexpected answer {other:?}"))),
+                }
+                node.rebuild_done.fetch_add(n, Ordering::Relaxed);
+            }
+        }
+        let store = node.store.clone();
+        blocking(move || store.sync()).await??;
+    }
+    node.submit(MetaOp::RebuildDone { logical: l.0, physical: node.name().to_string() }).await?;
+    tracing::info!(node = %node.name(), logical = %l, pages = total, "rebuild finished: every page has two copies again");
+    Ok(())
+}

@@ -1,0 +1,86 @@
+//! Mutual TLS for the QUIC transport: every node presents its certificate signed by the
+//! cluster CA and accepts only peers whose certificate chains to that CA. The peer's node name
+//! is read from its certificate (`NAME.psls`), never from what it claims in a message.
+
+use anyhow::{anyhow, Context, Result};
+use psls_ipc::certs::dns_name;
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use std::path::Path;
+use std::sync::Arc;
+
+pub const ALPN: &[u8] = b"psls/1";
+
+fn provider() -> Arc<rustls::crypto::CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+fn load(dir: &Path, name: &str) -> Result<(rustls::RootCertStore, Vec<CertificateDer<'static>>, PrivateKeyDer<'static>)> {
+    let ca_path = dir.join("ca.pem");
+    let mut roots = rustls::RootCertStore::empty();
+    for c in CertificateDer::pem_file_iter(&ca_path).with_context(|| format!("reading {}", ca_path.display()))? {
+        roots.add(c.with_context(|| format!("parsing {}", ca_path.display()))?)?;
+    }
+    let cert_path = dir.join(format!("{name}.pem"));
+    let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(&cert_path)
+        .with_context(|| format!("reading {}", cert_path.display()))?
+        .collect::<Result<_, _>>()
+        .with_context(|| format!("parsing {}", cert_path.display()))?;
+    let key_path = dir.join(format!("{name}.key"));
+    let key = PrivateKeyDer::from_pem_file(&key_path).with_context(|| format!("reading {}", key_path.display()))?;
+    Ok((roots, certs, key))
+}
+
+/// QUIC server and client configurations of node `name`.
+pub fn configs(dir: &Path, name: &str) -> Result<(quinn::ServerConfig, quinn::ClientConfig)> {
+    let (roots, certs, key) = load(dir, name)?;
+    let roots = Arc::new(roots);
+    let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(roots.clone(), provider())
+        .build()
+        .map_err(|e| anyhow!("client verifier: {e}"))?;
+    let mut server = rustls::ServerConfig::builder_with_provider(provider())
+        .with_protocol_versions(&[&rustls::version::TLS13])?
+        .with_client_cert_verifier(verifier)
+        .with_single_cert(certs.clone(), key.clone_key())
+        .context("node certificate/key")?;
+    server.alpn_protocols = vec![ALPN.to_vec()];
+    let mut client = rustls::ClientConfig::builder_with_provider(provider())
+        .with_protocol_versions(&[&rustls::version::TLS13])?
+        .with_root_certificates(roots)
+        .with_client_auth_cert(certs, key)
+        .context("node certificate/key")?;
+    client.alpn_protocols = vec![ALPN.to_vec()];
+
+    let mut transport = quinn::TransportConfig::default();
+    transport
+        .max_concurrent_bidi_streams(1024u32.into())
+        .stream_receive_window((16u32 << 20).into())
+        .receive_window((64u32 << 20).into())
+        .send_window(64 << 20)
+        .keep_alive_interval(Some(std::time::Duration::from_millis(500)))
+        .max_idle_timeout(Some(std::time::Duration::from_secs(10).try_into()?));
+    let transport = Arc::new(transport);
+
+    let mut sc = quinn::ServerConfig::with_crypto(Arc::new(quinn::crypto::rustls::QuicServerConfig::try_from(server)?));
+    sc.transport_config(transport.clone());
+    let mut cc = quinn::ClientConfig::new(Arc::new(quinn::crypto::rustls::QuicClientConfig::try_from(client)?));
+    cc.transport_config(transport);
+    Ok((sc, cc))
+}
+
+/// The node name in a verified peer certificate chain.
+pub fn peer_name(conn: &quinn::Connection) -> Option<String> {
+    let any = conn.peer_identity()?;
+    let chain = any.downcast::<Vec<CertificateDer<'static>>>().ok()?;
+    let (_, cert) = x509_parser::parse_x509_certificate(chain.first()?.as_ref()).ok()?;
+    let san = cert.subject_alternative_name().ok()??;
+    san.value.general_names.iter().find_map(|g| match g {
+        x509_parser::extensions::GeneralName::DNSName(d) => d.strip_suffix(".psls").map(str::to_string),
+        _ => None,
+    })
+}
+
+/// The server name to dial node `name` with.
+pub fn server_name(name: &str) -> String {
+    dns_name(name)
+}

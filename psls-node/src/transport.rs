@@ -1,0 +1,150 @@
+//! QUIC transport between daemons: one cached connection per peer, one bidirectional stream
+//! per request. Incoming connections are accepted only from certificates of the cluster CA; the
+//! peer's name comes from its certificate.
+
+use crate::peer::{self, PeerReq, PeerResp, MAX_PEER_MSG};
+use crate::tls;
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+#[derive(Debug, thiserror::Error)]
+pub enum NetError {
+    #[error("unknown peer {0}")]
+    UnknownPeer(String),
+    #[error("cannot reach {peer}: {message}")]
+    Unreachable { peer: String, message: String },
+    #[error("request to {peer} timed out after {ms} ms")]
+    Timeout { peer: String, ms: u64 },
+    #[error("bad response from {peer}: {message}")]
+    BadResponse { peer: String, message: String },
+}
+
+pub struct Transport {
+    endpoint: quinn::Endpoint,
+    addrs: HashMap<String, SocketAddr>,
+    conns: Mutex<HashMap<String, quinn::Connection>>,
+    dial: HashMap<String, tokio::sync::Mutex<()>>,
+}
+
+impl Transport {
+    /// Binds the node's UDP address.
+    pub fn bind(
+        addr: SocketAddr,
+        server: quinn::ServerConfig,
+        client: quinn::ClientConfig,
+        peers: HashMap<String, SocketAddr>,
+    ) -> std::io::Result<Transport> {
+        let mut endpoint = quinn::Endpoint::server(server, addr)?;
+        endpoint.set_default_client_config(client);
+        let dial = peers.keys().map(|k| (k.clone(), tokio::sync::Mutex::new(()))).collect();
+        Ok(Transport { endpoint, addrs: peers, conns: Mutex::new(HashMap::new()), dial })
+    }
+
+    pub fn endpoint(&self) -> &quinn::Endpoint {
+        &self.endpoint
+    }
+
+    async fn connection(&self, peer: &str) -> Result<quinn::Connection, NetError> {
+        let cached = |s: &Self| {
+            s.conns.lock().unwrap_or_else(|e| e.into_inner()).get(peer).filter(|c| c.close_reason().is_none()).cloned()
+        };
+        if let Some(c) = cached(self) {
+            return Ok(c);
+        }
+        let addr = *self.addrs.get(peer).ok_or_else(|| NetError::UnknownPeer(peer.into()))?;
+        let lock = self.dial.get(peer).ok_or_else(|| NetError::UnknownPeer(peer.into()))?;
+        let _g = lock.lock().await;
+        if let Some(c) = cached(self) {
+            return Ok(c);
+        }
+        let unreachable = |e: &dyn std::fmt::Display| NetError::Unreachable { peer: peer.into(), message: e.to_string() };
+        let conn = self.endpoint.connect(addr, &tls::server_name(peer)).map_err(|e| unreachable(&e))?.await.map_err(|e| unreachable(&e))?;
+        self.conns.lock().unwrap_or_else(|e| e.into_inner()).insert(peer.to_string(), conn.clone());
+        Ok(conn)
+    }
+
+    /// Sends `req` to `peer` and waits at most `timeout` for its response.
+    pub async fn request(&self, peer: &str, req: &PeerReq, timeout: Duration) -> Result<PeerResp, NetError> {
+        let body = peer::encode(req);
+        let fut = async {
+            let conn = self.connection(peer).await?;
+            let broken = |e: &dyn std::fmt::Display| NetError::Unreachable { peer: peer.into(), message: e.to_string() };
+            let (mut send, mut recv) = conn.open_bi().await.map_err(|e| broken(&e))?;
+            send.write_all(&body).await.map_err(|e| broken(&e))?;
+            send.finish().map_err(|e| broken(&e))?;
+            let resp = recv.read_to_end(MAX_PEER_MSG).await.map_err(|e| broken(&e))?;
+            peer::decode::<PeerResp>(&resp).map_err(|message| NetError::BadResponse { peer: peer.into(), message })
+        };
+        match tokio::time::timeout(timeout, fut).await {
+            Ok(r) => r,
+            Err(_) => Err(NetError::Timeout { peer: peer.into(), ms: timeout.as_millis() as u64 }),
+        }
+    }
+
+    /// Forgets the cached connection to `peer` (after it restarted, say).
+    pub fn drop_connection(&self, peer: &str) {
+        if let Some(c) = self.conns.lock().unwrap_or_else(|e| e.into_inner()).remove(peer) {
+            c.close(0u32.into(), b"reset");
+        }
+    }
+}
+
+/// What serves incoming requests.
+pub trait Handler: Send + Sync + 'static {
+    fn handle(self: Arc<Self>, from: String, req: PeerReq) -> BoxFuture<PeerResp>;
+}
+
+/// A boxed, sendable future (boxing breaks the type cycle of a node calling itself).
+pub type BoxFuture<T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send>>;
+
+/// Accepts connections until the endpoint closes.
+pub async fn serve<H: Handler>(endpoint: quinn::Endpoint, handler: Arc<H>, known: Arc<Vec<String>>) {
+    while let Some(incoming) = endpoint.accept().await {
+        let handler = handler.clone();
+        let known = known.clone();
+        tokio::spawn(async move {
+            let remote = incoming.remote_address();
+            let conn = match incoming.await {
+                Ok(c) => c,
+                Err(e) => {
+                    tracing::warn!(%remote, error = %e, "refused peer connection (TLS handshake failed)");
+                    return;
+                }
+            };
+            let Some(name) = tls::peer_name(&conn).filter(|n| known.contains(n)) else {
+                tracing::warn!(%remote, "refused peer: certificate names no node of this cluster");
+                conn.close(1u32.into(), b"unknown node");
+                return;
+            };
+            loop {
+                let (mut send, mut recv) = match conn.accept_bi().await {
+                    Ok(s) => s,
+                    Err(_) => return,
+                };
+                let handler = handler.clone();
+                let name = name.clone();
+                tokio::spawn(async move {
+                    let body = match recv.read_to_end(MAX_PEER_MSG).await {
+                        Ok(b) => b,
+                        Err(e) => {
+                            tracing::warn!(peer = %name, error = %e, "dropped peer message (too large or broken stream)");
+                            let _ = send.reset(1u32.into());
+                            return;
+                        }
+                    };
+                    let resp = match peer::decode::<PeerReq>(&body) {
+                        Ok(req) => handler.handle(name.clone(), req).await,
+                        Err(e) => {
+                            tracing::warn!(peer = %name, error = %e, "malformed peer message");
+                            PeerResp::Error { kind: psls_ipc::ErrorKind::Invalid, message: format!("malformed message: {e}") }
+                        }
+                    };
+                    let _ = send.write_all(&peer::encode(&resp)).await;
+                    let _ = send.finish();
+                });
+            }
+        });
+    }
+}
