@@ -72,6 +72,31 @@ pub fn running_pid(dir: &Path, name: &str) -> Option<i32> {
     (is_ours && !zombie).then_some(pid)
 }
 
+/// Whether process `pid` has fully exited: gone, or a zombie all of whose threads have exited
+/// (only then are its sockets closed). A dying process's cmdline empties, and its leader turns
+/// zombie, while other threads still hold its files, so neither is enough on its own.
+pub fn process_gone(pid: i32) -> bool {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return true };
+    tasks.filter_map(Result::ok).all(|t| {
+        match std::fs::read_to_string(t.path().join("stat")) {
+            Err(_) => true,
+            Ok(stat) => stat.rsplit(')').next().is_some_and(|s| matches!(s.trim_start().chars().next(), Some('Z' | 'X'))),
+        }
+    })
+}
+
+/// Waits until `pid` has exited; false on timeout.
+pub fn wait_gone(pid: i32, timeout: Duration) -> bool {
+    let deadline = Instant::now() + timeout;
+    while !process_gone(pid) {
+        if Instant::now() > deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    true
+}
+
 fn node_binary() -> Result<PathBuf> {
     if let Ok(p) = std::env::var("PSLS_NODE_BIN") {
         return Ok(PathBuf::from(p));
@@ -148,15 +173,19 @@ pub fn up(dir: &Path, timeout: Duration, quiet: bool) -> Result<()> {
     }
 }
 
-/// Every expected node answers on its socket and sees every other expected node up.
+/// Every expected node answers on its socket, sees every other expected node up, and all
+/// hold the same metadata (sequence number).
 fn healthy(cfg: &ClusterConfig, expected: &[NodeEntry]) -> bool {
-    expected.iter().all(|n| {
+    let mut seqs = Vec::new();
+    let all_up = expected.iter().all(|n| {
         let Ok(mut c) = Client::connect(&cfg.socket_path(n)) else { return false };
         let Ok(st) = c.status() else { return false };
+        seqs.push(st.meta_seq);
         expected.iter().all(|e| {
             st.nodes.iter().any(|s| s.name == e.name && (s.state == NodeState::Up || s.state == NodeState::Replaced))
         })
-    })
+    });
+    all_up && seqs.windows(2).all(|w| w[0] == w[1])
 }
 
 /// `psls cluster down`: SIGTERM every daemon, SIGKILL after 10 s.
@@ -174,11 +203,9 @@ pub fn down(dir: &Path) -> Result<Vec<String>> {
     }
     let deadline = Instant::now() + Duration::from_secs(10);
     for (name, pid) in pids {
-        while running_pid(dir, &name) == Some(pid) && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        if running_pid(dir, &name) == Some(pid) {
+        if !wait_gone(pid, deadline.saturating_duration_since(Instant::now())) {
             let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
+            wait_gone(pid, Duration::from_secs(5));
         }
         let _ = std::fs::remove_file(pid_file(dir, &name));
         stopped.push(name);

@@ -89,9 +89,14 @@ impl Client {
             self.w.flush()?;
             Ok(())
         })();
+        if let Err(ClientError::Local(_)) = &streamed {
+            // Our source failed: half-close so the daemon sees the end, aborts and answers.
+            let _ = self.w.get_ref().shutdown(std::net::Shutdown::Write);
+        }
         // If the daemon refused midway it has sent its error and closed: report that first.
         match (streamed, self.recv()) {
             (_, Ok(Response::Files(mut f))) if f.len() == 1 => Ok(f.remove(0)),
+            (Err(e @ ClientError::Local(_)), _) => Err(e),
             (_, Ok(r @ Response::Error { .. })) => Err(unexpected(r)),
             (Err(e), _) => Err(e),
             (Ok(()), Ok(r)) => Err(unexpected(r)),

@@ -80,7 +80,8 @@ pub async fn run(config: &Path, name: &str) -> Result<()> {
 
     let (server, client) = crate::tls::configs(&cfg.cert_dir(), name)?;
     let peers = cfg.all().filter(|n| n.name != name).map(|n| (n.name.clone(), n.addr)).collect();
-    let net = Transport::bind(me.addr, server, client, peers).map_err(|e| {
+    let reset_key = crate::tls::reset_key(&cfg.cert_dir(), name)?;
+    let net = Transport::bind(me.addr, server, client, reset_key, peers).map_err(|e| {
         if e.kind() == std::io::ErrorKind::AddrInUse {
             anyhow::anyhow!("cannot listen on {}: the port is in use", me.addr)
         } else {
@@ -93,6 +94,9 @@ pub async fn run(config: &Path, name: &str) -> Result<()> {
     let node = Arc::new(Node::new(cfg.clone(), me.clone(), incarnation, store, meta, net, Instant::now()));
     let known: Arc<Vec<String>> = Arc::new(cfg.all().map(|n| n.name.clone()).collect());
     tokio::spawn(transport::serve(node.net.endpoint().clone(), node.clone(), known));
+    // Learn the cluster's metadata before serving clients, so a restarted node never answers
+    // from a stale namespace.
+    node.initial_sync().await;
     tokio::spawn(node.clone().run_ticks());
     tokio::spawn(crate::ipc_server::serve(node.clone(), listener, socket.clone()));
     tracing::info!(node = name, incarnation, addr = %me.addr, socket = %socket.display(), fault_disk = fault, "psls-node ready");

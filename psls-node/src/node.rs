@@ -367,6 +367,9 @@ impl Node {
     /// Heartbeats and periodic duties, until shutdown.
     pub async fn run_ticks(self: Arc<Self>) {
         let interval = Duration::from_millis(self.cfg.cluster.heartbeat_interval_ms);
+        // A heartbeat may wait as long as the failure timeout: cancelling it sooner would also
+        // cancel a slow first TLS handshake.
+        let hb_timeout = Duration::from_millis(self.cfg.cluster.heartbeat_timeout_ms);
         let mut t = tokio::time::interval(interval);
         t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut n: u64 = 0;
@@ -386,7 +389,7 @@ impl Node {
                 let name = peer.name.clone();
                 let hb = hb.clone();
                 tokio::spawn(async move {
-                    if let Ok(PeerResp::HeartbeatAck(theirs)) = me.net.request(&name, &PeerReq::Heartbeat(hb), interval * 2).await {
+                    if let Ok(PeerResp::HeartbeatAck(theirs)) = me.net.request(&name, &PeerReq::Heartbeat(hb), hb_timeout).await {
                         me.heard(&name, theirs);
                     }
                 });
@@ -397,10 +400,30 @@ impl Node {
         }
     }
 
+    /// One heartbeat round-trip with every peer, then metadata catch-up (start-up).
+    pub async fn initial_sync(self: &Arc<Self>) {
+        let timeout = Duration::from_millis(self.cfg.cluster.heartbeat_timeout_ms);
+        let hb = self.heartbeat();
+        let mut tasks = tokio::task::JoinSet::new();
+        for peer in self.cfg.all().filter(|p| p.name != self.me.name) {
+            let me = self.clone();
+            let name = peer.name.clone();
+            let hb = hb.clone();
+            tasks.spawn(async move {
+                if let Ok(PeerResp::HeartbeatAck(theirs)) = me.net.request(&name, &PeerReq::Heartbeat(hb), timeout).await {
+                    me.heard(&name, theirs);
+                }
+            });
+        }
+        while tasks.join_next().await.is_some() {}
+        self.catch_up().await;
+    }
+
     fn heard(&self, peer: &str, hb: Heartbeat) {
         let restarted = self.members.lock().unwrap_or_else(|e| e.into_inner()).heard(Instant::now(), peer, hb);
         if restarted {
             tracing::info!(node = %self.me.name, peer, "peer restarted with a new incarnation");
+            self.net.drop_connection(peer);
         }
     }
 

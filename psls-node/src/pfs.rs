@@ -346,18 +346,32 @@ pub fn list(node: &Node) -> Vec<FileInfo> {
     node.meta_state().files.values().map(info).collect()
 }
 
-/// Reads pages `indices` of `role` copies from logical node `l`.
-async fn read_from(node: &Arc<Node>, st: &MetaState, f: &FileMeta, role: Role, l: NodeId, indices: Vec<u64>) -> Vec<PageRead> {
+/// Reads pages `indices` of `role` copies from logical node `l`, waiting at most `timeout`.
+async fn read_from_within(
+    node: &Arc<Node>,
+    st: &MetaState,
+    f: &FileMeta,
+    role: Role,
+    l: NodeId,
+    indices: Vec<u64>,
+    timeout: std::time::Duration,
+) -> Vec<PageRead> {
     let n = indices.len();
     if !node.can_serve(st, l) {
         return vec![PageRead::Error(format!("{l} is not available")); n];
     }
     let phys = node.physical_of(st, l);
-    match node.call_within(&phys, PeerReq::ReadPages { file: f.id, role, gen: f.gen, indices }, node.read_timeout()).await {
+    match node.call_within(&phys, PeerReq::ReadPages { file: f.id, role, gen: f.gen, indices }, timeout).await {
         Ok(PeerResp::Pages(p)) if p.len() == n => p,
+        Ok(PeerResp::Error { message, .. }) => vec![PageRead::Error(format!("{phys}: {message}")); n],
         Ok(other) => vec![PageRead::Error(format!("{phys}: unexpected answer {other:?}")); n],
         Err(e) => vec![PageRead::Error(e.to_string()); n],
     }
+}
+
+/// Reads pages `indices` of `role` copies from logical node `l`.
+async fn read_from(node: &Arc<Node>, st: &MetaState, f: &FileMeta, role: Role, l: NodeId, indices: Vec<u64>) -> Vec<PageRead> {
+    read_from_within(node, st, f, role, l, indices, node.request_timeout).await
 }
 
 fn group_by<F: Fn(u64) -> NodeId>(indices: impl Iterator<Item = u64>, key: F) -> BTreeMap<NodeId, Vec<u64>> {
@@ -383,7 +397,10 @@ async fn read_chunk(node: Arc<Node>, f: FileMeta, first: u64, count: u64) -> Res
     for (l, idx) in homes {
         let (node, st, f) = (node.clone(), st.clone(), f.clone());
         reads.spawn(async move {
-            let r = read_from(&node, &st, &f, Role::Primary, l, idx.clone()).await;
+            // Wait briefly for a primary only when its mirror can take over.
+            let mirror = node.placement.mirror(f.id, idx[0]);
+            let timeout = if node.can_serve(&st, mirror) { node.read_timeout() } else { node.request_timeout };
+            let r = read_from_within(&node, &st, &f, Role::Primary, l, idx.clone(), timeout).await;
             (idx, r)
         });
     }
@@ -402,6 +419,7 @@ async fn read_chunk(node: Arc<Node>, f: FileMeta, first: u64, count: u64) -> Res
     }
     let reasons: BTreeMap<u64, (String, bool)> = failed.iter().map(|(i, r, bad)| (*i, (r.clone(), *bad))).collect();
     let mirrors = group_by(failed.iter().map(|(i, _, _)| *i), |i| p.mirror(f.id, i));
+    let mut unreadable: Vec<(u64, String)> = Vec::new();
     for (l, idx) in mirrors {
         let pages = read_from(&node, &st, &f, Role::Mirror, l, idx.clone()).await;
         let mut repairs: BTreeMap<NodeId, Vec<PageData>> = BTreeMap::new();
@@ -416,12 +434,7 @@ async fn read_chunk(node: Arc<Node>, f: FileMeta, first: u64, count: u64) -> Res
                     }
                     out[((i - first) as usize) * PAGE_SIZE..][..PAGE_SIZE].copy_from_slice(&d);
                 }
-                other => {
-                    return Err(OpError::new(
-                        ErrorKind::Io,
-                        format!("page {i} of '{}' is unreadable: primary {}, mirror {other:?}", f.name, reasons[&i].0),
-                    ))
-                }
+                other => unreadable.push((i, format!("{other:?}"))),
             }
         }
         for (home, pages) in repairs {
@@ -441,6 +454,24 @@ async fn read_chunk(node: Arc<Node>, f: FileMeta, first: u64, count: u64) -> Res
                 }
             });
         }
+    }
+    // A primary that only timed out may have been slow, not dead: one more try with the full
+    // request timeout, batched per home node.
+    let retry = group_by(unreadable.iter().filter(|(i, _)| !reasons[i].1).map(|(i, _)| *i), |i| p.home(f.id, i));
+    let mut recovered = std::collections::BTreeSet::new();
+    for (home, idx) in retry {
+        for (i, pr) in idx.iter().zip(read_from(&node, &st, &f, Role::Primary, home, idx.clone()).await) {
+            if let PageRead::Ok(d) = pr {
+                out[((i - first) as usize) * PAGE_SIZE..][..PAGE_SIZE].copy_from_slice(&d);
+                recovered.insert(*i);
+            }
+        }
+    }
+    if let Some((i, mirror_err)) = unreadable.iter().find(|(i, _)| !recovered.contains(i)) {
+        return Err(OpError::new(
+            ErrorKind::Io,
+            format!("page {i} of '{}' is unreadable: primary {}, mirror {mirror_err}", f.name, reasons[i].0),
+        ));
     }
     Ok(out)
 }

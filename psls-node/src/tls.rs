@@ -68,6 +68,18 @@ pub fn configs(dir: &Path, name: &str) -> Result<(quinn::ServerConfig, quinn::Cl
     Ok((sc, cc))
 }
 
+/// A stateless-reset key that survives restarts (derived from the node's private key), so a
+/// restarted node can tell peers at once that their old connections to it are gone, instead of
+/// leaving them to time out.
+pub fn reset_key(dir: &Path, name: &str) -> Result<Arc<ring::hmac::Key>> {
+    let key_path = dir.join(format!("{name}.key"));
+    let pem = std::fs::read(&key_path).with_context(|| format!("reading {}", key_path.display()))?;
+    let mut ctx = ring::digest::Context::new(&ring::digest::SHA256);
+    ctx.update(b"psls stateless reset v1\0");
+    ctx.update(&pem);
+    Ok(Arc::new(ring::hmac::Key::new(ring::hmac::HMAC_SHA256, ctx.finish().as_ref())))
+}
+
 /// The node name in a verified peer certificate chain.
 pub fn peer_name(conn: &quinn::Connection) -> Option<String> {
     let any = conn.peer_identity()?;

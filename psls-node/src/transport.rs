@@ -34,9 +34,12 @@ impl Transport {
         addr: SocketAddr,
         server: quinn::ServerConfig,
         client: quinn::ClientConfig,
+        reset_key: Arc<ring::hmac::Key>,
         peers: HashMap<String, SocketAddr>,
     ) -> std::io::Result<Transport> {
-        let mut endpoint = quinn::Endpoint::server(server, addr)?;
+        let socket = std::net::UdpSocket::bind(addr)?;
+        let runtime = quinn::default_runtime().ok_or_else(|| std::io::Error::other("no async runtime"))?;
+        let mut endpoint = quinn::Endpoint::new(quinn::EndpointConfig::new(reset_key), Some(server), socket, runtime)?;
         endpoint.set_default_client_config(client);
         let dial = peers.keys().map(|k| (k.clone(), tokio::sync::Mutex::new(()))).collect();
         Ok(Transport { endpoint, addrs: peers, conns: Mutex::new(HashMap::new()), dial })
@@ -77,10 +80,15 @@ impl Transport {
             let resp = recv.read_to_end(MAX_PEER_MSG).await.map_err(|e| broken(&e))?;
             peer::decode::<PeerResp>(&resp).map_err(|message| NetError::BadResponse { peer: peer.into(), message })
         };
-        match tokio::time::timeout(timeout, fut).await {
+        let r = match tokio::time::timeout(timeout, fut).await {
             Ok(r) => r,
             Err(_) => Err(NetError::Timeout { peer: peer.into(), ms: timeout.as_millis() as u64 }),
+        };
+        if matches!(r, Err(NetError::Timeout { .. } | NetError::Unreachable { .. })) {
+            // The peer may have restarted behind this connection: dial afresh next time.
+            self.drop_connection(peer);
         }
+        r
     }
 
     /// Forgets the cached connection to `peer` (after it restarted, say).

@@ -1,1 +1,218 @@
-//! placeholder
+//! Test harness for multi-process integration tests: a local cluster of real `psls-node`
+//! daemons on loopback ports, driven through the real `psls` CLI. Binaries come from the
+//! workspace target folder (`cargo build --workspace --bins` first; the test script does).
+//!
+//! Every cluster lives in its own temporary folder and port range and is stopped on drop.
+
+use psls_ipc::proto::ClusterStatus;
+use psls_ipc::ClusterConfig;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+/// Folder holding the `psls` and `psls-node` binaries.
+pub fn bin_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable path");
+    let dir = exe.parent().and_then(Path::parent).expect("target/<profile>").to_path_buf();
+    for b in ["psls", "psls-node"] {
+        assert!(dir.join(b).exists(), "{} missing: run `cargo build --workspace --bins` before the tests", dir.join(b).display());
+    }
+    dir
+}
+
+pub fn psls_bin() -> PathBuf {
+    bin_dir().join("psls")
+}
+
+static NEXT: AtomicU32 = AtomicU32::new(0);
+
+/// A base port with `count` free UDP ports after it.
+fn free_ports(count: u16) -> u16 {
+    loop {
+        let k = NEXT.fetch_add(1, Ordering::SeqCst);
+        let base = 20000 + ((std::process::id() % 400) * 80 + k * 8) as u16 % 40000;
+        let ok = (0..count).all(|i| std::net::UdpSocket::bind(("127.0.0.1", base + i)).is_ok());
+        if ok {
+            return base;
+        }
+    }
+}
+
+/// Deterministic pseudo-random bytes.
+pub fn random_bytes(len: usize, seed: u64) -> Vec<u8> {
+    let mut out = vec![0u8; len];
+    let mut s = seed;
+    for chunk in out.chunks_mut(8) {
+        s = s.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = s;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        chunk.copy_from_slice(&z.to_le_bytes()[..chunk.len()]);
+    }
+    out
+}
+
+pub struct Cluster {
+    pub tmp: tempfile::TempDir,
+    pub dir: PathBuf,
+    pub env: Vec<(String, String)>,
+}
+
+impl Cluster {
+    /// Initialises (not starts) a cluster; `tune` may edit the config before it is written.
+    pub fn init(nodes: u32, spares: u32, tune: impl FnOnce(&mut ClusterConfig)) -> Cluster {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let dir = tmp.path().join("c");
+        let base = free_ports((nodes + spares) as u16);
+        let c = Cluster { tmp, dir, env: Vec::new() };
+        c.ok(&["cluster", "init", "--nodes", &nodes.to_string(), "--spares", &spares.to_string(), "--base-port", &base.to_string(), "--memory-mb", "256"]);
+        let path = c.dir.join("cluster.toml");
+        let mut cfg = ClusterConfig::load(&path).expect("config written by init loads");
+        cfg.cluster.heartbeat_timeout_ms = 1500;
+        tune(&mut cfg);
+        std::fs::write(&path, cfg.to_toml()).expect("write config");
+        c
+    }
+
+    /// Initialises and starts a cluster.
+    pub fn start(nodes: u32, spares: u32) -> Cluster {
+        let c = Cluster::init(nodes, spares, |_| {});
+        c.ok(&["cluster", "up"]);
+        c
+    }
+
+    pub fn config(&self) -> ClusterConfig {
+        ClusterConfig::load(&self.dir.join("cluster.toml")).expect("config")
+    }
+
+    pub fn cmd(&self, args: &[&str]) -> Command {
+        let mut cmd = Command::new(psls_bin());
+        cmd.arg("--dir").arg(&self.dir).args(args).env_remove("PSLS_SOCKET");
+        for (k, v) in &self.env {
+            cmd.env(k, v);
+        }
+        cmd
+    }
+
+    pub fn run(&self, args: &[&str]) -> Output {
+        self.cmd(args).output().expect("run psls")
+    }
+
+    /// Runs `psls ARGS`, panics with its output unless it succeeds; returns stdout.
+    pub fn ok(&self, args: &[&str]) -> String {
+        let o = self.run(args);
+        if !o.status.success() && String::from_utf8_lossy(&o.stderr).contains("in use") {
+            // Diagnose who holds the ports.
+            let ss = Command::new("ss").arg("-uapn").output().map(|o| String::from_utf8_lossy(&o.stdout).into_owned());
+            let ps = Command::new("ps").args(["-eo", "pid,ppid,stat,args"]).output().map(|o| String::from_utf8_lossy(&o.stdout).into_owned());
+            eprintln!("ss:\n{}\nps:\n{}", ss.unwrap_or_default(), ps.unwrap_or_default());
+        }
+        assert!(
+            o.status.success(),
+            "psls {args:?} failed ({}):\nstdout: {}\nstderr: {}",
+            o.status,
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        );
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    }
+
+    /// Runs `psls ARGS`, which must fail with exactly one error line; returns that line.
+    pub fn fails(&self, args: &[&str]) -> String {
+        let o = self.run(args);
+        let err = String::from_utf8_lossy(&o.stderr).into_owned();
+        assert!(!o.status.success(), "psls {args:?} should fail but succeeded: {}", String::from_utf8_lossy(&o.stdout));
+        let lines: Vec<&str> = err.lines().filter(|l| !l.trim().is_empty()).collect();
+        assert!(!lines.is_empty(), "psls {args:?} failed without a message");
+        assert!(!err.contains("panicked"), "psls {args:?} panicked: {err}");
+        lines.join("\n")
+    }
+
+    pub fn status(&self) -> ClusterStatus {
+        let out = self.ok(&["cluster", "status", "--json"]);
+        serde_json::from_str(&out).expect("status json")
+    }
+
+    pub fn pid(&self, node: &str) -> i32 {
+        psls_client::cluster::running_pid(&self.dir, node).unwrap_or_else(|| panic!("{node} is not running"))
+    }
+
+    /// kill -9 of one daemon; waits until the process is gone.
+    pub fn kill(&self, node: &str) {
+        let pid = self.pid(node);
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL).expect("kill");
+        assert!(psls_client::cluster::wait_gone(pid, Duration::from_secs(10)), "{node} survived SIGKILL");
+    }
+
+    /// kill -9 of every daemon at once (a power cut when the daemons use the fault disk).
+    pub fn kill_all(&self) {
+        let cfg = self.config();
+        let pids: Vec<(String, i32)> = cfg.all().filter_map(|n| psls_client::cluster::running_pid(&self.dir, &n.name).map(|p| (n.name.clone(), p))).collect();
+        for (_, pid) in &pids {
+            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(*pid), nix::sys::signal::Signal::SIGKILL);
+        }
+        for (name, pid) in &pids {
+            assert!(psls_client::cluster::wait_gone(*pid, Duration::from_secs(10)), "{name} survived SIGKILL");
+        }
+    }
+
+    /// Waits until `node` is seen in `state` by the answering daemon.
+    pub fn wait_state(&self, node: &str, state: &str) {
+        let t = Instant::now();
+        loop {
+            let s = self.status();
+            if s.nodes.iter().any(|n| n.name == node && n.state.to_string() == state) {
+                return;
+            }
+            assert!(t.elapsed() < Duration::from_secs(30), "{node} never became {state}: {s:?}");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    pub fn path(&self, name: &str) -> PathBuf {
+        self.tmp.path().join(name)
+    }
+
+    pub fn write_local(&self, name: &str, data: &[u8]) -> String {
+        let p = self.path(name);
+        std::fs::write(&p, data).expect("write local file");
+        p.display().to_string()
+    }
+
+    /// Exports `name` and returns its bytes.
+    pub fn export(&self, name: &str, extra: &[&str]) -> Vec<u8> {
+        let out = self.path("export.out");
+        let o = out.display().to_string();
+        let mut args: Vec<&str> = extra.to_vec();
+        args.extend(["export", name, o.as_str()]);
+        self.ok(&args);
+        let d = std::fs::read(&out).expect("read export");
+        std::fs::remove_file(&out).expect("rm export");
+        d
+    }
+
+    /// Whether any daemon's log contains `text`.
+    pub fn logs_contain(&self, text: &str) -> bool {
+        self.config().all().any(|n| self.log(&n.name).contains(text))
+    }
+
+    pub fn log(&self, node: &str) -> String {
+        std::fs::read_to_string(psls_client::cluster::log_file(&self.dir, node)).unwrap_or_default()
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        let _ = self.cmd(&["cluster", "down"]).output();
+    }
+}
+
+/// Asserts two byte strings are equal without printing megabytes.
+pub fn assert_same(got: &[u8], want: &[u8], what: &str) {
+    if got != want {
+        let first = got.iter().zip(want).position(|(a, b)| a != b);
+        panic!("{what}: {} bytes vs {} expected; first difference at {first:?}", got.len(), want.len());
+    }
+}
