@@ -20,21 +20,37 @@ pub fn config_path(dir: &Path) -> PathBuf {
 pub fn load(dir: &Path) -> Result<ClusterConfig> {
     let p = config_path(dir);
     if !p.exists() {
-        bail!("no cluster at {} (run `psls cluster init` first, or set PSLS_HOME / --dir)", dir.display());
+        bail!(
+            "no cluster at {} (run `psls cluster init` first, or set PSLS_HOME / --dir)",
+            dir.display()
+        );
     }
     Ok(ClusterConfig::load(&p)?)
 }
 
 /// `psls cluster init`.
-pub fn init(dir: &Path, nodes: u32, spares: u32, memory_mb: u64, base_port: u16, force: bool) -> Result<ClusterConfig> {
+pub fn init(
+    dir: &Path,
+    nodes: u32,
+    spares: u32,
+    memory_mb: u64,
+    base_port: u16,
+    force: bool,
+) -> Result<ClusterConfig> {
     if config_path(dir).exists() && !force {
-        bail!("a cluster already exists at {} (use --force to overwrite it)", dir.display());
+        bail!(
+            "a cluster already exists at {} (use --force to overwrite it)",
+            dir.display()
+        );
     }
     if !(2..=1024).contains(&nodes) {
         bail!("--nodes must be between 2 and 1024");
     }
     if base_port as u32 + nodes + spares > 65535 || base_port == 0 {
-        bail!("--base-port {base_port} leaves no room for {} ports", nodes + spares);
+        bail!(
+            "--base-port {base_port} leaves no room for {} ports",
+            nodes + spares
+        );
     }
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     let mut cfg = ClusterConfig::local(nodes, spares, memory_mb, base_port);
@@ -61,14 +77,23 @@ pub fn log_file(dir: &Path, name: &str) -> PathBuf {
 
 /// The pid of node `name`'s daemon if it is running.
 pub fn running_pid(dir: &Path, name: &str) -> Option<i32> {
-    let pid: i32 = std::fs::read_to_string(pid_file(dir, name)).ok()?.trim().parse().ok()?;
+    let pid: i32 = std::fs::read_to_string(pid_file(dir, name))
+        .ok()?
+        .trim()
+        .parse()
+        .ok()?;
     let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
     let args: Vec<&[u8]> = cmd.split(|&b| b == 0).collect();
     let is_ours = args.first().is_some_and(|a| a.ends_with(b"psls-node"))
-        && args.windows(2).any(|w| w[0] == b"--node" && w[1] == name.as_bytes());
+        && args
+            .windows(2)
+            .any(|w| w[0] == b"--node" && w[1] == name.as_bytes());
     // A zombie (killed but not reaped) is not running.
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let zombie = stat.rsplit(')').next().is_some_and(|s| s.trim_start().starts_with('Z'));
+    let zombie = stat
+        .rsplit(')')
+        .next()
+        .is_some_and(|s| s.trim_start().starts_with('Z'));
     (is_ours && !zombie).then_some(pid)
 }
 
@@ -76,13 +101,18 @@ pub fn running_pid(dir: &Path, name: &str) -> Option<i32> {
 /// (only then are its sockets closed). A dying process's cmdline empties, and its leader turns
 /// zombie, while other threads still hold its files, so neither is enough on its own.
 pub fn process_gone(pid: i32) -> bool {
-    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return true };
-    tasks.filter_map(Result::ok).all(|t| {
-        match std::fs::read_to_string(t.path().join("stat")) {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return true;
+    };
+    tasks
+        .filter_map(Result::ok)
+        .all(|t| match std::fs::read_to_string(t.path().join("stat")) {
             Err(_) => true,
-            Ok(stat) => stat.rsplit(')').next().is_some_and(|s| matches!(s.trim_start().chars().next(), Some('Z' | 'X'))),
-        }
-    })
+            Ok(stat) => stat
+                .rsplit(')')
+                .next()
+                .is_some_and(|s| matches!(s.trim_start().chars().next(), Some('Z' | 'X'))),
+        })
 }
 
 /// Waits until `pid` has exited; false on timeout.
@@ -106,7 +136,10 @@ fn node_binary() -> Result<PathBuf> {
     if p.exists() {
         Ok(p)
     } else {
-        bail!("psls-node not found next to {} (set PSLS_NODE_BIN)", me.display())
+        bail!(
+            "psls-node not found next to {} (set PSLS_NODE_BIN)",
+            me.display()
+        )
     }
 }
 
@@ -118,7 +151,10 @@ fn tail(path: &Path, lines: usize) -> String {
 
 /// Starts daemon `n` in the background.
 fn spawn(dir: &Path, n: &NodeEntry) -> Result<std::process::Child> {
-    let log = std::fs::OpenOptions::new().create(true).append(true).open(log_file(dir, &n.name))?;
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log_file(dir, &n.name))?;
     let child = Command::new(node_binary()?)
         .arg("--config")
         .arg(config_path(dir))
@@ -160,14 +196,21 @@ pub fn up(dir: &Path, timeout: Duration, quiet: bool) -> Result<()> {
     loop {
         for (name, child) in &mut children {
             if let Some(status) = child.try_wait()? {
-                bail!("{name} exited ({status}) during start-up:\n{}", tail(&log_file(dir, name), 5));
+                bail!(
+                    "{name} exited ({status}) during start-up:\n{}",
+                    tail(&log_file(dir, name), 5)
+                );
             }
         }
         if healthy(&cfg, &expected) {
             return Ok(());
         }
         if Instant::now() > deadline {
-            bail!("the cluster did not become healthy within {} s (see {}/logs)", timeout.as_secs(), dir.display());
+            bail!(
+                "the cluster did not become healthy within {} s (see {}/logs)",
+                timeout.as_secs(),
+                dir.display()
+            );
         }
         std::thread::sleep(Duration::from_millis(100));
     }
@@ -178,11 +221,15 @@ pub fn up(dir: &Path, timeout: Duration, quiet: bool) -> Result<()> {
 fn healthy(cfg: &ClusterConfig, expected: &[NodeEntry]) -> bool {
     let mut seqs = Vec::new();
     let all_up = expected.iter().all(|n| {
-        let Ok(mut c) = Client::connect(&cfg.socket_path(n)) else { return false };
+        let Ok(mut c) = Client::connect(&cfg.socket_path(n)) else {
+            return false;
+        };
         let Ok(st) = c.status() else { return false };
         seqs.push(st.meta_seq);
         expected.iter().all(|e| {
-            st.nodes.iter().any(|s| s.name == e.name && (s.state == NodeState::Up || s.state == NodeState::Replaced))
+            st.nodes.iter().any(|s| {
+                s.name == e.name && (s.state == NodeState::Up || s.state == NodeState::Replaced)
+            })
         })
     });
     all_up && seqs.windows(2).all(|w| w[0] == w[1])
@@ -220,7 +267,9 @@ pub fn connect(dir: &Path, node: Option<&str>) -> Result<Client> {
     }
     let cfg = load(dir)?;
     if let Some(name) = node {
-        let n = cfg.entry(name).ok_or_else(|| anyhow!("no node named '{name}' in {}", config_path(dir).display()))?;
+        let n = cfg
+            .entry(name)
+            .ok_or_else(|| anyhow!("no node named '{name}' in {}", config_path(dir).display()))?;
         return Ok(Client::connect(&cfg.socket_path(n))?);
     }
     for n in cfg.all() {
@@ -228,5 +277,8 @@ pub fn connect(dir: &Path, node: Option<&str>) -> Result<Client> {
             return Ok(c);
         }
     }
-    bail!("no node daemon of the cluster at {} is running (run `psls cluster up`)", dir.display())
+    bail!(
+        "no node daemon of the cluster at {} is running (run `psls cluster up`)",
+        dir.display()
+    )
 }

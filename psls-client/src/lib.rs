@@ -4,7 +4,9 @@
 
 pub mod cluster;
 
-use psls_ipc::proto::{self, ClusterStatus, FileInfo, FrameError, Request, Response, ScrubReport, Stripe, CHUNK};
+use psls_ipc::proto::{
+    self, ClusterStatus, FileInfo, FrameError, Request, Response, ScrubReport, Stripe, CHUNK,
+};
 use psls_ipc::ErrorKind;
 use std::io::{BufReader, BufWriter, Read, Write};
 use std::os::unix::net::UnixStream;
@@ -15,12 +17,13 @@ use std::path::Path;
 pub enum ClientError {
     #[error("{message}")]
     Daemon { kind: ErrorKind, message: String },
-    #[error("cannot reach the node daemon at {path}: {source}")]
-    Connect { path: String, source: std::io::Error },
+    #[error("cannot reach the node daemon at {path}: {err}")]
+    Connect { path: String, err: std::io::Error },
     #[error("connection to the node daemon failed: {0}")]
-    Frame(#[from] FrameError),
+    Frame(FrameError),
+    /// Reading the data to import, or writing the exported data, failed.
     #[error("local file error: {0}")]
-    Local(#[from] std::io::Error),
+    Local(std::io::Error),
     #[error("unexpected answer from the daemon: {0}")]
     Protocol(String),
 }
@@ -39,19 +42,27 @@ fn unexpected(r: Response) -> ClientError {
 
 impl Client {
     pub fn connect(path: &Path) -> Result<Client, ClientError> {
-        let s = UnixStream::connect(path).map_err(|source| ClientError::Connect { path: path.display().to_string(), source })?;
-        let r = BufReader::with_capacity(1 << 20, s.try_clone()?);
-        Ok(Client { r, w: BufWriter::with_capacity(1 << 20, s) })
+        let s = UnixStream::connect(path).map_err(|err| ClientError::Connect {
+            path: path.display().to_string(),
+            err,
+        })?;
+        let r = BufReader::with_capacity(
+            1 << 20,
+            s.try_clone().map_err(|e| ClientError::Frame(e.into()))?,
+        );
+        Ok(Client {
+            r,
+            w: BufWriter::with_capacity(1 << 20, s),
+        })
     }
 
     fn send(&mut self, req: &Request) -> Result<(), ClientError> {
-        proto::write_frame(&mut self.w, req)?;
-        self.w.flush()?;
-        Ok(())
+        proto::write_frame(&mut self.w, req).map_err(ClientError::Frame)?;
+        self.w.flush().map_err(|e| ClientError::Frame(e.into()))
     }
 
     fn recv(&mut self) -> Result<Response, ClientError> {
-        Ok(proto::read_frame(&mut self.r)?)
+        proto::read_frame(&mut self.r).map_err(ClientError::Frame)
     }
 
     fn call(&mut self, req: &Request) -> Result<Response, ClientError> {
@@ -67,27 +78,48 @@ impl Client {
     }
 
     pub fn create(&mut self, name: &str, size: u64, mode: u32) -> Result<FileInfo, ClientError> {
-        match self.call(&Request::Create { name: name.into(), size, mode })? {
+        match self.call(&Request::Create {
+            name: name.into(),
+            size,
+            mode,
+        })? {
             Response::Files(mut f) if f.len() == 1 => Ok(f.remove(0)),
             r => Err(unexpected(r)),
         }
     }
 
     /// Imports `size` bytes from `src`; succeeds only after the daemon's durable commit.
-    pub fn import(&mut self, src: &mut impl Read, size: u64, name: &str, mode: u32, replace: bool) -> Result<FileInfo, ClientError> {
-        self.send(&Request::ImportBegin { name: name.into(), size, mode, replace })?;
+    pub fn import(
+        &mut self,
+        src: &mut impl Read,
+        size: u64,
+        name: &str,
+        mode: u32,
+        replace: bool,
+    ) -> Result<FileInfo, ClientError> {
+        self.send(&Request::ImportBegin {
+            name: name.into(),
+            size,
+            mode,
+            replace,
+        })?;
         let mut left = size;
         let mut buf = vec![0u8; CHUNK];
         let streamed: Result<(), ClientError> = (|| {
             while left > 0 {
                 let n = (left as usize).min(CHUNK);
-                src.read_exact(&mut buf[..n])?;
-                proto::write_frame(&mut self.w, &Request::ImportData { data: buf[..n].to_vec() })?;
+                src.read_exact(&mut buf[..n]).map_err(ClientError::Local)?;
+                proto::write_frame(
+                    &mut self.w,
+                    &Request::ImportData {
+                        data: buf[..n].to_vec(),
+                    },
+                )
+                .map_err(ClientError::Frame)?;
                 left -= n as u64;
             }
-            proto::write_frame(&mut self.w, &Request::ImportCommit)?;
-            self.w.flush()?;
-            Ok(())
+            proto::write_frame(&mut self.w, &Request::ImportCommit).map_err(ClientError::Frame)?;
+            self.w.flush().map_err(|e| ClientError::Frame(e.into()))
         })();
         if let Err(ClientError::Local(_)) = &streamed {
             // Our source failed: half-close so the daemon sees the end, aborts and answers.
@@ -115,14 +147,16 @@ impl Client {
             match self.recv()? {
                 Response::Data(d) => {
                     got += d.len() as u64;
-                    dst.write_all(&d)?;
+                    dst.write_all(&d).map_err(ClientError::Local)?;
                 }
                 Response::ExportEnd => break,
                 r => return Err(unexpected(r)),
             }
         }
         if got != size {
-            return Err(ClientError::Protocol(format!("export ended after {got} of {size} bytes")));
+            return Err(ClientError::Protocol(format!(
+                "export ended after {got} of {size} bytes"
+            )));
         }
         Ok(size)
     }
@@ -156,7 +190,10 @@ impl Client {
     }
 
     pub fn replace(&mut self, logical: u32, spare: &str) -> Result<(), ClientError> {
-        match self.call(&Request::NodeReplace { logical, spare: spare.into() })? {
+        match self.call(&Request::NodeReplace {
+            logical,
+            spare: spare.into(),
+        })? {
             Response::Ok => Ok(()),
             r => Err(unexpected(r)),
         }

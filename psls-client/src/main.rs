@@ -125,7 +125,10 @@ fn parse_mode(s: &str) -> Result<u32, String> {
 }
 
 fn home(cli: &Cli) -> PathBuf {
-    cli.dir.clone().or_else(|| std::env::var_os("PSLS_HOME").map(PathBuf::from)).unwrap_or_else(|| PathBuf::from(".psls"))
+    cli.dir
+        .clone()
+        .or_else(|| std::env::var_os("PSLS_HOME").map(PathBuf::from))
+        .unwrap_or_else(|| PathBuf::from(".psls"))
 }
 
 fn main() -> std::process::ExitCode {
@@ -153,7 +156,10 @@ fn print_status(s: &ClusterStatus) {
         s.map_version,
         s.files
     );
-    println!("{:<6} {:>3} {:<21} {:>8} {:>4} {:<9} {:>22} {:>12} {:>12}", "NODE", "ID", "ADDRESS", "PID", "INC", "STATE", "MEMORY", "DISK USED", "DISK FREE");
+    println!(
+        "{:<6} {:>3} {:<21} {:>8} {:>4} {:<9} {:>22} {:>12} {:>12}",
+        "NODE", "ID", "ADDRESS", "PID", "INC", "STATE", "MEMORY", "DISK USED", "DISK FREE"
+    );
     let tty = std::io::stdout().is_terminal();
     for n in &s.nodes {
         let state = match (&n.state, n.spare, n.coordinator) {
@@ -169,15 +175,27 @@ fn print_status(s: &ClusterStatus) {
             n.pid.map_or("-".into(), |p| p.to_string()),
             n.incarnation,
             state,
-            format!("{} / {}", mib(n.memory_used_bytes), mib(n.memory_capacity_bytes)),
+            format!(
+                "{} / {}",
+                mib(n.memory_used_bytes),
+                mib(n.memory_capacity_bytes)
+            ),
             mib(n.disk_used_bytes),
             mib(n.disk_free_bytes)
         );
         if let Some((done, total)) = n.rebuild {
-            let pct = if total == 0 { 100.0 } else { done as f64 * 100.0 / total as f64 };
+            let pct = if total == 0 {
+                100.0
+            } else {
+                done as f64 * 100.0 / total as f64
+            };
             if tty {
                 let filled = (pct / 5.0) as usize;
-                println!("       re-mirroring [{}{}] {pct:5.1}% {done}/{total} pages", "#".repeat(filled), "-".repeat(20 - filled.min(20)));
+                println!(
+                    "       re-mirroring [{}{}] {pct:5.1}% {done}/{total} pages",
+                    "#".repeat(filled),
+                    "-".repeat(20 - filled.min(20))
+                );
             } else {
                 println!("       re-mirroring {done}/{total} pages ({pct:.1}%)");
             }
@@ -190,7 +208,13 @@ fn run(cli: &Cli) -> Result<()> {
     let dir = home(cli);
     let node = cli.node.as_deref();
     match &cli.cmd {
-        Cmd::Cluster(ClusterCmd::Init { nodes, spares, memory_mb, base_port, force }) => {
+        Cmd::Cluster(ClusterCmd::Init {
+            nodes,
+            spares,
+            memory_mb,
+            base_port,
+            force,
+        }) => {
             let cfg = cluster::init(&dir, *nodes, *spares, *memory_mb, *base_port, *force)?;
             println!(
                 "initialised cluster '{}' in {}: {} nodes, {} spares, ports {}..{}",
@@ -229,30 +253,74 @@ fn run(cli: &Cli) -> Result<()> {
             let f = cluster::connect(&dir, node)?.create(name, *size, *mode)?;
             println!("created {} ({} bytes, {} pages)", f.name, f.size, f.pages);
         }
-        Cmd::Import { local, name, replace, mode } => {
-            let mut file = std::fs::File::open(local).with_context(|| format!("opening {}", local.display()))?;
+        Cmd::Import {
+            local,
+            name,
+            replace,
+            mode,
+        } => {
+            let mut file = std::fs::File::open(local)
+                .with_context(|| format!("opening {}", local.display()))?;
             let size = file.metadata()?.len();
             let t = Instant::now();
-            let f = cluster::connect(&dir, node)?.import(&mut std::io::BufReader::with_capacity(1 << 20, &mut file), size, name, *mode, *replace)?;
+            let f = cluster::connect(&dir, node)?.import(
+                &mut std::io::BufReader::with_capacity(1 << 20, &mut file),
+                size,
+                name,
+                *mode,
+                *replace,
+            )?;
             let secs = t.elapsed().as_secs_f64();
-            println!("imported {} ({} bytes, {} pages) in {secs:.2} s ({:.0} MiB/s)", f.name, f.size, f.pages, size as f64 / 1048576.0 / secs.max(1e-9));
+            println!(
+                "imported {} ({} bytes, {} pages) in {secs:.2} s ({:.0} MiB/s)",
+                f.name,
+                f.size,
+                f.pages,
+                size as f64 / 1048576.0 / secs.max(1e-9)
+            );
         }
         Cmd::Export { name, local } => {
-            let tmp = local.with_extension("psls-partial");
             let t = Instant::now();
-            let size = {
-                let file = std::fs::File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
+            let direct = local.as_os_str() == "-" || local.metadata().is_ok_and(|m| !m.is_file());
+            let size = if direct {
+                // stdout, a device or a pipe: stream straight into it.
+                let mut w: Box<dyn Write> = if local.as_os_str() == "-" {
+                    Box::new(std::io::BufWriter::new(std::io::stdout().lock()))
+                } else {
+                    Box::new(
+                        std::fs::OpenOptions::new()
+                            .write(true)
+                            .open(local)
+                            .with_context(|| format!("opening {}", local.display()))?,
+                    )
+                };
+                let size = cluster::connect(&dir, node)?.export(name, &mut w)?;
+                w.flush()?;
+                size
+            } else {
+                // A regular file appears only once complete.
+                let tmp = local.with_extension("psls-partial");
+                let file = std::fs::File::create(&tmp)
+                    .with_context(|| format!("creating {}", tmp.display()))?;
                 let mut w = std::io::BufWriter::with_capacity(1 << 20, file);
-                let r = cluster::connect(&dir, node)?.export(name, &mut w);
-                let r = r.map_err(anyhow::Error::from).and_then(|s| w.flush().map(|()| s).map_err(Into::into));
+                let r = cluster::connect(&dir, node)
+                    .and_then(|mut c| Ok(c.export(name, &mut w)?))
+                    .and_then(|s| Ok(w.flush().map(|()| s)?));
                 if r.is_err() {
                     let _ = std::fs::remove_file(&tmp);
                 }
-                r?
+                let size = r?;
+                std::fs::rename(&tmp, local)?;
+                size
             };
-            std::fs::rename(&tmp, local)?;
-            let secs = t.elapsed().as_secs_f64();
-            println!("exported {name} to {} ({size} bytes) in {secs:.2} s ({:.0} MiB/s)", local.display(), size as f64 / 1048576.0 / secs.max(1e-9));
+            if local.as_os_str() != "-" {
+                let secs = t.elapsed().as_secs_f64();
+                println!(
+                    "exported {name} to {} ({size} bytes) in {secs:.2} s ({:.0} MiB/s)",
+                    local.display(),
+                    size as f64 / 1048576.0 / secs.max(1e-9)
+                );
+            }
         }
         Cmd::Ls { json } => {
             let files = cluster::connect(&dir, node)?.ls()?;
@@ -260,7 +328,10 @@ fn run(cli: &Cli) -> Result<()> {
                 println!("{}", serde_json::to_string_pretty(&files)?);
             } else {
                 for f in files {
-                    println!("{:>4o} {:>6} {:>6} {:>14} {}", f.mode, f.uid, f.gid, f.size, f.name);
+                    println!(
+                        "{:>4o} {:>6} {:>6} {:>14} {}",
+                        f.mode, f.uid, f.gid, f.size, f.name
+                    );
                 }
             }
         }
@@ -272,7 +343,10 @@ fn run(cli: &Cli) -> Result<()> {
                 println!("name: {}\nid: {:016x}\nsize: {} bytes\npages: {}\nowner: uid {} gid {}\nmode: {:o}\ngeneration: {}", f.name, f.id, f.size, f.pages, f.uid, f.gid, f.mode, f.gen);
                 println!("stripes (pages first, first+N, ...):");
                 for s in stripes {
-                    println!("  first page {:>6}: {:>8} pages  home node {}  mirror node {}", s.first_page, s.pages, s.home, s.mirror);
+                    println!(
+                        "  first page {:>6}: {:>8} pages  home node {}  mirror node {}",
+                        s.first_page, s.pages, s.home, s.mirror
+                    );
                 }
             }
         }
@@ -299,8 +373,10 @@ fn wait_rebuild(dir: &Path, spare: &str) -> Result<()> {
     let bar = std::io::stdout().is_terminal().then(|| {
         let b = indicatif::ProgressBar::new(0);
         b.set_style(
-            indicatif::ProgressStyle::with_template("re-mirroring {bar:40} {pos}/{len} pages ({eta})")
-                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+            indicatif::ProgressStyle::with_template(
+                "re-mirroring {bar:40} {pos}/{len} pages ({eta})",
+            )
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
         );
         b
     });
@@ -308,7 +384,11 @@ fn wait_rebuild(dir: &Path, spare: &str) -> Result<()> {
     let mut seen_rebuild = false;
     loop {
         let st = cluster::connect(dir, None)?.status()?;
-        let n = st.nodes.iter().find(|n| n.name == spare).context("spare vanished from status")?;
+        let n = st
+            .nodes
+            .iter()
+            .find(|n| n.name == spare)
+            .context("spare vanished from status")?;
         match n.rebuild {
             Some((done, total)) => {
                 seen_rebuild = true;
@@ -317,7 +397,9 @@ fn wait_rebuild(dir: &Path, spare: &str) -> Result<()> {
                     b.set_position(done);
                 }
             }
-            None if seen_rebuild || n.logical.is_some() && Instant::now() > deadline - Duration::from_secs(3590) => {
+            None if seen_rebuild
+                || n.logical.is_some() && Instant::now() > deadline - Duration::from_secs(3590) =>
+            {
                 // Done once the spare reported progress and stopped, or it never needed any.
                 let rebuilding_meta = st.nodes.iter().any(|x| x.rebuild.is_some());
                 if !rebuilding_meta {
@@ -354,7 +436,10 @@ fn demo(dir: &Path, size_mb: u64) -> Result<()> {
     use nix::sys::signal::{kill, Signal};
     if !cluster::config_path(dir).exists() {
         cluster::init(dir, 4, 1, 1024, 7400, false)?;
-        println!("[1/6] initialised a 4-node cluster (+1 spare) in {}", dir.display());
+        println!(
+            "[1/6] initialised a 4-node cluster (+1 spare) in {}",
+            dir.display()
+        );
     } else {
         println!("[1/6] using the cluster in {}", dir.display());
     }
@@ -364,9 +449,23 @@ fn demo(dir: &Path, size_mb: u64) -> Result<()> {
     let mut data = vec![0u8; size as usize];
     fill_random(&mut data, 2026);
     let t = Instant::now();
-    let exists = cluster::connect(dir, Some("n0"))?.ls()?.iter().any(|f| f.name == "demo.dat");
-    let f = cluster::connect(dir, Some("n0"))?.import(&mut data.as_slice(), size, "demo.dat", 0o644, exists)?;
-    println!("[3/6] imported demo.dat: {} MiB, {} pages, in {:.2} s", size_mb, f.pages, t.elapsed().as_secs_f64());
+    let exists = cluster::connect(dir, Some("n0"))?
+        .ls()?
+        .iter()
+        .any(|f| f.name == "demo.dat");
+    let f = cluster::connect(dir, Some("n0"))?.import(
+        &mut data.as_slice(),
+        size,
+        "demo.dat",
+        0o644,
+        exists,
+    )?;
+    println!(
+        "[3/6] imported demo.dat: {} MiB, {} pages, in {:.2} s",
+        size_mb,
+        f.pages,
+        t.elapsed().as_secs_f64()
+    );
     let victim = "n2";
     let pid = cluster::running_pid(dir, victim).context("n2 is not running")?;
     kill(nix::unistd::Pid::from_raw(pid), Signal::SIGKILL)?;
@@ -378,7 +477,11 @@ fn demo(dir: &Path, size_mb: u64) -> Result<()> {
     println!(
         "[5/6] exported demo.dat with {victim} down in {:.2} s: {}",
         t.elapsed().as_secs_f64(),
-        if same { "bit-identical to the original" } else { "DIFFERENT from the original" }
+        if same {
+            "bit-identical to the original"
+        } else {
+            "DIFFERENT from the original"
+        }
     );
     if !same {
         bail!("exported data differs from what was imported");
@@ -386,6 +489,9 @@ fn demo(dir: &Path, size_mb: u64) -> Result<()> {
     cluster::up(dir, Duration::from_secs(30), true)?;
     println!("[6/6] restarted {victim}; cluster status:");
     print_status(&cluster::connect(dir, Some("n0"))?.status()?);
-    println!("the cluster is still running: `psls --dir {} cluster down` stops it", dir.display());
+    println!(
+        "the cluster is still running: `psls --dir {} cluster down` stops it",
+        dir.display()
+    );
     Ok(())
 }

@@ -11,8 +11,8 @@ use std::path::Path;
 pub enum CertError {
     #[error("certificate generation failed: {0}")]
     Gen(#[from] rcgen::Error),
-    #[error("cannot write {path}: {source}")]
-    Io { path: String, source: std::io::Error },
+    #[error("cannot write {path}: {err}")]
+    Io { path: String, err: std::io::Error },
 }
 
 /// The DNS name in node `name`'s certificate.
@@ -21,19 +21,30 @@ pub fn dns_name(name: &str) -> String {
 }
 
 fn write(path: &Path, data: &str, mode: u32) -> Result<(), CertError> {
-    let io = |source| CertError::Io { path: path.display().to_string(), source };
+    let io = |err| CertError::Io {
+        path: path.display().to_string(),
+        err,
+    };
     fs::write(path, data).map_err(io)?;
     fs::set_permissions(path, fs::Permissions::from_mode(mode)).map_err(io)
 }
 
 /// Creates a new CA and certificates for `names` in `dir`.
 pub fn generate(dir: &Path, cluster: &str, names: &[String]) -> Result<(), CertError> {
-    fs::create_dir_all(dir).map_err(|source| CertError::Io { path: dir.display().to_string(), source })?;
+    fs::create_dir_all(dir).map_err(|err| CertError::Io {
+        path: dir.display().to_string(),
+        err,
+    })?;
     let ca_key = rcgen::KeyPair::generate()?;
     let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new())?;
     ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
-    ca_params.distinguished_name.push(rcgen::DnType::CommonName, format!("{cluster} cluster CA"));
-    ca_params.key_usages = vec![rcgen::KeyUsagePurpose::KeyCertSign, rcgen::KeyUsagePurpose::CrlSign];
+    ca_params
+        .distinguished_name
+        .push(rcgen::DnType::CommonName, format!("{cluster} cluster CA"));
+    ca_params.key_usages = vec![
+        rcgen::KeyUsagePurpose::KeyCertSign,
+        rcgen::KeyUsagePurpose::CrlSign,
+    ];
     let ca_cert = ca_params.self_signed(&ca_key)?;
     write(&dir.join("ca.pem"), &ca_cert.pem(), 0o644)?;
     write(&dir.join("ca.key"), &ca_key.serialize_pem(), 0o600)?;
@@ -41,12 +52,19 @@ pub fn generate(dir: &Path, cluster: &str, names: &[String]) -> Result<(), CertE
     for name in names {
         let key = rcgen::KeyPair::generate()?;
         let mut p = rcgen::CertificateParams::new(vec![dns_name(name)])?;
-        p.distinguished_name.push(rcgen::DnType::CommonName, name.clone());
-        p.extended_key_usages =
-            vec![rcgen::ExtendedKeyUsagePurpose::ServerAuth, rcgen::ExtendedKeyUsagePurpose::ClientAuth];
+        p.distinguished_name
+            .push(rcgen::DnType::CommonName, name.clone());
+        p.extended_key_usages = vec![
+            rcgen::ExtendedKeyUsagePurpose::ServerAuth,
+            rcgen::ExtendedKeyUsagePurpose::ClientAuth,
+        ];
         let cert = p.signed_by(&key, &issuer)?;
         write(&dir.join(format!("{name}.pem")), &cert.pem(), 0o644)?;
-        write(&dir.join(format!("{name}.key")), &key.serialize_pem(), 0o600)?;
+        write(
+            &dir.join(format!("{name}.key")),
+            &key.serialize_pem(),
+            0o600,
+        )?;
     }
     Ok(())
 }

@@ -27,8 +27,8 @@ use std::path::{Path, PathBuf};
 /// Errors loading or validating a configuration.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
-    #[error("cannot read config {path}: {source}")]
-    Read { path: PathBuf, source: std::io::Error },
+    #[error("cannot read config {path}: {err}")]
+    Read { path: PathBuf, err: std::io::Error },
     #[error("config {path} is invalid: {message}")]
     Parse { path: PathBuf, message: String },
     #[error("config {path} is invalid: {message}")]
@@ -114,13 +114,22 @@ pub struct ClusterConfig {
 impl ClusterConfig {
     /// Reads, parses and validates `path`.
     pub fn load(path: &Path) -> Result<ClusterConfig, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.into(), source })?;
-        let mut cfg = Self::parse(&text).map_err(|message| ConfigError::Parse { path: path.into(), message })?;
+        let text = std::fs::read_to_string(path).map_err(|err| ConfigError::Read {
+            path: path.into(),
+            err,
+        })?;
+        let mut cfg = Self::parse(&text).map_err(|message| ConfigError::Parse {
+            path: path.into(),
+            message,
+        })?;
         cfg.base_dir = path.parent().map(Path::to_path_buf).unwrap_or_default();
         if cfg.base_dir.as_os_str().is_empty() {
             cfg.base_dir = PathBuf::from(".");
         }
-        cfg.validate().map_err(|message| ConfigError::Invalid { path: path.into(), message })?;
+        cfg.validate().map_err(|message| ConfigError::Invalid {
+            path: path.into(),
+            message,
+        })?;
         Ok(cfg)
     }
 
@@ -143,7 +152,9 @@ impl ClusterConfig {
         }
         let c = &self.cluster;
         if c.heartbeat_interval_ms == 0 || c.heartbeat_timeout_ms < 2 * c.heartbeat_interval_ms {
-            return Err("heartbeat_timeout_ms must be at least twice heartbeat_interval_ms (> 0)".into());
+            return Err(
+                "heartbeat_timeout_ms must be at least twice heartbeat_interval_ms (> 0)".into(),
+            );
         }
         if c.request_timeout_ms == 0 {
             return Err("request_timeout_ms must be > 0".into());
@@ -151,8 +162,17 @@ impl ClusterConfig {
         let mut names = HashSet::new();
         let mut addrs = HashSet::new();
         for n in self.all() {
-            if n.name.is_empty() || n.name.len() > 63 || !n.name.chars().all(|c| c.is_ascii_alphanumeric() || c == '-') {
-                return Err(format!("node name {:?} must be 1..63 letters, digits or '-'", n.name));
+            if n.name.is_empty()
+                || n.name.len() > 63
+                || !n
+                    .name
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '-')
+            {
+                return Err(format!(
+                    "node name {:?} must be 1..63 letters, digits or '-'",
+                    n.name
+                ));
             }
             if !names.insert(n.name.clone()) {
                 return Err(format!("node name {:?} appears twice", n.name));
@@ -206,7 +226,9 @@ impl ClusterConfig {
         ClusterConfig {
             cluster: ClusterSection::default(),
             nodes: (0..nodes).map(|i| entry(format!("n{i}"), i)).collect(),
-            spares: (0..spares).map(|i| entry(format!("s{i}"), nodes + i)).collect(),
+            spares: (0..spares)
+                .map(|i| entry(format!("s{i}"), nodes + i))
+                .collect(),
             base_dir: PathBuf::from("."),
         }
     }
@@ -232,7 +254,9 @@ mod tests {
         let t = c.to_toml().replace("[cluster]", "[cluster]\nbogus = 1");
         let e = ClusterConfig::parse(&t).unwrap_err();
         assert!(e.contains("bogus"), "{e}");
-        let t = c.to_toml().replace("memory_mb = 512", "memory_mb = \"lots\"");
+        let t = c
+            .to_toml()
+            .replace("memory_mb = 512", "memory_mb = \"lots\"");
         assert!(ClusterConfig::parse(&t).is_err());
         let mut d = c.clone();
         d.nodes[1].name = "n0".into();

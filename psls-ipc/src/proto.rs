@@ -17,19 +17,37 @@ pub const CHUNK: usize = 1024 * 1024;
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Request {
     Status,
-    Create { name: String, size: u64, mode: u32 },
-    ImportBegin { name: String, size: u64, mode: u32, replace: bool },
+    Create {
+        name: String,
+        size: u64,
+        mode: u32,
+    },
+    ImportBegin {
+        name: String,
+        size: u64,
+        mode: u32,
+        replace: bool,
+    },
     ImportData {
         #[serde(with = "serde_bytes")]
         data: Vec<u8>,
     },
     ImportCommit,
-    Export { name: String },
+    Export {
+        name: String,
+    },
     Ls,
-    Stat { name: String },
-    Rm { name: String },
+    Stat {
+        name: String,
+    },
+    Rm {
+        name: String,
+    },
     Scrub,
-    NodeReplace { logical: u32, spare: String },
+    NodeReplace {
+        logical: u32,
+        spare: String,
+    },
     Shutdown,
 }
 
@@ -130,11 +148,19 @@ pub struct ScrubReport {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Response {
     Ok,
-    Error { kind: ErrorKind, message: String },
+    Error {
+        kind: ErrorKind,
+        message: String,
+    },
     Status(ClusterStatus),
     Files(Vec<FileInfo>),
-    Stat { file: FileInfo, stripes: Vec<Stripe> },
-    ExportBegin { size: u64 },
+    Stat {
+        file: FileInfo,
+        stripes: Vec<Stripe>,
+    },
+    ExportBegin {
+        size: u64,
+    },
     Data(#[serde(with = "serde_bytes")] Vec<u8>),
     ExportEnd,
     Scrub(ScrubReport),
@@ -185,7 +211,11 @@ pub fn write_frame<T: Serialize>(w: &mut impl Write, msg: &T) -> Result<(), Fram
 pub fn read_frame<T: for<'de> Deserialize<'de>>(r: &mut impl Read) -> Result<T, FrameError> {
     let mut prefix = [0u8; 4];
     if let Err(e) = r.read_exact(&mut prefix) {
-        return Err(if e.kind() == io::ErrorKind::UnexpectedEof { FrameError::Closed } else { e.into() });
+        return Err(if e.kind() == io::ErrorKind::UnexpectedEof {
+            FrameError::Closed
+        } else {
+            e.into()
+        });
     }
     let len = check_len(prefix)?;
     let mut body = vec![0u8; len];
@@ -204,10 +234,22 @@ mod tests {
         let r: Request = read_frame(&mut buf.as_slice()).unwrap();
         assert_eq!(r, Request::Stat { name: "x".into() });
         let huge = (MAX_FRAME as u32 + 1).to_le_bytes();
-        assert!(matches!(read_frame::<Request>(&mut huge.as_slice()), Err(FrameError::TooLarge(_))));
+        assert!(matches!(
+            read_frame::<Request>(&mut huge.as_slice()),
+            Err(FrameError::TooLarge(_))
+        ));
         let garbage = [3u8, 0, 0, 0, 0xff, 0xff, 0xff];
-        assert!(matches!(read_frame::<Request>(&mut garbage.as_slice()), Err(FrameError::Malformed(_))));
-        assert!(matches!(read_frame::<Request>(&mut [].as_slice()), Err(FrameError::Closed)));
-        assert!(encode(&Request::ImportData { data: vec![0; MAX_FRAME] }).is_err());
+        assert!(matches!(
+            read_frame::<Request>(&mut garbage.as_slice()),
+            Err(FrameError::Malformed(_))
+        ));
+        assert!(matches!(
+            read_frame::<Request>(&mut [].as_slice()),
+            Err(FrameError::Closed)
+        ));
+        assert!(encode(&Request::ImportData {
+            data: vec![0; MAX_FRAME]
+        })
+        .is_err());
     }
 }

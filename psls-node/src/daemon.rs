@@ -34,7 +34,8 @@ fn check_marker(dir: &Path, cluster: &str, name: &str) -> Result<()> {
 
 fn write_durably(path: &Path, data: &[u8]) -> Result<()> {
     let tmp = path.with_extension("tmp");
-    let mut f = std::fs::File::create(&tmp).with_context(|| format!("writing {}", tmp.display()))?;
+    let mut f =
+        std::fs::File::create(&tmp).with_context(|| format!("writing {}", tmp.display()))?;
     f.write_all(data)?;
     f.sync_all()?;
     std::fs::rename(&tmp, path)?;
@@ -47,7 +48,10 @@ fn write_durably(path: &Path, data: &[u8]) -> Result<()> {
 fn next_incarnation(dir: &Path) -> Result<u64> {
     let p = dir.join("incarnation");
     let cur = match std::fs::read_to_string(&p) {
-        Ok(s) => s.trim().parse::<u64>().with_context(|| format!("{} is corrupt", p.display()))?,
+        Ok(s) => s
+            .trim()
+            .parse::<u64>()
+            .with_context(|| format!("{} is corrupt", p.display()))?,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => 0,
         Err(e) => return Err(e).with_context(|| format!("reading {}", p.display())),
     };
@@ -57,7 +61,11 @@ fn next_incarnation(dir: &Path) -> Result<u64> {
 }
 
 fn open_disk(dir: &Path, fault: bool) -> Result<Arc<dyn Disk>> {
-    Ok(if fault { Arc::new(FaultDisk::new(dir)?) } else { Arc::new(FileDisk::new(dir)?) })
+    Ok(if fault {
+        Arc::new(FaultDisk::new(dir)?)
+    } else {
+        Arc::new(FileDisk::new(dir)?)
+    })
 }
 
 /// Runs node `name` of the cluster in `config` until it is told to stop.
@@ -76,10 +84,15 @@ pub async fn run(config: &Path, name: &str) -> Result<()> {
     let fault = std::env::var("PSLS_FAULT_DISK").is_ok_and(|v| v == "1");
     let meta_disk = open_disk(&dir, fault)?;
     let store = Arc::new(PageStore::new(open_disk(&dir.join("pages"), fault)?));
-    let meta = MetaStore::open(meta_disk.as_ref()).with_context(|| format!("opening metadata in {}", dir.display()))?;
+    let meta = MetaStore::open(meta_disk.as_ref())
+        .with_context(|| format!("opening metadata in {}", dir.display()))?;
 
     let (server, client) = crate::tls::configs(&cfg.cert_dir(), name)?;
-    let peers = cfg.all().filter(|n| n.name != name).map(|n| (n.name.clone(), n.addr)).collect();
+    let peers = cfg
+        .all()
+        .filter(|n| n.name != name)
+        .map(|n| (n.name.clone(), n.addr))
+        .collect();
     let reset_key = crate::tls::reset_key(&cfg.cert_dir(), name)?;
     let net = Transport::bind(me.addr, server, client, reset_key, peers).map_err(|e| {
         if e.kind() == std::io::ErrorKind::AddrInUse {
@@ -91,14 +104,30 @@ pub async fn run(config: &Path, name: &str) -> Result<()> {
     let socket = cfg.socket_path(&me);
     let listener = crate::ipc_server::bind(&socket)?;
 
-    let node = Arc::new(Node::new(cfg.clone(), me.clone(), incarnation, store, meta, net, Instant::now()));
+    let node = Arc::new(Node::new(
+        cfg.clone(),
+        me.clone(),
+        incarnation,
+        store,
+        meta,
+        net,
+        Instant::now(),
+    ));
     let known: Arc<Vec<String>> = Arc::new(cfg.all().map(|n| n.name.clone()).collect());
-    tokio::spawn(transport::serve(node.net.endpoint().clone(), node.clone(), known));
+    tokio::spawn(transport::serve(
+        node.net.endpoint().clone(),
+        node.clone(),
+        known,
+    ));
     // Learn the cluster's metadata before serving clients, so a restarted node never answers
     // from a stale namespace.
     node.initial_sync().await;
     tokio::spawn(node.clone().run_ticks());
-    tokio::spawn(crate::ipc_server::serve(node.clone(), listener, socket.clone()));
+    tokio::spawn(crate::ipc_server::serve(
+        node.clone(),
+        listener,
+        socket.clone(),
+    ));
     tracing::info!(node = name, incarnation, addr = %me.addr, socket = %socket.display(), fault_disk = fault, "psls-node ready");
 
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;

@@ -17,14 +17,18 @@ use tokio::net::{UnixListener, UnixStream};
 pub fn bind(path: &Path) -> anyhow::Result<UnixListener> {
     if path.exists() {
         if std::os::unix::net::UnixStream::connect(path).is_ok() {
-            anyhow::bail!("socket {} is in use by another running daemon", path.display());
+            anyhow::bail!(
+                "socket {} is in use by another running daemon",
+                path.display()
+            );
         }
         std::fs::remove_file(path)?;
     }
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir)?;
     }
-    let l = UnixListener::bind(path).map_err(|e| anyhow::anyhow!("cannot bind socket {}: {e}", path.display()))?;
+    let l = UnixListener::bind(path)
+        .map_err(|e| anyhow::anyhow!("cannot bind socket {}: {e}", path.display()))?;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o666))?;
     Ok(l)
 }
@@ -67,20 +71,29 @@ async fn send(w: &mut OwnedWriteHalf, resp: &Response) -> std::io::Result<()> {
 }
 
 fn err(e: OpError) -> Response {
-    Response::Error { kind: e.kind, message: e.message }
+    Response::Error {
+        kind: e.kind,
+        message: e.message,
+    }
 }
 
 fn check_admin(node: &Node, c: Caller) -> Result<(), OpError> {
     if c.uid == 0 || c.uid == node.euid {
         Ok(())
     } else {
-        Err(OpError::new(ErrorKind::Permission, "permission denied: cluster administration needs root or the daemon's user"))
+        Err(OpError::new(
+            ErrorKind::Permission,
+            "permission denied: cluster administration needs root or the daemon's user",
+        ))
     }
 }
 
 async fn client(node: Arc<Node>, stream: UnixStream) -> anyhow::Result<()> {
     let cred = stream.peer_cred()?;
-    let caller = Caller { uid: cred.uid(), gid: cred.gid() };
+    let caller = Caller {
+        uid: cred.uid(),
+        gid: cred.gid(),
+    };
     let (mut r, mut w) = stream.into_split();
     loop {
         let req = match read_req(&mut r).await {
@@ -88,17 +101,31 @@ async fn client(node: Arc<Node>, stream: UnixStream) -> anyhow::Result<()> {
             Ok(None) => return Ok(()),
             Err(e) => {
                 tracing::warn!(uid = caller.uid, error = %e, "bad client message");
-                let _ = send(&mut w, &err(OpError::new(ErrorKind::Invalid, format!("bad request: {e}")))).await;
+                let _ = send(
+                    &mut w,
+                    &err(OpError::new(
+                        ErrorKind::Invalid,
+                        format!("bad request: {e}"),
+                    )),
+                )
+                .await;
                 return Ok(());
             }
         };
         let resp = match req {
             Request::Status => Response::Status(status(&node)),
-            Request::Create { name, size, mode } => match pfs::create(&node, caller, &name, size, mode).await {
-                Ok(f) => Response::Files(vec![f]),
-                Err(e) => err(e),
-            },
-            Request::ImportBegin { name, size, mode, replace } => {
+            Request::Create { name, size, mode } => {
+                match pfs::create(&node, caller, &name, size, mode).await {
+                    Ok(f) => Response::Files(vec![f]),
+                    Err(e) => err(e),
+                }
+            }
+            Request::ImportBegin {
+                name,
+                size,
+                mode,
+                replace,
+            } => {
                 let resp = import(&node, caller, &mut r, &name, size, mode, replace).await;
                 let failed = matches!(resp, Response::Error { .. });
                 send(&mut w, &resp).await?;
@@ -108,27 +135,26 @@ async fn client(node: Arc<Node>, stream: UnixStream) -> anyhow::Result<()> {
                 }
                 continue;
             }
-            Request::ImportData { .. } | Request::ImportCommit => {
-                err(OpError::new(ErrorKind::Invalid, "import data without ImportBegin"))
-            }
-            Request::Export { name } => {
-                match pfs::export_stream(&node, caller, &name) {
-                    Ok((f, mut rx)) => {
-                        send(&mut w, &Response::ExportBegin { size: f.size }).await?;
-                        while let Some(chunk) = rx.recv().await {
-                            match chunk {
-                                Ok(d) => send(&mut w, &Response::Data(d)).await?,
-                                Err(e) => {
-                                    send(&mut w, &err(e)).await?;
-                                    return Ok(());
-                                }
+            Request::ImportData { .. } | Request::ImportCommit => err(OpError::new(
+                ErrorKind::Invalid,
+                "import data without ImportBegin",
+            )),
+            Request::Export { name } => match pfs::export_stream(&node, caller, &name) {
+                Ok((f, mut rx)) => {
+                    send(&mut w, &Response::ExportBegin { size: f.size }).await?;
+                    while let Some(chunk) = rx.recv().await {
+                        match chunk {
+                            Ok(d) => send(&mut w, &Response::Data(d)).await?,
+                            Err(e) => {
+                                send(&mut w, &err(e)).await?;
+                                return Ok(());
                             }
                         }
-                        Response::ExportEnd
                     }
-                    Err(e) => err(e),
+                    Response::ExportEnd
                 }
-            }
+                Err(e) => err(e),
+            },
             Request::Ls => Response::Files(pfs::list(&node)),
             Request::Stat { name } => match pfs::stat(&node, caller, &name) {
                 Ok((file, stripes)) => Response::Stat { file, stripes },
@@ -194,10 +220,16 @@ async fn import(
             }
             Ok(Some(other)) => {
                 imp.abort().await;
-                return err(OpError::new(ErrorKind::Invalid, format!("unexpected {other:?} during import")));
+                return err(OpError::new(
+                    ErrorKind::Invalid,
+                    format!("unexpected {other:?} during import"),
+                ));
             }
             Ok(None) | Err(_) => {
-                tracing::warn!(name, "client went away during import; nothing was committed");
+                tracing::warn!(
+                    name,
+                    "client went away during import; nothing was committed"
+                );
                 imp.abort().await;
                 return err(OpError::new(ErrorKind::Invalid, "import interrupted"));
             }
@@ -219,10 +251,18 @@ pub fn status(node: &Node) -> ClusterStatus {
             let hb = if n.name == node.me.name {
                 Some(node.own_heartbeat())
             } else {
-                node.members.lock().unwrap_or_else(|e| e.into_inner()).view(&n.name).and_then(|v| v.heartbeat.clone())
+                node.members
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .view(&n.name)
+                    .and_then(|v| v.heartbeat.clone())
             };
             let live_state = node.state_of(&n.name);
-            let state = if logical.is_none() && !is_spare_entry { NodeState::Replaced } else { live_state.clone() };
+            let state = if logical.is_none() && !is_spare_entry {
+                NodeState::Replaced
+            } else {
+                live_state.clone()
+            };
             let up = live_state != NodeState::Down;
             NodeStatus {
                 name: n.name.clone(),

@@ -28,14 +28,31 @@ impl Membership {
         Membership {
             timeout,
             started: now,
-            peers: peers.into_iter().map(|p| (p, PeerView { last_heard: None, heartbeat: None, down_since: None })).collect(),
+            peers: peers
+                .into_iter()
+                .map(|p| {
+                    (
+                        p,
+                        PeerView {
+                            last_heard: None,
+                            heartbeat: None,
+                            down_since: None,
+                        },
+                    )
+                })
+                .collect(),
         }
     }
 
     /// Records a heartbeat from `peer`. Returns true when it restarted (new incarnation).
     pub fn heard(&mut self, now: Instant, peer: &str, hb: Heartbeat) -> bool {
-        let Some(v) = self.peers.get_mut(peer) else { return false };
-        let restarted = v.heartbeat.as_ref().is_some_and(|old| old.incarnation != hb.incarnation);
+        let Some(v) = self.peers.get_mut(peer) else {
+            return false;
+        };
+        let restarted = v
+            .heartbeat
+            .as_ref()
+            .is_some_and(|old| old.incarnation != hb.incarnation);
         v.last_heard = Some(now);
         v.down_since = None;
         v.heartbeat = Some(hb);
@@ -43,7 +60,9 @@ impl Membership {
     }
 
     pub fn state(&self, now: Instant, peer: &str) -> NodeState {
-        let Some(v) = self.peers.get(peer) else { return NodeState::Down };
+        let Some(v) = self.peers.get(peer) else {
+            return NodeState::Down;
+        };
         let silence = now.saturating_duration_since(v.last_heard.unwrap_or(self.started));
         if silence > self.timeout {
             NodeState::Down

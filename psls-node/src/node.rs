@@ -15,8 +15,8 @@ use crate::transport::{BoxFuture, Handler, NetError, Transport};
 use psls_ipc::proto::NodeState;
 use psls_ipc::{ClusterConfig, ErrorKind, NodeEntry};
 use psls_pfs::meta::{MetaOp, MetaState, MetaStore};
-use psls_pfs::MetaError;
 use psls_pfs::store::PageLoc;
+use psls_pfs::MetaError;
 use psls_pfs::{PageStore, Placement, ReadOutcome, Role};
 use psls_svm::{FileId, NodeId, PAGE_SIZE};
 use std::collections::BTreeMap;
@@ -34,7 +34,10 @@ pub struct OpError {
 
 impl OpError {
     pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
-        OpError { kind, message: message.into() }
+        OpError {
+            kind,
+            message: message.into(),
+        }
     }
 }
 
@@ -63,12 +66,19 @@ impl From<psls_pfs::StoreError> for OpError {
 }
 
 pub fn peer_error(e: OpError) -> PeerResp {
-    PeerResp::Error { kind: e.kind, message: e.message }
+    PeerResp::Error {
+        kind: e.kind,
+        message: e.message,
+    }
 }
 
 /// Runs blocking work on the blocking pool.
-pub async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Result<T, OpError> {
-    tokio::task::spawn_blocking(f).await.map_err(|e| OpError::new(ErrorKind::Internal, format!("worker failed: {e}")))
+pub async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> T + Send + 'static,
+) -> Result<T, OpError> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| OpError::new(ErrorKind::Internal, format!("worker failed: {e}")))
 }
 
 pub struct Node {
@@ -102,9 +112,17 @@ impl Node {
         net: Transport,
         now: Instant,
     ) -> Node {
-        let peers = cfg.all().filter(|n| n.name != me.name).map(|n| n.name.clone());
-        let members = Membership::new(peers, Duration::from_millis(cfg.cluster.heartbeat_timeout_ms), now);
-        let placement = Placement::new(cfg.nodes.len() as u32).expect("validated config has >= 2 nodes");
+        let peers = cfg
+            .all()
+            .filter(|n| n.name != me.name)
+            .map(|n| n.name.clone());
+        let members = Membership::new(
+            peers,
+            Duration::from_millis(cfg.cluster.heartbeat_timeout_ms),
+            now,
+        );
+        let placement =
+            Placement::new(cfg.nodes.len() as u32).expect("validated config has >= 2 nodes");
         Node {
             request_timeout: Duration::from_millis(cfg.cluster.request_timeout_ms),
             cfg,
@@ -132,35 +150,58 @@ impl Node {
 
     /// A copy of the metadata replica.
     pub fn meta_state(&self) -> MetaState {
-        self.meta.lock().unwrap_or_else(|e| e.into_inner()).state().clone()
+        self.meta
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .state()
+            .clone()
     }
 
     /// Logical → physical map (the configured one until the first replacement).
     pub fn logical_map(&self, st: &MetaState) -> BTreeMap<u32, String> {
         if st.logical.is_empty() {
-            self.cfg.nodes.iter().enumerate().map(|(i, n)| (i as u32, n.name.clone())).collect()
+            self.cfg
+                .nodes
+                .iter()
+                .enumerate()
+                .map(|(i, n)| (i as u32, n.name.clone()))
+                .collect()
         } else {
             st.logical.clone()
         }
     }
 
     pub fn physical_of(&self, st: &MetaState, logical: NodeId) -> String {
-        self.logical_map(st).get(&logical.0).cloned().unwrap_or_default()
+        self.logical_map(st)
+            .get(&logical.0)
+            .cloned()
+            .unwrap_or_default()
     }
 
     pub fn my_logical(&self, st: &MetaState) -> Option<NodeId> {
-        self.logical_map(st).iter().find(|(_, p)| **p == self.me.name).map(|(l, _)| NodeId(*l))
+        self.logical_map(st)
+            .iter()
+            .find(|(_, p)| **p == self.me.name)
+            .map(|(l, _)| NodeId(*l))
     }
 
     pub fn is_live(&self, physical: &str) -> bool {
-        physical == self.me.name || self.members.lock().unwrap_or_else(|e| e.into_inner()).is_live(Instant::now(), physical)
+        physical == self.me.name
+            || self
+                .members
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .is_live(Instant::now(), physical)
     }
 
     pub fn state_of(&self, physical: &str) -> NodeState {
         if physical == self.me.name {
             NodeState::Up
         } else {
-            self.members.lock().unwrap_or_else(|e| e.into_inner()).state(Instant::now(), physical)
+            self.members
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .state(Instant::now(), physical)
         }
     }
 
@@ -171,11 +212,17 @@ impl Node {
 
     /// The coordinator: the lowest logical id whose node is live.
     pub fn coordinator(&self, st: &MetaState) -> Option<(u32, String)> {
-        self.logical_map(st).into_iter().find(|(_, p)| self.is_live(p))
+        self.logical_map(st)
+            .into_iter()
+            .find(|(_, p)| self.is_live(p))
     }
 
     /// Sends a request to a physical node (handled in-process when it is this node).
-    pub async fn call(self: &Arc<Self>, physical: &str, req: PeerReq) -> Result<PeerResp, NetError> {
+    pub async fn call(
+        self: &Arc<Self>,
+        physical: &str,
+        req: PeerReq,
+    ) -> Result<PeerResp, NetError> {
         if physical == self.me.name {
             return Ok(self.clone().handle(physical.to_string(), req).await);
         }
@@ -183,7 +230,12 @@ impl Node {
     }
 
     /// Like [`Node::call`] with a caller-chosen timeout.
-    pub async fn call_within(self: &Arc<Self>, physical: &str, req: PeerReq, timeout: Duration) -> Result<PeerResp, NetError> {
+    pub async fn call_within(
+        self: &Arc<Self>,
+        physical: &str,
+        req: PeerReq,
+        timeout: Duration,
+    ) -> Result<PeerResp, NetError> {
         if physical == self.me.name {
             return Ok(self.clone().handle(physical.to_string(), req).await);
         }
@@ -193,20 +245,29 @@ impl Node {
     /// How long a read waits for a copy before trying the other one: a dead node is declared
     /// down after the heartbeat timeout, so waiting longer than that only adds latency.
     pub fn read_timeout(&self) -> Duration {
-        self.request_timeout.min(Duration::from_millis(self.cfg.cluster.heartbeat_timeout_ms))
+        self.request_timeout
+            .min(Duration::from_millis(self.cfg.cluster.heartbeat_timeout_ms))
     }
 
     /// Sends a request and turns a peer's error reply into an error.
-    pub async fn call_ok(self: &Arc<Self>, physical: &str, req: PeerReq) -> Result<PeerResp, OpError> {
+    pub async fn call_ok(
+        self: &Arc<Self>,
+        physical: &str,
+        req: PeerReq,
+    ) -> Result<PeerResp, OpError> {
         match self.call(physical, req).await? {
-            PeerResp::Error { kind, message } => Err(OpError::new(kind, format!("{physical}: {message}"))),
+            PeerResp::Error { kind, message } => {
+                Err(OpError::new(kind, format!("{physical}: {message}")))
+            }
             r => Ok(r),
         }
     }
 
     fn heartbeat(&self) -> Heartbeat {
         let st = self.meta_state();
-        let rebuilding = self.my_logical(&st).is_some_and(|l| st.rebuilding.contains_key(&l.0));
+        let rebuilding = self
+            .my_logical(&st)
+            .is_some_and(|l| st.rebuilding.contains_key(&l.0));
         Heartbeat {
             incarnation: self.incarnation,
             pid: std::process::id(),
@@ -215,7 +276,12 @@ impl Node {
             memory_capacity_bytes: self.me.memory_mb * 1024 * 1024,
             disk_used_bytes: self.disk_used.load(Ordering::Relaxed),
             disk_free_bytes: self.disk_free.load(Ordering::Relaxed),
-            rebuild: rebuilding.then(|| (self.rebuild_done.load(Ordering::Relaxed), self.rebuild_total.load(Ordering::Relaxed))),
+            rebuild: rebuilding.then(|| {
+                (
+                    self.rebuild_done.load(Ordering::Relaxed),
+                    self.rebuild_total.load(Ordering::Relaxed),
+                )
+            }),
         }
     }
 
@@ -225,7 +291,12 @@ impl Node {
     }
 
     fn loc(&self, file: FileId, role: Role, index: u64) -> PageLoc {
-        PageLoc { file, role, index, local: self.placement.local_index(index) }
+        PageLoc {
+            file,
+            role,
+            index,
+            local: self.placement.local_index(index),
+        }
     }
 
     // ---- metadata replication ----
@@ -240,8 +311,15 @@ impl Node {
                 Some((_, c)) if c == self.me.name => return self.coordinate(op).await,
                 Some((_, c)) => match self.call(&c, PeerReq::MetaSubmit { op: op.clone() }).await {
                     Ok(PeerResp::Ok) => return Ok(()),
-                    Ok(PeerResp::Error { kind, message }) => return Err(OpError::new(kind, message)),
-                    Ok(other) => last = OpError::new(ErrorKind::Unavailable, format!("coordinator {c} answered {other:?}")),
+                    Ok(PeerResp::Error { kind, message }) => {
+                        return Err(OpError::new(kind, message))
+                    }
+                    Ok(other) => {
+                        last = OpError::new(
+                            ErrorKind::Unavailable,
+                            format!("coordinator {c} answered {other:?}"),
+                        )
+                    }
                     Err(e) => last = e.into(),
                 },
                 None => {}
@@ -262,18 +340,27 @@ impl Node {
         })
         .await??;
         tracing::info!(node = %self.me.name, seq, ?op, "metadata committed");
-        let peers: Vec<String> = self.cfg.all().map(|n| n.name.clone()).filter(|n| *n != self.me.name && self.is_live(n)).collect();
+        let peers: Vec<String> = self
+            .cfg
+            .all()
+            .map(|n| n.name.clone())
+            .filter(|n| *n != self.me.name && self.is_live(n))
+            .collect();
         let mut tasks = tokio::task::JoinSet::new();
         for p in peers.clone() {
             let me = self.clone();
             let op = op.clone();
-            tasks.spawn(async move { (p.clone(), me.call(&p, PeerReq::MetaApply { seq, op }).await) });
+            tasks.spawn(
+                async move { (p.clone(), me.call(&p, PeerReq::MetaApply { seq, op }).await) },
+            );
         }
         let mut acks = 0;
         while let Some(r) = tasks.join_next().await {
             match r {
                 Ok((_, Ok(PeerResp::Ok))) => acks += 1,
-                Ok((p, other)) => tracing::warn!(peer = %p, ?other, seq, "metadata not acknowledged"),
+                Ok((p, other)) => {
+                    tracing::warn!(peer = %p, ?other, seq, "metadata not acknowledged")
+                }
                 Err(e) => tracing::warn!(error = %e, "metadata replication task failed"),
             }
         }
@@ -295,7 +382,11 @@ impl Node {
             self.cfg
                 .all()
                 .filter(|n| n.name != self.me.name && m.is_live(now, &n.name))
-                .filter_map(|n| m.view(&n.name).and_then(|v| v.heartbeat.as_ref()).map(|h| (h.meta_seq, n.name.clone())))
+                .filter_map(|n| {
+                    m.view(&n.name)
+                        .and_then(|v| v.heartbeat.as_ref())
+                        .map(|h| (h.meta_seq, n.name.clone()))
+                })
                 .max()
         };
         if let Some((seq, peer)) = best.filter(|(s, _)| *s > mine) {
@@ -319,8 +410,12 @@ impl Node {
                     })
                     .await;
                     match r {
-                        Ok(Ok(())) => tracing::info!(node = %self.me.name, from = peer, seq, "metadata caught up"),
-                        Ok(Err(e)) => tracing::error!(error = %e, "cannot install metadata snapshot"),
+                        Ok(Ok(())) => {
+                            tracing::info!(node = %self.me.name, from = peer, seq, "metadata caught up")
+                        }
+                        Ok(Err(e)) => {
+                            tracing::error!(error = %e, "cannot install metadata snapshot")
+                        }
                         Err(e) => tracing::error!(error = %e, "cannot install metadata snapshot"),
                     }
                 }
@@ -348,13 +443,22 @@ impl Node {
         .await;
         match r {
             Ok(Ok(true)) => PeerResp::Ok,
-            Ok(Ok(false)) | Ok(Err(MetaError::Exists(_) | MetaError::NotFound(_) | MetaError::Conflict { .. } | MetaError::Invalid(_))) => {
+            Ok(Ok(false))
+            | Ok(Err(
+                MetaError::Exists(_)
+                | MetaError::NotFound(_)
+                | MetaError::Conflict { .. }
+                | MetaError::Invalid(_),
+            )) => {
                 // Missed or diverged: take the coordinator's replica.
                 self.fetch_snapshot(&from, seq).await;
                 if self.meta_state().seq >= seq {
                     PeerResp::Ok
                 } else {
-                    peer_error(OpError::new(ErrorKind::Unavailable, "metadata catch-up failed"))
+                    peer_error(OpError::new(
+                        ErrorKind::Unavailable,
+                        "metadata catch-up failed",
+                    ))
                 }
             }
             Ok(Err(e)) => peer_error(e.into()),
@@ -377,7 +481,14 @@ impl Node {
             t.tick().await;
             if n % 10 == 0 {
                 let store = self.store.clone();
-                if let Ok((u, f)) = blocking(move || (store.disk().used_bytes().unwrap_or(0), store.disk().free_bytes().unwrap_or(0))).await {
+                if let Ok((u, f)) = blocking(move || {
+                    (
+                        store.disk().used_bytes().unwrap_or(0),
+                        store.disk().free_bytes().unwrap_or(0),
+                    )
+                })
+                .await
+                {
                     self.disk_used.store(u, Ordering::Relaxed);
                     self.disk_free.store(f, Ordering::Relaxed);
                 }
@@ -389,7 +500,11 @@ impl Node {
                 let name = peer.name.clone();
                 let hb = hb.clone();
                 tokio::spawn(async move {
-                    if let Ok(PeerResp::HeartbeatAck(theirs)) = me.net.request(&name, &PeerReq::Heartbeat(hb), hb_timeout).await {
+                    if let Ok(PeerResp::HeartbeatAck(theirs)) = me
+                        .net
+                        .request(&name, &PeerReq::Heartbeat(hb), hb_timeout)
+                        .await
+                    {
                         me.heard(&name, theirs);
                     }
                 });
@@ -410,7 +525,11 @@ impl Node {
             let name = peer.name.clone();
             let hb = hb.clone();
             tasks.spawn(async move {
-                if let Ok(PeerResp::HeartbeatAck(theirs)) = me.net.request(&name, &PeerReq::Heartbeat(hb), timeout).await {
+                if let Ok(PeerResp::HeartbeatAck(theirs)) = me
+                    .net
+                    .request(&name, &PeerReq::Heartbeat(hb), timeout)
+                    .await
+                {
                     me.heard(&name, theirs);
                 }
             });
@@ -420,7 +539,11 @@ impl Node {
     }
 
     fn heard(&self, peer: &str, hb: Heartbeat) {
-        let restarted = self.members.lock().unwrap_or_else(|e| e.into_inner()).heard(Instant::now(), peer, hb);
+        let restarted = self
+            .members
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .heard(Instant::now(), peer, hb);
         if restarted {
             tracing::info!(node = %self.me.name, peer, "peer restarted with a new incarnation");
             self.net.drop_connection(peer);
@@ -429,8 +552,14 @@ impl Node {
 
     fn maybe_rebuild(self: &Arc<Self>) {
         let st = self.meta_state();
-        let Some(l) = self.my_logical(&st) else { return };
-        if st.rebuilding.get(&l.0).is_none_or(|r| r.physical != self.me.name) {
+        let Some(l) = self.my_logical(&st) else {
+            return;
+        };
+        if st
+            .rebuilding
+            .get(&l.0)
+            .is_none_or(|r| r.physical != self.me.name)
+        {
             return;
         }
         if self.rebuild_running.swap(true, Ordering::SeqCst) {
@@ -449,7 +578,11 @@ impl Node {
 
     async fn maybe_auto_replace(self: &Arc<Self>) {
         let after = self.cfg.cluster.replace_after_ms;
-        let downs = self.members.lock().unwrap_or_else(|e| e.into_inner()).tick(Instant::now());
+        let downs = self
+            .members
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .tick(Instant::now());
         if after == 0 {
             return;
         }
@@ -462,12 +595,16 @@ impl Node {
             if down_for < Duration::from_millis(after) {
                 continue;
             }
-            let Some((&logical, _)) = map.iter().find(|(_, p)| **p == peer) else { continue };
+            let Some((&logical, _)) = map.iter().find(|(_, p)| **p == peer) else {
+                continue;
+            };
             let spare = self
                 .cfg
                 .spares
                 .iter()
-                .find(|s| !map.values().any(|p| *p == s.name) && self.state_of(&s.name) == NodeState::Up)
+                .find(|s| {
+                    !map.values().any(|p| *p == s.name) && self.state_of(&s.name) == NodeState::Up
+                })
                 .map(|s| s.name.clone());
             if let Some(spare) = spare {
                 tracing::warn!(logical, down = %peer, %spare, "node down too long: replacing it with a spare");
@@ -481,26 +618,50 @@ impl Node {
 
     // ---- local page store requests ----
 
-    fn check_holder(&self, file: FileId, role: Role, indices: impl Iterator<Item = u64>) -> Result<(), OpError> {
+    fn check_holder(
+        &self,
+        file: FileId,
+        role: Role,
+        indices: impl Iterator<Item = u64>,
+    ) -> Result<(), OpError> {
         let st = self.meta_state();
         let Some(me) = self.my_logical(&st) else {
-            return Err(OpError::new(ErrorKind::Invalid, format!("{} holds no logical id", self.me.name)));
+            return Err(OpError::new(
+                ErrorKind::Invalid,
+                format!("{} holds no logical id", self.me.name),
+            ));
         };
         for i in indices {
             if self.placement.holder(file, i, role) != me {
-                return Err(OpError::new(ErrorKind::Invalid, format!("page {file}:{i} ({role:?}) does not belong to {me}")));
+                return Err(OpError::new(
+                    ErrorKind::Invalid,
+                    format!("page {file}:{i} ({role:?}) does not belong to {me}"),
+                ));
             }
         }
         Ok(())
     }
 
-    async fn write_pages(&self, file: FileId, role: Role, gen: u64, keep_gen: u64, pages: Vec<crate::peer::PageData>) -> Result<(), OpError> {
+    async fn write_pages(
+        &self,
+        file: FileId,
+        role: Role,
+        gen: u64,
+        keep_gen: u64,
+        pages: Vec<crate::peer::PageData>,
+    ) -> Result<(), OpError> {
         self.check_holder(file, role, pages.iter().map(|p| p.index))?;
         if let Some(p) = pages.iter().find(|p| p.data.len() != PAGE_SIZE) {
-            return Err(OpError::new(ErrorKind::Invalid, format!("page {} has {} bytes", p.index, p.data.len())));
+            return Err(OpError::new(
+                ErrorKind::Invalid,
+                format!("page {} has {} bytes", p.index, p.data.len()),
+            ));
         }
         let store = self.store.clone();
-        let locs: Vec<PageLoc> = pages.iter().map(|p| self.loc(file, role, p.index)).collect();
+        let locs: Vec<PageLoc> = pages
+            .iter()
+            .map(|p| self.loc(file, role, p.index))
+            .collect();
         blocking(move || {
             for (loc, p) in locs.into_iter().zip(pages) {
                 store.write(loc, gen, keep_gen, &p.data)?;
@@ -511,9 +672,18 @@ impl Node {
         Ok(())
     }
 
-    async fn read_pages(&self, file: FileId, role: Role, gen: u64, indices: Vec<u64>) -> Result<Vec<PageRead>, OpError> {
+    async fn read_pages(
+        &self,
+        file: FileId,
+        role: Role,
+        gen: u64,
+        indices: Vec<u64>,
+    ) -> Result<Vec<PageRead>, OpError> {
         if indices.len() > crate::peer::BATCH_PAGES * 4 {
-            return Err(OpError::new(ErrorKind::Invalid, "too many pages in one read"));
+            return Err(OpError::new(
+                ErrorKind::Invalid,
+                "too many pages in one read",
+            ));
         }
         self.check_holder(file, role, indices.iter().copied())?;
         let store = self.store.clone();
@@ -532,9 +702,14 @@ impl Node {
         .await
     }
 
-    async fn scrub_local(&self, files: Vec<(FileId, u64, u64)>) -> Result<(u64, Vec<BadCopy>), OpError> {
+    async fn scrub_local(
+        &self,
+        files: Vec<(FileId, u64, u64)>,
+    ) -> Result<(u64, Vec<BadCopy>), OpError> {
         let st = self.meta_state();
-        let Some(me) = self.my_logical(&st) else { return Ok((0, Vec::new())) };
+        let Some(me) = self.my_logical(&st) else {
+            return Ok((0, Vec::new()));
+        };
         let store = self.store.clone();
         let placement = self.placement;
         blocking(move || {
@@ -547,7 +722,12 @@ impl Node {
                 for role in [Role::Primary, Role::Mirror] {
                     for index in placement.held(me, file, pages, role) {
                         checked += 1;
-                        let loc = PageLoc { file, role, index, local: placement.local_index(index) };
+                        let loc = PageLoc {
+                            file,
+                            role,
+                            index,
+                            local: placement.local_index(index),
+                        };
                         if !matches!(store.read(loc, gen), Ok(ReadOutcome::Ok(_))) {
                             bad.push(BadCopy { file, role, index });
                         }
@@ -573,9 +753,16 @@ impl Node {
                 self.heard(&from, hb);
                 Ok(PeerResp::HeartbeatAck(self.heartbeat()))
             }
-            PeerReq::WritePages { file, role, gen, keep_gen, pages } => {
-                self.write_pages(file, role, gen, keep_gen, pages).await.map(|()| PeerResp::Ok)
-            }
+            PeerReq::WritePages {
+                file,
+                role,
+                gen,
+                keep_gen,
+                pages,
+            } => self
+                .write_pages(file, role, gen, keep_gen, pages)
+                .await
+                .map(|()| PeerResp::Ok),
             PeerReq::Sync => {
                 let store = self.store.clone();
                 match blocking(move || store.sync()).await {
@@ -587,12 +774,26 @@ impl Node {
                     Err(e) => Err(e),
                 }
             }
-            PeerReq::ReadPages { file, role, gen, indices } => self.read_pages(file, role, gen, indices).await.map(PeerResp::Pages),
+            PeerReq::ReadPages {
+                file,
+                role,
+                gen,
+                indices,
+            } => self
+                .read_pages(file, role, gen, indices)
+                .await
+                .map(PeerResp::Pages),
             PeerReq::RemoveFile { file } => {
                 let store = self.store.clone();
-                blocking(move || store.remove_file(file)).await.and_then(|r| r.map_err(OpError::from)).map(|()| PeerResp::Ok)
+                blocking(move || store.remove_file(file))
+                    .await
+                    .and_then(|r| r.map_err(OpError::from))
+                    .map(|()| PeerResp::Ok)
             }
-            PeerReq::ScrubLocal { files } => self.scrub_local(files).await.map(|(checked, bad)| PeerResp::Scrub { checked, bad }),
+            PeerReq::ScrubLocal { files } => self
+                .scrub_local(files)
+                .await
+                .map(|(checked, bad)| PeerResp::Scrub { checked, bad }),
             PeerReq::MetaSubmit { op } => {
                 let st = self.meta_state();
                 if self.coordinator(&st).map(|c| c.1) != Some(self.me.name.clone()) {
@@ -612,7 +813,11 @@ impl Node {
 pub fn rss_bytes() -> u64 {
     std::fs::read_to_string("/proc/self/statm")
         .ok()
-        .and_then(|s| s.split_whitespace().nth(1).and_then(|v| v.parse::<u64>().ok()))
+        .and_then(|s| {
+            s.split_whitespace()
+                .nth(1)
+                .and_then(|v| v.parse::<u64>().ok())
+        })
         .map(|pages| pages * 4096)
         .unwrap_or(0)
 }

@@ -49,14 +49,34 @@ pub struct BadCopy {
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub enum PeerReq {
     Heartbeat(Heartbeat),
-    WritePages { file: FileId, role: Role, gen: u64, keep_gen: u64, pages: Vec<PageData> },
+    WritePages {
+        file: FileId,
+        role: Role,
+        gen: u64,
+        keep_gen: u64,
+        pages: Vec<PageData>,
+    },
     Sync,
-    ReadPages { file: FileId, role: Role, gen: u64, indices: Vec<u64> },
-    RemoveFile { file: FileId },
+    ReadPages {
+        file: FileId,
+        role: Role,
+        gen: u64,
+        indices: Vec<u64>,
+    },
+    RemoveFile {
+        file: FileId,
+    },
     /// Check every local copy of these (file, pages, gen).
-    ScrubLocal { files: Vec<(FileId, u64, u64)> },
-    MetaSubmit { op: MetaOp },
-    MetaApply { seq: u64, op: MetaOp },
+    ScrubLocal {
+        files: Vec<(FileId, u64, u64)>,
+    },
+    MetaSubmit {
+        op: MetaOp,
+    },
+    MetaApply {
+        seq: u64,
+        op: MetaOp,
+    },
     MetaFetch,
 }
 
@@ -65,10 +85,16 @@ pub enum PeerResp {
     Ok,
     HeartbeatAck(Heartbeat),
     Pages(Vec<PageRead>),
-    Scrub { checked: u64, bad: Vec<BadCopy> },
+    Scrub {
+        checked: u64,
+        bad: Vec<BadCopy>,
+    },
     Snapshot(Vec<u8>),
     NotCoordinator,
-    Error { kind: psls_ipc::ErrorKind, message: String },
+    Error {
+        kind: psls_ipc::ErrorKind,
+        message: String,
+    },
 }
 
 pub fn encode<T: Serialize>(m: &T) -> Vec<u8> {

@@ -46,14 +46,20 @@ impl Caller {
         if self.may(f, 4) {
             Ok(())
         } else {
-            Err(OpError::new(ErrorKind::Permission, format!("permission denied: cannot read '{}'", f.name)))
+            Err(OpError::new(
+                ErrorKind::Permission,
+                format!("permission denied: cannot read '{}'", f.name),
+            ))
         }
     }
     pub fn check_write(&self, f: &FileMeta) -> Result<(), OpError> {
         if self.may(f, 2) {
             Ok(())
         } else {
-            Err(OpError::new(ErrorKind::Permission, format!("permission denied: cannot write '{}'", f.name)))
+            Err(OpError::new(
+                ErrorKind::Permission,
+                format!("permission denied: cannot write '{}'", f.name),
+            ))
         }
     }
 }
@@ -73,21 +79,35 @@ pub fn info(f: &FileMeta) -> FileInfo {
 }
 
 fn lookup(st: &MetaState, name: &str) -> Result<FileMeta, OpError> {
-    st.files.get(name).cloned().ok_or_else(|| OpError::new(ErrorKind::NotFound, format!("no file named '{name}'")))
+    st.files
+        .get(name)
+        .cloned()
+        .ok_or_else(|| OpError::new(ErrorKind::NotFound, format!("no file named '{name}'")))
 }
 
 fn now_ms() -> u64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
 }
 
 /// Every logical node must be able to take writes.
 fn check_all_serving(node: &Node, st: &MetaState) -> Result<(), OpError> {
     for (l, p) in node.logical_map(st) {
         if st.rebuilding.contains_key(&l) {
-            return Err(OpError::new(ErrorKind::Unavailable, format!("node {l} ({p}) is rebuilding its copies; writes wait until it is done")));
+            return Err(OpError::new(
+                ErrorKind::Unavailable,
+                format!("node {l} ({p}) is rebuilding its copies; writes wait until it is done"),
+            ));
         }
         if !node.is_live(&p) {
-            return Err(OpError::new(ErrorKind::Unavailable, format!("node {l} ({p}) is down; writes need both copies (replace it or restart it)")));
+            return Err(OpError::new(
+                ErrorKind::Unavailable,
+                format!(
+                    "node {l} ({p}) is down; writes need both copies (replace it or restart it)"
+                ),
+            ));
         }
     }
     Ok(())
@@ -97,12 +117,20 @@ fn check_all_serving(node: &Node, st: &MetaState) -> Result<(), OpError> {
 fn check_space(node: &Node, st: &MetaState, id: FileId, size: u64) -> Result<(), OpError> {
     let pages = size.div_ceil(PAGE_SIZE as u64);
     for (l, p) in node.logical_map(st) {
-        let held = [Role::Primary, Role::Mirror].iter().map(|&r| node.placement.held(NodeId(l), id, pages, r).count() as u64).sum::<u64>();
+        let held = [Role::Primary, Role::Mirror]
+            .iter()
+            .map(|&r| node.placement.held(NodeId(l), id, pages, r).count() as u64)
+            .sum::<u64>();
         let need = held.saturating_mul(COPY_BYTES);
         let free = if p == node.me.name {
             node.own_heartbeat().disk_free_bytes
         } else {
-            node.members.lock().unwrap_or_else(|e| e.into_inner()).view(&p).and_then(|v| v.heartbeat.as_ref()).map_or(0, |h| h.disk_free_bytes)
+            node.members
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .view(&p)
+                .and_then(|v| v.heartbeat.as_ref())
+                .map_or(0, |h| h.disk_free_bytes)
         };
         if need > free {
             return Err(OpError::new(
@@ -124,10 +152,18 @@ fn new_file_id(st: &MetaState) -> FileId {
 }
 
 /// Validates a new name or a replacement; returns the id being replaced.
-fn prepare_name(st: &MetaState, caller: Caller, name: &str, replace: bool) -> Result<Option<FileId>, OpError> {
+fn prepare_name(
+    st: &MetaState,
+    caller: Caller,
+    name: &str,
+    replace: bool,
+) -> Result<Option<FileId>, OpError> {
     validate_name(name).map_err(OpError::from)?;
     match st.files.get(name) {
-        Some(_) if !replace => Err(OpError::new(ErrorKind::Exists, format!("file '{name}' already exists"))),
+        Some(_) if !replace => Err(OpError::new(
+            ErrorKind::Exists,
+            format!("file '{name}' already exists"),
+        )),
         Some(f) => {
             caller.check_write(f)?;
             Ok(Some(f.id))
@@ -138,20 +174,42 @@ fn prepare_name(st: &MetaState, caller: Caller, name: &str, replace: bool) -> Re
 
 fn check_mode(mode: u32) -> Result<(), OpError> {
     if mode & !0o777 != 0 {
-        return Err(OpError::new(ErrorKind::Invalid, format!("mode {mode:o} has bits outside 0777")));
+        return Err(OpError::new(
+            ErrorKind::Invalid,
+            format!("mode {mode:o} has bits outside 0777"),
+        ));
     }
     Ok(())
 }
 
 /// `psls create`: a zero-filled file (generation 0: no page written yet).
-pub async fn create(node: &Arc<Node>, caller: Caller, name: &str, size: u64, mode: u32) -> Result<FileInfo, OpError> {
+pub async fn create(
+    node: &Arc<Node>,
+    caller: Caller,
+    name: &str,
+    size: u64,
+    mode: u32,
+) -> Result<FileInfo, OpError> {
     check_mode(mode)?;
     let st = node.meta_state();
     prepare_name(&st, caller, name, false)?;
     let id = new_file_id(&st);
     check_space(node, &st, id, size)?;
-    let meta = FileMeta { id, name: name.into(), size, uid: caller.uid, gid: caller.gid, mode, gen: 0, created_unix_ms: now_ms() };
-    node.submit(MetaOp::CommitFile { meta: meta.clone(), replaces: None }).await?;
+    let meta = FileMeta {
+        id,
+        name: name.into(),
+        size,
+        uid: caller.uid,
+        gid: caller.gid,
+        mode,
+        gen: 0,
+        created_unix_ms: now_ms(),
+    };
+    node.submit(MetaOp::CommitFile {
+        meta: meta.clone(),
+        replaces: None,
+    })
+    .await?;
     Ok(info(&meta))
 }
 
@@ -167,7 +225,14 @@ pub struct Importer {
 }
 
 impl Importer {
-    pub async fn begin(node: &Arc<Node>, caller: Caller, name: &str, size: u64, mode: u32, replace: bool) -> Result<Importer, OpError> {
+    pub async fn begin(
+        node: &Arc<Node>,
+        caller: Caller,
+        name: &str,
+        size: u64,
+        mode: u32,
+        replace: bool,
+    ) -> Result<Importer, OpError> {
         check_mode(mode)?;
         let st = node.meta_state();
         let replaces = prepare_name(&st, caller, name, replace)?;
@@ -177,7 +242,16 @@ impl Importer {
         tracing::info!(node = %node.name(), file = %id, name, size, "import started");
         Ok(Importer {
             node: node.clone(),
-            meta: FileMeta { id, name: name.into(), size, uid: caller.uid, gid: caller.gid, mode, gen: 1, created_unix_ms: now_ms() },
+            meta: FileMeta {
+                id,
+                name: name.into(),
+                size,
+                uid: caller.uid,
+                gid: caller.gid,
+                mode,
+                gen: 1,
+                created_unix_ms: now_ms(),
+            },
             replaces,
             received: 0,
             partial: Vec::with_capacity(PAGE_SIZE),
@@ -190,7 +264,12 @@ impl Importer {
         while self.inflight.len() > limit {
             match self.inflight.join_next().await {
                 Some(Ok(r)) => r?,
-                Some(Err(e)) => return Err(OpError::new(ErrorKind::Internal, format!("write task failed: {e}"))),
+                Some(Err(e)) => {
+                    return Err(OpError::new(
+                        ErrorKind::Internal,
+                        format!("write task failed: {e}"),
+                    ))
+                }
                 None => break,
             }
         }
@@ -198,7 +277,9 @@ impl Importer {
     }
 
     fn flush_batch(&mut self, key: (u32, Role)) {
-        let Some(pages) = self.batches.remove(&key) else { return };
+        let Some(pages) = self.batches.remove(&key) else {
+            return;
+        };
         if pages.is_empty() {
             return;
         }
@@ -208,9 +289,24 @@ impl Importer {
         self.inflight.spawn(async move {
             let st = node.meta_state();
             let phys = node.physical_of(&st, NodeId(key.0));
-            match node.call_ok(&phys, PeerReq::WritePages { file, role: key.1, gen, keep_gen: 0, pages }).await? {
+            match node
+                .call_ok(
+                    &phys,
+                    PeerReq::WritePages {
+                        file,
+                        role: key.1,
+                        gen,
+                        keep_gen: 0,
+                        pages,
+                    },
+                )
+                .await?
+            {
                 PeerResp::Ok => Ok(()),
-                other => Err(OpError::new(ErrorKind::Internal, format!("{phys}: unexpected answer {other:?}"))),
+                other => Err(OpError::new(
+                    ErrorKind::Internal,
+                    format!("{phys}: unexpected answer {other:?}"),
+                )),
             }
         });
     }
@@ -220,7 +316,10 @@ impl Importer {
         for role in [Role::Primary, Role::Mirror] {
             let key = (p.holder(self.meta.id, index, role).0, role);
             let batch = self.batches.entry(key).or_default();
-            batch.push(PageData { index, data: data.clone() });
+            batch.push(PageData {
+                index,
+                data: data.clone(),
+            });
             if batch.len() >= BATCH_PAGES {
                 self.flush_batch(key);
             }
@@ -230,7 +329,13 @@ impl Importer {
     /// Takes the next piece of the file's bytes.
     pub async fn data(&mut self, bytes: &[u8]) -> Result<(), OpError> {
         if self.received + bytes.len() as u64 > self.meta.size {
-            return Err(OpError::new(ErrorKind::Invalid, format!("import sent more than the announced {} bytes", self.meta.size)));
+            return Err(OpError::new(
+                ErrorKind::Invalid,
+                format!(
+                    "import sent more than the announced {} bytes",
+                    self.meta.size
+                ),
+            ));
         }
         let mut rest = bytes;
         while !rest.is_empty() {
@@ -258,7 +363,13 @@ impl Importer {
 
     async fn finish(&mut self) -> Result<FileInfo, OpError> {
         if self.received != self.meta.size {
-            return Err(OpError::new(ErrorKind::Invalid, format!("import ended after {} of {} bytes", self.received, self.meta.size)));
+            return Err(OpError::new(
+                ErrorKind::Invalid,
+                format!(
+                    "import ended after {} of {} bytes",
+                    self.received, self.meta.size
+                ),
+            ));
         }
         if !self.partial.is_empty() {
             let index = self.received / PAGE_SIZE as u64;
@@ -272,7 +383,12 @@ impl Importer {
         }
         self.reap(0).await?;
         sync_all(&self.node).await?;
-        self.node.submit(MetaOp::CommitFile { meta: self.meta.clone(), replaces: self.replaces }).await?;
+        self.node
+            .submit(MetaOp::CommitFile {
+                meta: self.meta.clone(),
+                replaces: self.replaces,
+            })
+            .await?;
         tracing::info!(node = %self.node.name(), file = %self.meta.id, name = %self.meta.name, "import committed");
         if let Some(old) = self.replaces {
             remove_everywhere(&self.node, old).await;
@@ -284,7 +400,13 @@ impl Importer {
     pub async fn abort(mut self) {
         self.inflight.abort_all();
         while self.inflight.join_next().await.is_some() {}
-        if self.node.meta_state().files.values().any(|f| f.id == self.meta.id) {
+        if self
+            .node
+            .meta_state()
+            .files
+            .values()
+            .any(|f| f.id == self.meta.id)
+        {
             return;
         }
         tracing::info!(node = %self.node.name(), file = %self.meta.id, "import aborted; discarding its pages");
@@ -321,7 +443,11 @@ pub async fn remove(node: &Arc<Node>, caller: Caller, name: &str) -> Result<(), 
     let st = node.meta_state();
     let f = lookup(&st, name)?;
     caller.check_write(&f)?;
-    node.submit(MetaOp::RemoveFile { name: name.into(), id: f.id }).await?;
+    node.submit(MetaOp::RemoveFile {
+        name: name.into(),
+        id: f.id,
+    })
+    .await?;
     remove_everywhere(node, f.id).await;
     Ok(())
 }
@@ -361,20 +487,44 @@ async fn read_from_within(
         return vec![PageRead::Error(format!("{l} is not available")); n];
     }
     let phys = node.physical_of(st, l);
-    match node.call_within(&phys, PeerReq::ReadPages { file: f.id, role, gen: f.gen, indices }, timeout).await {
+    match node
+        .call_within(
+            &phys,
+            PeerReq::ReadPages {
+                file: f.id,
+                role,
+                gen: f.gen,
+                indices,
+            },
+            timeout,
+        )
+        .await
+    {
         Ok(PeerResp::Pages(p)) if p.len() == n => p,
-        Ok(PeerResp::Error { message, .. }) => vec![PageRead::Error(format!("{phys}: {message}")); n],
+        Ok(PeerResp::Error { message, .. }) => {
+            vec![PageRead::Error(format!("{phys}: {message}")); n]
+        }
         Ok(other) => vec![PageRead::Error(format!("{phys}: unexpected answer {other:?}")); n],
         Err(e) => vec![PageRead::Error(e.to_string()); n],
     }
 }
 
 /// Reads pages `indices` of `role` copies from logical node `l`.
-async fn read_from(node: &Arc<Node>, st: &MetaState, f: &FileMeta, role: Role, l: NodeId, indices: Vec<u64>) -> Vec<PageRead> {
+async fn read_from(
+    node: &Arc<Node>,
+    st: &MetaState,
+    f: &FileMeta,
+    role: Role,
+    l: NodeId,
+    indices: Vec<u64>,
+) -> Vec<PageRead> {
     read_from_within(node, st, f, role, l, indices, node.request_timeout).await
 }
 
-fn group_by<F: Fn(u64) -> NodeId>(indices: impl Iterator<Item = u64>, key: F) -> BTreeMap<NodeId, Vec<u64>> {
+fn group_by<F: Fn(u64) -> NodeId>(
+    indices: impl Iterator<Item = u64>,
+    key: F,
+) -> BTreeMap<NodeId, Vec<u64>> {
     let mut m: BTreeMap<NodeId, Vec<u64>> = BTreeMap::new();
     for i in indices {
         m.entry(key(i)).or_default().push(i);
@@ -383,7 +533,12 @@ fn group_by<F: Fn(u64) -> NodeId>(indices: impl Iterator<Item = u64>, key: F) ->
 }
 
 /// Reads pages `first..first+count` of `f`, with mirror fallback and primary repair.
-async fn read_chunk(node: Arc<Node>, f: FileMeta, first: u64, count: u64) -> Result<Vec<u8>, OpError> {
+async fn read_chunk(
+    node: Arc<Node>,
+    f: FileMeta,
+    first: u64,
+    count: u64,
+) -> Result<Vec<u8>, OpError> {
     let mut out = vec![0u8; (count as usize) * PAGE_SIZE];
     if f.gen == 0 {
         return Ok(out);
@@ -399,7 +554,11 @@ async fn read_chunk(node: Arc<Node>, f: FileMeta, first: u64, count: u64) -> Res
         reads.spawn(async move {
             // Wait briefly for a primary only when its mirror can take over.
             let mirror = node.placement.mirror(f.id, idx[0]);
-            let timeout = if node.can_serve(&st, mirror) { node.read_timeout() } else { node.request_timeout };
+            let timeout = if node.can_serve(&st, mirror) {
+                node.read_timeout()
+            } else {
+                node.request_timeout
+            };
             let r = read_from_within(&node, &st, &f, Role::Primary, l, idx.clone(), timeout).await;
             (idx, r)
         });
@@ -408,7 +567,9 @@ async fn read_chunk(node: Arc<Node>, f: FileMeta, first: u64, count: u64) -> Res
         let (idx, pages) = r.map_err(|e| OpError::new(ErrorKind::Internal, e.to_string()))?;
         for (i, pr) in idx.into_iter().zip(pages) {
             match pr {
-                PageRead::Ok(d) => out[((i - first) as usize) * PAGE_SIZE..][..PAGE_SIZE].copy_from_slice(&d),
+                PageRead::Ok(d) => {
+                    out[((i - first) as usize) * PAGE_SIZE..][..PAGE_SIZE].copy_from_slice(&d)
+                }
                 PageRead::Error(e) => failed.push((i, e, false)),
                 other => failed.push((i, format!("{other:?}"), true)),
             }
@@ -417,7 +578,10 @@ async fn read_chunk(node: Arc<Node>, f: FileMeta, first: u64, count: u64) -> Res
     if failed.is_empty() {
         return Ok(out);
     }
-    let reasons: BTreeMap<u64, (String, bool)> = failed.iter().map(|(i, r, bad)| (*i, (r.clone(), *bad))).collect();
+    let reasons: BTreeMap<u64, (String, bool)> = failed
+        .iter()
+        .map(|(i, r, bad)| (*i, (r.clone(), *bad)))
+        .collect();
     let mirrors = group_by(failed.iter().map(|(i, _, _)| *i), |i| p.mirror(f.id, i));
     let mut unreadable: Vec<(u64, String)> = Vec::new();
     for (l, idx) in mirrors {
@@ -430,7 +594,10 @@ async fn read_chunk(node: Arc<Node>, f: FileMeta, first: u64, count: u64) -> Res
                     let (why, bad_copy) = &reasons[&i];
                     tracing::debug!(node = %node.name(), page = %format!("{}:{i}", f.id), primary = %why, "served from mirror");
                     if *bad_copy && node.can_serve(&st, home) {
-                        repairs.entry(home).or_default().push(PageData { index: i, data: d.clone() });
+                        repairs.entry(home).or_default().push(PageData {
+                            index: i,
+                            data: d.clone(),
+                        });
                     }
                     out[((i - first) as usize) * PAGE_SIZE..][..PAGE_SIZE].copy_from_slice(&d);
                 }
@@ -444,23 +611,46 @@ async fn read_chunk(node: Arc<Node>, f: FileMeta, first: u64, count: u64) -> Res
                 let phys = node.physical_of(&st, home);
                 let n = pages.len();
                 let r = async {
-                    node.call_ok(&phys, PeerReq::WritePages { file, role: Role::Primary, gen, keep_gen: gen, pages }).await?;
+                    node.call_ok(
+                        &phys,
+                        PeerReq::WritePages {
+                            file,
+                            role: Role::Primary,
+                            gen,
+                            keep_gen: gen,
+                            pages,
+                        },
+                    )
+                    .await?;
                     node.call_ok(&phys, PeerReq::Sync).await
                 }
                 .await;
                 match r {
-                    Ok(_) => tracing::info!(node = %phys, %file, pages = n, "primary copies repaired from mirror"),
-                    Err(e) => tracing::warn!(node = %phys, %file, error = %e, "primary repair failed"),
+                    Ok(_) => {
+                        tracing::info!(node = %phys, %file, pages = n, "primary copies repaired from mirror")
+                    }
+                    Err(e) => {
+                        tracing::warn!(node = %phys, %file, error = %e, "primary repair failed")
+                    }
                 }
             });
         }
     }
     // A primary that only timed out may have been slow, not dead: one more try with the full
     // request timeout, batched per home node.
-    let retry = group_by(unreadable.iter().filter(|(i, _)| !reasons[i].1).map(|(i, _)| *i), |i| p.home(f.id, i));
+    let retry = group_by(
+        unreadable
+            .iter()
+            .filter(|(i, _)| !reasons[i].1)
+            .map(|(i, _)| *i),
+        |i| p.home(f.id, i),
+    );
     let mut recovered = std::collections::BTreeSet::new();
     for (home, idx) in retry {
-        for (i, pr) in idx.iter().zip(read_from(&node, &st, &f, Role::Primary, home, idx.clone()).await) {
+        for (i, pr) in idx
+            .iter()
+            .zip(read_from(&node, &st, &f, Role::Primary, home, idx.clone()).await)
+        {
             if let PageRead::Ok(d) = pr {
                 out[((i - first) as usize) * PAGE_SIZE..][..PAGE_SIZE].copy_from_slice(&d);
                 recovered.insert(*i);
@@ -470,14 +660,27 @@ async fn read_chunk(node: Arc<Node>, f: FileMeta, first: u64, count: u64) -> Res
     if let Some((i, mirror_err)) = unreadable.iter().find(|(i, _)| !recovered.contains(i)) {
         return Err(OpError::new(
             ErrorKind::Io,
-            format!("page {i} of '{}' is unreadable: primary {}, mirror {mirror_err}", f.name, reasons[i].0),
+            format!(
+                "page {i} of '{}' is unreadable: primary {}, mirror {mirror_err}",
+                f.name, reasons[i].0
+            ),
         ));
     }
     Ok(out)
 }
 
 /// Starts an export: returns the file and a channel of chunks (an error ends the stream).
-pub fn export_stream(node: &Arc<Node>, caller: Caller, name: &str) -> Result<(FileMeta, tokio::sync::mpsc::Receiver<Result<Vec<u8>, OpError>>), OpError> {
+pub fn export_stream(
+    node: &Arc<Node>,
+    caller: Caller,
+    name: &str,
+) -> Result<
+    (
+        FileMeta,
+        tokio::sync::mpsc::Receiver<Result<Vec<u8>, OpError>>,
+    ),
+    OpError,
+> {
     let st = node.meta_state();
     let f = lookup(&st, name)?;
     caller.check_read(&f)?;
@@ -488,16 +691,24 @@ pub fn export_stream(node: &Arc<Node>, caller: Caller, name: &str) -> Result<(Fi
         let f = f2;
         let pages = f.pages();
         let mut next = 0u64;
-        let mut pending: VecDeque<tokio::task::JoinHandle<Result<Vec<u8>, OpError>>> = VecDeque::new();
+        let mut pending: VecDeque<tokio::task::JoinHandle<Result<Vec<u8>, OpError>>> =
+            VecDeque::new();
         let mut sent = 0u64;
         loop {
             while pending.len() < READ_AHEAD && next < pages {
                 let count = (BATCH_PAGES as u64).min(pages - next);
-                pending.push_back(tokio::spawn(read_chunk(node.clone(), f.clone(), next, count)));
+                pending.push_back(tokio::spawn(read_chunk(
+                    node.clone(),
+                    f.clone(),
+                    next,
+                    count,
+                )));
                 next += count;
             }
             let Some(h) = pending.pop_front() else { break };
-            let r = h.await.unwrap_or_else(|e| Err(OpError::new(ErrorKind::Internal, e.to_string())));
+            let r = h
+                .await
+                .unwrap_or_else(|e| Err(OpError::new(ErrorKind::Internal, e.to_string())));
             let r = r.map(|mut d| {
                 let keep = (f.size - sent).min(d.len() as u64) as usize;
                 d.truncate(keep);
@@ -520,30 +731,54 @@ pub fn export_stream(node: &Arc<Node>, caller: Caller, name: &str) -> Result<(Fi
 pub async fn scrub(node: &Arc<Node>) -> Result<ScrubReport, OpError> {
     let st = node.meta_state();
     check_all_serving(node, &st)?;
-    let files: Vec<(FileId, u64, u64)> = st.files.values().map(|f| (f.id, f.pages(), f.gen)).collect();
+    let files: Vec<(FileId, u64, u64)> = st
+        .files
+        .values()
+        .map(|f| (f.id, f.pages(), f.gen))
+        .collect();
     let by_id: BTreeMap<FileId, FileMeta> = st.files.values().map(|f| (f.id, f.clone())).collect();
-    let mut report = ScrubReport { files: files.len() as u64, ..Default::default() };
+    let mut report = ScrubReport {
+        files: files.len() as u64,
+        ..Default::default()
+    };
     let mut bad = Vec::new();
     for (l, p) in node.logical_map(&st) {
-        match node.call_ok(&p, PeerReq::ScrubLocal { files: files.clone() }).await? {
+        match node
+            .call_ok(
+                &p,
+                PeerReq::ScrubLocal {
+                    files: files.clone(),
+                },
+            )
+            .await?
+        {
             PeerResp::Scrub { checked, bad: b } => {
                 report.copies_checked += checked;
                 report.bad_copies += b.len() as u64;
                 bad.extend(b.into_iter().map(|c| (NodeId(l), c)));
             }
-            other => return Err(OpError::new(ErrorKind::Internal, format!("{p}: unexpected answer {other:?}"))),
+            other => {
+                return Err(OpError::new(
+                    ErrorKind::Internal,
+                    format!("{p}: unexpected answer {other:?}"),
+                ))
+            }
         }
     }
     // Group: (file, bad role, bad holder, good holder) → indices.
     let mut groups: BTreeMap<(FileId, Role, NodeId, NodeId), Vec<u64>> = BTreeMap::new();
     for (l, c) in bad {
         let good = node.placement.holder(c.file, c.index, c.role.other());
-        groups.entry((c.file, c.role, l, good)).or_default().push(c.index);
+        groups
+            .entry((c.file, c.role, l, good))
+            .or_default()
+            .push(c.index);
     }
     for ((file, role, dst, src), idx) in groups {
         let Some(f) = by_id.get(&file) else { continue };
         for chunk in idx.chunks(BATCH_PAGES) {
-            let (ok, failed) = copy_pages(node, &st, f, role.other(), src, dst, chunk.to_vec()).await;
+            let (ok, failed) =
+                copy_pages(node, &st, f, role.other(), src, dst, chunk.to_vec()).await;
             report.repaired += ok;
             report.unrepairable += failed;
         }
@@ -556,7 +791,15 @@ pub async fn scrub(node: &Arc<Node>) -> Result<ScrubReport, OpError> {
 }
 
 /// Copies pages from `src`'s `src_role` copies into `dst`'s other-role copies.
-async fn copy_pages(node: &Arc<Node>, st: &MetaState, f: &FileMeta, src_role: Role, src: NodeId, dst: NodeId, idx: Vec<u64>) -> (u64, u64) {
+async fn copy_pages(
+    node: &Arc<Node>,
+    st: &MetaState,
+    f: &FileMeta,
+    src_role: Role,
+    src: NodeId,
+    dst: NodeId,
+    idx: Vec<u64>,
+) -> (u64, u64) {
     let reads = read_from(node, st, f, src_role, src, idx.clone()).await;
     let mut pages = Vec::new();
     let mut failed = 0;
@@ -574,7 +817,19 @@ async fn copy_pages(node: &Arc<Node>, st: &MetaState, f: &FileMeta, src_role: Ro
         return (0, failed);
     }
     let phys = node.physical_of(st, dst);
-    match node.call_ok(&phys, PeerReq::WritePages { file: f.id, role: src_role.other(), gen: f.gen, keep_gen: f.gen, pages }).await {
+    match node
+        .call_ok(
+            &phys,
+            PeerReq::WritePages {
+                file: f.id,
+                role: src_role.other(),
+                gen: f.gen,
+                keep_gen: f.gen,
+                pages,
+            },
+        )
+        .await
+    {
         Ok(_) => (n, failed),
         Err(e) => {
             tracing::error!(node = %phys, error = %e, "repair write failed");
@@ -588,24 +843,49 @@ pub async fn replace(node: &Arc<Node>, logical: u32, spare: &str) -> Result<(), 
     let st = node.meta_state();
     let map = node.logical_map(&st);
     let Some(old) = map.get(&logical).cloned() else {
-        return Err(OpError::new(ErrorKind::Invalid, format!("there is no logical node {logical} (the cluster has {})", map.len())));
+        return Err(OpError::new(
+            ErrorKind::Invalid,
+            format!(
+                "there is no logical node {logical} (the cluster has {})",
+                map.len()
+            ),
+        ));
     };
     if node.cfg.entry(spare).is_none() {
-        return Err(OpError::new(ErrorKind::Invalid, format!("no node named '{spare}' in the cluster config")));
+        return Err(OpError::new(
+            ErrorKind::Invalid,
+            format!("no node named '{spare}' in the cluster config"),
+        ));
     }
     if map.values().any(|p| p == spare) {
-        return Err(OpError::new(ErrorKind::Invalid, format!("'{spare}' already holds a logical id")));
+        return Err(OpError::new(
+            ErrorKind::Invalid,
+            format!("'{spare}' already holds a logical id"),
+        ));
     }
     if node.is_live(&old) {
-        return Err(OpError::new(ErrorKind::Invalid, format!("node {logical} ({old}) is up; only a down node can be replaced")));
+        return Err(OpError::new(
+            ErrorKind::Invalid,
+            format!("node {logical} ({old}) is up; only a down node can be replaced"),
+        ));
     }
     if !node.is_live(spare) {
-        return Err(OpError::new(ErrorKind::Unavailable, format!("spare '{spare}' is not up")));
+        return Err(OpError::new(
+            ErrorKind::Unavailable,
+            format!("spare '{spare}' is not up"),
+        ));
     }
     if st.logical.is_empty() {
-        node.submit(MetaOp::InitMap { logical: map.clone() }).await?;
+        node.submit(MetaOp::InitMap {
+            logical: map.clone(),
+        })
+        .await?;
     }
-    node.submit(MetaOp::Replace { logical, physical: spare.into() }).await?;
+    node.submit(MetaOp::Replace {
+        logical,
+        physical: spare.into(),
+    })
+    .await?;
     tracing::warn!(logical, old = %old, new = %spare, "node replaced; rebuilding its copies");
     Ok(())
 }
@@ -617,7 +897,12 @@ pub async fn rebuild(node: &Arc<Node>, l: NodeId) -> Result<(), OpError> {
     let files: Vec<FileMeta> = st.files.values().filter(|f| f.gen > 0).cloned().collect();
     let total: u64 = files
         .iter()
-        .map(|f| [Role::Primary, Role::Mirror].iter().map(|&r| p.held(l, f.id, f.pages(), r).count() as u64).sum::<u64>())
+        .map(|f| {
+            [Role::Primary, Role::Mirror]
+                .iter()
+                .map(|&r| p.held(l, f.id, f.pages(), r).count() as u64)
+                .sum::<u64>()
+        })
         .sum();
     node.rebuild_total.store(total, Ordering::Relaxed);
     node.rebuild_done.store(0, Ordering::Relaxed);
@@ -634,14 +919,35 @@ pub async fn rebuild(node: &Arc<Node>, l: NodeId) -> Result<(), OpError> {
                     match r {
                         PageRead::Ok(data) => pages.push(PageData { index: i, data }),
                         other => {
-                            return Err(OpError::new(ErrorKind::Unavailable, format!("cannot copy page {}:{i} from {src}: {other:?}", f.id)))
+                            return Err(OpError::new(
+                                ErrorKind::Unavailable,
+                                format!("cannot copy page {}:{i} from {src}: {other:?}", f.id),
+                            ))
                         }
                     }
                 }
                 let n = pages.len() as u64;
-                match node.clone().call_ok(node.name(), PeerReq::WritePages { file: f.id, role, gen: f.gen, keep_gen: f.gen, pages }).await? {
+                match node
+                    .clone()
+                    .call_ok(
+                        node.name(),
+                        PeerReq::WritePages {
+                            file: f.id,
+                            role,
+                            gen: f.gen,
+                            keep_gen: f.gen,
+                            pages,
+                        },
+                    )
+                    .await?
+                {
                     PeerResp::Ok => {}
-                    other => return Err(OpError::new(ErrorKind::Internal, format!("unexpected answer {other:?}"))),
+                    other => {
+                        return Err(OpError::new(
+                            ErrorKind::Internal,
+                            format!("unexpected answer {other:?}"),
+                        ))
+                    }
                 }
                 node.rebuild_done.fetch_add(n, Ordering::Relaxed);
             }
@@ -649,7 +955,11 @@ pub async fn rebuild(node: &Arc<Node>, l: NodeId) -> Result<(), OpError> {
         let store = node.store.clone();
         blocking(move || store.sync()).await??;
     }
-    node.submit(MetaOp::RebuildDone { logical: l.0, physical: node.name().to_string() }).await?;
+    node.submit(MetaOp::RebuildDone {
+        logical: l.0,
+        physical: node.name().to_string(),
+    })
+    .await?;
     tracing::info!(node = %node.name(), logical = %l, pages = total, "rebuild finished: every page has two copies again");
     Ok(())
 }

@@ -38,11 +38,25 @@ impl Transport {
         peers: HashMap<String, SocketAddr>,
     ) -> std::io::Result<Transport> {
         let socket = std::net::UdpSocket::bind(addr)?;
-        let runtime = quinn::default_runtime().ok_or_else(|| std::io::Error::other("no async runtime"))?;
-        let mut endpoint = quinn::Endpoint::new(quinn::EndpointConfig::new(reset_key), Some(server), socket, runtime)?;
+        let runtime =
+            quinn::default_runtime().ok_or_else(|| std::io::Error::other("no async runtime"))?;
+        let mut endpoint = quinn::Endpoint::new(
+            quinn::EndpointConfig::new(reset_key),
+            Some(server),
+            socket,
+            runtime,
+        )?;
         endpoint.set_default_client_config(client);
-        let dial = peers.keys().map(|k| (k.clone(), tokio::sync::Mutex::new(()))).collect();
-        Ok(Transport { endpoint, addrs: peers, conns: Mutex::new(HashMap::new()), dial })
+        let dial = peers
+            .keys()
+            .map(|k| (k.clone(), tokio::sync::Mutex::new(())))
+            .collect();
+        Ok(Transport {
+            endpoint,
+            addrs: peers,
+            conns: Mutex::new(HashMap::new()),
+            dial,
+        })
     }
 
     pub fn endpoint(&self) -> &quinn::Endpoint {
@@ -51,40 +65,82 @@ impl Transport {
 
     async fn connection(&self, peer: &str) -> Result<quinn::Connection, NetError> {
         let cached = |s: &Self| {
-            s.conns.lock().unwrap_or_else(|e| e.into_inner()).get(peer).filter(|c| c.close_reason().is_none()).cloned()
+            s.conns
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .get(peer)
+                .filter(|c| c.close_reason().is_none())
+                .cloned()
         };
         if let Some(c) = cached(self) {
             return Ok(c);
         }
-        let addr = *self.addrs.get(peer).ok_or_else(|| NetError::UnknownPeer(peer.into()))?;
-        let lock = self.dial.get(peer).ok_or_else(|| NetError::UnknownPeer(peer.into()))?;
+        let addr = *self
+            .addrs
+            .get(peer)
+            .ok_or_else(|| NetError::UnknownPeer(peer.into()))?;
+        let lock = self
+            .dial
+            .get(peer)
+            .ok_or_else(|| NetError::UnknownPeer(peer.into()))?;
         let _g = lock.lock().await;
         if let Some(c) = cached(self) {
             return Ok(c);
         }
-        let unreachable = |e: &dyn std::fmt::Display| NetError::Unreachable { peer: peer.into(), message: e.to_string() };
-        let conn = self.endpoint.connect(addr, &tls::server_name(peer)).map_err(|e| unreachable(&e))?.await.map_err(|e| unreachable(&e))?;
-        self.conns.lock().unwrap_or_else(|e| e.into_inner()).insert(peer.to_string(), conn.clone());
+        let unreachable = |e: &dyn std::fmt::Display| NetError::Unreachable {
+            peer: peer.into(),
+            message: e.to_string(),
+        };
+        let conn = self
+            .endpoint
+            .connect(addr, &tls::server_name(peer))
+            .map_err(|e| unreachable(&e))?
+            .await
+            .map_err(|e| unreachable(&e))?;
+        self.conns
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(peer.to_string(), conn.clone());
         Ok(conn)
     }
 
     /// Sends `req` to `peer` and waits at most `timeout` for its response.
-    pub async fn request(&self, peer: &str, req: &PeerReq, timeout: Duration) -> Result<PeerResp, NetError> {
+    pub async fn request(
+        &self,
+        peer: &str,
+        req: &PeerReq,
+        timeout: Duration,
+    ) -> Result<PeerResp, NetError> {
         let body = peer::encode(req);
         let fut = async {
             let conn = self.connection(peer).await?;
-            let broken = |e: &dyn std::fmt::Display| NetError::Unreachable { peer: peer.into(), message: e.to_string() };
+            let broken = |e: &dyn std::fmt::Display| NetError::Unreachable {
+                peer: peer.into(),
+                message: e.to_string(),
+            };
             let (mut send, mut recv) = conn.open_bi().await.map_err(|e| broken(&e))?;
             send.write_all(&body).await.map_err(|e| broken(&e))?;
             send.finish().map_err(|e| broken(&e))?;
-            let resp = recv.read_to_end(MAX_PEER_MSG).await.map_err(|e| broken(&e))?;
-            peer::decode::<PeerResp>(&resp).map_err(|message| NetError::BadResponse { peer: peer.into(), message })
+            let resp = recv
+                .read_to_end(MAX_PEER_MSG)
+                .await
+                .map_err(|e| broken(&e))?;
+            peer::decode::<PeerResp>(&resp).map_err(|message| NetError::BadResponse {
+                peer: peer.into(),
+                message,
+            })
         };
         let r = match tokio::time::timeout(timeout, fut).await {
             Ok(r) => r,
-            Err(_) => Err(NetError::Timeout { peer: peer.into(), ms: timeout.as_millis() as u64 }),
+            Err(_) => Err(NetError::Timeout {
+                peer: peer.into(),
+                ms: timeout.as_millis() as u64,
+            }),
         };
-        if matches!(r, Err(NetError::Timeout { .. } | NetError::Unreachable { .. })) {
+        if matches!(
+            r,
+            Err(NetError::Timeout { .. } | NetError::Unreachable { .. })
+        ) {
             // The peer may have restarted behind this connection: dial afresh next time.
             self.drop_connection(peer);
         }
@@ -93,7 +149,12 @@ impl Transport {
 
     /// Forgets the cached connection to `peer` (after it restarted, say).
     pub fn drop_connection(&self, peer: &str) {
-        if let Some(c) = self.conns.lock().unwrap_or_else(|e| e.into_inner()).remove(peer) {
+        if let Some(c) = self
+            .conns
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(peer)
+        {
             c.close(0u32.into(), b"reset");
         }
     }
@@ -108,7 +169,11 @@ pub trait Handler: Send + Sync + 'static {
 pub type BoxFuture<T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send>>;
 
 /// Accepts connections until the endpoint closes.
-pub async fn serve<H: Handler>(endpoint: quinn::Endpoint, handler: Arc<H>, known: Arc<Vec<String>>) {
+pub async fn serve<H: Handler>(
+    endpoint: quinn::Endpoint,
+    handler: Arc<H>,
+    known: Arc<Vec<String>>,
+) {
     while let Some(incoming) = endpoint.accept().await {
         let handler = handler.clone();
         let known = known.clone();
@@ -146,7 +211,10 @@ pub async fn serve<H: Handler>(endpoint: quinn::Endpoint, handler: Arc<H>, known
                         Ok(req) => handler.handle(name.clone(), req).await,
                         Err(e) => {
                             tracing::warn!(peer = %name, error = %e, "malformed peer message");
-                            PeerResp::Error { kind: psls_ipc::ErrorKind::Invalid, message: format!("malformed message: {e}") }
+                            PeerResp::Error {
+                                kind: psls_ipc::ErrorKind::Invalid,
+                                message: format!("malformed message: {e}"),
+                            }
                         }
                     };
                     let _ = send.write_all(&peer::encode(&resp)).await;

@@ -104,7 +104,10 @@ impl DiskFile for RealFile {
 
 pub(crate) fn check_name(name: &str) -> io::Result<()> {
     if name.is_empty() || name.contains('/') || name == "." || name == ".." {
-        return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("bad file name {name:?}")));
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("bad file name {name:?}"),
+        ));
     }
     Ok(())
 }
@@ -112,7 +115,11 @@ pub(crate) fn check_name(name: &str) -> io::Result<()> {
 impl Disk for FileDisk {
     fn open(&self, name: &str, create: bool) -> io::Result<Arc<dyn DiskFile>> {
         check_name(name)?;
-        let file = OpenOptions::new().read(true).write(true).create(create).open(self.root.join(name))?;
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(create)
+            .open(self.root.join(name))?;
         Ok(Arc::new(RealFile { file }))
     }
     fn remove(&self, name: &str) -> io::Result<()> {

@@ -6,12 +6,8 @@ use std::io;
 /// Errors of [`crate::PageStore`] operations.
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
-    #[error("disk I/O error on {what}: {source}")]
-    Io {
-        what: String,
-        #[source]
-        source: io::Error,
-    },
+    #[error("disk I/O error on {what}: {err}")]
+    Io { what: String, err: io::Error },
     /// An fsync failed earlier: the store can no longer tell what is durable and refuses
     /// every further operation until the daemon restarts (see redb / PostgreSQL fsyncgate).
     #[error("page store is poisoned after a failed fsync; restart the node")]
@@ -24,7 +20,10 @@ pub enum StoreError {
 
 impl StoreError {
     pub fn io(what: impl Into<String>, source: io::Error) -> Self {
-        StoreError::Io { what: what.into(), source }
+        StoreError::Io {
+            what: what.into(),
+            err: source,
+        }
     }
 }
 
@@ -39,8 +38,14 @@ pub enum MetaError {
     Exists(String),
     #[error("no file named '{0}'")]
     NotFound(String),
-    #[error("file '{name}' changed while it was being replaced (expected id {expected}, found {found})")]
-    Conflict { name: String, expected: FileId, found: FileId },
+    #[error(
+        "file '{name}' changed while it was being replaced (expected id {expected}, found {found})"
+    )]
+    Conflict {
+        name: String,
+        expected: FileId,
+        found: FileId,
+    },
     #[error("invalid metadata operation: {0}")]
     Invalid(String),
 }

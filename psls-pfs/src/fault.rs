@@ -28,7 +28,10 @@ impl Control {
         if self.halted.load(Ordering::SeqCst) {
             return Err(io::Error::other("disk halted (simulated power cut)"));
         }
-        if mutating && self.ops_left.load(Ordering::SeqCst) >= 0 && self.ops_left.fetch_sub(1, Ordering::SeqCst) <= 0 {
+        if mutating
+            && self.ops_left.load(Ordering::SeqCst) >= 0
+            && self.ops_left.fetch_sub(1, Ordering::SeqCst) <= 0
+        {
             self.halted.store(true, Ordering::SeqCst);
             return Err(io::Error::other("disk halted (simulated power cut)"));
         }
@@ -61,8 +64,15 @@ struct Overlay {
 impl FaultDisk {
     /// A fault disk over the directory `root`; what is durable lives in real files there.
     pub fn new(root: impl Into<std::path::PathBuf>) -> io::Result<Self> {
-        let control = Control { ops_left: AtomicI64::new(-1), ..Default::default() };
-        Ok(FaultDisk { base: FileDisk::new(root)?, control: Arc::new(control), files: Mutex::new(BTreeMap::new()) })
+        let control = Control {
+            ops_left: AtomicI64::new(-1),
+            ..Default::default()
+        };
+        Ok(FaultDisk {
+            base: FileDisk::new(root)?,
+            control: Arc::new(control),
+            files: Mutex::new(BTreeMap::new()),
+        })
     }
 
     pub fn set_fail_reads(&self, on: bool) {
@@ -127,13 +137,23 @@ impl Disk for FaultDisk {
         }
         let base = self.base.open(name, create)?;
         let len = base.len()?;
-        let f = Arc::new(FaultFile { base, control: self.control.clone(), state: Mutex::new(Overlay { blocks: BTreeMap::new(), len }) });
+        let f = Arc::new(FaultFile {
+            base,
+            control: self.control.clone(),
+            state: Mutex::new(Overlay {
+                blocks: BTreeMap::new(),
+                len,
+            }),
+        });
         files.insert(name.to_string(), Arc::downgrade(&f));
         Ok(f)
     }
     fn remove(&self, name: &str) -> io::Result<()> {
         self.control.check(true)?;
-        self.files.lock().unwrap_or_else(|e| e.into_inner()).remove(name);
+        self.files
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(name);
         self.base.remove(name)
     }
     fn list(&self) -> io::Result<Vec<String>> {
@@ -317,8 +337,14 @@ mod tests {
         let f = d.open("x", false).unwrap();
         let mut b = vec![0u8; 64 * 1024];
         f.read_at(0, &mut b).unwrap();
-        let kept = b.chunks(SECTOR).filter(|s| s.iter().all(|&x| x == 9)).count();
-        let lost = b.chunks(SECTOR).filter(|s| s.iter().all(|&x| x == 0)).count();
+        let kept = b
+            .chunks(SECTOR)
+            .filter(|s| s.iter().all(|&x| x == 9))
+            .count();
+        let lost = b
+            .chunks(SECTOR)
+            .filter(|s| s.iter().all(|&x| x == 0))
+            .count();
         assert_eq!(kept + lost, 128);
         assert!(kept > 0 && lost > 0, "kept {kept} lost {lost}");
     }

@@ -70,23 +70,41 @@ pub struct MetaState {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum MetaOp {
     /// Sets the initial logical map if none is set yet.
-    InitMap { logical: BTreeMap<u32, String> },
+    InitMap {
+        logical: BTreeMap<u32, String>,
+    },
     /// Commit record of a file whose pages are durable on both copies. With `replaces`, the
     /// name must still point to that id (atomic replace); without it the name must be free.
-    CommitFile { meta: FileMeta, replaces: Option<FileId> },
-    RemoveFile { name: String, id: FileId },
+    CommitFile {
+        meta: FileMeta,
+        replaces: Option<FileId>,
+    },
+    RemoveFile {
+        name: String,
+        id: FileId,
+    },
     /// A spare takes over a logical id; its copies must be rebuilt.
-    Replace { logical: u32, physical: String },
-    RebuildDone { logical: u32, physical: String },
+    Replace {
+        logical: u32,
+        physical: String,
+    },
+    RebuildDone {
+        logical: u32,
+        physical: String,
+    },
 }
 
 /// Checks a user-supplied file name.
 pub fn validate_name(name: &str) -> Result<(), MetaError> {
     if name.is_empty() || name.len() > MAX_NAME_LEN {
-        return Err(MetaError::Invalid(format!("file name must be 1..={MAX_NAME_LEN} bytes")));
+        return Err(MetaError::Invalid(format!(
+            "file name must be 1..={MAX_NAME_LEN} bytes"
+        )));
     }
     if name.chars().any(|c| c.is_control() || c == '/') {
-        return Err(MetaError::Invalid("file name must not contain '/' or control characters".into()));
+        return Err(MetaError::Invalid(
+            "file name must not contain '/' or control characters".into(),
+        ));
     }
     Ok(())
 }
@@ -107,15 +125,30 @@ impl MetaState {
                 match (next.files.get(&meta.name), replaces) {
                     (Some(_), None) => return Err(MetaError::Exists(meta.name.clone())),
                     (Some(cur), Some(old)) if cur.id != *old => {
-                        return Err(MetaError::Conflict { name: meta.name.clone(), expected: *old, found: cur.id })
+                        return Err(MetaError::Conflict {
+                            name: meta.name.clone(),
+                            expected: *old,
+                            found: cur.id,
+                        })
                     }
                     (None, Some(old)) => {
-                        return Err(MetaError::Conflict { name: meta.name.clone(), expected: *old, found: FileId(0) })
+                        return Err(MetaError::Conflict {
+                            name: meta.name.clone(),
+                            expected: *old,
+                            found: FileId(0),
+                        })
                     }
                     _ => {}
                 }
-                if next.files.values().any(|f| f.id == meta.id && f.name != meta.name) {
-                    return Err(MetaError::Invalid(format!("file id {} already in use", meta.id)));
+                if next
+                    .files
+                    .values()
+                    .any(|f| f.id == meta.id && f.name != meta.name)
+                {
+                    return Err(MetaError::Invalid(format!(
+                        "file id {} already in use",
+                        meta.id
+                    )));
                 }
                 next.files.insert(meta.name.clone(), meta.clone());
             }
@@ -123,7 +156,13 @@ impl MetaState {
                 Some(f) if f.id == *id => {
                     next.files.remove(name);
                 }
-                Some(f) => return Err(MetaError::Conflict { name: name.clone(), expected: *id, found: f.id }),
+                Some(f) => {
+                    return Err(MetaError::Conflict {
+                        name: name.clone(),
+                        expected: *id,
+                        found: f.id,
+                    })
+                }
                 None => return Err(MetaError::NotFound(name.clone())),
             },
             MetaOp::Replace { logical, physical } => {
@@ -131,11 +170,18 @@ impl MetaState {
                     return Err(MetaError::Invalid(format!("no logical node {logical}")));
                 }
                 if next.logical.values().any(|p| p == physical) {
-                    return Err(MetaError::Invalid(format!("{physical} already holds a logical id")));
+                    return Err(MetaError::Invalid(format!(
+                        "{physical} already holds a logical id"
+                    )));
                 }
                 next.logical.insert(*logical, physical.clone());
                 next.map_version += 1;
-                next.rebuilding.insert(*logical, Rebuild { physical: physical.clone() });
+                next.rebuilding.insert(
+                    *logical,
+                    Rebuild {
+                        physical: physical.clone(),
+                    },
+                );
             }
             MetaOp::RebuildDone { logical, physical } => {
                 if next.rebuilding.get(logical).map(|r| &r.physical) == Some(physical) {
@@ -161,7 +207,9 @@ impl MetaState {
         }
         let v = u16::from_le_bytes([bytes[0], bytes[1]]);
         if v != STATE_FORMAT {
-            return Err(MetaError::Corrupt(format!("unknown metadata format version {v}")));
+            return Err(MetaError::Corrupt(format!(
+                "unknown metadata format version {v}"
+            )));
         }
         postcard::from_bytes(&bytes[2..]).map_err(|e| MetaError::Corrupt(e.to_string()))
     }
@@ -178,7 +226,10 @@ impl redb::StorageBackend for Backend {
     }
     fn read(&self, offset: u64, out: &mut [u8]) -> Result<(), io::Error> {
         if offset + out.len() as u64 > self.0.len()? {
-            return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "read past end of metadata file"));
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                "read past end of metadata file",
+            ));
         }
         self.0.read_at(offset, out)
     }
@@ -201,15 +252,20 @@ pub struct MetaStore {
 
 impl std::fmt::Debug for MetaStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("MetaStore").field("seq", &self.state.seq).finish()
+        f.debug_struct("MetaStore")
+            .field("seq", &self.state.seq)
+            .finish()
     }
 }
 
 impl MetaStore {
     /// Opens (or creates) `meta.redb` on `disk`.
     pub fn open(disk: &dyn Disk) -> Result<MetaStore, MetaError> {
-        let file = disk.open("meta.redb", true).map_err(|e| MetaError::Db(format!("open meta.redb: {e}")))?;
-        disk.sync_dir().map_err(|e| MetaError::Db(format!("fsync directory: {e}")))?;
+        let file = disk
+            .open("meta.redb", true)
+            .map_err(|e| MetaError::Db(format!("open meta.redb: {e}")))?;
+        disk.sync_dir()
+            .map_err(|e| MetaError::Db(format!("fsync directory: {e}")))?;
         let db = redb::Database::builder().create_with_backend(Backend(file))?;
         let state = {
             let tx = db.begin_read()?;
@@ -259,7 +315,16 @@ mod tests {
     use crate::{FaultDisk, FileDisk};
 
     fn meta(name: &str, id: u64) -> FileMeta {
-        FileMeta { id: FileId(id), name: name.into(), size: 10_000, uid: 1, gid: 1, mode: 0o644, gen: 1, created_unix_ms: 0 }
+        FileMeta {
+            id: FileId(id),
+            name: name.into(),
+            size: 10_000,
+            uid: 1,
+            gid: 1,
+            mode: 0o644,
+            gen: 1,
+            created_unix_ms: 0,
+        }
     }
 
     #[test]
@@ -268,15 +333,43 @@ mod tests {
         let disk = FileDisk::new(dir.path()).unwrap();
         {
             let mut m = MetaStore::open(&disk).unwrap();
-            m.apply(&MetaOp::CommitFile { meta: meta("a", 1), replaces: None }).unwrap();
-            assert!(matches!(m.apply(&MetaOp::CommitFile { meta: meta("a", 2), replaces: None }), Err(MetaError::Exists(_))));
+            m.apply(&MetaOp::CommitFile {
+                meta: meta("a", 1),
+                replaces: None,
+            })
+            .unwrap();
             assert!(matches!(
-                m.apply(&MetaOp::CommitFile { meta: meta("a", 3), replaces: Some(FileId(9)) }),
+                m.apply(&MetaOp::CommitFile {
+                    meta: meta("a", 2),
+                    replaces: None
+                }),
+                Err(MetaError::Exists(_))
+            ));
+            assert!(matches!(
+                m.apply(&MetaOp::CommitFile {
+                    meta: meta("a", 3),
+                    replaces: Some(FileId(9))
+                }),
                 Err(MetaError::Conflict { .. })
             ));
-            m.apply(&MetaOp::CommitFile { meta: meta("a", 3), replaces: Some(FileId(1)) }).unwrap();
-            assert!(m.apply(&MetaOp::CommitFile { meta: meta("b/c", 4), replaces: None }).is_err());
-            assert!(matches!(m.apply(&MetaOp::RemoveFile { name: "zz".into(), id: FileId(1) }), Err(MetaError::NotFound(_))));
+            m.apply(&MetaOp::CommitFile {
+                meta: meta("a", 3),
+                replaces: Some(FileId(1)),
+            })
+            .unwrap();
+            assert!(m
+                .apply(&MetaOp::CommitFile {
+                    meta: meta("b/c", 4),
+                    replaces: None
+                })
+                .is_err());
+            assert!(matches!(
+                m.apply(&MetaOp::RemoveFile {
+                    name: "zz".into(),
+                    id: FileId(1)
+                }),
+                Err(MetaError::NotFound(_))
+            ));
             assert_eq!(m.state().seq, 2);
             assert_eq!(m.state().files["a"].pages(), 3);
         }
@@ -289,15 +382,39 @@ mod tests {
     fn replace_map() {
         let mut s = MetaState::default();
         let map: BTreeMap<u32, String> = (0..4).map(|i| (i, format!("n{i}"))).collect();
-        s.apply(&MetaOp::InitMap { logical: map.clone() }).unwrap();
-        s.apply(&MetaOp::InitMap { logical: BTreeMap::new() }).unwrap();
+        s.apply(&MetaOp::InitMap {
+            logical: map.clone(),
+        })
+        .unwrap();
+        s.apply(&MetaOp::InitMap {
+            logical: BTreeMap::new(),
+        })
+        .unwrap();
         assert_eq!(s.logical, map);
-        assert!(s.apply(&MetaOp::Replace { logical: 2, physical: "n3".into() }).is_err());
-        assert!(s.apply(&MetaOp::Replace { logical: 9, physical: "s0".into() }).is_err());
-        s.apply(&MetaOp::Replace { logical: 2, physical: "s0".into() }).unwrap();
+        assert!(s
+            .apply(&MetaOp::Replace {
+                logical: 2,
+                physical: "n3".into()
+            })
+            .is_err());
+        assert!(s
+            .apply(&MetaOp::Replace {
+                logical: 9,
+                physical: "s0".into()
+            })
+            .is_err());
+        s.apply(&MetaOp::Replace {
+            logical: 2,
+            physical: "s0".into(),
+        })
+        .unwrap();
         assert_eq!(s.logical[&2], "s0");
         assert!(s.rebuilding.contains_key(&2));
-        s.apply(&MetaOp::RebuildDone { logical: 2, physical: "s0".into() }).unwrap();
+        s.apply(&MetaOp::RebuildDone {
+            logical: 2,
+            physical: "s0".into(),
+        })
+        .unwrap();
         assert!(s.rebuilding.is_empty());
         assert_eq!(MetaState::decode(&s.encode()).unwrap(), s);
         assert!(MetaState::decode(&[9, 9, 1]).is_err());
@@ -313,9 +430,18 @@ mod tests {
                 {
                     let disk = FaultDisk::new(dir.path()).unwrap();
                     let mut m = MetaStore::open(&disk).unwrap();
-                    m.apply(&MetaOp::CommitFile { meta: meta("a", 1), replaces: None }).unwrap();
+                    m.apply(&MetaOp::CommitFile {
+                        meta: meta("a", 1),
+                        replaces: None,
+                    })
+                    .unwrap();
                     disk.halt_after(k);
-                    committed = m.apply(&MetaOp::CommitFile { meta: meta("a", 2), replaces: Some(FileId(1)) }).is_ok();
+                    committed = m
+                        .apply(&MetaOp::CommitFile {
+                            meta: meta("a", 2),
+                            replaces: Some(FileId(1)),
+                        })
+                        .is_ok();
                     disk.power_cut(seed);
                 }
                 let disk = FaultDisk::new(dir.path()).unwrap();

@@ -65,7 +65,10 @@ pub fn parse(h: &[u8; HEADER_LEN], file: FileId, index: u64) -> HeaderState {
     if !ok {
         return HeaderState::Garbage;
     }
-    HeaderState::Written { gen: u64_at(24), crc: u32::from_le_bytes(h[60..64].try_into().expect("4 bytes")) }
+    HeaderState::Written {
+        gen: u64_at(24),
+        crc: u32::from_le_bytes(h[60..64].try_into().expect("4 bytes")),
+    }
 }
 
 #[cfg(test)]
@@ -87,7 +90,10 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert_eq!(parse(&h, FileId(1), 9), HeaderState::Garbage);
-        assert_eq!(parse(&h, FileId(0x0102030405060708), 8), HeaderState::Garbage);
+        assert_eq!(
+            parse(&h, FileId(0x0102030405060708), 8),
+            HeaderState::Garbage
+        );
         assert_eq!(parse(&[0u8; HEADER_LEN], FileId(1), 1), HeaderState::Empty);
     }
 }

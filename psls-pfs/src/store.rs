@@ -39,7 +39,9 @@ pub enum ReadOutcome {
     /// Neither slot was ever written.
     Missing,
     /// Slots hold other generations (e.g. an interrupted write); `found` is the newest.
-    Stale { found: u64 },
+    Stale {
+        found: u64,
+    },
     /// The slot of the expected generation, or a header, fails its checks.
     Corrupt,
 }
@@ -47,7 +49,9 @@ pub enum ReadOutcome {
 impl std::fmt::Debug for ReadOutcome {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            ReadOutcome::Ok(d) => write!(f, "Ok({} bytes, crc32 {:08x})", d.len(), crc32fast::hash(d)),
+            ReadOutcome::Ok(d) => {
+                write!(f, "Ok({} bytes, crc32 {:08x})", d.len(), crc32fast::hash(d))
+            }
             ReadOutcome::Missing => write!(f, "Missing"),
             ReadOutcome::Stale { found } => write!(f, "Stale {{ found: {found} }}"),
             ReadOutcome::Corrupt => write!(f, "Corrupt"),
@@ -75,7 +79,10 @@ pub struct PageStore {
 }
 
 fn names(file: FileId, role: Role) -> (String, String) {
-    (format!("f{}.{}.dat", file, role.tag()), format!("f{}.{}.hdr", file, role.tag()))
+    (
+        format!("f{}.{}.dat", file, role.tag()),
+        format!("f{}.{}.hdr", file, role.tag()),
+    )
 }
 
 /// Parses a store file name back into (file, role).
@@ -113,18 +120,33 @@ impl PageStore {
         Ok(())
     }
 
-    fn pair(&self, file: FileId, role: Role, create: bool) -> Result<Option<Arc<Pair>>, StoreError> {
+    fn pair(
+        &self,
+        file: FileId,
+        role: Role,
+        create: bool,
+    ) -> Result<Option<Arc<Pair>>, StoreError> {
         let mut open = self.open.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(p) = open.get(&(file, role)) {
             return Ok(Some(p.clone()));
         }
         let (dn, hn) = names(file, role);
-        let exists = self.disk.list().map_err(|e| StoreError::io("list store", e))?.contains(&dn);
+        let exists = self
+            .disk
+            .list()
+            .map_err(|e| StoreError::io("list store", e))?
+            .contains(&dn);
         if !exists && !create {
             return Ok(None);
         }
-        let dat = self.disk.open(&dn, true).map_err(|e| StoreError::io(&dn, e))?;
-        let hdr = self.disk.open(&hn, true).map_err(|e| StoreError::io(&hn, e))?;
+        let dat = self
+            .disk
+            .open(&dn, true)
+            .map_err(|e| StoreError::io(&dn, e))?;
+        let hdr = self
+            .disk
+            .open(&hn, true)
+            .map_err(|e| StoreError::io(&hn, e))?;
         if !exists {
             self.dir_dirty.store(true, Ordering::SeqCst);
         }
@@ -135,12 +157,16 @@ impl PageStore {
 
     fn stripe(&self, loc: &PageLoc) -> std::sync::MutexGuard<'_, ()> {
         let h = psls_svm_hash(loc.file.0 ^ loc.index.rotate_left(17) ^ (loc.role as u64) << 63);
-        self.stripes[(h % LOCK_STRIPES as u64) as usize].lock().unwrap_or_else(|e| e.into_inner())
+        self.stripes[(h % LOCK_STRIPES as u64) as usize]
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
     }
 
     fn read_headers(&self, p: &Pair, loc: &PageLoc) -> Result<[[u8; HEADER_LEN]; 2], StoreError> {
         let mut buf = [0u8; 2 * HEADER_LEN];
-        p.hdr.read_at(loc.local * 2 * HEADER_LEN as u64, &mut buf).map_err(|e| StoreError::io("read header", e))?;
+        p.hdr
+            .read_at(loc.local * 2 * HEADER_LEN as u64, &mut buf)
+            .map_err(|e| StoreError::io("read header", e))?;
         let mut out = [[0u8; HEADER_LEN]; 2];
         out[0].copy_from_slice(&buf[..HEADER_LEN]);
         out[1].copy_from_slice(&buf[HEADER_LEN..]);
@@ -155,7 +181,10 @@ impl PageStore {
         };
         let _g = self.stripe(&loc);
         let hs = self.read_headers(&p, &loc)?;
-        let states = [slot::parse(&hs[0], loc.file, loc.index), slot::parse(&hs[1], loc.file, loc.index)];
+        let states = [
+            slot::parse(&hs[0], loc.file, loc.index),
+            slot::parse(&hs[1], loc.file, loc.index),
+        ];
         for s in 0..2 {
             if let HeaderState::Written { gen, crc } = states[s] {
                 if gen == expected_gen {
@@ -189,15 +218,26 @@ impl PageStore {
     /// Writes generation `gen` of the page at `loc` into its shadow slot, never the slot that
     /// holds `keep_gen` (pass `keep_gen == gen` to repair a copy in place). Not durable until
     /// [`PageStore::sync`] returns.
-    pub fn write(&self, loc: PageLoc, gen: u64, keep_gen: u64, data: &[u8]) -> Result<(), StoreError> {
+    pub fn write(
+        &self,
+        loc: PageLoc,
+        gen: u64,
+        keep_gen: u64,
+        data: &[u8],
+    ) -> Result<(), StoreError> {
         self.check()?;
         if data.len() != PAGE_SIZE {
             return Err(StoreError::BadPageLength(data.len()));
         }
-        let p = self.pair(loc.file, loc.role, true)?.ok_or(StoreError::NoSuchFile(loc.file))?;
+        let p = self
+            .pair(loc.file, loc.role, true)?
+            .ok_or(StoreError::NoSuchFile(loc.file))?;
         let _g = self.stripe(&loc);
         let hs = self.read_headers(&p, &loc)?;
-        let st = [slot::parse(&hs[0], loc.file, loc.index), slot::parse(&hs[1], loc.file, loc.index)];
+        let st = [
+            slot::parse(&hs[0], loc.file, loc.index),
+            slot::parse(&hs[1], loc.file, loc.index),
+        ];
         let gen_of = |s: HeaderState| match s {
             HeaderState::Written { gen, .. } => Some(gen),
             _ => None,
@@ -215,27 +255,49 @@ impl PageStore {
         };
         let header = slot::encode(loc.file, loc.index, gen, data);
         // Checksum checked right before the write, against the bytes being written.
-        debug_assert_eq!(slot::parse(&header, loc.file, loc.index), HeaderState::Written { gen, crc: slot::checksum(&header, data) });
+        debug_assert_eq!(
+            slot::parse(&header, loc.file, loc.index),
+            HeaderState::Written {
+                gen,
+                crc: slot::checksum(&header, data)
+            }
+        );
         let slot_no = loc.local * 2 + target as u64;
-        p.dat.write_at(slot_no * PAGE_SIZE as u64, data).map_err(|e| StoreError::io("write page", e))?;
-        p.hdr.write_at(slot_no * HEADER_LEN as u64, &header).map_err(|e| StoreError::io("write header", e))?;
-        self.dirty.lock().unwrap_or_else(|e| e.into_inner()).insert((loc.file, loc.role));
+        p.dat
+            .write_at(slot_no * PAGE_SIZE as u64, data)
+            .map_err(|e| StoreError::io("write page", e))?;
+        p.hdr
+            .write_at(slot_no * HEADER_LEN as u64, &header)
+            .map_err(|e| StoreError::io("write header", e))?;
+        self.dirty
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert((loc.file, loc.role));
         Ok(())
     }
 
     /// Makes every earlier write durable. On failure the store is poisoned.
     pub fn sync(&self) -> Result<(), StoreError> {
         self.check()?;
-        let dirty: Vec<(FileId, Role)> = self.dirty.lock().unwrap_or_else(|e| e.into_inner()).drain().collect();
+        let dirty: Vec<(FileId, Role)> = self
+            .dirty
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .drain()
+            .collect();
         let result = (|| {
             for (file, role) in &dirty {
                 if let Some(p) = self.pair(*file, *role, false)? {
                     p.dat.sync().map_err(|e| StoreError::io("fsync data", e))?;
-                    p.hdr.sync().map_err(|e| StoreError::io("fsync headers", e))?;
+                    p.hdr
+                        .sync()
+                        .map_err(|e| StoreError::io("fsync headers", e))?;
                 }
             }
             if self.dir_dirty.swap(false, Ordering::SeqCst) {
-                self.disk.sync_dir().map_err(|e| StoreError::io("fsync directory", e))?;
+                self.disk
+                    .sync_dir()
+                    .map_err(|e| StoreError::io("fsync directory", e))?;
             }
             Ok(())
         })();
@@ -251,7 +313,10 @@ impl PageStore {
         let mut open = self.open.lock().unwrap_or_else(|e| e.into_inner());
         for role in [Role::Primary, Role::Mirror] {
             open.remove(&(file, role));
-            self.dirty.lock().unwrap_or_else(|e| e.into_inner()).remove(&(file, role));
+            self.dirty
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(&(file, role));
             let (dn, hn) = names(file, role);
             self.disk.remove(&dn).map_err(|e| StoreError::io(&dn, e))?;
             self.disk.remove(&hn).map_err(|e| StoreError::io(&hn, e))?;
@@ -267,7 +332,10 @@ impl PageStore {
     /// Every (file, role) with local data.
     pub fn files(&self) -> Result<Vec<(FileId, Role)>, StoreError> {
         self.check()?;
-        let names = self.disk.list().map_err(|e| StoreError::io("list store", e))?;
+        let names = self
+            .disk
+            .list()
+            .map_err(|e| StoreError::io("list store", e))?;
         Ok(names.iter().filter_map(|n| parse_name(n)).collect())
     }
 
@@ -286,7 +354,12 @@ mod tests {
     use crate::{FaultDisk, FileDisk};
 
     fn loc(index: u64) -> PageLoc {
-        PageLoc { file: FileId(7), role: Role::Primary, index, local: index }
+        PageLoc {
+            file: FileId(7),
+            role: Role::Primary,
+            index,
+            local: index,
+        }
     }
     fn page(b: u8) -> Vec<u8> {
         vec![b; PAGE_SIZE]
@@ -348,7 +421,10 @@ mod tests {
         assert!(s.sync().is_err());
         disk.set_fail_sync(false);
         assert!(matches!(s.read(loc(0), 1), Err(StoreError::Poisoned)));
-        assert!(matches!(s.write(loc(0), 1, 0, &page(1)), Err(StoreError::Poisoned)));
+        assert!(matches!(
+            s.write(loc(0), 1, 0, &page(1)),
+            Err(StoreError::Poisoned)
+        ));
     }
 
     #[test]
@@ -377,7 +453,11 @@ mod tests {
                 }
                 let s = PageStore::new(Arc::new(FaultDisk::new(dir.path()).unwrap()));
                 for i in 0..8 {
-                    assert_eq!(s.read(loc(i), 1).unwrap(), ReadOutcome::Ok(page(i as u8 + 1)), "k={k} seed={seed} page {i}");
+                    assert_eq!(
+                        s.read(loc(i), 1).unwrap(),
+                        ReadOutcome::Ok(page(i as u8 + 1)),
+                        "k={k} seed={seed} page {i}"
+                    );
                     match s.read(loc(i), 2).unwrap() {
                         ReadOutcome::Ok(d) => assert_eq!(d, page(100 + i as u8)),
                         ReadOutcome::Stale { .. } | ReadOutcome::Corrupt => {}

@@ -56,7 +56,10 @@ mod tests {
     fn display_forms_are_stable() {
         assert_eq!(NodeId(3).to_string(), "node3");
         assert_eq!(FileId(0xab).to_string(), "00000000000000ab");
-        let p = PageId { file: FileId(1), index: 7 };
+        let p = PageId {
+            file: FileId(1),
+            index: 7,
+        };
         assert_eq!(p.to_string(), "0000000000000001:7");
     }
 }

@@ -14,9 +14,17 @@ use std::time::{Duration, Instant};
 /// Folder holding the `psls` and `psls-node` binaries.
 pub fn bin_dir() -> PathBuf {
     let exe = std::env::current_exe().expect("test executable path");
-    let dir = exe.parent().and_then(Path::parent).expect("target/<profile>").to_path_buf();
+    let dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("target/<profile>")
+        .to_path_buf();
     for b in ["psls", "psls-node"] {
-        assert!(dir.join(b).exists(), "{} missing: run `cargo build --workspace --bins` before the tests", dir.join(b).display());
+        assert!(
+            dir.join(b).exists(),
+            "{} missing: run `cargo build --workspace --bins` before the tests",
+            dir.join(b).display()
+        );
     }
     dir
 }
@@ -66,8 +74,23 @@ impl Cluster {
         let tmp = tempfile::tempdir().expect("tempdir");
         let dir = tmp.path().join("c");
         let base = free_ports((nodes + spares) as u16);
-        let c = Cluster { tmp, dir, env: Vec::new() };
-        c.ok(&["cluster", "init", "--nodes", &nodes.to_string(), "--spares", &spares.to_string(), "--base-port", &base.to_string(), "--memory-mb", "256"]);
+        let c = Cluster {
+            tmp,
+            dir,
+            env: Vec::new(),
+        };
+        c.ok(&[
+            "cluster",
+            "init",
+            "--nodes",
+            &nodes.to_string(),
+            "--spares",
+            &spares.to_string(),
+            "--base-port",
+            &base.to_string(),
+            "--memory-mb",
+            "256",
+        ]);
         let path = c.dir.join("cluster.toml");
         let mut cfg = ClusterConfig::load(&path).expect("config written by init loads");
         cfg.cluster.heartbeat_timeout_ms = 1500;
@@ -89,7 +112,10 @@ impl Cluster {
 
     pub fn cmd(&self, args: &[&str]) -> Command {
         let mut cmd = Command::new(psls_bin());
-        cmd.arg("--dir").arg(&self.dir).args(args).env_remove("PSLS_SOCKET");
+        cmd.arg("--dir")
+            .arg(&self.dir)
+            .args(args)
+            .env_remove("PSLS_SOCKET");
         for (k, v) in &self.env {
             cmd.env(k, v);
         }
@@ -105,9 +131,19 @@ impl Cluster {
         let o = self.run(args);
         if !o.status.success() && String::from_utf8_lossy(&o.stderr).contains("in use") {
             // Diagnose who holds the ports.
-            let ss = Command::new("ss").arg("-uapn").output().map(|o| String::from_utf8_lossy(&o.stdout).into_owned());
-            let ps = Command::new("ps").args(["-eo", "pid,ppid,stat,args"]).output().map(|o| String::from_utf8_lossy(&o.stdout).into_owned());
-            eprintln!("ss:\n{}\nps:\n{}", ss.unwrap_or_default(), ps.unwrap_or_default());
+            let ss = Command::new("ss")
+                .arg("-uapn")
+                .output()
+                .map(|o| String::from_utf8_lossy(&o.stdout).into_owned());
+            let ps = Command::new("ps")
+                .args(["-eo", "pid,ppid,stat,args"])
+                .output()
+                .map(|o| String::from_utf8_lossy(&o.stdout).into_owned());
+            eprintln!(
+                "ss:\n{}\nps:\n{}",
+                ss.unwrap_or_default(),
+                ps.unwrap_or_default()
+            );
         }
         assert!(
             o.status.success(),
@@ -123,7 +159,11 @@ impl Cluster {
     pub fn fails(&self, args: &[&str]) -> String {
         let o = self.run(args);
         let err = String::from_utf8_lossy(&o.stderr).into_owned();
-        assert!(!o.status.success(), "psls {args:?} should fail but succeeded: {}", String::from_utf8_lossy(&o.stdout));
+        assert!(
+            !o.status.success(),
+            "psls {args:?} should fail but succeeded: {}",
+            String::from_utf8_lossy(&o.stdout)
+        );
         let lines: Vec<&str> = err.lines().filter(|l| !l.trim().is_empty()).collect();
         assert!(!lines.is_empty(), "psls {args:?} failed without a message");
         assert!(!err.contains("panicked"), "psls {args:?} panicked: {err}");
@@ -136,25 +176,44 @@ impl Cluster {
     }
 
     pub fn pid(&self, node: &str) -> i32 {
-        psls_client::cluster::running_pid(&self.dir, node).unwrap_or_else(|| panic!("{node} is not running"))
+        psls_client::cluster::running_pid(&self.dir, node)
+            .unwrap_or_else(|| panic!("{node} is not running"))
     }
 
     /// kill -9 of one daemon; waits until the process is gone.
     pub fn kill(&self, node: &str) {
         let pid = self.pid(node);
-        nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL).expect("kill");
-        assert!(psls_client::cluster::wait_gone(pid, Duration::from_secs(10)), "{node} survived SIGKILL");
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pid),
+            nix::sys::signal::Signal::SIGKILL,
+        )
+        .expect("kill");
+        assert!(
+            psls_client::cluster::wait_gone(pid, Duration::from_secs(10)),
+            "{node} survived SIGKILL"
+        );
     }
 
     /// kill -9 of every daemon at once (a power cut when the daemons use the fault disk).
     pub fn kill_all(&self) {
         let cfg = self.config();
-        let pids: Vec<(String, i32)> = cfg.all().filter_map(|n| psls_client::cluster::running_pid(&self.dir, &n.name).map(|p| (n.name.clone(), p))).collect();
+        let pids: Vec<(String, i32)> = cfg
+            .all()
+            .filter_map(|n| {
+                psls_client::cluster::running_pid(&self.dir, &n.name).map(|p| (n.name.clone(), p))
+            })
+            .collect();
         for (_, pid) in &pids {
-            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(*pid), nix::sys::signal::Signal::SIGKILL);
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(*pid),
+                nix::sys::signal::Signal::SIGKILL,
+            );
         }
         for (name, pid) in &pids {
-            assert!(psls_client::cluster::wait_gone(*pid, Duration::from_secs(10)), "{name} survived SIGKILL");
+            assert!(
+                psls_client::cluster::wait_gone(*pid, Duration::from_secs(10)),
+                "{name} survived SIGKILL"
+            );
         }
     }
 
@@ -163,10 +222,16 @@ impl Cluster {
         let t = Instant::now();
         loop {
             let s = self.status();
-            if s.nodes.iter().any(|n| n.name == node && n.state.to_string() == state) {
+            if s.nodes
+                .iter()
+                .any(|n| n.name == node && n.state.to_string() == state)
+            {
                 return;
             }
-            assert!(t.elapsed() < Duration::from_secs(30), "{node} never became {state}: {s:?}");
+            assert!(
+                t.elapsed() < Duration::from_secs(30),
+                "{node} never became {state}: {s:?}"
+            );
             std::thread::sleep(Duration::from_millis(100));
         }
     }
@@ -195,7 +260,9 @@ impl Cluster {
 
     /// Whether any daemon's log contains `text`.
     pub fn logs_contain(&self, text: &str) -> bool {
-        self.config().all().any(|n| self.log(&n.name).contains(text))
+        self.config()
+            .all()
+            .any(|n| self.log(&n.name).contains(text))
     }
 
     pub fn log(&self, node: &str) -> String {
@@ -213,6 +280,10 @@ impl Drop for Cluster {
 pub fn assert_same(got: &[u8], want: &[u8], what: &str) {
     if got != want {
         let first = got.iter().zip(want).position(|(a, b)| a != b);
-        panic!("{what}: {} bytes vs {} expected; first difference at {first:?}", got.len(), want.len());
+        panic!(
+            "{what}: {} bytes vs {} expected; first difference at {first:?}",
+            got.len(),
+            want.len()
+        );
     }
 }

@@ -1,0 +1,260 @@
+//! Bad input from outside — config, CLI, clients, peers — gets one clear error and changes
+//! nothing: the daemons keep running and committed files stay as they were.
+
+use psls_tests::{assert_same, psls_bin, random_bytes, Cluster};
+use std::io::{Read, Write};
+use std::os::unix::process::CommandExt;
+use std::process::Command;
+use std::time::Duration;
+
+fn node_bin() -> std::path::PathBuf {
+    psls_tests::bin_dir().join("psls-node")
+}
+
+/// Runs psls-node, which must exit non-zero at once with a message containing `want`.
+fn daemon_fails(config: &std::path::Path, node: &str, want: &str) {
+    let o = Command::new(node_bin())
+        .arg("--config")
+        .arg(config)
+        .arg("--node")
+        .arg(node)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "psls-node should have failed");
+    assert!(err.contains(want), "expected '{want}' in: {err}");
+    assert!(!err.contains("panicked"), "{err}");
+}
+
+#[test]
+fn daemon_refuses_bad_config_missing_dir_and_busy_port() {
+    let c = Cluster::init(2, 0, |_| {});
+    let cfg_path = c.dir.join("cluster.toml");
+    let good = std::fs::read_to_string(&cfg_path).unwrap();
+
+    std::fs::write(
+        &cfg_path,
+        good.replace("[cluster]", "[cluster]\nbogus_key = 1"),
+    )
+    .unwrap();
+    daemon_fails(&cfg_path, "n0", "bogus_key");
+    std::fs::write(
+        &cfg_path,
+        good.replace(
+            "heartbeat_timeout_ms = 1500",
+            "heartbeat_timeout_ms = \"soon\"",
+        ),
+    )
+    .unwrap();
+    daemon_fails(&cfg_path, "n0", "heartbeat_timeout_ms");
+    std::fs::write(&cfg_path, &good).unwrap();
+    daemon_fails(&cfg_path, "n9", "not in");
+    let err = c.fails(&["cluster", "status", "--dir", "/nonexistent/psls"]);
+    assert!(err.contains("no cluster at"), "{err}");
+
+    let cfg = c.config();
+    let n0 = cfg.entry("n0").unwrap().clone();
+    std::fs::rename(cfg.data_dir(&n0), c.path("moved")).unwrap();
+    daemon_fails(&cfg_path, "n0", "does not exist");
+    std::fs::rename(c.path("moved"), cfg.data_dir(&n0)).unwrap();
+
+    let busy = std::net::UdpSocket::bind(n0.addr).unwrap();
+    daemon_fails(&cfg_path, "n0", "port is in use");
+    drop(busy);
+
+    // A data dir that belongs to another node is refused.
+    let n1 = cfg.entry("n1").unwrap().clone();
+    std::fs::write(cfg.data_dir(&n1).join("node.id"), "cluster=psls\nnode=n0\n").unwrap();
+    daemon_fails(&cfg_path, "n1", "belongs to another node");
+    std::fs::remove_file(cfg.data_dir(&n1).join("node.id")).unwrap();
+
+    // `cluster up` reports a daemon that cannot start.
+    let busy = std::net::UdpSocket::bind(n1.addr).unwrap();
+    let err = c.fails(&["cluster", "up", "--timeout-s", "20"]);
+    assert!(err.contains("n1") && err.contains("in use"), "{err}");
+    drop(busy);
+    c.ok(&["cluster", "up"]);
+}
+
+#[test]
+fn cli_errors_leave_files_intact() {
+    let c = Cluster::start(4, 1);
+    let data = random_bytes(300_000, 5);
+    let local = c.write_local("a.bin", &data);
+    c.ok(&["import", &local, "a"]);
+
+    let cases: &[(&[&str], &str)] = &[
+        (&["import", &local, "a"], "already exists"),
+        (&["create", "a", "--size", "10"], "already exists"),
+        (&["export", "nope", "/tmp/x"], "no file named 'nope'"),
+        (&["stat", "nope"], "no file named 'nope'"),
+        (&["rm", "nope"], "no file named 'nope'"),
+        (&["import", "/nonexistent/file", "b"], "/nonexistent/file"),
+        (&["create", "bad/name", "--size", "10"], "'/'"),
+        (&["create", "huge", "--size", "1000000000000000000"], "free"),
+        (&["create", "m", "--size", "10", "--mode", "999"], "octal"),
+        (&["create", "m", "--size", "ten"], "ten"),
+        (&["node", "replace", "1", "--with", "s0"], "is up"),
+        (
+            &["node", "replace", "7", "--with", "s0"],
+            "no logical node 7",
+        ),
+        (&["node", "replace", "1", "--with", "n2"], "already holds"),
+        (&["cluster", "init"], "already exists"),
+        (&["--node", "zz", "ls"], "no node named 'zz'"),
+    ];
+    for (args, want) in cases {
+        let err = c.fails(args);
+        assert!(
+            err.contains(want),
+            "psls {args:?}: expected '{want}' in: {err}"
+        );
+    }
+    let ls = c.ok(&["ls"]);
+    assert_eq!(ls.lines().count(), 1, "{ls}");
+    assert_same(&c.export("a", &[]), &data, "file after bad commands");
+    assert!(c.status().nodes.iter().all(|n| n.state.to_string() == "up"));
+}
+
+#[test]
+fn permissions_follow_owner_and_mode() {
+    let c = Cluster::start(2, 0);
+    // Let an unprivileged user reach the socket.
+    for p in [c.tmp.path(), c.dir.as_path()] {
+        std::fs::set_permissions(p, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    }
+    let data = random_bytes(10_000, 6);
+    let local = c.write_local("p.bin", &data);
+    c.ok(&["import", "--mode", "600", &local, "private"]);
+    c.ok(&["import", "--mode", "644", &local, "public"]);
+    let sock = c.config().socket_path(c.config().entry("n0").unwrap());
+    let nobody = |args: &[&str]| {
+        let o = Command::new(psls_bin())
+            .args(args)
+            .env("PSLS_SOCKET", &sock)
+            .current_dir("/")
+            .uid(65534)
+            .gid(65534)
+            .output()
+            .unwrap();
+        (
+            o.status.success(),
+            String::from_utf8_lossy(&o.stderr).into_owned(),
+        )
+    };
+    let (ok, err) = nobody(&["export", "private", "/dev/null"]);
+    assert!(!ok && err.contains("permission denied"), "{err}");
+    let (ok, err) = nobody(&["stat", "private"]);
+    assert!(!ok && err.contains("permission denied"), "{err}");
+    let (ok, err) = nobody(&["export", "public", "/dev/null"]);
+    assert!(ok, "{err}");
+    let o = Command::new(psls_bin())
+        .args(["export", "public", "-"])
+        .env("PSLS_SOCKET", &sock)
+        .uid(65534)
+        .gid(65534)
+        .output()
+        .unwrap();
+    assert!(o.status.success());
+    assert_same(&o.stdout, &data, "export to stdout as another user");
+    let (ok, err) = nobody(&["rm", "public"]);
+    assert!(!ok && err.contains("permission denied"), "{err}");
+    let (ok, err) = nobody(&["scrub"]);
+    assert!(!ok && err.contains("permission denied"), "{err}");
+    let (ok, err) = nobody(&["node", "replace", "1", "--with", "n1"]);
+    assert!(!ok && err.contains("permission denied"), "{err}");
+    // Files nobody creates belong to nobody.
+    let (ok, err) = nobody(&["create", "mine", "--size", "4096", "--mode", "600"]);
+    assert!(ok, "{err}");
+    let stat: serde_json::Value = serde_json::from_str(&c.ok(&["stat", "mine", "--json"])).unwrap();
+    assert_eq!(stat["file"]["uid"], 65534);
+    assert_eq!(c.ok(&["ls"]).lines().count(), 3);
+    assert_same(&c.export("private", &[]), &data, "private file");
+}
+
+#[test]
+fn malformed_and_oversized_client_messages_are_refused() {
+    let c = Cluster::start(2, 0);
+    let sock = c.config().socket_path(c.config().entry("n1").unwrap());
+    let reply = |bytes: &[u8]| -> String {
+        let mut s = std::os::unix::net::UnixStream::connect(&sock).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        s.write_all(bytes).unwrap();
+        let mut out = Vec::new();
+        let _ = s.read_to_end(&mut out);
+        assert!(out.len() >= 4, "no answer");
+        let r: psls_ipc::Response = psls_ipc::proto::decode(&out[4..]).unwrap();
+        format!("{r:?}")
+    };
+    let r = reply(&u32::MAX.to_le_bytes());
+    assert!(r.contains("exceeds the limit"), "{r}");
+    let r = reply(&[5, 0, 0, 0, 0xee, 0xee, 0xee, 0xee, 0xee]);
+    assert!(r.contains("malformed"), "{r}");
+    // Import data without a begin.
+    let r = reply(&psls_ipc::proto::encode(&psls_ipc::Request::ImportCommit).unwrap());
+    assert!(r.contains("without ImportBegin"), "{r}");
+    // More data than announced.
+    let mut s = std::os::unix::net::UnixStream::connect(&sock).unwrap();
+    s.write_all(
+        &psls_ipc::proto::encode(&psls_ipc::Request::ImportBegin {
+            name: "x".into(),
+            size: 10,
+            mode: 0o644,
+            replace: false,
+        })
+        .unwrap(),
+    )
+    .unwrap();
+    s.write_all(
+        &psls_ipc::proto::encode(&psls_ipc::Request::ImportData { data: vec![1; 11] }).unwrap(),
+    )
+    .unwrap();
+    let r: psls_ipc::Response = psls_ipc::proto::read_frame(&mut s).unwrap();
+    assert!(
+        format!("{r:?}").contains("more than the announced"),
+        "{r:?}"
+    );
+    // The daemon is fine and nothing was created.
+    assert!(c.status().nodes.iter().all(|n| n.state.to_string() == "up"));
+    assert_eq!(c.ok(&["ls"]).lines().count(), 0);
+}
+
+#[test]
+fn foreign_certificate_is_refused() {
+    let a = Cluster::start(3, 0);
+    // Cluster B has its own CA; its n0 is pointed at A's n1 and n2.
+    let b = Cluster::init(3, 0, |_| {});
+    let mut bcfg = b.config();
+    let acfg = a.config();
+    for i in 1..3 {
+        bcfg.nodes[i].addr = acfg.nodes[i].addr;
+    }
+    bcfg.base_dir = b.dir.clone();
+    std::fs::write(b.dir.join("cluster.toml"), bcfg.to_toml()).unwrap();
+    let mut intruder = Command::new(node_bin())
+        .arg("--config")
+        .arg(b.dir.join("cluster.toml"))
+        .arg("--node")
+        .arg("n0")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let t = std::time::Instant::now();
+    while !(a.log("n1").contains("refused peer") && a.log("n2").contains("refused peer")) {
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "foreign node was not refused:\n{}",
+            a.log("n1")
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let _ = intruder.kill();
+    let _ = intruder.wait();
+    // Cluster A is unaffected.
+    let st = a.status();
+    assert!(
+        st.nodes.iter().all(|n| n.state.to_string() == "up"),
+        "{st:?}"
+    );
+}
