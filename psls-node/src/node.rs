@@ -479,7 +479,7 @@ impl Node {
         let mut n: u64 = 0;
         loop {
             t.tick().await;
-            if n % 10 == 0 {
+            if n.is_multiple_of(10) {
                 let store = self.store.clone();
                 if let Ok((u, f)) = blocking(move || {
                     (

@@ -669,18 +669,11 @@ async fn read_chunk(
     Ok(out)
 }
 
-/// Starts an export: returns the file and a channel of chunks (an error ends the stream).
-pub fn export_stream(
-    node: &Arc<Node>,
-    caller: Caller,
-    name: &str,
-) -> Result<
-    (
-        FileMeta,
-        tokio::sync::mpsc::Receiver<Result<Vec<u8>, OpError>>,
-    ),
-    OpError,
-> {
+/// The bytes of an export, chunk by chunk; an error ends the stream.
+pub type ExportChunks = tokio::sync::mpsc::Receiver<Result<Vec<u8>, OpError>>;
+
+/// Starts an export: returns the file and a channel of its chunks.
+pub fn export_stream(node: &Arc<Node>, caller: Caller, name: &str) -> Result<(FileMeta, ExportChunks), OpError> {
     let st = node.meta_state();
     let f = lookup(&st, name)?;
     caller.check_read(&f)?;

@@ -104,7 +104,7 @@ impl FaultDisk {
             let blocks = std::mem::take(&mut st.blocks);
             for (b, data) in blocks {
                 for (i, sector) in data.chunks(SECTOR).enumerate() {
-                    if seed != 0 && next(&mut rng) % 2 == 0 {
+                    if seed != 0 && next(&mut rng).is_multiple_of(2) {
                         let off = b * BLOCK + (i * SECTOR) as u64;
                         if off < st.len {
                             let n = ((st.len - off) as usize).min(SECTOR);
