@@ -29,14 +29,7 @@ pub fn load(dir: &Path) -> Result<ClusterConfig> {
 }
 
 /// `psls cluster init`.
-pub fn init(
-    dir: &Path,
-    nodes: u32,
-    spares: u32,
-    memory_mb: u64,
-    base_port: u16,
-    force: bool,
-) -> Result<ClusterConfig> {
+pub fn init(dir: &Path, nodes: u32, spares: u32, memory_mb: u64, base_port: u16, force: bool) -> Result<ClusterConfig> {
     if config_path(dir).exists() && !force {
         bail!(
             "a cluster already exists at {} (use --force to overwrite it)",
@@ -47,10 +40,7 @@ pub fn init(
         bail!("--nodes must be between 2 and 1024");
     }
     if base_port as u32 + nodes + spares > 65535 || base_port == 0 {
-        bail!(
-            "--base-port {base_port} leaves no room for {} ports",
-            nodes + spares
-        );
+        bail!("--base-port {base_port} leaves no room for {} ports", nodes + spares);
     }
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     let mut cfg = ClusterConfig::local(nodes, spares, memory_mb, base_port);
@@ -77,23 +67,14 @@ pub fn log_file(dir: &Path, name: &str) -> PathBuf {
 
 /// The pid of node `name`'s daemon if it is running.
 pub fn running_pid(dir: &Path, name: &str) -> Option<i32> {
-    let pid: i32 = std::fs::read_to_string(pid_file(dir, name))
-        .ok()?
-        .trim()
-        .parse()
-        .ok()?;
+    let pid: i32 = std::fs::read_to_string(pid_file(dir, name)).ok()?.trim().parse().ok()?;
     let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
     let args: Vec<&[u8]> = cmd.split(|&b| b == 0).collect();
     let is_ours = args.first().is_some_and(|a| a.ends_with(b"psls-node"))
-        && args
-            .windows(2)
-            .any(|w| w[0] == b"--node" && w[1] == name.as_bytes());
+        && args.windows(2).any(|w| w[0] == b"--node" && w[1] == name.as_bytes());
     // A zombie (killed but not reaped) is not running.
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let zombie = stat
-        .rsplit(')')
-        .next()
-        .is_some_and(|s| s.trim_start().starts_with('Z'));
+    let zombie = stat.rsplit(')').next().is_some_and(|s| s.trim_start().starts_with('Z'));
     (is_ours && !zombie).then_some(pid)
 }
 
@@ -136,10 +117,7 @@ fn node_binary() -> Result<PathBuf> {
     if p.exists() {
         Ok(p)
     } else {
-        bail!(
-            "psls-node not found next to {} (set PSLS_NODE_BIN)",
-            me.display()
-        )
+        bail!("psls-node not found next to {} (set PSLS_NODE_BIN)", me.display())
     }
 }
 
@@ -182,7 +160,11 @@ pub fn up(dir: &Path, timeout: Duration, quiet: bool) -> Result<()> {
         }
         if !cfg.data_dir(n).is_dir() {
             if !quiet {
-                eprintln!("psls: {}: data dir {} is missing; not started (replace it with `psls node replace`)", n.name, cfg.data_dir(n).display());
+                eprintln!(
+                    "psls: {}: data dir {} is missing; not started (replace it with `psls node replace`)",
+                    n.name,
+                    cfg.data_dir(n).display()
+                );
             }
             continue;
         }
@@ -227,9 +209,9 @@ fn healthy(cfg: &ClusterConfig, expected: &[NodeEntry]) -> bool {
         let Ok(st) = c.status() else { return false };
         seqs.push(st.meta_seq);
         expected.iter().all(|e| {
-            st.nodes.iter().any(|s| {
-                s.name == e.name && (s.state == NodeState::Up || s.state == NodeState::Replaced)
-            })
+            st.nodes
+                .iter()
+                .any(|s| s.name == e.name && (s.state == NodeState::Up || s.state == NodeState::Replaced))
         })
     });
     all_up && seqs.windows(2).all(|w| w[0] == w[1])

@@ -4,9 +4,7 @@
 
 pub mod cluster;
 
-use psls_ipc::proto::{
-    self, ClusterStatus, FileInfo, FrameError, Request, Response, ScrubReport, Stripe, CHUNK,
-};
+use psls_ipc::proto::{self, ClusterStatus, FileInfo, FrameError, Request, Response, ScrubReport, Stripe, CHUNK};
 use psls_ipc::ErrorKind;
 use std::io::{BufReader, BufWriter, Read, Write};
 use std::os::unix::net::UnixStream;
@@ -46,10 +44,7 @@ impl Client {
             path: path.display().to_string(),
             err,
         })?;
-        let r = BufReader::with_capacity(
-            1 << 20,
-            s.try_clone().map_err(|e| ClientError::Frame(e.into()))?,
-        );
+        let r = BufReader::with_capacity(1 << 20, s.try_clone().map_err(|e| ClientError::Frame(e.into()))?);
         Ok(Client {
             r,
             w: BufWriter::with_capacity(1 << 20, s),

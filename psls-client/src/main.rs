@@ -175,11 +175,7 @@ fn print_status(s: &ClusterStatus) {
             n.pid.map_or("-".into(), |p| p.to_string()),
             n.incarnation,
             state,
-            format!(
-                "{} / {}",
-                mib(n.memory_used_bytes),
-                mib(n.memory_capacity_bytes)
-            ),
+            format!("{} / {}", mib(n.memory_used_bytes), mib(n.memory_capacity_bytes)),
             mib(n.disk_used_bytes),
             mib(n.disk_free_bytes)
         );
@@ -259,8 +255,7 @@ fn run(cli: &Cli) -> Result<()> {
             replace,
             mode,
         } => {
-            let mut file = std::fs::File::open(local)
-                .with_context(|| format!("opening {}", local.display()))?;
+            let mut file = std::fs::File::open(local).with_context(|| format!("opening {}", local.display()))?;
             let size = file.metadata()?.len();
             let t = Instant::now();
             let f = cluster::connect(&dir, node)?.import(
@@ -300,8 +295,7 @@ fn run(cli: &Cli) -> Result<()> {
             } else {
                 // A regular file appears only once complete.
                 let tmp = local.with_extension("psls-partial");
-                let file = std::fs::File::create(&tmp)
-                    .with_context(|| format!("creating {}", tmp.display()))?;
+                let file = std::fs::File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
                 let mut w = std::io::BufWriter::with_capacity(1 << 20, file);
                 let r = cluster::connect(&dir, node)
                     .and_then(|mut c| Ok(c.export(name, &mut w)?))
@@ -328,10 +322,7 @@ fn run(cli: &Cli) -> Result<()> {
                 println!("{}", serde_json::to_string_pretty(&files)?);
             } else {
                 for f in files {
-                    println!(
-                        "{:>4o} {:>6} {:>6} {:>14} {}",
-                        f.mode, f.uid, f.gid, f.size, f.name
-                    );
+                    println!("{:>4o} {:>6} {:>6} {:>14} {}", f.mode, f.uid, f.gid, f.size, f.name);
                 }
             }
         }
@@ -373,10 +364,8 @@ fn wait_rebuild(dir: &Path, spare: &str) -> Result<()> {
     let bar = std::io::stdout().is_terminal().then(|| {
         let b = indicatif::ProgressBar::new(0);
         b.set_style(
-            indicatif::ProgressStyle::with_template(
-                "re-mirroring {bar:40} {pos}/{len} pages ({eta})",
-            )
-            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+            indicatif::ProgressStyle::with_template("re-mirroring {bar:40} {pos}/{len} pages ({eta})")
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
         );
         b
     });
@@ -397,9 +386,7 @@ fn wait_rebuild(dir: &Path, spare: &str) -> Result<()> {
                     b.set_position(done);
                 }
             }
-            None if seen_rebuild
-                || n.logical.is_some() && Instant::now() > deadline - Duration::from_secs(3590) =>
-            {
+            None if seen_rebuild || n.logical.is_some() && Instant::now() > deadline - Duration::from_secs(3590) => {
                 // Done once the spare reported progress and stopped, or it never needed any.
                 let rebuilding_meta = st.nodes.iter().any(|x| x.rebuild.is_some());
                 if !rebuilding_meta {
@@ -436,10 +423,7 @@ fn demo(dir: &Path, size_mb: u64) -> Result<()> {
     use nix::sys::signal::{kill, Signal};
     if !cluster::config_path(dir).exists() {
         cluster::init(dir, 4, 1, 1024, 7400, false)?;
-        println!(
-            "[1/6] initialised a 4-node cluster (+1 spare) in {}",
-            dir.display()
-        );
+        println!("[1/6] initialised a 4-node cluster (+1 spare) in {}", dir.display());
     } else {
         println!("[1/6] using the cluster in {}", dir.display());
     }
@@ -453,13 +437,7 @@ fn demo(dir: &Path, size_mb: u64) -> Result<()> {
         .ls()?
         .iter()
         .any(|f| f.name == "demo.dat");
-    let f = cluster::connect(dir, Some("n0"))?.import(
-        &mut data.as_slice(),
-        size,
-        "demo.dat",
-        0o644,
-        exists,
-    )?;
+    let f = cluster::connect(dir, Some("n0"))?.import(&mut data.as_slice(), size, "demo.dat", 0o644, exists)?;
     println!(
         "[3/6] imported demo.dat: {} MiB, {} pages, in {:.2} s",
         size_mb,

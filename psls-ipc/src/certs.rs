@@ -41,10 +41,7 @@ pub fn generate(dir: &Path, cluster: &str, names: &[String]) -> Result<(), CertE
     ca_params
         .distinguished_name
         .push(rcgen::DnType::CommonName, format!("{cluster} cluster CA"));
-    ca_params.key_usages = vec![
-        rcgen::KeyUsagePurpose::KeyCertSign,
-        rcgen::KeyUsagePurpose::CrlSign,
-    ];
+    ca_params.key_usages = vec![rcgen::KeyUsagePurpose::KeyCertSign, rcgen::KeyUsagePurpose::CrlSign];
     let ca_cert = ca_params.self_signed(&ca_key)?;
     write(&dir.join("ca.pem"), &ca_cert.pem(), 0o644)?;
     write(&dir.join("ca.key"), &ca_key.serialize_pem(), 0o600)?;
@@ -52,19 +49,14 @@ pub fn generate(dir: &Path, cluster: &str, names: &[String]) -> Result<(), CertE
     for name in names {
         let key = rcgen::KeyPair::generate()?;
         let mut p = rcgen::CertificateParams::new(vec![dns_name(name)])?;
-        p.distinguished_name
-            .push(rcgen::DnType::CommonName, name.clone());
+        p.distinguished_name.push(rcgen::DnType::CommonName, name.clone());
         p.extended_key_usages = vec![
             rcgen::ExtendedKeyUsagePurpose::ServerAuth,
             rcgen::ExtendedKeyUsagePurpose::ClientAuth,
         ];
         let cert = p.signed_by(&key, &issuer)?;
         write(&dir.join(format!("{name}.pem")), &cert.pem(), 0o644)?;
-        write(
-            &dir.join(format!("{name}.key")),
-            &key.serialize_pem(),
-            0o600,
-        )?;
+        write(&dir.join(format!("{name}.key")), &key.serialize_pem(), 0o600)?;
     }
     Ok(())
 }

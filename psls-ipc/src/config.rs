@@ -114,10 +114,7 @@ pub struct ClusterConfig {
 impl ClusterConfig {
     /// Reads, parses and validates `path`.
     pub fn load(path: &Path) -> Result<ClusterConfig, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|err| ConfigError::Read {
-            path: path.into(),
-            err,
-        })?;
+        let text = std::fs::read_to_string(path).map_err(|err| ConfigError::Read { path: path.into(), err })?;
         let mut cfg = Self::parse(&text).map_err(|message| ConfigError::Parse {
             path: path.into(),
             message,
@@ -152,9 +149,7 @@ impl ClusterConfig {
         }
         let c = &self.cluster;
         if c.heartbeat_interval_ms == 0 || c.heartbeat_timeout_ms < 2 * c.heartbeat_interval_ms {
-            return Err(
-                "heartbeat_timeout_ms must be at least twice heartbeat_interval_ms (> 0)".into(),
-            );
+            return Err("heartbeat_timeout_ms must be at least twice heartbeat_interval_ms (> 0)".into());
         }
         if c.request_timeout_ms == 0 {
             return Err("request_timeout_ms must be > 0".into());
@@ -162,17 +157,9 @@ impl ClusterConfig {
         let mut names = HashSet::new();
         let mut addrs = HashSet::new();
         for n in self.all() {
-            if n.name.is_empty()
-                || n.name.len() > 63
-                || !n
-                    .name
-                    .chars()
-                    .all(|c| c.is_ascii_alphanumeric() || c == '-')
+            if n.name.is_empty() || n.name.len() > 63 || !n.name.chars().all(|c| c.is_ascii_alphanumeric() || c == '-')
             {
-                return Err(format!(
-                    "node name {:?} must be 1..63 letters, digits or '-'",
-                    n.name
-                ));
+                return Err(format!("node name {:?} must be 1..63 letters, digits or '-'", n.name));
             }
             if !names.insert(n.name.clone()) {
                 return Err(format!("node name {:?} appears twice", n.name));
@@ -226,9 +213,7 @@ impl ClusterConfig {
         ClusterConfig {
             cluster: ClusterSection::default(),
             nodes: (0..nodes).map(|i| entry(format!("n{i}"), i)).collect(),
-            spares: (0..spares)
-                .map(|i| entry(format!("s{i}"), nodes + i))
-                .collect(),
+            spares: (0..spares).map(|i| entry(format!("s{i}"), nodes + i)).collect(),
             base_dir: PathBuf::from("."),
         }
     }
@@ -254,9 +239,7 @@ mod tests {
         let t = c.to_toml().replace("[cluster]", "[cluster]\nbogus = 1");
         let e = ClusterConfig::parse(&t).unwrap_err();
         assert!(e.contains("bogus"), "{e}");
-        let t = c
-            .to_toml()
-            .replace("memory_mb = 512", "memory_mb = \"lots\"");
+        let t = c.to_toml().replace("memory_mb = 512", "memory_mb = \"lots\"");
         assert!(ClusterConfig::parse(&t).is_err());
         let mut d = c.clone();
         d.nodes[1].name = "n0".into();

@@ -148,19 +148,11 @@ pub struct ScrubReport {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Response {
     Ok,
-    Error {
-        kind: ErrorKind,
-        message: String,
-    },
+    Error { kind: ErrorKind, message: String },
     Status(ClusterStatus),
     Files(Vec<FileInfo>),
-    Stat {
-        file: FileInfo,
-        stripes: Vec<Stripe>,
-    },
-    ExportBegin {
-        size: u64,
-    },
+    Stat { file: FileInfo, stripes: Vec<Stripe> },
+    ExportBegin { size: u64 },
     Data(#[serde(with = "serde_bytes")] Vec<u8>),
     ExportEnd,
     Scrub(ScrubReport),

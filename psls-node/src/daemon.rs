@@ -34,8 +34,7 @@ fn check_marker(dir: &Path, cluster: &str, name: &str) -> Result<()> {
 
 fn write_durably(path: &Path, data: &[u8]) -> Result<()> {
     let tmp = path.with_extension("tmp");
-    let mut f =
-        std::fs::File::create(&tmp).with_context(|| format!("writing {}", tmp.display()))?;
+    let mut f = std::fs::File::create(&tmp).with_context(|| format!("writing {}", tmp.display()))?;
     f.write_all(data)?;
     f.sync_all()?;
     std::fs::rename(&tmp, path)?;
@@ -76,7 +75,10 @@ pub async fn run(config: &Path, name: &str) -> Result<()> {
     };
     let dir = cfg.data_dir(&me);
     if !dir.is_dir() {
-        bail!("data dir {} of node {name} does not exist (run `psls cluster init`, or create it for an empty node)", dir.display());
+        bail!(
+            "data dir {} of node {name} does not exist (run `psls cluster init`, or create it for an empty node)",
+            dir.display()
+        );
     }
     check_marker(&dir, &cfg.cluster.name, name)?;
     let incarnation = next_incarnation(&dir)?;
@@ -84,8 +86,7 @@ pub async fn run(config: &Path, name: &str) -> Result<()> {
     let fault = std::env::var("PSLS_FAULT_DISK").is_ok_and(|v| v == "1");
     let meta_disk = open_disk(&dir, fault)?;
     let store = Arc::new(PageStore::new(open_disk(&dir.join("pages"), fault)?));
-    let meta = MetaStore::open(meta_disk.as_ref())
-        .with_context(|| format!("opening metadata in {}", dir.display()))?;
+    let meta = MetaStore::open(meta_disk.as_ref()).with_context(|| format!("opening metadata in {}", dir.display()))?;
 
     let (server, client) = crate::tls::configs(&cfg.cert_dir(), name)?;
     let peers = cfg
@@ -114,20 +115,14 @@ pub async fn run(config: &Path, name: &str) -> Result<()> {
         Instant::now(),
     ));
     let known: Arc<Vec<String>> = Arc::new(cfg.all().map(|n| n.name.clone()).collect());
-    tokio::spawn(transport::serve(
-        node.net.endpoint().clone(),
-        node.clone(),
-        known,
-    ));
+    tokio::spawn(transport::serve(node.net.endpoint().clone(), node.clone(), known));
     // Learn the cluster's metadata before serving clients, so a restarted node never answers
     // from a stale namespace.
+    // Disk figures go into every heartbeat: peers check free space with them.
+    node.refresh_disk_stats();
     node.initial_sync().await;
     tokio::spawn(node.clone().run_ticks());
-    tokio::spawn(crate::ipc_server::serve(
-        node.clone(),
-        listener,
-        socket.clone(),
-    ));
+    tokio::spawn(crate::ipc_server::serve(node.clone(), listener, socket.clone()));
     tracing::info!(node = name, incarnation, addr = %me.addr, socket = %socket.display(), fault_disk = fault, "psls-node ready");
 
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;

@@ -17,18 +17,14 @@ use tokio::net::{UnixListener, UnixStream};
 pub fn bind(path: &Path) -> anyhow::Result<UnixListener> {
     if path.exists() {
         if std::os::unix::net::UnixStream::connect(path).is_ok() {
-            anyhow::bail!(
-                "socket {} is in use by another running daemon",
-                path.display()
-            );
+            anyhow::bail!("socket {} is in use by another running daemon", path.display());
         }
         std::fs::remove_file(path)?;
     }
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir)?;
     }
-    let l = UnixListener::bind(path)
-        .map_err(|e| anyhow::anyhow!("cannot bind socket {}: {e}", path.display()))?;
+    let l = UnixListener::bind(path).map_err(|e| anyhow::anyhow!("cannot bind socket {}: {e}", path.display()))?;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o666))?;
     Ok(l)
 }
@@ -103,10 +99,7 @@ async fn client(node: Arc<Node>, stream: UnixStream) -> anyhow::Result<()> {
                 tracing::warn!(uid = caller.uid, error = %e, "bad client message");
                 let _ = send(
                     &mut w,
-                    &err(OpError::new(
-                        ErrorKind::Invalid,
-                        format!("bad request: {e}"),
-                    )),
+                    &err(OpError::new(ErrorKind::Invalid, format!("bad request: {e}"))),
                 )
                 .await;
                 return Ok(());
@@ -114,12 +107,10 @@ async fn client(node: Arc<Node>, stream: UnixStream) -> anyhow::Result<()> {
         };
         let resp = match req {
             Request::Status => Response::Status(status(&node)),
-            Request::Create { name, size, mode } => {
-                match pfs::create(&node, caller, &name, size, mode).await {
-                    Ok(f) => Response::Files(vec![f]),
-                    Err(e) => err(e),
-                }
-            }
+            Request::Create { name, size, mode } => match pfs::create(&node, caller, &name, size, mode).await {
+                Ok(f) => Response::Files(vec![f]),
+                Err(e) => err(e),
+            },
             Request::ImportBegin {
                 name,
                 size,
@@ -135,10 +126,9 @@ async fn client(node: Arc<Node>, stream: UnixStream) -> anyhow::Result<()> {
                 }
                 continue;
             }
-            Request::ImportData { .. } | Request::ImportCommit => err(OpError::new(
-                ErrorKind::Invalid,
-                "import data without ImportBegin",
-            )),
+            Request::ImportData { .. } | Request::ImportCommit => {
+                err(OpError::new(ErrorKind::Invalid, "import data without ImportBegin"))
+            }
             Request::Export { name } => match pfs::export_stream(&node, caller, &name) {
                 Ok((f, mut rx)) => {
                     send(&mut w, &Response::ExportBegin { size: f.size }).await?;
@@ -226,10 +216,7 @@ async fn import(
                 ));
             }
             Ok(None) | Err(_) => {
-                tracing::warn!(
-                    name,
-                    "client went away during import; nothing was committed"
-                );
+                tracing::warn!(name, "client went away during import; nothing was committed");
                 imp.abort().await;
                 return err(OpError::new(ErrorKind::Invalid, "import interrupted"));
             }

@@ -18,16 +18,12 @@ fn main() -> std::process::ExitCode {
     let args = Args::parse();
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("PSLS_LOG")
-                .unwrap_or_else(|_| "info,quinn=warn".into()),
+            tracing_subscriber::EnvFilter::try_from_env("PSLS_LOG").unwrap_or_else(|_| "info,quinn=warn".into()),
         )
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
-    let rt = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
+    let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("psls-node: cannot start runtime: {e}");

@@ -73,9 +73,7 @@ pub fn peer_error(e: OpError) -> PeerResp {
 }
 
 /// Runs blocking work on the blocking pool.
-pub async fn blocking<T: Send + 'static>(
-    f: impl FnOnce() -> T + Send + 'static,
-) -> Result<T, OpError> {
+pub async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Result<T, OpError> {
     tokio::task::spawn_blocking(f)
         .await
         .map_err(|e| OpError::new(ErrorKind::Internal, format!("worker failed: {e}")))
@@ -112,17 +110,9 @@ impl Node {
         net: Transport,
         now: Instant,
     ) -> Node {
-        let peers = cfg
-            .all()
-            .filter(|n| n.name != me.name)
-            .map(|n| n.name.clone());
-        let members = Membership::new(
-            peers,
-            Duration::from_millis(cfg.cluster.heartbeat_timeout_ms),
-            now,
-        );
-        let placement =
-            Placement::new(cfg.nodes.len() as u32).expect("validated config has >= 2 nodes");
+        let peers = cfg.all().filter(|n| n.name != me.name).map(|n| n.name.clone());
+        let members = Membership::new(peers, Duration::from_millis(cfg.cluster.heartbeat_timeout_ms), now);
+        let placement = Placement::new(cfg.nodes.len() as u32).expect("validated config has >= 2 nodes");
         Node {
             request_timeout: Duration::from_millis(cfg.cluster.request_timeout_ms),
             cfg,
@@ -150,11 +140,7 @@ impl Node {
 
     /// A copy of the metadata replica.
     pub fn meta_state(&self) -> MetaState {
-        self.meta
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .state()
-            .clone()
+        self.meta.lock().unwrap_or_else(|e| e.into_inner()).state().clone()
     }
 
     /// Logical → physical map (the configured one until the first replacement).
@@ -172,10 +158,7 @@ impl Node {
     }
 
     pub fn physical_of(&self, st: &MetaState, logical: NodeId) -> String {
-        self.logical_map(st)
-            .get(&logical.0)
-            .cloned()
-            .unwrap_or_default()
+        self.logical_map(st).get(&logical.0).cloned().unwrap_or_default()
     }
 
     pub fn my_logical(&self, st: &MetaState) -> Option<NodeId> {
@@ -212,17 +195,11 @@ impl Node {
 
     /// The coordinator: the lowest logical id whose node is live.
     pub fn coordinator(&self, st: &MetaState) -> Option<(u32, String)> {
-        self.logical_map(st)
-            .into_iter()
-            .find(|(_, p)| self.is_live(p))
+        self.logical_map(st).into_iter().find(|(_, p)| self.is_live(p))
     }
 
     /// Sends a request to a physical node (handled in-process when it is this node).
-    pub async fn call(
-        self: &Arc<Self>,
-        physical: &str,
-        req: PeerReq,
-    ) -> Result<PeerResp, NetError> {
+    pub async fn call(self: &Arc<Self>, physical: &str, req: PeerReq) -> Result<PeerResp, NetError> {
         if physical == self.me.name {
             return Ok(self.clone().handle(physical.to_string(), req).await);
         }
@@ -250,24 +227,16 @@ impl Node {
     }
 
     /// Sends a request and turns a peer's error reply into an error.
-    pub async fn call_ok(
-        self: &Arc<Self>,
-        physical: &str,
-        req: PeerReq,
-    ) -> Result<PeerResp, OpError> {
+    pub async fn call_ok(self: &Arc<Self>, physical: &str, req: PeerReq) -> Result<PeerResp, OpError> {
         match self.call(physical, req).await? {
-            PeerResp::Error { kind, message } => {
-                Err(OpError::new(kind, format!("{physical}: {message}")))
-            }
+            PeerResp::Error { kind, message } => Err(OpError::new(kind, format!("{physical}: {message}"))),
             r => Ok(r),
         }
     }
 
     fn heartbeat(&self) -> Heartbeat {
         let st = self.meta_state();
-        let rebuilding = self
-            .my_logical(&st)
-            .is_some_and(|l| st.rebuilding.contains_key(&l.0));
+        let rebuilding = self.my_logical(&st).is_some_and(|l| st.rebuilding.contains_key(&l.0));
         Heartbeat {
             incarnation: self.incarnation,
             pid: std::process::id(),
@@ -311,14 +280,9 @@ impl Node {
                 Some((_, c)) if c == self.me.name => return self.coordinate(op).await,
                 Some((_, c)) => match self.call(&c, PeerReq::MetaSubmit { op: op.clone() }).await {
                     Ok(PeerResp::Ok) => return Ok(()),
-                    Ok(PeerResp::Error { kind, message }) => {
-                        return Err(OpError::new(kind, message))
-                    }
+                    Ok(PeerResp::Error { kind, message }) => return Err(OpError::new(kind, message)),
                     Ok(other) => {
-                        last = OpError::new(
-                            ErrorKind::Unavailable,
-                            format!("coordinator {c} answered {other:?}"),
-                        )
+                        last = OpError::new(ErrorKind::Unavailable, format!("coordinator {c} answered {other:?}"))
                     }
                     Err(e) => last = e.into(),
                 },
@@ -350,9 +314,7 @@ impl Node {
         for p in peers.clone() {
             let me = self.clone();
             let op = op.clone();
-            tasks.spawn(
-                async move { (p.clone(), me.call(&p, PeerReq::MetaApply { seq, op }).await) },
-            );
+            tasks.spawn(async move { (p.clone(), me.call(&p, PeerReq::MetaApply { seq, op }).await) });
         }
         let mut acks = 0;
         while let Some(r) = tasks.join_next().await {
@@ -445,20 +407,14 @@ impl Node {
             Ok(Ok(true)) => PeerResp::Ok,
             Ok(Ok(false))
             | Ok(Err(
-                MetaError::Exists(_)
-                | MetaError::NotFound(_)
-                | MetaError::Conflict { .. }
-                | MetaError::Invalid(_),
+                MetaError::Exists(_) | MetaError::NotFound(_) | MetaError::Conflict { .. } | MetaError::Invalid(_),
             )) => {
                 // Missed or diverged: take the coordinator's replica.
                 self.fetch_snapshot(&from, seq).await;
                 if self.meta_state().seq >= seq {
                     PeerResp::Ok
                 } else {
-                    peer_error(OpError::new(
-                        ErrorKind::Unavailable,
-                        "metadata catch-up failed",
-                    ))
+                    peer_error(OpError::new(ErrorKind::Unavailable, "metadata catch-up failed"))
                 }
             }
             Ok(Err(e)) => peer_error(e.into()),
@@ -500,10 +456,8 @@ impl Node {
                 let name = peer.name.clone();
                 let hb = hb.clone();
                 tokio::spawn(async move {
-                    if let Ok(PeerResp::HeartbeatAck(theirs)) = me
-                        .net
-                        .request(&name, &PeerReq::Heartbeat(hb), hb_timeout)
-                        .await
+                    if let Ok(PeerResp::HeartbeatAck(theirs)) =
+                        me.net.request(&name, &PeerReq::Heartbeat(hb), hb_timeout).await
                     {
                         me.heard(&name, theirs);
                     }
@@ -513,6 +467,13 @@ impl Node {
             self.maybe_rebuild();
             self.maybe_auto_replace().await;
         }
+    }
+
+    /// Measures disk use and free space (blocking: walks the store folder).
+    pub fn refresh_disk_stats(&self) {
+        let d = self.store.disk();
+        self.disk_used.store(d.used_bytes().unwrap_or(0), Ordering::Relaxed);
+        self.disk_free.store(d.free_bytes().unwrap_or(0), Ordering::Relaxed);
     }
 
     /// One heartbeat round-trip with every peer, then metadata catch-up (start-up).
@@ -525,10 +486,8 @@ impl Node {
             let name = peer.name.clone();
             let hb = hb.clone();
             tasks.spawn(async move {
-                if let Ok(PeerResp::HeartbeatAck(theirs)) = me
-                    .net
-                    .request(&name, &PeerReq::Heartbeat(hb), timeout)
-                    .await
+                if let Ok(PeerResp::HeartbeatAck(theirs)) =
+                    me.net.request(&name, &PeerReq::Heartbeat(hb), timeout).await
                 {
                     me.heard(&name, theirs);
                 }
@@ -555,11 +514,7 @@ impl Node {
         let Some(l) = self.my_logical(&st) else {
             return;
         };
-        if st
-            .rebuilding
-            .get(&l.0)
-            .is_none_or(|r| r.physical != self.me.name)
-        {
+        if st.rebuilding.get(&l.0).is_none_or(|r| r.physical != self.me.name) {
             return;
         }
         if self.rebuild_running.swap(true, Ordering::SeqCst) {
@@ -602,9 +557,7 @@ impl Node {
                 .cfg
                 .spares
                 .iter()
-                .find(|s| {
-                    !map.values().any(|p| *p == s.name) && self.state_of(&s.name) == NodeState::Up
-                })
+                .find(|s| !map.values().any(|p| *p == s.name) && self.state_of(&s.name) == NodeState::Up)
                 .map(|s| s.name.clone());
             if let Some(spare) = spare {
                 tracing::warn!(logical, down = %peer, %spare, "node down too long: replacing it with a spare");
@@ -618,12 +571,7 @@ impl Node {
 
     // ---- local page store requests ----
 
-    fn check_holder(
-        &self,
-        file: FileId,
-        role: Role,
-        indices: impl Iterator<Item = u64>,
-    ) -> Result<(), OpError> {
+    fn check_holder(&self, file: FileId, role: Role, indices: impl Iterator<Item = u64>) -> Result<(), OpError> {
         let st = self.meta_state();
         let Some(me) = self.my_logical(&st) else {
             return Err(OpError::new(
@@ -658,10 +606,7 @@ impl Node {
             ));
         }
         let store = self.store.clone();
-        let locs: Vec<PageLoc> = pages
-            .iter()
-            .map(|p| self.loc(file, role, p.index))
-            .collect();
+        let locs: Vec<PageLoc> = pages.iter().map(|p| self.loc(file, role, p.index)).collect();
         blocking(move || {
             for (loc, p) in locs.into_iter().zip(pages) {
                 store.write(loc, gen, keep_gen, &p.data)?;
@@ -680,10 +625,7 @@ impl Node {
         indices: Vec<u64>,
     ) -> Result<Vec<PageRead>, OpError> {
         if indices.len() > crate::peer::BATCH_PAGES * 4 {
-            return Err(OpError::new(
-                ErrorKind::Invalid,
-                "too many pages in one read",
-            ));
+            return Err(OpError::new(ErrorKind::Invalid, "too many pages in one read"));
         }
         self.check_holder(file, role, indices.iter().copied())?;
         let store = self.store.clone();
@@ -702,10 +644,7 @@ impl Node {
         .await
     }
 
-    async fn scrub_local(
-        &self,
-        files: Vec<(FileId, u64, u64)>,
-    ) -> Result<(u64, Vec<BadCopy>), OpError> {
+    async fn scrub_local(&self, files: Vec<(FileId, u64, u64)>) -> Result<(u64, Vec<BadCopy>), OpError> {
         let st = self.meta_state();
         let Some(me) = self.my_logical(&st) else {
             return Ok((0, Vec::new()));
@@ -779,10 +718,7 @@ impl Node {
                 role,
                 gen,
                 indices,
-            } => self
-                .read_pages(file, role, gen, indices)
-                .await
-                .map(PeerResp::Pages),
+            } => self.read_pages(file, role, gen, indices).await.map(PeerResp::Pages),
             PeerReq::RemoveFile { file } => {
                 let store = self.store.clone();
                 blocking(move || store.remove_file(file))
@@ -813,11 +749,7 @@ impl Node {
 pub fn rss_bytes() -> u64 {
     std::fs::read_to_string("/proc/self/statm")
         .ok()
-        .and_then(|s| {
-            s.split_whitespace()
-                .nth(1)
-                .and_then(|v| v.parse::<u64>().ok())
-        })
+        .and_then(|s| s.split_whitespace().nth(1).and_then(|v| v.parse::<u64>().ok()))
         .map(|pages| pages * 4096)
         .unwrap_or(0)
 }

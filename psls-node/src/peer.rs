@@ -85,16 +85,10 @@ pub enum PeerResp {
     Ok,
     HeartbeatAck(Heartbeat),
     Pages(Vec<PageRead>),
-    Scrub {
-        checked: u64,
-        bad: Vec<BadCopy>,
-    },
+    Scrub { checked: u64, bad: Vec<BadCopy> },
     Snapshot(Vec<u8>),
     NotCoordinator,
-    Error {
-        kind: psls_ipc::ErrorKind,
-        message: String,
-    },
+    Error { kind: psls_ipc::ErrorKind, message: String },
 }
 
 pub fn encode<T: Serialize>(m: &T) -> Vec<u8> {

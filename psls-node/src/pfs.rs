@@ -104,9 +104,7 @@ fn check_all_serving(node: &Node, st: &MetaState) -> Result<(), OpError> {
         if !node.is_live(&p) {
             return Err(OpError::new(
                 ErrorKind::Unavailable,
-                format!(
-                    "node {l} ({p}) is down; writes need both copies (replace it or restart it)"
-                ),
+                format!("node {l} ({p}) is down; writes need both copies (replace it or restart it)"),
             ));
         }
     }
@@ -152,18 +150,10 @@ fn new_file_id(st: &MetaState) -> FileId {
 }
 
 /// Validates a new name or a replacement; returns the id being replaced.
-fn prepare_name(
-    st: &MetaState,
-    caller: Caller,
-    name: &str,
-    replace: bool,
-) -> Result<Option<FileId>, OpError> {
+fn prepare_name(st: &MetaState, caller: Caller, name: &str, replace: bool) -> Result<Option<FileId>, OpError> {
     validate_name(name).map_err(OpError::from)?;
     match st.files.get(name) {
-        Some(_) if !replace => Err(OpError::new(
-            ErrorKind::Exists,
-            format!("file '{name}' already exists"),
-        )),
+        Some(_) if !replace => Err(OpError::new(ErrorKind::Exists, format!("file '{name}' already exists"))),
         Some(f) => {
             caller.check_write(f)?;
             Ok(Some(f.id))
@@ -183,13 +173,7 @@ fn check_mode(mode: u32) -> Result<(), OpError> {
 }
 
 /// `psls create`: a zero-filled file (generation 0: no page written yet).
-pub async fn create(
-    node: &Arc<Node>,
-    caller: Caller,
-    name: &str,
-    size: u64,
-    mode: u32,
-) -> Result<FileInfo, OpError> {
+pub async fn create(node: &Arc<Node>, caller: Caller, name: &str, size: u64, mode: u32) -> Result<FileInfo, OpError> {
     check_mode(mode)?;
     let st = node.meta_state();
     prepare_name(&st, caller, name, false)?;
@@ -264,12 +248,7 @@ impl Importer {
         while self.inflight.len() > limit {
             match self.inflight.join_next().await {
                 Some(Ok(r)) => r?,
-                Some(Err(e)) => {
-                    return Err(OpError::new(
-                        ErrorKind::Internal,
-                        format!("write task failed: {e}"),
-                    ))
-                }
+                Some(Err(e)) => return Err(OpError::new(ErrorKind::Internal, format!("write task failed: {e}"))),
                 None => break,
             }
         }
@@ -331,10 +310,7 @@ impl Importer {
         if self.received + bytes.len() as u64 > self.meta.size {
             return Err(OpError::new(
                 ErrorKind::Invalid,
-                format!(
-                    "import sent more than the announced {} bytes",
-                    self.meta.size
-                ),
+                format!("import sent more than the announced {} bytes", self.meta.size),
             ));
         }
         let mut rest = bytes;
@@ -365,10 +341,7 @@ impl Importer {
         if self.received != self.meta.size {
             return Err(OpError::new(
                 ErrorKind::Invalid,
-                format!(
-                    "import ended after {} of {} bytes",
-                    self.received, self.meta.size
-                ),
+                format!("import ended after {} of {} bytes", self.received, self.meta.size),
             ));
         }
         if !self.partial.is_empty() {
@@ -381,17 +354,24 @@ impl Importer {
         for k in keys {
             self.flush_batch(k);
         }
+        let t = std::time::Instant::now();
         self.reap(0).await?;
+        let drain_ms = t.elapsed().as_millis() as u64;
+        let t = std::time::Instant::now();
         sync_all(&self.node).await?;
-        self.node
-            .submit(MetaOp::CommitFile {
-                meta: self.meta.clone(),
-                replaces: self.replaces,
-            })
-            .await?;
-        tracing::info!(node = %self.node.name(), file = %self.meta.id, name = %self.meta.name, "import committed");
+        let sync_ms = t.elapsed().as_millis() as u64;
+        let t = std::time::Instant::now();
+        let op = MetaOp::CommitFile {
+            meta: self.meta.clone(),
+            replaces: self.replaces,
+        };
+        self.node.submit(op).await?;
+        let commit_ms = t.elapsed().as_millis() as u64;
+        tracing::info!(node = %self.node.name(), file = %self.meta.id, name = %self.meta.name,
+            drain_ms, sync_ms, commit_ms, "import committed");
         if let Some(old) = self.replaces {
-            remove_everywhere(&self.node, old).await;
+            let node = self.node.clone();
+            tokio::spawn(async move { remove_everywhere(&node, old).await });
         }
         Ok(info(&self.meta))
     }
@@ -400,13 +380,7 @@ impl Importer {
     pub async fn abort(mut self) {
         self.inflight.abort_all();
         while self.inflight.join_next().await.is_some() {}
-        if self
-            .node
-            .meta_state()
-            .files
-            .values()
-            .any(|f| f.id == self.meta.id)
-        {
+        if self.node.meta_state().files.values().any(|f| f.id == self.meta.id) {
             return;
         }
         tracing::info!(node = %self.node.name(), file = %self.meta.id, "import aborted; discarding its pages");
@@ -521,10 +495,7 @@ async fn read_from(
     read_from_within(node, st, f, role, l, indices, node.request_timeout).await
 }
 
-fn group_by<F: Fn(u64) -> NodeId>(
-    indices: impl Iterator<Item = u64>,
-    key: F,
-) -> BTreeMap<NodeId, Vec<u64>> {
+fn group_by<F: Fn(u64) -> NodeId>(indices: impl Iterator<Item = u64>, key: F) -> BTreeMap<NodeId, Vec<u64>> {
     let mut m: BTreeMap<NodeId, Vec<u64>> = BTreeMap::new();
     for i in indices {
         m.entry(key(i)).or_default().push(i);
@@ -533,12 +504,7 @@ fn group_by<F: Fn(u64) -> NodeId>(
 }
 
 /// Reads pages `first..first+count` of `f`, with mirror fallback and primary repair.
-async fn read_chunk(
-    node: Arc<Node>,
-    f: FileMeta,
-    first: u64,
-    count: u64,
-) -> Result<Vec<u8>, OpError> {
+async fn read_chunk(node: Arc<Node>, f: FileMeta, first: u64, count: u64) -> Result<Vec<u8>, OpError> {
     let mut out = vec![0u8; (count as usize) * PAGE_SIZE];
     if f.gen == 0 {
         return Ok(out);
@@ -567,9 +533,7 @@ async fn read_chunk(
         let (idx, pages) = r.map_err(|e| OpError::new(ErrorKind::Internal, e.to_string()))?;
         for (i, pr) in idx.into_iter().zip(pages) {
             match pr {
-                PageRead::Ok(d) => {
-                    out[((i - first) as usize) * PAGE_SIZE..][..PAGE_SIZE].copy_from_slice(&d)
-                }
+                PageRead::Ok(d) => out[((i - first) as usize) * PAGE_SIZE..][..PAGE_SIZE].copy_from_slice(&d),
                 PageRead::Error(e) => failed.push((i, e, false)),
                 other => failed.push((i, format!("{other:?}"), true)),
             }
@@ -578,10 +542,7 @@ async fn read_chunk(
     if failed.is_empty() {
         return Ok(out);
     }
-    let reasons: BTreeMap<u64, (String, bool)> = failed
-        .iter()
-        .map(|(i, r, bad)| (*i, (r.clone(), *bad)))
-        .collect();
+    let reasons: BTreeMap<u64, (String, bool)> = failed.iter().map(|(i, r, bad)| (*i, (r.clone(), *bad))).collect();
     let mirrors = group_by(failed.iter().map(|(i, _, _)| *i), |i| p.mirror(f.id, i));
     let mut unreadable: Vec<(u64, String)> = Vec::new();
     for (l, idx) in mirrors {
@@ -638,13 +599,9 @@ async fn read_chunk(
     }
     // A primary that only timed out may have been slow, not dead: one more try with the full
     // request timeout, batched per home node.
-    let retry = group_by(
-        unreadable
-            .iter()
-            .filter(|(i, _)| !reasons[i].1)
-            .map(|(i, _)| *i),
-        |i| p.home(f.id, i),
-    );
+    let retry = group_by(unreadable.iter().filter(|(i, _)| !reasons[i].1).map(|(i, _)| *i), |i| {
+        p.home(f.id, i)
+    });
     let mut recovered = std::collections::BTreeSet::new();
     for (home, idx) in retry {
         for (i, pr) in idx
@@ -684,18 +641,12 @@ pub fn export_stream(node: &Arc<Node>, caller: Caller, name: &str) -> Result<(Fi
         let f = f2;
         let pages = f.pages();
         let mut next = 0u64;
-        let mut pending: VecDeque<tokio::task::JoinHandle<Result<Vec<u8>, OpError>>> =
-            VecDeque::new();
+        let mut pending: VecDeque<tokio::task::JoinHandle<Result<Vec<u8>, OpError>>> = VecDeque::new();
         let mut sent = 0u64;
         loop {
             while pending.len() < READ_AHEAD && next < pages {
                 let count = (BATCH_PAGES as u64).min(pages - next);
-                pending.push_back(tokio::spawn(read_chunk(
-                    node.clone(),
-                    f.clone(),
-                    next,
-                    count,
-                )));
+                pending.push_back(tokio::spawn(read_chunk(node.clone(), f.clone(), next, count)));
                 next += count;
             }
             let Some(h) = pending.pop_front() else { break };
@@ -724,11 +675,7 @@ pub fn export_stream(node: &Arc<Node>, caller: Caller, name: &str) -> Result<(Fi
 pub async fn scrub(node: &Arc<Node>) -> Result<ScrubReport, OpError> {
     let st = node.meta_state();
     check_all_serving(node, &st)?;
-    let files: Vec<(FileId, u64, u64)> = st
-        .files
-        .values()
-        .map(|f| (f.id, f.pages(), f.gen))
-        .collect();
+    let files: Vec<(FileId, u64, u64)> = st.files.values().map(|f| (f.id, f.pages(), f.gen)).collect();
     let by_id: BTreeMap<FileId, FileMeta> = st.files.values().map(|f| (f.id, f.clone())).collect();
     let mut report = ScrubReport {
         files: files.len() as u64,
@@ -736,15 +683,7 @@ pub async fn scrub(node: &Arc<Node>) -> Result<ScrubReport, OpError> {
     };
     let mut bad = Vec::new();
     for (l, p) in node.logical_map(&st) {
-        match node
-            .call_ok(
-                &p,
-                PeerReq::ScrubLocal {
-                    files: files.clone(),
-                },
-            )
-            .await?
-        {
+        match node.call_ok(&p, PeerReq::ScrubLocal { files: files.clone() }).await? {
             PeerResp::Scrub { checked, bad: b } => {
                 report.copies_checked += checked;
                 report.bad_copies += b.len() as u64;
@@ -762,16 +701,12 @@ pub async fn scrub(node: &Arc<Node>) -> Result<ScrubReport, OpError> {
     let mut groups: BTreeMap<(FileId, Role, NodeId, NodeId), Vec<u64>> = BTreeMap::new();
     for (l, c) in bad {
         let good = node.placement.holder(c.file, c.index, c.role.other());
-        groups
-            .entry((c.file, c.role, l, good))
-            .or_default()
-            .push(c.index);
+        groups.entry((c.file, c.role, l, good)).or_default().push(c.index);
     }
     for ((file, role, dst, src), idx) in groups {
         let Some(f) = by_id.get(&file) else { continue };
         for chunk in idx.chunks(BATCH_PAGES) {
-            let (ok, failed) =
-                copy_pages(node, &st, f, role.other(), src, dst, chunk.to_vec()).await;
+            let (ok, failed) = copy_pages(node, &st, f, role.other(), src, dst, chunk.to_vec()).await;
             report.repaired += ok;
             report.unrepairable += failed;
         }
@@ -838,10 +773,7 @@ pub async fn replace(node: &Arc<Node>, logical: u32, spare: &str) -> Result<(), 
     let Some(old) = map.get(&logical).cloned() else {
         return Err(OpError::new(
             ErrorKind::Invalid,
-            format!(
-                "there is no logical node {logical} (the cluster has {})",
-                map.len()
-            ),
+            format!("there is no logical node {logical} (the cluster has {})", map.len()),
         ));
     };
     if node.cfg.entry(spare).is_none() {
@@ -869,10 +801,7 @@ pub async fn replace(node: &Arc<Node>, logical: u32, spare: &str) -> Result<(), 
         ));
     }
     if st.logical.is_empty() {
-        node.submit(MetaOp::InitMap {
-            logical: map.clone(),
-        })
-        .await?;
+        node.submit(MetaOp::InitMap { logical: map.clone() }).await?;
     }
     node.submit(MetaOp::Replace {
         logical,

@@ -25,9 +25,7 @@ fn load(
 )> {
     let ca_path = dir.join("ca.pem");
     let mut roots = rustls::RootCertStore::empty();
-    for c in CertificateDer::pem_file_iter(&ca_path)
-        .with_context(|| format!("reading {}", ca_path.display()))?
-    {
+    for c in CertificateDer::pem_file_iter(&ca_path).with_context(|| format!("reading {}", ca_path.display()))? {
         roots.add(c.with_context(|| format!("parsing {}", ca_path.display()))?)?;
     }
     let cert_path = dir.join(format!("{name}.pem"));
@@ -36,8 +34,7 @@ fn load(
         .collect::<Result<_, _>>()
         .with_context(|| format!("parsing {}", cert_path.display()))?;
     let key_path = dir.join(format!("{name}.key"));
-    let key = PrivateKeyDer::from_pem_file(&key_path)
-        .with_context(|| format!("reading {}", key_path.display()))?;
+    let key = PrivateKeyDer::from_pem_file(&key_path).with_context(|| format!("reading {}", key_path.display()))?;
     Ok((roots, certs, key))
 }
 
@@ -45,10 +42,9 @@ fn load(
 pub fn configs(dir: &Path, name: &str) -> Result<(quinn::ServerConfig, quinn::ClientConfig)> {
     let (roots, certs, key) = load(dir, name)?;
     let roots = Arc::new(roots);
-    let verifier =
-        rustls::server::WebPkiClientVerifier::builder_with_provider(roots.clone(), provider())
-            .build()
-            .map_err(|e| anyhow!("client verifier: {e}"))?;
+    let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(roots.clone(), provider())
+        .build()
+        .map_err(|e| anyhow!("client verifier: {e}"))?;
     let mut server = rustls::ServerConfig::builder_with_provider(provider())
         .with_protocol_versions(&[&rustls::version::TLS13])?
         .with_client_cert_verifier(verifier)
@@ -72,13 +68,9 @@ pub fn configs(dir: &Path, name: &str) -> Result<(quinn::ServerConfig, quinn::Cl
         .max_idle_timeout(Some(std::time::Duration::from_secs(10).try_into()?));
     let transport = Arc::new(transport);
 
-    let mut sc = quinn::ServerConfig::with_crypto(Arc::new(
-        quinn::crypto::rustls::QuicServerConfig::try_from(server)?,
-    ));
+    let mut sc = quinn::ServerConfig::with_crypto(Arc::new(quinn::crypto::rustls::QuicServerConfig::try_from(server)?));
     sc.transport_config(transport.clone());
-    let mut cc = quinn::ClientConfig::new(Arc::new(
-        quinn::crypto::rustls::QuicClientConfig::try_from(client)?,
-    ));
+    let mut cc = quinn::ClientConfig::new(Arc::new(quinn::crypto::rustls::QuicClientConfig::try_from(client)?));
     cc.transport_config(transport);
     Ok((sc, cc))
 }
@@ -88,8 +80,7 @@ pub fn configs(dir: &Path, name: &str) -> Result<(quinn::ServerConfig, quinn::Cl
 /// leaving them to time out.
 pub fn reset_key(dir: &Path, name: &str) -> Result<Arc<ring::hmac::Key>> {
     let key_path = dir.join(format!("{name}.key"));
-    let pem =
-        std::fs::read(&key_path).with_context(|| format!("reading {}", key_path.display()))?;
+    let pem = std::fs::read(&key_path).with_context(|| format!("reading {}", key_path.display()))?;
     let mut ctx = ring::digest::Context::new(&ring::digest::SHA256);
     ctx.update(b"psls stateless reset v1\0");
     ctx.update(&pem);
@@ -106,9 +97,7 @@ pub fn peer_name(conn: &quinn::Connection) -> Option<String> {
     let (_, cert) = x509_parser::parse_x509_certificate(chain.first()?.as_ref()).ok()?;
     let san = cert.subject_alternative_name().ok()??;
     san.value.general_names.iter().find_map(|g| match g {
-        x509_parser::extensions::GeneralName::DNSName(d) => {
-            d.strip_suffix(".psls").map(str::to_string)
-        }
+        x509_parser::extensions::GeneralName::DNSName(d) => d.strip_suffix(".psls").map(str::to_string),
         _ => None,
     })
 }

@@ -38,19 +38,10 @@ impl Transport {
         peers: HashMap<String, SocketAddr>,
     ) -> std::io::Result<Transport> {
         let socket = std::net::UdpSocket::bind(addr)?;
-        let runtime =
-            quinn::default_runtime().ok_or_else(|| std::io::Error::other("no async runtime"))?;
-        let mut endpoint = quinn::Endpoint::new(
-            quinn::EndpointConfig::new(reset_key),
-            Some(server),
-            socket,
-            runtime,
-        )?;
+        let runtime = quinn::default_runtime().ok_or_else(|| std::io::Error::other("no async runtime"))?;
+        let mut endpoint = quinn::Endpoint::new(quinn::EndpointConfig::new(reset_key), Some(server), socket, runtime)?;
         endpoint.set_default_client_config(client);
-        let dial = peers
-            .keys()
-            .map(|k| (k.clone(), tokio::sync::Mutex::new(())))
-            .collect();
+        let dial = peers.keys().map(|k| (k.clone(), tokio::sync::Mutex::new(()))).collect();
         Ok(Transport {
             endpoint,
             addrs: peers,
@@ -75,14 +66,8 @@ impl Transport {
         if let Some(c) = cached(self) {
             return Ok(c);
         }
-        let addr = *self
-            .addrs
-            .get(peer)
-            .ok_or_else(|| NetError::UnknownPeer(peer.into()))?;
-        let lock = self
-            .dial
-            .get(peer)
-            .ok_or_else(|| NetError::UnknownPeer(peer.into()))?;
+        let addr = *self.addrs.get(peer).ok_or_else(|| NetError::UnknownPeer(peer.into()))?;
+        let lock = self.dial.get(peer).ok_or_else(|| NetError::UnknownPeer(peer.into()))?;
         let _g = lock.lock().await;
         if let Some(c) = cached(self) {
             return Ok(c);
@@ -105,12 +90,7 @@ impl Transport {
     }
 
     /// Sends `req` to `peer` and waits at most `timeout` for its response.
-    pub async fn request(
-        &self,
-        peer: &str,
-        req: &PeerReq,
-        timeout: Duration,
-    ) -> Result<PeerResp, NetError> {
+    pub async fn request(&self, peer: &str, req: &PeerReq, timeout: Duration) -> Result<PeerResp, NetError> {
         let body = peer::encode(req);
         let fut = async {
             let conn = self.connection(peer).await?;
@@ -121,10 +101,7 @@ impl Transport {
             let (mut send, mut recv) = conn.open_bi().await.map_err(|e| broken(&e))?;
             send.write_all(&body).await.map_err(|e| broken(&e))?;
             send.finish().map_err(|e| broken(&e))?;
-            let resp = recv
-                .read_to_end(MAX_PEER_MSG)
-                .await
-                .map_err(|e| broken(&e))?;
+            let resp = recv.read_to_end(MAX_PEER_MSG).await.map_err(|e| broken(&e))?;
             peer::decode::<PeerResp>(&resp).map_err(|message| NetError::BadResponse {
                 peer: peer.into(),
                 message,
@@ -137,10 +114,7 @@ impl Transport {
                 ms: timeout.as_millis() as u64,
             }),
         };
-        if matches!(
-            r,
-            Err(NetError::Timeout { .. } | NetError::Unreachable { .. })
-        ) {
+        if matches!(r, Err(NetError::Timeout { .. } | NetError::Unreachable { .. })) {
             // The peer may have restarted behind this connection: dial afresh next time.
             self.drop_connection(peer);
         }
@@ -149,12 +123,7 @@ impl Transport {
 
     /// Forgets the cached connection to `peer` (after it restarted, say).
     pub fn drop_connection(&self, peer: &str) {
-        if let Some(c) = self
-            .conns
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(peer)
-        {
+        if let Some(c) = self.conns.lock().unwrap_or_else(|e| e.into_inner()).remove(peer) {
             c.close(0u32.into(), b"reset");
         }
     }
@@ -169,11 +138,7 @@ pub trait Handler: Send + Sync + 'static {
 pub type BoxFuture<T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send>>;
 
 /// Accepts connections until the endpoint closes.
-pub async fn serve<H: Handler>(
-    endpoint: quinn::Endpoint,
-    handler: Arc<H>,
-    known: Arc<Vec<String>>,
-) {
+pub async fn serve<H: Handler>(endpoint: quinn::Endpoint, handler: Arc<H>, known: Arc<Vec<String>>) {
     while let Some(incoming) = endpoint.accept().await {
         let handler = handler.clone();
         let known = known.clone();

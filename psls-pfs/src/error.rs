@@ -38,9 +38,7 @@ pub enum MetaError {
     Exists(String),
     #[error("no file named '{0}'")]
     NotFound(String),
-    #[error(
-        "file '{name}' changed while it was being replaced (expected id {expected}, found {found})"
-    )]
+    #[error("file '{name}' changed while it was being replaced (expected id {expected}, found {found})")]
     Conflict {
         name: String,
         expected: FileId,

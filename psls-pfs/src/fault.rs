@@ -28,10 +28,7 @@ impl Control {
         if self.halted.load(Ordering::SeqCst) {
             return Err(io::Error::other("disk halted (simulated power cut)"));
         }
-        if mutating
-            && self.ops_left.load(Ordering::SeqCst) >= 0
-            && self.ops_left.fetch_sub(1, Ordering::SeqCst) <= 0
-        {
+        if mutating && self.ops_left.load(Ordering::SeqCst) >= 0 && self.ops_left.fetch_sub(1, Ordering::SeqCst) <= 0 {
             self.halted.store(true, Ordering::SeqCst);
             return Err(io::Error::other("disk halted (simulated power cut)"));
         }
@@ -150,10 +147,7 @@ impl Disk for FaultDisk {
     }
     fn remove(&self, name: &str) -> io::Result<()> {
         self.control.check(true)?;
-        self.files
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(name);
+        self.files.lock().unwrap_or_else(|e| e.into_inner()).remove(name);
         self.base.remove(name)
     }
     fn list(&self) -> io::Result<Vec<String>> {
@@ -337,14 +331,8 @@ mod tests {
         let f = d.open("x", false).unwrap();
         let mut b = vec![0u8; 64 * 1024];
         f.read_at(0, &mut b).unwrap();
-        let kept = b
-            .chunks(SECTOR)
-            .filter(|s| s.iter().all(|&x| x == 9))
-            .count();
-        let lost = b
-            .chunks(SECTOR)
-            .filter(|s| s.iter().all(|&x| x == 0))
-            .count();
+        let kept = b.chunks(SECTOR).filter(|s| s.iter().all(|&x| x == 9)).count();
+        let lost = b.chunks(SECTOR).filter(|s| s.iter().all(|&x| x == 0)).count();
         assert_eq!(kept + lost, 128);
         assert!(kept > 0 && lost > 0, "kept {kept} lost {lost}");
     }

@@ -140,15 +140,8 @@ impl MetaState {
                     }
                     _ => {}
                 }
-                if next
-                    .files
-                    .values()
-                    .any(|f| f.id == meta.id && f.name != meta.name)
-                {
-                    return Err(MetaError::Invalid(format!(
-                        "file id {} already in use",
-                        meta.id
-                    )));
+                if next.files.values().any(|f| f.id == meta.id && f.name != meta.name) {
+                    return Err(MetaError::Invalid(format!("file id {} already in use", meta.id)));
                 }
                 next.files.insert(meta.name.clone(), meta.clone());
             }
@@ -170,9 +163,7 @@ impl MetaState {
                     return Err(MetaError::Invalid(format!("no logical node {logical}")));
                 }
                 if next.logical.values().any(|p| p == physical) {
-                    return Err(MetaError::Invalid(format!(
-                        "{physical} already holds a logical id"
-                    )));
+                    return Err(MetaError::Invalid(format!("{physical} already holds a logical id")));
                 }
                 next.logical.insert(*logical, physical.clone());
                 next.map_version += 1;
@@ -207,9 +198,7 @@ impl MetaState {
         }
         let v = u16::from_le_bytes([bytes[0], bytes[1]]);
         if v != STATE_FORMAT {
-            return Err(MetaError::Corrupt(format!(
-                "unknown metadata format version {v}"
-            )));
+            return Err(MetaError::Corrupt(format!("unknown metadata format version {v}")));
         }
         postcard::from_bytes(&bytes[2..]).map_err(|e| MetaError::Corrupt(e.to_string()))
     }
@@ -252,9 +241,7 @@ pub struct MetaStore {
 
 impl std::fmt::Debug for MetaStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("MetaStore")
-            .field("seq", &self.state.seq)
-            .finish()
+        f.debug_struct("MetaStore").field("seq", &self.state.seq).finish()
     }
 }
 
@@ -382,10 +369,7 @@ mod tests {
     fn replace_map() {
         let mut s = MetaState::default();
         let map: BTreeMap<u32, String> = (0..4).map(|i| (i, format!("n{i}"))).collect();
-        s.apply(&MetaOp::InitMap {
-            logical: map.clone(),
-        })
-        .unwrap();
+        s.apply(&MetaOp::InitMap { logical: map.clone() }).unwrap();
         s.apply(&MetaOp::InitMap {
             logical: BTreeMap::new(),
         })

@@ -72,13 +72,7 @@ impl Placement {
         index / self.n as u64
     }
     /// Indices of the pages of a `pages`-page file that `node` holds in `role`, ascending.
-    pub fn held(
-        &self,
-        node: NodeId,
-        file: FileId,
-        pages: u64,
-        role: Role,
-    ) -> impl Iterator<Item = u64> {
+    pub fn held(&self, node: NodeId, file: FileId, pages: u64, role: Role) -> impl Iterator<Item = u64> {
         let n = self.n as u64;
         let shift = match role {
             Role::Primary => 0,

@@ -90,10 +90,7 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert_eq!(parse(&h, FileId(1), 9), HeaderState::Garbage);
-        assert_eq!(
-            parse(&h, FileId(0x0102030405060708), 8),
-            HeaderState::Garbage
-        );
+        assert_eq!(parse(&h, FileId(0x0102030405060708), 8), HeaderState::Garbage);
         assert_eq!(parse(&[0u8; HEADER_LEN], FileId(1), 1), HeaderState::Empty);
     }
 }

@@ -120,12 +120,7 @@ impl PageStore {
         Ok(())
     }
 
-    fn pair(
-        &self,
-        file: FileId,
-        role: Role,
-        create: bool,
-    ) -> Result<Option<Arc<Pair>>, StoreError> {
+    fn pair(&self, file: FileId, role: Role, create: bool) -> Result<Option<Arc<Pair>>, StoreError> {
         let mut open = self.open.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(p) = open.get(&(file, role)) {
             return Ok(Some(p.clone()));
@@ -139,14 +134,8 @@ impl PageStore {
         if !exists && !create {
             return Ok(None);
         }
-        let dat = self
-            .disk
-            .open(&dn, true)
-            .map_err(|e| StoreError::io(&dn, e))?;
-        let hdr = self
-            .disk
-            .open(&hn, true)
-            .map_err(|e| StoreError::io(&hn, e))?;
+        let dat = self.disk.open(&dn, true).map_err(|e| StoreError::io(&dn, e))?;
+        let hdr = self.disk.open(&hn, true).map_err(|e| StoreError::io(&hn, e))?;
         if !exists {
             self.dir_dirty.store(true, Ordering::SeqCst);
         }
@@ -218,13 +207,7 @@ impl PageStore {
     /// Writes generation `gen` of the page at `loc` into its shadow slot, never the slot that
     /// holds `keep_gen` (pass `keep_gen == gen` to repair a copy in place). Not durable until
     /// [`PageStore::sync`] returns.
-    pub fn write(
-        &self,
-        loc: PageLoc,
-        gen: u64,
-        keep_gen: u64,
-        data: &[u8],
-    ) -> Result<(), StoreError> {
+    pub fn write(&self, loc: PageLoc, gen: u64, keep_gen: u64, data: &[u8]) -> Result<(), StoreError> {
         self.check()?;
         if data.len() != PAGE_SIZE {
             return Err(StoreError::BadPageLength(data.len()));
@@ -279,25 +262,16 @@ impl PageStore {
     /// Makes every earlier write durable. On failure the store is poisoned.
     pub fn sync(&self) -> Result<(), StoreError> {
         self.check()?;
-        let dirty: Vec<(FileId, Role)> = self
-            .dirty
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .drain()
-            .collect();
+        let dirty: Vec<(FileId, Role)> = self.dirty.lock().unwrap_or_else(|e| e.into_inner()).drain().collect();
         let result = (|| {
             for (file, role) in &dirty {
                 if let Some(p) = self.pair(*file, *role, false)? {
                     p.dat.sync().map_err(|e| StoreError::io("fsync data", e))?;
-                    p.hdr
-                        .sync()
-                        .map_err(|e| StoreError::io("fsync headers", e))?;
+                    p.hdr.sync().map_err(|e| StoreError::io("fsync headers", e))?;
                 }
             }
             if self.dir_dirty.swap(false, Ordering::SeqCst) {
-                self.disk
-                    .sync_dir()
-                    .map_err(|e| StoreError::io("fsync directory", e))?;
+                self.disk.sync_dir().map_err(|e| StoreError::io("fsync directory", e))?;
             }
             Ok(())
         })();
@@ -332,10 +306,7 @@ impl PageStore {
     /// Every (file, role) with local data.
     pub fn files(&self) -> Result<Vec<(FileId, Role)>, StoreError> {
         self.check()?;
-        let names = self
-            .disk
-            .list()
-            .map_err(|e| StoreError::io("list store", e))?;
+        let names = self.disk.list().map_err(|e| StoreError::io("list store", e))?;
         Ok(names.iter().filter_map(|n| parse_name(n)).collect())
     }
 
@@ -421,10 +392,7 @@ mod tests {
         assert!(s.sync().is_err());
         disk.set_fail_sync(false);
         assert!(matches!(s.read(loc(0), 1), Err(StoreError::Poisoned)));
-        assert!(matches!(
-            s.write(loc(0), 1, 0, &page(1)),
-            Err(StoreError::Poisoned)
-        ));
+        assert!(matches!(s.write(loc(0), 1, 0, &page(1)), Err(StoreError::Poisoned)));
     }
 
     #[test]

@@ -112,10 +112,7 @@ impl Cluster {
 
     pub fn cmd(&self, args: &[&str]) -> Command {
         let mut cmd = Command::new(psls_bin());
-        cmd.arg("--dir")
-            .arg(&self.dir)
-            .args(args)
-            .env_remove("PSLS_SOCKET");
+        cmd.arg("--dir").arg(&self.dir).args(args).env_remove("PSLS_SOCKET");
         for (k, v) in &self.env {
             cmd.env(k, v);
         }
@@ -139,11 +136,7 @@ impl Cluster {
                 .args(["-eo", "pid,ppid,stat,args"])
                 .output()
                 .map(|o| String::from_utf8_lossy(&o.stdout).into_owned());
-            eprintln!(
-                "ss:\n{}\nps:\n{}",
-                ss.unwrap_or_default(),
-                ps.unwrap_or_default()
-            );
+            eprintln!("ss:\n{}\nps:\n{}", ss.unwrap_or_default(), ps.unwrap_or_default());
         }
         assert!(
             o.status.success(),
@@ -176,18 +169,13 @@ impl Cluster {
     }
 
     pub fn pid(&self, node: &str) -> i32 {
-        psls_client::cluster::running_pid(&self.dir, node)
-            .unwrap_or_else(|| panic!("{node} is not running"))
+        psls_client::cluster::running_pid(&self.dir, node).unwrap_or_else(|| panic!("{node} is not running"))
     }
 
     /// kill -9 of one daemon; waits until the process is gone.
     pub fn kill(&self, node: &str) {
         let pid = self.pid(node);
-        nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(pid),
-            nix::sys::signal::Signal::SIGKILL,
-        )
-        .expect("kill");
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL).expect("kill");
         assert!(
             psls_client::cluster::wait_gone(pid, Duration::from_secs(10)),
             "{node} survived SIGKILL"
@@ -199,15 +187,10 @@ impl Cluster {
         let cfg = self.config();
         let pids: Vec<(String, i32)> = cfg
             .all()
-            .filter_map(|n| {
-                psls_client::cluster::running_pid(&self.dir, &n.name).map(|p| (n.name.clone(), p))
-            })
+            .filter_map(|n| psls_client::cluster::running_pid(&self.dir, &n.name).map(|p| (n.name.clone(), p)))
             .collect();
         for (_, pid) in &pids {
-            let _ = nix::sys::signal::kill(
-                nix::unistd::Pid::from_raw(*pid),
-                nix::sys::signal::Signal::SIGKILL,
-            );
+            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(*pid), nix::sys::signal::Signal::SIGKILL);
         }
         for (name, pid) in &pids {
             assert!(
@@ -222,10 +205,7 @@ impl Cluster {
         let t = Instant::now();
         loop {
             let s = self.status();
-            if s.nodes
-                .iter()
-                .any(|n| n.name == node && n.state.to_string() == state)
-            {
+            if s.nodes.iter().any(|n| n.name == node && n.state.to_string() == state) {
                 return;
             }
             assert!(
@@ -260,9 +240,7 @@ impl Cluster {
 
     /// Whether any daemon's log contains `text`.
     pub fn logs_contain(&self, text: &str) -> bool {
-        self.config()
-            .all()
-            .any(|n| self.log(&n.name).contains(text))
+        self.config().all().any(|n| self.log(&n.name).contains(text))
     }
 
     pub fn log(&self, node: &str) -> String {

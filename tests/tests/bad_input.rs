@@ -32,18 +32,11 @@ fn daemon_refuses_bad_config_missing_dir_and_busy_port() {
     let cfg_path = c.dir.join("cluster.toml");
     let good = std::fs::read_to_string(&cfg_path).unwrap();
 
-    std::fs::write(
-        &cfg_path,
-        good.replace("[cluster]", "[cluster]\nbogus_key = 1"),
-    )
-    .unwrap();
+    std::fs::write(&cfg_path, good.replace("[cluster]", "[cluster]\nbogus_key = 1")).unwrap();
     daemon_fails(&cfg_path, "n0", "bogus_key");
     std::fs::write(
         &cfg_path,
-        good.replace(
-            "heartbeat_timeout_ms = 1500",
-            "heartbeat_timeout_ms = \"soon\"",
-        ),
+        good.replace("heartbeat_timeout_ms = 1500", "heartbeat_timeout_ms = \"soon\""),
     )
     .unwrap();
     daemon_fails(&cfg_path, "n0", "heartbeat_timeout_ms");
@@ -95,20 +88,14 @@ fn cli_errors_leave_files_intact() {
         (&["create", "m", "--size", "10", "--mode", "999"], "octal"),
         (&["create", "m", "--size", "ten"], "ten"),
         (&["node", "replace", "1", "--with", "s0"], "is up"),
-        (
-            &["node", "replace", "7", "--with", "s0"],
-            "no logical node 7",
-        ),
+        (&["node", "replace", "7", "--with", "s0"], "no logical node 7"),
         (&["node", "replace", "1", "--with", "n2"], "already holds"),
         (&["cluster", "init"], "already exists"),
         (&["--node", "zz", "ls"], "no node named 'zz'"),
     ];
     for (args, want) in cases {
         let err = c.fails(args);
-        assert!(
-            err.contains(want),
-            "psls {args:?}: expected '{want}' in: {err}"
-        );
+        assert!(err.contains(want), "psls {args:?}: expected '{want}' in: {err}");
     }
     let ls = c.ok(&["ls"]);
     assert_eq!(ls.lines().count(), 1, "{ls}");
@@ -137,10 +124,7 @@ fn permissions_follow_owner_and_mode() {
             .gid(65534)
             .output()
             .unwrap();
-        (
-            o.status.success(),
-            String::from_utf8_lossy(&o.stderr).into_owned(),
-        )
+        (o.status.success(), String::from_utf8_lossy(&o.stderr).into_owned())
     };
     let (ok, err) = nobody(&["export", "private", "/dev/null"]);
     assert!(!ok && err.contains("permission denied"), "{err}");
@@ -205,15 +189,10 @@ fn malformed_and_oversized_client_messages_are_refused() {
         .unwrap(),
     )
     .unwrap();
-    s.write_all(
-        &psls_ipc::proto::encode(&psls_ipc::Request::ImportData { data: vec![1; 11] }).unwrap(),
-    )
-    .unwrap();
+    s.write_all(&psls_ipc::proto::encode(&psls_ipc::Request::ImportData { data: vec![1; 11] }).unwrap())
+        .unwrap();
     let r: psls_ipc::Response = psls_ipc::proto::read_frame(&mut s).unwrap();
-    assert!(
-        format!("{r:?}").contains("more than the announced"),
-        "{r:?}"
-    );
+    assert!(format!("{r:?}").contains("more than the announced"), "{r:?}");
     // The daemon is fine and nothing was created.
     assert!(c.status().nodes.iter().all(|n| n.state.to_string() == "up"));
     assert_eq!(c.ok(&["ls"]).lines().count(), 0);
@@ -253,8 +232,5 @@ fn foreign_certificate_is_refused() {
     let _ = intruder.wait();
     // Cluster A is unaffected.
     let st = a.status();
-    assert!(
-        st.nodes.iter().all(|n| n.state.to_string() == "up"),
-        "{st:?}"
-    );
+    assert!(st.nodes.iter().all(|n| n.state.to_string() == "up"), "{st:?}");
 }

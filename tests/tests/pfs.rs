@@ -12,10 +12,7 @@ fn import_64mib_survives_kill_of_any_node() {
     let st = c.status();
     assert_eq!(st.nodes.len(), 5);
     assert_eq!(st.coordinator.as_deref(), Some("n0"));
-    assert!(
-        st.nodes.iter().all(|n| n.state.to_string() == "up"),
-        "{st:?}"
-    );
+    assert!(st.nodes.iter().all(|n| n.state.to_string() == "up"), "{st:?}");
     assert_eq!(st.nodes.iter().filter(|n| n.spare).count(), 1);
 
     let data = random_bytes(64 * MIB + 123, 1);
@@ -36,15 +33,8 @@ fn import_64mib_survives_kill_of_any_node() {
     }
     // Coordinator fail-over happened when n0 was down; everything is healthy again now.
     let st = c.status();
-    assert!(
-        st.nodes.iter().all(|n| n.state.to_string() == "up"),
-        "{st:?}"
-    );
-    assert!(st
-        .nodes
-        .iter()
-        .filter(|n| n.name == "n0")
-        .all(|n| n.incarnation == 2));
+    assert!(st.nodes.iter().all(|n| n.state.to_string() == "up"), "{st:?}");
+    assert!(st.nodes.iter().filter(|n| n.name == "n0").all(|n| n.incarnation == 2));
 }
 
 #[test]
@@ -56,22 +46,12 @@ fn coordinator_fails_over_to_lowest_live_node() {
         let out = c.ok(&["--node", "n2", "cluster", "status", "--json"]);
         let st: psls_ipc::proto::ClusterStatus = serde_json::from_str(&out).unwrap();
         if st.coordinator.as_deref() == Some("n1") {
-            assert!(st
-                .nodes
-                .iter()
-                .any(|n| n.name == "n0" && n.state.to_string() == "down"));
+            assert!(st.nodes.iter().any(|n| n.name == "n0" && n.state.to_string() == "down"));
             // Detected within the heartbeat timeout (1.5 s here) plus scheduling slack.
-            assert!(
-                t.elapsed() < Duration::from_secs(5),
-                "took {:?}",
-                t.elapsed()
-            );
+            assert!(t.elapsed() < Duration::from_secs(5), "took {:?}", t.elapsed());
             break;
         }
-        assert!(
-            t.elapsed() < Duration::from_secs(10),
-            "no fail-over: {st:?}"
-        );
+        assert!(t.elapsed() < Duration::from_secs(10), "no fail-over: {st:?}");
         std::thread::sleep(Duration::from_millis(50));
     }
     // Metadata operations still work through the new coordinator.
@@ -104,12 +84,7 @@ fn replace_wiped_node_then_lose_the_other_copies() {
     assert_eq!(s0.logical, Some(2));
     assert!(s0.rebuild.is_none());
     assert_eq!(
-        st.nodes
-            .iter()
-            .find(|n| n.name == "n2")
-            .unwrap()
-            .state
-            .to_string(),
+        st.nodes.iter().find(|n| n.name == "n2").unwrap().state.to_string(),
         "replaced"
     );
     // Every page has two copies again: scrub finds none missing.
@@ -124,11 +99,7 @@ fn replace_wiped_node_then_lose_the_other_copies() {
 
     // Lose the node holding the other copy of logical 2's primaries (n3: their mirror) ...
     c.kill("n3");
-    assert_same(
-        &c.export("f", &[]),
-        &data,
-        "export with n2 replaced and n3 down",
-    );
+    assert_same(&c.export("f", &[]), &data, "export with n2 replaced and n3 down");
     c.ok(&["cluster", "up"]);
     // ... and the node holding the primaries of logical 2's mirrors (n1).
     c.kill("n1");
@@ -141,11 +112,7 @@ fn replace_wiped_node_then_lose_the_other_copies() {
 
 fn flip_byte(path: &std::path::Path, offset: u64) {
     use std::os::unix::fs::FileExt;
-    let f = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(path)
-        .unwrap();
+    let f = std::fs::OpenOptions::new().read(true).write(true).open(path).unwrap();
     let mut b = [0u8; 1];
     f.read_exact_at(&mut b, offset).unwrap();
     b[0] ^= 0x5a;
@@ -211,19 +178,10 @@ fn corrupted_pages_are_detected_served_from_mirror_and_scrubbed() {
     let home_of_page0 = stat["stripes"][0]["home"].as_u64().unwrap();
     let mirror_of_page0 = stat["stripes"][0]["mirror"].as_u64().unwrap();
     flip_byte(&store_file(&c, &format!("n{home_of_page0}"), id, 'p'), 100);
-    flip_byte(
-        &store_file(&c, &format!("n{mirror_of_page0}"), id, 'm'),
-        100,
-    );
+    flip_byte(&store_file(&c, &format!("n{mirror_of_page0}"), id, 'm'), 100);
     let err = c.fails(&["export", "f", &c.path("x").display().to_string()]);
-    assert!(
-        err.contains("page 0") && err.contains("unreadable"),
-        "{err}"
-    );
-    assert!(
-        !c.path("x").exists(),
-        "a failed export must not leave a file"
-    );
+    assert!(err.contains("page 0") && err.contains("unreadable"), "{err}");
+    assert!(!c.path("x").exists(), "a failed export must not leave a file");
     let err = c.fails(&["scrub"]);
     assert!(err.contains("could not be repaired"), "{err}");
 }
@@ -252,30 +210,18 @@ fn interrupted_import_commits_nothing() {
     for replace in [true, false] {
         let name = if replace { "f" } else { "g" };
         let mut client = psls_client::Client::connect(&sock).unwrap();
-        let r = client.import(
-            &mut Failing(2 * MIB + 100),
-            3 * MIB as u64,
-            name,
-            0o644,
-            replace,
-        );
+        let r = client.import(&mut Failing(2 * MIB + 100), 3 * MIB as u64, name, 0o644, replace);
         assert!(r.is_err());
         drop(client);
     }
     std::thread::sleep(Duration::from_millis(500));
     let ls = c.ok(&["ls"]);
     assert_eq!(ls.lines().count(), 1, "{ls}");
-    assert_same(
-        &c.export("f", &[]),
-        &v1,
-        "old contents after an interrupted replace",
-    );
+    assert_same(&c.export("f", &[]), &v1, "old contents after an interrupted replace");
     // The aborted imports left no page files behind: only f's 8 store files (p/m × dat/hdr).
     let mut n = 0;
     for node in cfg.nodes.iter() {
-        n += std::fs::read_dir(cfg.data_dir(node).join("pages"))
-            .unwrap()
-            .count();
+        n += std::fs::read_dir(cfg.data_dir(node).join("pages")).unwrap().count();
     }
     assert_eq!(n, 4 * 4, "stray page files after aborted imports");
 }
@@ -324,11 +270,7 @@ fn power_cut_during_import_leaves_old_or_new() {
             );
             before_commit += 1;
         } else {
-            assert_same(
-                &got,
-                next,
-                &format!("cut {k}: neither the old nor the new contents"),
-            );
+            assert_same(&got, next, &format!("cut {k}: neither the old nor the new contents"));
             after_commit += 1;
             current_is_old = !current_is_old;
         }

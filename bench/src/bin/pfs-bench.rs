@@ -18,7 +18,11 @@ struct Args {
 }
 
 fn args() -> Result<Args> {
-    let mut a = Args { size_mb: 256, rounds: 3, dir: None };
+    let mut a = Args {
+        size_mb: 256,
+        rounds: 3,
+        dir: None,
+    };
     let mut it = std::env::args().skip(1);
     while let Some(k) = it.next() {
         let mut v = || it.next().with_context(|| format!("{k} needs a value"));
@@ -64,9 +68,14 @@ fn main() -> Result<()> {
     let a = args()?;
     let node_bin = std::env::current_exe()?.with_file_name("psls-node");
     if !node_bin.exists() {
-        bail!("{} not found: run `cargo build --release --workspace --bins` first", node_bin.display());
+        bail!(
+            "{} not found: run `cargo build --release --workspace --bins` first",
+            node_bin.display()
+        );
     }
-    let tmp = tempfile::Builder::new().prefix("pfs-bench").tempdir_in(a.dir.clone().unwrap_or_else(std::env::temp_dir))?;
+    let tmp = tempfile::Builder::new()
+        .prefix("pfs-bench")
+        .tempdir_in(a.dir.clone().unwrap_or_else(std::env::temp_dir))?;
     let base = tmp.path().join("baseline");
     std::fs::create_dir_all(&base)?;
     let cdir = tmp.path().join("cluster");
@@ -108,11 +117,20 @@ fn run(a: &Args, base: &Path, cdir: &Path) -> Result<()> {
         );
     }
     let (bw, br, pi, pe) = (median(&mut bw), median(&mut br), median(&mut pi), median(&mut pe));
-    println!("PFS throughput, {} MiB file, 4-node local cluster, median of {} rounds", a.size_mb, a.rounds);
+    println!(
+        "PFS throughput, {} MiB file, 4-node local cluster, median of {} rounds",
+        a.size_mb, a.rounds
+    );
     println!("  baseline write x2 + fsync : {bw:8.0} MiB/s (of file bytes)");
-    println!("  psls import               : {pi:8.0} MiB/s   ratio {:.2} (target >= 0.5)", pi / bw);
+    println!(
+        "  psls import               : {pi:8.0} MiB/s   ratio {:.2} (target >= 0.5)",
+        pi / bw
+    );
     println!("  baseline read back        : {br:8.0} MiB/s");
-    println!("  psls export               : {pe:8.0} MiB/s   ratio {:.2} (target >= 0.5)", pe / br);
+    println!(
+        "  psls export               : {pe:8.0} MiB/s   ratio {:.2} (target >= 0.5)",
+        pe / br
+    );
     println!(
         "{}",
         serde_json::json!({
