@@ -104,13 +104,7 @@ impl Client {
             while left > 0 {
                 let n = (left as usize).min(CHUNK);
                 src.read_exact(&mut buf[..n]).map_err(ClientError::Local)?;
-                proto::write_frame(
-                    &mut self.w,
-                    &Request::ImportData {
-                        data: buf[..n].to_vec(),
-                    },
-                )
-                .map_err(ClientError::Frame)?;
+                proto::write_import_data(&mut self.w, &buf[..n]).map_err(ClientError::Frame)?;
                 left -= n as u64;
             }
             proto::write_frame(&mut self.w, &Request::ImportCommit).map_err(ClientError::Frame)?;
@@ -139,11 +133,13 @@ impl Client {
         };
         let mut got = 0u64;
         loop {
-            match self.recv()? {
-                Response::Data(d) => {
-                    got += d.len() as u64;
-                    dst.write_all(&d).map_err(ClientError::Local)?;
-                }
+            let body = proto::read_body(&mut self.r).map_err(ClientError::Frame)?;
+            if let Some(r) = proto::data_range(&body) {
+                got += r.len() as u64;
+                dst.write_all(&body[r]).map_err(ClientError::Local)?;
+                continue;
+            }
+            match proto::decode(&body).map_err(ClientError::Frame)? {
                 Response::ExportEnd => break,
                 r => return Err(unexpected(r)),
             }

@@ -200,7 +200,8 @@ pub fn write_frame<T: Serialize>(w: &mut impl Write, msg: &T) -> Result<(), Fram
     Ok(())
 }
 
-pub fn read_frame<T: for<'de> Deserialize<'de>>(r: &mut impl Read) -> Result<T, FrameError> {
+/// Reads one frame body (bounded by [`MAX_FRAME`]).
+pub fn read_body(r: &mut impl Read) -> Result<Vec<u8>, FrameError> {
     let mut prefix = [0u8; 4];
     if let Err(e) = r.read_exact(&mut prefix) {
         return Err(if e.kind() == io::ErrorKind::UnexpectedEof {
@@ -210,9 +211,84 @@ pub fn read_frame<T: for<'de> Deserialize<'de>>(r: &mut impl Read) -> Result<T, 
         });
     }
     let len = check_len(prefix)?;
-    let mut body = vec![0u8; len];
-    r.read_exact(&mut body)?;
-    decode(&body)
+    let mut body = Vec::with_capacity(len);
+    r.take(len as u64).read_to_end(&mut body)?;
+    if body.len() != len {
+        return Err(FrameError::Closed);
+    }
+    Ok(body)
+}
+
+pub fn read_frame<T: for<'de> Deserialize<'de>>(r: &mut impl Read) -> Result<T, FrameError> {
+    decode(&read_body(r)?)
+}
+
+// Bulk messages (`Request::ImportData`, `Response::Data`) are written and read without an
+// extra copy of their bytes: the frame is the prefix, the postcard variant tag and length
+// varint, then the bytes themselves — exactly what postcard would produce (unit-tested).
+const IMPORT_DATA_TAG: u8 = 3;
+const DATA_TAG: u8 = 6;
+
+fn varint(mut v: u64, out: &mut Vec<u8>) {
+    while v >= 0x80 {
+        out.push((v as u8) | 0x80);
+        v >>= 7;
+    }
+    out.push(v as u8);
+}
+
+fn bulk_header(tag: u8, len: usize) -> Result<Vec<u8>, FrameError> {
+    let mut h = vec![0u8; 4];
+    h.push(tag);
+    varint(len as u64, &mut h);
+    let total = h.len() - 4 + len;
+    if total > MAX_FRAME {
+        return Err(FrameError::TooLarge(total));
+    }
+    h[..4].copy_from_slice(&(total as u32).to_le_bytes());
+    Ok(h)
+}
+
+/// Frame prefix and header of a `Response::Data` carrying `len` bytes (the bytes follow).
+pub fn data_frame_header(len: usize) -> Result<Vec<u8>, FrameError> {
+    bulk_header(DATA_TAG, len)
+}
+
+/// Writes `Request::ImportData { data }` without copying `data`.
+pub fn write_import_data(w: &mut impl Write, data: &[u8]) -> Result<(), FrameError> {
+    w.write_all(&bulk_header(IMPORT_DATA_TAG, data.len())?)?;
+    w.write_all(data)?;
+    Ok(())
+}
+
+fn bulk_range(body: &[u8], tag: u8) -> Option<std::ops::Range<usize>> {
+    if body.first() != Some(&tag) {
+        return None;
+    }
+    let (mut len, mut shift, mut i) = (0u64, 0u32, 1usize);
+    loop {
+        let b = *body.get(i)?;
+        len |= u64::from(b & 0x7f).checked_shl(shift)?;
+        i += 1;
+        if b & 0x80 == 0 {
+            break;
+        }
+        shift += 7;
+        if shift > 63 {
+            return None;
+        }
+    }
+    (body.len() - i == usize::try_from(len).ok()?).then_some(i..body.len())
+}
+
+/// Where the bytes of an `ImportData` frame body are, if it is one.
+pub fn import_data_range(body: &[u8]) -> Option<std::ops::Range<usize>> {
+    bulk_range(body, IMPORT_DATA_TAG)
+}
+
+/// Where the bytes of a `Data` frame body are, if it is one.
+pub fn data_range(body: &[u8]) -> Option<std::ops::Range<usize>> {
+    bulk_range(body, DATA_TAG)
 }
 
 #[cfg(test)]

@@ -48,7 +48,8 @@ pub async fn serve(node: Arc<Node>, listener: UnixListener, _path: PathBuf) {
     }
 }
 
-async fn read_req(r: &mut OwnedReadHalf) -> Result<Option<Request>, proto::FrameError> {
+/// Reads one frame body; `None` at a clean end of the connection.
+async fn read_body(r: &mut OwnedReadHalf) -> Result<Option<Vec<u8>>, proto::FrameError> {
     let mut prefix = [0u8; 4];
     match r.read_exact(&mut prefix).await {
         Ok(_) => {}
@@ -56,9 +57,26 @@ async fn read_req(r: &mut OwnedReadHalf) -> Result<Option<Request>, proto::Frame
         Err(e) => return Err(e.into()),
     }
     let len = proto::check_len(prefix)?;
-    let mut body = vec![0u8; len];
-    r.read_exact(&mut body).await?;
-    proto::decode(&body).map(Some)
+    let mut body = Vec::with_capacity(len);
+    r.take(len as u64).read_to_end(&mut body).await?;
+    if body.len() != len {
+        return Err(proto::FrameError::Closed);
+    }
+    Ok(Some(body))
+}
+
+async fn read_req(r: &mut OwnedReadHalf) -> Result<Option<Request>, proto::FrameError> {
+    match read_body(r).await? {
+        Some(body) => proto::decode(&body).map(Some),
+        None => Ok(None),
+    }
+}
+
+/// Sends `Response::Data(data)` without copying `data` into a frame buffer.
+async fn send_data(w: &mut OwnedWriteHalf, data: &[u8]) -> std::io::Result<()> {
+    let header = proto::data_frame_header(data.len()).map_err(|e| std::io::Error::other(e.to_string()))?;
+    w.write_all(&header).await?;
+    w.write_all(data).await
 }
 
 async fn send(w: &mut OwnedWriteHalf, resp: &Response) -> std::io::Result<()> {
@@ -134,7 +152,7 @@ async fn client(node: Arc<Node>, stream: UnixStream) -> anyhow::Result<()> {
                     send(&mut w, &Response::ExportBegin { size: f.size }).await?;
                     while let Some(chunk) = rx.recv().await {
                         match chunk {
-                            Ok(d) => send(&mut w, &Response::Data(d)).await?,
+                            Ok(d) => send_data(&mut w, &d).await?,
                             Err(e) => {
                                 send(&mut w, &err(e)).await?;
                                 return Ok(());
@@ -195,7 +213,22 @@ async fn import(
         Err(e) => return err(e),
     };
     loop {
-        match read_req(r).await {
+        let req = match read_body(r).await {
+            Ok(Some(body)) => match proto::import_data_range(&body) {
+                Some(range) => {
+                    // The common case: file bytes, taken straight from the frame.
+                    if let Err(e) = imp.data(&body[range]).await {
+                        imp.abort().await;
+                        return err(e);
+                    }
+                    continue;
+                }
+                None => proto::decode::<Request>(&body).map(Some),
+            },
+            Ok(None) => Ok(None),
+            Err(e) => Err(e),
+        };
+        match req {
             Ok(Some(Request::ImportData { data })) => {
                 if let Err(e) = imp.data(&data).await {
                     imp.abort().await;

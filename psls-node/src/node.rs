@@ -10,14 +10,13 @@
 //! - blocking disk work runs on the blocking pool, never on the async workers.
 
 use crate::membership::Membership;
-use crate::peer::{BadCopy, Heartbeat, PageRead, PeerReq, PeerResp};
+use crate::peer::{BadCopy, Heartbeat, PageState, PeerReq, PeerResp};
 use crate::transport::{BoxFuture, Handler, NetError, Transport};
 use psls_ipc::proto::NodeState;
 use psls_ipc::{ClusterConfig, ErrorKind, NodeEntry};
 use psls_pfs::meta::{MetaOp, MetaState, MetaStore};
-use psls_pfs::store::PageLoc;
 use psls_pfs::MetaError;
-use psls_pfs::{PageStore, Placement, ReadOutcome, Role};
+use psls_pfs::{PageRef, PageStore, Placement, ReadStatus, Role};
 use psls_svm::{FileId, NodeId, PAGE_SIZE};
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -198,25 +197,25 @@ impl Node {
         self.logical_map(st).into_iter().find(|(_, p)| self.is_live(p))
     }
 
-    /// Sends a request to a physical node (handled in-process when it is this node).
-    pub async fn call(self: &Arc<Self>, physical: &str, req: PeerReq) -> Result<PeerResp, NetError> {
-        if physical == self.me.name {
-            return Ok(self.clone().handle(physical.to_string(), req).await);
-        }
-        self.net.request(physical, &req, self.request_timeout).await
-    }
-
-    /// Like [`Node::call`] with a caller-chosen timeout.
-    pub async fn call_within(
+    /// Sends a request with a payload to a physical node (handled in-process when it is this
+    /// node) and returns the response with its payload.
+    pub async fn call_data(
         self: &Arc<Self>,
         physical: &str,
         req: PeerReq,
+        payload: Vec<u8>,
         timeout: Duration,
-    ) -> Result<PeerResp, NetError> {
+    ) -> Result<(PeerResp, bytes::Bytes), NetError> {
         if physical == self.me.name {
-            return Ok(self.clone().handle(physical.to_string(), req).await);
+            let (resp, out) = self.clone().handle(physical.to_string(), req, payload.into()).await;
+            return Ok((resp, out.into()));
         }
-        self.net.request(physical, &req, timeout).await
+        self.net.request(physical, &req, &payload, timeout).await
+    }
+
+    /// Sends a request without payload (response payload dropped).
+    pub async fn call(self: &Arc<Self>, physical: &str, req: PeerReq) -> Result<PeerResp, NetError> {
+        Ok(self.call_data(physical, req, Vec::new(), self.request_timeout).await?.0)
     }
 
     /// How long a read waits for a copy before trying the other one: a dead node is declared
@@ -228,8 +227,18 @@ impl Node {
 
     /// Sends a request and turns a peer's error reply into an error.
     pub async fn call_ok(self: &Arc<Self>, physical: &str, req: PeerReq) -> Result<PeerResp, OpError> {
-        match self.call(physical, req).await? {
-            PeerResp::Error { kind, message } => Err(OpError::new(kind, format!("{physical}: {message}"))),
+        Ok(self.call_data_ok(physical, req, Vec::new()).await?.0)
+    }
+
+    /// [`Node::call_data`] with the request timeout, turning an error reply into an error.
+    pub async fn call_data_ok(
+        self: &Arc<Self>,
+        physical: &str,
+        req: PeerReq,
+        payload: Vec<u8>,
+    ) -> Result<(PeerResp, bytes::Bytes), OpError> {
+        match self.call_data(physical, req, payload, self.request_timeout).await? {
+            (PeerResp::Error { kind, message }, _) => Err(OpError::new(kind, format!("{physical}: {message}"))),
             r => Ok(r),
         }
     }
@@ -257,15 +266,6 @@ impl Node {
     /// This node's own heartbeat (for status).
     pub fn own_heartbeat(&self) -> Heartbeat {
         self.heartbeat()
-    }
-
-    fn loc(&self, file: FileId, role: Role, index: u64) -> PageLoc {
-        PageLoc {
-            file,
-            role,
-            index,
-            local: self.placement.local_index(index),
-        }
     }
 
     // ---- metadata replication ----
@@ -456,8 +456,8 @@ impl Node {
                 let name = peer.name.clone();
                 let hb = hb.clone();
                 tokio::spawn(async move {
-                    if let Ok(PeerResp::HeartbeatAck(theirs)) =
-                        me.net.request(&name, &PeerReq::Heartbeat(hb), hb_timeout).await
+                    if let Ok((PeerResp::HeartbeatAck(theirs), _)) =
+                        me.net.request(&name, &PeerReq::Heartbeat(hb), &[], hb_timeout).await
                     {
                         me.heard(&name, theirs);
                     }
@@ -486,8 +486,8 @@ impl Node {
             let name = peer.name.clone();
             let hb = hb.clone();
             tasks.spawn(async move {
-                if let Ok(PeerResp::HeartbeatAck(theirs)) =
-                    me.net.request(&name, &PeerReq::Heartbeat(hb), timeout).await
+                if let Ok((PeerResp::HeartbeatAck(theirs), _)) =
+                    me.net.request(&name, &PeerReq::Heartbeat(hb), &[], timeout).await
                 {
                     me.heard(&name, theirs);
                 }
@@ -590,30 +590,38 @@ impl Node {
         Ok(())
     }
 
+    fn refs(&self, indices: &[u64]) -> Vec<PageRef> {
+        indices
+            .iter()
+            .map(|&index| PageRef {
+                index,
+                local: self.placement.local_index(index),
+            })
+            .collect()
+    }
+
     async fn write_pages(
         &self,
         file: FileId,
         role: Role,
         gen: u64,
         keep_gen: u64,
-        pages: Vec<crate::peer::PageData>,
+        indices: Vec<u64>,
+        data: bytes::Bytes,
     ) -> Result<(), OpError> {
-        self.check_holder(file, role, pages.iter().map(|p| p.index))?;
-        if let Some(p) = pages.iter().find(|p| p.data.len() != PAGE_SIZE) {
-            return Err(OpError::new(
-                ErrorKind::Invalid,
-                format!("page {} has {} bytes", p.index, p.data.len()),
-            ));
+        if data.len() != indices.len() * PAGE_SIZE {
+            let msg = format!(
+                "{} pages need {} bytes, got {}",
+                indices.len(),
+                indices.len() * PAGE_SIZE,
+                data.len()
+            );
+            return Err(OpError::new(ErrorKind::Invalid, msg));
         }
+        self.check_holder(file, role, indices.iter().copied())?;
         let store = self.store.clone();
-        let locs: Vec<PageLoc> = pages.iter().map(|p| self.loc(file, role, p.index)).collect();
-        blocking(move || {
-            for (loc, p) in locs.into_iter().zip(pages) {
-                store.write(loc, gen, keep_gen, &p.data)?;
-            }
-            Ok::<(), psls_pfs::StoreError>(())
-        })
-        .await??;
+        let refs = self.refs(&indices);
+        blocking(move || store.write_batch(file, role, gen, keep_gen, &refs, &data)).await??;
         Ok(())
     }
 
@@ -623,23 +631,20 @@ impl Node {
         role: Role,
         gen: u64,
         indices: Vec<u64>,
-    ) -> Result<Vec<PageRead>, OpError> {
+    ) -> Result<(Vec<PageState>, Vec<u8>), OpError> {
         if indices.len() > crate::peer::BATCH_PAGES * 4 {
             return Err(OpError::new(ErrorKind::Invalid, "too many pages in one read"));
         }
         self.check_holder(file, role, indices.iter().copied())?;
         let store = self.store.clone();
-        let locs: Vec<PageLoc> = indices.iter().map(|&i| self.loc(file, role, i)).collect();
+        let refs = self.refs(&indices);
         blocking(move || {
-            locs.into_iter()
-                .map(|loc| match store.read(loc, gen) {
-                    Ok(ReadOutcome::Ok(d)) => PageRead::Ok(d),
-                    Ok(ReadOutcome::Missing) => PageRead::Missing,
-                    Ok(ReadOutcome::Stale { found }) => PageRead::Stale(found),
-                    Ok(ReadOutcome::Corrupt) => PageRead::Corrupt,
-                    Err(e) => PageRead::Error(e.to_string()),
-                })
-                .collect()
+            let mut data = vec![0u8; refs.len() * PAGE_SIZE];
+            let states = match store.read_batch(file, role, gen, &refs, &mut data) {
+                Ok(st) => st.into_iter().map(page_state).collect(),
+                Err(e) => vec![PageState::Error(e.to_string()); refs.len()],
+            };
+            (states, data)
         })
         .await
     }
@@ -654,21 +659,28 @@ impl Node {
         blocking(move || {
             let mut checked = 0;
             let mut bad = Vec::new();
+            let mut buf = Vec::new();
             for (file, pages, gen) in files {
                 if gen == 0 {
                     continue;
                 }
                 for role in [Role::Primary, Role::Mirror] {
-                    for index in placement.held(me, file, pages, role) {
-                        checked += 1;
-                        let loc = PageLoc {
-                            file,
-                            role,
-                            index,
-                            local: placement.local_index(index),
-                        };
-                        if !matches!(store.read(loc, gen), Ok(ReadOutcome::Ok(_))) {
-                            bad.push(BadCopy { file, role, index });
+                    let held: Vec<u64> = placement.held(me, file, pages, role).collect();
+                    for chunk in held.chunks(crate::peer::BATCH_PAGES) {
+                        let refs: Vec<PageRef> = chunk
+                            .iter()
+                            .map(|&index| PageRef {
+                                index,
+                                local: placement.local_index(index),
+                            })
+                            .collect();
+                        buf.resize(refs.len() * PAGE_SIZE, 0);
+                        let states = store.read_batch(file, role, gen, &refs, &mut buf);
+                        checked += refs.len() as u64;
+                        for (k, &index) in chunk.iter().enumerate() {
+                            if !matches!(states.as_ref().map(|s| s[k]), Ok(ReadStatus::Ok)) {
+                                bad.push(BadCopy { file, role, index });
+                            }
                         }
                     }
                 }
@@ -679,14 +691,24 @@ impl Node {
     }
 }
 
+fn page_state(s: ReadStatus) -> PageState {
+    match s {
+        ReadStatus::Ok => PageState::Ok,
+        ReadStatus::Missing => PageState::Missing,
+        ReadStatus::Stale { found } => PageState::Stale(found),
+        ReadStatus::Corrupt => PageState::Corrupt,
+    }
+}
+
 impl Handler for Node {
-    fn handle(self: Arc<Self>, from: String, req: PeerReq) -> BoxFuture<PeerResp> {
-        Box::pin(self.handle_inner(from, req))
+    fn handle(self: Arc<Self>, from: String, req: PeerReq, payload: bytes::Bytes) -> BoxFuture<(PeerResp, Vec<u8>)> {
+        Box::pin(self.handle_inner(from, req, payload))
     }
 }
 
 impl Node {
-    async fn handle_inner(self: Arc<Self>, from: String, req: PeerReq) -> PeerResp {
+    async fn handle_inner(self: Arc<Self>, from: String, req: PeerReq, payload: bytes::Bytes) -> (PeerResp, Vec<u8>) {
+        let mut out_payload = Vec::new();
         let r: Result<PeerResp, OpError> = match req {
             PeerReq::Heartbeat(hb) => {
                 self.heard(&from, hb);
@@ -697,9 +719,9 @@ impl Node {
                 role,
                 gen,
                 keep_gen,
-                pages,
+                indices,
             } => self
-                .write_pages(file, role, gen, keep_gen, pages)
+                .write_pages(file, role, gen, keep_gen, indices, payload)
                 .await
                 .map(|()| PeerResp::Ok),
             PeerReq::Sync => {
@@ -718,7 +740,10 @@ impl Node {
                 role,
                 gen,
                 indices,
-            } => self.read_pages(file, role, gen, indices).await.map(PeerResp::Pages),
+            } => self.read_pages(file, role, gen, indices).await.map(|(states, data)| {
+                out_payload = data;
+                PeerResp::Pages(states)
+            }),
             PeerReq::RemoveFile { file } => {
                 let store = self.store.clone();
                 blocking(move || store.remove_file(file))
@@ -741,7 +766,10 @@ impl Node {
             PeerReq::MetaApply { seq, op } => Ok(self.apply_remote(from, seq, op).await),
             PeerReq::MetaFetch => Ok(PeerResp::Snapshot(self.meta_state().encode())),
         };
-        r.unwrap_or_else(peer_error)
+        match r {
+            Ok(resp) => (resp, out_payload),
+            Err(e) => (peer_error(e), Vec::new()),
+        }
     }
 }
 

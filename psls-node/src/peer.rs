@@ -23,20 +23,22 @@ pub struct Heartbeat {
     pub rebuild: Option<(u64, u64)>,
 }
 
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct PageData {
-    pub index: u64,
-    #[serde(with = "serde_bytes")]
-    pub data: Vec<u8>,
-}
-
+/// State of one page of a `ReadPages` answer; its bytes are in the payload at `i * 4096`
+/// (zeros unless `Ok`).
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
-pub enum PageRead {
-    Ok(#[serde(with = "serde_bytes")] Vec<u8>),
+pub enum PageState {
+    Ok,
     Missing,
     Stale(u64),
     Corrupt,
     Error(String),
+}
+
+impl PageState {
+    /// The copy was read and found bad (as opposed to: could not be read at all).
+    pub fn is_bad_copy(&self) -> bool {
+        matches!(self, PageState::Missing | PageState::Stale(_) | PageState::Corrupt)
+    }
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
@@ -49,12 +51,13 @@ pub struct BadCopy {
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub enum PeerReq {
     Heartbeat(Heartbeat),
+    /// Payload: the pages' bytes, page i at `i * 4096`.
     WritePages {
         file: FileId,
         role: Role,
         gen: u64,
         keep_gen: u64,
-        pages: Vec<PageData>,
+        indices: Vec<u64>,
     },
     Sync,
     ReadPages {
@@ -84,17 +87,56 @@ pub enum PeerReq {
 pub enum PeerResp {
     Ok,
     HeartbeatAck(Heartbeat),
-    Pages(Vec<PageRead>),
-    Scrub { checked: u64, bad: Vec<BadCopy> },
+    /// Payload: the pages' bytes, page i at `i * 4096`.
+    Pages(Vec<PageState>),
+    Scrub {
+        checked: u64,
+        bad: Vec<BadCopy>,
+    },
     Snapshot(Vec<u8>),
     NotCoordinator,
-    Error { kind: psls_ipc::ErrorKind, message: String },
+    Error {
+        kind: psls_ipc::ErrorKind,
+        message: String,
+    },
 }
 
-pub fn encode<T: Serialize>(m: &T) -> Vec<u8> {
-    postcard::to_stdvec(m).expect("peer message serializes")
+/// Encodes a message header: `[header length u32 LE][postcard]`; the raw payload follows it
+/// on the stream.
+pub fn encode_header<T: Serialize>(m: &T) -> Vec<u8> {
+    let header = postcard::to_stdvec(m).expect("peer message serializes");
+    let mut out = Vec::with_capacity(4 + header.len());
+    out.extend_from_slice(&(header.len() as u32).to_le_bytes());
+    out.extend_from_slice(&header);
+    out
 }
 
-pub fn decode<T: for<'de> Deserialize<'de>>(b: &[u8]) -> Result<T, String> {
-    postcard::from_bytes(b).map_err(|e| e.to_string())
+/// Splits a received body into its decoded header and its payload (no copy of the payload).
+pub fn decode<T: for<'de> Deserialize<'de>>(body: Vec<u8>) -> Result<(T, bytes::Bytes), String> {
+    if body.len() < 4 {
+        return Err("message shorter than its length prefix".into());
+    }
+    let hlen = u32::from_le_bytes([body[0], body[1], body[2], body[3]]) as usize;
+    if hlen > body.len() - 4 {
+        return Err(format!("header length {hlen} exceeds the message"));
+    }
+    let msg = postcard::from_bytes(&body[4..4 + hlen]).map_err(|e| e.to_string())?;
+    Ok((msg, bytes::Bytes::from(body).slice(4 + hlen..)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn header_and_payload_roundtrip_and_garbage_is_an_error() {
+        let mut b = encode_header(&PeerReq::Sync);
+        b.extend_from_slice(b"abc");
+        let (m, p): (PeerReq, bytes::Bytes) = decode(b).unwrap();
+        assert!(matches!(m, PeerReq::Sync));
+        assert_eq!(p, b"abc");
+        assert!(decode::<PeerReq>(vec![1, 2]).is_err());
+        assert!(decode::<PeerReq>(vec![200, 0, 0, 0, 1]).is_err());
+        assert!(decode::<PeerReq>(vec![3, 0, 0, 0, 0xff, 0xff, 0xff]).is_err());
+    }
 }

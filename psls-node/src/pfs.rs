@@ -11,7 +11,7 @@
 //! the mirror, and the primary is then repaired in place from the good copy.
 
 use crate::node::{blocking, Node, OpError};
-use crate::peer::{PageData, PageRead, PeerReq, PeerResp, BATCH_PAGES};
+use crate::peer::{PageState, PeerReq, PeerResp, BATCH_PAGES};
 use psls_ipc::proto::{FileInfo, ScrubReport, Stripe};
 use psls_ipc::ErrorKind;
 use psls_pfs::meta::{validate_name, FileMeta, MetaOp, MetaState};
@@ -25,8 +25,10 @@ use std::sync::Arc;
 const COPY_BYTES: u64 = PAGE_SIZE as u64 + psls_pfs::slot::HEADER_LEN as u64;
 /// Write batches in flight per import.
 const MAX_INFLIGHT: usize = 16;
+/// Pages per export chunk (4 MiB: one 1 MiB read from each of 4 nodes).
+const EXPORT_CHUNK_PAGES: usize = 4 * BATCH_PAGES;
 /// Export chunks read ahead.
-const READ_AHEAD: usize = 4;
+const READ_AHEAD: usize = 8;
 
 /// Who is asking (from SO_PEERCRED).
 #[derive(Clone, Copy, Debug)]
@@ -197,6 +199,50 @@ pub async fn create(node: &Arc<Node>, caller: Caller, name: &str, size: u64, mod
     Ok(info(&meta))
 }
 
+/// Pages of one file with their bytes side by side: page `indices[i]` at `data[i * 4096..]`.
+#[derive(Default)]
+struct Batch {
+    indices: Vec<u64>,
+    data: Vec<u8>,
+}
+
+impl Batch {
+    fn push(&mut self, index: u64, page: &[u8]) {
+        if self.data.capacity() == 0 {
+            self.data.reserve_exact(BATCH_PAGES * PAGE_SIZE);
+        }
+        self.indices.push(index);
+        self.data.extend_from_slice(page);
+    }
+}
+
+/// Writes `batch` as generation `gen` (sparing `keep_gen`) to `role` copies on logical `l`.
+async fn write_to(
+    node: &Arc<Node>,
+    l: NodeId,
+    file: FileId,
+    role: Role,
+    gen: u64,
+    keep_gen: u64,
+    batch: Batch,
+) -> Result<(), OpError> {
+    let phys = node.physical_of(&node.meta_state(), l);
+    let req = PeerReq::WritePages {
+        file,
+        role,
+        gen,
+        keep_gen,
+        indices: batch.indices,
+    };
+    match node.call_data_ok(&phys, req, batch.data).await? {
+        (PeerResp::Ok, _) => Ok(()),
+        (other, _) => Err(OpError::new(
+            ErrorKind::Internal,
+            format!("{phys}: unexpected answer {other:?}"),
+        )),
+    }
+}
+
 /// An import in progress.
 pub struct Importer {
     node: Arc<Node>,
@@ -204,7 +250,7 @@ pub struct Importer {
     replaces: Option<FileId>,
     received: u64,
     partial: Vec<u8>,
-    batches: BTreeMap<(u32, Role), Vec<PageData>>,
+    batches: BTreeMap<(u32, Role), Batch>,
     inflight: tokio::task::JoinSet<Result<(), OpError>>,
 }
 
@@ -224,17 +270,18 @@ impl Importer {
         let id = new_file_id(&st);
         check_space(node, &st, id, size)?;
         tracing::info!(node = %node.name(), file = %id, name, size, "import started");
+        let (uid, gid, created_unix_ms) = (caller.uid, caller.gid, now_ms());
         Ok(Importer {
             node: node.clone(),
             meta: FileMeta {
                 id,
                 name: name.into(),
                 size,
-                uid: caller.uid,
-                gid: caller.gid,
+                uid,
+                gid,
                 mode,
                 gen: 1,
-                created_unix_ms: now_ms(),
+                created_unix_ms,
             },
             replaces,
             received: 0,
@@ -256,50 +303,26 @@ impl Importer {
     }
 
     fn flush_batch(&mut self, key: (u32, Role)) {
-        let Some(pages) = self.batches.remove(&key) else {
+        let Some(batch) = self.batches.remove(&key) else {
             return;
         };
-        if pages.is_empty() {
+        if batch.indices.is_empty() {
             return;
         }
         let node = self.node.clone();
-        let file = self.meta.id;
-        let gen = self.meta.gen;
-        self.inflight.spawn(async move {
-            let st = node.meta_state();
-            let phys = node.physical_of(&st, NodeId(key.0));
-            match node
-                .call_ok(
-                    &phys,
-                    PeerReq::WritePages {
-                        file,
-                        role: key.1,
-                        gen,
-                        keep_gen: 0,
-                        pages,
-                    },
-                )
-                .await?
-            {
-                PeerResp::Ok => Ok(()),
-                other => Err(OpError::new(
-                    ErrorKind::Internal,
-                    format!("{phys}: unexpected answer {other:?}"),
-                )),
-            }
-        });
+        let (file, gen) = (self.meta.id, self.meta.gen);
+        self.inflight
+            .spawn(async move { write_to(&node, NodeId(key.0), file, key.1, gen, 0, batch).await });
     }
 
-    fn push_page(&mut self, index: u64, data: Vec<u8>) {
+    /// Queues page `index` for its home and its mirror.
+    fn push_page(&mut self, index: u64, page: &[u8]) {
         let p = self.node.placement;
         for role in [Role::Primary, Role::Mirror] {
             let key = (p.holder(self.meta.id, index, role).0, role);
             let batch = self.batches.entry(key).or_default();
-            batch.push(PageData {
-                index,
-                data: data.clone(),
-            });
-            if batch.len() >= BATCH_PAGES {
+            batch.push(index, page);
+            if batch.indices.len() >= BATCH_PAGES {
                 self.flush_batch(key);
             }
         }
@@ -308,21 +331,27 @@ impl Importer {
     /// Takes the next piece of the file's bytes.
     pub async fn data(&mut self, bytes: &[u8]) -> Result<(), OpError> {
         if self.received + bytes.len() as u64 > self.meta.size {
-            return Err(OpError::new(
-                ErrorKind::Invalid,
-                format!("import sent more than the announced {} bytes", self.meta.size),
-            ));
+            let msg = format!("import sent more than the announced {} bytes", self.meta.size);
+            return Err(OpError::new(ErrorKind::Invalid, msg));
         }
         let mut rest = bytes;
         while !rest.is_empty() {
+            if self.partial.is_empty() && rest.len() >= PAGE_SIZE {
+                // Whole pages straight from the client's buffer.
+                let index = self.received / PAGE_SIZE as u64;
+                self.push_page(index, &rest[..PAGE_SIZE]);
+                rest = &rest[PAGE_SIZE..];
+                self.received += PAGE_SIZE as u64;
+                continue;
+            }
             let take = (PAGE_SIZE - self.partial.len()).min(rest.len());
             self.partial.extend_from_slice(&rest[..take]);
             rest = &rest[take..];
             self.received += take as u64;
             if self.partial.len() == PAGE_SIZE {
                 let index = (self.received - 1) / PAGE_SIZE as u64;
-                let page = std::mem::replace(&mut self.partial, Vec::with_capacity(PAGE_SIZE));
-                self.push_page(index, page);
+                let page = std::mem::take(&mut self.partial);
+                self.push_page(index, &page);
             }
         }
         self.reap(MAX_INFLIGHT).await
@@ -348,7 +377,7 @@ impl Importer {
             let index = self.received / PAGE_SIZE as u64;
             let mut page = std::mem::take(&mut self.partial);
             page.resize(PAGE_SIZE, 0);
-            self.push_page(index, page);
+            self.push_page(index, &page);
         }
         let keys: Vec<(u32, Role)> = self.batches.keys().copied().collect();
         for k in keys {
@@ -446,6 +475,37 @@ pub fn list(node: &Node) -> Vec<FileInfo> {
     node.meta_state().files.values().map(info).collect()
 }
 
+/// What a read of several pages from one node returned: a state per page and, for the `Ok`
+/// ones, the bytes at `i * 4096`.
+struct PagesRead {
+    states: Vec<PageState>,
+    data: bytes::Bytes,
+}
+
+impl PagesRead {
+    fn failed(n: usize, why: String) -> PagesRead {
+        PagesRead {
+            states: vec![PageState::Error(why); n],
+            data: bytes::Bytes::new(),
+        }
+    }
+    fn page(&self, i: usize) -> &[u8] {
+        &self.data[i * PAGE_SIZE..][..PAGE_SIZE]
+    }
+    /// The `Ok` pages among `indices` as a batch, and the others with their states.
+    fn split(self, indices: &[u64]) -> (Batch, Vec<(u64, PageState)>) {
+        let mut ok = Batch::default();
+        let mut bad = Vec::new();
+        for (k, &i) in indices.iter().enumerate() {
+            match &self.states[k] {
+                PageState::Ok => ok.push(i, self.page(k)),
+                other => bad.push((i, other.clone())),
+            }
+        }
+        (ok, bad)
+    }
+}
+
 /// Reads pages `indices` of `role` copies from logical node `l`, waiting at most `timeout`.
 async fn read_from_within(
     node: &Arc<Node>,
@@ -455,31 +515,25 @@ async fn read_from_within(
     l: NodeId,
     indices: Vec<u64>,
     timeout: std::time::Duration,
-) -> Vec<PageRead> {
+) -> PagesRead {
     let n = indices.len();
     if !node.can_serve(st, l) {
-        return vec![PageRead::Error(format!("{l} is not available")); n];
+        return PagesRead::failed(n, format!("{l} is not available"));
     }
     let phys = node.physical_of(st, l);
-    match node
-        .call_within(
-            &phys,
-            PeerReq::ReadPages {
-                file: f.id,
-                role,
-                gen: f.gen,
-                indices,
-            },
-            timeout,
-        )
-        .await
-    {
-        Ok(PeerResp::Pages(p)) if p.len() == n => p,
-        Ok(PeerResp::Error { message, .. }) => {
-            vec![PageRead::Error(format!("{phys}: {message}")); n]
+    let req = PeerReq::ReadPages {
+        file: f.id,
+        role,
+        gen: f.gen,
+        indices,
+    };
+    match node.call_data(&phys, req, Vec::new(), timeout).await {
+        Ok((PeerResp::Pages(states), data)) if states.len() == n && data.len() == n * PAGE_SIZE => {
+            PagesRead { states, data }
         }
-        Ok(other) => vec![PageRead::Error(format!("{phys}: unexpected answer {other:?}")); n],
-        Err(e) => vec![PageRead::Error(e.to_string()); n],
+        Ok((PeerResp::Error { message, .. }, _)) => PagesRead::failed(n, format!("{phys}: {message}")),
+        Ok((other, _)) => PagesRead::failed(n, format!("{phys}: unexpected answer {other:?}")),
+        Err(e) => PagesRead::failed(n, e.to_string()),
     }
 }
 
@@ -491,7 +545,7 @@ async fn read_from(
     role: Role,
     l: NodeId,
     indices: Vec<u64>,
-) -> Vec<PageRead> {
+) -> PagesRead {
     read_from_within(node, st, f, role, l, indices, node.request_timeout).await
 }
 
@@ -511,11 +565,13 @@ async fn read_chunk(node: Arc<Node>, f: FileMeta, first: u64, count: u64) -> Res
     }
     let st = node.meta_state();
     let p = node.placement;
-    // (page, why the primary failed, whether the primary answered with a bad copy)
-    let mut failed: Vec<(u64, String, bool)> = Vec::new();
-    let homes = group_by(first..first + count, |i| p.home(f.id, i));
+    let place = |out: &mut Vec<u8>, i: u64, page: &[u8]| {
+        out[((i - first) as usize) * PAGE_SIZE..][..PAGE_SIZE].copy_from_slice(page);
+    };
+    // Page → (why the primary failed, whether it answered with a bad copy).
+    let mut failed: BTreeMap<u64, (String, bool)> = BTreeMap::new();
     let mut reads = tokio::task::JoinSet::new();
-    for (l, idx) in homes {
+    for (l, idx) in group_by(first..first + count, |i| p.home(f.id, i)) {
         let (node, st, f) = (node.clone(), st.clone(), f.clone());
         reads.spawn(async move {
             // Wait briefly for a primary only when its mirror can take over.
@@ -530,98 +586,75 @@ async fn read_chunk(node: Arc<Node>, f: FileMeta, first: u64, count: u64) -> Res
         });
     }
     while let Some(r) = reads.join_next().await {
-        let (idx, pages) = r.map_err(|e| OpError::new(ErrorKind::Internal, e.to_string()))?;
-        for (i, pr) in idx.into_iter().zip(pages) {
-            match pr {
-                PageRead::Ok(d) => out[((i - first) as usize) * PAGE_SIZE..][..PAGE_SIZE].copy_from_slice(&d),
-                PageRead::Error(e) => failed.push((i, e, false)),
-                other => failed.push((i, format!("{other:?}"), true)),
+        let (idx, got) = r.map_err(|e| OpError::new(ErrorKind::Internal, e.to_string()))?;
+        for (k, &i) in idx.iter().enumerate() {
+            match &got.states[k] {
+                PageState::Ok => place(&mut out, i, got.page(k)),
+                other => {
+                    failed.insert(i, (format!("{other:?}"), other.is_bad_copy()));
+                }
             }
         }
     }
     if failed.is_empty() {
         return Ok(out);
     }
-    let reasons: BTreeMap<u64, (String, bool)> = failed.iter().map(|(i, r, bad)| (*i, (r.clone(), *bad))).collect();
-    let mirrors = group_by(failed.iter().map(|(i, _, _)| *i), |i| p.mirror(f.id, i));
     let mut unreadable: Vec<(u64, String)> = Vec::new();
-    for (l, idx) in mirrors {
-        let pages = read_from(&node, &st, &f, Role::Mirror, l, idx.clone()).await;
-        let mut repairs: BTreeMap<NodeId, Vec<PageData>> = BTreeMap::new();
-        for (i, pr) in idx.into_iter().zip(pages) {
-            match pr {
-                PageRead::Ok(d) => {
-                    let home = p.home(f.id, i);
-                    let (why, bad_copy) = &reasons[&i];
-                    tracing::debug!(node = %node.name(), page = %format!("{}:{i}", f.id), primary = %why, "served from mirror");
-                    if *bad_copy && node.can_serve(&st, home) {
-                        repairs.entry(home).or_default().push(PageData {
-                            index: i,
-                            data: d.clone(),
-                        });
-                    }
-                    out[((i - first) as usize) * PAGE_SIZE..][..PAGE_SIZE].copy_from_slice(&d);
-                }
-                other => unreadable.push((i, format!("{other:?}"))),
+    for (l, idx) in group_by(failed.keys().copied(), |i| p.mirror(f.id, i)) {
+        let got = read_from(&node, &st, &f, Role::Mirror, l, idx.clone()).await;
+        let mut repairs: BTreeMap<NodeId, Batch> = BTreeMap::new();
+        for (k, &i) in idx.iter().enumerate() {
+            if got.states[k] != PageState::Ok {
+                unreadable.push((i, format!("{:?}", got.states[k])));
+                continue;
+            }
+            place(&mut out, i, got.page(k));
+            let home = p.home(f.id, i);
+            let (why, bad_copy) = &failed[&i];
+            tracing::debug!(node = %node.name(), page = %format!("{}:{i}", f.id), primary = %why, "served from mirror");
+            if *bad_copy && node.can_serve(&st, home) {
+                repairs.entry(home).or_default().push(i, got.page(k));
             }
         }
-        for (home, pages) in repairs {
-            let (node, st) = (node.clone(), st.clone());
+        for (home, batch) in repairs {
+            let node = node.clone();
             let (file, gen) = (f.id, f.gen);
             tokio::spawn(async move {
-                let phys = node.physical_of(&st, home);
-                let n = pages.len();
+                let n = batch.indices.len();
                 let r = async {
-                    node.call_ok(
-                        &phys,
-                        PeerReq::WritePages {
-                            file,
-                            role: Role::Primary,
-                            gen,
-                            keep_gen: gen,
-                            pages,
-                        },
-                    )
-                    .await?;
+                    write_to(&node, home, file, Role::Primary, gen, gen, batch).await?;
+                    let phys = node.physical_of(&node.meta_state(), home);
                     node.call_ok(&phys, PeerReq::Sync).await
                 }
                 .await;
                 match r {
-                    Ok(_) => {
-                        tracing::info!(node = %phys, %file, pages = n, "primary copies repaired from mirror")
-                    }
-                    Err(e) => {
-                        tracing::warn!(node = %phys, %file, error = %e, "primary repair failed")
-                    }
+                    Ok(_) => tracing::info!(node = %home, %file, pages = n, "primary copies repaired from mirror"),
+                    Err(e) => tracing::warn!(node = %home, %file, error = %e, "primary repair failed"),
                 }
             });
         }
     }
     // A primary that only timed out may have been slow, not dead: one more try with the full
     // request timeout, batched per home node.
-    let retry = group_by(unreadable.iter().filter(|(i, _)| !reasons[i].1).map(|(i, _)| *i), |i| {
+    let retry = group_by(unreadable.iter().filter(|(i, _)| !failed[i].1).map(|(i, _)| *i), |i| {
         p.home(f.id, i)
     });
     let mut recovered = std::collections::BTreeSet::new();
     for (home, idx) in retry {
-        for (i, pr) in idx
-            .iter()
-            .zip(read_from(&node, &st, &f, Role::Primary, home, idx.clone()).await)
-        {
-            if let PageRead::Ok(d) = pr {
-                out[((i - first) as usize) * PAGE_SIZE..][..PAGE_SIZE].copy_from_slice(&d);
-                recovered.insert(*i);
+        let got = read_from(&node, &st, &f, Role::Primary, home, idx.clone()).await;
+        for (k, &i) in idx.iter().enumerate() {
+            if got.states[k] == PageState::Ok {
+                place(&mut out, i, got.page(k));
+                recovered.insert(i);
             }
         }
     }
     if let Some((i, mirror_err)) = unreadable.iter().find(|(i, _)| !recovered.contains(i)) {
-        return Err(OpError::new(
-            ErrorKind::Io,
-            format!(
-                "page {i} of '{}' is unreadable: primary {}, mirror {mirror_err}",
-                f.name, reasons[i].0
-            ),
-        ));
+        let msg = format!(
+            "page {i} of '{}' is unreadable: primary {}, mirror {mirror_err}",
+            f.name, failed[i].0
+        );
+        return Err(OpError::new(ErrorKind::Io, msg));
     }
     Ok(out)
 }
@@ -645,7 +678,7 @@ pub fn export_stream(node: &Arc<Node>, caller: Caller, name: &str) -> Result<(Fi
         let mut sent = 0u64;
         loop {
             while pending.len() < READ_AHEAD && next < pages {
-                let count = (BATCH_PAGES as u64).min(pages - next);
+                let count = (EXPORT_CHUNK_PAGES as u64).min(pages - next);
                 pending.push_back(tokio::spawn(read_chunk(node.clone(), f.clone(), next, count)));
                 next += count;
             }
@@ -718,7 +751,8 @@ pub async fn scrub(node: &Arc<Node>) -> Result<ScrubReport, OpError> {
     Ok(report)
 }
 
-/// Copies pages from `src`'s `src_role` copies into `dst`'s other-role copies.
+/// Copies pages from `src`'s `src_role` copies into `dst`'s other-role copies; returns
+/// (copied, failed).
 async fn copy_pages(
     node: &Arc<Node>,
     st: &MetaState,
@@ -728,40 +762,19 @@ async fn copy_pages(
     dst: NodeId,
     idx: Vec<u64>,
 ) -> (u64, u64) {
-    let reads = read_from(node, st, f, src_role, src, idx.clone()).await;
-    let mut pages = Vec::new();
-    let mut failed = 0;
-    for (i, r) in idx.into_iter().zip(reads) {
-        match r {
-            PageRead::Ok(data) => pages.push(PageData { index: i, data }),
-            other => {
-                tracing::error!(file = %f.id, page = i, ?other, "both copies bad: cannot repair");
-                failed += 1;
-            }
-        }
+    let (ok, bad) = read_from(node, st, f, src_role, src, idx.clone()).await.split(&idx);
+    for (i, state) in &bad {
+        tracing::error!(file = %f.id, page = i, ?state, "both copies bad: cannot repair");
     }
-    let n = pages.len() as u64;
+    let n = ok.indices.len() as u64;
     if n == 0 {
-        return (0, failed);
+        return (0, bad.len() as u64);
     }
-    let phys = node.physical_of(st, dst);
-    match node
-        .call_ok(
-            &phys,
-            PeerReq::WritePages {
-                file: f.id,
-                role: src_role.other(),
-                gen: f.gen,
-                keep_gen: f.gen,
-                pages,
-            },
-        )
-        .await
-    {
-        Ok(_) => (n, failed),
+    match write_to(node, dst, f.id, src_role.other(), f.gen, f.gen, ok).await {
+        Ok(()) => (n, bad.len() as u64),
         Err(e) => {
-            tracing::error!(node = %phys, error = %e, "repair write failed");
-            (0, failed + n)
+            tracing::error!(node = %dst, error = %e, "repair write failed");
+            (0, bad.len() as u64 + n)
         }
     }
 }
@@ -835,42 +848,15 @@ pub async fn rebuild(node: &Arc<Node>, l: NodeId) -> Result<(), OpError> {
             let held: Vec<u64> = p.held(l, f.id, f.pages(), role).collect();
             for chunk in held.chunks(BATCH_PAGES) {
                 let src = p.holder(f.id, chunk[0], src_role);
-                let reads = read_from(node, &st, f, src_role, src, chunk.to_vec()).await;
-                let mut pages = Vec::with_capacity(chunk.len());
-                for (&i, r) in chunk.iter().zip(reads) {
-                    match r {
-                        PageRead::Ok(data) => pages.push(PageData { index: i, data }),
-                        other => {
-                            return Err(OpError::new(
-                                ErrorKind::Unavailable,
-                                format!("cannot copy page {}:{i} from {src}: {other:?}", f.id),
-                            ))
-                        }
-                    }
+                let (ok, bad) = read_from(node, &st, f, src_role, src, chunk.to_vec())
+                    .await
+                    .split(chunk);
+                if let Some((i, state)) = bad.first() {
+                    let msg = format!("cannot copy page {}:{i} from {src}: {state:?}", f.id);
+                    return Err(OpError::new(ErrorKind::Unavailable, msg));
                 }
-                let n = pages.len() as u64;
-                match node
-                    .clone()
-                    .call_ok(
-                        node.name(),
-                        PeerReq::WritePages {
-                            file: f.id,
-                            role,
-                            gen: f.gen,
-                            keep_gen: f.gen,
-                            pages,
-                        },
-                    )
-                    .await?
-                {
-                    PeerResp::Ok => {}
-                    other => {
-                        return Err(OpError::new(
-                            ErrorKind::Internal,
-                            format!("unexpected answer {other:?}"),
-                        ))
-                    }
-                }
+                let n = ok.indices.len() as u64;
+                write_to(node, l, f.id, role, f.gen, f.gen, ok).await?;
                 node.rebuild_done.fetch_add(n, Ordering::Relaxed);
             }
         }

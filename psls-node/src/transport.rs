@@ -89,9 +89,15 @@ impl Transport {
         Ok(conn)
     }
 
-    /// Sends `req` to `peer` and waits at most `timeout` for its response.
-    pub async fn request(&self, peer: &str, req: &PeerReq, timeout: Duration) -> Result<PeerResp, NetError> {
-        let body = peer::encode(req);
+    /// Sends `req` with `payload` to `peer`; waits at most `timeout` for its response.
+    pub async fn request(
+        &self,
+        peer: &str,
+        req: &PeerReq,
+        payload: &[u8],
+        timeout: Duration,
+    ) -> Result<(PeerResp, bytes::Bytes), NetError> {
+        let header = peer::encode_header(req);
         let fut = async {
             let conn = self.connection(peer).await?;
             let broken = |e: &dyn std::fmt::Display| NetError::Unreachable {
@@ -99,10 +105,11 @@ impl Transport {
                 message: e.to_string(),
             };
             let (mut send, mut recv) = conn.open_bi().await.map_err(|e| broken(&e))?;
-            send.write_all(&body).await.map_err(|e| broken(&e))?;
+            send.write_all(&header).await.map_err(|e| broken(&e))?;
+            send.write_all(payload).await.map_err(|e| broken(&e))?;
             send.finish().map_err(|e| broken(&e))?;
             let resp = recv.read_to_end(MAX_PEER_MSG).await.map_err(|e| broken(&e))?;
-            peer::decode::<PeerResp>(&resp).map_err(|message| NetError::BadResponse {
+            peer::decode::<PeerResp>(resp).map_err(|message| NetError::BadResponse {
                 peer: peer.into(),
                 message,
             })
@@ -131,7 +138,7 @@ impl Transport {
 
 /// What serves incoming requests.
 pub trait Handler: Send + Sync + 'static {
-    fn handle(self: Arc<Self>, from: String, req: PeerReq) -> BoxFuture<PeerResp>;
+    fn handle(self: Arc<Self>, from: String, req: PeerReq, payload: bytes::Bytes) -> BoxFuture<(PeerResp, Vec<u8>)>;
 }
 
 /// A boxed, sendable future (boxing breaks the type cycle of a node calling itself).
@@ -172,17 +179,23 @@ pub async fn serve<H: Handler>(endpoint: quinn::Endpoint, handler: Arc<H>, known
                             return;
                         }
                     };
-                    let resp = match peer::decode::<PeerReq>(&body) {
-                        Ok(req) => handler.handle(name.clone(), req).await,
+                    let (resp, payload) = match peer::decode::<PeerReq>(body) {
+                        Ok((req, payload)) => handler.handle(name.clone(), req, payload).await,
                         Err(e) => {
                             tracing::warn!(peer = %name, error = %e, "malformed peer message");
-                            PeerResp::Error {
-                                kind: psls_ipc::ErrorKind::Invalid,
-                                message: format!("malformed message: {e}"),
-                            }
+                            let kind = psls_ipc::ErrorKind::Invalid;
+                            (
+                                PeerResp::Error {
+                                    kind,
+                                    message: format!("malformed message: {e}"),
+                                },
+                                Vec::new(),
+                            )
                         }
                     };
-                    let _ = send.write_all(&peer::encode(&resp)).await;
+                    if send.write_all(&peer::encode_header(&resp)).await.is_ok() {
+                        let _ = send.write_all(&payload).await;
+                    }
                     let _ = send.finish();
                 });
             }

@@ -25,4 +25,4 @@ pub use disk::{Disk, DiskFile, FileDisk};
 pub use error::{MetaError, StoreError};
 pub use fault::FaultDisk;
 pub use placement::{Placement, Role};
-pub use store::{PageStore, ReadOutcome};
+pub use store::{PageRef, PageStore, ReadOutcome, ReadStatus};

@@ -1,5 +1,10 @@
-//! The page store of one node: for every (file, role) it holds, a data file with two 4 KB
-//! slots per page and a header file with two 64-byte headers per page.
+//! The page store of one node. For every (file, role) it holds, three files:
+//! - `f<id>.<p|m>.hdr`: 128 bytes per local page — the headers of slot 0 and slot 1;
+//! - `f<id>.<p|m>.d0` and `.d1`: 4 KB per local page — the data of slot 0, resp. slot 1.
+//!
+//! Each slot file is dense by local index, so a batch of consecutive pages written to the same
+//! slot is one contiguous write (and one extent on disk), and reading both headers of a run of
+//! pages is one read.
 //!
 //! A page version is identified by its generation. The committed generation of each page is
 //! known to the caller (from the namespace metadata); a new version is written to the *shadow*
@@ -9,7 +14,8 @@
 //! Invariants:
 //! - a read returns data only if the slot's header names this file, page and the expected
 //!   generation and the crc32 over header and data matches (checked right after the read);
-//! - a write never overwrites the slot holding `keep_gen` (the committed version);
+//! - a write never overwrites the slot holding `keep_gen` (the committed version), and its
+//!   header is encoded from the very bytes written;
 //! - after a failed fsync the store is poisoned and refuses every further operation.
 
 use crate::disk::{Disk, DiskFile};
@@ -21,6 +27,8 @@ use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
+const PAIR_LEN: usize = 2 * HEADER_LEN;
+
 /// Where a page lives in this node's store.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct PageLoc {
@@ -29,6 +37,13 @@ pub struct PageLoc {
     /// Page index in the file.
     pub index: u64,
     /// Position in this node's dense array for (file, role), from [`crate::Placement::local_index`].
+    pub local: u64,
+}
+
+/// One page of a batch: its index in the file and its local position.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PageRef {
+    pub index: u64,
     pub local: u64,
 }
 
@@ -46,12 +61,19 @@ pub enum ReadOutcome {
     Corrupt,
 }
 
+/// Status of one page of a batch read (its data is in the caller's buffer when `Ok`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum ReadStatus {
+    Ok,
+    Missing,
+    Stale { found: u64 },
+    Corrupt,
+}
+
 impl std::fmt::Debug for ReadOutcome {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            ReadOutcome::Ok(d) => {
-                write!(f, "Ok({} bytes, crc32 {:08x})", d.len(), crc32fast::hash(d))
-            }
+            ReadOutcome::Ok(d) => write!(f, "Ok({} bytes, crc32 {:08x})", d.len(), crc32fast::hash(d)),
             ReadOutcome::Missing => write!(f, "Missing"),
             ReadOutcome::Stale { found } => write!(f, "Stale {{ found: {found} }}"),
             ReadOutcome::Corrupt => write!(f, "Corrupt"),
@@ -60,34 +82,35 @@ impl std::fmt::Debug for ReadOutcome {
 }
 
 #[derive(Debug)]
-struct Pair {
-    dat: Arc<dyn DiskFile>,
+struct SlotFiles {
     hdr: Arc<dyn DiskFile>,
+    data: [Arc<dyn DiskFile>; 2],
+    /// Serializes read-modify-write of headers of this (file, role).
+    lock: Mutex<()>,
 }
-
-const LOCK_STRIPES: usize = 64;
 
 /// See the module documentation.
 #[derive(Debug)]
 pub struct PageStore {
     disk: Arc<dyn Disk>,
-    open: Mutex<HashMap<(FileId, Role), Arc<Pair>>>,
+    open: Mutex<HashMap<(FileId, Role), Arc<SlotFiles>>>,
     dirty: Mutex<HashSet<(FileId, Role)>>,
     dir_dirty: AtomicBool,
     poisoned: AtomicBool,
-    stripes: Vec<Mutex<()>>,
 }
 
-fn names(file: FileId, role: Role) -> (String, String) {
-    (
-        format!("f{}.{}.dat", file, role.tag()),
-        format!("f{}.{}.hdr", file, role.tag()),
-    )
+fn names(file: FileId, role: Role) -> [String; 3] {
+    let r = role.tag();
+    [
+        format!("f{file}.{r}.hdr"),
+        format!("f{file}.{r}.d0"),
+        format!("f{file}.{r}.d1"),
+    ]
 }
 
-/// Parses a store file name back into (file, role).
+/// Parses a header file name back into (file, role).
 fn parse_name(name: &str) -> Option<(FileId, Role)> {
-    let rest = name.strip_prefix('f')?.strip_suffix(".dat")?;
+    let rest = name.strip_prefix('f')?.strip_suffix(".hdr")?;
     let (id, tag) = rest.split_once('.')?;
     let role = match tag {
         "p" => Role::Primary,
@@ -95,6 +118,32 @@ fn parse_name(name: &str) -> Option<(FileId, Role)> {
         _ => return None,
     };
     Some((FileId(u64::from_str_radix(id, 16).ok()?), role))
+}
+
+/// Splits `pages` into runs of consecutive local indices: (start, len).
+fn runs(pages: &[PageRef]) -> Vec<(usize, usize)> {
+    let mut out = Vec::new();
+    let mut start = 0;
+    for i in 1..=pages.len() {
+        if i == pages.len() || pages[i].local != pages[i - 1].local + 1 {
+            out.push((start, i - start));
+            start = i;
+        }
+    }
+    out
+}
+
+fn header_at(buf: &[u8], j: usize, slot: usize) -> &[u8; HEADER_LEN] {
+    buf[j * PAIR_LEN + slot * HEADER_LEN..][..HEADER_LEN]
+        .try_into()
+        .expect("64 bytes")
+}
+
+fn gen_of(s: HeaderState) -> Option<u64> {
+    match s {
+        HeaderState::Written { gen, .. } => Some(gen),
+        _ => None,
+    }
 }
 
 impl PageStore {
@@ -105,7 +154,6 @@ impl PageStore {
             dirty: Mutex::new(HashSet::new()),
             dir_dirty: AtomicBool::new(false),
             poisoned: AtomicBool::new(false),
-            stripes: (0..LOCK_STRIPES).map(|_| Mutex::new(())).collect(),
         }
     }
 
@@ -120,143 +168,209 @@ impl PageStore {
         Ok(())
     }
 
-    fn pair(&self, file: FileId, role: Role, create: bool) -> Result<Option<Arc<Pair>>, StoreError> {
+    fn slot_files(&self, file: FileId, role: Role, create: bool) -> Result<Option<Arc<SlotFiles>>, StoreError> {
         let mut open = self.open.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(p) = open.get(&(file, role)) {
             return Ok(Some(p.clone()));
         }
-        let (dn, hn) = names(file, role);
+        let [hn, d0, d1] = names(file, role);
         let exists = self
             .disk
             .list()
             .map_err(|e| StoreError::io("list store", e))?
-            .contains(&dn);
+            .contains(&hn);
         if !exists && !create {
             return Ok(None);
         }
-        let dat = self.disk.open(&dn, true).map_err(|e| StoreError::io(&dn, e))?;
-        let hdr = self.disk.open(&hn, true).map_err(|e| StoreError::io(&hn, e))?;
+        let open_one = |n: &str| self.disk.open(n, true).map_err(|e| StoreError::io(n, e));
+        // Data files first: a header file exists only with its data files.
+        let data = [open_one(&d0)?, open_one(&d1)?];
+        let hdr = open_one(&hn)?;
         if !exists {
             self.dir_dirty.store(true, Ordering::SeqCst);
         }
-        let p = Arc::new(Pair { dat, hdr });
+        let p = Arc::new(SlotFiles {
+            hdr,
+            data,
+            lock: Mutex::new(()),
+        });
         open.insert((file, role), p.clone());
         Ok(Some(p))
     }
 
-    fn stripe(&self, loc: &PageLoc) -> std::sync::MutexGuard<'_, ()> {
-        let h = psls_svm_hash(loc.file.0 ^ loc.index.rotate_left(17) ^ (loc.role as u64) << 63);
-        self.stripes[(h % LOCK_STRIPES as u64) as usize]
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
+    /// Reads generation `expected_gen` of `pages` (of one file and role) into `out`
+    /// (`pages.len()` × 4096 bytes; page i at `i * 4096`). Pages not `Ok` read as zero.
+    pub fn read_batch(
+        &self,
+        file: FileId,
+        role: Role,
+        expected_gen: u64,
+        pages: &[PageRef],
+        out: &mut [u8],
+    ) -> Result<Vec<ReadStatus>, StoreError> {
+        self.check()?;
+        if out.len() != pages.len() * PAGE_SIZE {
+            return Err(StoreError::BadPageLength(out.len()));
+        }
+        out.fill(0);
+        let Some(f) = self.slot_files(file, role, false)? else {
+            return Ok(vec![ReadStatus::Missing; pages.len()]);
+        };
+        let _g = f.lock.lock().unwrap_or_else(|e| e.into_inner());
+        let mut status = vec![ReadStatus::Missing; pages.len()];
+        for (start, len) in runs(pages) {
+            let l0 = pages[start].local;
+            let mut hb = vec![0u8; len * PAIR_LEN];
+            f.hdr
+                .read_at(l0 * PAIR_LEN as u64, &mut hb)
+                .map_err(|e| StoreError::io("read headers", e))?;
+            // Which slot holds the expected generation, per page.
+            let mut want: Vec<Option<(usize, u32)>> = vec![None; len];
+            for j in 0..len {
+                let index = pages[start + j].index;
+                let st = [0, 1].map(|s| slot::parse(header_at(&hb, j, s), file, index));
+                if let Some(s) = (0..2).find(|&s| gen_of(st[s]) == Some(expected_gen)) {
+                    if let HeaderState::Written { crc, .. } = st[s] {
+                        want[j] = Some((s, crc));
+                    }
+                } else if st.contains(&HeaderState::Garbage) {
+                    status[start + j] = ReadStatus::Corrupt;
+                } else if let Some(found) = st.iter().filter_map(|s| gen_of(*s)).max() {
+                    status[start + j] = ReadStatus::Stale { found };
+                }
+            }
+            // One read per sub-run of pages wanted from the same slot.
+            let mut j = 0;
+            while j < len {
+                let Some((s, _)) = want[j] else {
+                    j += 1;
+                    continue;
+                };
+                let mut k = j + 1;
+                while k < len && want[k].map(|w| w.0) == Some(s) {
+                    k += 1;
+                }
+                let dst = &mut out[(start + j) * PAGE_SIZE..(start + k) * PAGE_SIZE];
+                f.data[s]
+                    .read_at((l0 + j as u64) * PAGE_SIZE as u64, dst)
+                    .map_err(|e| StoreError::io("read page", e))?;
+                j = k;
+            }
+            for j in 0..len {
+                if let Some((s, crc)) = want[j] {
+                    let page = &mut out[(start + j) * PAGE_SIZE..][..PAGE_SIZE];
+                    if slot::checksum(header_at(&hb, j, s), page) == crc {
+                        status[start + j] = ReadStatus::Ok;
+                    } else {
+                        status[start + j] = ReadStatus::Corrupt;
+                        page.fill(0);
+                    }
+                }
+            }
+        }
+        Ok(status)
     }
 
-    fn read_headers(&self, p: &Pair, loc: &PageLoc) -> Result<[[u8; HEADER_LEN]; 2], StoreError> {
-        let mut buf = [0u8; 2 * HEADER_LEN];
-        p.hdr
-            .read_at(loc.local * 2 * HEADER_LEN as u64, &mut buf)
-            .map_err(|e| StoreError::io("read header", e))?;
-        let mut out = [[0u8; HEADER_LEN]; 2];
-        out[0].copy_from_slice(&buf[..HEADER_LEN]);
-        out[1].copy_from_slice(&buf[HEADER_LEN..]);
-        Ok(out)
+    /// Writes generation `gen` of `pages` (of one file and role; page i's bytes at
+    /// `data[i * 4096..]`) into their shadow slots, never the slot holding `keep_gen` (pass
+    /// `keep_gen == gen` to repair a copy in place). Not durable until [`PageStore::sync`].
+    pub fn write_batch(
+        &self,
+        file: FileId,
+        role: Role,
+        gen: u64,
+        keep_gen: u64,
+        pages: &[PageRef],
+        data: &[u8],
+    ) -> Result<(), StoreError> {
+        self.check()?;
+        if data.len() != pages.len() * PAGE_SIZE {
+            return Err(StoreError::BadPageLength(data.len()));
+        }
+        let f = self.slot_files(file, role, true)?.ok_or(StoreError::NoSuchFile(file))?;
+        let _g = f.lock.lock().unwrap_or_else(|e| e.into_inner());
+        for (start, len) in runs(pages) {
+            let l0 = pages[start].local;
+            let mut hb = vec![0u8; len * PAIR_LEN];
+            f.hdr
+                .read_at(l0 * PAIR_LEN as u64, &mut hb)
+                .map_err(|e| StoreError::io("read headers", e))?;
+            let mut target = vec![0usize; len];
+            for j in 0..len {
+                let index = pages[start + j].index;
+                let st = [0, 1].map(|s| slot::parse(header_at(&hb, j, s), file, index));
+                target[j] = if let Some(s) = (0..2).find(|&s| gen_of(st[s]) == Some(gen)) {
+                    s
+                } else if let Some(s) = (0..2).find(|&s| gen_of(st[s]) == Some(keep_gen)) {
+                    1 - s
+                } else if let Some(s) = (0..2).find(|&s| gen_of(st[s]).is_none()) {
+                    s
+                } else if gen_of(st[0]) <= gen_of(st[1]) {
+                    0
+                } else {
+                    1
+                };
+                let page = &data[(start + j) * PAGE_SIZE..][..PAGE_SIZE];
+                // The header's checksum is computed from the very bytes written below.
+                let h = slot::encode(file, index, gen, page);
+                hb[j * PAIR_LEN + target[j] * HEADER_LEN..][..HEADER_LEN].copy_from_slice(&h);
+            }
+            let mut j = 0;
+            while j < len {
+                let s = target[j];
+                let mut k = j + 1;
+                while k < len && target[k] == s {
+                    k += 1;
+                }
+                let src = &data[(start + j) * PAGE_SIZE..(start + k) * PAGE_SIZE];
+                f.data[s]
+                    .write_at((l0 + j as u64) * PAGE_SIZE as u64, src)
+                    .map_err(|e| StoreError::io("write page", e))?;
+                j = k;
+            }
+            f.hdr
+                .write_at(l0 * PAIR_LEN as u64, &hb)
+                .map_err(|e| StoreError::io("write headers", e))?;
+        }
+        self.dirty
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert((file, role));
+        Ok(())
     }
 
     /// Reads the copy of generation `expected_gen` of the page at `loc`.
     pub fn read(&self, loc: PageLoc, expected_gen: u64) -> Result<ReadOutcome, StoreError> {
-        self.check()?;
-        let Some(p) = self.pair(loc.file, loc.role, false)? else {
-            return Ok(ReadOutcome::Missing);
+        let mut buf = vec![0u8; PAGE_SIZE];
+        let r = PageRef {
+            index: loc.index,
+            local: loc.local,
         };
-        let _g = self.stripe(&loc);
-        let hs = self.read_headers(&p, &loc)?;
-        let states = [
-            slot::parse(&hs[0], loc.file, loc.index),
-            slot::parse(&hs[1], loc.file, loc.index),
-        ];
-        for s in 0..2 {
-            if let HeaderState::Written { gen, crc } = states[s] {
-                if gen == expected_gen {
-                    let mut data = vec![0u8; PAGE_SIZE];
-                    p.dat
-                        .read_at((loc.local * 2 + s as u64) * PAGE_SIZE as u64, &mut data)
-                        .map_err(|e| StoreError::io("read page", e))?;
-                    if slot::checksum(&hs[s], &data) != crc {
-                        return Ok(ReadOutcome::Corrupt);
-                    }
-                    return Ok(ReadOutcome::Ok(data));
-                }
-            }
-        }
-        if states.contains(&HeaderState::Garbage) {
-            return Ok(ReadOutcome::Corrupt);
-        }
-        let found = states
-            .iter()
-            .filter_map(|s| match s {
-                HeaderState::Written { gen, .. } => Some(*gen),
-                _ => None,
-            })
-            .max();
-        Ok(match found {
-            Some(found) => ReadOutcome::Stale { found },
-            None => ReadOutcome::Missing,
+        let st = self.read_batch(loc.file, loc.role, expected_gen, &[r], &mut buf)?;
+        Ok(match st[0] {
+            ReadStatus::Ok => ReadOutcome::Ok(buf),
+            ReadStatus::Missing => ReadOutcome::Missing,
+            ReadStatus::Stale { found } => ReadOutcome::Stale { found },
+            ReadStatus::Corrupt => ReadOutcome::Corrupt,
         })
     }
 
-    /// Writes generation `gen` of the page at `loc` into its shadow slot, never the slot that
-    /// holds `keep_gen` (pass `keep_gen == gen` to repair a copy in place). Not durable until
-    /// [`PageStore::sync`] returns.
+    /// Writes generation `gen` of the page at `loc` (see [`PageStore::write_batch`]).
     pub fn write(&self, loc: PageLoc, gen: u64, keep_gen: u64, data: &[u8]) -> Result<(), StoreError> {
-        self.check()?;
         if data.len() != PAGE_SIZE {
             return Err(StoreError::BadPageLength(data.len()));
         }
-        let p = self
-            .pair(loc.file, loc.role, true)?
-            .ok_or(StoreError::NoSuchFile(loc.file))?;
-        let _g = self.stripe(&loc);
-        let hs = self.read_headers(&p, &loc)?;
-        let st = [
-            slot::parse(&hs[0], loc.file, loc.index),
-            slot::parse(&hs[1], loc.file, loc.index),
-        ];
-        let gen_of = |s: HeaderState| match s {
-            HeaderState::Written { gen, .. } => Some(gen),
-            _ => None,
-        };
-        let target = if let Some(s) = (0..2).find(|&s| gen_of(st[s]) == Some(gen)) {
-            s
-        } else if let Some(s) = (0..2).find(|&s| gen_of(st[s]) == Some(keep_gen)) {
-            1 - s
-        } else if let Some(s) = (0..2).find(|&s| gen_of(st[s]).is_none()) {
-            s
-        } else if gen_of(st[0]) <= gen_of(st[1]) {
-            0
-        } else {
-            1
-        };
-        let header = slot::encode(loc.file, loc.index, gen, data);
-        // Checksum checked right before the write, against the bytes being written.
-        debug_assert_eq!(
-            slot::parse(&header, loc.file, loc.index),
-            HeaderState::Written {
-                gen,
-                crc: slot::checksum(&header, data)
-            }
-        );
-        let slot_no = loc.local * 2 + target as u64;
-        p.dat
-            .write_at(slot_no * PAGE_SIZE as u64, data)
-            .map_err(|e| StoreError::io("write page", e))?;
-        p.hdr
-            .write_at(slot_no * HEADER_LEN as u64, &header)
-            .map_err(|e| StoreError::io("write header", e))?;
-        self.dirty
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert((loc.file, loc.role));
-        Ok(())
+        self.write_batch(
+            loc.file,
+            loc.role,
+            gen,
+            keep_gen,
+            &[PageRef {
+                index: loc.index,
+                local: loc.local,
+            }],
+            data,
+        )
     }
 
     /// Makes every earlier write durable. On failure the store is poisoned.
@@ -265,9 +379,11 @@ impl PageStore {
         let dirty: Vec<(FileId, Role)> = self.dirty.lock().unwrap_or_else(|e| e.into_inner()).drain().collect();
         let result = (|| {
             for (file, role) in &dirty {
-                if let Some(p) = self.pair(*file, *role, false)? {
-                    p.dat.sync().map_err(|e| StoreError::io("fsync data", e))?;
-                    p.hdr.sync().map_err(|e| StoreError::io("fsync headers", e))?;
+                if let Some(f) = self.slot_files(*file, *role, false)? {
+                    for d in &f.data {
+                        d.sync().map_err(|e| StoreError::io("fsync data", e))?;
+                    }
+                    f.hdr.sync().map_err(|e| StoreError::io("fsync headers", e))?;
                 }
             }
             if self.dir_dirty.swap(false, Ordering::SeqCst) {
@@ -291,9 +407,10 @@ impl PageStore {
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .remove(&(file, role));
-            let (dn, hn) = names(file, role);
-            self.disk.remove(&dn).map_err(|e| StoreError::io(&dn, e))?;
-            self.disk.remove(&hn).map_err(|e| StoreError::io(&hn, e))?;
+            // Header file first: a data file without its header file holds nothing readable.
+            for n in names(file, role) {
+                self.disk.remove(&n).map_err(|e| StoreError::io(&n, e))?;
+            }
         }
         drop(open);
         if let Err(e) = self.disk.sync_dir() {
@@ -313,10 +430,6 @@ impl PageStore {
     pub fn is_poisoned(&self) -> bool {
         self.poisoned.load(Ordering::SeqCst)
     }
-}
-
-fn psls_svm_hash(x: u64) -> u64 {
-    crate::placement::mix64(x)
 }
 
 #[cfg(test)]
@@ -370,7 +483,7 @@ mod tests {
         let s = PageStore::new(disk.clone());
         s.write(loc(8), 1, 0, &page(9)).unwrap();
         s.sync().unwrap();
-        let f = disk.open("f0000000000000007.p.dat", false).unwrap();
+        let f = disk.open("f0000000000000007.p.d0", false).unwrap();
         let mut all = vec![0u8; f.len().unwrap() as usize];
         f.read_at(0, &mut all).unwrap();
         let pos = all.iter().position(|&b| b == 9).unwrap() + 100;

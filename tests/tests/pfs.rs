@@ -124,7 +124,7 @@ fn store_file(c: &Cluster, node: &str, id: u64, role: char) -> std::path::PathBu
     let cfg = c.config();
     cfg.data_dir(cfg.entry(node).unwrap())
         .join("pages")
-        .join(format!("f{id:016x}.{role}.dat"))
+        .join(format!("f{id:016x}.{role}.d0"))
 }
 
 #[test]
@@ -139,10 +139,10 @@ fn corrupted_pages_are_detected_served_from_mirror_and_scrubbed() {
     assert_eq!(pages, 512);
     assert_eq!(stat["stripes"].as_array().unwrap().len(), 4);
 
-    // Corrupt one primary copy on n1 and one mirror copy on n3 (slot 0 of local page 3: the
-    // only written slot of a new file).
-    flip_byte(&store_file(&c, "n1", id, 'p'), 3 * 2 * 4096 + 777);
-    flip_byte(&store_file(&c, "n3", id, 'm'), 5 * 2 * 4096 + 10);
+    // Corrupt one primary copy on n1 and one mirror copy on n3 (in slot 0, the only slot a new
+    // file has written).
+    flip_byte(&store_file(&c, "n1", id, 'p'), 3 * 4096 + 777);
+    flip_byte(&store_file(&c, "n3", id, 'm'), 5 * 4096 + 10);
     let out = c.ok(&["scrub"]);
     assert_eq!(
         out.trim(),
@@ -161,7 +161,7 @@ fn corrupted_pages_are_detected_served_from_mirror_and_scrubbed() {
     );
 
     // A corrupt primary is detected by a read, served from the mirror, and repaired.
-    flip_byte(&store_file(&c, "n2", id, 'p'), 7 * 2 * 4096 + 4095);
+    flip_byte(&store_file(&c, "n2", id, 'p'), 7 * 4096 + 4095);
     assert_same(&c.export("f", &[]), &data, "export with a corrupt primary");
     let t = std::time::Instant::now();
     while !c.logs_contain("primary copies repaired from mirror") {
@@ -218,12 +218,13 @@ fn interrupted_import_commits_nothing() {
     let ls = c.ok(&["ls"]);
     assert_eq!(ls.lines().count(), 1, "{ls}");
     assert_same(&c.export("f", &[]), &v1, "old contents after an interrupted replace");
-    // The aborted imports left no page files behind: only f's 8 store files (p/m × dat/hdr).
+    // The aborted imports left no page files behind: only f's 6 store files per node
+    // (primary and mirror × headers, slot 0, slot 1).
     let mut n = 0;
     for node in cfg.nodes.iter() {
         n += std::fs::read_dir(cfg.data_dir(node).join("pages")).unwrap().count();
     }
-    assert_eq!(n, 4 * 4, "stray page files after aborted imports");
+    assert_eq!(n, 4 * 6, "stray page files after aborted imports");
 }
 
 #[test]
