@@ -134,7 +134,7 @@ mod tests {
         b.extend_from_slice(b"abc");
         let (m, p): (PeerReq, bytes::Bytes) = decode(b).unwrap();
         assert!(matches!(m, PeerReq::Sync));
-        assert_eq!(p, b"abc");
+        assert_eq!(&p[..], b"abc");
         assert!(decode::<PeerReq>(vec![1, 2]).is_err());
         assert!(decode::<PeerReq>(vec![200, 0, 0, 0, 1]).is_err());
         assert!(decode::<PeerReq>(vec![3, 0, 0, 0, 0xff, 0xff, 0xff]).is_err());
