@@ -2,6 +2,10 @@
 //! bytes written twice with write+fsync to plain files on the same disk (and read back), in
 //! the same run. Prints a table and one JSON line.
 //!
+//! Reads are measured twice: *cold* (after dropping the page cache, when this process may —
+//! root only; both the baseline and the export then read from the disk) and *warm* (from the
+//! page cache: the baseline is then a memory copy).
+//!
 //! Usage: pfs-bench [--size-mb 256] [--rounds 3] [--dir DIR]
 //! Needs `psls-node` next to this binary (`cargo build --release --workspace --bins`).
 
@@ -64,6 +68,24 @@ fn baseline_read(dir: &Path, data: &[u8]) -> Result<f64> {
     Ok(secs)
 }
 
+/// Writes back and drops the page cache; false when not permitted.
+fn drop_caches() -> bool {
+    // SAFETY: sync(2) has no preconditions.
+    unsafe { libc::sync() };
+    std::fs::write("/proc/sys/vm/drop_caches", "3").is_ok()
+}
+
+fn export(cdir: &Path, size: usize, data: &[u8]) -> Result<f64> {
+    let mut out = Vec::with_capacity(size);
+    let t = Instant::now();
+    psls_client::cluster::connect(cdir, Some("n0"))?.export("bench", &mut out)?;
+    let secs = t.elapsed().as_secs_f64();
+    if out != data {
+        bail!("export returned different bytes");
+    }
+    Ok(secs)
+}
+
 fn main() -> Result<()> {
     let a = args()?;
     let node_bin = std::env::current_exe()?.with_file_name("psls-node");
@@ -91,52 +113,75 @@ fn run(a: &Args, base: &Path, cdir: &Path) -> Result<()> {
     let size = a.size_mb << 20;
     let data = random_bytes(size, 42);
     let mib = size as f64 / (1024.0 * 1024.0);
-    let (mut bw, mut br, mut pi, mut pe) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let cold = drop_caches();
+    if !cold {
+        eprintln!("note: cannot drop the page cache (not root): cold reads are not measured");
+    }
+    let mut m: [Vec<f64>; 6] = Default::default(); // write, import, read cold/warm, export cold/warm
     for round in 0..a.rounds {
         // Interleave baseline and PFS so that drift in machine load hits both alike.
-        bw.push(mib / baseline_write(base, &data)?);
-        br.push(mib / baseline_read(base, &data)?);
-        let mut c = psls_client::cluster::connect(cdir, Some("n0"))?;
+        m[0].push(mib / baseline_write(base, &data)?);
         let t = Instant::now();
-        c.import(&mut data.as_slice(), size as u64, "bench", 0o644, round > 0)?;
-        pi.push(mib / t.elapsed().as_secs_f64());
-        let mut out = Vec::with_capacity(size);
-        let t = Instant::now();
-        psls_client::cluster::connect(cdir, Some("n0"))?.export("bench", &mut out)?;
-        pe.push(mib / t.elapsed().as_secs_f64());
-        if out != data {
-            bail!("export returned different bytes");
+        psls_client::cluster::connect(cdir, Some("n0"))?.import(
+            &mut data.as_slice(),
+            size as u64,
+            "bench",
+            0o644,
+            round > 0,
+        )?;
+        m[1].push(mib / t.elapsed().as_secs_f64());
+        if cold {
+            drop_caches();
+            m[2].push(mib / baseline_read(base, &data)?);
+            drop_caches();
+            m[4].push(mib / export(cdir, size, &data)?);
         }
+        m[3].push(mib / baseline_read(base, &data)?);
+        m[5].push(mib / export(cdir, size, &data)?);
+        let last = |v: &Vec<f64>| v.last().copied().unwrap_or(f64::NAN);
         eprintln!(
-            "round {}: baseline write {:.0} MiB/s, read {:.0} MiB/s; import {:.0} MiB/s, export {:.0} MiB/s",
+            "round {}: write x2 {:.0}, import {:.0}; read cold {:.0}, export cold {:.0}; read warm {:.0}, export warm {:.0} MiB/s",
             round + 1,
-            bw[round],
-            br[round],
-            pi[round],
-            pe[round]
+            last(&m[0]),
+            last(&m[1]),
+            last(&m[2]),
+            last(&m[4]),
+            last(&m[3]),
+            last(&m[5])
         );
     }
-    let (bw, br, pi, pe) = (median(&mut bw), median(&mut br), median(&mut pi), median(&mut pe));
+    let med = |v: &mut Vec<f64>| if v.is_empty() { f64::NAN } else { median(v) };
+    let [w, i, rc, rw, ec, ew] = m.each_mut().map(med);
     println!(
         "PFS throughput, {} MiB file, 4-node local cluster, median of {} rounds",
         a.size_mb, a.rounds
     );
-    println!("  baseline write x2 + fsync : {bw:8.0} MiB/s (of file bytes)");
+    println!("  baseline write x2 + fsync : {w:8.0} MiB/s (of file bytes)");
     println!(
-        "  psls import               : {pi:8.0} MiB/s   ratio {:.2} (target >= 0.5)",
-        pi / bw
+        "  psls import               : {i:8.0} MiB/s   ratio {:.2} (target >= 0.5)",
+        i / w
     );
-    println!("  baseline read back        : {br:8.0} MiB/s");
+    println!("  baseline read, cold cache : {rc:8.0} MiB/s");
     println!(
-        "  psls export               : {pe:8.0} MiB/s   ratio {:.2} (target >= 0.5)",
-        pe / br
+        "  psls export, cold cache   : {ec:8.0} MiB/s   ratio {:.2} (target >= 0.5)",
+        ec / rc
     );
+    println!("  baseline read, warm cache : {rw:8.0} MiB/s (a memory copy)");
+    println!("  psls export, warm cache   : {ew:8.0} MiB/s   ratio {:.2}", ew / rw);
+    let j = |x: f64| {
+        if x.is_finite() {
+            serde_json::json!(x)
+        } else {
+            serde_json::Value::Null
+        }
+    };
     println!(
         "{}",
         serde_json::json!({
             "bench": "pfs", "size_mb": a.size_mb, "rounds": a.rounds,
-            "baseline_write_mib_s": bw, "import_mib_s": pi, "import_ratio": pi / bw,
-            "baseline_read_mib_s": br, "export_mib_s": pe, "export_ratio": pe / br,
+            "baseline_write_mib_s": j(w), "import_mib_s": j(i), "import_ratio": j(i / w),
+            "baseline_read_cold_mib_s": j(rc), "export_cold_mib_s": j(ec), "export_cold_ratio": j(ec / rc),
+            "baseline_read_warm_mib_s": j(rw), "export_warm_mib_s": j(ew), "export_warm_ratio": j(ew / rw),
         })
     );
     Ok(())
