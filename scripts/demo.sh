@@ -4,4 +4,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+cargo build --release --workspace --bins --quiet
 exec ./target/release/psls demo "$@"

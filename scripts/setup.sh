@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Installs what a fresh Debian machine with only the Rust toolchain lacks, then builds.
-# Idempotent: installs nothing that is already there.
+# Installs the system packages a fresh Debian machine with only the Rust toolchain lacks.
+# Idempotent: installs nothing that is already there. Builds nothing (the callers do).
 set -euo pipefail
 need=()
 # libclang: userfaultfd-sys runs bindgen at build time (the shared-memory layer needs it).
-if ! ls /usr/lib/llvm-*/lib/libclang*.so* >/dev/null 2>&1 && ! ls /usr/lib/x86_64-linux-gnu/libclang*.so* >/dev/null 2>&1; then
+# (libclang-cpp does not count: bindgen loads libclang.so / libclang-N.so.)
+if ! { ldconfig -p 2>/dev/null | grep -qE 'libclang(-[0-9.]+)?\.so'; } && ! ls /usr/lib/llvm-*/lib/libclang.so* >/dev/null 2>&1; then
   need+=(libclang-dev)
 fi
 command -v cc >/dev/null 2>&1 || need+=(gcc)
@@ -15,4 +16,3 @@ if [ ${#need[@]} -gt 0 ]; then
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need[@]}" >/dev/null
 fi
-cargo build --workspace --bins --release --quiet

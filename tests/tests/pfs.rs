@@ -284,3 +284,48 @@ fn power_cut_during_import_leaves_old_or_new() {
         "before {before_commit}, after {after_commit}"
     );
 }
+
+#[test]
+fn down_node_is_replaced_automatically_by_a_free_spare() {
+    let c = Cluster::init(4, 1, |cfg| cfg.cluster.replace_after_ms = 2000);
+    c.ok(&["cluster", "up"]);
+    let data = random_bytes(4 * MIB + 1, 7);
+    let local = c.write_local("in.bin", &data);
+    c.ok(&["import", &local, "f"]);
+    let pages = (data.len() as u64).div_ceil(4096);
+    c.kill("n3");
+    let cfg = c.config();
+    std::fs::remove_dir_all(cfg.data_dir(cfg.entry("n3").unwrap())).unwrap();
+    let t = std::time::Instant::now();
+    loop {
+        let st = c.status();
+        let s0 = st.nodes.iter().find(|n| n.name == "s0").unwrap();
+        if s0.logical == Some(3) && s0.rebuild.is_none() && st.nodes.iter().all(|n| n.rebuild.is_none()) {
+            assert_eq!(
+                st.nodes.iter().find(|n| n.name == "n3").unwrap().state.to_string(),
+                "replaced"
+            );
+            break;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(40),
+            "no automatic replacement: {st:?}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    // Only after the configured delay (2 s) past the failure verdict.
+    assert!(
+        t.elapsed() >= Duration::from_millis(2000),
+        "replaced too early: {:?}",
+        t.elapsed()
+    );
+    let scrub = c.ok(&["scrub"]);
+    assert_eq!(
+        scrub.trim(),
+        format!(
+            "scrub: 1 files, {} copies checked, 0 bad, 0 repaired, 0 unrepairable",
+            2 * pages
+        )
+    );
+    assert_same(&c.export("f", &[]), &data, "export after automatic replacement");
+}
