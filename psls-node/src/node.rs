@@ -723,11 +723,15 @@ impl Node {
             } => self
                 .write_pages(file, role, gen, keep_gen, indices, payload)
                 .await
-                .map(|()| PeerResp::Ok),
+                .map(|()| PeerResp::Stored {
+                    incarnation: self.incarnation,
+                }),
             PeerReq::Sync => {
                 let store = self.store.clone();
                 match blocking(move || store.sync()).await {
-                    Ok(Ok(())) => Ok(PeerResp::Ok),
+                    Ok(Ok(())) => Ok(PeerResp::Stored {
+                        incarnation: self.incarnation,
+                    }),
                     Ok(Err(e)) => {
                         tracing::error!(node = %self.me.name, error = %e, "fsync failed; page store poisoned");
                         Err(e.into())

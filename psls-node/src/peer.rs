@@ -86,6 +86,12 @@ pub enum PeerReq {
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub enum PeerResp {
     Ok,
+    /// Answer to `WritePages` and `Sync`: the incarnation that took the writes. Writes not yet
+    /// synced die with an incarnation, so a writer checks that the one that synced is the one
+    /// that was written to.
+    Stored {
+        incarnation: u64,
+    },
     HeartbeatAck(Heartbeat),
     /// Payload: the pages' bytes, page i at `i * 4096`.
     Pages(Vec<PageState>),

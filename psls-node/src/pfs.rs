@@ -216,7 +216,27 @@ impl Batch {
     }
 }
 
-/// Writes `batch` as generation `gen` (sparing `keep_gen`) to `role` copies on logical `l`.
+/// Incarnations of the nodes a writer has written to. Unsynced writes die with an
+/// incarnation: a write is durable only if the incarnation that synced it is the one that took
+/// it, so every write and sync answer is checked against the first one seen from that node.
+#[derive(Default)]
+struct Incarnations(std::sync::Mutex<BTreeMap<String, u64>>);
+
+impl Incarnations {
+    fn check(&self, phys: &str, incarnation: u64) -> Result<(), OpError> {
+        let mut m = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        match m.insert(phys.to_string(), incarnation) {
+            Some(old) if old != incarnation => Err(OpError::new(
+                ErrorKind::Unavailable,
+                format!("{phys} restarted during the write (incarnation {old} -> {incarnation}); its unsynced pages are lost"),
+            )),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// Writes `batch` as generation `gen` (sparing `keep_gen`) to `role` copies on logical `l`;
+/// returns the physical node and the incarnation that took the pages.
 async fn write_to(
     node: &Arc<Node>,
     l: NodeId,
@@ -225,7 +245,7 @@ async fn write_to(
     gen: u64,
     keep_gen: u64,
     batch: Batch,
-) -> Result<(), OpError> {
+) -> Result<(String, u64), OpError> {
     let phys = node.physical_of(&node.meta_state(), l);
     let req = PeerReq::WritePages {
         file,
@@ -235,8 +255,19 @@ async fn write_to(
         indices: batch.indices,
     };
     match node.call_data_ok(&phys, req, batch.data).await? {
-        (PeerResp::Ok, _) => Ok(()),
+        (PeerResp::Stored { incarnation }, _) => Ok((phys, incarnation)),
         (other, _) => Err(OpError::new(
+            ErrorKind::Internal,
+            format!("{phys}: unexpected answer {other:?}"),
+        )),
+    }
+}
+
+/// fsync on one node; returns the incarnation that synced.
+async fn sync_on(node: &Arc<Node>, phys: &str) -> Result<u64, OpError> {
+    match node.call_ok(phys, PeerReq::Sync).await? {
+        PeerResp::Stored { incarnation } => Ok(incarnation),
+        other => Err(OpError::new(
             ErrorKind::Internal,
             format!("{phys}: unexpected answer {other:?}"),
         )),
@@ -252,6 +283,7 @@ pub struct Importer {
     partial: Vec<u8>,
     batches: BTreeMap<(u32, Role), Batch>,
     inflight: tokio::task::JoinSet<Result<(), OpError>>,
+    written: Arc<Incarnations>,
 }
 
 impl Importer {
@@ -288,6 +320,7 @@ impl Importer {
             partial: Vec::with_capacity(PAGE_SIZE),
             batches: BTreeMap::new(),
             inflight: tokio::task::JoinSet::new(),
+            written: Arc::default(),
         })
     }
 
@@ -310,9 +343,12 @@ impl Importer {
             return;
         }
         let node = self.node.clone();
+        let written = self.written.clone();
         let (file, gen) = (self.meta.id, self.meta.gen);
-        self.inflight
-            .spawn(async move { write_to(&node, NodeId(key.0), file, key.1, gen, 0, batch).await });
+        self.inflight.spawn(async move {
+            let (phys, incarnation) = write_to(&node, NodeId(key.0), file, key.1, gen, 0, batch).await?;
+            written.check(&phys, incarnation)
+        });
     }
 
     /// Queues page `index` for its home and its mirror.
@@ -387,7 +423,7 @@ impl Importer {
         self.reap(0).await?;
         let drain_ms = t.elapsed().as_millis() as u64;
         let t = std::time::Instant::now();
-        sync_all(&self.node).await?;
+        sync_all(&self.node, &self.written).await?;
         let sync_ms = t.elapsed().as_millis() as u64;
         let t = std::time::Instant::now();
         let op = MetaOp::CommitFile {
@@ -417,13 +453,13 @@ impl Importer {
     }
 }
 
-/// fsync on every logical node.
-async fn sync_all(node: &Arc<Node>) -> Result<(), OpError> {
+/// fsync on every logical node; each must be the incarnation `written` saw take its writes.
+async fn sync_all(node: &Arc<Node>, written: &Arc<Incarnations>) -> Result<(), OpError> {
     let st = node.meta_state();
     let mut tasks = tokio::task::JoinSet::new();
     for (_, p) in node.logical_map(&st) {
-        let node = node.clone();
-        tasks.spawn(async move { node.call_ok(&p, PeerReq::Sync).await.map(|_| ()) });
+        let (node, written) = (node.clone(), written.clone());
+        tasks.spawn(async move { written.check(&p, sync_on(&node, &p).await?) });
     }
     while let Some(r) = tasks.join_next().await {
         r.map_err(|e| OpError::new(ErrorKind::Internal, e.to_string()))??;
@@ -622,9 +658,10 @@ async fn read_chunk(node: Arc<Node>, f: FileMeta, first: u64, count: u64) -> Res
             tokio::spawn(async move {
                 let n = batch.indices.len();
                 let r = async {
-                    write_to(&node, home, file, Role::Primary, gen, gen, batch).await?;
-                    let phys = node.physical_of(&node.meta_state(), home);
-                    node.call_ok(&phys, PeerReq::Sync).await
+                    let written = Incarnations::default();
+                    let (phys, incarnation) = write_to(&node, home, file, Role::Primary, gen, gen, batch).await?;
+                    written.check(&phys, incarnation)?;
+                    written.check(&phys, sync_on(&node, &phys).await?)
                 }
                 .await;
                 match r {
@@ -730,6 +767,7 @@ pub async fn scrub(node: &Arc<Node>) -> Result<ScrubReport, OpError> {
             }
         }
     }
+    let written = Arc::new(Incarnations::default());
     // Group: (file, bad role, bad holder, good holder) → indices.
     let mut groups: BTreeMap<(FileId, Role, NodeId, NodeId), Vec<u64>> = BTreeMap::new();
     for (l, c) in bad {
@@ -739,13 +777,14 @@ pub async fn scrub(node: &Arc<Node>) -> Result<ScrubReport, OpError> {
     for ((file, role, dst, src), idx) in groups {
         let Some(f) = by_id.get(&file) else { continue };
         for chunk in idx.chunks(BATCH_PAGES) {
-            let (ok, failed) = copy_pages(node, &st, f, role.other(), src, dst, chunk.to_vec()).await;
+            let (ok, failed) = copy_pages(node, &st, f, role.other(), src, dst, chunk.to_vec(), &written).await;
             report.repaired += ok;
             report.unrepairable += failed;
         }
     }
     if report.repaired > 0 {
-        sync_all(node).await?;
+        // A node that restarted before this sync lost the repairs: the scrub fails; run it again.
+        sync_all(node, &written).await?;
     }
     tracing::info!(node = %node.name(), ?report, "scrub finished");
     Ok(report)
@@ -761,6 +800,7 @@ async fn copy_pages(
     src: NodeId,
     dst: NodeId,
     idx: Vec<u64>,
+    written: &Incarnations,
 ) -> (u64, u64) {
     let (ok, bad) = read_from(node, st, f, src_role, src, idx.clone()).await.split(&idx);
     for (i, state) in &bad {
@@ -770,7 +810,8 @@ async fn copy_pages(
     if n == 0 {
         return (0, bad.len() as u64);
     }
-    match write_to(node, dst, f.id, src_role.other(), f.gen, f.gen, ok).await {
+    let r = write_to(node, dst, f.id, src_role.other(), f.gen, f.gen, ok).await;
+    match r.and_then(|(phys, incarnation)| written.check(&phys, incarnation)) {
         Ok(()) => (n, bad.len() as u64),
         Err(e) => {
             tracing::error!(node = %dst, error = %e, "repair write failed");

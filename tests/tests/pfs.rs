@@ -329,3 +329,64 @@ fn down_node_is_replaced_automatically_by_a_free_spare() {
     );
     assert_same(&c.export("f", &[]), &data, "export after automatic replacement");
 }
+
+#[test]
+fn storage_node_restart_during_import_fails_the_import() {
+    // With the fault disk, a node that restarts loses its unsynced writes, exactly like a
+    // node that loses power. The import must then fail, not commit a file with missing copies.
+    let mut c = Cluster::init(4, 0, |_| {});
+    c.env.push(("PSLS_FAULT_DISK".into(), "1".into()));
+    c.ok(&["cluster", "up"]);
+    let old = random_bytes(MIB, 8);
+    let old_path = c.write_local("old.bin", &old);
+    c.ok(&["import", &old_path, "f"]);
+
+    let (half_tx, half_rx) = std::sync::mpsc::channel::<()>();
+    let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+    struct Paced {
+        left: usize,
+        sent: usize,
+        half: Option<std::sync::mpsc::Sender<()>>,
+        go: std::sync::mpsc::Receiver<()>,
+    }
+    impl std::io::Read for Paced {
+        fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+            if self.sent >= 8 * MIB {
+                if let Some(h) = self.half.take() {
+                    h.send(()).unwrap();
+                    self.go.recv().unwrap();
+                }
+            }
+            let n = buf.len().min(self.left).min(MIB);
+            buf[..n].fill(0x42);
+            self.left -= n;
+            self.sent += n;
+            Ok(n)
+        }
+    }
+    let cfg = c.config();
+    let sock = cfg.socket_path(cfg.entry("n0").unwrap());
+    let importer = std::thread::spawn(move || {
+        let mut client = psls_client::Client::connect(&sock).unwrap();
+        let mut src = Paced {
+            left: 16 * MIB,
+            sent: 0,
+            half: Some(half_tx),
+            go: go_rx,
+        };
+        client.import(&mut src, 16 * MIB as u64, "f", 0o644, true)
+    });
+    half_rx.recv().unwrap();
+    // Let the first half reach every node's page cache (not its disk), then restart n2.
+    std::thread::sleep(Duration::from_millis(500));
+    c.kill("n2");
+    c.ok(&["cluster", "up"]);
+    go_tx.send(()).unwrap();
+    let r = importer.join().unwrap();
+    let err = r.expect_err("the import must fail: n2 lost pages it had acknowledged");
+    assert!(err.to_string().contains("restarted during the write"), "{err}");
+    assert_same(&c.export("f", &[]), &old, "old contents after the failed import");
+    assert_eq!(c.ok(&["ls"]).lines().count(), 1);
+    let scrub = c.ok(&["scrub"]);
+    assert!(scrub.contains(" 0 bad,"), "{scrub}");
+}
