@@ -777,7 +777,7 @@ pub async fn scrub(node: &Arc<Node>) -> Result<ScrubReport, OpError> {
     for ((file, role, dst, src), idx) in groups {
         let Some(f) = by_id.get(&file) else { continue };
         for chunk in idx.chunks(BATCH_PAGES) {
-            let (ok, failed) = copy_pages(node, &st, f, role.other(), src, dst, chunk.to_vec(), &written).await;
+            let (ok, failed) = copy_pages(node, &st, f, (role.other(), src, dst), chunk.to_vec(), &written).await;
             report.repaired += ok;
             report.unrepairable += failed;
         }
@@ -790,15 +790,14 @@ pub async fn scrub(node: &Arc<Node>) -> Result<ScrubReport, OpError> {
     Ok(report)
 }
 
-/// Copies pages from `src`'s `src_role` copies into `dst`'s other-role copies; returns
+/// Copies pages from `src`'s `src_role` copies into `dst`'s other-role copies (checking the
+/// storing incarnation against `written`); returns
 /// (copied, failed).
 async fn copy_pages(
     node: &Arc<Node>,
     st: &MetaState,
     f: &FileMeta,
-    src_role: Role,
-    src: NodeId,
-    dst: NodeId,
+    (src_role, src, dst): (Role, NodeId, NodeId),
     idx: Vec<u64>,
     written: &Incarnations,
 ) -> (u64, u64) {
