@@ -406,19 +406,6 @@ fn wait_rebuild(dir: &Path, spare: &str) -> Result<()> {
     }
 }
 
-/// Deterministic pseudo-random bytes (splitmix64).
-fn fill_random(buf: &mut [u8], seed: u64) {
-    let mut s = seed;
-    for chunk in buf.chunks_mut(8) {
-        s = s.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = s;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^= z >> 31;
-        chunk.copy_from_slice(&z.to_le_bytes()[..chunk.len()]);
-    }
-}
-
 fn demo(dir: &Path, size_mb: u64) -> Result<()> {
     use nix::sys::signal::{kill, Signal};
     if !cluster::config_path(dir).exists() {
@@ -430,8 +417,7 @@ fn demo(dir: &Path, size_mb: u64) -> Result<()> {
     cluster::up(dir, Duration::from_secs(30), true)?;
     println!("[2/6] cluster is up");
     let size = size_mb * 1024 * 1024;
-    let mut data = vec![0u8; size as usize];
-    fill_random(&mut data, 2026);
+    let data = psls_svm::rng::random_bytes(size as usize, 2026);
     let t = Instant::now();
     let exists = cluster::connect(dir, Some("n0"))?
         .ls()?

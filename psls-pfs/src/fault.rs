@@ -94,14 +94,14 @@ impl FaultDisk {
     /// directory to model the reboot.
     pub fn power_cut(&self, seed: u64) {
         self.control.halted.store(true, Ordering::SeqCst);
-        let mut rng = seed;
+        let mut rng = psls_svm::rng::SplitMix64::new(seed);
         let files = self.files.lock().unwrap_or_else(|e| e.into_inner());
         for f in files.values().filter_map(Weak::upgrade) {
             let mut st = f.state.lock().unwrap_or_else(|e| e.into_inner());
             let blocks = std::mem::take(&mut st.blocks);
             for (b, data) in blocks {
                 for (i, sector) in data.chunks(SECTOR).enumerate() {
-                    if seed != 0 && next(&mut rng).is_multiple_of(2) {
+                    if seed != 0 && rng.next_u64().is_multiple_of(2) {
                         let off = b * BLOCK + (i * SECTOR) as u64;
                         if off < st.len {
                             let n = ((st.len - off) as usize).min(SECTOR);
@@ -113,15 +113,6 @@ impl FaultDisk {
             let _ = f.base.sync();
         }
     }
-}
-
-fn next(s: &mut u64) -> u64 {
-    // splitmix64
-    *s = s.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    let mut z = *s;
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
 }
 
 impl Disk for FaultDisk {

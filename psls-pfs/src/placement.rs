@@ -36,13 +36,7 @@ pub struct Placement {
     n: u32,
 }
 
-/// Stable 64-bit mix (splitmix64 finaliser); never changes, it decides where data lives.
-pub fn mix64(x: u64) -> u64 {
-    let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
+pub use psls_svm::rng::mix64;
 
 impl Placement {
     /// `None` when `n < 2`: a mirrored store needs two nodes.

@@ -4,5 +4,6 @@
 //! Invariant: nothing in this crate performs I/O, reads a clock or spawns threads.
 
 pub mod ids;
+pub mod rng;
 
 pub use ids::{Epoch, FileId, Incarnation, NodeId, PageId, PAGE_SIZE};
