@@ -370,34 +370,30 @@ fn wait_rebuild(dir: &Path, spare: &str) -> Result<()> {
         b
     });
     let deadline = Instant::now() + Duration::from_secs(3600);
-    let mut seen_rebuild = false;
     loop {
+        // Any node's status will do once it has applied the replacement: until the spare has
+        // its logical id, that node has not.
         let st = cluster::connect(dir, None)?.status()?;
         let n = st
             .nodes
             .iter()
             .find(|n| n.name == spare)
             .context("spare vanished from status")?;
-        match n.rebuild {
-            Some((done, total)) => {
-                seen_rebuild = true;
+        match (n.logical, n.rebuild) {
+            (Some(_), None) => {
+                if let Some(b) = &bar {
+                    b.finish_and_clear();
+                }
+                println!("re-mirroring done: every page has two copies again");
+                return Ok(());
+            }
+            (_, Some((done, total))) => {
                 if let Some(b) = &bar {
                     b.set_length(total);
                     b.set_position(done);
                 }
             }
-            None if seen_rebuild || n.logical.is_some() && Instant::now() > deadline - Duration::from_secs(3590) => {
-                // Done once the spare reported progress and stopped, or it never needed any.
-                let rebuilding_meta = st.nodes.iter().any(|x| x.rebuild.is_some());
-                if !rebuilding_meta {
-                    if let Some(b) = &bar {
-                        b.finish_and_clear();
-                    }
-                    println!("re-mirroring done: every page has two copies again");
-                    return Ok(());
-                }
-            }
-            None => {}
+            (None, None) => {}
         }
         if Instant::now() > deadline {
             bail!("re-mirroring did not finish within an hour");

@@ -297,7 +297,10 @@ pub fn status(node: &Node) -> ClusterStatus {
                 disk_used_bytes: hb.as_ref().map_or(0, |h| h.disk_used_bytes),
                 disk_free_bytes: hb.as_ref().map_or(0, |h| h.disk_free_bytes),
                 coordinator: coordinator.as_deref() == Some(n.name.as_str()),
-                rebuild: hb.as_ref().and_then(|h| h.rebuild),
+                // The metadata says whether a node is rebuilding; its heartbeat only how far along.
+                rebuild: logical
+                    .filter(|l| st.rebuilding.get(l).is_some_and(|r| r.physical == n.name))
+                    .map(|_| hb.as_ref().and_then(|h| h.rebuild).unwrap_or((0, 0))),
             }
         })
         .collect();
