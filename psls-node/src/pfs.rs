@@ -14,7 +14,7 @@ use crate::node::{blocking, Node, OpError};
 use crate::peer::{PageState, PeerReq, PeerResp, BATCH_PAGES};
 use psls_ipc::proto::{FileInfo, ScrubReport, Stripe};
 use psls_ipc::ErrorKind;
-use psls_pfs::meta::{validate_name, FileMeta, MetaOp, MetaState};
+use psls_pfs::meta::{validate_name, FileMeta, MetaOp, MetaState, MAX_FILE_SIZE};
 use psls_pfs::Role;
 use psls_svm::{FileId, NodeId, PAGE_SIZE};
 use std::collections::{BTreeMap, VecDeque};
@@ -115,11 +115,15 @@ fn check_all_serving(node: &Node, st: &MetaState) -> Result<(), OpError> {
 
 /// Refuses a file that does not fit on some node's disk.
 fn check_space(node: &Node, st: &MetaState, id: FileId, size: u64) -> Result<(), OpError> {
+    if size > MAX_FILE_SIZE {
+        let msg = format!("a file of {size} bytes exceeds the largest PSLS file ({MAX_FILE_SIZE} bytes, 4 PiB)");
+        return Err(OpError::new(ErrorKind::NoSpace, msg));
+    }
     let pages = size.div_ceil(PAGE_SIZE as u64);
     for (l, p) in node.logical_map(st) {
         let held = [Role::Primary, Role::Mirror]
             .iter()
-            .map(|&r| node.placement.held(NodeId(l), id, pages, r).count() as u64)
+            .map(|&r| node.placement.held_count(NodeId(l), id, pages, r))
             .sum::<u64>();
         let need = held.saturating_mul(COPY_BYTES);
         let free = if p == node.me.name {
@@ -875,7 +879,7 @@ pub async fn rebuild(node: &Arc<Node>, l: NodeId) -> Result<(), OpError> {
         .map(|f| {
             [Role::Primary, Role::Mirror]
                 .iter()
-                .map(|&r| p.held(l, f.id, f.pages(), r).count() as u64)
+                .map(|&r| p.held_count(l, f.id, f.pages(), r))
                 .sum::<u64>()
         })
         .sum();

@@ -16,6 +16,8 @@ pub enum StoreError {
     BadPageLength(usize),
     #[error("file {0} has no local data")]
     NoSuchFile(FileId),
+    #[error("page position {0} is beyond the largest file the store holds")]
+    BadPageIndex(u64),
 }
 
 impl StoreError {

@@ -25,6 +25,9 @@ const STATE_FORMAT: u16 = 1;
 /// Longest accepted file name in bytes.
 pub const MAX_NAME_LEN: usize = 255;
 
+/// Largest file: 4 PiB.
+pub const MAX_FILE_SIZE: u64 = 1 << 52;
+
 /// One parallel file.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FileMeta {

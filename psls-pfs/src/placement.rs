@@ -65,16 +65,29 @@ impl Placement {
     pub fn local_index(&self, index: u64) -> u64 {
         index / self.n as u64
     }
-    /// Indices of the pages of a `pages`-page file that `node` holds in `role`, ascending.
-    pub fn held(&self, node: NodeId, file: FileId, pages: u64, role: Role) -> impl Iterator<Item = u64> {
+    /// How many pages of a `pages`-page file `node` holds in `role` (closed form).
+    pub fn held_count(&self, node: NodeId, file: FileId, pages: u64, role: Role) -> u64 {
+        let first = self.first_held(node, file, role);
+        if first >= pages {
+            0
+        } else {
+            (pages - 1 - first) / self.n as u64 + 1
+        }
+    }
+
+    fn first_held(&self, node: NodeId, file: FileId, role: Role) -> u64 {
         let n = self.n as u64;
         let shift = match role {
             Role::Primary => 0,
             Role::Mirror => 1,
         };
         // home(i) = (off + i) mod n == node - shift  ⇒  i ≡ node - shift - off (mod n)
-        let first = (node.0 as u64 + 2 * n - shift - self.offset(file)) % n;
-        (first..pages).step_by(n as usize)
+        (node.0 as u64 % n + 2 * n - shift - self.offset(file)) % n
+    }
+
+    /// Indices of the pages of a `pages`-page file that `node` holds in `role`, ascending.
+    pub fn held(&self, node: NodeId, file: FileId, pages: u64, role: Role) -> impl Iterator<Item = u64> {
+        (self.first_held(node, file, role)..pages).step_by(self.n as usize)
     }
 }
 
@@ -101,6 +114,7 @@ mod tests {
                 for (ri, role) in [Role::Primary, Role::Mirror].into_iter().enumerate() {
                     let held: Vec<u64> = p.held(NodeId(node), f, pages, role).collect();
                     prop_assert_eq!(held.len() as u64, count[node as usize][ri]);
+                    prop_assert_eq!(p.held_count(NodeId(node), f, pages, role), held.len() as u64);
                     let mut locals: Vec<u64> = held.iter().map(|&i| p.local_index(i)).collect();
                     for &i in &held { prop_assert_eq!(p.holder(f, i, role), NodeId(node)); }
                     locals.dedup();

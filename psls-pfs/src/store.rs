@@ -29,6 +29,17 @@ use std::sync::{Arc, Mutex};
 
 const PAIR_LEN: usize = 2 * HEADER_LEN;
 
+/// Largest local page position (4 PiB of pages per node and role): offsets stay far from
+/// overflow whatever index a caller sends.
+pub const MAX_LOCAL: u64 = 1 << 40;
+
+fn check_refs(pages: &[PageRef]) -> Result<(), StoreError> {
+    match pages.iter().find(|p| p.local > MAX_LOCAL) {
+        Some(p) => Err(StoreError::BadPageIndex(p.local)),
+        None => Ok(()),
+    }
+}
+
 /// Where a page lives in this node's store.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct PageLoc {
@@ -212,6 +223,7 @@ impl PageStore {
         if out.len() != pages.len() * PAGE_SIZE {
             return Err(StoreError::BadPageLength(out.len()));
         }
+        check_refs(pages)?;
         out.fill(0);
         let Some(f) = self.slot_files(file, role, false)? else {
             return Ok(vec![ReadStatus::Missing; pages.len()]);
@@ -287,6 +299,7 @@ impl PageStore {
         if data.len() != pages.len() * PAGE_SIZE {
             return Err(StoreError::BadPageLength(data.len()));
         }
+        check_refs(pages)?;
         let f = self.slot_files(file, role, true)?.ok_or(StoreError::NoSuchFile(file))?;
         let _g = f.lock.lock().unwrap_or_else(|e| e.into_inner());
         for (start, len) in runs(pages) {
@@ -472,6 +485,13 @@ mod tests {
         assert_eq!(s.read(loc(4), 4).unwrap(), ReadOutcome::Ok(page(5)));
         assert_eq!(s.files().unwrap(), vec![(FileId(7), Role::Primary)]);
         assert!(s.write(loc(0), 1, 0, &[0u8; 10]).is_err());
+        let far = PageLoc {
+            local: u64::MAX / 2,
+            index: u64::MAX - 3,
+            ..loc(0)
+        };
+        assert!(matches!(s.write(far, 1, 0, &page(1)), Err(StoreError::BadPageIndex(_))));
+        assert!(matches!(s.read(far, 1), Err(StoreError::BadPageIndex(_))));
         s.remove_file(FileId(7)).unwrap();
         assert_eq!(s.read(loc(4), 2).unwrap(), ReadOutcome::Missing);
     }
