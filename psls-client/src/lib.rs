@@ -7,6 +7,7 @@ pub mod cluster;
 use psls_ipc::proto::{self, ClusterStatus, FileInfo, FrameError, Request, Response, ScrubReport, Stripe, CHUNK};
 use psls_ipc::ErrorKind;
 use std::io::{BufReader, BufWriter, Read, Write};
+use std::os::fd::{AsRawFd, BorrowedFd};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 
@@ -63,6 +64,61 @@ impl Client {
     fn call(&mut self, req: &Request) -> Result<Response, ClientError> {
         self.send(req)?;
         self.recv()
+    }
+
+    /// Sends `req` with `fd` attached (SCM_RIGHTS) to the frame's first byte.
+    fn send_with_fd(&mut self, req: &Request, fd: BorrowedFd<'_>) -> Result<(), ClientError> {
+        use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
+        self.w.flush().map_err(|e| ClientError::Frame(e.into()))?;
+        let frame = proto::encode(req).map_err(ClientError::Frame)?;
+        let sock = self.w.get_ref();
+        let fds = [fd.as_raw_fd()];
+        let cmsg = [ControlMessage::ScmRights(&fds)];
+        let sent = sendmsg::<()>(
+            sock.as_raw_fd(),
+            &[std::io::IoSlice::new(&frame)],
+            &cmsg,
+            MsgFlags::empty(),
+            None,
+        )
+        .map_err(|e| ClientError::Frame(std::io::Error::from(e).into()))?;
+        (&mut &*sock)
+            .write_all(&frame[sent..])
+            .map_err(|e| ClientError::Frame(e.into()))
+    }
+
+    /// Imports `size` bytes read by the daemon from `fd` (a file, pipe or memfd opened by the
+    /// caller); succeeds only after the durable commit.
+    pub fn import_fd(
+        &mut self,
+        fd: BorrowedFd<'_>,
+        size: u64,
+        name: &str,
+        mode: u32,
+        replace: bool,
+    ) -> Result<FileInfo, ClientError> {
+        self.send_with_fd(
+            &Request::ImportFd {
+                name: name.into(),
+                size,
+                mode,
+                replace,
+            },
+            fd,
+        )?;
+        match self.recv()? {
+            Response::Files(mut f) if f.len() == 1 => Ok(f.remove(0)),
+            r => Err(unexpected(r)),
+        }
+    }
+
+    /// Exports `name` by having the daemon write it into `fd`; returns the size.
+    pub fn export_fd(&mut self, name: &str, fd: BorrowedFd<'_>) -> Result<u64, ClientError> {
+        self.send_with_fd(&Request::ExportFd { name: name.into() }, fd)?;
+        match self.recv()? {
+            Response::Exported { size } => Ok(size),
+            r => Err(unexpected(r)),
+        }
     }
 
     pub fn status(&mut self) -> Result<ClusterStatus, ClientError> {

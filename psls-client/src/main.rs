@@ -5,6 +5,7 @@ use clap::{Parser, Subcommand};
 use psls_client::cluster;
 use psls_ipc::proto::{ClusterStatus, NodeState};
 use std::io::{IsTerminal, Write};
+use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -255,16 +256,11 @@ fn run(cli: &Cli) -> Result<()> {
             replace,
             mode,
         } => {
-            let mut file = std::fs::File::open(local).with_context(|| format!("opening {}", local.display()))?;
+            // The daemon reads the file through the descriptor we pass: our own access rights.
+            let file = std::fs::File::open(local).with_context(|| format!("opening {}", local.display()))?;
             let size = file.metadata()?.len();
             let t = Instant::now();
-            let f = cluster::connect(&dir, node)?.import(
-                &mut std::io::BufReader::with_capacity(1 << 20, &mut file),
-                size,
-                name,
-                *mode,
-                *replace,
-            )?;
+            let f = cluster::connect(&dir, node)?.import_fd(file.as_fd(), size, name, *mode, *replace)?;
             let secs = t.elapsed().as_secs_f64();
             println!(
                 "imported {} ({} bytes, {} pages) in {secs:.2} s ({:.0} MiB/s)",
@@ -277,29 +273,22 @@ fn run(cli: &Cli) -> Result<()> {
         Cmd::Export { name, local } => {
             let t = Instant::now();
             let direct = local.as_os_str() == "-" || local.metadata().is_ok_and(|m| !m.is_file());
-            let size = if direct {
-                // stdout, a device or a pipe: stream straight into it.
-                let mut w: Box<dyn Write> = if local.as_os_str() == "-" {
-                    Box::new(std::io::BufWriter::new(std::io::stdout().lock()))
-                } else {
-                    Box::new(
-                        std::fs::OpenOptions::new()
-                            .write(true)
-                            .open(local)
-                            .with_context(|| format!("opening {}", local.display()))?,
-                    )
-                };
-                let size = cluster::connect(&dir, node)?.export(name, &mut w)?;
-                w.flush()?;
-                size
+            // The daemon writes through the descriptor we pass (our own access rights).
+            let size = if local.as_os_str() == "-" {
+                std::io::stdout().flush()?;
+                cluster::connect(&dir, node)?.export_fd(name, std::io::stdout().as_fd())?
+            } else if direct {
+                // A device or a pipe: write straight into it.
+                let out = std::fs::OpenOptions::new()
+                    .write(true)
+                    .open(local)
+                    .with_context(|| format!("opening {}", local.display()))?;
+                cluster::connect(&dir, node)?.export_fd(name, out.as_fd())?
             } else {
                 // A regular file appears only once complete.
                 let tmp = local.with_extension("psls-partial");
-                let file = std::fs::File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
-                let mut w = std::io::BufWriter::with_capacity(1 << 20, file);
-                let r = cluster::connect(&dir, node)
-                    .and_then(|mut c| Ok(c.export(name, &mut w)?))
-                    .and_then(|s| Ok(w.flush().map(|()| s)?));
+                let out = std::fs::File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
+                let r = cluster::connect(&dir, node).and_then(|mut c| Ok(c.export_fd(name, out.as_fd())?));
                 if r.is_err() {
                     let _ = std::fs::remove_file(&tmp);
                 }

@@ -5,6 +5,11 @@
 //! - import: `ImportBegin`, any number of `ImportData` (page-sized pieces, in order), then
 //!   `ImportCommit`; the daemon answers once, after the durable commit (or with the first error);
 //! - export: `Export` is answered by `ExportBegin`, `Data`…, `ExportEnd` (or an `Error`).
+//!
+//! `ImportFd` and `ExportFd` carry the client's file descriptor (SCM_RIGHTS, attached to the
+//! frame's first byte): the daemon reads or writes the file itself and answers once. The client
+//! opened the file, so the daemon gets exactly the client's access, and the bytes skip the
+//! socket.
 
 use serde::{Deserialize, Serialize};
 use std::io::{self, Read, Write};
@@ -49,6 +54,18 @@ pub enum Request {
         spare: String,
     },
     Shutdown,
+    /// Import from the file descriptor passed with this frame (SCM_RIGHTS): the daemon reads
+    /// `size` bytes from it. The descriptor carries the client's own access rights.
+    ImportFd {
+        name: String,
+        size: u64,
+        mode: u32,
+        replace: bool,
+    },
+    /// Export into the file descriptor passed with this frame; answered by `Exported`.
+    ExportFd {
+        name: String,
+    },
 }
 
 /// Class of an error, so that callers can react without parsing text.
@@ -148,14 +165,26 @@ pub struct ScrubReport {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Response {
     Ok,
-    Error { kind: ErrorKind, message: String },
+    Error {
+        kind: ErrorKind,
+        message: String,
+    },
     Status(ClusterStatus),
     Files(Vec<FileInfo>),
-    Stat { file: FileInfo, stripes: Vec<Stripe> },
-    ExportBegin { size: u64 },
+    Stat {
+        file: FileInfo,
+        stripes: Vec<Stripe>,
+    },
+    ExportBegin {
+        size: u64,
+    },
     Data(#[serde(with = "serde_bytes")] Vec<u8>),
     ExportEnd,
     Scrub(ScrubReport),
+    /// The whole file was written into the passed descriptor.
+    Exported {
+        size: u64,
+    },
 }
 
 /// Errors of framing.

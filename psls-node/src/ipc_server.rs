@@ -6,6 +6,7 @@ use crate::node::{Node, OpError};
 use crate::pfs::{self, Caller, Importer};
 use psls_ipc::proto::{self, ClusterStatus, NodeState, NodeStatus, Request, Response, MAX_FRAME};
 use psls_ipc::ErrorKind;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -65,11 +66,157 @@ async fn read_body(r: &mut OwnedReadHalf) -> Result<Option<Vec<u8>>, proto::Fram
     Ok(Some(body))
 }
 
-async fn read_req(r: &mut OwnedReadHalf) -> Result<Option<Request>, proto::FrameError> {
-    match read_body(r).await? {
-        Some(body) => proto::decode(&body).map(Some),
-        None => Ok(None),
+/// Reads one request, with any file descriptors attached to its first bytes (they are closed
+/// when dropped unless a handler takes them). `None` at a clean end of the connection.
+async fn read_req_with_fds(r: &mut OwnedReadHalf) -> Result<Option<(Request, Vec<OwnedFd>)>, proto::FrameError> {
+    use nix::sys::socket::{recvmsg, ControlMessageOwned, MsgFlags};
+    let stream: &UnixStream = r.as_ref();
+    let mut prefix = [0u8; 4];
+    let mut got = 0;
+    let mut fds = Vec::new();
+    while got < 4 {
+        stream.readable().await?;
+        let res = stream.try_io(tokio::io::Interest::READABLE, || {
+            let mut iov = [std::io::IoSliceMut::new(&mut prefix[got..])];
+            let mut cmsg = nix::cmsg_space!([RawFd; MAX_FDS]);
+            let msg = recvmsg::<()>(
+                stream.as_raw_fd(),
+                &mut iov,
+                Some(&mut cmsg),
+                MsgFlags::MSG_CMSG_CLOEXEC,
+            )
+            .map_err(std::io::Error::from)?;
+            let mut received = Vec::new();
+            for c in msg.cmsgs().map_err(std::io::Error::from)? {
+                if let ControlMessageOwned::ScmRights(list) = c {
+                    // SAFETY: SCM_RIGHTS gave this process new descriptors that nothing else
+                    // owns; each is wrapped exactly once.
+                    received.extend(list.into_iter().map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }));
+                }
+            }
+            Ok((msg.bytes, received))
+        });
+        match res {
+            Ok((0, _)) if got == 0 => return Ok(None),
+            Ok((0, _)) => return Err(proto::FrameError::Closed),
+            Ok((n, more)) => {
+                got += n;
+                fds.extend(more);
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+            Err(e) => return Err(e.into()),
+        }
     }
+    let len = proto::check_len(prefix)?;
+    let mut body = Vec::with_capacity(len);
+    r.take(len as u64).read_to_end(&mut body).await?;
+    if body.len() != len {
+        return Err(proto::FrameError::Closed);
+    }
+    Ok(Some((proto::decode(&body)?, fds)))
+}
+
+/// At most this many descriptors are taken from one message; the kernel closes any beyond.
+const MAX_FDS: usize = 4;
+
+#[derive(Clone, Copy, PartialEq)]
+enum Access {
+    Read,
+    Write,
+}
+
+/// The single descriptor a request must carry, checked: a regular file, pipe or character
+/// device, open for the access the request needs.
+fn one_fd(fds: &mut Vec<OwnedFd>, need: Access) -> Result<std::fs::File, OpError> {
+    use nix::fcntl::{fcntl, FcntlArg, OFlag};
+    use nix::sys::stat::{fstat, SFlag};
+    if fds.len() != 1 {
+        let msg = format!("this request needs exactly one file descriptor, got {}", fds.len());
+        return Err(OpError::new(ErrorKind::Invalid, msg));
+    }
+    let fd = fds.remove(0);
+    let bad = |m: &str| OpError::new(ErrorKind::Invalid, m.to_string());
+    let st = fstat(&fd).map_err(|e| bad(&format!("cannot inspect the passed descriptor: {e}")))?;
+    let kind = SFlag::from_bits_truncate(st.st_mode) & SFlag::S_IFMT;
+    if ![SFlag::S_IFREG, SFlag::S_IFIFO, SFlag::S_IFCHR].contains(&kind) {
+        return Err(bad("the passed descriptor is not a file, pipe or device"));
+    }
+    let flags = OFlag::from_bits_truncate(fcntl(&fd, FcntlArg::F_GETFL).map_err(|e| bad(&e.to_string()))?);
+    let mode = flags & OFlag::O_ACCMODE;
+    let ok = match need {
+        Access::Read => mode == OFlag::O_RDONLY || mode == OFlag::O_RDWR,
+        Access::Write => mode == OFlag::O_WRONLY || mode == OFlag::O_RDWR,
+    };
+    if !ok {
+        let what = if need == Access::Read { "reading" } else { "writing" };
+        return Err(bad(&format!("the passed descriptor is not open for {what}")));
+    }
+    Ok(std::fs::File::from(fd))
+}
+
+/// Import whose bytes the daemon reads from the client's descriptor.
+async fn import_from_fd(
+    node: &Arc<Node>,
+    caller: Caller,
+    file: std::fs::File,
+    name: &str,
+    size: u64,
+    mode: u32,
+    replace: bool,
+) -> Response {
+    use std::io::Read;
+    let mut imp = match Importer::begin(node, caller, name, size, mode, replace).await {
+        Ok(i) => i,
+        Err(e) => return err(e),
+    };
+    let file = Arc::new(file);
+    let mut left = size;
+    while left > 0 {
+        let n = left.min(proto::CHUNK as u64) as usize;
+        let f = file.clone();
+        let read = crate::node::blocking(move || {
+            let mut buf = vec![0u8; n];
+            (&*f).read_exact(&mut buf).map(|()| buf)
+        })
+        .await;
+        let r = match read {
+            Ok(Ok(buf)) => imp.data(&buf).await,
+            Ok(Err(e)) => Err(OpError::new(ErrorKind::Io, format!("reading the file to import: {e}"))),
+            Err(e) => Err(e),
+        };
+        if let Err(e) = r {
+            imp.abort().await;
+            return err(e);
+        }
+        left -= n as u64;
+    }
+    match imp.commit().await {
+        Ok(f) => Response::Files(vec![f]),
+        Err(e) => err(e),
+    }
+}
+
+/// Export that the daemon writes into the client's descriptor.
+async fn export_to_fd(node: &Arc<Node>, caller: Caller, file: std::fs::File, name: &str) -> Response {
+    use std::io::Write;
+    let (f, mut rx) = match pfs::export_stream(node, caller, name) {
+        Ok(x) => x,
+        Err(e) => return err(e),
+    };
+    let file = Arc::new(file);
+    while let Some(chunk) = rx.recv().await {
+        let data = match chunk {
+            Ok(d) => d,
+            Err(e) => return err(e),
+        };
+        let out = file.clone();
+        match crate::node::blocking(move || (&*out).write_all(&data)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => return err(OpError::new(ErrorKind::Io, format!("writing the exported file: {e}"))),
+            Err(e) => return err(e),
+        }
+    }
+    Response::Exported { size: f.size }
 }
 
 /// Sends `Response::Data(data)` without copying `data` into a frame buffer.
@@ -110,7 +257,7 @@ async fn client(node: Arc<Node>, stream: UnixStream) -> anyhow::Result<()> {
     };
     let (mut r, mut w) = stream.into_split();
     loop {
-        let req = match read_req(&mut r).await {
+        let (req, mut fds) = match read_req_with_fds(&mut r).await {
             Ok(Some(req)) => req,
             Ok(None) => return Ok(()),
             Err(e) => {
@@ -161,6 +308,19 @@ async fn client(node: Arc<Node>, stream: UnixStream) -> anyhow::Result<()> {
                     }
                     Response::ExportEnd
                 }
+                Err(e) => err(e),
+            },
+            Request::ImportFd {
+                name,
+                size,
+                mode,
+                replace,
+            } => match one_fd(&mut fds, Access::Read) {
+                Ok(fd) => import_from_fd(&node, caller, fd, &name, size, mode, replace).await,
+                Err(e) => err(e),
+            },
+            Request::ExportFd { name } => match one_fd(&mut fds, Access::Write) {
+                Ok(fd) => export_to_fd(&node, caller, fd, &name).await,
                 Err(e) => err(e),
             },
             Request::Ls => Response::Files(pfs::list(&node)),

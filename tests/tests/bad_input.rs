@@ -2,7 +2,7 @@
 //! nothing: the daemons keep running and committed files stay as they were.
 
 use psls_tests::{assert_same, psls_bin, random_bytes, Cluster};
-use std::io::{Read, Write};
+use std::io::Write;
 use std::os::unix::process::CommandExt;
 use std::process::Command;
 use std::time::Duration;
@@ -85,7 +85,10 @@ fn cli_errors_leave_files_intact() {
         (&["import", "/nonexistent/file", "b"], "/nonexistent/file"),
         (&["create", "bad/name", "--size", "10"], "'/'"),
         (&["create", "huge", "--size", "1000000000000000"], "free"),
-        (&["create", "huger", "--size", "18446744073709551615"], "largest PSLS file"),
+        (
+            &["create", "huger", "--size", "18446744073709551615"],
+            "largest PSLS file",
+        ),
         (&["create", "m", "--size", "10", "--mode", "999"], "octal"),
         (&["create", "m", "--size", "ten"], "ten"),
         (&["node", "replace", "1", "--with", "s0"], "is up"),
@@ -161,14 +164,12 @@ fn permissions_follow_owner_and_mode() {
 fn malformed_and_oversized_client_messages_are_refused() {
     let c = Cluster::start(2, 0);
     let sock = c.config().socket_path(c.config().entry("n1").unwrap());
+    // One request, one answer frame (the daemon keeps the connection open after an error).
     let reply = |bytes: &[u8]| -> String {
         let mut s = std::os::unix::net::UnixStream::connect(&sock).unwrap();
         s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
         s.write_all(bytes).unwrap();
-        let mut out = Vec::new();
-        let _ = s.read_to_end(&mut out);
-        assert!(out.len() >= 4, "no answer");
-        let r: psls_ipc::Response = psls_ipc::proto::decode(&out[4..]).unwrap();
+        let r: psls_ipc::Response = psls_ipc::proto::read_frame(&mut s).expect("an answer frame");
         format!("{r:?}")
     };
     let r = reply(&u32::MAX.to_le_bytes());
@@ -194,6 +195,29 @@ fn malformed_and_oversized_client_messages_are_refused() {
         .unwrap();
     let r: psls_ipc::Response = psls_ipc::proto::read_frame(&mut s).unwrap();
     assert!(format!("{r:?}").contains("more than the announced"), "{r:?}");
+    // Descriptors: the wrong access mode, the wrong kind, or none at all.
+    use std::os::fd::AsFd;
+    let mut client = psls_client::Client::connect(&sock).unwrap();
+    let write_only = std::fs::OpenOptions::new().write(true).open("/dev/null").unwrap();
+    let e = client
+        .import_fd(write_only.as_fd(), 10, "y", 0o644, false)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("not open for reading"), "{e}");
+    let dir = std::fs::File::open(c.tmp.path()).unwrap();
+    let e = client
+        .import_fd(dir.as_fd(), 10, "y", 0o644, false)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("not a file, pipe or device"), "{e}");
+    let short = std::fs::File::open(c.write_local("short.bin", b"abc")).unwrap();
+    let e = client
+        .import_fd(short.as_fd(), 5000, "y", 0o644, false)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("reading the file to import"), "{e}");
+    let r = reply(&psls_ipc::proto::encode(&psls_ipc::Request::ExportFd { name: "x".into() }).unwrap());
+    assert!(r.contains("exactly one file descriptor"), "{r}");
     // The daemon is fine and nothing was created.
     assert!(c.status().nodes.iter().all(|n| n.state.to_string() == "up"));
     assert_eq!(c.ok(&["ls"]).lines().count(), 0);
