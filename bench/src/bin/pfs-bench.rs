@@ -2,6 +2,10 @@
 //! bytes written twice with write+fsync to plain files on the same disk (and read back), in
 //! the same run. Prints a table and one JSON line.
 //!
+//! The client passes memory-backed files (memfd) to the daemon, which reads and writes them
+//! itself, as `psls import`/`export` do with real files; the baseline writes from and reads
+//! into memory too.
+//!
 //! Reads are measured twice: *cold* (after dropping the page cache, when this process may —
 //! root only; both the baseline and the export then read from the disk) and *warm* (from the
 //! page cache: the baseline is then a memory copy).
@@ -75,11 +79,40 @@ fn drop_caches() -> bool {
     std::fs::write("/proc/sys/vm/drop_caches", "3").is_ok()
 }
 
-fn export(cdir: &Path, size: usize, data: &[u8]) -> Result<f64> {
-    let mut out = Vec::with_capacity(size);
+/// An in-memory file holding `data` (what a client would pass to the daemon).
+fn memfd_with(data: &[u8]) -> Result<std::fs::File> {
+    let fd = nix::sys::memfd::memfd_create("pfs-bench", nix::sys::memfd::MFdFlags::MFD_CLOEXEC)?;
+    let mut f = std::fs::File::from(fd);
+    f.write_all(data)?;
+    use std::io::Seek;
+    f.rewind()?;
+    Ok(f)
+}
+
+fn import(cdir: &Path, data: &[u8], replace: bool) -> Result<f64> {
+    use std::os::fd::AsFd;
+    let src = memfd_with(data)?;
     let t = Instant::now();
-    psls_client::cluster::connect(cdir, Some("n0"))?.export("bench", &mut out)?;
+    psls_client::cluster::connect(cdir, Some("n0"))?.import_fd(
+        src.as_fd(),
+        data.len() as u64,
+        "bench",
+        0o644,
+        replace,
+    )?;
+    Ok(t.elapsed().as_secs_f64())
+}
+
+fn export(cdir: &Path, data: &[u8]) -> Result<f64> {
+    use std::os::fd::AsFd;
+    let mut dst = memfd_with(&[])?;
+    let t = Instant::now();
+    psls_client::cluster::connect(cdir, Some("n0"))?.export_fd("bench", dst.as_fd())?;
     let secs = t.elapsed().as_secs_f64();
+    use std::io::Seek;
+    dst.rewind()?;
+    let mut out = Vec::with_capacity(data.len());
+    dst.read_to_end(&mut out)?;
     if out != data {
         bail!("export returned different bytes");
     }
@@ -121,23 +154,15 @@ fn run(a: &Args, base: &Path, cdir: &Path) -> Result<()> {
     for round in 0..a.rounds {
         // Interleave baseline and PFS so that drift in machine load hits both alike.
         m[0].push(mib / baseline_write(base, &data)?);
-        let t = Instant::now();
-        psls_client::cluster::connect(cdir, Some("n0"))?.import(
-            &mut data.as_slice(),
-            size as u64,
-            "bench",
-            0o644,
-            round > 0,
-        )?;
-        m[1].push(mib / t.elapsed().as_secs_f64());
+        m[1].push(mib / import(cdir, &data, round > 0)?);
         if cold {
             drop_caches();
             m[2].push(mib / baseline_read(base, &data)?);
             drop_caches();
-            m[4].push(mib / export(cdir, size, &data)?);
+            m[4].push(mib / export(cdir, &data)?);
         }
         m[3].push(mib / baseline_read(base, &data)?);
-        m[5].push(mib / export(cdir, size, &data)?);
+        m[5].push(mib / export(cdir, &data)?);
         let last = |v: &Vec<f64>| v.last().copied().unwrap_or(f64::NAN);
         eprintln!(
             "round {}: write x2 {:.0}, import {:.0}; read cold {:.0}, export cold {:.0}; read warm {:.0}, export warm {:.0} MiB/s",
