@@ -44,25 +44,18 @@ impl Caller {
             || (self.gid == f.gid && f.mode & (bit << 3) != 0)
             || f.mode & bit != 0
     }
-    pub fn check_read(&self, f: &FileMeta) -> Result<(), OpError> {
-        if self.may(f, 4) {
-            Ok(())
-        } else {
-            Err(OpError::new(
-                ErrorKind::Permission,
-                format!("permission denied: cannot read '{}'", f.name),
-            ))
+    fn check(&self, f: &FileMeta, bit: u32, verb: &str) -> Result<(), OpError> {
+        if self.may(f, bit) {
+            return Ok(());
         }
+        let msg = format!("permission denied: cannot {verb} '{}'", f.name);
+        Err(OpError::new(ErrorKind::Permission, msg))
+    }
+    pub fn check_read(&self, f: &FileMeta) -> Result<(), OpError> {
+        self.check(f, 4, "read")
     }
     pub fn check_write(&self, f: &FileMeta) -> Result<(), OpError> {
-        if self.may(f, 2) {
-            Ok(())
-        } else {
-            Err(OpError::new(
-                ErrorKind::Permission,
-                format!("permission denied: cannot write '{}'", f.name),
-            ))
-        }
+        self.check(f, 2, "write")
     }
 }
 

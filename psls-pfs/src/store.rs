@@ -100,6 +100,17 @@ struct SlotFiles {
     lock: Mutex<()>,
 }
 
+impl SlotFiles {
+    /// Both slots' headers of `len` consecutive local pages from `l0`.
+    fn headers(&self, l0: u64, len: usize) -> Result<Vec<u8>, StoreError> {
+        let mut hb = vec![0u8; len * PAIR_LEN];
+        self.hdr
+            .read_at(l0 * PAIR_LEN as u64, &mut hb)
+            .map_err(|e| StoreError::io("read headers", e))?;
+        Ok(hb)
+    }
+}
+
 /// See the module documentation.
 #[derive(Debug)]
 pub struct PageStore {
@@ -232,10 +243,7 @@ impl PageStore {
         let mut status = vec![ReadStatus::Missing; pages.len()];
         for (start, len) in runs(pages) {
             let l0 = pages[start].local;
-            let mut hb = vec![0u8; len * PAIR_LEN];
-            f.hdr
-                .read_at(l0 * PAIR_LEN as u64, &mut hb)
-                .map_err(|e| StoreError::io("read headers", e))?;
+            let hb = f.headers(l0, len)?;
             // Which slot holds the expected generation, per page.
             let mut want: Vec<Option<(usize, u32)>> = vec![None; len];
             for j in 0..len {
@@ -304,10 +312,7 @@ impl PageStore {
         let _g = f.lock.lock().unwrap_or_else(|e| e.into_inner());
         for (start, len) in runs(pages) {
             let l0 = pages[start].local;
-            let mut hb = vec![0u8; len * PAIR_LEN];
-            f.hdr
-                .read_at(l0 * PAIR_LEN as u64, &mut hb)
-                .map_err(|e| StoreError::io("read headers", e))?;
+            let mut hb = f.headers(l0, len)?;
             let mut target = vec![0usize; len];
             for j in 0..len {
                 let index = pages[start + j].index;

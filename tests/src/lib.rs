@@ -169,6 +169,14 @@ impl Cluster {
         );
     }
 
+    /// Permanent loss of `node`: kill -9, then its data folder is deleted.
+    pub fn destroy(&self, node: &str) {
+        self.kill(node);
+        let cfg = self.config();
+        let entry = cfg.entry(node).unwrap_or_else(|| panic!("no node {node}"));
+        std::fs::remove_dir_all(cfg.data_dir(entry)).expect("wipe data dir");
+    }
+
     /// kill -9 of every daemon at once (a power cut when the daemons use the fault disk).
     pub fn kill_all(&self) {
         let cfg = self.config();

@@ -70,10 +70,7 @@ fn replace_wiped_node_then_lose_the_other_copies() {
     let pages = (data.len() as u64).div_ceil(4096);
 
     // Permanent loss of n2: process and disk.
-    c.kill("n2");
-    let cfg = c.config();
-    let n2 = cfg.entry("n2").unwrap().clone();
-    std::fs::remove_dir_all(cfg.data_dir(&n2)).unwrap();
+    c.destroy("n2");
     c.wait_state("n2", "down");
     let err = c.fails(&["node", "replace", "2", "--with", "nosuch"]);
     assert!(err.contains("nosuch"), "{err}");
@@ -302,9 +299,7 @@ fn down_node_is_replaced_automatically_by_a_free_spare() {
     let local = c.write_local("in.bin", &data);
     c.ok(&["import", &local, "f"]);
     let pages = (data.len() as u64).div_ceil(4096);
-    c.kill("n3");
-    let cfg = c.config();
-    std::fs::remove_dir_all(cfg.data_dir(cfg.entry("n3").unwrap())).unwrap();
+    c.destroy("n3");
     let t = std::time::Instant::now();
     loop {
         let st = c.status();
