@@ -198,7 +198,6 @@ async fn import_from_fd(
 
 /// Export that the daemon writes into the client's descriptor.
 async fn export_to_fd(node: &Arc<Node>, caller: Caller, file: std::fs::File, name: &str) -> Response {
-    use std::io::Write;
     let (f, mut rx) = match pfs::export_stream(node, caller, name) {
         Ok(x) => x,
         Err(e) => return err(e),
@@ -210,13 +209,47 @@ async fn export_to_fd(node: &Arc<Node>, caller: Caller, file: std::fs::File, nam
             Err(e) => return err(e),
         };
         let out = file.clone();
-        match crate::node::blocking(move || (&*out).write_all(&data)).await {
+        match crate::node::blocking(move || write_pages(&*out, &data)).await {
             Ok(Ok(())) => {}
             Ok(Err(e)) => return err(OpError::new(ErrorKind::Io, format!("writing the exported file: {e}"))),
             Err(e) => return err(e),
         }
     }
     Response::Exported { size: f.size }
+}
+
+/// Writes `pages` in order with vectored writes (no assembly copy).
+fn write_pages(mut w: impl std::io::Write, pages: &[bytes::Bytes]) -> std::io::Result<()> {
+    /// At most this many buffers per call (Linux's IOV_MAX).
+    const MAX_IOV: usize = 1024;
+    let (mut i, mut off) = (0usize, 0usize);
+    loop {
+        while i < pages.len() && off == pages[i].len() {
+            (i, off) = (i + 1, 0);
+        }
+        if i == pages.len() {
+            return Ok(());
+        }
+        let iov: Vec<std::io::IoSlice> = std::iter::once(&pages[i][off..])
+            .chain(pages[i + 1..].iter().map(|p| &p[..]))
+            .take(MAX_IOV)
+            .map(std::io::IoSlice::new)
+            .collect();
+        let mut n = match w.write_vectored(&iov) {
+            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        };
+        while n > 0 {
+            let rest = pages[i].len() - off;
+            if n >= rest {
+                (i, off, n) = (i + 1, 0, n - rest);
+            } else {
+                (off, n) = (off + n, 0);
+            }
+        }
+    }
 }
 
 /// Sends `Response::Data(data)` without copying `data` into a frame buffer.
@@ -299,7 +332,7 @@ async fn client(node: Arc<Node>, stream: UnixStream) -> anyhow::Result<()> {
                     send(&mut w, &Response::ExportBegin { size: f.size }).await?;
                     while let Some(chunk) = rx.recv().await {
                         match chunk {
-                            Ok(d) => send_data(&mut w, &d).await?,
+                            Ok(pages) => send_data(&mut w, &pages.concat()).await?,
                             Err(e) => {
                                 send(&mut w, &err(e)).await?;
                                 return Ok(());
@@ -477,3 +510,53 @@ pub fn status(node: &Node) -> ClusterStatus {
 
 #[allow(dead_code)]
 const _: () = assert!(MAX_FRAME > proto::CHUNK);
+
+#[cfg(test)]
+mod tests {
+    use super::write_pages;
+
+    /// Takes at most `max` bytes per call, across the buffers it is given.
+    struct Trickle {
+        max: usize,
+        got: Vec<u8>,
+        calls: usize,
+    }
+
+    impl std::io::Write for Trickle {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.write_vectored(&[std::io::IoSlice::new(buf)])
+        }
+        fn write_vectored(&mut self, bufs: &[std::io::IoSlice<'_>]) -> std::io::Result<usize> {
+            self.calls += 1;
+            let mut n = 0;
+            for b in bufs {
+                let take = b.len().min(self.max - n);
+                self.got.extend_from_slice(&b[..take]);
+                n += take;
+            }
+            Ok(n)
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn vectored_writes_survive_short_writes() {
+        let pages: Vec<bytes::Bytes> = (0..2100u32)
+            .map(|k| bytes::Bytes::from(vec![k as u8; if k % 7 == 0 { 0 } else { 1 + (k as usize * 37) % 300 }]))
+            .collect();
+        let want = pages.concat();
+        for max in [13, 4095, 4096, 10_000, usize::MAX / 2] {
+            let mut w = Trickle {
+                max,
+                got: Vec::new(),
+                calls: 0,
+            };
+            write_pages(&mut w, &pages).unwrap();
+            assert_eq!(w.got, want, "max {max}");
+            // Every call makes progress; at most 1024 buffers per call.
+            assert!(w.calls <= want.len().div_ceil(max.min(want.len())) + pages.len() / 1024 + 1);
+        }
+    }
+}

@@ -210,7 +210,7 @@ impl Node {
             let (resp, out) = self.clone().handle(physical.to_string(), req, payload.into()).await;
             return Ok((resp, out.into()));
         }
-        self.net.request(physical, &req, &payload, timeout).await
+        self.net.request(physical, &req, payload.into(), timeout).await
     }
 
     /// Sends a request without payload (response payload dropped).
@@ -456,8 +456,10 @@ impl Node {
                 let name = peer.name.clone();
                 let hb = hb.clone();
                 tokio::spawn(async move {
-                    if let Ok((PeerResp::HeartbeatAck(theirs), _)) =
-                        me.net.request(&name, &PeerReq::Heartbeat(hb), &[], hb_timeout).await
+                    if let Ok((PeerResp::HeartbeatAck(theirs), _)) = me
+                        .net
+                        .request(&name, &PeerReq::Heartbeat(hb), bytes::Bytes::new(), hb_timeout)
+                        .await
                     {
                         me.heard(&name, theirs);
                     }
@@ -486,8 +488,10 @@ impl Node {
             let name = peer.name.clone();
             let hb = hb.clone();
             tasks.spawn(async move {
-                if let Ok((PeerResp::HeartbeatAck(theirs), _)) =
-                    me.net.request(&name, &PeerReq::Heartbeat(hb), &[], timeout).await
+                if let Ok((PeerResp::HeartbeatAck(theirs), _)) = me
+                    .net
+                    .request(&name, &PeerReq::Heartbeat(hb), bytes::Bytes::new(), timeout)
+                    .await
                 {
                     me.heard(&name, theirs);
                 }

@@ -118,7 +118,8 @@ pub fn encode_header<T: Serialize>(m: &T) -> Vec<u8> {
 }
 
 /// Splits a received body into its decoded header and its payload (no copy of the payload).
-pub fn decode<T: for<'de> Deserialize<'de>>(body: Vec<u8>) -> Result<(T, bytes::Bytes), String> {
+pub fn decode<T: for<'de> Deserialize<'de>>(body: impl Into<bytes::Bytes>) -> Result<(T, bytes::Bytes), String> {
+    let body: bytes::Bytes = body.into();
     if body.len() < 4 {
         return Err("message shorter than its length prefix".into());
     }
@@ -127,7 +128,7 @@ pub fn decode<T: for<'de> Deserialize<'de>>(body: Vec<u8>) -> Result<(T, bytes::
         return Err(format!("header length {hlen} exceeds the message"));
     }
     let msg = postcard::from_bytes(&body[4..4 + hlen]).map_err(|e| e.to_string())?;
-    Ok((msg, bytes::Bytes::from(body).slice(4 + hlen..)))
+    Ok((msg, body.slice(4 + hlen..)))
 }
 
 #[cfg(test)]

@@ -7,8 +7,9 @@
 //! name binding (old contents or no file); after it, the new. Replacing a file writes a new id,
 //! so readers of the old contents are never disturbed.
 //!
-//! Read protocol: from the primary; on a missing, stale, corrupt or unreachable primary, from
-//! the mirror, and the primary is then repaired in place from the good copy.
+//! Read protocol: from a copy on the reading node if it holds one, else from the primary; on
+//! a missing, stale, corrupt or unreachable copy, from the other one, and the bad copy is then
+//! repaired in place from the good one.
 
 use crate::node::{blocking, Node, OpError};
 use crate::peer::{PageState, PeerReq, PeerResp, BATCH_PAGES};
@@ -582,39 +583,57 @@ async fn read_from(
     read_from_within(node, st, f, role, l, indices, node.request_timeout).await
 }
 
-fn group_by<F: Fn(u64) -> NodeId>(indices: impl Iterator<Item = u64>, key: F) -> BTreeMap<NodeId, Vec<u64>> {
-    let mut m: BTreeMap<NodeId, Vec<u64>> = BTreeMap::new();
+fn group_by<K: Ord, F: Fn(u64) -> K>(indices: impl Iterator<Item = u64>, key: F) -> BTreeMap<K, Vec<u64>> {
+    let mut m: BTreeMap<K, Vec<u64>> = BTreeMap::new();
     for i in indices {
         m.entry(key(i)).or_default().push(i);
     }
     m
 }
 
-/// Reads pages `first..first+count` of `f`, with mirror fallback and primary repair.
-async fn read_chunk(node: Arc<Node>, f: FileMeta, first: u64, count: u64) -> Result<Vec<u8>, OpError> {
-    let mut out = vec![0u8; (count as usize) * PAGE_SIZE];
+/// Zeros of one page: what a never-written page reads as.
+static ZERO_PAGE: [u8; PAGE_SIZE] = [0; PAGE_SIZE];
+
+/// One page's bytes per page, in order: slices of the buffers the pages arrived in, so that a
+/// chunk is written out (vectored) without being assembled first.
+pub type Pages = Vec<bytes::Bytes>;
+
+/// Reads pages `first..first+count` of `f`. Each page is read first from a copy on this node
+/// when one can serve (no transfer), else from its primary; on a failure, from the other copy,
+/// and a bad first copy is then repaired in place from the good one.
+async fn read_chunk(node: Arc<Node>, f: FileMeta, first: u64, count: u64) -> Result<Pages, OpError> {
+    let zero = bytes::Bytes::from_static(&ZERO_PAGE);
     if f.gen == 0 {
-        return Ok(out);
+        return Ok(vec![zero; count as usize]);
     }
     let st = node.meta_state();
     let p = node.placement;
-    let place = |out: &mut Vec<u8>, i: u64, page: &[u8]| {
-        out[((i - first) as usize) * PAGE_SIZE..][..PAGE_SIZE].copy_from_slice(page);
+    let me = node.my_logical(&st);
+    // The copies of page i, in the order they are tried.
+    let copies = |i: u64| -> [(NodeId, Role); 2] {
+        let (home, mirror) = (p.home(f.id, i), p.mirror(f.id, i));
+        if Some(mirror) == me && Some(home) != me && node.can_serve(&st, mirror) {
+            [(mirror, Role::Mirror), (home, Role::Primary)]
+        } else {
+            [(home, Role::Primary), (mirror, Role::Mirror)]
+        }
     };
-    // Page → (why the primary failed, whether it answered with a bad copy).
+    let mut out: Vec<Option<bytes::Bytes>> = vec![None; count as usize];
+    let slot = |i: u64| (i - first) as usize;
+    // Page → (why its first copy failed, whether that copy answered and was bad).
     let mut failed: BTreeMap<u64, (String, bool)> = BTreeMap::new();
     let mut reads = tokio::task::JoinSet::new();
-    for (l, idx) in group_by(first..first + count, |i| p.home(f.id, i)) {
+    for ((l, role), idx) in group_by(first..first + count, |i| copies(i)[0]) {
         let (node, st, f) = (node.clone(), st.clone(), f.clone());
+        // Wait briefly for the first copy only when every second copy can take over.
+        let others_serve = idx.iter().all(|&i| node.can_serve(&st, copies(i)[1].0));
         reads.spawn(async move {
-            // Wait briefly for a primary only when its mirror can take over.
-            let mirror = node.placement.mirror(f.id, idx[0]);
-            let timeout = if node.can_serve(&st, mirror) {
+            let timeout = if others_serve {
                 node.read_timeout()
             } else {
                 node.request_timeout
             };
-            let r = read_from_within(&node, &st, &f, Role::Primary, l, idx.clone(), timeout).await;
+            let r = read_from_within(&node, &st, &f, role, l, idx.clone(), timeout).await;
             (idx, r)
         });
     }
@@ -622,81 +641,88 @@ async fn read_chunk(node: Arc<Node>, f: FileMeta, first: u64, count: u64) -> Res
         let (idx, got) = r.map_err(|e| OpError::new(ErrorKind::Internal, e.to_string()))?;
         for (k, &i) in idx.iter().enumerate() {
             match &got.states[k] {
-                PageState::Ok => place(&mut out, i, got.page(k)),
+                PageState::Ok => out[slot(i)] = Some(got.data.slice(k * PAGE_SIZE..(k + 1) * PAGE_SIZE)),
                 other => {
                     failed.insert(i, (format!("{other:?}"), other.is_bad_copy()));
                 }
             }
         }
     }
-    if failed.is_empty() {
-        return Ok(out);
-    }
     let mut unreadable: Vec<(u64, String)> = Vec::new();
-    for (l, idx) in group_by(failed.keys().copied(), |i| p.mirror(f.id, i)) {
-        let got = read_from(&node, &st, &f, Role::Mirror, l, idx.clone()).await;
-        let mut repairs: BTreeMap<NodeId, Batch> = BTreeMap::new();
+    for ((l, role), idx) in group_by(failed.keys().copied(), |i| copies(i)[1]) {
+        let got = read_from(&node, &st, &f, role, l, idx.clone()).await;
+        let mut repairs: BTreeMap<(NodeId, Role), Batch> = BTreeMap::new();
         for (k, &i) in idx.iter().enumerate() {
             if got.states[k] != PageState::Ok {
                 unreadable.push((i, format!("{:?}", got.states[k])));
                 continue;
             }
-            place(&mut out, i, got.page(k));
-            let home = p.home(f.id, i);
+            out[slot(i)] = Some(got.data.slice(k * PAGE_SIZE..(k + 1) * PAGE_SIZE));
+            let bad = copies(i)[0];
             let (why, bad_copy) = &failed[&i];
-            tracing::debug!(node = %node.name(), page = %format!("{}:{i}", f.id), primary = %why, "served from mirror");
-            if *bad_copy && node.can_serve(&st, home) {
-                repairs.entry(home).or_default().push(i, got.page(k));
+            tracing::debug!(node = %node.name(), page = %format!("{}:{i}", f.id), first = %why, ?role, "served from the other copy");
+            if *bad_copy && node.can_serve(&st, bad.0) {
+                repairs.entry(bad).or_default().push(i, got.page(k));
             }
         }
-        for (home, batch) in repairs {
+        for ((l, role), batch) in repairs {
             let node = node.clone();
             let (file, gen) = (f.id, f.gen);
             tokio::spawn(async move {
                 let n = batch.indices.len();
                 let r = async {
                     let written = Incarnations::default();
-                    let (phys, incarnation) = write_to(&node, home, file, Role::Primary, gen, gen, batch).await?;
+                    let (phys, incarnation) = write_to(&node, l, file, role, gen, gen, batch).await?;
                     written.check(&phys, incarnation)?;
                     written.check(&phys, sync_on(&node, &phys).await?)
                 }
                 .await;
+                let copy = if role == Role::Primary { "primary" } else { "mirror" };
                 match r {
-                    Ok(_) => tracing::info!(node = %home, %file, pages = n, "primary copies repaired from mirror"),
-                    Err(e) => tracing::warn!(node = %home, %file, error = %e, "primary repair failed"),
+                    Ok(_) => tracing::info!(node = %l, %file, pages = n, "{copy} copies repaired from the other copy"),
+                    Err(e) => tracing::warn!(node = %l, %file, error = %e, "{copy} repair failed"),
                 }
             });
         }
     }
-    // A primary that only timed out may have been slow, not dead: one more try with the full
-    // request timeout, batched per home node.
+    // A first copy that only timed out may have been slow, not dead: one more try with the
+    // full request timeout, batched per node.
     let retry = group_by(unreadable.iter().filter(|(i, _)| !failed[i].1).map(|(i, _)| *i), |i| {
-        p.home(f.id, i)
+        copies(i)[0]
     });
-    let mut recovered = std::collections::BTreeSet::new();
-    for (home, idx) in retry {
-        let got = read_from(&node, &st, &f, Role::Primary, home, idx.clone()).await;
+    for ((l, role), idx) in retry {
+        let got = read_from(&node, &st, &f, role, l, idx.clone()).await;
         for (k, &i) in idx.iter().enumerate() {
             if got.states[k] == PageState::Ok {
-                place(&mut out, i, got.page(k));
-                recovered.insert(i);
+                out[slot(i)] = Some(got.data.slice(k * PAGE_SIZE..(k + 1) * PAGE_SIZE));
             }
         }
     }
-    if let Some((i, mirror_err)) = unreadable.iter().find(|(i, _)| !recovered.contains(i)) {
+    if let Some((i, second_err)) = unreadable.iter().find(|(i, _)| out[slot(*i)].is_none()) {
         let msg = format!(
-            "page {i} of '{}' is unreadable: primary {}, mirror {mirror_err}",
+            "page {i} of '{}' is unreadable: one copy {}, the other {second_err}",
             f.name, failed[i].0
         );
         return Err(OpError::new(ErrorKind::Io, msg));
     }
-    Ok(out)
+    out.into_iter()
+        .enumerate()
+        .map(|(k, page)| {
+            page.ok_or_else(|| {
+                OpError::new(
+                    ErrorKind::Internal,
+                    format!("page {} of '{}' was not read", first + k as u64, f.name),
+                )
+            })
+        })
+        .collect()
 }
 
 /// The bytes of an export, chunk by chunk; an error ends the stream.
-pub type ExportChunks = tokio::sync::mpsc::Receiver<Result<Vec<u8>, OpError>>;
+pub type ExportChunks = tokio::sync::mpsc::Receiver<Result<Pages, OpError>>;
 
-/// Starts an export: returns the file and a channel of its chunks.
+/// Starts an export: returns the file and a channel of its chunks (the last one cut to the
+/// file's size).
 pub fn export_stream(node: &Arc<Node>, caller: Caller, name: &str) -> Result<(FileMeta, ExportChunks), OpError> {
     let st = node.meta_state();
     let f = lookup(&st, name)?;
@@ -708,8 +734,8 @@ pub fn export_stream(node: &Arc<Node>, caller: Caller, name: &str) -> Result<(Fi
         let f = f2;
         let pages = f.pages();
         let mut next = 0u64;
-        let mut pending: VecDeque<tokio::task::JoinHandle<Result<Vec<u8>, OpError>>> = VecDeque::new();
-        let mut sent = 0u64;
+        let mut pending: VecDeque<tokio::task::JoinHandle<Result<Pages, OpError>>> = VecDeque::new();
+        let mut left = f.size;
         loop {
             while pending.len() < READ_AHEAD && next < pages {
                 let count = (EXPORT_CHUNK_PAGES as u64).min(pages - next);
@@ -720,11 +746,14 @@ pub fn export_stream(node: &Arc<Node>, caller: Caller, name: &str) -> Result<(Fi
             let r = h
                 .await
                 .unwrap_or_else(|e| Err(OpError::new(ErrorKind::Internal, e.to_string())));
-            let r = r.map(|mut d| {
-                let keep = (f.size - sent).min(d.len() as u64) as usize;
-                d.truncate(keep);
-                sent += keep as u64;
-                d
+            let r = r.map(|mut chunk| {
+                for page in chunk.iter_mut() {
+                    let keep = left.min(page.len() as u64) as usize;
+                    page.truncate(keep);
+                    left -= keep as u64;
+                }
+                chunk.retain(|p| !p.is_empty());
+                chunk
             });
             let stop = r.is_err();
             if tx.send(r).await.is_err() || stop {

@@ -65,7 +65,10 @@ async fn bad_peers_are_refused_and_good_ones_served() {
 
     let client = transport(&certs, "n1", free_addr(), HashMap::from([("n0".to_string(), a0)]));
     let t = Duration::from_secs(5);
-    let (resp, payload) = client.request("n0", &PeerReq::Sync, b"echo", t).await.unwrap();
+    let (resp, payload) = client
+        .request("n0", &PeerReq::Sync, bytes::Bytes::from_static(b"echo"), t)
+        .await
+        .unwrap();
     assert!(matches!(resp, PeerResp::Ok));
     assert_eq!(&payload[..], b"echo");
 
@@ -92,6 +95,9 @@ async fn bad_peers_are_refused_and_good_ones_served() {
         .is_err());
 
     // Still serving.
-    let (resp, _) = client.request("n0", &PeerReq::Sync, b"", t).await.unwrap();
+    let (resp, _) = client
+        .request("n0", &PeerReq::Sync, bytes::Bytes::new(), t)
+        .await
+        .unwrap();
     assert!(matches!(resp, PeerResp::Ok));
 }

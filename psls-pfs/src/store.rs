@@ -235,8 +235,8 @@ impl PageStore {
             return Err(StoreError::BadPageLength(out.len()));
         }
         check_refs(pages)?;
-        out.fill(0);
         let Some(f) = self.slot_files(file, role, false)? else {
+            out.fill(0);
             return Ok(vec![ReadStatus::Missing; pages.len()]);
         };
         let _g = f.lock.lock().unwrap_or_else(|e| e.into_inner());
@@ -283,9 +283,14 @@ impl PageStore {
                         status[start + j] = ReadStatus::Ok;
                     } else {
                         status[start + j] = ReadStatus::Corrupt;
-                        page.fill(0);
                     }
                 }
+            }
+        }
+        // Only the pages read are known: zero the others (no blanket memset up front).
+        for (j, st) in status.iter().enumerate() {
+            if *st != ReadStatus::Ok {
+                out[j * PAGE_SIZE..][..PAGE_SIZE].fill(0);
             }
         }
         Ok(status)

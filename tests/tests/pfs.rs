@@ -161,7 +161,7 @@ fn corrupted_pages_are_detected_served_from_mirror_and_scrubbed() {
     flip_byte(&store_file(&c, "n2", id, 'p'), 7 * 4096 + 4095);
     assert_same(&c.export("f", &[]), &data, "export with a corrupt primary");
     let t = std::time::Instant::now();
-    while !c.logs_contain("primary copies repaired from mirror") {
+    while !c.logs_contain("primary copies repaired from the other copy") {
         assert!(
             t.elapsed() < Duration::from_secs(10),
             "read path never repaired the primary"
