@@ -46,11 +46,10 @@ impl Placement {
     pub fn nodes(&self) -> u32 {
         self.n
     }
-    fn offset(&self, file: FileId) -> u64 {
-        mix64(file.0) % self.n as u64
-    }
+    /// The home node: the page's PFS primary and its coherence manager (one definition, in
+    /// `psls_svm::coherence::home_node`).
     pub fn home(&self, file: FileId, index: u64) -> NodeId {
-        NodeId(((self.offset(file) + index % self.n as u64) % self.n as u64) as u32)
+        psls_svm::coherence::home_node(file, index, self.n)
     }
     pub fn mirror(&self, file: FileId, index: u64) -> NodeId {
         NodeId((self.home(file, index).0 + 1) % self.n)
@@ -82,7 +81,7 @@ impl Placement {
             Role::Mirror => 1,
         };
         // home(i) = (off + i) mod n == node - shift  ⇒  i ≡ node - shift - off (mod n)
-        (node.0 as u64 % n + 2 * n - shift - self.offset(file)) % n
+        (node.0 as u64 % n + 2 * n - shift - self.home(file, 0).0 as u64) % n
     }
 
     /// Indices of the pages of a `pages`-page file that `node` holds in `role`, ascending.

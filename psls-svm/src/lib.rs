@@ -1,8 +1,11 @@
-//! `psls-svm`: identifiers shared by every PSLS crate (node, file, page, incarnation, epoch)
-//! and, in later work, the sans-IO coherence protocol and per-node page table.
+//! `psls-svm`: identifiers shared by every PSLS crate (node, file, page, incarnation, epoch),
+//! page placement's home function, and the sans-IO coherence protocol ([`coherence`]): the
+//! per-node page table and directory as a deterministic state machine, tested by a seeded
+//! simulator (`tests/sim.rs`).
 //!
 //! Invariant: nothing in this crate performs I/O, reads a clock or spawns threads.
 
+pub mod coherence;
 pub mod ids;
 pub mod rng;
 

@@ -1,0 +1,1174 @@
+//! The coherence protocol of one node, as a pure state machine (no I/O, no clock): a
+//! sequentially consistent write-invalidate protocol with a fixed distributed manager per page
+//! (Li & Hudak), DESIGN §5.
+//!
+//! Inputs are method calls ([`Svm::fault`], [`Svm::receive`], [`Svm::loaded`],
+//! [`Svm::peer_down`], [`Svm::peer_up`], [`Svm::cancel`]); outputs are [`Action`]s taken with [`Svm::poll_action`]
+//! and executed by the shell **in order**.
+//!
+//! # Roles
+//! - The **manager** of a page is its home node. It records the page's *owner* (the node whose
+//!   copy is the latest and which supplies it), the *copyset* (every node with a copy, the owner
+//!   included), whether the owner may write, and whether the page was written since it was
+//!   loaded from disk. It serializes requests per page: one transaction at a time, the next
+//!   one only after the requester reported `Done`.
+//! - A **requester** asks its manager for read or write access on a local fault, collects the
+//!   grant, the page data (from the owner, or from disk) and the invalidation acks, then sets
+//!   its access and wakes the faulting clients.
+//!
+//! # Messages of one transaction
+//! Read: `Req` → manager; `Fwd` → owner, which downgrades and sends `Data`; `Grant` → requester.
+//! Write: as read, but the owner sends its data and drops its copy, and every other holder gets
+//! `Inval` and acks the requester directly (`InvalAck`). A requester that already holds a copy
+//! gets no data (`Source::Have`). A page in no memory is loaded from disk by the requester
+//! (`Source::Disk`). Latency: 1.5 round trips for a remote fault, whatever the copyset.
+//!
+//! # Invariants (asserted by the simulator after every step)
+//! - At most one node has write access to a page; while one has, no other node has any access.
+//! - A read returns the value of the latest write in the order the manager serialized them.
+//!
+//! The shell keeps these by executing actions in order: it sets access before it acks an
+//! invalidation, snapshots a page for `Data` before it drops it, and installs received data
+//! before it runs the actions that follow the [`Receipt::Install`].
+//!
+//! # Failures
+//! Messages from a node this one holds down, or from or to another incarnation, are dropped.
+//! When a peer goes down, transactions that waited on its data fail; acks it owed are no longer
+//! needed (its memory is gone). A page whose only up-to-date copy was on a lost node is *lost*:
+//! faults on it fail until a checkpoint rollback restores it (a later issue). A page that was not
+//! written since it was loaded is simply reloaded from disk.
+
+use crate::ids::{FileId, Incarnation, NodeId, PageId};
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::fmt;
+
+/// At most this many local faults wait on one page (clients are bounded by the shell too).
+pub const MAX_WAITERS_PER_PAGE: usize = 4096;
+/// At most this many actions queued before the shell drains them (a bound, asserted).
+const MAX_ACTIONS: usize = 1 << 20;
+
+/// The home (manager and PFS primary) node of page `index` of `file` in a cluster of `nodes`:
+/// `(hash(file) + index) mod N` (DESIGN §3). `nodes` must be ≥ 1.
+pub fn home_node(file: FileId, index: u64, nodes: u32) -> NodeId {
+    let n = nodes.max(1) as u64;
+    NodeId(((crate::rng::mix64(file.0) % n + index % n) % n) as u32)
+}
+
+/// Access a node (or a fault) needs: reading, or reading and writing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum Access {
+    Read,
+    Write,
+}
+
+/// Identifies one transaction: the requester, its incarnation and a sequence number.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct TxnId {
+    pub node: NodeId,
+    pub incarnation: Incarnation,
+    pub seq: u64,
+}
+
+/// Where a requester gets the page's contents from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Source {
+    /// The owner (that incarnation of it) sends a `Data` message.
+    Owner(NodeId, Incarnation),
+    /// No memory holds the page: load it from the PFS.
+    Disk,
+    /// The requester's own copy is current (an upgrade from read to write).
+    Have,
+}
+
+/// Why a fault could not be served.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+pub enum FaultError {
+    #[error("the page's only up-to-date copy was lost with a failed node")]
+    PageLost,
+    #[error("the page's manager node is down")]
+    ManagerDown,
+    #[error("the page could not be read from either disk copy")]
+    LoadFailed,
+    #[error("too many faults waiting on one page")]
+    TooManyWaiters,
+    #[error("the page's manager node restarted and lost its directory: restart the job from a checkpoint")]
+    ManagerRestarted,
+}
+
+/// A protocol message between nodes (the payload of `Data` travels beside it).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Msg {
+    /// Requester → manager.
+    Req { page: PageId, txn: TxnId, access: Access },
+    /// Manager → requester: the transaction may go ahead.
+    Grant {
+        page: PageId,
+        txn: TxnId,
+        access: Access,
+        source: Source,
+        /// Nodes (incarnations) whose `InvalAck` the requester must collect.
+        acks: Vec<(NodeId, Incarnation)>,
+    },
+    /// Manager → requester: the request is refused.
+    Deny {
+        page: PageId,
+        txn: TxnId,
+        error: FaultError,
+    },
+    /// Manager → owner: send the page to `to`; drop the copy after if `access` is `Write`,
+    /// keep it read-only if `Read`.
+    Fwd {
+        page: PageId,
+        txn: TxnId,
+        to: NodeId,
+        access: Access,
+    },
+    /// Owner → requester, with the page's 4096 bytes as payload.
+    Data { page: PageId, txn: TxnId },
+    /// Manager → holder: drop your copy and ack `txn.node`.
+    Inval { page: PageId, txn: TxnId },
+    /// Holder → requester.
+    InvalAck { page: PageId, txn: TxnId },
+    /// Requester → manager: the transaction is over (`ok`: the requester now holds the page).
+    Done { page: PageId, txn: TxnId, ok: bool },
+    /// Owner → manager: the owner has no copy to forward (it lost it).
+    Nack { page: PageId, txn: TxnId },
+}
+
+impl Msg {
+    pub fn page(&self) -> PageId {
+        match self {
+            Msg::Req { page, .. }
+            | Msg::Grant { page, .. }
+            | Msg::Deny { page, .. }
+            | Msg::Fwd { page, .. }
+            | Msg::Data { page, .. }
+            | Msg::Inval { page, .. }
+            | Msg::InvalAck { page, .. }
+            | Msg::Done { page, .. }
+            | Msg::Nack { page, .. } => *page,
+        }
+    }
+    /// The transaction the message belongs to.
+    pub fn txn(&self) -> TxnId {
+        match self {
+            Msg::Req { txn, .. }
+            | Msg::Grant { txn, .. }
+            | Msg::Deny { txn, .. }
+            | Msg::Fwd { txn, .. }
+            | Msg::Data { txn, .. }
+            | Msg::Inval { txn, .. }
+            | Msg::InvalAck { txn, .. }
+            | Msg::Done { txn, .. }
+            | Msg::Nack { txn, .. } => *txn,
+        }
+    }
+    /// Whether the message carries a page of data.
+    pub fn has_payload(&self) -> bool {
+        matches!(self, Msg::Data { .. })
+    }
+}
+
+/// A message with the incarnations it is valid between.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Envelope {
+    pub from: NodeId,
+    pub from_incarnation: Incarnation,
+    pub to_incarnation: Incarnation,
+    pub msg: Msg,
+}
+
+/// Identifies one waiting fault (chosen by the shell).
+pub type WaiterId = u64;
+
+/// What the shell must do, in order.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Action {
+    /// Send `env` to `to` (possibly this node). If the message has a payload, attach this node's
+    /// copy of the page as it is now.
+    Send { to: NodeId, env: Envelope },
+    /// Read the page from the PFS into local memory, then call [`Svm::loaded`].
+    Load { page: PageId, txn: TxnId },
+    /// Set this node's access to the page: `None` drops the copy (zap it in every client),
+    /// `Read` write-protects it in every client, `Write` lets clients write it.
+    SetAccess { page: PageId, access: Option<Access> },
+    /// The fault may proceed: map the page in the waiter (read-only unless access is `Write`).
+    Resolve {
+        waiter: WaiterId,
+        page: PageId,
+        access: Access,
+    },
+    /// The fault fails.
+    Fail {
+        waiter: WaiterId,
+        page: PageId,
+        error: FaultError,
+    },
+}
+
+/// What [`Svm::receive`] did with a message.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Receipt {
+    /// Accepted; nothing to install.
+    Accepted,
+    /// Accepted: install the message's payload as this node's copy of the page **before**
+    /// running the actions that follow.
+    Install(PageId),
+    /// Stale (another incarnation, or from a node held down): ignored.
+    Dropped,
+}
+
+/// A message that breaks the protocol (a bug or a misbehaving peer). The state is unchanged.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("protocol violation from {from} on page {page}: {what}")]
+pub struct ProtocolError {
+    pub from: NodeId,
+    pub page: PageId,
+    pub what: String,
+}
+
+/// Counters a node reports.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Stats {
+    /// Faults resolved at once (the node had the access).
+    pub local_faults: u64,
+    /// Read and write requests this node issued to managers.
+    pub read_requests: u64,
+    pub write_requests: u64,
+    /// Pages received from other nodes, and sent to them.
+    pub pages_in: u64,
+    pub pages_out: u64,
+    /// Pages loaded from the PFS.
+    pub pages_loaded: u64,
+    /// Copies this node dropped because another node wrote.
+    pub invalidations: u64,
+    /// Faults that failed.
+    pub failed_faults: u64,
+}
+
+/// This node's side of one page: its access and its own pending request.
+#[derive(Debug, Default)]
+struct Local {
+    access: Option<Access>,
+    pending: Option<Pending>,
+    waiters: Vec<(WaiterId, Access)>,
+}
+
+#[derive(Debug)]
+struct Pending {
+    txn: TxnId,
+    access: Access,
+    grant: Option<(Source, Vec<(NodeId, Incarnation)>)>,
+    data: bool,
+    loaded: bool,
+    /// Acks received, from these incarnations.
+    acked: BTreeSet<(NodeId, Incarnation)>,
+}
+
+/// The manager's record of a page it manages.
+#[derive(Debug, Default)]
+struct Directory {
+    owner: Option<NodeId>,
+    copyset: BTreeSet<NodeId>,
+    writable: bool,
+    /// Written since it was loaded from disk: memory holds the only current version.
+    dirty: bool,
+    lost: bool,
+    busy: Option<Busy>,
+    queue: VecDeque<(TxnId, Access)>,
+}
+
+impl Directory {
+    /// Every copy is gone: the page is lost if memory held its only current version.
+    fn forget_copies(&mut self) {
+        self.owner = None;
+        self.copyset.clear();
+        self.writable = false;
+        self.lost |= self.dirty;
+    }
+    /// The owner is gone: another holder of a read copy takes over, or every copy is gone.
+    fn reassign_or_lose(&mut self) {
+        match self.copyset.iter().next() {
+            Some(&c) if !self.writable => self.owner = Some(c),
+            _ => self.forget_copies(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Peer {
+    incarnation: Incarnation,
+    up: bool,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Busy {
+    txn: TxnId,
+    access: Access,
+    source: Source,
+}
+
+/// The protocol state of one node.
+#[derive(Debug)]
+pub struct Svm {
+    me: NodeId,
+    incarnation: Incarnation,
+    nodes: u32,
+    /// The latest incarnation known of every node, and whether it is up.
+    peers: Vec<Peer>,
+    local: HashMap<PageId, Local>,
+    dir: HashMap<PageId, Directory>,
+    actions: VecDeque<Action>,
+    next_seq: u64,
+    stats: Stats,
+    /// Restarted: the directory of the pages this node manages died with the previous
+    /// incarnation, so it cannot tell where their latest versions are. It refuses requests for
+    /// them until a rollback rebuilds the directory.
+    recovering: bool,
+}
+
+/// Returns a protocol error unless `cond` holds.
+macro_rules! ensure {
+    ($cond:expr, $from:expr, $page:expr, $($what:tt)+) => {
+        if !$cond {
+            return Err(ProtocolError { from: $from, page: $page, what: format!($($what)+) });
+        }
+    };
+}
+
+impl Svm {
+    /// Node `me` (incarnation `incarnation`) of a cluster of `nodes`, all of them up at
+    /// incarnation `peers[i]` (`None`: down, incarnation unknown).
+    pub fn new(me: NodeId, incarnation: Incarnation, peers: Vec<Option<Incarnation>>) -> Svm {
+        let nodes = peers.len() as u32;
+        assert!(me.0 < nodes, "node {me} outside a cluster of {nodes}");
+        let mut peers: Vec<Peer> = peers
+            .into_iter()
+            .map(|p| Peer {
+                incarnation: p.unwrap_or(Incarnation(0)),
+                up: p.is_some(),
+            })
+            .collect();
+        peers[me.0 as usize] = Peer { incarnation, up: true };
+        Svm {
+            me,
+            incarnation,
+            nodes,
+            peers,
+            local: HashMap::new(),
+            dir: HashMap::new(),
+            actions: VecDeque::new(),
+            next_seq: 0,
+            stats: Stats::default(),
+            recovering: false,
+        }
+    }
+
+    /// Like [`Svm::new`], for a node whose previous incarnation died: it refuses requests for
+    /// the pages it manages (their directory is gone) with [`FaultError::ManagerRestarted`].
+    pub fn restarted(me: NodeId, incarnation: Incarnation, peers: Vec<Option<Incarnation>>) -> Svm {
+        Svm {
+            recovering: true,
+            ..Svm::new(me, incarnation, peers)
+        }
+    }
+
+    pub fn me(&self) -> NodeId {
+        self.me
+    }
+    pub fn incarnation(&self) -> Incarnation {
+        self.incarnation
+    }
+    pub fn stats(&self) -> Stats {
+        self.stats
+    }
+    /// The manager of `page`.
+    pub fn manager(&self, page: PageId) -> NodeId {
+        home_node(page.file, page.index, self.nodes)
+    }
+    /// This node's access to `page`.
+    pub fn access(&self, page: PageId) -> Option<Access> {
+        self.local.get(&page).and_then(|l| l.access)
+    }
+    /// Pages this node holds, with their access.
+    pub fn held(&self) -> impl Iterator<Item = (PageId, Access)> + '_ {
+        self.local.iter().filter_map(|(p, l)| l.access.map(|a| (*p, a)))
+    }
+    /// Whether nothing is in flight at this node (no pending request, no busy directory entry).
+    pub fn is_quiet(&self) -> bool {
+        self.local.values().all(|l| l.pending.is_none() && l.waiters.is_empty())
+            && self.dir.values().all(|d| d.busy.is_none() && d.queue.is_empty())
+    }
+    /// The manager's view of `page` (for checks): owner, copyset, writable, lost.
+    pub fn directory(&self, page: PageId) -> Option<(Option<NodeId>, Vec<NodeId>, bool, bool)> {
+        self.dir
+            .get(&page)
+            .map(|d| (d.owner, d.copyset.iter().copied().collect(), d.writable, d.lost))
+    }
+
+    /// The next action for the shell.
+    pub fn poll_action(&mut self) -> Option<Action> {
+        self.actions.pop_front()
+    }
+
+    fn push(&mut self, a: Action) {
+        assert!(self.actions.len() < MAX_ACTIONS, "action queue not drained");
+        self.actions.push_back(a);
+    }
+
+    fn send(&mut self, to: NodeId, msg: Msg) {
+        let Some(inc) = self.peers.get(to.0 as usize).filter(|p| p.up).map(|p| p.incarnation) else {
+            // A down node gets nothing; failure handling covers what it would have done.
+            return;
+        };
+        if matches!(msg, Msg::Data { .. }) {
+            self.stats.pages_out += 1;
+        }
+        self.push(Action::Send {
+            to,
+            env: Envelope {
+                from: self.me,
+                from_incarnation: self.incarnation,
+                to_incarnation: inc,
+                msg,
+            },
+        });
+    }
+
+    fn is_up(&self, n: NodeId) -> bool {
+        self.peers.get(n.0 as usize).is_some_and(|p| p.up)
+    }
+
+    // ----- local faults (requester side) -----
+
+    /// A local client `waiter` faulted on `page` needing `access`.
+    pub fn fault(&mut self, page: PageId, access: Access, waiter: WaiterId) {
+        let l = self.local.entry(page).or_default();
+        if l.access >= Some(access) {
+            self.stats.local_faults += 1;
+            self.push(Action::Resolve { waiter, page, access });
+            return;
+        }
+        if l.waiters.len() >= MAX_WAITERS_PER_PAGE {
+            self.stats.failed_faults += 1;
+            self.push(Action::Fail {
+                waiter,
+                page,
+                error: FaultError::TooManyWaiters,
+            });
+            return;
+        }
+        l.waiters.push((waiter, access));
+        self.request_if_needed(page);
+    }
+
+    /// The client behind `waiter` is gone: forget its waiting faults.
+    pub fn cancel(&mut self, waiter: WaiterId) {
+        for l in self.local.values_mut() {
+            l.waiters.retain(|(w, _)| *w != waiter);
+        }
+    }
+
+    /// Issues a request for the strongest access a waiter needs, unless one is pending.
+    fn request_if_needed(&mut self, page: PageId) {
+        let manager = self.manager(page);
+        let manager_up = self.is_up(manager);
+        let Some(l) = self.local.get_mut(&page) else { return };
+        if l.pending.is_some() {
+            return;
+        }
+        // Wake those the current access already serves.
+        let have = l.access;
+        let mut wake = Vec::new();
+        l.waiters.retain(|&(w, a)| {
+            if have >= Some(a) {
+                wake.push((w, a));
+                false
+            } else {
+                true
+            }
+        });
+        let need = l.waiters.iter().map(|w| w.1).max();
+        for (waiter, access) in wake {
+            self.push(Action::Resolve { waiter, page, access });
+        }
+        let Some(need) = need else { return };
+        if !manager_up {
+            self.fail_waiters(page, FaultError::ManagerDown);
+            return;
+        }
+        let txn = TxnId {
+            node: self.me,
+            incarnation: self.incarnation,
+            seq: self.next_seq,
+        };
+        self.next_seq += 1;
+        match need {
+            Access::Read => self.stats.read_requests += 1,
+            Access::Write => self.stats.write_requests += 1,
+        }
+        if let Some(l) = self.local.get_mut(&page) {
+            l.pending = Some(Pending {
+                txn,
+                access: need,
+                grant: None,
+                data: false,
+                loaded: false,
+                acked: BTreeSet::new(),
+            });
+        }
+        self.send(
+            manager,
+            Msg::Req {
+                page,
+                txn,
+                access: need,
+            },
+        );
+    }
+
+    fn fail_waiters(&mut self, page: PageId, error: FaultError) {
+        let waiters = self
+            .local
+            .get_mut(&page)
+            .map(|l| std::mem::take(&mut l.waiters))
+            .unwrap_or_default();
+        for (waiter, _) in waiters {
+            self.stats.failed_faults += 1;
+            self.push(Action::Fail { waiter, page, error });
+        }
+    }
+
+    /// The PFS load of `page` for `txn` finished (`ok`: its bytes are in local memory).
+    pub fn loaded(&mut self, page: PageId, txn: TxnId, ok: bool) {
+        let Some(p) = self.local.get_mut(&page).and_then(|l| l.pending.as_mut()) else {
+            return;
+        };
+        if p.txn != txn || !matches!(p.grant, Some((Source::Disk, _))) || p.loaded {
+            return;
+        }
+        if ok {
+            p.loaded = true;
+            self.stats.pages_loaded += 1;
+            self.try_complete(page);
+        } else {
+            self.abort_pending(page, FaultError::LoadFailed);
+        }
+    }
+
+    /// Ends the pending transaction of `page` without the page: fails the waiters and tells the
+    /// manager.
+    fn abort_pending(&mut self, page: PageId, error: FaultError) {
+        let Some(p) = self.local.get_mut(&page).and_then(|l| l.pending.take()) else {
+            return;
+        };
+        // Whatever arrived is not a valid copy.
+        if let Some(l) = self.local.get_mut(&page) {
+            if p.access == Access::Write && p.grant.map(|g| g.0) == Some(Source::Have) {
+                // Our read copy stays valid only if the manager still counts it: it does not
+                // after a failed upgrade (the others were invalidated for us), so drop it.
+                l.access = None;
+                self.actions.push_back(Action::SetAccess { page, access: None });
+            }
+        }
+        self.fail_waiters(page, error);
+        let manager = self.manager(page);
+        self.send(
+            manager,
+            Msg::Done {
+                page,
+                txn: p.txn,
+                ok: false,
+            },
+        );
+    }
+
+    /// Completes the pending transaction when grant, data and acks are all in.
+    fn try_complete(&mut self, page: PageId) {
+        let peers = &self.peers;
+        let Some(l) = self.local.get_mut(&page) else { return };
+        let Some(p) = &l.pending else { return };
+        let Some((source, acks)) = &p.grant else { return };
+        let have_data = match source {
+            Source::Owner(..) => p.data,
+            Source::Disk => p.loaded,
+            Source::Have => true,
+        };
+        // An ack is in, or not needed: that incarnation is dead, and its copy with it.
+        let acked = |&(n, inc): &(NodeId, Incarnation)| {
+            p.acked.contains(&(n, inc)) || peers.get(n.0 as usize).is_none_or(|q| q.incarnation > inc || !q.up)
+        };
+        if !have_data || !acks.iter().all(acked) {
+            return;
+        }
+        let (txn, access) = (p.txn, p.access);
+        l.pending = None;
+        l.access = Some(access);
+        self.push(Action::SetAccess {
+            page,
+            access: Some(access),
+        });
+        let manager = self.manager(page);
+        self.send(manager, Msg::Done { page, txn, ok: true });
+        self.request_if_needed(page);
+    }
+
+    // ----- membership -----
+
+    /// Incarnation `incarnation` of node `n` is dead (news of an older one are ignored).
+    pub fn peer_down(&mut self, n: NodeId, incarnation: Incarnation) {
+        let Some(p) = self.peers.get(n.0 as usize).copied() else {
+            return;
+        };
+        if n == self.me || incarnation < p.incarnation {
+            return;
+        }
+        self.peers[n.0 as usize] = Peer { incarnation, up: false };
+        if p.up {
+            self.node_failed(n);
+        }
+    }
+
+    /// Node `n` runs as `incarnation`. A newer incarnation than the one known proves the old
+    /// one failed, with its memory; a dead incarnation never comes back up (fencing).
+    pub fn peer_up(&mut self, n: NodeId, incarnation: Incarnation) {
+        let Some(p) = self.peers.get(n.0 as usize).copied() else {
+            return;
+        };
+        if n == self.me || incarnation <= p.incarnation {
+            return;
+        }
+        self.peers[n.0 as usize] = Peer { incarnation, up: false };
+        if p.up {
+            self.node_failed(n);
+        }
+        self.peers[n.0 as usize].up = true;
+    }
+
+    fn node_failed(&mut self, n: NodeId) {
+        // As requester.
+        let mut pages: Vec<PageId> = self.local.keys().copied().collect();
+        pages.sort();
+        for page in pages {
+            let manager = self.manager(page);
+            let Some(p) = self.local.get_mut(&page).and_then(|l| l.pending.as_mut()) else {
+                continue;
+            };
+            let waits_data = matches!(p.grant, Some((Source::Owner(o, _), _)) if o == n) && !p.data;
+            if waits_data {
+                self.abort_pending(page, FaultError::PageLost);
+            } else if manager == n {
+                // The manager's state is gone with it: nothing more will come.
+                if let Some(l) = self.local.get_mut(&page) {
+                    l.pending = None;
+                }
+                self.fail_waiters(page, FaultError::ManagerDown);
+            } else {
+                self.try_complete(page);
+            }
+        }
+        // As manager.
+        let mut pages: Vec<PageId> = self.dir.keys().copied().collect();
+        pages.sort();
+        for page in pages {
+            let Some(d) = self.dir.get_mut(&page) else { continue };
+            d.queue.retain(|(t, _)| t.node != n);
+            d.copyset.remove(&n);
+            let owner_gone = d.owner == Some(n);
+            match d.busy {
+                Some(b) if b.txn.node == n => {
+                    // The requester died mid-transaction. After a write transaction every other
+                    // copy may be gone already, and the requester may have written (its `Done`
+                    // died with it): the latest version is lost.
+                    d.busy = None;
+                    if b.access == Access::Write {
+                        d.forget_copies();
+                        d.lost = true;
+                    } else if owner_gone {
+                        d.reassign_or_lose();
+                    }
+                    self.next_in_queue(page);
+                }
+                Some(b) if matches!(b.source, Source::Owner(o, _) if o == n) => {
+                    // The requester's `Done` says whether the data got out before the owner died.
+                    if owner_gone {
+                        d.owner = None;
+                        d.writable = false;
+                    }
+                }
+                _ => {
+                    if owner_gone {
+                        d.reassign_or_lose();
+                    }
+                }
+            }
+        }
+    }
+
+    // ----- messages -----
+
+    /// A message from a peer (or this node). See [`Receipt`] for what the shell does with
+    /// its payload.
+    pub fn receive(&mut self, env: Envelope) -> Result<Receipt, ProtocolError> {
+        let from = env.from;
+        let Some(known) = self.peers.get(from.0 as usize).copied() else {
+            return Ok(Receipt::Dropped);
+        };
+        if env.from_incarnation > known.incarnation {
+            // A newer incarnation: proof that the one we knew is gone.
+            self.peer_up(from, env.from_incarnation);
+        }
+        let known = self.peers[from.0 as usize];
+        if env.to_incarnation != self.incarnation || !known.up || env.from_incarnation != known.incarnation {
+            return Ok(Receipt::Dropped);
+        }
+        // The requester's incarnation travels in the transaction id: a newer one than known
+        // means it restarted (and replies must go to the new incarnation).
+        let txn = env.msg.txn();
+        if self
+            .peers
+            .get(txn.node.0 as usize)
+            .is_some_and(|p| txn.incarnation > p.incarnation)
+        {
+            self.peer_up(txn.node, txn.incarnation);
+        }
+        let page = env.msg.page();
+        let manager = self.manager(page);
+        match env.msg {
+            Msg::Req { txn, access, .. } => {
+                ensure!(
+                    manager == self.me,
+                    from,
+                    page,
+                    "request sent to a node that does not manage the page"
+                );
+                ensure!(
+                    txn.node == from && txn.incarnation == env.from_incarnation,
+                    from,
+                    page,
+                    "request for another node's transaction"
+                );
+                self.on_request(page, txn, access, from)?;
+                Ok(Receipt::Accepted)
+            }
+            Msg::Done { txn, ok, .. } => {
+                ensure!(
+                    manager == self.me,
+                    from,
+                    page,
+                    "done sent to a node that does not manage the page"
+                );
+                self.on_done(page, txn, ok, from)?;
+                Ok(Receipt::Accepted)
+            }
+            Msg::Nack { txn, .. } => {
+                ensure!(
+                    manager == self.me,
+                    from,
+                    page,
+                    "nack sent to a node that does not manage the page"
+                );
+                self.on_nack(page, txn, from);
+                Ok(Receipt::Accepted)
+            }
+            Msg::Grant {
+                txn,
+                access,
+                source,
+                acks,
+                ..
+            } => {
+                ensure!(
+                    from == manager,
+                    from,
+                    page,
+                    "grant from a node that does not manage the page"
+                );
+                self.on_grant(page, txn, access, source, acks, from)?;
+                Ok(Receipt::Accepted)
+            }
+            Msg::Deny { txn, error, .. } => {
+                ensure!(
+                    from == manager,
+                    from,
+                    page,
+                    "deny from a node that does not manage the page"
+                );
+                let pending = self.local.get(&page).and_then(|l| l.pending.as_ref()).map(|p| p.txn);
+                if pending == Some(txn) {
+                    if let Some(l) = self.local.get_mut(&page) {
+                        l.pending = None;
+                    }
+                    self.fail_waiters(page, error);
+                }
+                Ok(Receipt::Accepted)
+            }
+            Msg::Fwd { txn, to, access, .. } => {
+                ensure!(
+                    from == manager,
+                    from,
+                    page,
+                    "forward from a node that does not manage the page"
+                );
+                self.on_forward(page, txn, to, access);
+                Ok(Receipt::Accepted)
+            }
+            Msg::Inval { txn, .. } => {
+                ensure!(
+                    from == manager,
+                    from,
+                    page,
+                    "invalidation from a node that does not manage the page"
+                );
+                let l = self.local.entry(page).or_default();
+                if l.access.is_some() {
+                    l.access = None;
+                    self.stats.invalidations += 1;
+                    self.push(Action::SetAccess { page, access: None });
+                }
+                self.send(txn.node, Msg::InvalAck { page, txn });
+                Ok(Receipt::Accepted)
+            }
+            Msg::InvalAck { txn, .. } => {
+                if let Some(p) = self.local.get_mut(&page).and_then(|l| l.pending.as_mut()) {
+                    if p.txn == txn {
+                        p.acked.insert((from, env.from_incarnation));
+                        self.try_complete(page);
+                    }
+                }
+                Ok(Receipt::Accepted)
+            }
+            Msg::Data { txn, .. } => {
+                let l = self.local.entry(page).or_default();
+                let Some(p) = l.pending.as_mut().filter(|p| p.txn == txn) else {
+                    return Ok(Receipt::Dropped);
+                };
+                ensure!(!p.data, from, page, "data sent twice");
+                if let Some((source, _)) = &p.grant {
+                    ensure!(
+                        *source == Source::Owner(from, env.from_incarnation),
+                        from,
+                        page,
+                        "data from a node that is not the granted source"
+                    );
+                }
+                ensure!(
+                    l.access.is_none(),
+                    from,
+                    page,
+                    "data for a page this node already holds"
+                );
+                p.data = true;
+                self.stats.pages_in += 1;
+                self.try_complete(page);
+                Ok(Receipt::Install(page))
+            }
+        }
+    }
+
+    fn on_grant(
+        &mut self,
+        page: PageId,
+        txn: TxnId,
+        access: Access,
+        source: Source,
+        acks: Vec<(NodeId, Incarnation)>,
+        from: NodeId,
+    ) -> Result<(), ProtocolError> {
+        // Newer incarnations than known are news (they are up).
+        let mentioned = acks.iter().copied().chain(match source {
+            Source::Owner(o, inc) => Some((o, inc)),
+            _ => None,
+        });
+        for (n, inc) in mentioned.collect::<Vec<_>>() {
+            if self.peers.get(n.0 as usize).is_some_and(|p| inc > p.incarnation) {
+                self.peer_up(n, inc);
+            }
+        }
+        // An owner that is down, or runs a later incarnation than the one that held the page,
+        // has lost it.
+        let alive = |s: &Svm, n: NodeId, inc: Incarnation| {
+            s.peers.get(n.0 as usize)
+                == Some(&Peer {
+                    incarnation: inc,
+                    up: true,
+                })
+        };
+        let source_up = match source {
+            Source::Owner(o, inc) => alive(self, o, inc),
+            _ => true,
+        };
+        let Some(l) = self.local.get_mut(&page) else {
+            return Ok(());
+        };
+        let held = l.access;
+        let Some(p) = l.pending.as_mut().filter(|p| p.txn == txn) else {
+            return Ok(());
+        };
+        ensure!(p.grant.is_none(), from, page, "grant sent twice");
+        ensure!(
+            p.access == access,
+            from,
+            page,
+            "grant of {access:?} for a {:?} request",
+            p.access
+        );
+        ensure!(
+            source != Source::Have || held.is_some(),
+            from,
+            page,
+            "upgrade granted to a node without a copy"
+        );
+        if let Source::Owner(o, _) = source {
+            ensure!(o != self.me, from, page, "told to fetch the page from itself");
+        }
+        if p.data {
+            ensure!(
+                matches!(source, Source::Owner(..)),
+                from,
+                page,
+                "data arrived for a grant without an owner"
+            );
+        }
+        p.grant = Some((source, acks));
+        if !source_up && !p.data {
+            self.abort_pending(page, FaultError::PageLost);
+            return Ok(());
+        }
+        if source == Source::Disk {
+            self.push(Action::Load { page, txn });
+        }
+        self.try_complete(page);
+        Ok(())
+    }
+
+    fn on_forward(&mut self, page: PageId, txn: TxnId, to: NodeId, access: Access) {
+        let manager = self.manager(page);
+        let held = self.local.get(&page).and_then(|l| l.access);
+        if held.is_none() {
+            self.send(manager, Msg::Nack { page, txn });
+            return;
+        }
+        match access {
+            Access::Read => {
+                if held == Some(Access::Write) {
+                    if let Some(l) = self.local.get_mut(&page) {
+                        l.access = Some(Access::Read);
+                    }
+                    self.push(Action::SetAccess {
+                        page,
+                        access: Some(Access::Read),
+                    });
+                }
+                self.send(to, Msg::Data { page, txn });
+            }
+            Access::Write => {
+                self.send(to, Msg::Data { page, txn });
+                if let Some(l) = self.local.get_mut(&page) {
+                    l.access = None;
+                }
+                self.stats.invalidations += 1;
+                self.push(Action::SetAccess { page, access: None });
+            }
+        }
+    }
+
+    // ----- manager side -----
+
+    fn on_request(&mut self, page: PageId, txn: TxnId, access: Access, from: NodeId) -> Result<(), ProtocolError> {
+        let d = self.dir.entry(page).or_default();
+        // One request per node at a time. (Its previous transaction may still be busy here: the
+        // `Done` and this request can cross; the request then waits in the queue.)
+        let dup = d.busy.is_some_and(|b| b.txn == txn) || d.queue.iter().any(|(t, _)| t.node == from);
+        ensure!(!dup, from, page, "a second request while one is in progress");
+        if d.lost || self.recovering {
+            let error = if d.lost {
+                FaultError::PageLost
+            } else {
+                FaultError::ManagerRestarted
+            };
+            self.send(from, Msg::Deny { page, txn, error });
+            return Ok(());
+        }
+        let bound = self.nodes as usize;
+        let d = self.dir.entry(page).or_default();
+        assert!(d.queue.len() < bound, "more queued requests than nodes");
+        d.queue.push_back((txn, access));
+        if d.busy.is_none() {
+            self.next_in_queue(page);
+        }
+        Ok(())
+    }
+
+    /// Starts the next queued transaction of `page`, if it is idle.
+    fn next_in_queue(&mut self, page: PageId) {
+        loop {
+            let Some(d) = self.dir.get_mut(&page) else { return };
+            if d.busy.is_some() {
+                return;
+            }
+            let Some((txn, access)) = d.queue.pop_front() else {
+                return;
+            };
+            if d.lost {
+                self.send(
+                    txn.node,
+                    Msg::Deny {
+                        page,
+                        txn,
+                        error: FaultError::PageLost,
+                    },
+                );
+                continue;
+            }
+            let r = txn.node;
+            let source = match d.owner {
+                None => Source::Disk,
+                Some(_) if d.copyset.contains(&r) => Source::Have,
+                Some(o) => Source::Owner(o, self.peers[o.0 as usize].incarnation),
+            };
+            // A write invalidates every other copy; a forwarding owner drops its own.
+            let mut invals = Vec::new();
+            if access == Access::Write {
+                let forwarder = match source {
+                    Source::Owner(o, _) => Some(o),
+                    _ => None,
+                };
+                invals = d
+                    .copyset
+                    .iter()
+                    .copied()
+                    .filter(|&c| c != r && Some(c) != forwarder)
+                    .collect();
+            }
+            let acks = invals
+                .iter()
+                .map(|&c| (c, self.peers[c.0 as usize].incarnation))
+                .collect();
+            d.busy = Some(Busy { txn, access, source });
+            for c in invals {
+                self.send(c, Msg::Inval { page, txn });
+            }
+            if let Source::Owner(o, _) = source {
+                self.send(
+                    o,
+                    Msg::Fwd {
+                        page,
+                        txn,
+                        to: r,
+                        access,
+                    },
+                );
+            }
+            self.send(
+                r,
+                Msg::Grant {
+                    page,
+                    txn,
+                    access,
+                    source,
+                    acks,
+                },
+            );
+            return;
+        }
+    }
+
+    fn on_done(&mut self, page: PageId, txn: TxnId, ok: bool, from: NodeId) -> Result<(), ProtocolError> {
+        let Some(d) = self.dir.get_mut(&page) else {
+            return Ok(());
+        };
+        let Some(b) = d.busy.filter(|b| b.txn == txn) else {
+            return Ok(());
+        };
+        ensure!(
+            from == txn.node,
+            from,
+            page,
+            "done from a node that is not the requester"
+        );
+        let r = txn.node;
+        match (ok, b.access) {
+            (true, Access::Read) => {
+                match b.source {
+                    Source::Disk => {
+                        d.owner = Some(r);
+                        d.dirty = false;
+                    }
+                    // The owner died after sending: the requester's copy is the latest.
+                    Source::Owner(..) if d.owner.is_none() => d.owner = Some(r),
+                    Source::Owner(..) | Source::Have => {}
+                }
+                d.copyset.insert(r);
+                d.writable = false;
+            }
+            (true, Access::Write) => {
+                d.owner = Some(r);
+                d.copyset = BTreeSet::from([r]);
+                d.writable = true;
+                d.dirty = true;
+            }
+            (false, Access::Read) => {
+                // Nothing changed hands, except that a forwarding owner downgraded.
+                if matches!(b.source, Source::Owner(..)) {
+                    d.writable = false;
+                    if d.owner.is_none() {
+                        d.reassign_or_lose();
+                    }
+                }
+            }
+            (false, Access::Write) => {
+                // Every other copy may have been invalidated or handed over.
+                if b.source != Source::Disk {
+                    d.forget_copies();
+                }
+            }
+        }
+        d.busy = None;
+        self.next_in_queue(page);
+        Ok(())
+    }
+
+    fn on_nack(&mut self, page: PageId, txn: TxnId, from: NodeId) {
+        let Some(d) = self.dir.get_mut(&page) else { return };
+        let Some(b) = d.busy.filter(|b| b.txn == txn) else {
+            return;
+        };
+        if !matches!(b.source, Source::Owner(o, _) if o == from) {
+            return;
+        }
+        // The owner has no copy (it cannot happen without a failure; fail closed).
+        d.copyset.remove(&from);
+        if b.access == Access::Write {
+            d.forget_copies();
+        } else {
+            d.owner = None;
+            d.reassign_or_lose();
+        }
+        d.busy = None;
+        self.send(
+            txn.node,
+            Msg::Deny {
+                page,
+                txn,
+                error: FaultError::PageLost,
+            },
+        );
+        self.next_in_queue(page);
+    }
+}
+
+impl fmt::Display for TxnId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}#{}.{}", self.node, self.incarnation.0, self.seq)
+    }
+}
+
+/// Where a node stands on one page, by the node's own books (for invariant checks).
+pub fn holders(nodes: &[&Svm], page: PageId) -> BTreeMap<NodeId, Access> {
+    nodes
+        .iter()
+        .filter_map(|n| n.access(page).map(|a| (n.me(), a)))
+        .collect()
+}
