@@ -3,6 +3,9 @@
 //! launcher). [`cluster`] holds what the CLI does to local daemons (start, stop, find).
 
 pub mod cluster;
+pub mod session;
+
+pub use session::{Mapping, Session};
 
 use psls_ipc::proto::{self, ClusterStatus, FileInfo, FrameError, Request, Response, ScrubReport, Stripe, CHUNK};
 use psls_ipc::ErrorKind;

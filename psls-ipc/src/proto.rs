@@ -66,6 +66,32 @@ pub enum Request {
     ExportFd {
         name: String,
     },
+    /// Makes this connection the caller process's lifeline: the daemon never answers it except
+    /// with `Fatal` when a fault of the process cannot be served; its closing tells the client
+    /// that the daemon died.
+    Lifeline,
+    /// Maps a parallel file (or, with `volatile`, a volatile segment) into the caller: answered
+    /// by `Mapped` with the node's memfd of the file passed along (SCM_RIGHTS).
+    Map {
+        name: String,
+        /// Bytes wanted; with `create`, the size of a file created if it does not exist.
+        size: u64,
+        create: bool,
+        writable: bool,
+        volatile: bool,
+    },
+    /// Hands the daemon the userfaultfd passed with this frame, registered by the caller over
+    /// `[base, base + len)`, a mapping of `file`'s memfd at offset 0.
+    Register {
+        file: u64,
+        base: u64,
+        len: u64,
+        writable: bool,
+    },
+    /// The caller unmaps the mapping at `base`.
+    Unmap {
+        base: u64,
+    },
 }
 
 /// Class of an error, so that callers can react without parsing text.
@@ -184,6 +210,17 @@ pub enum Response {
     /// The whole file was written into the passed descriptor.
     Exported {
         size: u64,
+    },
+    /// Answer to `Map`: the memfd comes with it; map `len` bytes of it.
+    Mapped {
+        file: u64,
+        size: u64,
+        len: u64,
+        writable: bool,
+    },
+    /// On a lifeline: the process cannot go on (one of its faults failed).
+    Fatal {
+        message: String,
     },
 }
 

@@ -196,6 +196,124 @@ async fn import_from_fd(
     }
 }
 
+/// Holds a client's lifeline: writes `Fatal` when one of its faults fails; returns when the
+/// client closes it.
+async fn lifeline(node: &Arc<Node>, pid: i32, mut r: OwnedReadHalf, mut w: OwnedWriteHalf) -> anyhow::Result<()> {
+    let mut rx = node.svm.lifeline(pid);
+    let mut byte = [0u8; 1];
+    loop {
+        tokio::select! {
+            m = rx.recv() => match m {
+                Some(message) => send(&mut w, &Response::Fatal { message }).await?,
+                None => return Ok(()),
+            },
+            _ = r.read(&mut byte) => return Ok(()),
+        }
+    }
+}
+
+/// A stable id for a volatile segment: from its owner and name (high bit set, so it never
+/// collides with a parallel file's id).
+fn volatile_id(uid: u32, name: &str) -> psls_svm::FileId {
+    let mut h = psls_svm::rng::mix64(uid as u64 ^ 0x5053_4c53);
+    for chunk in name.as_bytes().chunks(8) {
+        let mut b = [0u8; 8];
+        b[..chunk.len()].copy_from_slice(chunk);
+        h = psls_svm::rng::mix64(h ^ u64::from_le_bytes(b));
+    }
+    psls_svm::FileId(h | 1 << 63)
+}
+
+/// `Map`: checks the caller's rights, creates the file if asked, opens the node's segment.
+async fn map(
+    node: &Arc<Node>,
+    caller: Caller,
+    name: &str,
+    size: u64,
+    create: bool,
+    writable: bool,
+    volatile: bool,
+) -> Result<(Response, std::fs::File), OpError> {
+    let pages_len = |n: u64| n.div_ceil(psls_svm::PAGE_SIZE as u64) * psls_svm::PAGE_SIZE as u64;
+    if size == 0 {
+        return Err(OpError::new(ErrorKind::Invalid, "cannot map 0 bytes"));
+    }
+    // userfaultfd needs a mapping that may be made writable, so the client gets the node's
+    // memfd read-write: only callers who may write the file may map it.
+    if !writable {
+        return Err(OpError::new(
+            ErrorKind::Invalid,
+            "read-only mappings are not supported: map with write access, or export the file",
+        ));
+    }
+    let (id, file_size, backing) = if volatile {
+        psls_pfs::meta::validate_name(name).map_err(|e| OpError::new(ErrorKind::Invalid, e.to_string()))?;
+        (volatile_id(caller.uid, name), size, crate::svm::Backing::Volatile)
+    } else {
+        let found = pfs::lookup_file(node, name);
+        let f = match found {
+            Ok(f) => f,
+            Err(e) if e.kind == ErrorKind::NotFound && create => {
+                match pfs::create(node, caller, name, size, 0o644).await {
+                    Ok(_) => {}
+                    // Another rank created it first.
+                    Err(e) if e.kind == ErrorKind::Exists => {}
+                    Err(e) => return Err(e),
+                }
+                pfs::lookup_file(node, name)?
+            }
+            Err(e) => return Err(e),
+        };
+        caller.check_read(&f)?;
+        if writable {
+            caller.check_write(&f)?;
+        }
+        if size > f.size {
+            return Err(OpError::new(
+                ErrorKind::Invalid,
+                format!("cannot map {size} bytes of '{name}': the file has {} bytes", f.size),
+            ));
+        }
+        (f.id, f.size, crate::svm::Backing::Pfs(f))
+    };
+    let memfd = node.svm.segment(node, id, name, file_size, backing)?;
+    let resp = Response::Mapped {
+        file: id.0,
+        size: file_size,
+        len: pages_len(size),
+        writable,
+    };
+    Ok((resp, memfd))
+}
+
+/// Sends `resp` with `fd` attached (SCM_RIGHTS) to the frame's first bytes.
+async fn send_with_fd(w: &mut OwnedWriteHalf, resp: &Response, fd: std::os::fd::BorrowedFd<'_>) -> std::io::Result<()> {
+    use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
+    let frame = proto::encode(resp).map_err(|e| std::io::Error::other(e.to_string()))?;
+    let sent = loop {
+        let sock: &UnixStream = w.as_ref();
+        sock.writable().await?;
+        let raw = sock.as_raw_fd();
+        let fds = [fd.as_raw_fd()];
+        let r = sock.try_io(tokio::io::Interest::WRITABLE, || {
+            sendmsg::<()>(
+                raw,
+                &[std::io::IoSlice::new(&frame)],
+                &[ControlMessage::ScmRights(&fds)],
+                MsgFlags::MSG_NOSIGNAL,
+                None,
+            )
+            .map_err(std::io::Error::from)
+        });
+        match r {
+            Ok(n) => break n,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+            Err(e) => return Err(e),
+        }
+    };
+    w.write_all(&frame[sent..]).await
+}
+
 /// Export that the daemon writes into the client's descriptor.
 async fn export_to_fd(node: &Arc<Node>, caller: Caller, file: std::fs::File, name: &str) -> Response {
     let (f, mut rx) = match pfs::export_stream(node, caller, name) {
@@ -288,6 +406,9 @@ async fn client(node: Arc<Node>, stream: UnixStream) -> anyhow::Result<()> {
         uid: cred.uid(),
         gid: cred.gid(),
     };
+    let pid = cred.pid();
+    // Files this connection was allowed to map, and whether writable.
+    let mut granted: std::collections::HashMap<u64, bool> = std::collections::HashMap::new();
     let (mut r, mut w) = stream.into_split();
     loop {
         let (req, mut fds) = match read_req_with_fds(&mut r).await {
@@ -378,6 +499,63 @@ async fn client(node: Arc<Node>, stream: UnixStream) -> anyhow::Result<()> {
                     Err(e) => err(e),
                 },
                 Err(e) => err(e),
+            },
+            Request::Lifeline => {
+                let Some(pid) = pid else {
+                    send(&mut w, &err(OpError::new(ErrorKind::Invalid, "no peer pid"))).await?;
+                    return Ok(());
+                };
+                return lifeline(&node, pid, r, w).await;
+            }
+            Request::Map {
+                name,
+                size,
+                create,
+                writable,
+                volatile,
+            } => match map(&node, caller, &name, size, create, writable, volatile).await {
+                Ok((resp, memfd)) => {
+                    if let Response::Mapped { file, writable, .. } = resp {
+                        granted.insert(file, writable);
+                    }
+                    send_with_fd(&mut w, &resp, std::os::fd::AsFd::as_fd(&memfd)).await?;
+                    continue;
+                }
+                Err(e) => err(e),
+            },
+            Request::Register {
+                file,
+                base,
+                len,
+                writable,
+            } => match (granted.get(&file), pid, fds.len()) {
+                (None, _, _) => err(OpError::new(ErrorKind::Invalid, "register of a file not mapped on this connection")),
+                (Some(false), _, _) if writable => err(OpError::new(
+                    ErrorKind::Permission,
+                    "the file was mapped read-only: it cannot be registered writable",
+                )),
+                (_, None, _) => err(OpError::new(ErrorKind::Invalid, "no peer pid")),
+                (_, _, n) if n != 1 => err(OpError::new(
+                    ErrorKind::Invalid,
+                    format!("register needs exactly one descriptor (the userfaultfd), got {n}"),
+                )),
+                (Some(_), Some(pid), _) => {
+                    let fd = fds.remove(0);
+                    match node
+                        .svm
+                        .register(&node, pid, psls_svm::FileId(file), base, len, writable, fd)
+                    {
+                        Ok(()) => Response::Ok,
+                        Err(e) => err(e),
+                    }
+                }
+            },
+            Request::Unmap { base } => match pid {
+                Some(pid) => match node.svm.unregister(pid, base) {
+                    Ok(()) => Response::Ok,
+                    Err(e) => err(e),
+                },
+                None => err(OpError::new(ErrorKind::Invalid, "no peer pid")),
             },
             Request::Shutdown => match check_admin(&node, caller) {
                 Ok(()) => {

@@ -1,8 +1,8 @@
 //! `psls-node`: the daemon run on every cluster node. It is the I/O shell around the PSLS
 //! protocol and storage crates: QUIC with mutual TLS between nodes ([`transport`], [`tls`]),
 //! the Unix socket for local clients ([`ipc_server`]), heartbeats ([`membership`]), the
-//! mirrored parallel file system across nodes ([`pfs`]), and the node state that ties them
-//! together ([`node`]).
+//! mirrored parallel file system across nodes ([`pfs`]), the shared virtual memory fault
+//! service ([`svm`]), and the node state that ties them together ([`node`]).
 
 pub mod daemon;
 pub mod ipc_server;
@@ -10,5 +10,6 @@ pub mod membership;
 pub mod node;
 pub mod peer;
 pub mod pfs;
+pub mod svm;
 pub mod tls;
 pub mod transport;

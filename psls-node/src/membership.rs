@@ -114,6 +114,8 @@ mod tests {
             disk_used_bytes: 0,
             disk_free_bytes: 0,
             rebuild: None,
+            svm_segments: 0,
+            svm_view: Vec::new(),
         }
     }
 

@@ -96,6 +96,8 @@ pub struct Node {
     disk_used: AtomicU64,
     disk_free: AtomicU64,
     pub shutdown: tokio::sync::Notify,
+    /// Shared virtual memory: segments, client mappings, the coherence state machine.
+    pub svm: Arc<crate::svm::SvmShell>,
 }
 
 impl Node {
@@ -130,6 +132,7 @@ impl Node {
             disk_used: AtomicU64::new(0),
             disk_free: AtomicU64::new(0),
             shutdown: tokio::sync::Notify::new(),
+            svm: Arc::new(crate::svm::SvmShell::new(tokio::runtime::Handle::current())),
         }
     }
 
@@ -260,6 +263,8 @@ impl Node {
                     self.rebuild_total.load(Ordering::Relaxed),
                 )
             }),
+            svm_segments: self.svm.segments(),
+            svm_view: self.svm.view(self.cfg.nodes.len()),
         }
     }
 
@@ -466,6 +471,7 @@ impl Node {
                 });
             }
             self.catch_up().await;
+            self.svm.sync_peers(&self);
             self.maybe_rebuild();
             self.maybe_auto_replace().await;
         }
@@ -773,6 +779,10 @@ impl Node {
             }
             PeerReq::MetaApply { seq, op } => Ok(self.apply_remote(from, seq, op).await),
             PeerReq::MetaFetch => Ok(PeerResp::Snapshot(self.meta_state().encode())),
+            PeerReq::Svm(env) => {
+                self.svm.on_message(&self, env, payload);
+                Ok(PeerResp::Ok)
+            }
         };
         match r {
             Ok(resp) => (resp, out_payload),

@@ -21,6 +21,11 @@ pub struct Heartbeat {
     pub disk_used_bytes: u64,
     pub disk_free_bytes: u64,
     pub rebuild: Option<(u64, u64)>,
+    /// Segments this node holds in shared virtual memory (a restarting node must not trust
+    /// an empty directory while others hold pages).
+    pub svm_segments: u64,
+    /// Per logical node, the incarnation this node's coherence state knows it by (0: none).
+    pub svm_view: Vec<u64>,
 }
 
 /// State of one page of a `ReadPages` answer; its bytes are in the payload at `i * 4096`
@@ -81,6 +86,8 @@ pub enum PeerReq {
         op: MetaOp,
     },
     MetaFetch,
+    /// A coherence protocol message (one-way); payload: the page's 4096 bytes for `Data`.
+    Svm(psls_svm::coherence::Envelope),
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]

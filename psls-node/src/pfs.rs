@@ -489,6 +489,11 @@ pub async fn remove(node: &Arc<Node>, caller: Caller, name: &str) -> Result<(), 
     Ok(())
 }
 
+/// The committed file named `name`.
+pub fn lookup_file(node: &Node, name: &str) -> Result<FileMeta, OpError> {
+    lookup(&node.meta_state(), name)
+}
+
 pub fn stat(node: &Node, caller: Caller, name: &str) -> Result<(FileInfo, Vec<Stripe>), OpError> {
     let st = node.meta_state();
     let f = lookup(&st, name)?;
@@ -716,6 +721,17 @@ async fn read_chunk(node: Arc<Node>, f: FileMeta, first: u64, count: u64) -> Res
             })
         })
         .collect()
+}
+
+/// Reads the committed page `index` of `f` (mirror fallback and repair as for an export).
+pub async fn read_page(node: &Arc<Node>, f: &FileMeta, index: u64) -> Result<bytes::Bytes, OpError> {
+    if index >= f.pages() {
+        return Err(OpError::new(ErrorKind::Invalid, format!("page {index} is beyond the end of '{}'", f.name)));
+    }
+    let mut pages = read_chunk(node.clone(), f.clone(), index, 1).await?;
+    pages
+        .pop()
+        .ok_or_else(|| OpError::new(ErrorKind::Internal, "empty read"))
 }
 
 /// The bytes of an export, chunk by chunk; an error ends the stream.

@@ -61,6 +61,7 @@ pub fn configs(dir: &Path, name: &str) -> Result<(quinn::ServerConfig, quinn::Cl
     let mut transport = quinn::TransportConfig::default();
     transport
         .max_concurrent_bidi_streams(1024u32.into())
+        .max_concurrent_uni_streams(4096u32.into())
         .stream_receive_window((16u32 << 20).into())
         .receive_window((64u32 << 20).into())
         .send_window(64 << 20)

@@ -138,6 +138,41 @@ impl Transport {
         r
     }
 
+    /// Sends `req` with `payload` to `peer` on a one-way stream: no response, no wait for the
+    /// peer to handle it (the coherence protocol's messages). Delivery is reliable while the
+    /// connection lives; messages on different streams may be handled in any order.
+    pub async fn send_oneway(
+        &self,
+        peer: &str,
+        req: &PeerReq,
+        payload: bytes::Bytes,
+        timeout: Duration,
+    ) -> Result<(), NetError> {
+        let header = peer::encode_header(req);
+        let fut = async {
+            let conn = self.connection(peer).await?;
+            let broken = |e: &dyn std::fmt::Display| NetError::Unreachable {
+                peer: peer.into(),
+                message: e.to_string(),
+            };
+            let mut send = conn.open_uni().await.map_err(|e| broken(&e))?;
+            send.write_all(&header).await.map_err(|e| broken(&e))?;
+            send.write_chunk(payload).await.map_err(|e| broken(&e))?;
+            send.finish().map_err(|e| broken(&e))
+        };
+        let r = match tokio::time::timeout(timeout, fut).await {
+            Ok(r) => r,
+            Err(_) => Err(NetError::Timeout {
+                peer: peer.into(),
+                ms: timeout.as_millis() as u64,
+            }),
+        };
+        if r.is_err() {
+            self.drop_connection(peer);
+        }
+        r
+    }
+
     /// Forgets the cached connection to `peer` (after it restarted, say).
     pub fn drop_connection(&self, peer: &str) {
         if let Some(c) = self.conns.lock().unwrap_or_else(|e| e.into_inner()).remove(peer) {
@@ -206,9 +241,27 @@ pub async fn serve<H: Handler>(endpoint: quinn::Endpoint, handler: Arc<H>, known
                 return;
             };
             loop {
-                let (mut send, mut recv) = match conn.accept_bi().await {
-                    Ok(s) => s,
-                    Err(_) => return,
+                let (mut send, mut recv) = tokio::select! {
+                    bi = conn.accept_bi() => match bi {
+                        Ok(s) => s,
+                        Err(_) => return,
+                    },
+                    uni = conn.accept_uni() => match uni {
+                        Ok(mut recv) => {
+                            // A one-way message: handled, never answered.
+                            let (handler, name) = (handler.clone(), name.clone());
+                            tokio::spawn(async move {
+                                match read_body(&mut recv, MAX_PEER_MSG).await.map_err(|e| e.to_string()).and_then(peer::decode::<PeerReq>) {
+                                    Ok((req, payload)) => {
+                                        handler.handle(name, req, payload).await;
+                                    }
+                                    Err(e) => tracing::warn!(peer = %name, error = %e, "dropped one-way peer message"),
+                                }
+                            });
+                            continue;
+                        }
+                        Err(_) => return,
+                    },
                 };
                 let handler = handler.clone();
                 let name = name.clone();

@@ -383,6 +383,10 @@ impl Svm {
     pub fn stats(&self) -> Stats {
         self.stats
     }
+    /// The incarnation of node `n` this node knows (0: never heard of), up or not.
+    pub fn known_incarnation(&self, n: NodeId) -> Incarnation {
+        self.peers.get(n.0 as usize).map(|p| p.incarnation).unwrap_or(Incarnation(0))
+    }
     /// The manager of `page`.
     pub fn manager(&self, page: PageId) -> NodeId {
         home_node(page.file, page.index, self.nodes)

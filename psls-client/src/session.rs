@@ -1,0 +1,376 @@
+//! The client library proper: a [`Session`] with the local node daemon through which a process
+//! maps parallel files and volatile segments as plain memory ([`Mapping`]).
+//!
+//! Mapping a file: the daemon hands over the node's memfd of the file; the process maps it
+//! `MAP_SHARED`, creates a userfaultfd, registers the mapping (missing, minor and
+//! write-protect faults) and passes the userfaultfd to the daemon, which from then on serves
+//! every fault of the mapping (DESIGN §4). The process keeps its own copy of the userfaultfd
+//! open, so that if the daemon dies a faulting thread stays blocked instead of reading memory
+//! nobody manages; a watchdog thread on the session's *lifeline* connection then ends the
+//! process with a clear message. It does the same when the daemon reports that one of the
+//! process's faults cannot be served.
+
+use crate::ClientError;
+use psls_ipc::proto::{self, FrameError, Request, Response};
+use psls_ipc::ErrorKind;
+use std::io::{Read, Write};
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+/// The socket of the local daemon: `PSLS_SOCKET`, else the node `PSLS_NODE` (default: the
+/// first node whose socket answers) of the cluster in `$PSLS_HOME` (default `./.psls`).
+pub fn socket_path() -> Result<PathBuf, ClientError> {
+    if let Ok(s) = std::env::var("PSLS_SOCKET") {
+        return Ok(PathBuf::from(s));
+    }
+    let dir = std::env::var_os("PSLS_HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(".psls"));
+    let cfg_path = dir.join("cluster.toml");
+    let cfg = psls_ipc::ClusterConfig::load(&cfg_path).map_err(|e| ClientError::Connect {
+        path: cfg_path.display().to_string(),
+        err: std::io::Error::other(format!("{e} (set PSLS_SOCKET or PSLS_HOME)")),
+    })?;
+    if let Ok(name) = std::env::var("PSLS_NODE") {
+        let n = cfg.entry(&name).ok_or_else(|| ClientError::Connect {
+            path: cfg_path.display().to_string(),
+            err: std::io::Error::other(format!("no node named '{name}'")),
+        })?;
+        return Ok(cfg.socket_path(n));
+    }
+    for n in cfg.all() {
+        let p = cfg.socket_path(n);
+        if UnixStream::connect(&p).is_ok() {
+            return Ok(p);
+        }
+    }
+    Err(ClientError::Connect {
+        path: cfg_path.display().to_string(),
+        err: std::io::Error::other("no node daemon of this cluster answers"),
+    })
+}
+
+fn frame_err(e: impl Into<FrameError>) -> ClientError {
+    ClientError::Frame(e.into())
+}
+
+/// One frame connection whose reads also collect passed descriptors.
+struct Conn {
+    sock: UnixStream,
+}
+
+impl Conn {
+    fn connect(path: &Path) -> Result<Conn, ClientError> {
+        let sock = UnixStream::connect(path).map_err(|err| ClientError::Connect {
+            path: path.display().to_string(),
+            err,
+        })?;
+        Ok(Conn { sock })
+    }
+
+    fn send(&mut self, req: &Request, fd: Option<BorrowedFd<'_>>) -> Result<(), ClientError> {
+        use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
+        let frame = proto::encode(req).map_err(ClientError::Frame)?;
+        let mut sent = 0;
+        if let Some(fd) = fd {
+            let fds = [fd.as_raw_fd()];
+            sent = sendmsg::<()>(
+                self.sock.as_raw_fd(),
+                &[std::io::IoSlice::new(&frame)],
+                &[ControlMessage::ScmRights(&fds)],
+                MsgFlags::MSG_NOSIGNAL,
+                None,
+            )
+            .map_err(|e| frame_err(std::io::Error::from(e)))?;
+        }
+        self.sock.write_all(&frame[sent..]).map_err(frame_err)
+    }
+
+    /// Reads one frame and the descriptors passed with it.
+    fn recv(&mut self) -> Result<(Response, Vec<OwnedFd>), ClientError> {
+        use nix::sys::socket::{recvmsg, ControlMessageOwned, MsgFlags};
+        let mut len = [0u8; 4];
+        let mut got = 0;
+        let mut fds = Vec::new();
+        while got < 4 {
+            let mut cmsg = nix::cmsg_space!([std::os::fd::RawFd; 4]);
+            let mut iov = [std::io::IoSliceMut::new(&mut len[got..])];
+            let msg = recvmsg::<()>(
+                self.sock.as_raw_fd(),
+                &mut iov,
+                Some(&mut cmsg),
+                MsgFlags::MSG_CMSG_CLOEXEC,
+            )
+            .map_err(|e| frame_err(std::io::Error::from(e)))?;
+            if msg.bytes == 0 {
+                return Err(ClientError::Frame(FrameError::Closed));
+            }
+            for c in msg.cmsgs().map_err(|e| frame_err(std::io::Error::from(e)))? {
+                if let ControlMessageOwned::ScmRights(raw) = c {
+                    for fd in raw {
+                        // SAFETY: the kernel installed this descriptor for us; we own it.
+                        fds.push(unsafe { OwnedFd::from_raw_fd(fd) });
+                    }
+                }
+            }
+            got += msg.bytes;
+        }
+        let n = u32::from_le_bytes(len) as usize;
+        if n > proto::MAX_FRAME {
+            return Err(ClientError::Frame(FrameError::TooLarge(n)));
+        }
+        let mut body = vec![0u8; n];
+        self.sock.read_exact(&mut body).map_err(frame_err)?;
+        Ok((proto::decode(&body).map_err(ClientError::Frame)?, fds))
+    }
+
+    fn call(&mut self, req: &Request, fd: Option<BorrowedFd<'_>>) -> Result<(Response, Vec<OwnedFd>), ClientError> {
+        self.send(req, fd)?;
+        self.recv()
+    }
+}
+
+fn daemon_error(r: Response) -> ClientError {
+    match r {
+        Response::Error { kind, message } => ClientError::Daemon { kind, message },
+        other => ClientError::Protocol(format!("{other:?}")),
+    }
+}
+
+/// A process's session with its node daemon.
+pub struct Session {
+    conn: Mutex<Conn>,
+    rank: u32,
+    size: u32,
+}
+
+impl Session {
+    /// Connects to the local daemon (see [`socket_path`]) and starts the lifeline watchdog.
+    pub fn connect() -> Result<Session, ClientError> {
+        let path = socket_path()?;
+        let conn = Conn::connect(&path)?;
+        let mut life = Conn::connect(&path)?;
+        life.send(&Request::Lifeline, None)?;
+        std::thread::Builder::new()
+            .name("psls-lifeline".into())
+            .spawn(move || watchdog(life))
+            .map_err(|e| ClientError::Local(std::io::Error::other(e)))?;
+        let env_u32 = |k: &str, d: u32| std::env::var(k).ok().and_then(|v| v.parse().ok()).unwrap_or(d);
+        Ok(Session {
+            conn: Mutex::new(conn),
+            rank: env_u32("PSLS_RANK", 0),
+            size: env_u32("PSLS_SIZE", 1).max(1),
+        })
+    }
+
+    /// This process's rank in its job (0 outside `psls run`).
+    pub fn rank(&self) -> u32 {
+        self.rank
+    }
+    /// The number of ranks of the job (1 outside `psls run`).
+    pub fn size(&self) -> u32 {
+        self.size
+    }
+
+    fn call(&self, req: &Request, fd: Option<BorrowedFd<'_>>) -> Result<(Response, Vec<OwnedFd>), ClientError> {
+        self.conn.lock().unwrap_or_else(|e| e.into_inner()).call(req, fd)
+    }
+
+    /// Maps `size` bytes of the parallel file `name`, creating it with that size if `create`
+    /// and it does not exist. The caller must be allowed to read and write it.
+    pub fn map(&self, name: &str, size: u64, create: bool) -> Result<Mapping<'_>, ClientError> {
+        self.map_with(name, size, create, false)
+    }
+
+    /// Maps a volatile segment: shared by every process of the caller's user that maps the
+    /// same name, zero at first, never written to disk.
+    pub fn create_volatile(&self, name: &str, size: u64) -> Result<Mapping<'_>, ClientError> {
+        self.map_with(name, size, true, true)
+    }
+
+    fn map_with(&self, name: &str, size: u64, create: bool, volatile: bool) -> Result<Mapping<'_>, ClientError> {
+        let req = Request::Map {
+            name: name.into(),
+            size,
+            create,
+            writable: true,
+            volatile,
+        };
+        let (resp, mut fds) = self.call(&req, None)?;
+        let Response::Mapped { file, len, .. } = resp else {
+            return Err(daemon_error(resp));
+        };
+        if fds.len() != 1 {
+            return Err(ClientError::Protocol(format!("Mapped came with {} descriptors", fds.len())));
+        }
+        let memfd = fds.remove(0);
+        let len_usize = usize::try_from(len).map_err(|_| ClientError::Protocol(format!("mapping length {len}")))?;
+        let nz = std::num::NonZeroUsize::new(len_usize)
+            .ok_or_else(|| ClientError::Protocol("empty mapping".into()))?;
+        // SAFETY: a fresh shared mapping of the daemon's memfd at an address the kernel picks;
+        // nothing else refers to that range yet.
+        let base = unsafe {
+            nix::sys::mman::mmap(
+                None,
+                nz,
+                nix::sys::mman::ProtFlags::PROT_READ | nix::sys::mman::ProtFlags::PROT_WRITE,
+                nix::sys::mman::MapFlags::MAP_SHARED,
+                &memfd,
+                0,
+            )
+        }
+        .map_err(|e| ClientError::Local(std::io::Error::other(format!("mmap: {e}"))))?;
+        let unmap = |base: std::ptr::NonNull<libc::c_void>| {
+            // SAFETY: unmaps exactly the range mapped above, which nothing else uses.
+            let _ = unsafe { nix::sys::mman::munmap(base, len_usize) };
+        };
+        let uffd = match create_uffd() {
+            Ok(u) => u,
+            Err(e) => {
+                unmap(base);
+                return Err(e);
+            }
+        };
+        let modes = userfaultfd::RegisterMode::MISSING
+            | userfaultfd::RegisterMode::MINOR
+            | userfaultfd::RegisterMode::WRITE_PROTECT;
+        if let Err(e) = uffd.register_with_mode(base.as_ptr(), len_usize, modes) {
+            unmap(base);
+            return Err(ClientError::Local(std::io::Error::other(format!(
+                "registering the mapping with userfaultfd: {e}"
+            ))));
+        }
+        let reg = Request::Register {
+            file,
+            base: base.as_ptr() as u64,
+            len,
+            writable: true,
+        };
+        // SAFETY: the userfaultfd stays open (owned by `uffd`) for the duration of the call.
+        let uffd_fd = unsafe { BorrowedFd::borrow_raw(uffd.as_raw_fd()) };
+        match self.call(&reg, Some(uffd_fd)) {
+            Ok((Response::Ok, _)) => {}
+            Ok((other, _)) => {
+                unmap(base);
+                return Err(daemon_error(other));
+            }
+            Err(e) => {
+                unmap(base);
+                return Err(e);
+            }
+        }
+        Ok(Mapping {
+            session: self,
+            base: base.as_ptr() as *mut u8,
+            len: len_usize,
+            _uffd: uffd,
+            _memfd: memfd,
+            unmapped: false,
+        })
+    }
+}
+
+/// A userfaultfd that also sees faults from the kernel (e.g. `read(2)` into a mapping) when
+/// allowed, else one for user-mode faults only.
+fn create_uffd() -> Result<userfaultfd::Uffd, ClientError> {
+    let mut b = userfaultfd::UffdBuilder::new();
+    b.close_on_exec(true).non_blocking(true);
+    b.user_mode_only(false)
+        .create()
+        .or_else(|_| b.user_mode_only(true).create())
+        .map_err(|e| ClientError::Local(std::io::Error::other(format!("cannot create a userfaultfd: {e}"))))
+}
+
+/// Ends the process when the daemon says a fault failed or when the daemon goes away.
+fn watchdog(mut life: Conn) {
+    let message = match life.recv() {
+        Ok((Response::Fatal { message }, _)) => format!("psls: {message}"),
+        Ok((other, _)) => format!("psls: unexpected message on the lifeline: {other:?}"),
+        Err(_) => "psls: lost the node daemon (it stopped or crashed); this process's shared memory cannot be served any more".to_string(),
+    };
+    eprintln!("{message}");
+    let _ = std::io::stderr().flush();
+    // SAFETY: _exit ends the process at once, without running anything else: other threads
+    // may be blocked in faults that will never be served.
+    unsafe { libc::_exit(70) };
+}
+
+/// A mapped parallel file or volatile segment. Unmapped on drop.
+pub struct Mapping<'s> {
+    session: &'s Session,
+    base: *mut u8,
+    len: usize,
+    _uffd: userfaultfd::Uffd,
+    _memfd: OwnedFd,
+    unmapped: bool,
+}
+
+// SAFETY: the mapping is plain shared memory; access rules are those of the slices it hands out.
+unsafe impl Send for Mapping<'_> {}
+// SAFETY: as above; shared references only give out shared slices.
+unsafe impl Sync for Mapping<'_> {}
+
+impl Mapping<'_> {
+    /// Length in bytes (the size asked for, rounded up to whole pages).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// The start address.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.base
+    }
+    /// The mapping as a slice of plain-old-data values.
+    pub fn as_slice<T: bytemuck::Pod>(&self) -> &[T] {
+        // SAFETY: base is page-aligned (so aligned for any Pod type) and len bytes are mapped
+        // for as long as self lives; any bit pattern is a valid T.
+        unsafe { std::slice::from_raw_parts(self.base as *const T, self.len / std::mem::size_of::<T>().max(1)) }
+    }
+    /// The mapping as a mutable slice of plain-old-data values.
+    pub fn as_mut_slice<T: bytemuck::Pod>(&mut self) -> &mut [T] {
+        // SAFETY: as for `as_slice`; `&mut self` makes this the only slice of this mapping in
+        // this process.
+        unsafe { std::slice::from_raw_parts_mut(self.base as *mut T, self.len / std::mem::size_of::<T>().max(1)) }
+    }
+
+    /// Unmaps; an error if the daemon does not know the mapping.
+    pub fn unmap(mut self) -> Result<(), ClientError> {
+        self.do_unmap()
+    }
+
+    fn do_unmap(&mut self) -> Result<(), ClientError> {
+        if self.unmapped {
+            return Err(ClientError::Daemon {
+                kind: ErrorKind::Invalid,
+                message: "already unmapped".into(),
+            });
+        }
+        self.unmapped = true;
+        let r = self.session.call(
+            &Request::Unmap {
+                base: self.base as u64,
+            },
+            None,
+        );
+        if let Some(p) = std::ptr::NonNull::new(self.base as *mut libc::c_void) {
+            // SAFETY: unmaps exactly this mapping's range; no slice of it outlives `self`.
+            let _ = unsafe { nix::sys::mman::munmap(p, self.len) };
+        }
+        match r? {
+            (Response::Ok, _) => Ok(()),
+            (other, _) => Err(daemon_error(other)),
+        }
+    }
+}
+
+impl Drop for Mapping<'_> {
+    fn drop(&mut self) {
+        if !self.unmapped {
+            let _ = self.do_unmap();
+        }
+    }
+}

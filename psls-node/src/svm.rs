@@ -1,0 +1,738 @@
+//! The shared-virtual-memory shell (DESIGN §4): drives the coherence state machine
+//! ([`psls_svm::coherence::Svm`]) with real page faults, peer messages and PFS loads.
+//!
+//! Owns, per mapped file on this node, one memfd (the node's memory copy of the file's pages,
+//! shared by every local client mapping) and the clients' userfaultfds. Each registered
+//! userfaultfd has its own OS thread (the fault path stays off the tokio runtime); peer
+//! messages and loads come in from async tasks. All of them take one lock, feed the state
+//! machine and execute its actions in order:
+//! - `SetAccess(None)` punches the page out of the memfd (zapping it in every client),
+//!   `SetAccess(Read)` write-protects it in every client mapping;
+//! - `Resolve` maps the page in the faulting client with `UFFDIO_CONTINUE` (write-protected
+//!   unless this node may write) or lifts the write protection;
+//! - `Send` snapshots the page (for `Data`) before anything after it runs.
+//!
+//! Invariants: the daemon never maps the memfds (it reads and writes them with pread/pwrite,
+//! so it cannot create pages by touching them); a page is mapped writable in a client only
+//! while this node holds write access; a fault that cannot be served leaves the client blocked
+//! and tells its lifeline, never maps anything.
+
+use crate::node::{Node, OpError};
+use crate::peer::PeerReq;
+use psls_ipc::ErrorKind;
+use psls_pfs::meta::FileMeta;
+use psls_svm::coherence::{Access, Action, Envelope, Receipt, Svm, TxnId, WaiterId};
+use psls_svm::{FileId, Incarnation, NodeId, PageId, PAGE_SIZE};
+use std::collections::{HashMap, VecDeque};
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::fs::FileExt;
+use std::sync::{Arc, Mutex};
+use userfaultfd::{Event, FaultKind, ReadWrite, Uffd};
+
+/// Actions run per lock hold, at most (a bound; the state machine produces far fewer).
+const MAX_STEPS: usize = 1 << 20;
+/// Fault events read per `read` on a userfaultfd.
+const EVENT_BATCH: usize = 64;
+/// Largest segment a client may map.
+pub const MAX_SEGMENT_BYTES: u64 = 1 << 40;
+
+const UFFDIO_CONTINUE_MODE_WP: u64 = 1 << 1;
+
+/// Where a segment's pages come from when no memory holds them.
+#[derive(Clone, Debug)]
+pub enum Backing {
+    /// A parallel file: its committed pages in the PFS.
+    Pfs(FileMeta),
+    /// A volatile segment: zeros.
+    Volatile,
+}
+
+struct Segment {
+    name: String,
+    memfd: std::fs::File,
+    pages: u64,
+    backing: Backing,
+    maps: Vec<Arc<ClientMap>>,
+}
+
+/// One client mapping: its userfaultfd and where the file is mapped in the client.
+pub struct ClientMap {
+    id: u64,
+    pid: i32,
+    file: FileId,
+    base: usize,
+    len: usize,
+    writable: bool,
+    uffd: Uffd,
+    /// Wakes the fault thread for shutdown.
+    stop: OwnedFd,
+}
+
+impl ClientMap {
+    fn addr_of(&self, index: u64) -> usize {
+        self.base + index as usize * PAGE_SIZE
+    }
+}
+
+struct Waiter {
+    map: Arc<ClientMap>,
+    addr: usize,
+    kind: FaultKind,
+}
+
+/// What must be done outside the lock.
+enum Outgoing {
+    Send {
+        to: NodeId,
+        env: Envelope,
+        payload: bytes::Bytes,
+    },
+    Load {
+        page: PageId,
+        txn: TxnId,
+        backing: Backing,
+    },
+    Fatal {
+        pid: i32,
+        message: String,
+    },
+}
+
+#[derive(Default)]
+struct Inner {
+    svm: Option<Svm>,
+    segs: HashMap<FileId, Segment>,
+    waiters: HashMap<WaiterId, Waiter>,
+    next_waiter: WaiterId,
+    next_map: u64,
+    self_msgs: VecDeque<Envelope>,
+}
+
+/// The daemon's shared-virtual-memory state.
+pub struct SvmShell {
+    inner: Mutex<Inner>,
+    /// Per client process, its lifeline.
+    lifelines: Mutex<HashMap<i32, tokio::sync::mpsc::UnboundedSender<String>>>,
+    runtime: tokio::runtime::Handle,
+}
+
+fn errno_of(e: &std::io::Error) -> i32 {
+    e.raw_os_error().unwrap_or(0)
+}
+
+/// `UFFDIO_CONTINUE` on one page, write-protected if `wp`.
+fn continue_page(uffd: &Uffd, addr: usize, wp: bool) -> std::io::Result<()> {
+    #[repr(C)]
+    struct UffdioContinue {
+        start: u64,
+        len: u64,
+        mode: u64,
+        mapped: i64,
+    }
+    let mut c = UffdioContinue {
+        start: addr as u64,
+        len: PAGE_SIZE as u64,
+        mode: if wp { UFFDIO_CONTINUE_MODE_WP } else { 0 },
+        mapped: 0,
+    };
+    // SAFETY: UFFDIO_CONTINUE reads and writes only the struct passed, which lives across the
+    // call and has the kernel's layout (struct uffdio_continue: range, mode, mapped).
+    let r = unsafe { libc::ioctl(uffd.as_raw_fd(), userfaultfd_sys::UFFDIO_CONTINUE as _, &mut c) };
+    if r < 0 {
+        Err(std::io::Error::last_os_error())
+    } else {
+        Ok(())
+    }
+}
+
+impl SvmShell {
+    pub fn new(runtime: tokio::runtime::Handle) -> SvmShell {
+        SvmShell {
+            inner: Mutex::new(Inner::default()),
+            lifelines: Mutex::new(HashMap::new()),
+            runtime,
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Segments held (reported in heartbeats).
+    pub fn segments(&self) -> u64 {
+        self.lock().segs.len() as u64
+    }
+
+    /// Per logical node, the incarnation the coherence state knows it by (0: none).
+    pub fn view(&self, nodes: usize) -> Vec<u64> {
+        let g = self.lock();
+        (0..nodes)
+            .map(|l| g.svm.as_ref().map(|s| s.known_incarnation(NodeId(l as u32)).0).unwrap_or(0))
+            .collect()
+    }
+
+    /// Fault and transfer counters of this node.
+    pub fn stats(&self) -> psls_svm::coherence::Stats {
+        self.lock().svm.as_ref().map(|s| s.stats()).unwrap_or_default()
+    }
+
+    /// Registers the lifeline of process `pid`; returns what to write on it.
+    pub fn lifeline(&self, pid: i32) -> tokio::sync::mpsc::UnboundedReceiver<String> {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        self.lifelines.lock().unwrap_or_else(|e| e.into_inner()).insert(pid, tx);
+        rx
+    }
+
+    /// The memfd of `file` on this node (created on first use), for a client to map.
+    pub fn segment(
+        &self,
+        node: &Arc<Node>,
+        file: FileId,
+        name: &str,
+        size: u64,
+        backing: Backing,
+    ) -> Result<std::fs::File, OpError> {
+        if size == 0 || size > MAX_SEGMENT_BYTES {
+            return Err(OpError::new(
+                ErrorKind::Invalid,
+                format!("cannot map {size} bytes (1 byte to {MAX_SEGMENT_BYTES})"),
+            ));
+        }
+        let mut g = self.lock();
+        ensure_svm(&mut g, node)?;
+        if let Some(s) = g.segs.get(&file) {
+            return s
+                .memfd
+                .try_clone()
+                .map_err(|e| OpError::new(ErrorKind::Internal, format!("dup memfd: {e}")));
+        }
+        let pages = size.div_ceil(PAGE_SIZE as u64);
+        let fd = nix::sys::memfd::memfd_create(format!("psls-{file}").as_str(), nix::sys::memfd::MFdFlags::MFD_CLOEXEC)
+            .map_err(|e| OpError::new(ErrorKind::Internal, format!("memfd_create: {e}")))?;
+        let memfd = std::fs::File::from(fd);
+        memfd
+            .set_len(pages * PAGE_SIZE as u64)
+            .map_err(|e| OpError::new(ErrorKind::Internal, format!("sizing memfd: {e}")))?;
+        let dup = memfd
+            .try_clone()
+            .map_err(|e| OpError::new(ErrorKind::Internal, format!("dup memfd: {e}")))?;
+        g.segs.insert(
+            file,
+            Segment {
+                name: name.to_string(),
+                memfd,
+                pages,
+                backing,
+                maps: Vec::new(),
+            },
+        );
+        tracing::info!(node = %node.name(), %file, name, pages, "segment opened");
+        Ok(dup)
+    }
+
+    /// Takes over a client's userfaultfd registered over `[base, base + len)` of `file`; a
+    /// thread serves its faults until the client unmaps or dies.
+    pub fn register(
+        self: &Arc<Self>,
+        node: &Arc<Node>,
+        pid: i32,
+        file: FileId,
+        base: u64,
+        len: u64,
+        writable: bool,
+        uffd_fd: OwnedFd,
+    ) -> Result<(), OpError> {
+        let bad = |m: String| OpError::new(ErrorKind::Invalid, m);
+        if base % PAGE_SIZE as u64 != 0 || len == 0 || len % PAGE_SIZE as u64 != 0 || base.checked_add(len).is_none() {
+            return Err(bad(format!("bad mapping range {base:#x}+{len:#x}")));
+        }
+        // The descriptor must be a userfaultfd: its /proc link says so.
+        let link = std::fs::read_link(format!("/proc/self/fd/{}", uffd_fd.as_raw_fd()))
+            .map(|p| p.display().to_string())
+            .unwrap_or_default();
+        if !link.contains("userfaultfd") {
+            return Err(bad(format!("the descriptor passed is not a userfaultfd ({link})")));
+        }
+        nix::fcntl::fcntl(&uffd_fd, nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::O_NONBLOCK))
+            .map_err(|e| bad(format!("userfaultfd: {e}")))?;
+        let pidfd = pidfd_open(pid).map_err(|e| bad(format!("pidfd_open({pid}): {e}")))?;
+        let stop = nix::sys::eventfd::EventFd::from_value_and_flags(0, nix::sys::eventfd::EfdFlags::EFD_CLOEXEC)
+            .map_err(|e| OpError::new(ErrorKind::Internal, format!("eventfd: {e}")))?;
+        let map = {
+            let mut g = self.lock();
+            let id = g.next_map;
+            g.next_map += 1;
+            let Some(seg) = g.segs.get_mut(&file) else {
+                return Err(OpError::new(ErrorKind::NotFound, format!("segment {file} is not mapped on this node")));
+            };
+            if len > seg.pages * PAGE_SIZE as u64 {
+                return Err(bad(format!(
+                    "mapping of {len} bytes is larger than the segment ({} pages)",
+                    seg.pages
+                )));
+            }
+            // SAFETY: the descriptor is a userfaultfd (checked above) that we own from here on.
+            let uffd = unsafe { <Uffd as std::os::fd::FromRawFd>::from_raw_fd(std::os::fd::IntoRawFd::into_raw_fd(uffd_fd)) };
+            let map = Arc::new(ClientMap {
+                id,
+                pid,
+                file,
+                base: base as usize,
+                len: len as usize,
+                writable,
+                uffd,
+                stop: stop.into(),
+            });
+            seg.maps.push(map.clone());
+            map
+        };
+        let (me, node2) = (self.clone(), node.clone());
+        std::thread::Builder::new()
+            .name(format!("uffd-{pid}-{}", map.id))
+            .spawn(move || me.serve_faults(&node2, map, pidfd))
+            .map_err(|e| OpError::new(ErrorKind::Internal, format!("fault thread: {e}")))?;
+        Ok(())
+    }
+
+    /// Stops serving the mapping of process `pid` at `base`.
+    pub fn unregister(&self, pid: i32, base: u64) -> Result<(), OpError> {
+        let mut g = self.lock();
+        let found = g
+            .segs
+            .values()
+            .flat_map(|s| s.maps.iter())
+            .find(|m| m.pid == pid && m.base as u64 == base)
+            .cloned();
+        let Some(m) = found else {
+            return Err(OpError::new(
+                ErrorKind::Invalid,
+                format!("no mapping at {base:#x} (already unmapped?)"),
+            ));
+        };
+        drop_map(&mut g, &m);
+        Ok(())
+    }
+
+    /// The thread serving one client mapping.
+    fn serve_faults(self: Arc<Self>, node: &Arc<Node>, map: Arc<ClientMap>, pidfd: OwnedFd) {
+        use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+        let mut buf = userfaultfd::EventBuffer::new(EVENT_BATCH);
+        tracing::debug!(node = %node.name(), pid = map.pid, file = %map.file, "serving faults");
+        loop {
+            let (uffd_ready, gone, stopped) = {
+                let mut fds = [
+                    PollFd::new(std::os::fd::AsFd::as_fd(&map.uffd), PollFlags::POLLIN),
+                    PollFd::new(std::os::fd::AsFd::as_fd(&pidfd), PollFlags::POLLIN),
+                    PollFd::new(std::os::fd::AsFd::as_fd(&map.stop), PollFlags::POLLIN),
+                ];
+                match poll(&mut fds, PollTimeout::NONE) {
+                    Ok(_) => {}
+                    Err(nix::errno::Errno::EINTR) => continue,
+                    Err(e) => {
+                        tracing::error!(pid = map.pid, error = %e, "poll on a userfaultfd failed");
+                        break;
+                    }
+                }
+                let ready = |f: &PollFd| f.revents().is_some_and(|r| !r.is_empty());
+                (ready(&fds[0]), ready(&fds[1]), ready(&fds[2]))
+            };
+            if gone {
+                tracing::info!(node = %node.name(), pid = map.pid, "client process exited; its mapping is released");
+                break;
+            }
+            if stopped {
+                return;
+            }
+            if !uffd_ready {
+                continue;
+            }
+            let events: Vec<(usize, FaultKind, ReadWrite)> = match map.uffd.read_events(&mut buf) {
+                Ok(evs) => evs
+                    .filter_map(|e| match e {
+                        Ok(Event::Pagefault { kind, rw, addr, .. }) => Some((addr as usize, kind, rw)),
+                        _ => None,
+                    })
+                    .collect(),
+                Err(e) => {
+                    tracing::error!(pid = map.pid, error = %e, "reading a userfaultfd failed");
+                    break;
+                }
+            };
+            if events.is_empty() {
+                continue;
+            }
+            let mut out = Vec::new();
+            {
+                let mut g = self.lock();
+                for (addr, kind, rw) in events {
+                    if addr < map.base || addr >= map.base + map.len {
+                        tracing::warn!(pid = map.pid, addr, "fault outside the registered range ignored");
+                        continue;
+                    }
+                    let index = ((addr - map.base) / PAGE_SIZE) as u64;
+                    let page = PageId { file: map.file, index };
+                    let access = if rw == ReadWrite::Write || kind == FaultKind::WriteProtected {
+                        Access::Write
+                    } else {
+                        Access::Read
+                    };
+                    let w = g.next_waiter;
+                    g.next_waiter += 1;
+                    g.waiters.insert(
+                        w,
+                        Waiter {
+                            map: map.clone(),
+                            addr: map.addr_of(index),
+                            kind,
+                        },
+                    );
+                    if let Some(svm) = g.svm.as_mut() {
+                        svm.fault(page, access, w);
+                    }
+                }
+                run(&mut g, node, &mut out);
+            }
+            self.dispatch(node, out);
+        }
+        let mut g = self.lock();
+        drop_map(&mut g, &map);
+    }
+
+    /// A coherence message from a peer.
+    pub fn on_message(self: &Arc<Self>, node: &Arc<Node>, env: Envelope, payload: bytes::Bytes) {
+        let mut out = Vec::new();
+        {
+            let mut g = self.lock();
+            if ensure_svm(&mut g, node).is_err() {
+                return;
+            }
+            let from = env.from;
+            let r = g.svm.as_mut().map(|s| s.receive(env));
+            match r {
+                Some(Ok(Receipt::Install(page))) => {
+                    if payload.len() != PAGE_SIZE {
+                        tracing::error!(node = %node.name(), %page, len = payload.len(), "page data of the wrong size");
+                    } else if let Some(seg) = g.segs.get(&page.file) {
+                        if let Err(e) = seg.memfd.write_all_at(&payload, page.index * PAGE_SIZE as u64) {
+                            tracing::error!(node = %node.name(), %page, error = %e, "installing a page failed");
+                        }
+                    } else {
+                        tracing::error!(node = %node.name(), %page, "page data for a segment not held here");
+                    }
+                }
+                Some(Ok(_)) | None => {}
+                Some(Err(e)) => tracing::warn!(node = %node.name(), peer = %from, error = %e, "coherence message rejected"),
+            }
+            run(&mut g, node, &mut out);
+        }
+        self.dispatch(node, out);
+    }
+
+    /// Membership changed (or may have): tells the state machine which incarnations are up.
+    pub fn sync_peers(self: &Arc<Self>, node: &Arc<Node>) {
+        let mut out = Vec::new();
+        {
+            let mut g = self.lock();
+            let Some(svm) = g.svm.as_mut() else { return };
+            for (l, inc, up) in peer_views(node) {
+                if l == svm.me() {
+                    continue;
+                }
+                if up {
+                    svm.peer_up(l, inc);
+                } else {
+                    svm.peer_down(l, inc);
+                }
+            }
+            run(&mut g, node, &mut out);
+        }
+        self.dispatch(node, out);
+    }
+
+    fn dispatch(self: &Arc<Self>, node: &Arc<Node>, out: Vec<Outgoing>) {
+        for o in out {
+            match o {
+                Outgoing::Send { to, env, payload } => {
+                    let node = node.clone();
+                    self.runtime.spawn(async move {
+                        let phys = node.physical_of(&node.meta_state(), to);
+                        let req = PeerReq::Svm(env);
+                        if let Err(e) = node.net.send_oneway(&phys, &req, payload, node.request_timeout).await {
+                            tracing::warn!(node = %node.name(), peer = %phys, error = %e, "coherence message not sent");
+                        }
+                    });
+                }
+                Outgoing::Load { page, txn, backing } => {
+                    let (node, me) = (node.clone(), self.clone());
+                    self.runtime.spawn(async move {
+                        let data = match backing {
+                            Backing::Volatile => Ok(bytes::Bytes::from_static(&[0u8; PAGE_SIZE])),
+                            Backing::Pfs(f) => crate::pfs::read_page(&node, &f, page.index).await,
+                        };
+                        me.on_loaded(&node, page, txn, data);
+                    });
+                }
+                Outgoing::Fatal { pid, message } => {
+                    tracing::error!(node = %node.name(), pid, %message, "client fault failed");
+                    if let Some(tx) = self.lifelines.lock().unwrap_or_else(|e| e.into_inner()).get(&pid) {
+                        let _ = tx.send(message);
+                    }
+                }
+            }
+        }
+    }
+
+    fn on_loaded(self: &Arc<Self>, node: &Arc<Node>, page: PageId, txn: TxnId, data: Result<bytes::Bytes, OpError>) {
+        let mut out = Vec::new();
+        {
+            let mut g = self.lock();
+            let ok = match (&data, g.segs.get(&page.file)) {
+                (Ok(d), Some(seg)) if d.len() == PAGE_SIZE => {
+                    match seg.memfd.write_all_at(d, page.index * PAGE_SIZE as u64) {
+                        Ok(()) => true,
+                        Err(e) => {
+                            tracing::error!(node = %node.name(), %page, error = %e, "installing a loaded page failed");
+                            false
+                        }
+                    }
+                }
+                (Err(e), _) => {
+                    tracing::error!(node = %node.name(), %page, error = %e, "loading a page from the PFS failed");
+                    false
+                }
+                _ => false,
+            };
+            if let Some(svm) = g.svm.as_mut() {
+                svm.loaded(page, txn, ok);
+            }
+            run(&mut g, node, &mut out);
+        }
+        self.dispatch(node, out);
+    }
+}
+
+/// `pidfd_open(2)`.
+fn pidfd_open(pid: i32) -> std::io::Result<OwnedFd> {
+    // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: the kernel just returned this descriptor to us; nobody else owns it.
+    Ok(unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd as i32) })
+}
+
+/// (logical id, incarnation, up) of every logical node, as membership sees them.
+fn peer_views(node: &Node) -> Vec<(NodeId, Incarnation, bool)> {
+    let st = node.meta_state();
+    let members = node.members.lock().unwrap_or_else(|e| e.into_inner());
+    let now = std::time::Instant::now();
+    node.logical_map(&st)
+        .into_iter()
+        .map(|(l, phys)| {
+            if phys == node.me.name {
+                return (NodeId(l), Incarnation(node.incarnation), true);
+            }
+            let inc = members
+                .view(&phys)
+                .and_then(|v| v.heartbeat.as_ref())
+                .map(|h| h.incarnation)
+                .unwrap_or(0);
+            (NodeId(l), Incarnation(inc), inc > 0 && members.is_live(now, &phys))
+        })
+        .collect()
+}
+
+/// Creates the state machine on first use.
+fn ensure_svm(g: &mut Inner, node: &Node) -> Result<(), OpError> {
+    if g.svm.is_some() {
+        return Ok(());
+    }
+    let st = node.meta_state();
+    let Some(me) = node.my_logical(&st) else {
+        return Err(OpError::new(
+            ErrorKind::Unavailable,
+            "this node holds no logical id (a spare): it cannot serve shared memory",
+        ));
+    };
+    let views = peer_views(node);
+    let n = node.cfg.nodes.len();
+    let mut peers = vec![None; n];
+    for &(l, inc, up) in &views {
+        if (l.0 as usize) < n && up {
+            peers[l.0 as usize] = Some(inc);
+        }
+    }
+    // If another node holds shared pages and knew an older incarnation of this one, this daemon
+    // restarted under a running job: the directory of the pages it manages is gone.
+    let others_hold = {
+        let members = node.members.lock().unwrap_or_else(|e| e.into_inner());
+        node.logical_map(&st).values().any(|p| {
+            *p != node.me.name
+                && members.view(p).and_then(|v| v.heartbeat.as_ref()).is_some_and(|h| {
+                    let knew = h.svm_view.get(me.0 as usize).copied().unwrap_or(0);
+                    h.svm_segments > 0 && knew != 0 && knew < node.incarnation
+                })
+        })
+    };
+    let inc = Incarnation(node.incarnation);
+    g.svm = Some(if others_hold {
+        tracing::warn!(node = %node.name(), "restarted while other nodes hold shared pages: pages managed here are unavailable until the job restarts");
+        Svm::restarted(me, inc, peers)
+    } else {
+        Svm::new(me, inc, peers)
+    });
+    Ok(())
+}
+
+fn drop_map(g: &mut Inner, m: &Arc<ClientMap>) {
+    if let Some(seg) = g.segs.get_mut(&m.file) {
+        seg.maps.retain(|x| x.id != m.id);
+    }
+    let gone: Vec<WaiterId> = g
+        .waiters
+        .iter()
+        .filter(|(_, w)| w.map.id == m.id)
+        .map(|(k, _)| *k)
+        .collect();
+    for w in gone {
+        g.waiters.remove(&w);
+        if let Some(svm) = g.svm.as_mut() {
+            svm.cancel(w);
+        }
+    }
+    let one: u64 = 1;
+    // SAFETY: writes 8 bytes from a live u64 to the eventfd we own.
+    unsafe { libc::write(m.stop.as_raw_fd(), &one as *const u64 as *const libc::c_void, 8) };
+}
+
+/// Runs the state machine's actions (and this node's messages to itself) until none is left.
+fn run(g: &mut Inner, node: &Node, out: &mut Vec<Outgoing>) {
+    for _ in 0..MAX_STEPS {
+        let Some(svm) = g.svm.as_mut() else { return };
+        if let Some(a) = svm.poll_action() {
+            apply(g, node, a, out);
+            continue;
+        }
+        if let Some(env) = g.self_msgs.pop_front() {
+            if let Err(e) = svm.receive(env) {
+                tracing::error!(node = %node.name(), error = %e, "own coherence message rejected");
+            }
+            continue;
+        }
+        return;
+    }
+    tracing::error!(node = %node.name(), "coherence actions did not settle");
+}
+
+fn apply(g: &mut Inner, node: &Node, a: Action, out: &mut Vec<Outgoing>) {
+    let me = g.svm.as_ref().map(|s| s.me());
+    match a {
+        Action::Send { to, env } => {
+            if Some(to) == me {
+                g.self_msgs.push_back(env);
+                return;
+            }
+            let mut payload = bytes::Bytes::new();
+            if env.msg.has_payload() {
+                let page = env.msg.page();
+                let Some(seg) = g.segs.get(&page.file) else {
+                    tracing::error!(node = %node.name(), %page, "asked to send a page of a segment not held here");
+                    return;
+                };
+                let mut buf = vec![0u8; PAGE_SIZE];
+                if let Err(e) = seg.memfd.read_exact_at(&mut buf, page.index * PAGE_SIZE as u64) {
+                    tracing::error!(node = %node.name(), %page, error = %e, "reading a page to send failed");
+                    return;
+                }
+                payload = buf.into();
+            }
+            out.push(Outgoing::Send { to, env, payload });
+        }
+        Action::Load { page, txn } => match g.segs.get(&page.file) {
+            Some(seg) => out.push(Outgoing::Load {
+                page,
+                txn,
+                backing: seg.backing.clone(),
+            }),
+            None => {
+                if let Some(svm) = g.svm.as_mut() {
+                    svm.loaded(page, txn, false);
+                }
+            }
+        },
+        Action::SetAccess { page, access } => {
+            let Some(seg) = g.segs.get(&page.file) else { return };
+            match access {
+                None => {
+                    let r = nix::fcntl::fallocate(
+                        &seg.memfd,
+                        nix::fcntl::FallocateFlags::FALLOC_FL_PUNCH_HOLE | nix::fcntl::FallocateFlags::FALLOC_FL_KEEP_SIZE,
+                        (page.index * PAGE_SIZE as u64) as i64,
+                        PAGE_SIZE as i64,
+                    );
+                    if let Err(e) = r {
+                        // Fail closed: a page that cannot be dropped must not stay readable.
+                        // The daemon stops; its clients' lifelines tell them.
+                        tracing::error!(node = %node.name(), %page, error = %e, "punching a page out of its memfd failed; stopping");
+                        std::process::abort();
+                    }
+                }
+                Some(Access::Read) => {
+                    for m in &seg.maps {
+                        if (page.index as usize) * PAGE_SIZE < m.len {
+                            let addr = m.addr_of(page.index);
+                            if let Err(e) = m.uffd.write_protect(addr as *mut libc::c_void, PAGE_SIZE) {
+                                tracing::debug!(pid = m.pid, %page, error = %e, "write-protect (client gone?)");
+                            }
+                        }
+                    }
+                }
+                Some(Access::Write) => {}
+            }
+        }
+        Action::Resolve { waiter, page, .. } => {
+            let Some(w) = g.waiters.remove(&waiter) else { return };
+            let node_access = g.svm.as_ref().and_then(|s| s.access(page));
+            resolve(&w, node_access);
+        }
+        Action::Fail { waiter, page, error } => {
+            let Some(w) = g.waiters.remove(&waiter) else { return };
+            let name = g.segs.get(&page.file).map(|s| s.name.clone()).unwrap_or_default();
+            out.push(Outgoing::Fatal {
+                pid: w.map.pid,
+                message: format!(
+                    "access to page {} of '{name}' failed on node {}: {error}",
+                    page.index,
+                    node.name()
+                ),
+            });
+        }
+    }
+}
+
+/// Lets a waiting fault go on, mapping the page as this node's access allows.
+fn resolve(w: &Waiter, node_access: Option<Access>) {
+    let writable = node_access == Some(Access::Write) && w.map.writable;
+    let addr = w.addr as *mut libc::c_void;
+    let r = match w.kind {
+        FaultKind::WriteProtected if writable => w
+            .map
+            .uffd
+            .remove_write_protection(addr, PAGE_SIZE, true)
+            .map_err(|e| std::io::Error::other(e.to_string())),
+        FaultKind::WriteProtected => w.map.uffd.wake(addr, PAGE_SIZE).map_err(|e| std::io::Error::other(e.to_string())),
+        _ => match continue_page(&w.map.uffd, w.addr, !writable) {
+            // Another thread of the client mapped it first: just wake this one.
+            Err(e) if errno_of(&e) == libc::EEXIST => {
+                w.map.uffd.wake(addr, PAGE_SIZE).map_err(|e| std::io::Error::other(e.to_string()))
+            }
+            r => r,
+        },
+    };
+    if let Err(e) = r {
+        // The client may be gone; if not, waking it makes it fault again.
+        tracing::debug!(pid = w.map.pid, addr = w.addr, error = %e, "resolving a fault failed");
+        let _ = w.map.uffd.wake(addr, PAGE_SIZE);
+    }
+}
