@@ -203,12 +203,14 @@ impl Session {
             return Err(daemon_error(resp));
         };
         if fds.len() != 1 {
-            return Err(ClientError::Protocol(format!("Mapped came with {} descriptors", fds.len())));
+            return Err(ClientError::Protocol(format!(
+                "Mapped came with {} descriptors",
+                fds.len()
+            )));
         }
         let memfd = fds.remove(0);
         let len_usize = usize::try_from(len).map_err(|_| ClientError::Protocol(format!("mapping length {len}")))?;
-        let nz = std::num::NonZeroUsize::new(len_usize)
-            .ok_or_else(|| ClientError::Protocol("empty mapping".into()))?;
+        let nz = std::num::NonZeroUsize::new(len_usize).ok_or_else(|| ClientError::Protocol("empty mapping".into()))?;
         // SAFETY: a fresh shared mapping of the daemon's memfd at an address the kernel picks;
         // nothing else refers to that range yet.
         let base = unsafe {
@@ -288,7 +290,10 @@ fn watchdog(mut life: Conn) {
     let message = match life.recv() {
         Ok((Response::Fatal { message }, _)) => format!("psls: {message}"),
         Ok((other, _)) => format!("psls: unexpected message on the lifeline: {other:?}"),
-        Err(_) => "psls: lost the node daemon (it stopped or crashed); this process's shared memory cannot be served any more".to_string(),
+        Err(_) => {
+            "psls: lost the node daemon (it stopped or crashed); this process's shared memory cannot be served any more"
+                .to_string()
+        }
     };
     eprintln!("{message}");
     let _ = std::io::stderr().flush();
@@ -350,12 +355,7 @@ impl Mapping<'_> {
             });
         }
         self.unmapped = true;
-        let r = self.session.call(
-            &Request::Unmap {
-                base: self.base as u64,
-            },
-            None,
-        );
+        let r = self.session.call(&Request::Unmap { base: self.base as u64 }, None);
         if let Some(p) = std::ptr::NonNull::new(self.base as *mut libc::c_void) {
             // SAFETY: unmaps exactly this mapping's range; no slice of it outlives `self`.
             let _ = unsafe { nix::sys::mman::munmap(p, self.len) };

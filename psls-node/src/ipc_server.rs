@@ -529,7 +529,10 @@ async fn client(node: Arc<Node>, stream: UnixStream) -> anyhow::Result<()> {
                 len,
                 writable,
             } => match (granted.get(&file), pid, fds.len()) {
-                (None, _, _) => err(OpError::new(ErrorKind::Invalid, "register of a file not mapped on this connection")),
+                (None, _, _) => err(OpError::new(
+                    ErrorKind::Invalid,
+                    "register of a file not mapped on this connection",
+                )),
                 (Some(false), _, _) if writable => err(OpError::new(
                     ErrorKind::Permission,
                     "the file was mapped read-only: it cannot be registered writable",

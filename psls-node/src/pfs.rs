@@ -726,7 +726,10 @@ async fn read_chunk(node: Arc<Node>, f: FileMeta, first: u64, count: u64) -> Res
 /// Reads the committed page `index` of `f` (mirror fallback and repair as for an export).
 pub async fn read_page(node: &Arc<Node>, f: &FileMeta, index: u64) -> Result<bytes::Bytes, OpError> {
     if index >= f.pages() {
-        return Err(OpError::new(ErrorKind::Invalid, format!("page {index} is beyond the end of '{}'", f.name)));
+        return Err(OpError::new(
+            ErrorKind::Invalid,
+            format!("page {index} is beyond the end of '{}'", f.name),
+        ));
     }
     let mut pages = read_chunk(node.clone(), f.clone(), index, 1).await?;
     pages

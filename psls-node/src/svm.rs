@@ -167,7 +167,12 @@ impl SvmShell {
     pub fn view(&self, nodes: usize) -> Vec<u64> {
         let g = self.lock();
         (0..nodes)
-            .map(|l| g.svm.as_ref().map(|s| s.known_incarnation(NodeId(l as u32)).0).unwrap_or(0))
+            .map(|l| {
+                g.svm
+                    .as_ref()
+                    .map(|s| s.known_incarnation(NodeId(l as u32)).0)
+                    .unwrap_or(0)
+            })
             .collect()
     }
 
@@ -232,6 +237,7 @@ impl SvmShell {
 
     /// Takes over a client's userfaultfd registered over `[base, base + len)` of `file`; a
     /// thread serves its faults until the client unmaps or dies.
+    #[allow(clippy::too_many_arguments)]
     pub fn register(
         self: &Arc<Self>,
         node: &Arc<Node>,
@@ -243,7 +249,11 @@ impl SvmShell {
         uffd_fd: OwnedFd,
     ) -> Result<(), OpError> {
         let bad = |m: String| OpError::new(ErrorKind::Invalid, m);
-        if base % PAGE_SIZE as u64 != 0 || len == 0 || len % PAGE_SIZE as u64 != 0 || base.checked_add(len).is_none() {
+        if !base.is_multiple_of(PAGE_SIZE as u64)
+            || len == 0
+            || !len.is_multiple_of(PAGE_SIZE as u64)
+            || base.checked_add(len).is_none()
+        {
             return Err(bad(format!("bad mapping range {base:#x}+{len:#x}")));
         }
         // The descriptor must be a userfaultfd: its /proc link says so.
@@ -263,7 +273,10 @@ impl SvmShell {
             let id = g.next_map;
             g.next_map += 1;
             let Some(seg) = g.segs.get_mut(&file) else {
-                return Err(OpError::new(ErrorKind::NotFound, format!("segment {file} is not mapped on this node")));
+                return Err(OpError::new(
+                    ErrorKind::NotFound,
+                    format!("segment {file} is not mapped on this node"),
+                ));
             };
             if len > seg.pages * PAGE_SIZE as u64 {
                 return Err(bad(format!(
@@ -272,7 +285,8 @@ impl SvmShell {
                 )));
             }
             // SAFETY: the descriptor is a userfaultfd (checked above) that we own from here on.
-            let uffd = unsafe { <Uffd as std::os::fd::FromRawFd>::from_raw_fd(std::os::fd::IntoRawFd::into_raw_fd(uffd_fd)) };
+            let uffd =
+                unsafe { <Uffd as std::os::fd::FromRawFd>::from_raw_fd(std::os::fd::IntoRawFd::into_raw_fd(uffd_fd)) };
             let map = Arc::new(ClientMap {
                 id,
                 pid,
@@ -421,7 +435,9 @@ impl SvmShell {
                     }
                 }
                 Some(Ok(_)) | None => {}
-                Some(Err(e)) => tracing::warn!(node = %node.name(), peer = %from, error = %e, "coherence message rejected"),
+                Some(Err(e)) => {
+                    tracing::warn!(node = %node.name(), peer = %from, error = %e, "coherence message rejected")
+                }
             }
             run(&mut g, node, &mut out);
         }
@@ -667,7 +683,8 @@ fn apply(g: &mut Inner, node: &Node, a: Action, out: &mut Vec<Outgoing>) {
                 None => {
                     let r = nix::fcntl::fallocate(
                         &seg.memfd,
-                        nix::fcntl::FallocateFlags::FALLOC_FL_PUNCH_HOLE | nix::fcntl::FallocateFlags::FALLOC_FL_KEEP_SIZE,
+                        nix::fcntl::FallocateFlags::FALLOC_FL_PUNCH_HOLE
+                            | nix::fcntl::FallocateFlags::FALLOC_FL_KEEP_SIZE,
                         (page.index * PAGE_SIZE as u64) as i64,
                         PAGE_SIZE as i64,
                     );
@@ -721,12 +738,18 @@ fn resolve(w: &Waiter, node_access: Option<Access>) {
             .uffd
             .remove_write_protection(addr, PAGE_SIZE, true)
             .map_err(|e| std::io::Error::other(e.to_string())),
-        FaultKind::WriteProtected => w.map.uffd.wake(addr, PAGE_SIZE).map_err(|e| std::io::Error::other(e.to_string())),
+        FaultKind::WriteProtected => w
+            .map
+            .uffd
+            .wake(addr, PAGE_SIZE)
+            .map_err(|e| std::io::Error::other(e.to_string())),
         _ => match continue_page(&w.map.uffd, w.addr, !writable) {
             // Another thread of the client mapped it first: just wake this one.
-            Err(e) if errno_of(&e) == libc::EEXIST => {
-                w.map.uffd.wake(addr, PAGE_SIZE).map_err(|e| std::io::Error::other(e.to_string()))
-            }
+            Err(e) if errno_of(&e) == libc::EEXIST => w
+                .map
+                .uffd
+                .wake(addr, PAGE_SIZE)
+                .map_err(|e| std::io::Error::other(e.to_string())),
             r => r,
         },
     };

@@ -14,9 +14,18 @@ struct UffdioContinue {
 const UFFDIO_CONTINUE_MODE_WP: u64 = 1 << 1;
 
 fn cont(fd: i32, addr: usize, wp: bool) -> i64 {
-    let mut c = UffdioContinue { start: addr as u64, len: PAGE as u64, mode: if wp { UFFDIO_CONTINUE_MODE_WP } else { 0 }, mapped: 0 };
+    let mut c = UffdioContinue {
+        start: addr as u64,
+        len: PAGE as u64,
+        mode: if wp { UFFDIO_CONTINUE_MODE_WP } else { 0 },
+        mapped: 0,
+    };
     let r = unsafe { libc::ioctl(fd, userfaultfd_sys::UFFDIO_CONTINUE as _, &mut c) };
-    if r < 0 { -(std::io::Error::last_os_error().raw_os_error().unwrap() as i64) } else { c.mapped }
+    if r < 0 {
+        -(std::io::Error::last_os_error().raw_os_error().unwrap() as i64)
+    } else {
+        c.mapped
+    }
 }
 
 #[test]
@@ -24,10 +33,27 @@ fn probe() {
     let memfd = nix::sys::memfd::memfd_create("probe", nix::sys::memfd::MFdFlags::MFD_CLOEXEC).unwrap();
     let file = std::fs::File::from(memfd);
     file.set_len(4 * PAGE as u64).unwrap();
-    let base = unsafe { libc::mmap(std::ptr::null_mut(), 4 * PAGE, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, file.as_raw_fd(), 0) };
+    let base = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            4 * PAGE,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            file.as_raw_fd(),
+            0,
+        )
+    };
     assert_ne!(base, libc::MAP_FAILED);
-    let uffd = UffdBuilder::new().close_on_exec(true).user_mode_only(false).create().unwrap();
-    let r = uffd.register_with_mode(base, 4 * PAGE, RegisterMode::MISSING | RegisterMode::MINOR | RegisterMode::WRITE_PROTECT);
+    let uffd = UffdBuilder::new()
+        .close_on_exec(true)
+        .user_mode_only(false)
+        .create()
+        .unwrap();
+    let r = uffd.register_with_mode(
+        base,
+        4 * PAGE,
+        RegisterMode::MISSING | RegisterMode::MINOR | RegisterMode::WRITE_PROTECT,
+    );
     eprintln!("register: {r:?}");
     r.unwrap();
     let b = base as usize;
@@ -51,7 +77,9 @@ fn probe() {
     for step in 0..5 {
         let ev = uffd.read_event().unwrap().unwrap();
         eprintln!("event {step}: {ev:?}");
-        let Event::Pagefault { kind, rw, addr, .. } = ev else { panic!() };
+        let Event::Pagefault { kind, rw, addr, .. } = ev else {
+            panic!()
+        };
         let a = addr as usize & !(PAGE - 1);
         match step {
             0 => {
@@ -75,7 +103,14 @@ fn probe() {
                 assert_eq!(rw, ReadWrite::Write);
                 file.write_all_at(&[44u8; PAGE], 2 * PAGE as u64).unwrap();
                 // Punch page 0 (it is mapped writable in the toucher).
-                let r = unsafe { libc::fallocate(file.as_raw_fd(), libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE, 0, PAGE as i64) };
+                let r = unsafe {
+                    libc::fallocate(
+                        file.as_raw_fd(),
+                        libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                        0,
+                        PAGE as i64,
+                    )
+                };
                 assert_eq!(r, 0);
                 eprintln!("continue rw: {}", cont(fd, a, false));
             }

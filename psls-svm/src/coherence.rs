@@ -385,7 +385,10 @@ impl Svm {
     }
     /// The incarnation of node `n` this node knows (0: never heard of), up or not.
     pub fn known_incarnation(&self, n: NodeId) -> Incarnation {
-        self.peers.get(n.0 as usize).map(|p| p.incarnation).unwrap_or(Incarnation(0))
+        self.peers
+            .get(n.0 as usize)
+            .map(|p| p.incarnation)
+            .unwrap_or(Incarnation(0))
     }
     /// The manager of `page`.
     pub fn manager(&self, page: PageId) -> NodeId {

@@ -233,6 +233,15 @@ impl Cluster {
         d
     }
 
+    /// A client process `bin` that talks to the daemon of `node`.
+    pub fn client(&self, node: &str, bin: &str) -> Command {
+        let mut cmd = Command::new(bin);
+        cmd.env("PSLS_HOME", &self.dir)
+            .env("PSLS_NODE", node)
+            .env_remove("PSLS_SOCKET");
+        cmd
+    }
+
     /// Whether any daemon's log contains `text`.
     pub fn logs_contain(&self, text: &str) -> bool {
         self.config().all().any(|n| self.log(&n.name).contains(text))

@@ -7,6 +7,7 @@
 //! - `consume NAME PAGES`: waits for word 0 == 1, checks the pattern, sets word 0 to 2.
 //! - `fill NAME PAGES SEED`: writes the pattern of SEED into every page and exits.
 //! - `check NAME PAGES SEED`: checks every page holds the pattern of SEED.
+//! - `map NAME BYTES CREATE`: only maps (and unmaps); prints the error if the map fails.
 
 use psls_client::Session;
 use std::time::{Duration, Instant};
@@ -29,10 +30,12 @@ fn wait_for(words: &[u64], want: u64, what: &str) {
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
-    let arg = |i: usize| args.get(i).cloned().unwrap_or_else(|| {
-        eprintln!("usage: svm-probe produce|consume|fill|check NAME PAGES [SEED]");
-        std::process::exit(2)
-    });
+    let arg = |i: usize| {
+        args.get(i).cloned().unwrap_or_else(|| {
+            eprintln!("usage: svm-probe produce|consume|fill|check NAME PAGES [SEED]");
+            std::process::exit(2)
+        })
+    };
     let (mode, name) = (arg(1), arg(2));
     let pages: usize = arg(3).parse().expect("PAGES");
     let words_per_page = 4096 / 8;
@@ -40,6 +43,21 @@ fn main() {
         eprintln!("connect: {e}");
         std::process::exit(1)
     });
+    if mode == "map" {
+        // Only the mapping: `map NAME BYTES CREATE(0|1)`; prints the error if any.
+        let create = arg(4) == "1";
+        match s.map(&name, pages as u64, create) {
+            Ok(m) => {
+                println!("mapped {} bytes", m.len());
+                m.unmap().expect("unmap");
+                std::process::exit(0)
+            }
+            Err(e) => {
+                println!("error: {e}");
+                std::process::exit(1)
+            }
+        }
+    }
     let mut m = s.map(&name, (pages * 4096) as u64, true).unwrap_or_else(|e| {
         eprintln!("map: {e}");
         std::process::exit(1)

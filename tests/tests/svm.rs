@@ -1,0 +1,131 @@
+//! Shared virtual memory across real daemons and real client processes (userfaultfd).
+
+use psls_tests::Cluster;
+use std::process::{Child, Output, Stdio};
+use std::time::{Duration, Instant};
+
+const PROBE: &str = env!("CARGO_BIN_EXE_svm-probe");
+
+fn run_ok(c: &Cluster, node: &str, args: &[&str]) -> String {
+    let o = c.client(node, PROBE).args(args).output().expect("run probe");
+    let out = String::from_utf8_lossy(&o.stdout).to_string();
+    assert!(
+        o.status.success(),
+        "probe {args:?} on {node} failed ({}): {out}{}",
+        o.status,
+        String::from_utf8_lossy(&o.stderr)
+    );
+    out
+}
+
+fn spawn(c: &Cluster, node: &str, args: &[&str]) -> Child {
+    c.client(node, PROBE)
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn probe")
+}
+
+fn wait_within(mut ch: Child, limit: Duration) -> Output {
+    let t = Instant::now();
+    while ch.try_wait().expect("wait").is_none() {
+        if t.elapsed() > limit {
+            let _ = ch.kill();
+            let o = ch.wait_with_output().expect("output");
+            panic!(
+                "client did not finish within {limit:?}: {}{}",
+                String::from_utf8_lossy(&o.stdout),
+                String::from_utf8_lossy(&o.stderr)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    ch.wait_with_output().expect("output")
+}
+
+#[test]
+fn pages_move_between_processes_on_different_nodes_and_on_one_node() {
+    let c = Cluster::start(4, 0);
+    // Producer and consumer on different nodes, then on the same node.
+    for (a, b) in [("n1", "n2"), ("n3", "n3")] {
+        let name = format!("pc-{a}-{b}");
+        let producer = spawn(&c, a, &["produce", &name, "16"]);
+        run_ok(&c, b, &["consume", &name, "16"]);
+        let o = wait_within(producer, Duration::from_secs(60));
+        assert!(o.status.success(), "producer: {}", String::from_utf8_lossy(&o.stderr));
+    }
+    // Whole-file writes on one node, checks on every other, rewrites, checks again.
+    run_ok(&c, "n3", &["fill", "g", "64", "5"]);
+    for n in ["n0", "n1", "n2", "n3"] {
+        run_ok(&c, n, &["check", "g", "64", "5"]);
+    }
+    run_ok(&c, "n1", &["fill", "g", "64", "6"]);
+    let readers: Vec<Child> = ["n0", "n2", "n2", "n3"]
+        .iter()
+        .map(|n| spawn(&c, n, &["check", "g", "64", "6"]))
+        .collect();
+    for r in readers {
+        let o = wait_within(r, Duration::from_secs(60));
+        assert!(o.status.success(), "reader: {}", String::from_utf8_lossy(&o.stderr));
+    }
+}
+
+#[test]
+fn bad_maps_get_clear_errors() {
+    let c = Cluster::start(2, 0);
+    let out = c
+        .client("n0", PROBE)
+        .args(["map", "nope", "4096", "0"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("nope") && text.contains("no file"), "{text}");
+    run_ok(&c, "n0", &["map", "small", "8192", "1"]);
+    let out = c
+        .client("n1", PROBE)
+        .args(["map", "small", "16384", "0"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        !out.status.success() && text.contains("the file has 8192 bytes"),
+        "{text}"
+    );
+    let out = c.client("n1", PROBE).args(["map", "small", "0", "0"]).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(!out.status.success() && text.contains("0 bytes"), "{text}");
+    // The daemons are still fine.
+    run_ok(&c, "n1", &["map", "small", "8192", "0"]);
+}
+
+#[test]
+fn a_dying_client_does_not_disturb_the_daemon_and_a_dying_daemon_stops_its_clients() {
+    let c = Cluster::start(4, 0);
+    // A consumer waits (faulting on word 0 again and again); kill -9 it.
+    let mut waiting = spawn(&c, "n2", &["consume", "k", "4"]);
+    std::thread::sleep(Duration::from_millis(500));
+    waiting.kill().unwrap();
+    waiting.wait().unwrap();
+    let t = Instant::now();
+    while !c.logs_contain("client process exited") {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "daemon never noticed the dead client"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // Others carry on with the same file.
+    let producer = spawn(&c, "n1", &["produce", "k", "4"]);
+    run_ok(&c, "n2", &["consume", "k", "4"]);
+    assert!(wait_within(producer, Duration::from_secs(60)).status.success());
+
+    // A client whose daemon dies ends with a clear message instead of hanging.
+    let waiting = spawn(&c, "n3", &["consume", "k2", "4"]);
+    std::thread::sleep(Duration::from_millis(500));
+    c.kill("n3");
+    let o = wait_within(waiting, Duration::from_secs(20));
+    assert_eq!(o.status.code(), Some(70), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("lost the node daemon"));
+}
