@@ -144,6 +144,7 @@ pub struct Session {
     conn: Mutex<Conn>,
     rank: u32,
     size: u32,
+    job: String,
 }
 
 impl Session {
@@ -162,6 +163,44 @@ impl Session {
             conn: Mutex::new(conn),
             rank: env_u32("PSLS_RANK", 0),
             size: env_u32("PSLS_SIZE", 1).max(1),
+            job: std::env::var("PSLS_JOB").unwrap_or_default(),
+        })
+    }
+
+    fn call_ok(&self, req: &Request) -> Result<(), ClientError> {
+        match self.call(req, None)? {
+            (Response::Ok, _) => Ok(()),
+            (other, _) => Err(daemon_error(other)),
+        }
+    }
+
+    /// Waits until every rank of the job ([`Session::size`]) has called `barrier(name)`.
+    pub fn barrier(&self, name: &str) -> Result<(), ClientError> {
+        self.barrier_of(name, self.size)
+    }
+
+    /// Waits until `count` ranks of the job have called this barrier.
+    pub fn barrier_of(&self, name: &str, count: u32) -> Result<(), ClientError> {
+        self.call_ok(&Request::Barrier {
+            job: self.job.clone(),
+            name: name.into(),
+            count,
+        })
+    }
+
+    /// Waits for lock `id` of the job and holds it.
+    pub fn lock(&self, id: u64) -> Result<(), ClientError> {
+        self.call_ok(&Request::Lock {
+            job: self.job.clone(),
+            id,
+        })
+    }
+
+    /// Releases lock `id`; an error if this process does not hold it.
+    pub fn unlock(&self, id: u64) -> Result<(), ClientError> {
+        self.call_ok(&Request::Unlock {
+            job: self.job.clone(),
+            id,
         })
     }
 

@@ -92,6 +92,21 @@ pub enum Request {
     Unmap {
         base: u64,
     },
+    /// Waits until `count` ranks of the caller's job have called the barrier `name`.
+    Barrier {
+        job: String,
+        name: String,
+        count: u32,
+    },
+    /// Waits for, then holds, lock `id` of the caller's job.
+    Lock {
+        job: String,
+        id: u64,
+    },
+    Unlock {
+        job: String,
+        id: u64,
+    },
 }
 
 /// Class of an error, so that callers can react without parsing text.

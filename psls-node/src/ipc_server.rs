@@ -201,15 +201,27 @@ async fn import_from_fd(
 async fn lifeline(node: &Arc<Node>, pid: i32, mut r: OwnedReadHalf, mut w: OwnedWriteHalf) -> anyhow::Result<()> {
     let mut rx = node.svm.lifeline(pid);
     let mut byte = [0u8; 1];
-    loop {
+    let r = loop {
         tokio::select! {
             m = rx.recv() => match m {
-                Some(message) => send(&mut w, &Response::Fatal { message }).await?,
-                None => return Ok(()),
+                Some(message) => {
+                    if let Err(e) = send(&mut w, &Response::Fatal { message }).await {
+                        break Err(e.into());
+                    }
+                }
+                None => break Ok(()),
             },
-            _ = r.read(&mut byte) => return Ok(()),
+            _ = r.read(&mut byte) => break Ok(()),
         }
+    };
+    // The process is gone (or closed its session): its locks and barrier waits go with it.
+    let gone = crate::peer::PeerReq::SyncGone {
+        who: crate::sync::who(node, pid),
+    };
+    if let Err(e) = crate::sync::call(node, gone).await {
+        tracing::warn!(node = %node.name(), pid, error = %e, "could not release a dead client's locks");
     }
+    r
 }
 
 /// A stable id for a volatile segment: from its owner and name (high bit set, so it never
@@ -380,6 +392,13 @@ async fn send_data(w: &mut OwnedWriteHalf, data: &[u8]) -> std::io::Result<()> {
 async fn send(w: &mut OwnedWriteHalf, resp: &Response) -> std::io::Result<()> {
     let bytes = proto::encode(resp).map_err(|e| std::io::Error::other(e.to_string()))?;
     w.write_all(&bytes).await
+}
+
+fn ok_or_err(r: Result<(), OpError>) -> Response {
+    match r {
+        Ok(()) => Response::Ok,
+        Err(e) => err(e),
+    }
 }
 
 fn err(e: OpError) -> Response {
@@ -553,6 +572,28 @@ async fn client(node: Arc<Node>, stream: UnixStream) -> anyhow::Result<()> {
                     }
                 }
             },
+            Request::Barrier { job, name, count } => {
+                let req = crate::peer::PeerReq::BarrierArrive {
+                    key: crate::sync::key(caller.uid, &job, &name),
+                    count,
+                    who: crate::sync::who(&node, pid.unwrap_or(0)),
+                };
+                ok_or_err(crate::sync::call(&node, req).await)
+            }
+            Request::Lock { job, id } => {
+                let req = crate::peer::PeerReq::LockAcquire {
+                    key: crate::sync::key(caller.uid, &job, &id.to_string()),
+                    who: crate::sync::who(&node, pid.unwrap_or(0)),
+                };
+                ok_or_err(crate::sync::call(&node, req).await)
+            }
+            Request::Unlock { job, id } => {
+                let req = crate::peer::PeerReq::LockRelease {
+                    key: crate::sync::key(caller.uid, &job, &id.to_string()),
+                    who: crate::sync::who(&node, pid.unwrap_or(0)),
+                };
+                ok_or_err(crate::sync::call(&node, req).await)
+            }
             Request::Unmap { base } => match pid {
                 Some(pid) => match node.svm.unregister(pid, base) {
                     Ok(()) => Response::Ok,

@@ -2,7 +2,7 @@
 //! protocol and storage crates: QUIC with mutual TLS between nodes ([`transport`], [`tls`]),
 //! the Unix socket for local clients ([`ipc_server`]), heartbeats ([`membership`]), the
 //! mirrored parallel file system across nodes ([`pfs`]), the shared virtual memory fault
-//! service ([`svm`]), and the node state that ties them together ([`node`]).
+//! service ([`svm`]), barriers and locks ([`sync`]), and the node state that ties them together ([`node`]).
 
 pub mod daemon;
 pub mod ipc_server;
@@ -11,5 +11,6 @@ pub mod node;
 pub mod peer;
 pub mod pfs;
 pub mod svm;
+pub mod sync;
 pub mod tls;
 pub mod transport;

@@ -98,6 +98,8 @@ pub struct Node {
     pub shutdown: tokio::sync::Notify,
     /// Shared virtual memory: segments, client mappings, the coherence state machine.
     pub svm: Arc<crate::svm::SvmShell>,
+    /// Barriers and locks (served while this node coordinates).
+    pub sync: Mutex<crate::sync::SyncState>,
 }
 
 impl Node {
@@ -133,6 +135,7 @@ impl Node {
             disk_free: AtomicU64::new(0),
             shutdown: tokio::sync::Notify::new(),
             svm: Arc::new(crate::svm::SvmShell::new(tokio::runtime::Handle::current())),
+            sync: Mutex::new(crate::sync::SyncState::default()),
         }
     }
 
@@ -779,6 +782,10 @@ impl Node {
             }
             PeerReq::MetaApply { seq, op } => Ok(self.apply_remote(from, seq, op).await),
             PeerReq::MetaFetch => Ok(PeerResp::Snapshot(self.meta_state().encode())),
+            req @ (PeerReq::BarrierArrive { .. }
+            | PeerReq::LockAcquire { .. }
+            | PeerReq::LockRelease { .. }
+            | PeerReq::SyncGone { .. }) => crate::sync::serve(&self.sync, req).await,
             PeerReq::Svm(env) => {
                 self.svm.on_message(&self, env, payload);
                 Ok(PeerResp::Ok)

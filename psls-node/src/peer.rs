@@ -88,6 +88,26 @@ pub enum PeerReq {
     MetaFetch,
     /// A coherence protocol message (one-way); payload: the page's 4096 bytes for `Data`.
     Svm(psls_svm::coherence::Envelope),
+    /// To the coordinator: rank `who` waits at barrier `key` of `count` ranks (answered when it
+    /// opens).
+    BarrierArrive {
+        key: String,
+        count: u32,
+        who: String,
+    },
+    /// To the coordinator: answered when `who` holds lock `key`.
+    LockAcquire {
+        key: String,
+        who: String,
+    },
+    LockRelease {
+        key: String,
+        who: String,
+    },
+    /// To the coordinator: rank `who` exited.
+    SyncGone {
+        who: String,
+    },
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]

@@ -287,6 +287,14 @@ impl Directory {
         self.writable = false;
         self.lost |= self.dirty;
     }
+    /// Between transactions, a page without an owner has no copies either: a leftover reader
+    /// becomes the owner (an owner that died mid-transaction leaves its decision to the end).
+    fn settle(&mut self) {
+        if self.owner.is_none() && !self.copyset.is_empty() {
+            self.reassign_or_lose();
+        }
+        debug_assert!(self.owner.is_some() || self.copyset.is_empty());
+    }
     /// The owner is gone: another holder of a read copy takes over, or every copy is gone.
     fn reassign_or_lose(&mut self) {
         match self.copyset.iter().next() {
@@ -695,6 +703,7 @@ impl Svm {
                     } else if owner_gone {
                         d.reassign_or_lose();
                     }
+                    d.settle();
                     self.next_in_queue(page);
                 }
                 Some(b) if matches!(b.source, Source::Owner(o, _) if o == n) => {
@@ -1133,6 +1142,7 @@ impl Svm {
             }
         }
         d.busy = None;
+        d.settle();
         self.next_in_queue(page);
         Ok(())
     }
@@ -1154,6 +1164,7 @@ impl Svm {
             d.reassign_or_lose();
         }
         d.busy = None;
+        d.settle();
         self.send(
             txn.node,
             Msg::Deny {

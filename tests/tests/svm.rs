@@ -129,3 +129,43 @@ fn a_dying_client_does_not_disturb_the_daemon_and_a_dying_daemon_stops_its_clien
     assert_eq!(o.status.code(), Some(70), "{}", String::from_utf8_lossy(&o.stderr));
     assert!(String::from_utf8_lossy(&o.stderr).contains("lost the node daemon"));
 }
+
+#[test]
+fn locked_counter_across_nodes_counts_exactly_and_sync_errors_are_clear() {
+    let c = Cluster::start(4, 0);
+    let (ranks, incs) = (4u64, 150u64);
+    let workers: Vec<Child> = ["n0", "n1", "n2", "n3"]
+        .iter()
+        .map(|n| spawn(&c, n, &["count", "ctr", "1", &incs.to_string(), &ranks.to_string()]))
+        .collect();
+    for w in workers {
+        let o = wait_within(w, Duration::from_secs(120));
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let first = String::from_utf8_lossy(&o.stdout)
+            .lines()
+            .next()
+            .unwrap_or("")
+            .to_string();
+        assert_eq!(
+            first,
+            (ranks * incs).to_string(),
+            "every rank sees N*M after the barrier"
+        );
+    }
+    let out = run_ok(&c, "n2", &["sync-errors", "e", "1"]);
+    assert!(out.contains("unlock: lock 99 is not held by this rank"), "{out}");
+    assert!(out.contains("relock: lock 5 is already held by this rank"), "{out}");
+    // A rank that dies at a barrier fails the others there, with a clear message.
+    let waiter = spawn(&c, "n1", &["count", "b", "1", "0", "3"]);
+    let mut dying = spawn(&c, "n2", &["count", "b", "1", "0", "3"]);
+    std::thread::sleep(Duration::from_millis(800));
+    dying.kill().unwrap();
+    dying.wait().unwrap();
+    let o = wait_within(waiter, Duration::from_secs(20));
+    assert!(!o.status.success());
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("exited while waiting at barrier 'counted'"),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+}

@@ -102,6 +102,29 @@ fn main() {
                 }
             }
         }
+        "count" => {
+            // `count NAME PAGES INCREMENTS COUNT`: INCREMENTS times, under lock 1, adds one
+            // to word 0; then a barrier of COUNT ranks; then prints word 0.
+            let (incs, ranks): (u64, u32) = (arg(4).parse().expect("INCREMENTS"), arg(5).parse().expect("COUNT"));
+            for _ in 0..incs {
+                s.lock(1).expect("lock");
+                // SAFETY: plain loads and stores of one shared word, under the lock.
+                unsafe { std::ptr::write_volatile(&mut w[0], std::ptr::read_volatile(&w[0]) + 1) };
+                s.unlock(1).expect("unlock");
+            }
+            s.barrier_of("counted", ranks).expect("barrier");
+            // SAFETY: a plain load of a shared word.
+            println!("{}", unsafe { std::ptr::read_volatile(&w[0]) });
+        }
+        "sync-errors" => {
+            // Unlocking a lock not held, a barrier with a mismatched count.
+            let e = s.unlock(99).expect_err("unlock of a lock not held");
+            println!("unlock: {e}");
+            s.lock(5).expect("lock");
+            let e = s.lock(5).expect_err("locking twice");
+            println!("relock: {e}");
+            s.unlock(5).expect("unlock");
+        }
         other => {
             eprintln!("unknown mode {other}");
             std::process::exit(2);
