@@ -124,6 +124,36 @@ impl Client {
         }
     }
 
+    /// Runs a job (`psls run`): calls `output(rank, is_stderr, bytes)` as output arrives;
+    /// returns the job's status and a one-line summary.
+    #[allow(clippy::too_many_arguments)]
+    pub fn run(
+        &mut self,
+        program: &str,
+        args: &[String],
+        ranks: u32,
+        per_node: Option<u32>,
+        env: Vec<(String, String)>,
+        cwd: &str,
+        mut output: impl FnMut(u32, bool, &[u8]),
+    ) -> Result<(i32, String), ClientError> {
+        self.send(&Request::Run {
+            program: program.into(),
+            args: args.to_vec(),
+            ranks,
+            per_node,
+            env,
+            cwd: cwd.into(),
+        })?;
+        loop {
+            match self.recv()? {
+                Response::RankOutput { rank, err, data } => output(rank, err, &data),
+                Response::JobDone { code, message } => return Ok((code, message)),
+                r => return Err(unexpected(r)),
+            }
+        }
+    }
+
     pub fn status(&mut self) -> Result<ClusterStatus, ClientError> {
         match self.call(&Request::Status)? {
             Response::Status(s) => Ok(s),

@@ -66,6 +66,20 @@ enum Cmd {
     Rm { name: String },
     /// Verify every copy of every page; repair bad copies from the good one.
     Scrub,
+    /// Run a parallel program: N ranks spread over the cluster's nodes, each started by its
+    /// node's daemon with PSLS_RANK, PSLS_SIZE and PSLS_SOCKET set; output is prefixed with
+    /// the rank; the exit status is the first failing rank's.
+    Run {
+        /// Number of ranks.
+        #[arg(short = 'n', long = "ranks")]
+        n: u32,
+        /// Place this many consecutive ranks per node (default: round robin).
+        #[arg(long)]
+        per_node: Option<u32>,
+        /// The program and its arguments.
+        #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
+        command: Vec<String>,
+    },
     /// The main job: bring up a local 4-node cluster, import a file, lose a node, export the
     /// file intact, show status.
     Demo {
@@ -132,8 +146,65 @@ fn home(cli: &Cli) -> PathBuf {
         .unwrap_or_else(|| PathBuf::from(".psls"))
 }
 
+/// `psls run`: relays the ranks' output, prefixed, and returns the job's status.
+fn run_job(cli: &Cli, n: u32, per_node: Option<u32>, command: &[String]) -> Result<i32> {
+    let dir = home(cli);
+    let cwd = std::env::current_dir().context("current folder")?;
+    let mut program = command.first().cloned().context("no program given")?;
+    if program.contains('/') && !program.starts_with('/') {
+        program = cwd.join(&program).display().to_string();
+    }
+    let env: Vec<(String, String)> = std::env::vars().collect();
+    let mut client = cluster::connect(&dir, cli.node.as_deref())?;
+    // Per (rank, stream): the part of a line not printed yet.
+    let mut partial: std::collections::BTreeMap<(u32, bool), Vec<u8>> = std::collections::BTreeMap::new();
+    let emit = |rank: u32, err: bool, line: &[u8]| {
+        let text = String::from_utf8_lossy(line);
+        if err {
+            eprintln!("[{rank}] {text}");
+        } else {
+            println!("[{rank}] {text}");
+        }
+    };
+    let (code, message) = client.run(
+        &program,
+        &command[1..],
+        n,
+        per_node,
+        env,
+        &cwd.display().to_string(),
+        |rank, err, data| {
+            let buf = partial.entry((rank, err)).or_default();
+            buf.extend_from_slice(data);
+            while let Some(i) = buf.iter().position(|&b| b == b'\n') {
+                let line: Vec<u8> = buf.drain(..=i).collect();
+                emit(rank, err, &line[..line.len() - 1]);
+            }
+        },
+    )?;
+    for ((rank, err), rest) in partial {
+        if !rest.is_empty() {
+            emit(rank, err, &rest);
+        }
+    }
+    let _ = std::io::stdout().flush();
+    if code != 0 {
+        eprintln!("psls: {message}");
+    }
+    Ok(code)
+}
+
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
+    if let Cmd::Run { n, per_node, command } = &cli.cmd {
+        return match run_job(&cli, *n, *per_node, command) {
+            Ok(code) => std::process::ExitCode::from(code.clamp(0, 255) as u8),
+            Err(e) => {
+                eprintln!("psls: error: {e:#}");
+                std::process::ExitCode::from(1)
+            }
+        };
+    }
     match run(&cli) {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
@@ -345,6 +416,7 @@ fn run(cli: &Cli) -> Result<()> {
             }
         }
         Cmd::Demo { size_mb } => demo(&dir, *size_mb)?,
+        Cmd::Run { .. } => unreachable!("handled in main"),
     }
     Ok(())
 }

@@ -107,6 +107,16 @@ pub enum Request {
         job: String,
         id: u64,
     },
+    /// `psls run`: starts `ranks` ranks of `program` over the cluster; answered by a stream of
+    /// `RankOutput` and a final `JobDone`.
+    Run {
+        program: String,
+        args: Vec<String>,
+        ranks: u32,
+        per_node: Option<u32>,
+        env: Vec<(String, String)>,
+        cwd: String,
+    },
 }
 
 /// Class of an error, so that callers can react without parsing text.
@@ -235,6 +245,18 @@ pub enum Response {
     },
     /// On a lifeline: the process cannot go on (one of its faults failed).
     Fatal {
+        message: String,
+    },
+    /// Output of a rank of a `Run` (stderr if `err`).
+    RankOutput {
+        rank: u32,
+        err: bool,
+        #[serde(with = "serde_bytes")]
+        data: Vec<u8>,
+    },
+    /// The job is over: `code` is the first failing rank's status (0 if none failed).
+    JobDone {
+        code: i32,
         message: String,
     },
 }

@@ -224,6 +224,63 @@ async fn lifeline(node: &Arc<Node>, pid: i32, mut r: OwnedReadHalf, mut w: Owned
     r
 }
 
+/// Relays a job's output to the CLI and ends with its status; kills the job if the CLI goes.
+async fn run_job(
+    node: &Arc<Node>,
+    job: &str,
+    ranks: u32,
+    mut rx: tokio::sync::mpsc::UnboundedReceiver<crate::launcher::JobEvent>,
+    mut r: OwnedReadHalf,
+    mut w: OwnedWriteHalf,
+) -> anyhow::Result<()> {
+    use crate::launcher::JobEvent;
+    let mut exited: std::collections::BTreeMap<u32, i32> = std::collections::BTreeMap::new();
+    let mut failed: Option<(u32, i32)> = None;
+    let mut byte = [0u8; 1];
+    while (exited.len() as u32) < ranks {
+        let ev = tokio::select! {
+            ev = rx.recv() => ev,
+            _ = r.read(&mut byte) => {
+                tracing::info!(node = %node.name(), job, "the CLI went away: stopping the job");
+                crate::launcher::kill_everywhere(node, job).await;
+                crate::launcher::finished(node, job);
+                return Ok(());
+            }
+        };
+        let Some(ev) = ev else { break };
+        match ev {
+            JobEvent::Output { rank, err, data } => {
+                send(&mut w, &Response::RankOutput { rank, err, data }).await?;
+            }
+            JobEvent::Exit { rank, code } => {
+                if rank >= ranks || exited.contains_key(&rank) {
+                    continue;
+                }
+                exited.insert(rank, code);
+                if code != 0 && failed.is_none() {
+                    failed = Some((rank, code));
+                    let (node, job) = (node.clone(), job.to_string());
+                    tokio::spawn(async move { crate::launcher::kill_everywhere(&node, &job).await });
+                }
+            }
+        }
+    }
+    crate::launcher::finished(node, job);
+    let (code, message) = match failed {
+        None => (0, format!("all {ranks} ranks exited with status 0")),
+        Some((rank, crate::launcher::LOST_STATUS)) => (
+            crate::launcher::LOST_STATUS,
+            format!("rank {rank} was lost (its node went down or it could not report); the other ranks were stopped"),
+        ),
+        Some((rank, code)) => (
+            code,
+            format!("rank {rank} exited with status {code}; the other ranks were stopped"),
+        ),
+    };
+    send(&mut w, &Response::JobDone { code, message }).await?;
+    Ok(())
+}
+
 /// A stable id for a volatile segment: from its owner and name (high bit set, so it never
 /// collides with a parallel file's id).
 fn volatile_id(uid: u32, name: &str) -> psls_svm::FileId {
@@ -593,6 +650,22 @@ async fn client(node: Arc<Node>, stream: UnixStream) -> anyhow::Result<()> {
                     who: crate::sync::who(&node, pid.unwrap_or(0)),
                 };
                 ok_or_err(crate::sync::call(&node, req).await)
+            }
+            Request::Run {
+                program,
+                args,
+                ranks,
+                per_node,
+                env,
+                cwd,
+            } => {
+                let launched =
+                    crate::launcher::launch(&node, ranks, per_node, program, args, env, cwd, caller.uid, caller.gid)
+                        .await;
+                match launched {
+                    Ok((job, rx)) => return run_job(&node, &job, ranks, rx, r, w).await,
+                    Err(e) => err(e),
+                }
             }
             Request::Unmap { base } => match pid {
                 Some(pid) => match node.svm.unregister(pid, base) {

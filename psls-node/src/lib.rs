@@ -2,10 +2,11 @@
 //! protocol and storage crates: QUIC with mutual TLS between nodes ([`transport`], [`tls`]),
 //! the Unix socket for local clients ([`ipc_server`]), heartbeats ([`membership`]), the
 //! mirrored parallel file system across nodes ([`pfs`]), the shared virtual memory fault
-//! service ([`svm`]), barriers and locks ([`sync`]), and the node state that ties them together ([`node`]).
+//! service ([`svm`]), barriers and locks ([`sync`]), jobs of ranks ([`launcher`]), and the node state that ties them together ([`node`]).
 
 pub mod daemon;
 pub mod ipc_server;
+pub mod launcher;
 pub mod membership;
 pub mod node;
 pub mod peer;

@@ -100,6 +100,8 @@ pub struct Node {
     pub svm: Arc<crate::svm::SvmShell>,
     /// Barriers and locks (served while this node coordinates).
     pub sync: Mutex<crate::sync::SyncState>,
+    /// Jobs launched here and rank processes running here.
+    pub jobs: crate::launcher::Jobs,
 }
 
 impl Node {
@@ -136,6 +138,7 @@ impl Node {
             shutdown: tokio::sync::Notify::new(),
             svm: Arc::new(crate::svm::SvmShell::new(tokio::runtime::Handle::current())),
             sync: Mutex::new(crate::sync::SyncState::default()),
+            jobs: crate::launcher::Jobs::default(),
         }
     }
 
@@ -786,6 +789,10 @@ impl Node {
             | PeerReq::LockAcquire { .. }
             | PeerReq::LockRelease { .. }
             | PeerReq::SyncGone { .. }) => crate::sync::serve(&self.sync, req).await,
+            req @ (PeerReq::Spawn { .. }
+            | PeerReq::RankOutput { .. }
+            | PeerReq::RankExit { .. }
+            | PeerReq::KillJob { .. }) => crate::launcher::serve(&self, req),
             PeerReq::Svm(env) => {
                 self.svm.on_message(&self, env, payload);
                 Ok(PeerResp::Ok)

@@ -108,6 +108,29 @@ pub enum PeerReq {
     SyncGone {
         who: String,
     },
+    /// From a job's launcher: start these ranks here.
+    Spawn {
+        spec: crate::launcher::JobSpec,
+        ranks: Vec<u32>,
+    },
+    /// To a job's launcher: output of a rank (stdout, or stderr if `err`).
+    RankOutput {
+        job: String,
+        rank: u32,
+        err: bool,
+        #[serde(with = "serde_bytes")]
+        data: Vec<u8>,
+    },
+    /// To a job's launcher: a rank ended with `code` (128 + signal if killed).
+    RankExit {
+        job: String,
+        rank: u32,
+        code: i32,
+    },
+    /// Kill this node's ranks of `job`.
+    KillJob {
+        job: String,
+    },
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]

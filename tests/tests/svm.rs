@@ -169,3 +169,47 @@ fn locked_counter_across_nodes_counts_exactly_and_sync_errors_are_clear() {
         String::from_utf8_lossy(&o.stderr)
     );
 }
+
+#[test]
+fn psls_run_spreads_ranks_prefixes_output_and_stops_on_the_first_failure() {
+    let c = Cluster::start(4, 0);
+    let out = c.ok(&[
+        "run",
+        "-n",
+        "6",
+        "--",
+        "sh",
+        "-c",
+        "echo rank $PSLS_RANK of $PSLS_SIZE on $PSLS_NODE",
+    ]);
+    for r in 0..6 {
+        let node = format!("n{}", r % 4);
+        assert!(out.contains(&format!("[{r}] rank {r} of 6 on {node}")), "{out}");
+    }
+    let out = c.ok(&["run", "-n", "4", "--per-node", "2", "--", "sh", "-c", "echo $PSLS_NODE"]);
+    for (r, n) in [(0, "n0"), (1, "n0"), (2, "n1"), (3, "n1")] {
+        assert!(out.contains(&format!("[{r}] {n}")), "{out}");
+    }
+    // Rank 1 fails: the job ends with its status, and the sleeping ranks are stopped.
+    let t = Instant::now();
+    let o = c.run(&[
+        "run",
+        "-n",
+        "3",
+        "--",
+        "sh",
+        "-c",
+        "if [ $PSLS_RANK = 1 ]; then exit 3; fi; sleep 60",
+    ]);
+    assert_eq!(o.status.code(), Some(3));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("rank 1 exited with status 3"));
+    assert!(t.elapsed() < Duration::from_secs(20), "other ranks were not stopped");
+    // The locked counter as a job.
+    let out = c.ok(&["run", "-n", "4", "--", PROBE, "count", "jobctr", "1", "100", "4"]);
+    for r in 0..4 {
+        assert!(out.contains(&format!("[{r}] 400")), "{out}");
+    }
+    // A program that does not exist.
+    let err = c.fails(&["run", "-n", "2", "--", "/nonexistent/prog"]);
+    assert!(err.contains("cannot start '/nonexistent/prog'"), "{err}");
+}

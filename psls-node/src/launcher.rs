@@ -1,0 +1,338 @@
+//! `psls run`: jobs of ranks spread over the cluster's nodes.
+//!
+//! The daemon the CLI talks to is the job's *launcher*: it places the ranks on the live nodes
+//! (round robin, or `per_node` consecutive ranks per node), asks each node's daemon to start
+//! its ranks (so this works when nodes are separate machines), relays every rank's output to
+//! the CLI, and ends the job with the first failing rank's status after stopping the others.
+//!
+//! Invariants: a rank's output reaches the launcher before its exit (both are sent in order,
+//! each acknowledged); once a rank fails or its node goes down, every other rank of the job is
+//! killed; the CLI's answer comes only when every rank is accounted for.
+
+use crate::node::{Node, OpError};
+use crate::peer::{PeerReq, PeerResp};
+use psls_ipc::ErrorKind;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::io::AsyncReadExt;
+
+/// Most ranks in one job.
+pub const MAX_RANKS: u32 = 4096;
+/// Output relayed per message, at most.
+const OUTPUT_CHUNK: usize = 64 * 1024;
+/// Status of a rank lost with its node.
+pub const LOST_STATUS: i32 = 255;
+
+/// What the launcher tells the CLI.
+#[derive(Debug)]
+pub enum JobEvent {
+    Output { rank: u32, err: bool, data: Vec<u8> },
+    Exit { rank: u32, code: i32 },
+}
+
+/// What a job description holds.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+pub struct JobSpec {
+    pub job: String,
+    pub launcher: String,
+    pub size: u32,
+    pub program: String,
+    pub args: Vec<String>,
+    pub env: Vec<(String, String)>,
+    pub cwd: String,
+    pub uid: u32,
+    pub gid: u32,
+}
+
+/// Per node: the launcher's event channels and the local rank processes.
+#[derive(Default)]
+pub struct Jobs {
+    /// Jobs this node launched: where their events go.
+    launched: Mutex<HashMap<String, tokio::sync::mpsc::UnboundedSender<JobEvent>>>,
+    /// Rank processes running here, per job.
+    local: Mutex<HashMap<String, Vec<u32>>>,
+}
+
+static NEXT_JOB: AtomicU64 = AtomicU64::new(1);
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Rank → logical node: `per_node` consecutive ranks per node, else round robin.
+pub fn place(ranks: u32, nodes: &[u32], per_node: Option<u32>) -> Result<Vec<u32>, String> {
+    if nodes.is_empty() {
+        return Err("no node is up".into());
+    }
+    if ranks == 0 || ranks > MAX_RANKS {
+        return Err(format!("-n {ranks}: a job has 1 to {MAX_RANKS} ranks"));
+    }
+    match per_node {
+        Some(0) => Err("--per-node must be at least 1".into()),
+        Some(k) => {
+            if ranks.div_ceil(k) as usize > nodes.len() {
+                return Err(format!(
+                    "{ranks} ranks at {k} per node need {} nodes; {} are up",
+                    ranks.div_ceil(k),
+                    nodes.len()
+                ));
+            }
+            Ok((0..ranks).map(|r| nodes[(r / k) as usize]).collect())
+        }
+        None => Ok((0..ranks).map(|r| nodes[r as usize % nodes.len()]).collect()),
+    }
+}
+
+/// Starts a job from this node; its events come out of the returned channel, which ends
+/// (after every rank's `Exit`) when the job is over.
+#[allow(clippy::too_many_arguments)]
+pub async fn launch(
+    node: &Arc<Node>,
+    ranks: u32,
+    per_node: Option<u32>,
+    program: String,
+    args: Vec<String>,
+    env: Vec<(String, String)>,
+    cwd: String,
+    uid: u32,
+    gid: u32,
+) -> Result<(String, tokio::sync::mpsc::UnboundedReceiver<JobEvent>), OpError> {
+    let st = node.meta_state();
+    let live: Vec<u32> = node
+        .logical_map(&st)
+        .into_iter()
+        .filter(|(_, p)| node.is_live(p))
+        .map(|(l, _)| l)
+        .collect();
+    let placement = place(ranks, &live, per_node).map_err(|m| OpError::new(ErrorKind::Invalid, m))?;
+    let job = format!(
+        "{}-{}-{}",
+        node.name(),
+        node.incarnation,
+        NEXT_JOB.fetch_add(1, Ordering::Relaxed)
+    );
+    let spec = JobSpec {
+        job: job.clone(),
+        launcher: node.name().to_string(),
+        size: ranks,
+        program,
+        args,
+        env,
+        cwd,
+        uid,
+        gid,
+    };
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    lock(&node.jobs.launched).insert(job.clone(), tx.clone());
+    let mut by_node: BTreeMap<u32, Vec<u32>> = BTreeMap::new();
+    for (r, l) in placement.iter().enumerate() {
+        by_node.entry(*l).or_default().push(r as u32);
+    }
+    // Start every node's ranks; on a failure, stop what started.
+    let mut started: Vec<String> = Vec::new();
+    for (l, rs) in &by_node {
+        let phys = node.physical_of(&st, psls_svm::NodeId(*l));
+        let req = PeerReq::Spawn {
+            spec: spec.clone(),
+            ranks: rs.clone(),
+        };
+        match node.call_ok(&phys, req).await {
+            Ok(_) => started.push(phys),
+            Err(e) => {
+                for p in started {
+                    let _ = node.call(&p, PeerReq::KillJob { job: job.clone() }).await;
+                }
+                lock(&node.jobs.launched).remove(&job);
+                return Err(OpError::new(e.kind, format!("starting ranks on {phys}: {}", e.message)));
+            }
+        }
+    }
+    tracing::info!(node = %node.name(), %job, ranks, nodes = by_node.len(), "job started");
+    // Watch the nodes running ranks: one that goes down takes its ranks with it.
+    let watch_node = node.clone();
+    let watch_job = job.clone();
+    let owners: Vec<(String, Vec<u32>)> = by_node
+        .iter()
+        .map(|(l, rs)| (watch_node.physical_of(&st, psls_svm::NodeId(*l)), rs.clone()))
+        .collect();
+    tokio::spawn(async move {
+        let mut t = tokio::time::interval(Duration::from_millis(watch_node.cfg.cluster.heartbeat_interval_ms));
+        loop {
+            t.tick().await;
+            let Some(tx) = lock(&watch_node.jobs.launched).get(&watch_job).cloned() else {
+                return;
+            };
+            for (phys, rs) in &owners {
+                if !watch_node.is_live(phys) {
+                    for &rank in rs {
+                        let _ = tx.send(JobEvent::Exit {
+                            rank,
+                            code: LOST_STATUS,
+                        });
+                    }
+                }
+            }
+            if owners.iter().any(|(p, _)| !watch_node.is_live(p)) {
+                return;
+            }
+        }
+    });
+    Ok((job, rx))
+}
+
+/// Stops every rank of `job` on every node.
+pub async fn kill_everywhere(node: &Arc<Node>, job: &str) {
+    let st = node.meta_state();
+    for (_, phys) in node.logical_map(&st) {
+        if node.is_live(&phys) {
+            let _ = node.call(&phys, PeerReq::KillJob { job: job.to_string() }).await;
+        }
+    }
+}
+
+/// The launcher forgets a finished job.
+pub fn finished(node: &Node, job: &str) {
+    lock(&node.jobs.launched).remove(job);
+}
+
+/// A rank's output or exit arrived at the launcher.
+pub fn event(node: &Node, job: &str, ev: JobEvent) -> Result<(), OpError> {
+    match lock(&node.jobs.launched).get(job) {
+        Some(tx) => {
+            let _ = tx.send(ev);
+            Ok(())
+        }
+        None => Err(OpError::new(ErrorKind::NotFound, format!("no job {job} launched here"))),
+    }
+}
+
+/// Kills this node's ranks of `job` (and their children).
+pub fn kill_local(node: &Node, job: &str) {
+    let pids = lock(&node.jobs.local).remove(job).unwrap_or_default();
+    for pid in pids {
+        // The whole process group of the rank.
+        let _ = nix::sys::signal::killpg(
+            nix::unistd::Pid::from_raw(pid as i32),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+    }
+}
+
+/// Starts this node's `ranks` of a job.
+pub fn spawn_local(node: &Arc<Node>, spec: JobSpec, ranks: Vec<u32>) -> Result<(), OpError> {
+    if spec.size == 0 || spec.size > MAX_RANKS || ranks.iter().any(|&r| r >= spec.size) {
+        return Err(OpError::new(ErrorKind::Invalid, "bad rank numbers"));
+    }
+    let socket = node.cfg.socket_path(&node.me);
+    for &rank in &ranks {
+        let mut cmd = tokio::process::Command::new(&spec.program);
+        cmd.args(&spec.args)
+            .env_clear()
+            .envs(spec.env.iter().cloned())
+            .env("PSLS_RANK", rank.to_string())
+            .env("PSLS_SIZE", spec.size.to_string())
+            .env("PSLS_JOB", &spec.job)
+            .env("PSLS_SOCKET", &socket)
+            .env("PSLS_NODE", node.name())
+            .current_dir(&spec.cwd)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .kill_on_drop(false)
+            // Its own process group, so that stopping the rank stops its children too.
+            .process_group(0);
+        // A daemon running as root starts ranks as the user who asked.
+        if node.euid == 0 && spec.uid != 0 {
+            cmd.uid(spec.uid).gid(spec.gid);
+        }
+        let mut child = cmd.spawn().map_err(|e| {
+            kill_local(node, &spec.job);
+            OpError::new(ErrorKind::Invalid, format!("cannot start '{}': {e}", spec.program))
+        })?;
+        if let Some(pid) = child.id() {
+            lock(&node.jobs.local).entry(spec.job.clone()).or_default().push(pid);
+        }
+        let (out, err) = (child.stdout.take(), child.stderr.take());
+        let (node, spec) = (node.clone(), spec.clone());
+        tokio::spawn(async move {
+            let relay = |stream: Option<Box<dyn tokio::io::AsyncRead + Send + Unpin>>, is_err: bool| {
+                let (node, spec) = (node.clone(), spec.clone());
+                async move {
+                    let Some(mut s) = stream else { return };
+                    let mut buf = vec![0u8; OUTPUT_CHUNK];
+                    loop {
+                        let n = match s.read(&mut buf).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => n,
+                        };
+                        let req = PeerReq::RankOutput {
+                            job: spec.job.clone(),
+                            rank,
+                            err: is_err,
+                            data: buf[..n].to_vec(),
+                        };
+                        let _ = node.call(&spec.launcher, req).await;
+                    }
+                }
+            };
+            let out: Option<Box<dyn tokio::io::AsyncRead + Send + Unpin>> = out.map(|o| Box::new(o) as _);
+            let err: Option<Box<dyn tokio::io::AsyncRead + Send + Unpin>> = err.map(|e| Box::new(e) as _);
+            tokio::join!(relay(out, false), relay(err, true));
+            let code = match child.wait().await {
+                Ok(s) => {
+                    use std::os::unix::process::ExitStatusExt;
+                    s.code().unwrap_or_else(|| 128 + s.signal().unwrap_or(0))
+                }
+                Err(_) => LOST_STATUS,
+            };
+            if let Some(pids) = lock(&node.jobs.local).get_mut(&spec.job) {
+                if let Some(pid) = child.id() {
+                    pids.retain(|p| *p != pid);
+                }
+            }
+            let req = PeerReq::RankExit {
+                job: spec.job.clone(),
+                rank,
+                code,
+            };
+            if let Err(e) = node.call(&spec.launcher, req).await {
+                tracing::warn!(node = %node.name(), job = %spec.job, rank, error = %e, "could not report a rank's exit");
+            }
+        });
+    }
+    Ok(())
+}
+
+/// Answers the launcher-related peer messages.
+pub fn serve(node: &Arc<Node>, req: PeerReq) -> Result<PeerResp, OpError> {
+    match req {
+        PeerReq::Spawn { spec, ranks } => spawn_local(node, spec, ranks).map(|()| PeerResp::Ok),
+        PeerReq::RankOutput { job, rank, err, data } => {
+            event(node, &job, JobEvent::Output { rank, err, data }).map(|()| PeerResp::Ok)
+        }
+        PeerReq::RankExit { job, rank, code } => {
+            event(node, &job, JobEvent::Exit { rank, code }).map(|()| PeerResp::Ok)
+        }
+        PeerReq::KillJob { job } => {
+            kill_local(node, &job);
+            Ok(PeerResp::Ok)
+        }
+        _ => Err(OpError::new(ErrorKind::Internal, "not a launcher request")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::place;
+
+    #[test]
+    fn placement_round_robin_and_per_node() {
+        assert_eq!(place(6, &[0, 1, 2, 3], None).unwrap(), vec![0, 1, 2, 3, 0, 1]);
+        assert_eq!(place(5, &[0, 2, 3], Some(2)).unwrap(), vec![0, 0, 2, 2, 3]);
+        assert!(place(7, &[0, 1, 2], Some(2)).unwrap_err().contains("need 4 nodes"));
+        assert!(place(0, &[0], None).is_err());
+        assert!(place(1, &[], None).is_err());
+    }
+}
