@@ -188,6 +188,14 @@ impl Session {
         })
     }
 
+    /// This node's shared-memory counters: (node name, [(counter, value)]).
+    pub fn node_stats(&self) -> Result<(String, Vec<(String, u64)>), ClientError> {
+        match self.call(&Request::SvmStats, None)? {
+            (Response::SvmStats { node, counters }, _) => Ok((node, counters)),
+            (other, _) => Err(daemon_error(other)),
+        }
+    }
+
     /// Waits for lock `id` of the job and holds it.
     pub fn lock(&self, id: u64) -> Result<(), ClientError> {
         self.call_ok(&Request::Lock {

@@ -107,6 +107,8 @@ pub enum Request {
         job: String,
         id: u64,
     },
+    /// Fault and transfer counters of this node's shared virtual memory.
+    SvmStats,
     /// `psls run`: starts `ranks` ranks of `program` over the cluster; answered by a stream of
     /// `RankOutput` and a final `JobDone`.
     Run {
@@ -253,6 +255,11 @@ pub enum Response {
         err: bool,
         #[serde(with = "serde_bytes")]
         data: Vec<u8>,
+    },
+    /// Answer to `SvmStats`: (counter, value) pairs of node `node`.
+    SvmStats {
+        node: String,
+        counters: Vec<(String, u64)>,
     },
     /// The job is over: `code` is the first failing rank's status (0 if none failed).
     JobDone {

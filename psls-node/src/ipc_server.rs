@@ -667,6 +667,22 @@ async fn client(node: Arc<Node>, stream: UnixStream) -> anyhow::Result<()> {
                     Err(e) => err(e),
                 }
             }
+            Request::SvmStats => {
+                let st = node.svm.stats();
+                Response::SvmStats {
+                    node: node.name().to_string(),
+                    counters: vec![
+                        ("local_faults".into(), st.local_faults),
+                        ("read_requests".into(), st.read_requests),
+                        ("write_requests".into(), st.write_requests),
+                        ("pages_in".into(), st.pages_in),
+                        ("pages_out".into(), st.pages_out),
+                        ("pages_loaded".into(), st.pages_loaded),
+                        ("invalidations".into(), st.invalidations),
+                        ("failed_faults".into(), st.failed_faults),
+                    ],
+                }
+            }
             Request::Unmap { base } => match pid {
                 Some(pid) => match node.svm.unregister(pid, base) {
                     Ok(()) => Response::Ok,

@@ -402,6 +402,17 @@ impl SvmShell {
                     );
                     if let Some(svm) = g.svm.as_mut() {
                         svm.fault(page, access, w);
+                        // Sequential access is the common case (a vector spans pages): ask
+                        // for the next page alongside, with the same access.
+                        if ((index + 1) as usize) * PAGE_SIZE < map.len {
+                            svm.prefetch(
+                                PageId {
+                                    file: map.file,
+                                    index: index + 1,
+                                },
+                                access,
+                            );
+                        }
                     }
                 }
                 run(&mut g, node, &mut out);

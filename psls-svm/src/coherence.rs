@@ -287,10 +287,11 @@ impl Directory {
         self.writable = false;
         self.lost |= self.dirty;
     }
-    /// Between transactions, a page without an owner has no copies either: a leftover reader
-    /// becomes the owner (an owner that died mid-transaction leaves its decision to the end).
+    /// Between transactions, a page without an owner has no copies either, and is lost if it
+    /// was written (an owner that died mid-transaction leaves this decision to the end).
     fn settle(&mut self) {
-        if self.owner.is_none() && !self.copyset.is_empty() {
+        if self.owner.is_none() {
+            // A leftover reader takes over; with no copy left, a written page is lost.
             self.reassign_or_lose();
         }
         debug_assert!(self.owner.is_some() || self.copyset.is_empty());
@@ -478,6 +479,18 @@ impl Svm {
         self.request_if_needed(page);
     }
 
+    /// Asks for `access` to `page` ahead of any fault (nobody waits on it), so that a coming
+    /// access finds the page here. Does nothing if the node already has that access, a request
+    /// is pending, or the manager is down.
+    pub fn prefetch(&mut self, page: PageId, access: Access) {
+        let manager_up = self.is_up(self.manager(page));
+        let l = self.local.entry(page).or_default();
+        if l.access >= Some(access) || l.pending.is_some() || !manager_up {
+            return;
+        }
+        self.request(page, Some(access));
+    }
+
     /// The client behind `waiter` is gone: forget its waiting faults.
     pub fn cancel(&mut self, waiter: WaiterId) {
         for l in self.local.values_mut() {
@@ -487,6 +500,12 @@ impl Svm {
 
     /// Issues a request for the strongest access a waiter needs, unless one is pending.
     fn request_if_needed(&mut self, page: PageId) {
+        self.request(page, None)
+    }
+
+    /// Issues a request for the strongest access a waiter (or `want`) needs, unless one is
+    /// pending.
+    fn request(&mut self, page: PageId, want: Option<Access>) {
         let manager = self.manager(page);
         let manager_up = self.is_up(manager);
         let Some(l) = self.local.get_mut(&page) else { return };
@@ -504,7 +523,12 @@ impl Svm {
                 true
             }
         });
-        let need = l.waiters.iter().map(|w| w.1).max();
+        let need = l
+            .waiters
+            .iter()
+            .map(|w| w.1)
+            .max()
+            .max(want.filter(|&w| have < Some(w)));
         for (waiter, access) in wake {
             self.push(Action::Resolve { waiter, page, access });
         }

@@ -382,6 +382,9 @@ impl World {
         if crashes_allowed && self.crashes < 2 && self.rng.chance(1) {
             moves.push(5);
         }
+        if new_work {
+            moves.push(6);
+        }
         if moves.is_empty() {
             return false;
         }
@@ -425,9 +428,22 @@ impl World {
                 self.clients[k].state = ClientState::Ready(op);
                 self.client_try(k);
             }
-            _ => {
+            5 => {
                 let i = self.rng.below(self.nodes.len());
                 self.crash(i);
+            }
+            _ => {
+                // A prefetch: read or write access to a page nobody waits for.
+                let i = self.rng.below(self.nodes.len());
+                let page = self.pages[self.rng.below(self.pages.len())];
+                let access = if self.rng.chance(30) {
+                    Access::Write
+                } else {
+                    Access::Read
+                };
+                self.log(format!("n{i} prefetches {page} {access:?}"));
+                self.nodes[i].svm.prefetch(page, access);
+                self.run_actions(i);
             }
         }
         self.check();

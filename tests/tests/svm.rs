@@ -213,3 +213,43 @@ fn psls_run_spreads_ranks_prefixes_output_and_stops_on_the_first_failure() {
     let err = c.fails(&["run", "-n", "2", "--", "/nonexistent/prog"]);
     assert!(err.contains("cannot start '/nonexistent/prog'"), "{err}");
 }
+
+#[test]
+fn mgs_gives_the_same_bits_on_one_two_and_four_nodes() {
+    let c = Cluster::start(4, 0);
+    let mgs = psls_tests::bin_dir().join("mgs");
+    let mgs = mgs.to_str().expect("path");
+    let mut sums = Vec::new();
+    for ranks in ["1", "2", "4"] {
+        let file = format!("mgs-{ranks}");
+        let out = c.ok(&[
+            "run",
+            "-n",
+            ranks,
+            "--",
+            mgs,
+            "--vectors",
+            "96",
+            "--dim",
+            "160",
+            "--file",
+            &file,
+        ]);
+        let line = out
+            .lines()
+            .find(|l| l.contains("\"bench\":\"mgs\""))
+            .unwrap_or_else(|| panic!("{out}"));
+        let j: serde_json::Value = serde_json::from_str(line.trim_start_matches("[0] ")).expect("json");
+        assert_eq!(j["ok"], true, "{line}");
+        assert!(j["max_err"].as_f64().unwrap() < 1e-9, "{line}");
+        assert_eq!(j["checksum"], j["baseline_checksum"], "{line}");
+        if ranks != "1" {
+            assert!(
+                j["bytes_moved"].as_u64().unwrap() > 0,
+                "ranks on several nodes move pages: {line}"
+            );
+        }
+        sums.push(j["checksum"].as_str().unwrap().to_string());
+    }
+    assert!(sums.iter().all(|s| *s == sums[0]), "{sums:?}");
+}
