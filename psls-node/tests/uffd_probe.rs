@@ -29,7 +29,7 @@ fn cont(fd: i32, addr: usize, wp: bool) -> i64 {
 }
 
 #[test]
-fn probe() {
+fn kernel_userfaultfd_behaviour_the_fault_service_relies_on() {
     let memfd = nix::sys::memfd::memfd_create("probe", nix::sys::memfd::MFdFlags::MFD_CLOEXEC).unwrap();
     let file = std::fs::File::from(memfd);
     file.set_len(4 * PAGE as u64).unwrap();
