@@ -2,6 +2,7 @@
 //! connection used by the `psls` admin CLI (and, later, by the client library and the rank
 //! launcher). [`cluster`] holds what the CLI does to local daemons (start, stop, find).
 
+pub mod capi;
 pub mod cluster;
 pub mod session;
 

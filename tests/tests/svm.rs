@@ -253,3 +253,30 @@ fn mgs_gives_the_same_bits_on_one_two_and_four_nodes() {
     }
     assert!(sums.iter().all(|s| *s == sums[0]), "{sums:?}");
 }
+
+#[test]
+fn the_c_example_counts_exactly_through_the_c_abi() {
+    let c = Cluster::start(4, 0);
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let lib = psls_tests::bin_dir().join("libpsls_client.a");
+    assert!(lib.exists(), "{} missing: cargo build --workspace --lib", lib.display());
+    let exe = c.path("counter");
+    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
+    let o = std::process::Command::new(cc)
+        .args(["-O2", "-Wall", "-Werror", "-I"])
+        .arg(root.join("psls-client/include"))
+        .arg(root.join("psls-client/examples/c/counter.c"))
+        .arg(&lib)
+        .args(["-lpthread", "-ldl", "-lm", "-o"])
+        .arg(&exe)
+        .output()
+        .expect("run the C compiler");
+    assert!(o.status.success(), "cc: {}", String::from_utf8_lossy(&o.stderr));
+    let out = c.ok(&["run", "-n", "4", "--", exe.to_str().unwrap(), "120"]);
+    for r in 0..4 {
+        assert!(
+            out.contains(&format!("[{r}] rank {r} of 4: counter 480 (expected 480)")),
+            "{out}"
+        );
+    }
+}
