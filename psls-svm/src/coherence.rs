@@ -264,6 +264,9 @@ struct Pending {
     loaded: bool,
     /// Acks received, from these incarnations.
     acked: BTreeSet<(NodeId, Incarnation)>,
+    /// Failed (its waiters were told); it still collects the invalidation acks before
+    /// telling the manager, so that no copy outlives the manager's view.
+    aborted: bool,
 }
 
 /// The manager's record of a page it manages.
@@ -555,6 +558,7 @@ impl Svm {
                 data: false,
                 loaded: false,
                 acked: BTreeSet::new(),
+                aborted: false,
             });
         }
         self.send(
@@ -599,28 +603,18 @@ impl Svm {
     /// Ends the pending transaction of `page` without the page: fails the waiters and tells the
     /// manager.
     fn abort_pending(&mut self, page: PageId, error: FaultError) {
-        let Some(p) = self.local.get_mut(&page).and_then(|l| l.pending.take()) else {
-            return;
-        };
-        // Whatever arrived is not a valid copy.
-        if let Some(l) = self.local.get_mut(&page) {
-            if p.access == Access::Write && p.grant.map(|g| g.0) == Some(Source::Have) {
-                // Our read copy stays valid only if the manager still counts it: it does not
-                // after a failed upgrade (the others were invalidated for us), so drop it.
-                l.access = None;
-                self.actions.push_back(Action::SetAccess { page, access: None });
-            }
+        let Some(l) = self.local.get_mut(&page) else { return };
+        let Some(p) = l.pending.as_mut().filter(|p| !p.aborted) else { return };
+        p.aborted = true;
+        // Our read copy stays valid only while the manager counts it: it does not after a
+        // failed upgrade (the others were invalidated for us), so drop it.
+        let drop_copy = p.access == Access::Write && p.grant.as_ref().map(|g| g.0) == Some(Source::Have);
+        if drop_copy && l.access.is_some() {
+            l.access = None;
+            self.push(Action::SetAccess { page, access: None });
         }
         self.fail_waiters(page, error);
-        let manager = self.manager(page);
-        self.send(
-            manager,
-            Msg::Done {
-                page,
-                txn: p.txn,
-                ok: false,
-            },
-        );
+        self.try_complete(page);
     }
 
     /// Completes the pending transaction when grant, data and acks are all in.
@@ -638,7 +632,19 @@ impl Svm {
         let acked = |&(n, inc): &(NodeId, Incarnation)| {
             p.acked.contains(&(n, inc)) || peers.get(n.0 as usize).is_none_or(|q| q.incarnation > inc || !q.up)
         };
-        if !have_data || !acks.iter().all(acked) {
+        if !acks.iter().all(acked) {
+            return;
+        }
+        if p.aborted {
+            // Every invalidated copy is gone: the manager may go on.
+            let txn = p.txn;
+            l.pending = None;
+            let manager = self.manager(page);
+            self.send(manager, Msg::Done { page, txn, ok: false });
+            self.request_if_needed(page);
+            return;
+        }
+        if !have_data {
             return;
         }
         let (txn, access) = (p.txn, p.access);
@@ -1179,10 +1185,12 @@ impl Svm {
         if !matches!(b.source, Source::Owner(o, _) if o == from) {
             return;
         }
-        // The owner has no copy (it cannot happen without a failure; fail closed).
+        // The owner has no copy (it cannot happen without a failure; fail closed). A write's
+        // invalidations may still be in flight: the page is lost rather than handed out.
         d.copyset.remove(&from);
         if b.access == Access::Write {
             d.forget_copies();
+            d.lost = true;
         } else {
             d.owner = None;
             d.reassign_or_lose();
