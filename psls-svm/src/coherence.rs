@@ -186,7 +186,8 @@ pub type WaiterId = u64;
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Action {
     /// Send `env` to `to` (possibly this node). If the message has a payload, attach this node's
-    /// copy of the page as it is now.
+    /// copy of the page as it is now (the state machine only asks for that while no client of
+    /// this node can write the page).
     Send { to: NodeId, env: Envelope },
     /// Read the page from the PFS into local memory, then call [`Svm::loaded`].
     Load { page: PageId, txn: TxnId },
@@ -604,7 +605,9 @@ impl Svm {
     /// manager.
     fn abort_pending(&mut self, page: PageId, error: FaultError) {
         let Some(l) = self.local.get_mut(&page) else { return };
-        let Some(p) = l.pending.as_mut().filter(|p| !p.aborted) else { return };
+        let Some(p) = l.pending.as_mut().filter(|p| !p.aborted) else {
+            return;
+        };
         p.aborted = true;
         // Our read copy stays valid only while the manager counts it: it does not after a
         // failed upgrade (the others were invalidated for us), so drop it.
@@ -996,17 +999,20 @@ impl Svm {
             self.send(manager, Msg::Nack { page, txn });
             return;
         }
+        // A page is snapshotted for `Data` only when nobody can write it any more: the
+        // write-protection comes first (on real hardware it also drains the writers' stores),
+        // else a store landing between the snapshot and the drop would be lost.
+        if held == Some(Access::Write) {
+            if let Some(l) = self.local.get_mut(&page) {
+                l.access = Some(Access::Read);
+            }
+            self.push(Action::SetAccess {
+                page,
+                access: Some(Access::Read),
+            });
+        }
         match access {
             Access::Read => {
-                if held == Some(Access::Write) {
-                    if let Some(l) = self.local.get_mut(&page) {
-                        l.access = Some(Access::Read);
-                    }
-                    self.push(Action::SetAccess {
-                        page,
-                        access: Some(Access::Read),
-                    });
-                }
                 self.send(to, Msg::Data { page, txn });
             }
             Access::Write => {

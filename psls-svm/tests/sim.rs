@@ -71,6 +71,8 @@ struct Node {
     /// The node's memory (its memfd): page → value. Present is not the same as accessible.
     mem: HashMap<PageId, u64>,
     loads: Vec<(PageId, TxnId)>,
+    /// Access per page as the `SetAccess` actions run so far left it (what clients can do).
+    applied: HashMap<PageId, Access>,
 }
 
 struct World {
@@ -111,6 +113,7 @@ impl World {
                 svm: Svm::new(NodeId(i as u32), Incarnation(1), peers.clone()),
                 mem: HashMap::new(),
                 loads: Vec::new(),
+                applied: HashMap::new(),
             })
             .collect();
         let per_node = 1 + rng.below(2);
@@ -174,6 +177,11 @@ impl World {
                 Action::Send { to, env } => {
                     let payload = if env.msg.has_payload() {
                         let page = env.msg.page();
+                        // A snapshot while clients could still write would miss their stores:
+                        // check the access as the actions executed so far left it.
+                        if self.nodes[i].applied.get(&page) == Some(&Access::Write) {
+                            self.fail(format!("n{i} snapshots page {page} while it may still be written"));
+                        }
                         match self.nodes[i].mem.get(&page) {
                             Some(v) => Some(*v),
                             None => self.fail(format!("n{i} sends page {page} it does not have")),
@@ -186,9 +194,11 @@ impl World {
                 Action::Load { page, txn } => self.nodes[i].loads.push((page, txn)),
                 Action::SetAccess { page, access } => match access {
                     None => {
+                        self.nodes[i].applied.remove(&page);
                         self.nodes[i].mem.remove(&page);
                     }
-                    Some(_) => {
+                    Some(a) => {
+                        self.nodes[i].applied.insert(page, a);
                         if !self.nodes[i].mem.contains_key(&page) {
                             self.fail(format!("n{i} gets access to page {page} not in its memory"));
                         }
@@ -296,6 +306,7 @@ impl World {
             svm: Svm::restarted(NodeId(i as u32), inc, peers),
             mem: HashMap::new(),
             loads: Vec::new(),
+            applied: HashMap::new(),
         };
         for c in self.clients.iter_mut().filter(|c| c.node == i) {
             c.state = ClientState::Idle;

@@ -280,3 +280,38 @@ fn the_c_example_counts_exactly_through_the_c_abi() {
         );
     }
 }
+
+#[test]
+fn litmus_tests_across_nodes_never_show_a_forbidden_outcome() {
+    let c = Cluster::start(4, 0);
+    let iters = 1500;
+    for test in ["sb", "mp", "iriw", "lb"] {
+        let out = c.ok(&["run", "-n", "4", "--", PROBE, "litmus", test, &iters.to_string()]);
+        let line = out
+            .lines()
+            .find(|l| l.contains(&format!("litmus {test}:")))
+            .unwrap_or_else(|| panic!("{out}"));
+        assert!(
+            line.contains(&format!("{iters} iterations, 0 forbidden")),
+            "forbidden outcome in {test}: {line}"
+        );
+        // The races really happened: more than one outcome was observed.
+        let outcomes = line.split("outcomes {").nth(1).unwrap_or("");
+        assert!(outcomes.matches(':').count() >= 2, "{test} never raced: {line}");
+    }
+}
+
+#[test]
+fn a_page_bounced_between_nodes_and_falsely_shared_loses_no_write() {
+    let c = Cluster::start(4, 0);
+    let out = c.ok(&["run", "-n", "2", "--", PROBE, "pingpong", "pp", "1", "1000"]);
+    assert!(out.contains("[0] did 500 of 1000 final 1000"), "{out}");
+    assert!(out.contains("[1] did 500 of 1000 final 1000"), "{out}");
+    let out = c.ok(&["run", "-n", "4", "--", PROBE, "falseshare", "fs", "1", "200000"]);
+    for r in 0..4 {
+        assert!(
+            out.contains(&format!("[{r}] words [200000, 200000, 200000, 200000]")),
+            "{out}"
+        );
+    }
+}

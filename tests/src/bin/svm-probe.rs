@@ -8,6 +8,9 @@
 //! - `fill NAME PAGES SEED`: writes the pattern of SEED into every page and exits.
 //! - `check NAME PAGES SEED`: checks every page holds the pattern of SEED.
 //! - `map NAME BYTES CREATE`: only maps (and unmaps); prints the error if the map fails.
+//! - `litmus TEST ITERATIONS` (as a 4-rank job): the sequential-consistency litmus test TEST
+//!   (sb, mp, iriw, lb) with its shared variables on different pages; rank 0 prints
+//!   `litmus TEST: N iterations, F forbidden, outcomes {..}`.
 
 use psls_client::Session;
 use std::time::{Duration, Instant};
@@ -37,6 +40,10 @@ fn main() {
         })
     };
     let (mode, name) = (arg(1), arg(2));
+    if mode == "litmus" {
+        litmus(&name, arg(3).parse().expect("ITERATIONS"));
+        return;
+    }
     let pages: usize = arg(3).parse().expect("PAGES");
     let words_per_page = 4096 / 8;
     let s = Session::connect().unwrap_or_else(|e| {
@@ -116,6 +123,49 @@ fn main() {
             // SAFETY: a plain load of a shared word.
             println!("{}", unsafe { std::ptr::read_volatile(&w[0]) });
         }
+        "pingpong" => {
+            // `pingpong NAME PAGES ROUNDS` (2 ranks): rank r adds one to word 0 whenever it is
+            // r's turn (word 0 % 2 == r), until ROUNDS: the page moves between the two nodes
+            // ROUNDS times and no increment may be lost.
+            let rounds: u64 = arg(4).parse().expect("ROUNDS");
+            let rank = s.rank() as u64;
+            let mut mine = 0u64;
+            let t = Instant::now();
+            loop {
+                // SAFETY: plain volatile loads and stores of a shared word.
+                let v = unsafe { std::ptr::read_volatile(&w[0]) };
+                if v >= rounds {
+                    break;
+                }
+                if v % 2 == rank {
+                    unsafe { std::ptr::write_volatile(&mut w[0], v + 1) };
+                    mine += 1;
+                } else if t.elapsed() > Duration::from_secs(120) {
+                    eprintln!("stuck at {v}");
+                    std::process::exit(3);
+                }
+            }
+            s.barrier_of("pingpong", 2).expect("barrier");
+            println!("did {mine} of {} final {}", rounds, unsafe {
+                std::ptr::read_volatile(&w[0])
+            });
+        }
+        "falseshare" => {
+            // `falseshare NAME PAGES TIMES`: each rank adds one to its own word of page 0,
+            // TIMES times, without locks; after a barrier every rank's word must be TIMES.
+            let times: u64 = arg(4).parse().expect("TIMES");
+            let (rank, size) = (s.rank() as usize, s.size() as usize);
+            for _ in 0..times {
+                // SAFETY: plain volatile loads and stores of this rank's own word.
+                unsafe { std::ptr::write_volatile(&mut w[rank], std::ptr::read_volatile(&w[rank]) + 1) };
+            }
+            s.barrier("falseshare").expect("barrier");
+            let words: Vec<u64> = (0..size).map(|r| unsafe { std::ptr::read_volatile(&w[r]) }).collect();
+            println!("words {words:?}");
+            if words.iter().any(|&x| x != times) {
+                std::process::exit(4);
+            }
+        }
         "sync-errors" => {
             // Unlocking a lock not held, a barrier with a mismatched count.
             let e = s.unlock(99).expect_err("unlock of a lock not held");
@@ -132,4 +182,113 @@ fn main() {
     }
     drop(m);
     println!("ok");
+}
+
+/// One litmus test, ITERATIONS times, one barrier between iterations. Iteration `it` writes
+/// the value `it + 1`, so a read "sees the write" iff it reads at least `it + 1` (values only
+/// grow), and no reset is needed between iterations.
+fn litmus(test: &str, iters: usize) {
+    let s = Session::connect().unwrap_or_else(|e| {
+        eprintln!("connect: {e}");
+        std::process::exit(1)
+    });
+    let (rank, size) = (s.rank() as usize, s.size() as usize);
+    if size < 4 {
+        eprintln!("litmus needs 4 ranks");
+        std::process::exit(2);
+    }
+    const W: usize = 512; // words per page
+    let res_pages = (iters * 2).div_ceil(W);
+    let pages = 2 + 4 * res_pages;
+    let job = std::env::var("PSLS_JOB").unwrap_or_default();
+    let mut m = s
+        .map(&format!("litmus-{test}-{job}"), (pages * 4096) as u64, true)
+        .unwrap_or_else(|e| {
+            eprintln!("map: {e}");
+            std::process::exit(1)
+        });
+    let w: &mut [u64] = m.as_mut_slice();
+    let base = w.as_mut_ptr();
+    // x on page 0, y on page 1, each rank's results on its own pages.
+    let (x, y) = (base, unsafe { base.add(W) });
+    let res = |r: usize, it: usize, k: usize| unsafe { base.add(2 * W + r * res_pages * W + it * 2 + k) };
+    // SAFETY (all below): plain volatile loads and stores of words inside the mapping.
+    let ld = |p: *mut u64| unsafe { std::ptr::read_volatile(p) };
+    let st = |p: *mut u64, v: u64| unsafe { std::ptr::write_volatile(p, v) };
+    s.barrier("litmus-start").expect("barrier");
+    for it in 0..iters {
+        let v = it as u64 + 1;
+        let seen = |p: *mut u64| (ld(p) >= v) as u64;
+        match (test, rank) {
+            ("sb", 0) => {
+                st(x, v);
+                st(res(0, it, 0), seen(y));
+            }
+            ("sb", 1) => {
+                st(y, v);
+                st(res(1, it, 0), seen(x));
+            }
+            ("mp", 0) => {
+                st(x, v); // data
+                st(y, v); // flag
+            }
+            ("mp", 1) => {
+                let flag = seen(y);
+                let data = seen(x);
+                st(res(1, it, 0), flag);
+                st(res(1, it, 1), data);
+            }
+            ("iriw", 0) => st(x, v),
+            ("iriw", 1) => st(y, v),
+            ("iriw", 2) => {
+                let a = seen(x);
+                let b = seen(y);
+                st(res(2, it, 0), a);
+                st(res(2, it, 1), b);
+            }
+            ("iriw", 3) => {
+                let c = seen(y);
+                let d = seen(x);
+                st(res(3, it, 0), c);
+                st(res(3, it, 1), d);
+            }
+            ("lb", 0) => {
+                let r = seen(x);
+                st(y, v);
+                st(res(0, it, 0), r);
+            }
+            ("lb", 1) => {
+                let r = seen(y);
+                st(x, v);
+                st(res(1, it, 0), r);
+            }
+            ("sb" | "mp" | "iriw" | "lb", _) => {}
+            _ => {
+                eprintln!("unknown litmus test {test}");
+                std::process::exit(2);
+            }
+        }
+        s.barrier("litmus").expect("barrier");
+    }
+    if rank == 0 {
+        let mut outcomes: std::collections::BTreeMap<String, usize> = Default::default();
+        let mut forbidden = 0;
+        for it in 0..iters {
+            let r = |rk: usize, k: usize| ld(res(rk, it, k));
+            let (key, bad) = match test {
+                "sb" => (format!("{}{}", r(0, 0), r(1, 0)), r(0, 0) == 0 && r(1, 0) == 0),
+                "mp" => (format!("{}{}", r(1, 0), r(1, 1)), r(1, 0) == 1 && r(1, 1) == 0),
+                "iriw" => (
+                    format!("{}{}{}{}", r(2, 0), r(2, 1), r(3, 0), r(3, 1)),
+                    r(2, 0) == 1 && r(2, 1) == 0 && r(3, 0) == 1 && r(3, 1) == 0,
+                ),
+                _ => (format!("{}{}", r(0, 0), r(1, 0)), r(0, 0) == 1 && r(1, 0) == 1),
+            };
+            *outcomes.entry(key).or_default() += 1;
+            forbidden += bad as usize;
+        }
+        println!("litmus {test}: {iters} iterations, {forbidden} forbidden, outcomes {outcomes:?}");
+    }
+    s.barrier("litmus-end").expect("barrier");
+    drop(m);
 }
