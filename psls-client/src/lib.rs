@@ -155,6 +155,18 @@ impl Client {
         }
     }
 
+    /// Round trips of `bytes` bytes with node `peer` over the daemons' QUIC transport (ns).
+    pub fn peer_ping(&mut self, peer: &str, bytes: u32, count: u32) -> Result<Vec<u64>, ClientError> {
+        match self.call(&Request::PeerPing {
+            peer: peer.into(),
+            bytes,
+            count,
+        })? {
+            Response::Latencies(l) => Ok(l),
+            r => Err(unexpected(r)),
+        }
+    }
+
     pub fn status(&mut self) -> Result<ClusterStatus, ClientError> {
         match self.call(&Request::Status)? {
             Response::Status(s) => Ok(s),

@@ -109,6 +109,13 @@ pub enum Request {
     },
     /// Fault and transfer counters of this node's shared virtual memory.
     SvmStats,
+    /// `count` request/response round trips of `bytes` bytes each way with node `peer` over
+    /// the daemons' QUIC transport; answered by `Latencies` (nanoseconds).
+    PeerPing {
+        peer: String,
+        bytes: u32,
+        count: u32,
+    },
     /// `psls run`: starts `ranks` ranks of `program` over the cluster; answered by a stream of
     /// `RankOutput` and a final `JobDone`.
     Run {
@@ -256,6 +263,8 @@ pub enum Response {
         #[serde(with = "serde_bytes")]
         data: Vec<u8>,
     },
+    /// Answer to `PeerPing`: one round-trip time per request, in nanoseconds.
+    Latencies(Vec<u64>),
     /// Answer to `SvmStats`: (counter, value) pairs of node `node`.
     SvmStats {
         node: String,

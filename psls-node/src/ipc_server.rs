@@ -667,6 +667,39 @@ async fn client(node: Arc<Node>, stream: UnixStream) -> anyhow::Result<()> {
                     Err(e) => err(e),
                 }
             }
+            Request::PeerPing { peer, bytes, count } => {
+                if bytes > 1 << 20 || count == 0 || count > 100_000 || node.cfg.entry(&peer).is_none() {
+                    err(OpError::new(
+                        ErrorKind::Invalid,
+                        "peer ping: a node of the cluster, up to 1 MiB, 1 to 100000 round trips",
+                    ))
+                } else {
+                    let payload = vec![0x5a_u8; bytes as usize];
+                    let mut out = Vec::with_capacity(count as usize);
+                    let mut failure = None;
+                    for _ in 0..count {
+                        let t = std::time::Instant::now();
+                        match node
+                            .call_data(&peer, crate::peer::PeerReq::Echo, payload.clone(), node.request_timeout)
+                            .await
+                        {
+                            Ok((_, back)) if back.len() == payload.len() => out.push(t.elapsed().as_nanos() as u64),
+                            Ok(_) => {
+                                failure = Some(OpError::new(ErrorKind::Internal, "echo came back with another size"));
+                                break;
+                            }
+                            Err(e) => {
+                                failure = Some(e.into());
+                                break;
+                            }
+                        }
+                    }
+                    match failure {
+                        None => Response::Latencies(out),
+                        Some(e) => err(e),
+                    }
+                }
+            }
             Request::SvmStats => {
                 let st = node.svm.stats();
                 Response::SvmStats {

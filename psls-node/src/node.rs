@@ -793,6 +793,10 @@ impl Node {
             | PeerReq::RankOutput { .. }
             | PeerReq::RankExit { .. }
             | PeerReq::KillJob { .. }) => crate::launcher::serve(&self, req),
+            PeerReq::Echo => {
+                out_payload = payload.to_vec();
+                Ok(PeerResp::Ok)
+            }
             PeerReq::Svm(env) => {
                 self.svm.on_message(&self, env, payload);
                 Ok(PeerResp::Ok)

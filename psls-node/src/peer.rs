@@ -131,6 +131,8 @@ pub enum PeerReq {
     KillJob {
         job: String,
     },
+    /// Answered with the payload it carries (transport round-trip measurements).
+    Echo,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]

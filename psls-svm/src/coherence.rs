@@ -704,14 +704,15 @@ impl Svm {
                 continue;
             };
             let waits_data = matches!(p.grant, Some((Source::Owner(o, _), _)) if o == n) && !p.data;
-            if waits_data {
-                self.abort_pending(page, FaultError::PageLost);
-            } else if manager == n {
-                // The manager's state is gone with it: nothing more will come.
+            if manager == n {
+                // The manager's state is gone with it: nothing more will come, and no one is
+                // left to tell (its invalidations may have been dropped as stale, too).
                 if let Some(l) = self.local.get_mut(&page) {
                     l.pending = None;
                 }
                 self.fail_waiters(page, FaultError::ManagerDown);
+            } else if waits_data {
+                self.abort_pending(page, FaultError::PageLost);
             } else {
                 self.try_complete(page);
             }
