@@ -120,8 +120,9 @@ fn errno_of(e: &std::io::Error) -> i32 {
     e.raw_os_error().unwrap_or(0)
 }
 
-/// `UFFDIO_CONTINUE` on one page, write-protected if `wp`.
-fn continue_page(uffd: &Uffd, addr: usize, wp: bool) -> std::io::Result<()> {
+/// `UFFDIO_CONTINUE` on one page, write-protected if `wp` (the `userfaultfd` crate has no
+/// write-protect mode for it).
+pub fn continue_page(uffd: &Uffd, addr: usize, wp: bool) -> std::io::Result<()> {
     #[repr(C)]
     struct UffdioContinue {
         start: u64,

@@ -81,16 +81,12 @@ impl Transport {
         if let Some(c) = cached(self) {
             return Ok(c);
         }
-        let unreachable = |e: &dyn std::fmt::Display| NetError::Unreachable {
-            peer: peer.into(),
-            message: e.to_string(),
-        };
         let conn = self
             .endpoint
             .connect(addr, &tls::server_name(peer))
-            .map_err(|e| unreachable(&e))?
+            .map_err(|e| unreachable(peer, &e))?
             .await
-            .map_err(|e| unreachable(&e))?;
+            .map_err(|e| unreachable(peer, &e))?;
         self.conns
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -107,12 +103,8 @@ impl Transport {
         timeout: Duration,
     ) -> Result<(PeerResp, bytes::Bytes), NetError> {
         let header = peer::encode_header(req);
-        let fut = async {
-            let conn = self.connection(peer).await?;
-            let broken = |e: &dyn std::fmt::Display| NetError::Unreachable {
-                peer: peer.into(),
-                message: e.to_string(),
-            };
+        self.exchange(peer, timeout, |conn| async move {
+            let broken = |e: &dyn std::fmt::Display| unreachable(peer, e);
             let (mut send, mut recv) = conn.open_bi().await.map_err(|e| broken(&e))?;
             send.write_all(&header).await.map_err(|e| broken(&e))?;
             // Handed to quinn as is: no copy of the payload into its send buffer.
@@ -123,19 +115,8 @@ impl Transport {
                 peer: peer.into(),
                 message,
             })
-        };
-        let r = match tokio::time::timeout(timeout, fut).await {
-            Ok(r) => r,
-            Err(_) => Err(NetError::Timeout {
-                peer: peer.into(),
-                ms: timeout.as_millis() as u64,
-            }),
-        };
-        if matches!(r, Err(NetError::Timeout { .. } | NetError::Unreachable { .. })) {
-            // The peer may have restarted behind this connection: dial afresh next time.
-            self.drop_connection(peer);
-        }
-        r
+        })
+        .await
     }
 
     /// Sends `req` with `payload` to `peer` on a one-way stream: no response, no wait for the
@@ -149,16 +130,27 @@ impl Transport {
         timeout: Duration,
     ) -> Result<(), NetError> {
         let header = peer::encode_header(req);
-        let fut = async {
-            let conn = self.connection(peer).await?;
-            let broken = |e: &dyn std::fmt::Display| NetError::Unreachable {
-                peer: peer.into(),
-                message: e.to_string(),
-            };
+        self.exchange(peer, timeout, |conn| async move {
+            let broken = |e: &dyn std::fmt::Display| unreachable(peer, e);
             let mut send = conn.open_uni().await.map_err(|e| broken(&e))?;
             send.write_all(&header).await.map_err(|e| broken(&e))?;
             send.write_chunk(payload).await.map_err(|e| broken(&e))?;
             send.finish().map_err(|e| broken(&e))
+        })
+        .await
+    }
+
+    /// Runs `talk` on the connection to `peer` within `timeout`. A timeout or a broken
+    /// connection drops the cached connection: the peer may have restarted behind it, so the
+    /// next call dials afresh.
+    async fn exchange<T, F, Fut>(&self, peer: &str, timeout: Duration, talk: F) -> Result<T, NetError>
+    where
+        F: FnOnce(quinn::Connection) -> Fut,
+        Fut: std::future::Future<Output = Result<T, NetError>>,
+    {
+        let fut = async {
+            let conn = self.connection(peer).await?;
+            talk(conn).await
         };
         let r = match tokio::time::timeout(timeout, fut).await {
             Ok(r) => r,
@@ -167,7 +159,7 @@ impl Transport {
                 ms: timeout.as_millis() as u64,
             }),
         };
-        if r.is_err() {
+        if matches!(r, Err(NetError::Timeout { .. } | NetError::Unreachable { .. })) {
             self.drop_connection(peer);
         }
         r
@@ -211,6 +203,14 @@ async fn read_body(recv: &mut quinn::RecvStream, limit: usize) -> Result<bytes::
         body.extend_from_slice(c);
     }
     Ok(body.freeze())
+}
+
+/// A stream to `peer` broke.
+fn unreachable(peer: &str, e: &dyn std::fmt::Display) -> NetError {
+    NetError::Unreachable {
+        peer: peer.into(),
+        message: e.to_string(),
+    }
 }
 
 /// What serves incoming requests.

@@ -4,27 +4,10 @@ use userfaultfd::{Event, FaultKind, ReadWrite, RegisterMode, UffdBuilder};
 
 const PAGE: usize = 4096;
 
-#[repr(C)]
-struct UffdioContinue {
-    start: u64,
-    len: u64,
-    mode: u64,
-    mapped: i64,
-}
-const UFFDIO_CONTINUE_MODE_WP: u64 = 1 << 1;
-
-fn cont(fd: i32, addr: usize, wp: bool) -> i64 {
-    let mut c = UffdioContinue {
-        start: addr as u64,
-        len: PAGE as u64,
-        mode: if wp { UFFDIO_CONTINUE_MODE_WP } else { 0 },
-        mapped: 0,
-    };
-    let r = unsafe { libc::ioctl(fd, userfaultfd_sys::UFFDIO_CONTINUE as _, &mut c) };
-    if r < 0 {
-        -(std::io::Error::last_os_error().raw_os_error().unwrap() as i64)
-    } else {
-        c.mapped
+fn cont(uffd: &userfaultfd::Uffd, addr: usize, wp: bool) -> i64 {
+    match psls_node::svm::continue_page(uffd, addr, wp) {
+        Ok(()) => PAGE as i64,
+        Err(e) => -(e.raw_os_error().unwrap_or(0) as i64),
     }
 }
 
@@ -54,29 +37,21 @@ fn kernel_userfaultfd_behaviour_the_fault_service_relies_on() {
         4 * PAGE,
         RegisterMode::MISSING | RegisterMode::MINOR | RegisterMode::WRITE_PROTECT,
     );
-    eprintln!("register: {r:?}");
     r.unwrap();
     let b = base as usize;
-    let toucher = std::thread::spawn(move || {
+    // SAFETY (the toucher): volatile accesses to bytes of the four mapped pages.
+    let toucher = std::thread::spawn(move || unsafe {
         let p = b as *mut u8;
-        unsafe {
-            let v = std::ptr::read_volatile(p); // read fault, page absent: MISSING
-            eprintln!("toucher read {v}");
-            std::ptr::write_volatile(p, 7); // write on WP page: WP fault
-            eprintln!("toucher wrote");
-            let v = std::ptr::read_volatile(p.add(PAGE)); // page 1: present in cache (pwrite) -> MINOR
-            eprintln!("toucher read page1 {v}");
-            std::ptr::write_volatile(p.add(2 * PAGE), 9); // page 2 absent, write -> MISSING write
-            eprintln!("toucher wrote page2");
-            let v = std::ptr::read_volatile(p); // after punch: MISSING again
-            eprintln!("toucher read page0 after punch {v}");
-        }
+        let first = std::ptr::read_volatile(p); // read fault, page absent: MISSING
+        std::ptr::write_volatile(p, 7); // write on a write-protected page: WP fault
+        let second = std::ptr::read_volatile(p.add(PAGE)); // page 1 in the memfd already: MINOR
+        std::ptr::write_volatile(p.add(2 * PAGE), 9); // page 2 absent, a write: MISSING
+        let after_punch = std::ptr::read_volatile(p); // page 0 punched out: MISSING again
+        (first, second, after_punch)
     });
     use std::os::unix::fs::FileExt;
-    let fd = uffd.as_raw_fd();
     for step in 0..5 {
         let ev = uffd.read_event().unwrap().unwrap();
-        eprintln!("event {step}: {ev:?}");
         let Event::Pagefault { kind, rw, addr, .. } = ev else {
             panic!()
         };
@@ -87,7 +62,11 @@ fn kernel_userfaultfd_behaviour_the_fault_service_relies_on() {
                 assert_eq!(rw, ReadWrite::Read);
                 file.write_all_at(&[42u8; PAGE], 0).unwrap();
                 file.write_all_at(&[43u8; PAGE], PAGE as u64).unwrap();
-                eprintln!("continue wp: {}", cont(fd, a, true));
+                assert_eq!(
+                    cont(&uffd, a, true),
+                    PAGE as i64,
+                    "CONTINUE resolves a missing fault once the page is in the memfd"
+                );
             }
             1 => {
                 assert_eq!(kind, FaultKind::WriteProtected);
@@ -95,8 +74,12 @@ fn kernel_userfaultfd_behaviour_the_fault_service_relies_on() {
             }
             2 => {
                 assert_eq!(kind, FaultKind::Minor);
-                eprintln!("continue: {}", cont(fd, a, true));
-                eprintln!("continue again (EEXIST expected): {}", cont(fd, a, true));
+                assert_eq!(cont(&uffd, a, true), PAGE as i64);
+                assert_eq!(
+                    cont(&uffd, a, true),
+                    -(libc::EEXIST as i64),
+                    "a second CONTINUE is a benign EEXIST"
+                );
             }
             3 => {
                 assert_eq!(kind, FaultKind::Missing);
@@ -112,18 +95,23 @@ fn kernel_userfaultfd_behaviour_the_fault_service_relies_on() {
                     )
                 };
                 assert_eq!(r, 0);
-                eprintln!("continue rw: {}", cont(fd, a, false));
+                assert_eq!(cont(&uffd, a, false), PAGE as i64);
             }
             4 => {
                 assert_eq!(kind, FaultKind::Missing);
                 file.write_all_at(&[45u8; PAGE], 0).unwrap();
-                eprintln!("continue: {}", cont(fd, a, true));
+                assert_eq!(cont(&uffd, a, true), PAGE as i64);
             }
             _ => unreachable!(),
         }
     }
-    toucher.join().unwrap();
+    let (first, second, after_punch) = toucher.join().unwrap();
+    assert_eq!(
+        (first, second, after_punch),
+        (42, 43, 45),
+        "each access saw the page installed for it"
+    );
     let mut b0 = [0u8; 1];
     file.read_exact_at(&mut b0, 0).unwrap();
-    eprintln!("page0 byte {:?}", b0);
+    assert_eq!(b0, [45], "the memfd holds what was installed");
 }
