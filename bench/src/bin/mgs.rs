@@ -273,13 +273,7 @@ fn main() -> Result<()> {
             baseline(a.vectors, a.dim, size)?
         };
         let ok = max_err < 1e-9 && base_err < 1e-9 && base_sum == checksum;
-        let j = |x: f64| {
-            if x.is_finite() {
-                serde_json::json!(x)
-            } else {
-                serde_json::Value::Null
-            }
-        };
+        let j = psls_bench::json_f64;
         println!(
             "{}",
             serde_json::json!({

@@ -193,13 +193,7 @@ fn run(a: &Args, base: &Path, cdir: &Path) -> Result<()> {
     );
     println!("  baseline read, warm cache : {rw:8.0} MiB/s (a memory copy)");
     println!("  psls export, warm cache   : {ew:8.0} MiB/s   ratio {:.2}", ew / rw);
-    let j = |x: f64| {
-        if x.is_finite() {
-            serde_json::json!(x)
-        } else {
-            serde_json::Value::Null
-        }
-    };
+    let j = psls_bench::json_f64;
     println!(
         "{}",
         serde_json::json!({
