@@ -171,18 +171,29 @@ async fn import_from_fd(
     };
     let file = Arc::new(file);
     let mut left = size;
+    // One buffer, reused for every chunk.
+    let mut buf = vec![0u8; proto::CHUNK];
     while left > 0 {
         let n = left.min(proto::CHUNK as u64) as usize;
         let f = file.clone();
         let read = crate::node::blocking(move || {
-            let mut buf = vec![0u8; n];
-            (&*f).read_exact(&mut buf).map(|()| buf)
+            let r = (&*f).read_exact(&mut buf[..n]);
+            (buf, r)
         })
         .await;
         let r = match read {
-            Ok(Ok(buf)) => imp.data(&buf).await,
-            Ok(Err(e)) => Err(OpError::new(ErrorKind::Io, format!("reading the file to import: {e}"))),
-            Err(e) => Err(e),
+            Ok((b, Ok(()))) => {
+                buf = b;
+                imp.data(&buf[..n]).await
+            }
+            Ok((b, Err(e))) => {
+                buf = b;
+                Err(OpError::new(ErrorKind::Io, format!("reading the file to import: {e}")))
+            }
+            Err(e) => {
+                imp.abort().await;
+                return err(e);
+            }
         };
         if let Err(e) = r {
             imp.abort().await;
@@ -674,7 +685,7 @@ async fn client(node: Arc<Node>, stream: UnixStream) -> anyhow::Result<()> {
                         "peer ping: a node of the cluster, up to 1 MiB, 1 to 100000 round trips",
                     ))
                 } else {
-                    let payload = vec![0x5a_u8; bytes as usize];
+                    let payload = bytes::Bytes::from(vec![0x5a_u8; bytes as usize]);
                     let mut out = Vec::with_capacity(count as usize);
                     let mut failure = None;
                     for _ in 0..count {

@@ -212,19 +212,21 @@ impl Node {
         self: &Arc<Self>,
         physical: &str,
         req: PeerReq,
-        payload: Vec<u8>,
+        payload: bytes::Bytes,
         timeout: Duration,
     ) -> Result<(PeerResp, bytes::Bytes), NetError> {
         if physical == self.me.name {
-            let (resp, out) = self.clone().handle(physical.to_string(), req, payload.into()).await;
-            return Ok((resp, out.into()));
+            return Ok(self.clone().handle(physical.to_string(), req, payload).await);
         }
-        self.net.request(physical, &req, payload.into(), timeout).await
+        self.net.request(physical, &req, payload, timeout).await
     }
 
     /// Sends a request without payload (response payload dropped).
     pub async fn call(self: &Arc<Self>, physical: &str, req: PeerReq) -> Result<PeerResp, NetError> {
-        Ok(self.call_data(physical, req, Vec::new(), self.request_timeout).await?.0)
+        Ok(self
+            .call_data(physical, req, bytes::Bytes::new(), self.request_timeout)
+            .await?
+            .0)
     }
 
     /// How long a read waits for a copy before trying the other one: a dead node is declared
@@ -236,7 +238,7 @@ impl Node {
 
     /// Sends a request and turns a peer's error reply into an error.
     pub async fn call_ok(self: &Arc<Self>, physical: &str, req: PeerReq) -> Result<PeerResp, OpError> {
-        Ok(self.call_data_ok(physical, req, Vec::new()).await?.0)
+        Ok(self.call_data_ok(physical, req, bytes::Bytes::new()).await?.0)
     }
 
     /// [`Node::call_data`] with the request timeout, turning an error reply into an error.
@@ -244,7 +246,7 @@ impl Node {
         self: &Arc<Self>,
         physical: &str,
         req: PeerReq,
-        payload: Vec<u8>,
+        payload: bytes::Bytes,
     ) -> Result<(PeerResp, bytes::Bytes), OpError> {
         match self.call_data(physical, req, payload, self.request_timeout).await? {
             (PeerResp::Error { kind, message }, _) => Err(OpError::new(kind, format!("{physical}: {message}"))),
@@ -647,7 +649,7 @@ impl Node {
         role: Role,
         gen: u64,
         indices: Vec<u64>,
-    ) -> Result<(Vec<PageState>, Vec<u8>), OpError> {
+    ) -> Result<(Vec<PageState>, bytes::Bytes), OpError> {
         if indices.len() > crate::peer::BATCH_PAGES * 4 {
             return Err(OpError::new(ErrorKind::Invalid, "too many pages in one read"));
         }
@@ -655,12 +657,15 @@ impl Node {
         let store = self.store.clone();
         let refs = self.refs(&indices);
         blocking(move || {
-            let mut data = vec![0u8; refs.len() * PAGE_SIZE];
+            // Page-aligned, so runs of pages are read with direct I/O.
+            let len = refs.len() * PAGE_SIZE;
+            let mut data = crate::peer::batch_pool().get_at_least(len);
+            data.resize_zeroed(len);
             let states = match store.read_batch(file, role, gen, &refs, &mut data) {
                 Ok(st) => st.into_iter().map(page_state).collect(),
                 Err(e) => vec![PageState::Error(e.to_string()); refs.len()],
             };
-            (states, data)
+            (states, bytes::Bytes::from_owner(data))
         })
         .await
     }
@@ -717,14 +722,24 @@ fn page_state(s: ReadStatus) -> PageState {
 }
 
 impl Handler for Node {
-    fn handle(self: Arc<Self>, from: String, req: PeerReq, payload: bytes::Bytes) -> BoxFuture<(PeerResp, Vec<u8>)> {
+    fn handle(
+        self: Arc<Self>,
+        from: String,
+        req: PeerReq,
+        payload: bytes::Bytes,
+    ) -> BoxFuture<(PeerResp, bytes::Bytes)> {
         Box::pin(self.handle_inner(from, req, payload))
     }
 }
 
 impl Node {
-    async fn handle_inner(self: Arc<Self>, from: String, req: PeerReq, payload: bytes::Bytes) -> (PeerResp, Vec<u8>) {
-        let mut out_payload = Vec::new();
+    async fn handle_inner(
+        self: Arc<Self>,
+        from: String,
+        req: PeerReq,
+        payload: bytes::Bytes,
+    ) -> (PeerResp, bytes::Bytes) {
+        let mut out_payload = bytes::Bytes::new();
         let r: Result<PeerResp, OpError> = match req {
             PeerReq::Heartbeat(hb) => {
                 self.heard(&from, hb);
@@ -794,7 +809,7 @@ impl Node {
             | PeerReq::RankExit { .. }
             | PeerReq::KillJob { .. }) => crate::launcher::serve(&self, req),
             PeerReq::Echo => {
-                out_payload = payload.to_vec();
+                out_payload = payload;
                 Ok(PeerResp::Ok)
             }
             PeerReq::Svm(env) => {
@@ -804,7 +819,7 @@ impl Node {
         };
         match r {
             Ok(resp) => (resp, out_payload),
-            Err(e) => (peer_error(e), Vec::new()),
+            Err(e) => (peer_error(e), bytes::Bytes::new()),
         }
     }
 }

@@ -11,6 +11,13 @@ pub const MAX_PEER_MSG: usize = 8 * 1024 * 1024;
 /// Pages per write/read batch (1 MiB of data).
 pub const BATCH_PAGES: usize = 256;
 
+/// Buffers for page batches (sent or received), reused: one batch and its message header fit.
+/// At most 32 (about 33 MiB) are kept free.
+pub fn batch_pool() -> &'static std::sync::Arc<psls_pfs::BufPool> {
+    static POOL: std::sync::OnceLock<std::sync::Arc<psls_pfs::BufPool>> = std::sync::OnceLock::new();
+    POOL.get_or_init(|| psls_pfs::BufPool::new((BATCH_PAGES + 2) * psls_svm::PAGE_SIZE, 32))
+}
+
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Heartbeat {
     pub incarnation: u64,

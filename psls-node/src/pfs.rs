@@ -16,7 +16,7 @@ use crate::peer::{PageState, PeerReq, PeerResp, BATCH_PAGES};
 use psls_ipc::proto::{FileInfo, ScrubReport, Stripe};
 use psls_ipc::ErrorKind;
 use psls_pfs::meta::{validate_name, FileMeta, MetaOp, MetaState, MAX_FILE_SIZE};
-use psls_pfs::Role;
+use psls_pfs::{PooledBuf, Role};
 use psls_svm::{FileId, NodeId, PAGE_SIZE};
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::Ordering;
@@ -198,19 +198,32 @@ pub async fn create(node: &Arc<Node>, caller: Caller, name: &str, size: u64, mod
 }
 
 /// Pages of one file with their bytes side by side: page `indices[i]` at `data[i * 4096..]`.
-#[derive(Default)]
+/// The buffer is page-aligned, so the node holding the pages can write it with direct I/O,
+/// and comes from [`crate::peer::batch_pool`].
 struct Batch {
     indices: Vec<u64>,
-    data: Vec<u8>,
+    data: PooledBuf,
+}
+
+impl Default for Batch {
+    fn default() -> Batch {
+        Batch {
+            indices: Vec::with_capacity(BATCH_PAGES),
+            data: crate::peer::batch_pool().get(),
+        }
+    }
 }
 
 impl Batch {
+    /// Appends a page (the buffer grows past `BATCH_PAGES` if a caller goes on).
     fn push(&mut self, index: u64, page: &[u8]) {
-        if self.data.capacity() == 0 {
-            self.data.reserve_exact(BATCH_PAGES * PAGE_SIZE);
-        }
         self.indices.push(index);
         self.data.extend_from_slice(page);
+    }
+
+    /// The page indices and the pages' bytes, ready to send (no copy).
+    fn into_parts(self) -> (Vec<u64>, bytes::Bytes) {
+        (self.indices, bytes::Bytes::from_owner(self.data))
     }
 }
 
@@ -235,6 +248,7 @@ impl Incarnations {
 
 /// Writes `batch` as generation `gen` (sparing `keep_gen`) to `role` copies on logical `l`;
 /// returns the physical node and the incarnation that took the pages.
+#[allow(clippy::too_many_arguments)]
 async fn write_to(
     node: &Arc<Node>,
     l: NodeId,
@@ -242,7 +256,8 @@ async fn write_to(
     role: Role,
     gen: u64,
     keep_gen: u64,
-    batch: Batch,
+    indices: Vec<u64>,
+    data: bytes::Bytes,
 ) -> Result<(String, u64), OpError> {
     let phys = node.physical_of(&node.meta_state(), l);
     let req = PeerReq::WritePages {
@@ -250,9 +265,9 @@ async fn write_to(
         role,
         gen,
         keep_gen,
-        indices: batch.indices,
+        indices,
     };
-    match node.call_data_ok(&phys, req, batch.data).await? {
+    match node.call_data_ok(&phys, req, data).await? {
         (PeerResp::Stored { incarnation }, _) => Ok((phys, incarnation)),
         (other, _) => Err(OpError::new(
             ErrorKind::Internal,
@@ -279,7 +294,9 @@ pub struct Importer {
     replaces: Option<FileId>,
     received: u64,
     partial: Vec<u8>,
-    batches: BTreeMap<(u32, Role), Batch>,
+    /// Pages waiting to be written, by home node. The mirror copies of a home node's pages
+    /// are the same pages in the same order on the next node, so one batch serves both.
+    batches: BTreeMap<u32, Batch>,
     inflight: tokio::task::JoinSet<Result<(), OpError>>,
     written: Arc<Incarnations>,
 }
@@ -333,32 +350,35 @@ impl Importer {
         Ok(())
     }
 
-    fn flush_batch(&mut self, key: (u32, Role)) {
-        let Some(batch) = self.batches.remove(&key) else {
+    /// Sends the batch of home node `home` to it and to its mirror node.
+    fn flush_batch(&mut self, home: u32) {
+        let Some(batch) = self.batches.remove(&home) else {
             return;
         };
         if batch.indices.is_empty() {
             return;
         }
-        let node = self.node.clone();
-        let written = self.written.clone();
+        let (indices, data) = batch.into_parts();
         let (file, gen) = (self.meta.id, self.meta.gen);
-        self.inflight.spawn(async move {
-            let (phys, incarnation) = write_to(&node, NodeId(key.0), file, key.1, gen, 0, batch).await?;
-            written.check(&phys, incarnation)
-        });
+        let mirror = self.node.placement.mirror(file, indices[0]);
+        for (l, role) in [(NodeId(home), Role::Primary), (mirror, Role::Mirror)] {
+            let node = self.node.clone();
+            let written = self.written.clone();
+            let (indices, data) = (indices.clone(), data.clone());
+            self.inflight.spawn(async move {
+                let (phys, incarnation) = write_to(&node, l, file, role, gen, 0, indices, data).await?;
+                written.check(&phys, incarnation)
+            });
+        }
     }
 
     /// Queues page `index` for its home and its mirror.
     fn push_page(&mut self, index: u64, page: &[u8]) {
-        let p = self.node.placement;
-        for role in [Role::Primary, Role::Mirror] {
-            let key = (p.holder(self.meta.id, index, role).0, role);
-            let batch = self.batches.entry(key).or_default();
-            batch.push(index, page);
-            if batch.indices.len() >= BATCH_PAGES {
-                self.flush_batch(key);
-            }
+        let home = self.node.placement.home(self.meta.id, index).0;
+        let batch = self.batches.entry(home).or_default();
+        batch.push(index, page);
+        if batch.indices.len() >= BATCH_PAGES {
+            self.flush_batch(home);
         }
     }
 
@@ -413,7 +433,7 @@ impl Importer {
             page.resize(PAGE_SIZE, 0);
             self.push_page(index, &page);
         }
-        let keys: Vec<(u32, Role)> = self.batches.keys().copied().collect();
+        let keys: Vec<u32> = self.batches.keys().copied().collect();
         for k in keys {
             self.flush_batch(k);
         }
@@ -566,7 +586,7 @@ async fn read_from_within(
         gen: f.gen,
         indices,
     };
-    match node.call_data(&phys, req, Vec::new(), timeout).await {
+    match node.call_data(&phys, req, bytes::Bytes::new(), timeout).await {
         Ok((PeerResp::Pages(states), data)) if states.len() == n && data.len() == n * PAGE_SIZE => {
             PagesRead { states, data }
         }
@@ -677,7 +697,8 @@ async fn read_chunk(node: Arc<Node>, f: FileMeta, first: u64, count: u64) -> Res
                 let n = batch.indices.len();
                 let r = async {
                     let written = Incarnations::default();
-                    let (phys, incarnation) = write_to(&node, l, file, role, gen, gen, batch).await?;
+                    let (indices, data) = batch.into_parts();
+                    let (phys, incarnation) = write_to(&node, l, file, role, gen, gen, indices, data).await?;
                     written.check(&phys, incarnation)?;
                     written.check(&phys, sync_on(&node, &phys).await?)
                 }
@@ -854,7 +875,8 @@ async fn copy_pages(
     if n == 0 {
         return (0, bad.len() as u64);
     }
-    let r = write_to(node, dst, f.id, src_role.other(), f.gen, f.gen, ok).await;
+    let (indices, data) = ok.into_parts();
+    let r = write_to(node, dst, f.id, src_role.other(), f.gen, f.gen, indices, data).await;
     match r.and_then(|(phys, incarnation)| written.check(&phys, incarnation)) {
         Ok(()) => (n, bad.len() as u64),
         Err(e) => {
@@ -941,7 +963,8 @@ pub async fn rebuild(node: &Arc<Node>, l: NodeId) -> Result<(), OpError> {
                     return Err(OpError::new(ErrorKind::Unavailable, msg));
                 }
                 let n = ok.indices.len() as u64;
-                write_to(node, l, f.id, role, f.gen, f.gen, ok).await?;
+                let (indices, data) = ok.into_parts();
+                write_to(node, l, f.id, role, f.gen, f.gen, indices, data).await?;
                 node.rebuild_done.fetch_add(n, Ordering::Relaxed);
             }
         }

@@ -183,7 +183,7 @@ pub async fn call(node: &Arc<Node>, req: PeerReq) -> Result<(), OpError> {
     let Some((_, coord)) = node.coordinator(&st) else {
         return Err(OpError::new(ErrorKind::Unavailable, "no coordinator is up"));
     };
-    match node.call_data(&coord, req, Vec::new(), MAX_WAIT).await? {
+    match node.call_data(&coord, req, bytes::Bytes::new(), MAX_WAIT).await? {
         (PeerResp::Ok, _) => Ok(()),
         (PeerResp::Error { kind, message }, _) => Err(OpError::new(kind, message)),
         (other, _) => Err(OpError::new(

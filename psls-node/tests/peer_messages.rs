@@ -13,11 +13,16 @@ use std::time::Duration;
 struct Probe;
 
 impl Handler for Probe {
-    fn handle(self: Arc<Self>, _from: String, req: PeerReq, payload: Bytes) -> BoxFuture<(PeerResp, Vec<u8>)> {
+    fn handle(self: Arc<Self>, _from: String, req: PeerReq, payload: Bytes) -> BoxFuture<(PeerResp, Bytes)> {
         Box::pin(async move {
             match req {
-                PeerReq::Sync => (PeerResp::Ok, payload.to_vec()),
-                _ => (PeerResp::NotCoordinator, Vec::new()),
+                PeerReq::Sync => (PeerResp::Ok, payload),
+                // Answers whether the payload arrived page-aligned (direct-I/O ready).
+                PeerReq::Echo => {
+                    let aligned = (payload.as_ptr() as usize).is_multiple_of(4096);
+                    (PeerResp::Ok, Bytes::from(vec![aligned as u8]))
+                }
+                _ => (PeerResp::NotCoordinator, Bytes::new()),
             }
         })
     }
@@ -71,6 +76,20 @@ async fn bad_peers_are_refused_and_good_ones_served() {
         .unwrap();
     assert!(matches!(resp, PeerResp::Ok));
     assert_eq!(&payload[..], b"echo");
+
+    // A payload that arrives in many chunks is gathered with its first byte on a page
+    // boundary, whatever the header's length; the bytes are intact.
+    let pages: Vec<u8> = (0..(1 << 20) + 4096).map(|i| (i % 251) as u8).collect();
+    let (_, aligned) = client
+        .request("n0", &PeerReq::Echo, Bytes::from(pages.clone()), t)
+        .await
+        .unwrap();
+    assert_eq!(&aligned[..], &[1], "a large payload arrives page-aligned");
+    let (_, back) = client
+        .request("n0", &PeerReq::Sync, Bytes::from(pages.clone()), t)
+        .await
+        .unwrap();
+    assert!(back == pages, "a large payload comes back intact");
 
     // Malformed: an answer with a clear error, not a crash.
     let out = raw(&certs, "n1", a0, &[9, 0, 0, 0, 0xff, 0xff]).await.unwrap();

@@ -2,6 +2,7 @@
 //! namespace metadata store.
 //!
 //! What this crate owns:
+//! - [`buf::PageBuf`]: page-aligned buffers, so page runs can use direct I/O.
 //! - [`disk`]: the `Disk`/`DiskFile` storage contract, the real implementation, and
 //!   [`fault::FaultDisk`], which keeps every write that was not fsync'd in memory so that a
 //!   crash of the process (or [`fault::FaultDisk::power_cut`]) loses exactly those writes.
@@ -13,6 +14,7 @@
 //!
 //! The crate does no networking; the node daemon decides which node's store a page goes to.
 
+pub mod buf;
 pub mod disk;
 pub mod error;
 pub mod fault;
@@ -21,6 +23,7 @@ pub mod placement;
 pub mod slot;
 pub mod store;
 
+pub use buf::{BufPool, PageBuf, PooledBuf};
 pub use disk::{Disk, DiskFile, FileDisk};
 pub use error::{MetaError, StoreError};
 pub use fault::FaultDisk;
