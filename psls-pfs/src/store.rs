@@ -96,8 +96,9 @@ impl std::fmt::Debug for ReadOutcome {
 struct SlotFiles {
     hdr: Arc<dyn DiskFile>,
     data: [Arc<dyn DiskFile>; 2],
-    /// Serializes read-modify-write of headers of this (file, role).
-    lock: Mutex<()>,
+    /// Writers (read-modify-write of headers) take it exclusively, readers shared: reads of
+    /// one (file, role) run in parallel, and never see a half-done write.
+    lock: std::sync::RwLock<()>,
 }
 
 impl SlotFiles {
@@ -214,7 +215,7 @@ impl PageStore {
         let p = Arc::new(SlotFiles {
             hdr,
             data,
-            lock: Mutex::new(()),
+            lock: std::sync::RwLock::new(()),
         });
         open.insert((file, role), p.clone());
         Ok(Some(p))
@@ -239,7 +240,7 @@ impl PageStore {
             out.fill(0);
             return Ok(vec![ReadStatus::Missing; pages.len()]);
         };
-        let _g = f.lock.lock().unwrap_or_else(|e| e.into_inner());
+        let _g = f.lock.read().unwrap_or_else(|e| e.into_inner());
         let mut status = vec![ReadStatus::Missing; pages.len()];
         for (start, len) in runs(pages) {
             let l0 = pages[start].local;
@@ -314,7 +315,7 @@ impl PageStore {
         }
         check_refs(pages)?;
         let f = self.slot_files(file, role, true)?.ok_or(StoreError::NoSuchFile(file))?;
-        let _g = f.lock.lock().unwrap_or_else(|e| e.into_inner());
+        let _g = f.lock.write().unwrap_or_else(|e| e.into_inner());
         for (start, len) in runs(pages) {
             let l0 = pages[start].local;
             let mut hb = f.headers(l0, len)?;
