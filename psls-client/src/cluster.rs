@@ -127,8 +127,17 @@ fn tail(path: &Path, lines: usize) -> String {
     v[v.len().saturating_sub(lines)..].join("\n")
 }
 
-/// Starts daemon `n` in the background.
-fn spawn(dir: &Path, n: &NodeEntry) -> Result<std::process::Child> {
+/// Async worker threads for each daemon of a cluster of `daemons` on this one machine: the
+/// cores shared out, at least one. Several daemons with a worker per core each would wake
+/// each other's idle workers for every message (measured on 2 cores, 4 daemons: a 4 KiB peer
+/// round trip took 157 µs with 2 workers each, 110 µs with 1).
+fn workers_per_daemon(daemons: usize) -> usize {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    (cores / daemons.max(1)).max(1)
+}
+
+/// Starts daemon `n` in the background with `workers` async worker threads.
+fn spawn(dir: &Path, n: &NodeEntry, workers: usize) -> Result<std::process::Child> {
     let log = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
@@ -138,6 +147,8 @@ fn spawn(dir: &Path, n: &NodeEntry) -> Result<std::process::Child> {
         .arg(config_path(dir))
         .arg("--node")
         .arg(&n.name)
+        .arg("--workers")
+        .arg(workers.to_string())
         .stdin(Stdio::null())
         .stdout(log.try_clone()?)
         .stderr(log)
@@ -168,7 +179,7 @@ pub fn up(dir: &Path, timeout: Duration, quiet: bool) -> Result<()> {
             }
             continue;
         }
-        children.push((n.name.clone(), spawn(dir, n)?));
+        children.push((n.name.clone(), spawn(dir, n, workers_per_daemon(cfg.all().count()))?));
         expected.push(n.clone());
         if !quiet {
             println!("started {}", n.name);

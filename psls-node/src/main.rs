@@ -12,6 +12,10 @@ struct Args {
     /// Name of this node in the configuration.
     #[arg(long)]
     node: String,
+    /// Async worker threads (default: one per core). Daemons sharing a machine should share
+    /// its cores out (`psls cluster up` does).
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1..=1024))]
+    workers: Option<u16>,
 }
 
 fn main() -> std::process::ExitCode {
@@ -23,7 +27,11 @@ fn main() -> std::process::ExitCode {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
-    let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    let mut b = tokio::runtime::Builder::new_multi_thread();
+    if let Some(n) = args.workers {
+        b.worker_threads(n as usize);
+    }
+    let rt = match b.enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("psls-node: cannot start runtime: {e}");
