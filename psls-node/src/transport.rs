@@ -189,7 +189,12 @@ impl Transport {
     }
 
     /// The writer task of `peer`'s one-way messages.
-    async fn pump(self: Arc<Self>, peer: String, mut rx: tokio::sync::mpsc::UnboundedReceiver<Posted>, timeout: Duration) {
+    async fn pump(
+        self: Arc<Self>,
+        peer: String,
+        mut rx: tokio::sync::mpsc::UnboundedReceiver<Posted>,
+        timeout: Duration,
+    ) {
         let mut stream: Option<(quinn::Connection, quinn::SendStream)> = None;
         let mut batch: Vec<Posted> = Vec::with_capacity(POST_BATCH);
         while let Some(first) = rx.recv().await {
@@ -219,7 +224,9 @@ impl Transport {
                     stream = Some((conn, send));
                 }
                 let (_, send) = stream.as_mut().expect("opened above");
-                send.write_all_chunks(&mut chunks).await.map_err(|e| unreachable(&peer, &e))
+                send.write_all_chunks(&mut chunks)
+                    .await
+                    .map_err(|e| unreachable(&peer, &e))
             };
             let r = match tokio::time::timeout(timeout, write).await {
                 Ok(r) => r,
