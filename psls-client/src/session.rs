@@ -231,8 +231,9 @@ impl Session {
         self.map_with(name, size, create, false)
     }
 
-    /// Maps a volatile segment: shared by every process of the caller's user that maps the
-    /// same name, zero at first, never written to disk.
+    /// Maps a volatile segment: shared by every process of the caller's job (`psls run`)
+    /// that maps the same name, zero at first, never written to disk, and dropped when the job
+    /// ends. Outside a job, processes of one user share it until the daemons stop.
     pub fn create_volatile(&self, name: &str, size: u64) -> Result<Mapping<'_>, ClientError> {
         self.map_with(name, size, true, true)
     }
@@ -244,6 +245,7 @@ impl Session {
             create,
             writable: true,
             volatile,
+            job: self.job.clone(),
         };
         let (resp, mut fds) = self.call(&req, None)?;
         let Response::Mapped { file, len, .. } = resp else {

@@ -79,6 +79,9 @@ pub enum Request {
         create: bool,
         writable: bool,
         volatile: bool,
+        /// The caller's job (`PSLS_JOB`; empty outside a job). A volatile segment belongs to
+        /// its job: ranks of one job share it, and it is dropped when the job ends.
+        job: String,
     },
     /// Hands the daemon the userfaultfd passed with this frame, registered by the caller over
     /// `[base, base + len)`, a mapping of `file`'s memfd at offset 0.

@@ -292,14 +292,19 @@ async fn run_job(
     Ok(())
 }
 
-/// A stable id for a volatile segment: from its owner and name (high bit set, so it never
-/// collides with a parallel file's id).
-fn volatile_id(uid: u32, name: &str) -> psls_svm::FileId {
+/// A stable id for a volatile segment: from its owner, job and name (high bit set, so it
+/// never collides with a parallel file's id). A later job's segment of the same name is
+/// another segment, so late messages about an ended job's pages touch nothing of it.
+fn volatile_id(uid: u32, job: &str, name: &str) -> psls_svm::FileId {
     let mut h = psls_svm::rng::mix64(uid as u64 ^ 0x5053_4c53);
-    for chunk in name.as_bytes().chunks(8) {
-        let mut b = [0u8; 8];
-        b[..chunk.len()].copy_from_slice(chunk);
-        h = psls_svm::rng::mix64(h ^ u64::from_le_bytes(b));
+    // Length-prefixed, so ("ab", "c") and ("a", "bc") differ.
+    for part in [job, name] {
+        h = psls_svm::rng::mix64(h ^ part.len() as u64);
+        for chunk in part.as_bytes().chunks(8) {
+            let mut b = [0u8; 8];
+            b[..chunk.len()].copy_from_slice(chunk);
+            h = psls_svm::rng::mix64(h ^ u64::from_le_bytes(b));
+        }
     }
     psls_svm::FileId(h | 1 << 63)
 }
@@ -312,7 +317,8 @@ async fn map(
     size: u64,
     create: bool,
     writable: bool,
-    volatile: bool,
+    // `Some(job)` for a volatile segment of `job` (empty: outside a job).
+    volatile: Option<&str>,
 ) -> Result<(Response, std::fs::File), OpError> {
     let pages_len = |n: u64| n.div_ceil(psls_svm::PAGE_SIZE as u64) * psls_svm::PAGE_SIZE as u64;
     if size == 0 {
@@ -326,9 +332,17 @@ async fn map(
             "read-only mappings are not supported: map with write access, or export the file",
         ));
     }
-    let (id, file_size, backing) = if volatile {
+    let (id, file_size, backing) = if let Some(job) = volatile {
         psls_pfs::meta::validate_name(name).map_err(|e| OpError::new(ErrorKind::Invalid, e.to_string()))?;
-        (volatile_id(caller.uid, name), size, crate::svm::Backing::Volatile)
+        if job.len() > 256 {
+            return Err(OpError::new(ErrorKind::Invalid, "job id longer than 256 bytes"));
+        }
+        let job = (!job.is_empty()).then(|| job.to_string());
+        (
+            volatile_id(caller.uid, job.as_deref().unwrap_or(""), name),
+            size,
+            crate::svm::Backing::Volatile { job },
+        )
     } else {
         let found = pfs::lookup_file(node, name);
         let f = match found {
@@ -600,7 +614,18 @@ async fn client(node: Arc<Node>, stream: UnixStream) -> anyhow::Result<()> {
                 create,
                 writable,
                 volatile,
-            } => match map(&node, caller, &name, size, create, writable, volatile).await {
+                job,
+            } => match map(
+                &node,
+                caller,
+                &name,
+                size,
+                create,
+                writable,
+                volatile.then_some(job.as_str()),
+            )
+            .await
+            {
                 Ok((resp, memfd)) => {
                     if let Response::Mapped { file, writable, .. } = resp {
                         granted.insert(file, writable);

@@ -192,9 +192,43 @@ pub async fn kill_everywhere(node: &Arc<Node>, job: &str) {
     }
 }
 
-/// The launcher forgets a finished job.
-pub fn finished(node: &Node, job: &str) {
+/// Most volatile segments forgotten in one message.
+pub const MAX_JOB_SEGMENTS: usize = 4096;
+
+/// The launcher forgets a finished job, and every node drops the job's volatile segments:
+/// first where they are held, then the coherence state of their managers.
+pub fn finished(node: &Arc<Node>, job: &str) {
     lock(&node.jobs.launched).remove(job);
+    let (node, job) = (node.clone(), job.to_string());
+    tokio::spawn(async move {
+        let st = node.meta_state();
+        let live: Vec<String> = node
+            .logical_map(&st)
+            .into_values()
+            .filter(|p| node.is_live(p))
+            .collect();
+        let mut files = Vec::new();
+        for p in &live {
+            match node.call_ok(p, PeerReq::JobEnded { job: job.clone() }).await {
+                Ok(PeerResp::Dropped { files: f }) => files.extend(f),
+                Ok(_) => {}
+                Err(e) => tracing::warn!(node = %p, %job, error = %e, "could not drop the job's volatile segments"),
+            }
+        }
+        files.sort_unstable();
+        files.dedup();
+        if files.is_empty() {
+            return;
+        }
+        for chunk in files.chunks(MAX_JOB_SEGMENTS) {
+            for p in &live {
+                let req = PeerReq::ForgetFiles { files: chunk.to_vec() };
+                if let Err(e) = node.call_ok(p, req).await {
+                    tracing::warn!(node = %p, %job, error = %e, "could not forget the job's volatile segments");
+                }
+            }
+        }
+    });
 }
 
 /// A rank's output or exit arrived at the launcher.

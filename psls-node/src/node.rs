@@ -812,6 +812,18 @@ impl Node {
                 out_payload = payload;
                 Ok(PeerResp::Ok)
             }
+            PeerReq::JobEnded { job } => Ok(PeerResp::Dropped {
+                files: self.svm.end_job(&self, &job),
+            }),
+            PeerReq::ForgetFiles { files } => {
+                if files.len() > crate::launcher::MAX_JOB_SEGMENTS {
+                    Err(OpError::new(ErrorKind::Invalid, "too many segments to forget at once"))
+                } else {
+                    let pages = self.svm.forget(&files);
+                    tracing::debug!(node = %self.name(), segments = files.len(), pages, "ended job's segments forgotten");
+                    Ok(PeerResp::Ok)
+                }
+            }
             PeerReq::Svm(env) => {
                 self.svm.on_message(&self, env, payload);
                 Ok(PeerResp::Ok)

@@ -93,6 +93,14 @@ pub enum PeerReq {
         op: MetaOp,
     },
     MetaFetch,
+    /// Job `job` ended: drop its volatile segments (answered with `Dropped`).
+    JobEnded {
+        job: String,
+    },
+    /// Forget the coherence state of these volatile segments (of ended jobs).
+    ForgetFiles {
+        files: Vec<FileId>,
+    },
     /// A coherence protocol message (one-way); payload: the page's 4096 bytes for `Data`.
     Svm(psls_svm::coherence::Envelope),
     /// To the coordinator: rank `who` waits at barrier `key` of `count` ranks (answered when it
@@ -159,6 +167,10 @@ pub enum PeerResp {
         bad: Vec<BadCopy>,
     },
     Snapshot(Vec<u8>),
+    /// Answer to `JobEnded`: the volatile segments dropped.
+    Dropped {
+        files: Vec<FileId>,
+    },
     NotCoordinator,
     Error {
         kind: psls_ipc::ErrorKind,

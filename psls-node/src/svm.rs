@@ -43,8 +43,8 @@ const UFFDIO_CONTINUE_MODE_WP: u64 = 1 << 1;
 pub enum Backing {
     /// A parallel file: its committed pages in the PFS.
     Pfs(FileMeta),
-    /// A volatile segment: zeros.
-    Volatile,
+    /// A volatile segment: zeros. With a job, it is dropped when the job ends.
+    Volatile { job: Option<String> },
 }
 
 struct Segment {
@@ -207,6 +207,46 @@ impl SvmShell {
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Job `job` ended: its volatile segments go — the node's memory of them, their coherence
+    /// state here, and any mapping of them that outlived the job (such a process keeps a
+    /// private, no longer coherent view). Returns the segments' ids, for the nodes that manage
+    /// their pages without holding them ([`SvmShell::forget`]).
+    pub fn end_job(&self, node: &Node, job: &str) -> Vec<FileId> {
+        let mut g = self.lock();
+        let ids: Vec<FileId> = g
+            .segs
+            .iter()
+            .filter(|(_, s)| matches!(&s.backing, Backing::Volatile { job: Some(j) } if j == job))
+            .map(|(id, _)| *id)
+            .collect();
+        for id in &ids {
+            if let Some(seg) = g.segs.remove(id) {
+                for m in &seg.maps {
+                    drop_map(&mut g, m);
+                }
+                tracing::info!(node = %node.name(), file = %id, name = %seg.name, job, "volatile segment dropped at job end");
+            }
+            if let Some(svm) = g.svm.as_mut() {
+                svm.forget_file(*id);
+            }
+        }
+        ids
+    }
+
+    /// Forgets the coherence state of volatile segments of an ended job (a segment still
+    /// held here is left alone). Returns how many page entries went.
+    pub fn forget(&self, files: &[FileId]) -> usize {
+        let mut g = self.lock();
+        let mut n = 0;
+        for f in files {
+            if g.segs.contains_key(f) {
+                continue;
+            }
+            n += g.svm.as_mut().map_or(0, |s| s.forget_file(*f));
+        }
+        n
     }
 
     /// Segments held (reported in heartbeats).
@@ -546,7 +586,7 @@ impl SvmShell {
                     let (node, me) = (node.clone(), self.clone());
                     self.runtime.spawn(async move {
                         let data = match backing {
-                            Backing::Volatile => Ok(bytes::Bytes::from_static(&[0u8; PAGE_SIZE])),
+                            Backing::Volatile { .. } => Ok(bytes::Bytes::from_static(&[0u8; PAGE_SIZE])),
                             Backing::Pfs(f) => crate::pfs::read_page(&node, &f, page.index).await,
                         };
                         me.on_loaded(&node, page, txn, data);

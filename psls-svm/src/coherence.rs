@@ -495,6 +495,16 @@ impl Svm {
         self.request(page, Some(access));
     }
 
+    /// Forgets every page of `file`, as holder and as manager: for a segment no client uses
+    /// any more anywhere (a volatile segment after its job ended). Its pages' next fault
+    /// starts afresh (loads). Returns how many page entries were dropped.
+    pub fn forget_file(&mut self, file: FileId) -> usize {
+        let before = self.local.len() + self.dir.len();
+        self.local.retain(|p, _| p.file != file);
+        self.dir.retain(|p, _| p.file != file);
+        before - self.local.len() - self.dir.len()
+    }
+
     /// The client behind `waiter` is gone: forget its waiting faults.
     pub fn cancel(&mut self, waiter: WaiterId) {
         for l in self.local.values_mut() {

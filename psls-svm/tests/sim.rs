@@ -589,3 +589,60 @@ fn page_bounces_between_two_writers_with_exact_counts() {
     assert_eq!(messages, 1000 * 3 + 999 * 2);
     let _ = manager;
 }
+
+/// Forgetting a file drops its pages' holder and manager state and nothing else: the next
+/// fault on it loads afresh, while another file's page stays where it was.
+#[test]
+fn forgetting_a_file_drops_only_its_pages() {
+    let peers = vec![Some(Incarnation(1)); 2];
+    let mut nodes = [
+        Svm::new(NodeId(0), Incarnation(1), peers.clone()),
+        Svm::new(NodeId(1), Incarnation(1), peers),
+    ];
+    let a = PageId {
+        file: FileId(1),
+        index: 0,
+    };
+    let b = PageId {
+        file: FileId(2),
+        index: 0,
+    };
+    // Runs every action to completion in FIFO order; returns the loads seen.
+    let drive = |nodes: &mut [Svm; 2]| -> usize {
+        let mut loads = 0;
+        for _ in 0..1000 {
+            let mut any = false;
+            for i in 0..2 {
+                while let Some(act) = nodes[i].poll_action() {
+                    any = true;
+                    match act {
+                        Action::Send { to, env } => {
+                            nodes[to.0 as usize].receive(env).expect("no violation");
+                        }
+                        Action::Load { page, txn } => {
+                            loads += 1;
+                            nodes[i].loaded(page, txn, true);
+                        }
+                        Action::Fail { error, .. } => panic!("fault failed: {error}"),
+                        _ => {}
+                    }
+                }
+            }
+            if !any {
+                return loads;
+            }
+        }
+        panic!("did not settle");
+    };
+    nodes[1].fault(a, Access::Write, 1);
+    nodes[1].fault(b, Access::Write, 2);
+    assert_eq!(drive(&mut nodes), 2);
+    assert_eq!(nodes[1].access(a), Some(Access::Write));
+    let dropped: usize = nodes.iter_mut().map(|n| n.forget_file(FileId(1))).sum();
+    assert_eq!(dropped, 2, "one holder entry and one manager entry");
+    assert_eq!(nodes[1].access(a), None);
+    assert_eq!(nodes[1].access(b), Some(Access::Write), "another file is untouched");
+    nodes[0].fault(a, Access::Read, 3);
+    assert_eq!(drive(&mut nodes), 1, "a forgotten page is loaded afresh");
+    assert_eq!(nodes[0].access(a), Some(Access::Read));
+}

@@ -315,3 +315,33 @@ fn a_page_bounced_between_nodes_and_falsely_shared_loses_no_write() {
         );
     }
 }
+
+/// A volatile segment is shared by the ranks of a job on different nodes, starts at zero in
+/// every job, and is dropped on every node that held it when its job ends.
+#[test]
+fn volatile_segments_are_shared_within_a_job_and_dropped_after_it() {
+    let c = Cluster::start(4, 0);
+    for seed in [1u64, 2] {
+        let out = c.ok(&["run", "-n", "4", "--", PROBE, "vol", "v", "8", &seed.to_string()]);
+        assert_eq!(out.matches("volatile ok").count(), 4, "{out}");
+        // Each of the 4 nodes that ran a rank drops the job's segment (asynchronously after
+        // the job returns).
+        let want = 4 * seed as usize;
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            let dropped: usize = ["n0", "n1", "n2", "n3"]
+                .iter()
+                .map(|n| c.log(n).matches("volatile segment dropped at job end").count())
+                .sum();
+            if dropped == want {
+                break;
+            }
+            assert!(dropped < want, "{dropped} drops, want {want}");
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{dropped} of {want} segments dropped"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}

@@ -50,6 +50,40 @@ fn main() {
         eprintln!("connect: {e}");
         std::process::exit(1)
     });
+    if mode == "vol" {
+        // `vol NAME PAGES SEED` (under `psls run`): the job's volatile segment NAME starts at
+        // zero on every rank; rank 0 fills it; after a barrier every rank reads the fill.
+        let seed: u64 = arg(4).parse().expect("SEED");
+        let mut m = s.create_volatile(&name, (pages * 4096) as u64).unwrap_or_else(|e| {
+            eprintln!("create_volatile: {e}");
+            std::process::exit(1)
+        });
+        let w: &mut [u64] = m.as_mut_slice();
+        if let Some(i) = w.iter().position(|&x| x != 0) {
+            eprintln!("word {i} of a new volatile segment is {:#x}, not 0", w[i]);
+            std::process::exit(4);
+        }
+        s.barrier("vol-checked").expect("barrier");
+        if s.rank() == 0 {
+            for p in 0..pages {
+                for k in 0..words_per_page {
+                    w[p * words_per_page + k] = pattern(seed, p, k);
+                }
+            }
+        }
+        s.barrier("vol-filled").expect("barrier");
+        for p in 0..pages {
+            for k in 0..words_per_page {
+                let got = w[p * words_per_page + k];
+                if got != pattern(seed, p, k) {
+                    eprintln!("page {p} word {k}: {got:#x}, want {:#x}", pattern(seed, p, k));
+                    std::process::exit(4);
+                }
+            }
+        }
+        println!("volatile ok");
+        std::process::exit(0)
+    }
     if mode == "map" {
         // Only the mapping: `map NAME BYTES CREATE(0|1)`; prints the error if any.
         let create = arg(4) == "1";
