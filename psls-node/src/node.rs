@@ -100,6 +100,8 @@ pub struct Node {
     pub svm: Arc<crate::svm::SvmShell>,
     /// Barriers and locks (served while this node coordinates).
     pub sync: Mutex<crate::sync::SyncState>,
+    /// This node's ranks waiting for a barrier or lock notice.
+    pub waits: crate::sync::Waits,
     /// Jobs launched here and rank processes running here.
     pub jobs: crate::launcher::Jobs,
 }
@@ -138,6 +140,7 @@ impl Node {
             shutdown: tokio::sync::Notify::new(),
             svm: Arc::new(crate::svm::SvmShell::new(tokio::runtime::Handle::current())),
             sync: Mutex::new(crate::sync::SyncState::default()),
+            waits: crate::sync::Waits::default(),
             jobs: crate::launcher::Jobs::default(),
         }
     }
@@ -803,7 +806,15 @@ impl Node {
             req @ (PeerReq::BarrierArrive { .. }
             | PeerReq::LockAcquire { .. }
             | PeerReq::LockRelease { .. }
-            | PeerReq::SyncGone { .. }) => crate::sync::serve(&self.sync, req).await,
+            | PeerReq::SyncGone { .. }) => crate::sync::serve(&self, req),
+            PeerReq::SyncDone { key, who, error } => {
+                let result = match error {
+                    None => Ok(()),
+                    Some((kind, message)) => Err(OpError::new(kind, message)),
+                };
+                crate::sync::resolve(&self, &key, &who, result);
+                Ok(PeerResp::Ok)
+            }
             req @ (PeerReq::Spawn { .. }
             | PeerReq::RankOutput { .. }
             | PeerReq::RankExit { .. }

@@ -123,6 +123,13 @@ pub enum PeerReq {
     SyncGone {
         who: String,
     },
+    /// From the coordinator (one-way): rank `who` of this node, waiting on `key`, may go on
+    /// (or fails with `error`).
+    SyncDone {
+        key: String,
+        who: String,
+        error: Option<(psls_ipc::ErrorKind, String)>,
+    },
     /// From a job's launcher: start these ranks here.
     Spawn {
         spec: crate::launcher::JobSpec,

@@ -345,3 +345,20 @@ fn volatile_segments_are_shared_within_a_job_and_dropped_after_it() {
         }
     }
 }
+
+/// A rank waiting at a barrier when the coordinator (which holds the barrier) dies fails with
+/// a clear message instead of waiting forever.
+#[test]
+fn a_barrier_wait_fails_clearly_when_the_coordinator_dies() {
+    let c = Cluster::start(4, 0);
+    let waiter = spawn(&c, "n1", &["count", "b", "1", "0", "2"]);
+    std::thread::sleep(Duration::from_millis(800));
+    c.kill("n0");
+    let o = wait_within(waiter, Duration::from_secs(30));
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("the coordinator (n0) went down while this rank waited"),
+        "{err}"
+    );
+}
