@@ -749,6 +749,7 @@ async fn client(node: Arc<Node>, stream: UnixStream) -> anyhow::Result<()> {
                         ("pages_loaded".into(), st.pages_loaded),
                         ("invalidations".into(), st.invalidations),
                         ("failed_faults".into(), st.failed_faults),
+                        ("joined_reads".into(), st.joined_reads),
                     ],
                 }
             }

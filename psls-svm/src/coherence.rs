@@ -246,6 +246,9 @@ pub struct Stats {
     pub invalidations: u64,
     /// Faults that failed.
     pub failed_faults: u64,
+    /// Read transactions this node, as manager, started while other reads of the page were
+    /// still in progress.
+    pub joined_reads: u64,
 }
 
 /// This node's side of one page: its access and its own pending request.
@@ -279,7 +282,10 @@ struct Directory {
     /// Written since it was loaded from disk: memory holds the only current version.
     dirty: bool,
     lost: bool,
-    busy: Option<Busy>,
+    /// Transactions in progress: one, or several reads served by an owner at once (reads of
+    /// a page do not conflict, so they are not serialized behind each other; a write waits
+    /// for all of them, and they for it).
+    busy: Vec<Busy>,
     queue: VecDeque<(TxnId, Access)>,
 }
 
@@ -418,7 +424,7 @@ impl Svm {
     /// Whether nothing is in flight at this node (no pending request, no busy directory entry).
     pub fn is_quiet(&self) -> bool {
         self.local.values().all(|l| l.pending.is_none() && l.waiters.is_empty())
-            && self.dir.values().all(|d| d.busy.is_none() && d.queue.is_empty())
+            && self.dir.values().all(|d| d.busy.is_empty() && d.queue.is_empty())
     }
     /// The manager's view of `page` (for checks): owner, copyset, writable, lost.
     pub fn directory(&self, page: PageId) -> Option<(Option<NodeId>, Vec<NodeId>, bool, bool)> {
@@ -735,33 +741,35 @@ impl Svm {
             d.queue.retain(|(t, _)| t.node != n);
             d.copyset.remove(&n);
             let owner_gone = d.owner == Some(n);
-            match d.busy {
-                Some(b) if b.txn.node == n => {
-                    // The requester died mid-transaction. After a write transaction every other
-                    // copy may be gone already, and the requester may have written (its `Done`
-                    // died with it): the latest version is lost.
-                    d.busy = None;
-                    if b.access == Access::Write {
-                        d.forget_copies();
-                        d.lost = true;
-                    } else if owner_gone {
-                        d.reassign_or_lose();
-                    }
-                    d.settle();
-                    self.next_in_queue(page);
+            // Requesters that died mid-transaction. After a write transaction every other copy
+            // may be gone already, and the requester may have written (its `Done` died with
+            // it): the latest version is lost.
+            let before = d.busy.len();
+            let mut wrote = false;
+            d.busy.retain(|b| {
+                let dead = b.txn.node == n;
+                wrote |= dead && b.access == Access::Write;
+                !dead
+            });
+            let ended = d.busy.len() < before;
+            if wrote {
+                d.forget_copies();
+                d.lost = true;
+            }
+            if owner_gone {
+                if d.busy.iter().any(|b| matches!(b.source, Source::Owner(o, _) if o == n)) {
+                    // The requesters' `Done`s say whether the data got out before it died.
+                    d.owner = None;
+                    d.writable = false;
+                } else {
+                    d.reassign_or_lose();
                 }
-                Some(b) if matches!(b.source, Source::Owner(o, _) if o == n) => {
-                    // The requester's `Done` says whether the data got out before the owner died.
-                    if owner_gone {
-                        d.owner = None;
-                        d.writable = false;
-                    }
-                }
-                _ => {
-                    if owner_gone {
-                        d.reassign_or_lose();
-                    }
-                }
+            }
+            if ended && d.busy.is_empty() {
+                d.settle();
+            }
+            if ended {
+                self.next_in_queue(page);
             }
         }
     }
@@ -1043,7 +1051,7 @@ impl Svm {
         let d = self.dir.entry(page).or_default();
         // One request per node at a time. (Its previous transaction may still be busy here: the
         // `Done` and this request can cross; the request then waits in the queue.)
-        let dup = d.busy.is_some_and(|b| b.txn == txn) || d.queue.iter().any(|(t, _)| t.node == from);
+        let dup = d.busy.iter().any(|b| b.txn == txn) || d.queue.iter().any(|(t, _)| t.node == from);
         ensure!(!dup, from, page, "a second request while one is in progress");
         if d.lost || self.recovering {
             let error = if d.lost {
@@ -1058,22 +1066,36 @@ impl Svm {
         let d = self.dir.entry(page).or_default();
         assert!(d.queue.len() < bound, "more queued requests than nodes");
         d.queue.push_back((txn, access));
-        if d.busy.is_none() {
-            self.next_in_queue(page);
-        }
+        self.next_in_queue(page);
         Ok(())
     }
 
-    /// Starts the next queued transaction of `page`, if it is idle.
+    /// Starts the next queued transactions of `page`: the first one if it is idle, and while
+    /// only reads served by a live owner are in progress, further reads (from nodes with no
+    /// transaction in progress here).
     fn next_in_queue(&mut self, page: PageId) {
         loop {
             let Some(d) = self.dir.get_mut(&page) else { return };
-            if d.busy.is_some() {
+            let Some(&(front, front_access)) = d.queue.front() else {
                 return;
+            };
+            if !d.busy.is_empty() {
+                let joins = front_access == Access::Read
+                    && d.owner.is_some()
+                    && !d.lost
+                    && d.busy
+                        .iter()
+                        .all(|b| b.access == Access::Read && b.txn.node != front.node);
+                if !joins {
+                    return;
+                }
             }
+            let joined = !d.busy.is_empty();
             let Some((txn, access)) = d.queue.pop_front() else {
                 return;
             };
+            self.stats.joined_reads += joined as u64;
+            let Some(d) = self.dir.get_mut(&page) else { return };
             if d.lost {
                 self.send(
                     txn.node,
@@ -1109,7 +1131,7 @@ impl Svm {
                 .iter()
                 .map(|&c| (c, self.peers[c.0 as usize].incarnation))
                 .collect();
-            d.busy = Some(Busy { txn, access, source });
+            d.busy.push(Busy { txn, access, source });
             for c in invals {
                 self.send(c, Msg::Inval { page, txn });
             }
@@ -1134,7 +1156,6 @@ impl Svm {
                     acks,
                 },
             );
-            return;
         }
     }
 
@@ -1142,9 +1163,10 @@ impl Svm {
         let Some(d) = self.dir.get_mut(&page) else {
             return Ok(());
         };
-        let Some(b) = d.busy.filter(|b| b.txn == txn) else {
+        let Some(i) = d.busy.iter().position(|b| b.txn == txn) else {
             return Ok(());
         };
+        let b = d.busy[i];
         ensure!(
             from == txn.node,
             from,
@@ -1188,17 +1210,20 @@ impl Svm {
                 }
             }
         }
-        d.busy = None;
-        d.settle();
+        d.busy.swap_remove(i);
+        if d.busy.is_empty() {
+            d.settle();
+        }
         self.next_in_queue(page);
         Ok(())
     }
 
     fn on_nack(&mut self, page: PageId, txn: TxnId, from: NodeId) {
         let Some(d) = self.dir.get_mut(&page) else { return };
-        let Some(b) = d.busy.filter(|b| b.txn == txn) else {
+        let Some(i) = d.busy.iter().position(|b| b.txn == txn) else {
             return;
         };
+        let b = d.busy[i];
         if !matches!(b.source, Source::Owner(o, _) if o == from) {
             return;
         }
@@ -1212,8 +1237,10 @@ impl Svm {
             d.owner = None;
             d.reassign_or_lose();
         }
-        d.busy = None;
-        d.settle();
+        d.busy.swap_remove(i);
+        if d.busy.is_empty() {
+            d.settle();
+        }
         self.send(
             txn.node,
             Msg::Deny {

@@ -462,7 +462,7 @@ impl World {
     }
 }
 
-fn run_seed(seed: u64) -> (u64, u64) {
+fn run_seed(seed: u64) -> (u64, u64, u64) {
     let mut w = World::new(seed);
     let crashes_allowed = seed.is_multiple_of(3);
     let steps = 200 + w.rng.below(400);
@@ -492,7 +492,8 @@ fn run_seed(seed: u64) -> (u64, u64) {
             }
         }
     }
-    (w.done_ops, w.failed_ops)
+    let joined = w.nodes.iter().map(|n| n.svm.stats().joined_reads).sum();
+    (w.done_ops, w.failed_ops, joined)
 }
 
 #[test]
@@ -509,15 +510,19 @@ fn random_schedules_keep_memory_sequentially_consistent() {
     };
     let mut done = 0;
     let mut failed = 0;
+    let mut joined = 0;
     for seed in first..first + count {
-        let (d, f) = run_seed(seed);
+        let (d, f, j) = run_seed(seed);
         done += d;
         failed += f;
+        joined += j;
     }
     // The runs must do real work, and failures only come from crashes and failed loads.
     if count >= 100 {
         assert!(done > count * 50, "only {done} operations completed over {count} seeds");
         assert!(failed < done / 10, "{failed} failed operations against {done} done");
+        // Concurrent reads of one page really happen (so their checks above ran).
+        assert!(joined > count, "only {joined} joined reads over {count} seeds");
     }
 }
 

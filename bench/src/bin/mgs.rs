@@ -229,6 +229,7 @@ fn main() -> Result<()> {
             "pages_in",
             "pages_out",
             "pages_loaded",
+            "joined_reads",
         ];
         let base = rank * 8;
         if base + 8 <= slots.len() {
@@ -264,6 +265,7 @@ fn main() -> Result<()> {
                     "pages_in": slots[b + 4],
                     "pages_out": slots[b + 5],
                     "pages_loaded": slots[b + 6],
+                    "joined_reads": slots[b + 7],
                 })
             });
         }
