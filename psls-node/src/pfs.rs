@@ -29,7 +29,7 @@ const MAX_INFLIGHT: usize = 16;
 /// Pages per export chunk (4 MiB: one 1 MiB read from each of 4 nodes).
 const EXPORT_CHUNK_PAGES: usize = 4 * BATCH_PAGES;
 /// Export chunks read ahead.
-const READ_AHEAD: usize = 8;
+const READ_AHEAD: usize = 16;
 
 /// Who is asking (from SO_PEERCRED).
 #[derive(Clone, Copy, Debug)]
