@@ -35,6 +35,10 @@ const UDP_BUFFER_BYTES: usize = 4 << 20;
 
 /// One-way messages written per batch, at most (and the queue is drained in such batches).
 const POST_BATCH: usize = 256;
+/// One-way messages queued for one peer, at most: a full queue means the peer has stopped
+/// reading for a long time; the message is refused (and logged by the caller) rather than
+/// memory growing without bound.
+const POST_QUEUE: usize = 1 << 16;
 
 /// A one-way message waiting for its peer's writer task.
 struct Posted {
@@ -49,7 +53,7 @@ pub struct Transport {
     conns: Mutex<HashMap<String, quinn::Connection>>,
     dial: HashMap<String, tokio::sync::Mutex<()>>,
     /// Per peer, the queue of its writer task (started on the first post).
-    outboxes: Mutex<HashMap<String, tokio::sync::mpsc::UnboundedSender<Posted>>>,
+    outboxes: Mutex<HashMap<String, tokio::sync::mpsc::Sender<Posted>>>,
 }
 
 impl Transport {
@@ -173,14 +177,20 @@ impl Transport {
         // At most twice: a writer task that ended (runtime shutting down) is replaced once.
         for _ in 0..2 {
             let tx = boxes.entry(peer.to_string()).or_insert_with(|| {
-                let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+                let (tx, rx) = tokio::sync::mpsc::channel(POST_QUEUE);
                 runtime.spawn(self.clone().pump(peer.to_string(), rx, timeout));
                 tx
             });
-            match tx.send(msg) {
+            match tx.try_send(msg) {
                 Ok(()) => return Ok(()),
-                Err(back) => {
-                    msg = back.0;
+                Err(tokio::sync::mpsc::error::TrySendError::Full(_)) => {
+                    return Err(unreachable(
+                        peer,
+                        &format!("{POST_QUEUE} one-way messages already queued"),
+                    ));
+                }
+                Err(tokio::sync::mpsc::error::TrySendError::Closed(back)) => {
+                    msg = back;
                     boxes.remove(peer);
                 }
             }
@@ -189,12 +199,7 @@ impl Transport {
     }
 
     /// The writer task of `peer`'s one-way messages.
-    async fn pump(
-        self: Arc<Self>,
-        peer: String,
-        mut rx: tokio::sync::mpsc::UnboundedReceiver<Posted>,
-        timeout: Duration,
-    ) {
+    async fn pump(self: Arc<Self>, peer: String, mut rx: tokio::sync::mpsc::Receiver<Posted>, timeout: Duration) {
         let mut stream: Option<(quinn::Connection, quinn::SendStream)> = None;
         let mut batch: Vec<Posted> = Vec::with_capacity(POST_BATCH);
         while let Some(first) = rx.recv().await {
