@@ -82,15 +82,36 @@ pub struct RealFile {
     file: File,
     /// The same file opened with `O_DIRECT`, if the file system supports it.
     direct: Option<File>,
+    /// Set when a direct access was refused as misaligned (a device with blocks larger than
+    /// 4096 bytes): from then on this file goes through the page cache only.
+    direct_off: std::sync::atomic::AtomicBool,
 }
 
 impl RealFile {
     /// The descriptor for an access of `len` bytes at `p` and `offset`.
     fn fd_for(&self, p: *const u8, offset: u64, len: usize) -> &File {
         match &self.direct {
-            Some(d) if len > 0 && crate::buf::is_aligned(p, offset, len) => d,
+            Some(d)
+                if len > 0
+                    && crate::buf::is_aligned(p, offset, len)
+                    && !self.direct_off.load(std::sync::atomic::Ordering::Relaxed) =>
+            {
+                d
+            }
             _ => &self.file,
         }
+    }
+
+    /// Whether `e`, from descriptor `fd`, says direct I/O does not suit this file; if so,
+    /// direct I/O is turned off for it and the caller retries through the page cache.
+    fn direct_refused(&self, fd: &File, e: &io::Error) -> bool {
+        let direct = self.direct.as_ref().is_some_and(|d| std::ptr::eq(d, fd));
+        if direct && e.raw_os_error() == Some(libc::EINVAL) {
+            self.direct_off.store(true, std::sync::atomic::Ordering::Relaxed);
+            tracing::warn!(error = %e, "direct I/O refused; this file uses the page cache from now on");
+            return true;
+        }
+        false
     }
 }
 
@@ -102,7 +123,11 @@ impl DiskFile for RealFile {
             // of descriptor is made again for every piece.
             let rest = &mut buf[done..];
             let fd = self.fd_for(rest.as_ptr(), offset + done as u64, rest.len());
-            let n = fd.read_at(rest, offset + done as u64)?;
+            let n = match fd.read_at(rest, offset + done as u64) {
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted || self.direct_refused(fd, &e) => continue,
+                Err(e) => return Err(e),
+            };
             if n == 0 {
                 buf[done..].fill(0);
                 break;
@@ -117,10 +142,11 @@ impl DiskFile for RealFile {
             // As in `read_at`: a short write may leave an unaligned rest.
             let rest = &data[done..];
             let at = offset + done as u64;
-            match self.fd_for(rest.as_ptr(), at, rest.len()).write_at(rest, at) {
+            let fd = self.fd_for(rest.as_ptr(), at, rest.len());
+            match fd.write_at(rest, at) {
                 Ok(0) => return Err(io::Error::new(io::ErrorKind::WriteZero, "write returned 0")),
                 Ok(n) => done += n,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == io::ErrorKind::Interrupted || self.direct_refused(fd, &e) => {}
                 Err(e) => return Err(e),
             }
         }
@@ -162,7 +188,11 @@ impl Disk for FileDisk {
             .custom_flags(libc::O_DIRECT)
             .open(self.root.join(name))
             .ok();
-        Ok(Arc::new(RealFile { file, direct }))
+        Ok(Arc::new(RealFile {
+            file,
+            direct,
+            direct_off: std::sync::atomic::AtomicBool::new(false),
+        }))
     }
     fn remove(&self, name: &str) -> io::Result<()> {
         check_name(name)?;
