@@ -328,14 +328,11 @@ fn gather_aligned(chunks: &[bytes::Bytes], total: usize) -> bytes::Bytes {
     // A malformed prefix only misplaces the payload; decoding reports the error.
     let header_end = 4 + u32::from_le_bytes(prefix) as usize;
     let pad = (PAGE_SIZE - header_end % PAGE_SIZE) % PAGE_SIZE;
-    let fill = |buf: &mut psls_pfs::PageBuf| {
-        buf.extend_from_slice(&[0u8; PAGE_SIZE][..pad]);
-        for c in chunks {
-            buf.extend_from_slice(c);
-        }
-    };
     let mut buf = peer::batch_pool().get_at_least(pad + total);
-    fill(&mut buf);
+    buf.extend_from_slice(&[0u8; PAGE_SIZE][..pad]);
+    for c in chunks {
+        buf.extend_from_slice(c);
+    }
     bytes::Bytes::from_owner(buf).slice(pad..)
 }
 

@@ -10,8 +10,9 @@
 //! - The **manager** of a page is its home node. It records the page's *owner* (the node whose
 //!   copy is the latest and which supplies it), the *copyset* (every node with a copy, the owner
 //!   included), whether the owner may write, and whether the page was written since it was
-//!   loaded from disk. It serializes requests per page: one transaction at a time, the next
-//!   one only after the requester reported `Done`.
+//!   loaded from disk. It orders requests per page: a write transaction runs alone and the
+//!   next starts only after its requester reported `Done`; reads served by a live owner may
+//!   run together (they commute), and a write waits until all of them are done.
 //! - A **requester** asks its manager for read or write access on a local fault, collects the
 //!   grant, the page data (from the owner, or from disk) and the invalidation acks, then sets
 //!   its access and wakes the faulting clients.
