@@ -72,7 +72,10 @@ impl Transport {
         let _ = s2.set_recv_buffer_size(UDP_BUFFER_BYTES);
         let _ = s2.set_send_buffer_size(UDP_BUFFER_BYTES);
         let runtime = quinn::default_runtime().ok_or_else(|| std::io::Error::other("no async runtime"))?;
-        let mut endpoint = quinn::Endpoint::new(quinn::EndpointConfig::new(reset_key), Some(server), socket, runtime)?;
+        let mut ecfg = quinn::EndpointConfig::new(reset_key);
+        ecfg.max_udp_payload_size(crate::tls::MAX_UDP_PAYLOAD)
+            .map_err(|e| std::io::Error::other(format!("QUIC endpoint: {e}")))?;
+        let mut endpoint = quinn::Endpoint::new(ecfg, Some(server), socket, runtime)?;
         endpoint.set_default_client_config(client);
         let dial = peers.keys().map(|k| (k.clone(), tokio::sync::Mutex::new(()))).collect();
         Ok(Transport {

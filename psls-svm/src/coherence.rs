@@ -118,15 +118,18 @@ pub enum Msg {
         error: FaultError,
     },
     /// Manager → owner: send the page to `to`; drop the copy after if `access` is `Write`,
-    /// keep it read-only if `Read`.
+    /// keep it read-only if `Read`. `grant`: the manager sent the requester no `Grant` (the
+    /// owner is the source and no copy needs invalidating), so the `Data` stands for it.
     Fwd {
         page: PageId,
         txn: TxnId,
         to: NodeId,
         access: Access,
+        grant: bool,
     },
-    /// Owner → requester, with the page's 4096 bytes as payload.
-    Data { page: PageId, txn: TxnId },
+    /// Owner → requester, with the page's 4096 bytes as payload. `grant`: this also grants the
+    /// transaction (source: the sender; no acknowledgements to collect).
+    Data { page: PageId, txn: TxnId, grant: bool },
     /// Manager → holder: drop your copy and ack `txn.node`.
     Inval { page: PageId, txn: TxnId },
     /// Holder → requester.
@@ -250,6 +253,10 @@ pub struct Stats {
     /// Read transactions this node, as manager, started while other reads of the page were
     /// still in progress.
     pub joined_reads: u64,
+    /// Transactions this node, as manager, started without a `Grant` (the owner's `Data`
+    /// granted), and those of them it had to grant after all because the owner died.
+    pub implied_grants: u64,
+    pub late_grants: u64,
 }
 
 /// This node's side of one page: its access and its own pending request.
@@ -327,6 +334,10 @@ struct Busy {
     txn: TxnId,
     access: Access,
     source: Source,
+    /// The requester got no `Grant`: the owner's `Data` grants. Should the owner die first,
+    /// the manager sends the `Grant` after all, so that the requester learns its source is
+    /// gone.
+    implied: bool,
 }
 
 /// The protocol state of one node.
@@ -757,6 +768,15 @@ impl Svm {
                 d.forget_copies();
                 d.lost = true;
             }
+            // Requesters waiting on the dead owner's `Data` as their grant: the grant now, so
+            // that they see their source is gone (its `Data`, if any got out, still counts).
+            let mut late = Vec::new();
+            for b in d.busy.iter_mut() {
+                if b.implied && matches!(b.source, Source::Owner(o, _) if o == n) {
+                    b.implied = false;
+                    late.push(*b);
+                }
+            }
             if owner_gone {
                 if d.busy.iter().any(|b| matches!(b.source, Source::Owner(o, _) if o == n)) {
                     // The requesters' `Done`s say whether the data got out before it died.
@@ -768,6 +788,17 @@ impl Svm {
             }
             if ended && d.busy.is_empty() {
                 d.settle();
+            }
+            self.stats.late_grants += late.len() as u64;
+            for b in late {
+                let grant = Msg::Grant {
+                    page,
+                    txn: b.txn,
+                    access: b.access,
+                    source: b.source,
+                    acks: Vec::new(),
+                };
+                self.send(b.txn.node, grant);
             }
             if ended {
                 self.next_in_queue(page);
@@ -873,14 +904,16 @@ impl Svm {
                 }
                 Ok(Receipt::Accepted)
             }
-            Msg::Fwd { txn, to, access, .. } => {
+            Msg::Fwd {
+                txn, to, access, grant, ..
+            } => {
                 ensure!(
                     from == manager,
                     from,
                     page,
                     "forward from a node that does not manage the page"
                 );
-                self.on_forward(page, txn, to, access);
+                self.on_forward(page, txn, to, access, grant);
                 Ok(Receipt::Accepted)
             }
             Msg::Inval { txn, .. } => {
@@ -908,19 +941,26 @@ impl Svm {
                 }
                 Ok(Receipt::Accepted)
             }
-            Msg::Data { txn, .. } => {
+            Msg::Data { txn, grant, .. } => {
                 let l = self.local.entry(page).or_default();
                 let Some(p) = l.pending.as_mut().filter(|p| p.txn == txn) else {
                     return Ok(Receipt::Dropped);
                 };
                 ensure!(!p.data, from, page, "data sent twice");
-                if let Some((source, _)) = &p.grant {
-                    ensure!(
-                        *source == Source::Owner(from, env.from_incarnation),
+                ensure!(from != self.me, from, page, "data from this node itself");
+                let source = Source::Owner(from, env.from_incarnation);
+                match &p.grant {
+                    Some((granted, _)) => ensure!(
+                        *granted == source,
                         from,
                         page,
                         "data from a node that is not the granted source"
-                    );
+                    ),
+                    // The data grants: from the owner, with nothing to invalidate. (A `Grant`
+                    // may still follow if the manager thinks this owner died: it is then
+                    // ignored, the transaction being over.)
+                    None if grant => p.grant = Some((source, Vec::new())),
+                    None => {}
                 }
                 ensure!(
                     l.access.is_none(),
@@ -1012,7 +1052,7 @@ impl Svm {
         Ok(())
     }
 
-    fn on_forward(&mut self, page: PageId, txn: TxnId, to: NodeId, access: Access) {
+    fn on_forward(&mut self, page: PageId, txn: TxnId, to: NodeId, access: Access, grant: bool) {
         let manager = self.manager(page);
         let held = self.local.get(&page).and_then(|l| l.access);
         if held.is_none() {
@@ -1033,10 +1073,10 @@ impl Svm {
         }
         match access {
             Access::Read => {
-                self.send(to, Msg::Data { page, txn });
+                self.send(to, Msg::Data { page, txn, grant });
             }
             Access::Write => {
-                self.send(to, Msg::Data { page, txn });
+                self.send(to, Msg::Data { page, txn, grant });
                 if let Some(l) = self.local.get_mut(&page) {
                     l.access = None;
                 }
@@ -1132,7 +1172,16 @@ impl Svm {
                 .iter()
                 .map(|&c| (c, self.peers[c.0 as usize].incarnation))
                 .collect();
-            d.busy.push(Busy { txn, access, source });
+            // With the owner as source and nothing to invalidate, the owner's `Data` grants:
+            // one message fewer on every such fault.
+            let implied = matches!(source, Source::Owner(..)) && invals.is_empty();
+            self.stats.implied_grants += implied as u64;
+            d.busy.push(Busy {
+                txn,
+                access,
+                source,
+                implied,
+            });
             for c in invals {
                 self.send(c, Msg::Inval { page, txn });
             }
@@ -1144,19 +1193,22 @@ impl Svm {
                         txn,
                         to: r,
                         access,
+                        grant: implied,
                     },
                 );
             }
-            self.send(
-                r,
-                Msg::Grant {
-                    page,
-                    txn,
-                    access,
-                    source,
-                    acks,
-                },
-            );
+            if !implied {
+                self.send(
+                    r,
+                    Msg::Grant {
+                        page,
+                        txn,
+                        access,
+                        source,
+                        acks,
+                    },
+                );
+            }
         }
     }
 
