@@ -40,7 +40,11 @@ int psls_size(void);
 /* Maps `size` bytes of parallel file `name`, creating it with that size if `create` is
  * non-zero and it does not exist; the address goes to *addr (page-aligned). */
 int psls_map(const char *name, size_t size, int create, void **addr);
-int psls_unmap(void *addr);
+/* Maps `size` bytes of the existing parallel file `name` for reading only (read permission
+ * suffices); it sees every write made in the cluster; a store to it is a segmentation fault. */
+int psls_map_ro(const char *name, size_t size, const void **addr);
+/* Unmaps a mapping of psls_map or psls_map_ro. */
+int psls_unmap(const void *addr);
 /* Waits until every rank of the job has called psls_barrier. */
 int psls_barrier(void);
 /* Waits until `count` ranks have called the barrier `name`. */

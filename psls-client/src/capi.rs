@@ -150,9 +150,38 @@ pub unsafe extern "C" fn psls_map(name: *const c_char, size: usize, create: c_in
     })
 }
 
-/// Unmaps the mapping at `addr` (as returned by `psls_map`).
+/// Maps `size` bytes of the existing parallel file `name` for reading only (read permission
+/// suffices); the address goes to `*addr`. A store to the mapping is a segmentation fault.
+///
+/// # Safety
+/// `name` must be a NUL-terminated string and `addr` a valid pointer to write to.
 #[no_mangle]
-pub extern "C" fn psls_unmap(addr: *mut c_void) -> c_int {
+pub unsafe extern "C" fn psls_map_ro(name: *const c_char, size: usize, addr: *mut *const c_void) -> c_int {
+    if addr.is_null() {
+        return fail(PSLS_EINVAL, "addr is NULL".into());
+    }
+    let name = match name_of(name) {
+        Ok(n) => n,
+        Err(rc) => return rc,
+    };
+    with_session(|s| match s.map_read_only(&name, size as u64) {
+        Ok(m) => {
+            let p = m.as_ptr();
+            MAPS.lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .get_or_insert_with(HashMap::new)
+                .insert(p as usize, m.into_inner());
+            // SAFETY: addr is non-NULL and, by the caller's promise, writable.
+            unsafe { *addr = p as *const c_void };
+            0
+        }
+        Err(e) => from(e),
+    })
+}
+
+/// Unmaps the mapping at `addr` (as returned by `psls_map` or `psls_map_ro`).
+#[no_mangle]
+pub extern "C" fn psls_unmap(addr: *const c_void) -> c_int {
     with_session(|_| {
         let m = MAPS
             .lock()

@@ -6,7 +6,7 @@ pub mod capi;
 pub mod cluster;
 pub mod session;
 
-pub use session::{Mapping, Session};
+pub use session::{Mapping, ReadOnlyMapping, Session};
 
 use psls_ipc::proto::{self, ClusterStatus, FileInfo, FrameError, Request, Response, ScrubReport, Stripe, CHUNK};
 use psls_ipc::ErrorKind;

@@ -228,22 +228,38 @@ impl Session {
     /// Maps `size` bytes of the parallel file `name`, creating it with that size if `create`
     /// and it does not exist. The caller must be allowed to read and write it.
     pub fn map(&self, name: &str, size: u64, create: bool) -> Result<Mapping<'_>, ClientError> {
-        self.map_with(name, size, create, false)
+        self.map_with(name, size, create, false, true)
+    }
+
+    /// Maps `size` bytes of an existing parallel file for reading only: the caller needs read
+    /// permission only. The mapping sees every write made anywhere in the cluster (it is as
+    /// coherent as a writable one); a store to it is a segmentation fault.
+    pub fn map_read_only(&self, name: &str, size: u64) -> Result<ReadOnlyMapping<'_>, ClientError> {
+        Ok(ReadOnlyMapping {
+            inner: self.map_with(name, size, false, false, false)?,
+        })
     }
 
     /// Maps a volatile segment: shared by every process of the caller's job (`psls run`)
     /// that maps the same name, zero at first, never written to disk, and dropped when the job
     /// ends. Outside a job, processes of one user share it until the daemons stop.
     pub fn create_volatile(&self, name: &str, size: u64) -> Result<Mapping<'_>, ClientError> {
-        self.map_with(name, size, true, true)
+        self.map_with(name, size, true, true, true)
     }
 
-    fn map_with(&self, name: &str, size: u64, create: bool, volatile: bool) -> Result<Mapping<'_>, ClientError> {
+    fn map_with(
+        &self,
+        name: &str,
+        size: u64,
+        create: bool,
+        volatile: bool,
+        writable: bool,
+    ) -> Result<Mapping<'_>, ClientError> {
         let req = Request::Map {
             name: name.into(),
             size,
             create,
-            writable: true,
+            writable,
             volatile,
             job: self.job.clone(),
         };
@@ -260,19 +276,20 @@ impl Session {
         let memfd = fds.remove(0);
         let len_usize = usize::try_from(len).map_err(|_| ClientError::Protocol(format!("mapping length {len}")))?;
         let nz = std::num::NonZeroUsize::new(len_usize).ok_or_else(|| ClientError::Protocol("empty mapping".into()))?;
-        // SAFETY: a fresh shared mapping of the daemon's memfd at an address the kernel picks;
+        // A read-only mapping gets a read-only descriptor, which cannot be mapped shared for
+        // writing; userfaultfd only takes mappings that may become writable, so it is mapped
+        // private (the daemon's copy-on-write-free pages are installed read-only in it, and a
+        // hole punched in the memfd still drops them).
+        use nix::sys::mman::{MapFlags, ProtFlags};
+        let (prot, flags) = if writable {
+            (ProtFlags::PROT_READ | ProtFlags::PROT_WRITE, MapFlags::MAP_SHARED)
+        } else {
+            (ProtFlags::PROT_READ, MapFlags::MAP_PRIVATE)
+        };
+        // SAFETY: a fresh mapping of the daemon's memfd at an address the kernel picks;
         // nothing else refers to that range yet.
-        let base = unsafe {
-            nix::sys::mman::mmap(
-                None,
-                nz,
-                nix::sys::mman::ProtFlags::PROT_READ | nix::sys::mman::ProtFlags::PROT_WRITE,
-                nix::sys::mman::MapFlags::MAP_SHARED,
-                &memfd,
-                0,
-            )
-        }
-        .map_err(|e| ClientError::Local(std::io::Error::other(format!("mmap: {e}"))))?;
+        let base = unsafe { nix::sys::mman::mmap(None, nz, prot, flags, &memfd, 0) }
+            .map_err(|e| ClientError::Local(std::io::Error::other(format!("mmap: {e}"))))?;
         let unmap = |base: std::ptr::NonNull<libc::c_void>| {
             // SAFETY: unmaps exactly the range mapped above, which nothing else uses.
             let _ = unsafe { nix::sys::mman::munmap(base, len_usize) };
@@ -284,9 +301,12 @@ impl Session {
                 return Err(e);
             }
         };
-        let modes = userfaultfd::RegisterMode::MISSING
-            | userfaultfd::RegisterMode::MINOR
-            | userfaultfd::RegisterMode::WRITE_PROTECT;
+        // Write-protection is how the daemon downgrades a writable mapping; a read-only one
+        // never needs it.
+        let mut modes = userfaultfd::RegisterMode::MISSING | userfaultfd::RegisterMode::MINOR;
+        if writable {
+            modes |= userfaultfd::RegisterMode::WRITE_PROTECT;
+        }
         if let Err(e) = uffd.register_with_mode(base.as_ptr(), len_usize, modes) {
             unmap(base);
             return Err(ClientError::Local(std::io::Error::other(format!(
@@ -297,7 +317,7 @@ impl Session {
             file,
             base: base.as_ptr() as u64,
             len,
-            writable: true,
+            writable,
         };
         // SAFETY: the userfaultfd stays open (owned by `uffd`) for the duration of the call.
         let uffd_fd = unsafe { BorrowedFd::borrow_raw(uffd.as_raw_fd()) };
@@ -324,14 +344,52 @@ impl Session {
 }
 
 /// A userfaultfd that also sees faults from the kernel (e.g. `read(2)` into a mapping) when
-/// allowed, else one for user-mode faults only.
+/// allowed, else one for user-mode faults only. An unprivileged process usually may not open
+/// `/dev/userfaultfd` (mode 600) nor ask for kernel faults, but may always make a user-mode-only
+/// one with the system call (Linux ≥ 5.11).
 fn create_uffd() -> Result<userfaultfd::Uffd, ClientError> {
     let mut b = userfaultfd::UffdBuilder::new();
     b.close_on_exec(true).non_blocking(true);
     b.user_mode_only(false)
         .create()
         .or_else(|_| b.user_mode_only(true).create())
+        .or_else(|e| user_mode_uffd().map_err(|e2| format!("{e}; and by the system call: {e2}")))
         .map_err(|e| ClientError::Local(std::io::Error::other(format!("cannot create a userfaultfd: {e}"))))
+}
+
+/// A user-mode-only userfaultfd from the `userfaultfd(2)` system call (the `userfaultfd`
+/// crate does not fall back to it when the device exists but may not be opened).
+fn user_mode_uffd() -> std::io::Result<userfaultfd::Uffd> {
+    use std::os::fd::{FromRawFd, IntoRawFd};
+    /// `UFFD_USER_MODE_ONLY` (linux/userfaultfd.h).
+    const USER_MODE_ONLY: libc::c_long = 1;
+    #[repr(C)]
+    struct UffdioApi {
+        api: u64,
+        features: u64,
+        ioctls: u64,
+    }
+    let flags = (libc::O_CLOEXEC | libc::O_NONBLOCK) as libc::c_long | USER_MODE_ONLY;
+    // SAFETY: userfaultfd(2) takes one integer of flags and returns a new descriptor or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_userfaultfd, flags) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `fd` is a descriptor the call above just created, owned by nobody else.
+    let owned = unsafe { OwnedFd::from_raw_fd(fd as libc::c_int) };
+    let mut api = UffdioApi {
+        api: userfaultfd_sys::UFFD_API,
+        features: 0,
+        ioctls: 0,
+    };
+    // SAFETY: UFFDIO_API reads and writes only the struct passed, which has the kernel's
+    // layout (struct uffdio_api) and lives across the call.
+    let r = unsafe { libc::ioctl(owned.as_raw_fd(), userfaultfd_sys::UFFDIO_API as _, &mut api) };
+    if r < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: a userfaultfd after its API handshake, handed over to the wrapper that closes it.
+    Ok(unsafe { userfaultfd::Uffd::from_raw_fd(owned.into_raw_fd()) })
 }
 
 /// Ends the process when the daemon says a fault failed or when the daemon goes away.
@@ -413,6 +471,37 @@ impl Mapping<'_> {
             (Response::Ok, _) => Ok(()),
             (other, _) => Err(daemon_error(other)),
         }
+    }
+}
+
+/// A parallel file mapped for reading only ([`Session::map_read_only`]). Unmapped on drop.
+pub struct ReadOnlyMapping<'s> {
+    inner: Mapping<'s>,
+}
+
+impl<'s> ReadOnlyMapping<'s> {
+    /// Length in bytes (the size asked for, rounded up to whole pages).
+    pub fn len(&self) -> usize {
+        self.inner.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.inner.len == 0
+    }
+    /// The start address.
+    pub fn as_ptr(&self) -> *const u8 {
+        self.inner.base
+    }
+    /// The mapping as a slice of plain-old-data values.
+    pub fn as_slice<T: bytemuck::Pod>(&self) -> &[T] {
+        self.inner.as_slice()
+    }
+    /// Unmaps; an error if the daemon does not know the mapping.
+    pub fn unmap(self) -> Result<(), ClientError> {
+        self.inner.unmap()
+    }
+    /// The mapping underneath (the C ABI keeps both kinds in one table).
+    pub(crate) fn into_inner(self) -> Mapping<'s> {
+        self.inner
     }
 }
 

@@ -324,12 +324,13 @@ async fn map(
     if size == 0 {
         return Err(OpError::new(ErrorKind::Invalid, "cannot map 0 bytes"));
     }
-    // userfaultfd needs a mapping that may be made writable, so the client gets the node's
-    // memfd read-write: only callers who may write the file may map it.
-    if !writable {
+    // A writable mapping gets the node's memfd read-write: only callers who may write the file
+    // get one. A read-only mapping gets a read-only descriptor of the same memory (it cannot
+    // be mapped shared for writing, nor made writable later).
+    if !writable && (create || volatile.is_some()) {
         return Err(OpError::new(
             ErrorKind::Invalid,
-            "read-only mappings are not supported: map with write access, or export the file",
+            "a read-only mapping is of an existing parallel file (no create, no volatile segment)",
         ));
     }
     let (id, file_size, backing) = if let Some(job) = volatile {
@@ -370,7 +371,10 @@ async fn map(
         }
         (f.id, f.size, crate::svm::Backing::Pfs(f))
     };
-    let memfd = node.svm.segment(node, id, name, file_size, backing)?;
+    let mut memfd = node.svm.segment(node, id, name, file_size, backing)?;
+    if !writable {
+        memfd = read_only(&memfd)?;
+    }
     let resp = Response::Mapped {
         file: id.0,
         size: file_size,
@@ -378,6 +382,15 @@ async fn map(
         writable,
     };
     Ok((resp, memfd))
+}
+
+/// A new read-only open file description of `file` (through its /proc link).
+fn read_only(file: &std::fs::File) -> Result<std::fs::File, OpError> {
+    use std::os::fd::AsRawFd;
+    std::fs::OpenOptions::new()
+        .read(true)
+        .open(format!("/proc/self/fd/{}", file.as_raw_fd()))
+        .map_err(|e| OpError::new(ErrorKind::Internal, format!("reopening a memfd read-only: {e}")))
 }
 
 /// Sends `resp` with `fd` attached (SCM_RIGHTS) to the frame's first bytes.
@@ -628,7 +641,8 @@ async fn client(node: Arc<Node>, stream: UnixStream) -> anyhow::Result<()> {
             {
                 Ok((resp, memfd)) => {
                     if let Response::Mapped { file, writable, .. } = resp {
-                        granted.insert(file, writable);
+                        // Writable once granted on this connection, whatever came after.
+                        *granted.entry(file).or_insert(false) |= writable;
                     }
                     send_with_fd(&mut w, &resp, std::os::fd::AsFd::as_fd(&memfd)).await?;
                     continue;

@@ -482,6 +482,15 @@ impl SvmShell {
                     } else {
                         Access::Read
                     };
+                    if access == Access::Write && !map.writable {
+                        // The kernel refuses stores to a read-only mapping before they fault
+                        // here; a write fault means the client remapped it writable itself.
+                        out.push(Outgoing::Fatal {
+                            pid: map.pid,
+                            message: format!("a store to read-only mapping of segment {} (page {index})", map.file),
+                        });
+                        continue;
+                    }
                     let w = g.next_waiter;
                     g.next_waiter += 1;
                     g.waiters.insert(
@@ -800,7 +809,9 @@ fn apply(g: &mut Inner, node: &Node, a: Action, out: &mut Vec<Outgoing>) {
                     }
                 }
                 Some(Access::Read) => {
-                    for m in &seg.maps {
+                    // Read-only mappings never map a page writable (nor are they registered
+                    // for write-protection).
+                    for m in seg.maps.iter().filter(|m| m.writable) {
                         if (page.index as usize) * PAGE_SIZE < m.len {
                             let addr = m.addr_of(page.index);
                             if let Err(e) = m.uffd.write_protect(addr as *mut libc::c_void, PAGE_SIZE) {
@@ -847,7 +858,9 @@ fn resolve(w: &Waiter, node_access: Option<Access>) {
             .uffd
             .wake(addr, PAGE_SIZE)
             .map_err(|e| std::io::Error::other(e.to_string())),
-        _ => match continue_page(&w.map.uffd, w.addr, !writable) {
+        // Write-protected when the mapping is writable but the node may not write (a read-only
+        // mapping is not registered for write-protection, and its pages are read-only anyway).
+        _ => match continue_page(&w.map.uffd, w.addr, !writable && w.map.writable) {
             // Another thread of the client mapped it first: just wake this one.
             Err(e) if errno_of(&e) == libc::EEXIST => w
                 .map

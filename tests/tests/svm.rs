@@ -100,6 +100,74 @@ fn bad_maps_get_clear_errors() {
     run_ok(&c, "n1", &["map", "small", "8192", "0"]);
 }
 
+/// A user who may only read a file maps it read-only on another node: a writable map is
+/// refused, the read-only one holds the contents and follows later writes from elsewhere, and
+/// a store to it kills that process only. Unprivileged users map their own files writable.
+#[test]
+fn read_only_mappings_follow_writes_and_refuse_stores() {
+    use std::io::BufRead;
+    use std::os::unix::process::{CommandExt, ExitStatusExt};
+    let c = Cluster::start(4, 0);
+    // Let an unprivileged user reach the sockets.
+    for p in [c.tmp.path(), c.dir.as_path()] {
+        std::fs::set_permissions(p, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    }
+    // Root's file, mode 644.
+    run_ok(&c, "n1", &["fill", "ro", "16", "1"]);
+    let cfg = c.config();
+    let nobody = |node: &str, args: &[&str]| {
+        let mut cmd = std::process::Command::new(PROBE);
+        cmd.args(args)
+            .env("PSLS_SOCKET", cfg.socket_path(cfg.entry(node).expect("node")))
+            .env_remove("PSLS_HOME")
+            .env_remove("PSLS_NODE")
+            .current_dir("/")
+            .uid(65534)
+            .gid(65534);
+        cmd
+    };
+    let o = nobody("n0", &["map", "ro", "65536", "0"]).output().unwrap();
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(!o.status.success() && text.contains("permission denied"), "{text}");
+
+    let mut follower = nobody("n0", &["rofollow", "ro", "16", "1", "2"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufReader::new(follower.stdout.take().unwrap()).lines();
+    let first = lines.next().map(|l| l.unwrap()).unwrap_or_default();
+    assert_eq!(first, "seen 1", "{}", {
+        let _ = follower.kill();
+        String::from_utf8_lossy(&follower.wait_with_output().unwrap().stderr).into_owned()
+    });
+    // Another node overwrites every page: the read-only copies on n0 are invalidated and the
+    // follower reads the new contents.
+    run_ok(&c, "n2", &["fill", "ro", "16", "2"]);
+    let o = wait_within(follower, Duration::from_secs(60));
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(lines.next().map(|l| l.unwrap()).as_deref(), Some("seen 2"));
+
+    let o = nobody("n3", &["rostore", "ro", "16"]).output().unwrap();
+    assert_eq!(
+        o.status.signal(),
+        Some(libc::SIGSEGV),
+        "{:?}: {}{}",
+        o.status,
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    // The daemons carry on: the file is intact on every node.
+    for n in ["n0", "n3"] {
+        run_ok(&c, n, &["check", "ro", "16", "2"]);
+    }
+    // An unprivileged user maps its own files writable (its userfaultfd is user-mode-only:
+    // it may not open /dev/userfaultfd).
+    let o = nobody("n1", &["fill", "nobodys", "4", "3"]).output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    run_ok(&c, "n2", &["check", "nobodys", "4", "3"]);
+}
+
 #[test]
 fn a_dying_client_does_not_disturb_the_daemon_and_a_dying_daemon_stops_its_clients() {
     let c = Cluster::start(4, 0);

@@ -1,4 +1,5 @@
-/* Example: N ranks each add 1 to a shared counter M times under a lock, then check N*M.
+/* Example: N ranks each add 1 to a shared counter M times under a lock, then check N*M (also
+ * through a read-only mapping).
  * Usage: psls run -n 4 -- ./counter [M]   (exit status 0 when the count is exact). */
 #include <stdio.h>
 #include <stdlib.h>
@@ -30,6 +31,11 @@ int main(int argc, char **argv) {
     CHECK(psls_barrier());
     long got = *counter;
     printf("rank %d of %d: counter %ld (expected %ld)\n", rank, size, got, (long)size * m);
+    /* A read-only mapping of the same file sees the same count. */
+    const void *ro = NULL;
+    CHECK(psls_map_ro("c-counter", 4096, &ro));
+    if (*(const volatile long *)ro != got) { fprintf(stderr, "read-only mapping disagrees\n"); return 1; }
+    CHECK(psls_unmap(ro));
     /* Bad input gets an error code, not a crash. */
     if (psls_unlock(1) != PSLS_EINVAL) { fprintf(stderr, "unlock of a lock not held succeeded\n"); return 1; }
     CHECK(psls_barrier());

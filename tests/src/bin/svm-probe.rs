@@ -8,6 +8,9 @@
 //! - `fill NAME PAGES SEED`: writes the pattern of SEED into every page and exits.
 //! - `check NAME PAGES SEED`: checks every page holds the pattern of SEED.
 //! - `map NAME BYTES CREATE`: only maps (and unmaps); prints the error if the map fails.
+//! - `rofollow NAME PAGES SEED1 SEED2`: maps read-only, checks every page holds the pattern
+//!   of SEED1, prints `seen SEED1`, then waits until they hold SEED2 (written elsewhere).
+//! - `rostore NAME PAGES`: maps read-only and stores to it (must die of SIGSEGV).
 //! - `litmus TEST ITERATIONS` (as a 4-rank job): the sequential-consistency litmus test TEST
 //!   (sb, mp, iriw, lb) with its shared variables on different pages; rank 0 prints
 //!   `litmus TEST: N iterations, F forbidden, outcomes {..}`.
@@ -82,6 +85,46 @@ fn main() {
             }
         }
         println!("volatile ok");
+        std::process::exit(0)
+    }
+    if mode == "rofollow" || mode == "rostore" {
+        let m = s.map_read_only(&name, (pages * 4096) as u64).unwrap_or_else(|e| {
+            println!("error: {e}");
+            std::process::exit(1)
+        });
+        let w: &[u64] = m.as_slice();
+        if mode == "rostore" {
+            // SAFETY: deliberately stores to a read-only mapping: the process must die here.
+            unsafe { std::ptr::write_volatile(w.as_ptr() as *mut u64, 1) };
+            println!("stored to a read-only mapping");
+            std::process::exit(5);
+        }
+        let (s1, s2): (u64, u64) = (arg(4).parse().expect("SEED1"), arg(5).parse().expect("SEED2"));
+        let holds = |seed: u64| {
+            (0..pages).all(|p| {
+                (0..words_per_page).all(|k| {
+                    // SAFETY: a plain load inside the mapping (volatile: others write it).
+                    unsafe { std::ptr::read_volatile(&w[p * words_per_page + k]) == pattern(seed, p, k) }
+                })
+            })
+        };
+        if !holds(s1) {
+            eprintln!("the read-only mapping does not hold the pattern of {s1}");
+            std::process::exit(4);
+        }
+        println!("seen {s1}");
+        use std::io::Write;
+        let _ = std::io::stdout().flush();
+        let t = Instant::now();
+        while !holds(s2) {
+            if t.elapsed() > Duration::from_secs(60) {
+                eprintln!("timed out waiting for the pattern of {s2}");
+                std::process::exit(3);
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        m.unmap().expect("unmap");
+        println!("seen {s2}");
         std::process::exit(0)
     }
     if mode == "map" {
