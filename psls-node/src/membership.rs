@@ -116,6 +116,7 @@ mod tests {
             rebuild: None,
             svm_segments: 0,
             svm_view: Vec::new(),
+            svm_fenced: Vec::new(),
         }
     }
 

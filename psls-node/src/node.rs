@@ -260,6 +260,7 @@ impl Node {
     fn heartbeat(&self) -> Heartbeat {
         let st = self.meta_state();
         let rebuilding = self.my_logical(&st).is_some_and(|l| st.rebuilding.contains_key(&l.0));
+        let (svm_view, svm_fenced) = self.svm.view(self.cfg.nodes.len());
         Heartbeat {
             incarnation: self.incarnation,
             pid: std::process::id(),
@@ -275,7 +276,8 @@ impl Node {
                 )
             }),
             svm_segments: self.svm.segments(),
-            svm_view: self.svm.view(self.cfg.nodes.len()),
+            svm_view,
+            svm_fenced,
         }
     }
 

@@ -33,6 +33,9 @@ pub struct Heartbeat {
     pub svm_segments: u64,
     /// Per logical node, the incarnation this node's coherence state knows it by (0: none).
     pub svm_view: Vec<u64>,
+    /// Per logical node, the incarnation this node saw it come back as while it held
+    /// coherence state (0: none): that incarnation must start fenced.
+    pub svm_fenced: Vec<u64>,
 }
 
 /// State of one page of a `ReadPages` answer; its bytes are in the payload at `i * 4096`

@@ -254,17 +254,16 @@ impl SvmShell {
         self.lock().segs.len() as u64
     }
 
-    /// Per logical node, the incarnation the coherence state knows it by (0: none).
-    pub fn view(&self, nodes: usize) -> Vec<u64> {
+    /// Per logical node, the incarnation the coherence state knows it by, and the one it saw
+    /// it come back as while holding state (0: none).
+    pub fn view(&self, nodes: usize) -> (Vec<u64>, Vec<u64>) {
         let g = self.lock();
-        (0..nodes)
-            .map(|l| {
-                g.svm
-                    .as_ref()
-                    .map(|s| s.known_incarnation(NodeId(l as u32)).0)
-                    .unwrap_or(0)
-            })
-            .collect()
+        let of = |f: &dyn Fn(&Svm, NodeId) -> Incarnation| -> Vec<u64> {
+            (0..nodes)
+                .map(|l| g.svm.as_ref().map(|s| f(s, NodeId(l as u32)).0).unwrap_or(0))
+                .collect()
+        };
+        (of(&|s, n| s.known_incarnation(n)), of(&|s, n| s.fenced(n)))
     }
 
     /// Fault and transfer counters of this node.
@@ -660,16 +659,31 @@ fn peer_views(node: &Node) -> Vec<(NodeId, Incarnation, bool)> {
         .into_iter()
         .map(|(l, phys)| {
             if phys == node.me.name {
-                return (NodeId(l), Incarnation(node.incarnation), true);
+                return (NodeId(l), svm_incarnation(&st, l, node.incarnation), true);
             }
             let inc = members
                 .view(&phys)
                 .and_then(|v| v.heartbeat.as_ref())
                 .map(|h| h.incarnation)
                 .unwrap_or(0);
-            (NodeId(l), Incarnation(inc), inc > 0 && members.is_live(now, &phys))
+            (
+                NodeId(l),
+                svm_incarnation(&st, l, inc),
+                inc > 0 && members.is_live(now, &phys),
+            )
         })
         .collect()
+}
+
+/// The shared-memory incarnation of logical node `l` run by a daemon of incarnation
+/// `physical` (0: unknown): the assignment generation of `l` (which grows when a spare takes
+/// it over) above the daemon's own counter, so that the spare outranks every incarnation of
+/// the node it replaced, whatever their own counters say.
+pub fn svm_incarnation(st: &psls_pfs::meta::MetaState, l: u32, physical: u64) -> Incarnation {
+    if physical == 0 {
+        return Incarnation(0);
+    }
+    Incarnation((st.assignment(l) << 32) | physical.min(u32::MAX as u64))
 }
 
 /// Creates the state machine on first use.
@@ -694,17 +708,21 @@ fn ensure_svm(g: &mut Inner, node: &Node) -> Result<(), OpError> {
     }
     // If another node holds shared pages and knew an older incarnation of this one, this daemon
     // restarted under a running job: the directory of the pages it manages is gone.
+    let inc = svm_incarnation(&st, me.0, node.incarnation);
+    // Fenced when a node holding segments knew another incarnation of this logical id (it
+    // has not caught up yet), or saw it come back as this one while it held state (it did
+    // catch up before this check: the view alone would look current).
     let others_hold = {
         let members = node.members.lock().unwrap_or_else(|e| e.into_inner());
         node.logical_map(&st).values().any(|p| {
             *p != node.me.name
                 && members.view(p).and_then(|v| v.heartbeat.as_ref()).is_some_and(|h| {
                     let knew = h.svm_view.get(me.0 as usize).copied().unwrap_or(0);
-                    h.svm_segments > 0 && knew != 0 && knew < node.incarnation
+                    let fenced = h.svm_fenced.get(me.0 as usize).copied().unwrap_or(0);
+                    h.svm_segments > 0 && ((knew != 0 && knew != inc.0) || fenced == inc.0)
                 })
         })
     };
-    let inc = Incarnation(node.incarnation);
     g.svm = Some(if others_hold {
         tracing::warn!(node = %node.name(), "restarted while other nodes hold shared pages: pages managed here are unavailable until the job restarts");
         Svm::restarted(me, inc, peers)

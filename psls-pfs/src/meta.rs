@@ -8,6 +8,8 @@
 //! replica; the coordinator orders operations (see `psls-node`).
 //!
 //! On-disk record (redb table `meta`, key `"state"`): `[format version u16 LE][postcard state]`.
+//! Format 2 added `assigned`; a format-1 record is read as having every logical id on its
+//! initial node.
 
 use crate::disk::{Disk, DiskFile};
 use crate::error::MetaError;
@@ -20,7 +22,7 @@ use std::sync::Arc;
 
 const META_TABLE: TableDefinition<&str, &[u8]> = TableDefinition::new("meta");
 const STATE_KEY: &str = "state";
-const STATE_FORMAT: u16 = 1;
+const STATE_FORMAT: u16 = 2;
 
 /// Longest accepted file name in bytes.
 pub const MAX_NAME_LEN: usize = 255;
@@ -67,6 +69,20 @@ pub struct MetaState {
     pub map_version: u64,
     /// Logical nodes whose copies are being rebuilt (not yet readable).
     pub rebuilding: BTreeMap<u32, Rebuild>,
+    /// The `map_version` at which each replaced logical id got its current physical node
+    /// (absent: still on its initial node, 0). It orders the nodes that held one logical id,
+    /// whose own incarnation counters are unrelated.
+    pub assigned: BTreeMap<u32, u64>,
+}
+
+/// Format 1 of [`MetaState`] (before `assigned`).
+#[derive(Deserialize)]
+struct MetaStateV1 {
+    seq: u64,
+    files: BTreeMap<String, FileMeta>,
+    logical: BTreeMap<u32, String>,
+    map_version: u64,
+    rebuilding: BTreeMap<u32, Rebuild>,
 }
 
 /// A change to the namespace.
@@ -170,6 +186,7 @@ impl MetaState {
                 }
                 next.logical.insert(*logical, physical.clone());
                 next.map_version += 1;
+                next.assigned.insert(*logical, next.map_version);
                 next.rebuilding.insert(
                     *logical,
                     Rebuild {
@@ -200,10 +217,28 @@ impl MetaState {
             return Err(MetaError::Corrupt("metadata record too short".into()));
         }
         let v = u16::from_le_bytes([bytes[0], bytes[1]]);
-        if v != STATE_FORMAT {
-            return Err(MetaError::Corrupt(format!("unknown metadata format version {v}")));
+        let corrupt = |e: postcard::Error| MetaError::Corrupt(e.to_string());
+        match v {
+            STATE_FORMAT => postcard::from_bytes(&bytes[2..]).map_err(corrupt),
+            1 => {
+                let old: MetaStateV1 = postcard::from_bytes(&bytes[2..]).map_err(corrupt)?;
+                Ok(MetaState {
+                    seq: old.seq,
+                    files: old.files,
+                    logical: old.logical,
+                    map_version: old.map_version,
+                    rebuilding: old.rebuilding,
+                    assigned: BTreeMap::new(),
+                })
+            }
+            v => Err(MetaError::Corrupt(format!("unknown metadata format version {v}"))),
         }
-        postcard::from_bytes(&bytes[2..]).map_err(|e| MetaError::Corrupt(e.to_string()))
+    }
+
+    /// The generation of logical id `logical`'s current physical node: 0 for its initial node,
+    /// then the map version at which each replacement took effect (so it only grows).
+    pub fn assignment(&self, logical: u32) -> u64 {
+        self.assigned.get(&logical).copied().unwrap_or(0)
     }
 }
 
@@ -403,9 +438,31 @@ mod tests {
         })
         .unwrap();
         assert!(s.rebuilding.is_empty());
+        // Assignment generations only grow, and only for the replaced id.
+        assert_eq!((s.assignment(2), s.assignment(1)), (s.map_version, 0));
+        let first = s.assignment(2);
+        s.apply(&MetaOp::Replace {
+            logical: 2,
+            physical: "s1".into(),
+        })
+        .unwrap();
+        assert!(s.assignment(2) > first);
         assert_eq!(MetaState::decode(&s.encode()).unwrap(), s);
         assert!(MetaState::decode(&[9, 9, 1]).is_err());
         assert!(MetaState::decode(&[1]).is_err());
+        // A format-1 record (no `assigned`) still reads, with every id on its first node.
+        #[derive(Serialize)]
+        struct V1<'a>(
+            u64,
+            &'a BTreeMap<String, FileMeta>,
+            &'a BTreeMap<u32, String>,
+            u64,
+            &'a BTreeMap<u32, Rebuild>,
+        );
+        let mut v1 = 1u16.to_le_bytes().to_vec();
+        v1.extend(postcard::to_stdvec(&V1(s.seq, &s.files, &s.logical, s.map_version, &s.rebuilding)).unwrap());
+        let old = MetaState::decode(&v1).unwrap();
+        assert_eq!((old.seq, &old.logical, old.assignment(2)), (s.seq, &s.logical, 0));
     }
 
     #[test]

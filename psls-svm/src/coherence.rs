@@ -348,6 +348,9 @@ pub struct Svm {
     nodes: u32,
     /// The latest incarnation known of every node, and whether it is up.
     peers: Vec<Peer>,
+    /// Per node, the incarnation it came back as while this node held coherence state (0:
+    /// none): that incarnation's directory is gone and it must know it (see [`Svm::fenced`]).
+    fenced: Vec<Incarnation>,
     local: HashMap<PageId, Local>,
     dir: HashMap<PageId, Directory>,
     actions: VecDeque<Action>,
@@ -386,6 +389,7 @@ impl Svm {
             me,
             incarnation,
             nodes,
+            fenced: vec![Incarnation(0); peers.len()],
             peers,
             local: HashMap::new(),
             dir: HashMap::new(),
@@ -413,6 +417,12 @@ impl Svm {
     }
     pub fn stats(&self) -> Stats {
         self.stats
+    }
+    /// The incarnation node `n` came back as (restarted, or a spare took its id over) while
+    /// this node held pages or directory entries (0: never). Such an incarnation must start
+    /// with [`Svm::restarted`]: this node may hold pages it managed, and knows what it knew.
+    pub fn fenced(&self, n: NodeId) -> Incarnation {
+        self.fenced.get(n.0 as usize).copied().unwrap_or(Incarnation(0))
     }
     /// The incarnation of node `n` this node knows (0: never heard of), up or not.
     pub fn known_incarnation(&self, n: NodeId) -> Incarnation {
@@ -714,6 +724,9 @@ impl Svm {
         };
         if n == self.me || incarnation <= p.incarnation {
             return;
+        }
+        if p.incarnation.0 != 0 && (!self.local.is_empty() || !self.dir.is_empty()) {
+            self.fenced[n.0 as usize] = incarnation;
         }
         self.peers[n.0 as usize] = Peer { incarnation, up: false };
         if p.up {

@@ -657,3 +657,35 @@ fn forgetting_a_file_drops_only_its_pages() {
     assert_eq!(drive(&mut nodes), 1, "a forgotten page is loaded afresh");
     assert_eq!(nodes[0].access(a), Some(Access::Read));
 }
+
+/// A node that comes back as a newer incarnation is fenced by the nodes that held coherence
+/// state when they learnt of it (they may hold pages its lost directory counted), and only by
+/// those; a node that never knew the old incarnation does not fence the new one.
+#[test]
+fn a_node_coming_back_is_fenced_only_by_nodes_holding_state() {
+    let peers = vec![Some(Incarnation(1)); 3];
+    let mut busy = Svm::new(NodeId(0), Incarnation(1), peers.clone());
+    let mut idle = Svm::new(NodeId(1), Incarnation(1), peers);
+    let mut late = Svm::new(
+        NodeId(2),
+        Incarnation(1),
+        vec![Some(Incarnation(1)), Some(Incarnation(1)), None],
+    );
+    let page = (0..64)
+        .map(|index| PageId { file: FileId(3), index })
+        .find(|&p| busy.manager(p) != NodeId(0))
+        .expect("a page managed elsewhere");
+    busy.fault(page, Access::Read, 1);
+    while busy.poll_action().is_some() {}
+    for n in [&mut busy, &mut idle, &mut late] {
+        n.peer_down(NodeId(2), Incarnation(1));
+        n.peer_up(NodeId(2), Incarnation(7));
+    }
+    assert_eq!(busy.fenced(NodeId(2)), Incarnation(7));
+    assert_eq!(idle.fenced(NodeId(2)), Incarnation(0));
+    assert_eq!(late.fenced(NodeId(2)), Incarnation(0));
+    // Nor does an incarnation already known fence again.
+    busy.peer_up(NodeId(2), Incarnation(7));
+    busy.peer_up(NodeId(1), Incarnation(1));
+    assert_eq!(busy.fenced(NodeId(1)), Incarnation(0));
+}

@@ -168,6 +168,44 @@ fn read_only_mappings_follow_writes_and_refuse_stores() {
     run_ok(&c, "n2", &["check", "nobodys", "4", "3"]);
 }
 
+/// A spare that takes over a dead node's logical id outranks every incarnation of that node in
+/// shared memory (whatever the daemons' own counters). While other nodes hold pages from
+/// before, it refuses the pages it now manages (their directory died with the node) with a
+/// clear error, never stale data from disk — also to a node that restarted after the
+/// replacement and so never knew the dead one.
+#[test]
+fn a_spare_taking_over_a_manager_refuses_its_lost_pages_and_never_serves_stale_ones() {
+    let c = Cluster::start(4, 1);
+    // n0 writes every page: its memory holds the only current copies (the disk has zeros).
+    run_ok(&c, "n0", &["fill", "sp", "8", "1"]);
+    c.destroy("n3");
+    c.wait_state("n3", "down");
+    c.ok(&["node", "replace", "3", "--with", "s0"]);
+    c.kill("n2");
+    c.ok(&["cluster", "up"]);
+    let mut refused = 0;
+    for node in ["n1", "n2", "s0"] {
+        for page in 0..8 {
+            let o = c
+                .client(node, PROBE)
+                .args(["check", "sp", "8", "1", &page.to_string()])
+                .output()
+                .unwrap();
+            let err = String::from_utf8_lossy(&o.stderr);
+            match o.status.code() {
+                Some(0) => {}
+                // The lifeline's exit: the fault was refused, with the reason.
+                Some(70) if err.contains("restarted") => refused += 1,
+                _ => panic!("{node} page {page}: {:?}: {err}", o.status),
+            }
+        }
+    }
+    // Pages managed by logical 2 and 3 (a quarter each) are refused everywhere.
+    assert_eq!(refused, 3 * 4, "refused faults");
+    // n0 still has its own copies.
+    run_ok(&c, "n0", &["check", "sp", "8", "1"]);
+}
+
 #[test]
 fn a_dying_client_does_not_disturb_the_daemon_and_a_dying_daemon_stops_its_clients() {
     let c = Cluster::start(4, 0);

@@ -6,7 +6,8 @@
 //!   for the consumer to set it to 2.
 //! - `consume NAME PAGES`: waits for word 0 == 1, checks the pattern, sets word 0 to 2.
 //! - `fill NAME PAGES SEED`: writes the pattern of SEED into every page and exits.
-//! - `check NAME PAGES SEED`: checks every page holds the pattern of SEED.
+//! - `check NAME PAGES SEED [ONLY]`: checks every page (or only page ONLY) holds the pattern
+//!   of SEED.
 //! - `map NAME BYTES CREATE`: only maps (and unmaps); prints the error if the map fails.
 //! - `rofollow NAME PAGES SEED1 SEED2`: maps read-only, checks every page holds the pattern
 //!   of SEED1, prints `seen SEED1`, then waits until they hold SEED2 (written elsewhere).
@@ -174,7 +175,8 @@ fn main() {
         }
         "fill" | "check" => {
             let seed: u64 = arg(4).parse().expect("SEED");
-            for p in 0..pages {
+            let only: Option<usize> = args.get(5).map(|a| a.parse().expect("ONLY"));
+            for p in (0..pages).filter(|p| only.is_none_or(|o| o == *p)) {
                 for k in 0..words_per_page {
                     let i = p * words_per_page + k;
                     if mode == "fill" {
