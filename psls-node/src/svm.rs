@@ -221,18 +221,51 @@ impl SvmShell {
             .filter(|(_, s)| matches!(&s.backing, Backing::Volatile { job: Some(j) } if j == job))
             .map(|(id, _)| *id)
             .collect();
+        let mut ended: Vec<(i32, String)> = Vec::new();
         for id in &ids {
             if let Some(seg) = g.segs.remove(id) {
-                for m in &seg.maps {
-                    drop_map(&mut g, m);
+                // A process that outlives its job loses the job's segments: their pages are
+                // punched out of the memfd (no stale, incoherent view stays mapped), and its
+                // fault thread keeps running to end it, with a message, at its next fault on
+                // them (or now, if it waits in one).
+                let len = (seg.pages * PAGE_SIZE as u64) as i64;
+                let punch =
+                    nix::fcntl::FallocateFlags::FALLOC_FL_PUNCH_HOLE | nix::fcntl::FallocateFlags::FALLOC_FL_KEEP_SIZE;
+                if let Err(e) = nix::fcntl::fallocate(&seg.memfd, punch, 0, len) {
+                    tracing::error!(node = %node.name(), file = %id, error = %e, "emptying an ended job's segment failed; stopping");
+                    std::process::abort();
                 }
-                tracing::info!(node = %node.name(), file = %id, name = %seg.name, job, "volatile segment dropped at job end");
+                let message = format!("job {job} ended: its volatile segment '{}' is gone", seg.name);
+                let waiting: Vec<WaiterId> = g
+                    .waiters
+                    .iter()
+                    .filter(|(_, w)| w.map.file == *id)
+                    .map(|(k, _)| *k)
+                    .collect();
+                for w in waiting {
+                    if let Some(w) = g.waiters.remove(&w) {
+                        ended.push((w.map.pid, message.clone()));
+                    }
+                }
+                tracing::info!(node = %node.name(), file = %id, name = %seg.name, job, clients = seg.maps.len(), "volatile segment dropped at job end");
             }
             if let Some(svm) = g.svm.as_mut() {
                 svm.forget_file(*id);
             }
         }
+        drop(g);
+        for (pid, message) in ended {
+            self.end_client(pid, message);
+        }
         ids
+    }
+
+    /// Tells client process `pid` (through its lifeline) that it must end, and why.
+    fn end_client(&self, pid: i32, message: String) {
+        tracing::warn!(pid, %message, "ending a client");
+        if let Some(tx) = self.lifelines.lock().unwrap_or_else(|e| e.into_inner()).get(&pid) {
+            let _ = tx.send(message);
+        }
     }
 
     /// Forgets the coherence state of volatile segments of an ended job (a segment still
@@ -476,6 +509,13 @@ impl SvmShell {
                     }
                     let index = ((addr - map.base) / PAGE_SIZE) as u64;
                     let page = PageId { file: map.file, index };
+                    if !g.segs.contains_key(&map.file) {
+                        out.push(Outgoing::Fatal {
+                            pid: map.pid,
+                            message: format!("segment {} is gone (its job ended): fault on page {index}", map.file),
+                        });
+                        continue;
+                    }
                     let access = if rw == ReadWrite::Write || kind == FaultKind::WriteProtected {
                         Access::Write
                     } else {

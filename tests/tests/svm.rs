@@ -452,6 +452,45 @@ fn volatile_segments_are_shared_within_a_job_and_dropped_after_it() {
     }
 }
 
+/// A process that outlives its job (here: started by a rank in a session of its own) loses the
+/// job's volatile segment: the first access after the job ended stops it with a clear message
+/// instead of reading a stale, incoherent copy.
+#[test]
+fn a_process_outliving_its_job_loses_the_jobs_volatile_segment() {
+    let c = Cluster::start(2, 0);
+    let (out, err, marker) = (c.path("linger.out"), c.path("linger.err"), c.path("marker"));
+    let script = format!(
+        "setsid {PROBE} linger seg 4 {} >{} 2>{} & \
+         for i in $(seq 400); do grep -q mapped {} && exit 0; sleep 0.05; done; exit 9",
+        marker.display(),
+        out.display(),
+        err.display(),
+        out.display()
+    );
+    c.ok(&["run", "-n", "1", "--", "sh", "-c", &script]);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !c.logs_contain("volatile segment dropped at job end") {
+        assert!(Instant::now() < deadline, "the job's segment was never dropped");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    std::fs::write(&marker, b"go").unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let e = std::fs::read_to_string(&err).unwrap_or_default();
+        if e.contains("is gone") {
+            break;
+        }
+        let o = std::fs::read_to_string(&out).unwrap_or_default();
+        assert!(!o.contains("survived"), "read the ended job's segment: {o}{e}");
+        assert!(Instant::now() < deadline, "the lingering process was not ended: {o}{e}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(!std::fs::read_to_string(&out).unwrap().contains("survived"));
+    // The daemons serve new jobs as before.
+    let out = c.ok(&["run", "-n", "2", "--", PROBE, "vol", "v", "4", "3"]);
+    assert_eq!(out.matches("volatile ok").count(), 2, "{out}");
+}
+
 /// A rank waiting at a barrier when the coordinator (which holds the barrier) dies fails with
 /// a clear message instead of waiting forever.
 #[test]

@@ -12,6 +12,8 @@
 //! - `rofollow NAME PAGES SEED1 SEED2`: maps read-only, checks every page holds the pattern
 //!   of SEED1, prints `seen SEED1`, then waits until they hold SEED2 (written elsewhere).
 //! - `rostore NAME PAGES`: maps read-only and stores to it (must die of SIGSEGV).
+//! - `linger NAME PAGES MARKER`: a process that outlives its job, mapping the job's volatile
+//!   segment (see the mode's comment).
 //! - `litmus TEST ITERATIONS` (as a 4-rank job): the sequential-consistency litmus test TEST
 //!   (sb, mp, iriw, lb) with its shared variables on different pages; rank 0 prints
 //!   `litmus TEST: N iterations, F forbidden, outcomes {..}`.
@@ -54,6 +56,36 @@ fn main() {
         eprintln!("connect: {e}");
         std::process::exit(1)
     });
+    if mode == "linger" {
+        // `linger NAME PAGES MARKER` (started by a rank, outliving the job): maps the job's
+        // volatile segment NAME, writes page 0, prints `mapped`, waits for file MARKER (the
+        // job has ended by then), then reads every page: the daemon must end this process
+        // there; if the reads complete it prints `survived` and exits 5.
+        let marker = arg(4);
+        let mut m = s.create_volatile(&name, (pages * 4096) as u64).unwrap_or_else(|e| {
+            eprintln!("create_volatile: {e}");
+            std::process::exit(1)
+        });
+        let w: &mut [u64] = m.as_mut_slice();
+        w[0] = 42;
+        println!("mapped");
+        use std::io::Write;
+        let _ = std::io::stdout().flush();
+        let t = Instant::now();
+        while !std::path::Path::new(&marker).exists() {
+            if t.elapsed() > Duration::from_secs(60) {
+                eprintln!("timed out waiting for {marker}");
+                std::process::exit(3);
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        // SAFETY: plain volatile loads inside the mapping.
+        let sum: u64 = (0..pages)
+            .map(|p| unsafe { std::ptr::read_volatile(&w[p * words_per_page]) })
+            .sum();
+        println!("survived with {sum}");
+        std::process::exit(5)
+    }
     if mode == "vol" {
         // `vol NAME PAGES SEED` (under `psls run`): the job's volatile segment NAME starts at
         // zero on every rank; rank 0 fills it; after a barrier every rank reads the fill.
