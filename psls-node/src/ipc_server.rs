@@ -764,6 +764,8 @@ async fn client(node: Arc<Node>, stream: UnixStream) -> anyhow::Result<()> {
                         ("invalidations".into(), st.invalidations),
                         ("failed_faults".into(), st.failed_faults),
                         ("joined_reads".into(), st.joined_reads),
+                        ("implied_grants".into(), st.implied_grants),
+                        ("posted_messages".into(), node.net.posted()),
                     ],
                 }
             }

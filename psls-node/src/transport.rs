@@ -54,6 +54,8 @@ pub struct Transport {
     dial: HashMap<String, tokio::sync::Mutex<()>>,
     /// Per peer, the queue of its writer task (started on the first post).
     outboxes: Mutex<HashMap<String, tokio::sync::mpsc::Sender<Posted>>>,
+    /// One-way messages queued for sending since start.
+    posted: std::sync::atomic::AtomicU64,
 }
 
 impl Transport {
@@ -84,7 +86,14 @@ impl Transport {
             conns: Mutex::new(HashMap::new()),
             dial,
             outboxes: Mutex::new(HashMap::new()),
+            posted: std::sync::atomic::AtomicU64::new(0),
         })
+    }
+
+    /// One-way messages (the coherence protocol's, barriers', locks') queued for sending
+    /// since start.
+    pub fn posted(&self) -> u64 {
+        self.posted.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     pub fn endpoint(&self) -> &quinn::Endpoint {
@@ -185,7 +194,10 @@ impl Transport {
                 tx
             });
             match tx.try_send(msg) {
-                Ok(()) => return Ok(()),
+                Ok(()) => {
+                    self.posted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    return Ok(());
+                }
                 Err(tokio::sync::mpsc::error::TrySendError::Full(_)) => {
                     return Err(unreachable(
                         peer,

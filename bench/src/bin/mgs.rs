@@ -44,6 +44,9 @@ fn args() -> Result<Args> {
 }
 
 /// Doubles between vector starts: each vector starts on a page.
+/// Words per rank in the stats segment: the node's number, then its counters.
+const SLOT: usize = 16;
+
 fn stride(dim: usize) -> usize {
     (dim * 8).div_ceil(4096) * 4096 / 8
 }
@@ -230,9 +233,10 @@ fn main() -> Result<()> {
             "pages_out",
             "pages_loaded",
             "joined_reads",
+            "posted_messages",
         ];
-        let base = rank * 8;
-        if base + 8 <= slots.len() {
+        let base = rank * SLOT;
+        if base + SLOT <= slots.len() {
             let node_no: u64 = after
                 .0
                 .trim_start_matches(|c: char| !c.is_ascii_digit())
@@ -250,14 +254,21 @@ fn main() -> Result<()> {
         let slots: &[u64] = stats_seg.as_slice();
         let mut per_node = serde_json::Map::new();
         let mut pages_moved = 0u64;
-        for r in 0..size.min(slots.len() / 8) {
-            let b = r * 8;
+        let mut posted = 0u64;
+        for r in 0..size.min(slots.len() / SLOT) {
+            let b = r * SLOT;
             if slots[b] == 0 {
                 continue;
             }
+            // Counters are per node: ranks sharing a node report the same ones, counted once.
             let node = format!("n{}", slots[b] - 1);
+            if per_node.contains_key(&node) {
+                continue;
+            }
             pages_moved += slots[b + 4];
-            per_node.entry(node).or_insert_with(|| {
+            posted += slots[b + 8];
+            per_node.insert(
+                node,
                 serde_json::json!({
                     "local_faults": slots[b + 1],
                     "read_faults": slots[b + 2],
@@ -266,8 +277,9 @@ fn main() -> Result<()> {
                     "pages_out": slots[b + 5],
                     "pages_loaded": slots[b + 6],
                     "joined_reads": slots[b + 7],
-                })
-            });
+                    "posted_messages": slots[b + 8],
+                }),
+            );
         }
         let (base_s, base_err, base_sum) = if a.no_baseline {
             (f64::NAN, 0.0, checksum)
@@ -294,6 +306,8 @@ fn main() -> Result<()> {
                 "ok": ok,
                 "faults_per_node": per_node,
                 "bytes_moved": pages_moved * 4096,
+                "messages": posted,
+                "messages_per_step": posted as f64 / a.vectors as f64,
             })
         );
         if !ok {
