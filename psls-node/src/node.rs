@@ -837,6 +837,13 @@ impl Node {
                     Ok(PeerResp::Ok)
                 }
             }
+            PeerReq::CountMappings { file } => Ok(PeerResp::Mappings {
+                count: self.svm.mappings(file),
+            }),
+            PeerReq::DropRemoved { file } => {
+                self.svm.drop_removed(&self, file);
+                Ok(PeerResp::Ok)
+            }
             PeerReq::Svm(env) => {
                 self.svm.on_message(&self, env, payload);
                 Ok(PeerResp::Ok)

@@ -104,6 +104,14 @@ pub enum PeerReq {
     ForgetFiles {
         files: Vec<FileId>,
     },
+    /// How many client mappings of (removed) file `file` this node serves (`Mappings`).
+    CountMappings {
+        file: FileId,
+    },
+    /// Nobody maps removed file `file` any more: drop its segment and coherence state.
+    DropRemoved {
+        file: FileId,
+    },
     /// A coherence protocol message (one-way); payload: the page's 4096 bytes for `Data`.
     Svm(psls_svm::coherence::Envelope),
     /// To the coordinator: rank `who` waits at barrier `key` of `count` ranks (answered when it
@@ -180,6 +188,10 @@ pub enum PeerResp {
     /// Answer to `JobEnded`: the volatile segments dropped.
     Dropped {
         files: Vec<FileId>,
+    },
+    /// Answer to `CountMappings`.
+    Mappings {
+        count: u64,
     },
     NotCoordinator,
     Error {

@@ -486,11 +486,37 @@ async fn sync_all(node: &Arc<Node>, written: &Arc<Incarnations>) -> Result<(), O
 }
 
 async fn remove_everywhere(node: &Arc<Node>, file: FileId) {
-    for n in node.cfg.all().map(|n| n.name.clone()).collect::<Vec<_>>() {
-        if node.is_live(&n) {
-            if let Err(e) = node.call_ok(&n, PeerReq::RemoveFile { file }).await {
-                tracing::warn!(node = %n, %file, error = %e, "could not remove file data");
+    let live: Vec<String> = node
+        .cfg
+        .all()
+        .map(|n| n.name.clone())
+        .filter(|n| node.is_live(n))
+        .collect();
+    for n in &live {
+        if let Err(e) = node.call_ok(n, PeerReq::RemoveFile { file }).await {
+            tracing::warn!(node = %n, %file, error = %e, "could not remove file data");
+        }
+    }
+    // Shared memory: when no client maps the file anywhere (its name is gone, so no new
+    // mapping can start), every node drops its pages in memory and its coherence state.
+    // Otherwise they stay with their mappers, as an unlinked file stays with its openers.
+    let mut maps = 0;
+    for n in &live {
+        match node.call_ok(n, PeerReq::CountMappings { file }).await {
+            Ok(PeerResp::Mappings { count }) => maps += count,
+            other => {
+                tracing::warn!(node = %n, %file, answer = ?other.map(|_| ()), "could not count a removed file's mappings: its memory stays");
+                return;
             }
+        }
+    }
+    if maps > 0 {
+        tracing::info!(%file, maps, "removed file still mapped: its memory stays until the daemons restart");
+        return;
+    }
+    for n in &live {
+        if let Err(e) = node.call_ok(n, PeerReq::DropRemoved { file }).await {
+            tracing::warn!(node = %n, %file, error = %e, "could not drop a removed file's memory");
         }
     }
 }

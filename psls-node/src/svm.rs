@@ -260,6 +260,26 @@ impl SvmShell {
         ids
     }
 
+    /// Client mappings of `file` served here.
+    pub fn mappings(&self, file: FileId) -> u64 {
+        self.lock().segs.get(&file).map_or(0, |s| s.maps.len() as u64)
+    }
+
+    /// A removed parallel file that no client maps anywhere any more: its memory here and its
+    /// coherence state go (a mapping made since the count keeps both here).
+    pub fn drop_removed(&self, node: &Node, file: FileId) {
+        let mut g = self.lock();
+        if g.segs.get(&file).is_some_and(|s| !s.maps.is_empty()) {
+            tracing::warn!(node = %node.name(), %file, "a removed file was mapped again meanwhile: kept");
+            return;
+        }
+        if let Some(seg) = g.segs.remove(&file) {
+            tracing::info!(node = %node.name(), %file, name = %seg.name, pages = seg.pages, "segment of a removed file dropped");
+        }
+        let forgotten = g.svm.as_mut().map_or(0, |s| s.forget_file(file));
+        tracing::debug!(node = %node.name(), %file, forgotten, "coherence state of a removed file forgotten");
+    }
+
     /// Tells client process `pid` (through its lifeline) that it must end, and why.
     fn end_client(&self, pid: i32, message: String) {
         tracing::warn!(pid, %message, "ending a client");
@@ -455,7 +475,7 @@ impl SvmShell {
     fn serve_faults(self: Arc<Self>, node: &Arc<Node>, map: Arc<ClientMap>, pidfd: OwnedFd) {
         use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
         let mut buf = userfaultfd::EventBuffer::new(EVENT_BATCH);
-        tracing::debug!(node = %node.name(), pid = map.pid, file = %map.file, "serving faults");
+        tracing::info!(node = %node.name(), pid = map.pid, file = %map.file, writable = map.writable, "serving faults");
         loop {
             let (uffd_ready, gone, stopped) = {
                 let mut fds = [

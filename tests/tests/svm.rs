@@ -491,6 +491,46 @@ fn a_process_outliving_its_job_loses_the_jobs_volatile_segment() {
     assert_eq!(out.matches("volatile ok").count(), 2, "{out}");
 }
 
+/// Removing a parallel file drops its pages from the nodes' memory once nobody maps it; while
+/// a process still maps it, its pages stay (as an unlinked file stays with its openers).
+#[test]
+fn removing_a_file_frees_its_memory_once_nobody_maps_it() {
+    let c = Cluster::start(2, 0);
+    let drops = |c: &Cluster| {
+        ["n0", "n1"]
+            .iter()
+            .map(|n| c.log(n).matches("segment of a removed file dropped").count())
+            .sum::<usize>()
+    };
+    let wait_for = |what: &dyn Fn() -> bool, why: &str| {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !what() {
+            assert!(Instant::now() < deadline, "{why}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    run_ok(&c, "n0", &["fill", "gone", "8", "1"]);
+    c.ok(&["rm", "gone"]);
+    wait_for(&|| drops(&c) == 1, "the removed file's segment on n0 was not dropped");
+    // The name is free: a new file of that name is a new file.
+    run_ok(&c, "n1", &["fill", "gone", "8", "2"]);
+    run_ok(&c, "n0", &["check", "gone", "8", "2"]);
+
+    let served = |c: &Cluster| c.log("n1").matches("serving faults").count();
+    let before = served(&c);
+    let waiting = spawn(&c, "n1", &["consume", "kept", "4"]);
+    wait_for(&|| served(&c) > before, "the consumer never mapped");
+    c.ok(&["rm", "kept"]);
+    wait_for(
+        &|| c.logs_contain("removed file still mapped"),
+        "the mapped removed file was not kept",
+    );
+    assert_eq!(drops(&c), 1);
+    let mut waiting = waiting;
+    waiting.kill().unwrap();
+    waiting.wait().unwrap();
+}
+
 /// A rank waiting at a barrier when the coordinator (which holds the barrier) dies fails with
 /// a clear message instead of waiting forever.
 #[test]
