@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The main job: a local 4-node cluster, import a 64 MiB file, kill a node, export it intact,
-# show status. The cluster folder is $PSLS_HOME (default ./.psls).
+# show status, then MGS as a 4-rank job. The cluster folder is $PSLS_HOME (default ./.psls).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

@@ -467,12 +467,21 @@ fn demo(dir: &Path, size_mb: u64) -> Result<()> {
     use nix::sys::signal::{kill, Signal};
     if !cluster::config_path(dir).exists() {
         cluster::init(dir, 4, 1, 1024, 7400, false)?;
-        println!("[1/6] initialised a 4-node cluster (+1 spare) in {}", dir.display());
+        println!("[1/7] initialised a 4-node cluster (+1 spare) in {}", dir.display());
     } else {
-        println!("[1/6] using the cluster in {}", dir.display());
+        println!("[1/7] using the cluster in {}", dir.display());
     }
     cluster::up(dir, Duration::from_secs(30), true)?;
-    println!("[2/6] cluster is up");
+    println!("[2/7] cluster is up");
+    // MGS (step 7) starts from a fresh file: the previous run's pages leave every node's
+    // memory with its file, before a node is killed below (a node that restarts while others
+    // hold shared pages refuses the pages it manages: their directory died with it).
+    let previous = "mgs-1024x1024";
+    let mut c = cluster::connect(dir, Some("n0"))?;
+    if c.ls()?.iter().any(|f| f.name == previous) {
+        c.rm(previous)
+            .with_context(|| format!("removing the previous run's {previous}"))?;
+    }
     let size = size_mb * 1024 * 1024;
     let data = psls_svm::rng::random_bytes(size as usize, 2026);
     let t = Instant::now();
@@ -482,7 +491,7 @@ fn demo(dir: &Path, size_mb: u64) -> Result<()> {
         .any(|f| f.name == "demo.dat");
     let f = cluster::connect(dir, Some("n0"))?.import(&mut data.as_slice(), size, "demo.dat", 0o644, exists)?;
     println!(
-        "[3/6] imported demo.dat: {} MiB, {} pages, in {:.2} s",
+        "[3/7] imported demo.dat: {} MiB, {} pages, in {:.2} s",
         size_mb,
         f.pages,
         t.elapsed().as_secs_f64()
@@ -490,13 +499,13 @@ fn demo(dir: &Path, size_mb: u64) -> Result<()> {
     let victim = "n2";
     let pid = cluster::running_pid(dir, victim).context("n2 is not running")?;
     kill(nix::unistd::Pid::from_raw(pid), Signal::SIGKILL)?;
-    println!("[4/6] killed {victim} (pid {pid}) with SIGKILL");
+    println!("[4/7] killed {victim} (pid {pid}) with SIGKILL");
     let mut out = Vec::with_capacity(size as usize);
     let t = Instant::now();
     cluster::connect(dir, Some("n0"))?.export("demo.dat", &mut out)?;
     let same = out == data;
     println!(
-        "[5/6] exported demo.dat with {victim} down in {:.2} s: {}",
+        "[5/7] exported demo.dat with {victim} down in {:.2} s: {}",
         t.elapsed().as_secs_f64(),
         if same {
             "bit-identical to the original"
@@ -508,8 +517,29 @@ fn demo(dir: &Path, size_mb: u64) -> Result<()> {
         bail!("exported data differs from what was imported");
     }
     cluster::up(dir, Duration::from_secs(30), true)?;
-    println!("[6/6] restarted {victim}; cluster status:");
+    println!("[6/7] restarted {victim}; cluster status:");
     print_status(&cluster::connect(dir, Some("n0"))?.status()?);
+    // The shared-memory job: MGS over a parallel file, one rank per node, next to the same
+    // kernel on threads in one process (its JSON line carries the ratio and the checks).
+    let mgs = std::env::current_exe()?.with_file_name("mgs");
+    if mgs.exists() {
+        println!("[7/7] MGS 1024x1024 as a 4-rank job (`psls run -n 4 -- mgs`), one rank per node:");
+        let status = std::process::Command::new(std::env::current_exe()?)
+            .arg("--dir")
+            .arg(dir)
+            .args(["run", "-n", "4", "--"])
+            .arg(&mgs)
+            .status()
+            .context("running MGS")?;
+        if !status.success() {
+            bail!("MGS failed ({status})");
+        }
+    } else {
+        println!(
+            "[7/7] skipped MGS: {} not found (cargo build --release --workspace --bins)",
+            mgs.display()
+        );
+    }
     println!(
         "the cluster is still running: `psls --dir {} cluster down` stops it",
         dir.display()

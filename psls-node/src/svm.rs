@@ -622,9 +622,14 @@ impl SvmShell {
     /// Membership changed (or may have): tells the state machine which incarnations are up.
     pub fn sync_peers(self: &Arc<Self>, node: &Arc<Node>) {
         let mut out = Vec::new();
+        let nobody_holds = self.lock().svm.as_ref().is_some_and(|s| s.recovering()) && others_hold_nothing(node);
         {
             let mut g = self.lock();
             let Some(svm) = g.svm.as_mut() else { return };
+            if nobody_holds && svm.recovering() {
+                tracing::info!(node = %node.name(), "no other node holds shared pages any more: the pages managed here are served again");
+                svm.end_recovery();
+            }
             for (l, inc, up) in peer_views(node) {
                 if l == svm.me() {
                     continue;
@@ -733,6 +738,19 @@ fn peer_views(node: &Node) -> Vec<(NodeId, Incarnation, bool)> {
             )
         })
         .collect()
+}
+
+/// Whether every other node of the map has reported (in its latest heartbeat, sent after it
+/// was last heard to hold any) that it holds no shared-memory segment at all.
+fn others_hold_nothing(node: &Node) -> bool {
+    let st = node.meta_state();
+    let members = node.members.lock().unwrap_or_else(|e| e.into_inner());
+    node.logical_map(&st).values().filter(|p| **p != node.me.name).all(|p| {
+        members
+            .view(p)
+            .and_then(|v| v.heartbeat.as_ref())
+            .is_some_and(|h| h.svm_segments == 0)
+    })
 }
 
 /// The shared-memory incarnation of logical node `l` run by a daemon of incarnation

@@ -409,6 +409,17 @@ impl Svm {
         }
     }
 
+    /// Whether this node still refuses the pages it manages ([`Svm::restarted`]).
+    pub fn recovering(&self) -> bool {
+        self.recovering
+    }
+
+    /// No other node holds any page any more (the shell knows it from their reports): the
+    /// empty directory is true again, and the pages managed here are served as usual.
+    pub fn end_recovery(&mut self) {
+        self.recovering = false;
+    }
+
     pub fn me(&self) -> NodeId {
         self.me
     }

@@ -204,6 +204,18 @@ fn a_spare_taking_over_a_manager_refuses_its_lost_pages_and_never_serves_stale_o
     assert_eq!(refused, 3 * 4, "refused faults");
     // n0 still has its own copies.
     run_ok(&c, "n0", &["check", "sp", "8", "1"]);
+    // Once no node holds shared pages any more, the fenced nodes serve theirs again.
+    c.ok(&["rm", "sp"]);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let lifted = |n: &str| c.log(n).contains("the pages managed here are served again");
+    while !(lifted("n2") && lifted("s0")) {
+        assert!(Instant::now() < deadline, "the fences were not lifted");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    run_ok(&c, "s0", &["fill", "fresh", "8", "5"]);
+    for n in ["n1", "n2"] {
+        run_ok(&c, n, &["check", "fresh", "8", "5"]);
+    }
 }
 
 #[test]
