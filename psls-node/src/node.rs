@@ -662,14 +662,21 @@ impl Node {
         let store = self.store.clone();
         let refs = self.refs(&indices);
         blocking(move || {
-            // Page-aligned, so runs of pages are read with direct I/O.
+            // Page-aligned, so runs of pages are read with direct I/O. A reused buffer is not
+            // zeroed first (the reads overwrite it); the pages not read well are zeroed after,
+            // so an answer never carries bytes of an earlier one.
             let len = refs.len() * PAGE_SIZE;
             let mut data = crate::peer::batch_pool().get_at_least(len);
-            data.resize_zeroed(len);
-            let states = match store.read_batch(file, role, gen, &refs, &mut data) {
+            data.resize_reusing(len);
+            let states: Vec<PageState> = match store.read_batch(file, role, gen, &refs, &mut data) {
                 Ok(st) => st.into_iter().map(page_state).collect(),
                 Err(e) => vec![PageState::Error(e.to_string()); refs.len()],
             };
+            for (k, st) in states.iter().enumerate() {
+                if *st != PageState::Ok {
+                    data[k * PAGE_SIZE..(k + 1) * PAGE_SIZE].fill(0);
+                }
+            }
             (states, bytes::Bytes::from_owner(data))
         })
         .await

@@ -5,7 +5,9 @@
 //! batches does not pay for fresh memory (page faults and zeroing by the kernel) every time.
 //!
 //! Invariants: the allocation is `cap` bytes at an address that is a multiple of `BUF_ALIGN`
-//! (`cap` > 0); bytes `[0, len)` are initialised and the only ones ever exposed; `len <= cap`.
+//! (`cap` > 0); bytes `[0, init)` are initialised, `[0, len)` are the only ones ever exposed;
+//! `len <= init <= cap`. A reused buffer keeps `init`, so growing it back
+//! ([`PageBuf::resize_reusing`]) costs nothing where it was written before.
 
 use std::alloc::{alloc, dealloc, handle_alloc_error, Layout};
 use std::ptr::NonNull;
@@ -19,6 +21,8 @@ pub struct PageBuf {
     ptr: NonNull<u8>,
     len: usize,
     cap: usize,
+    /// Bytes `[0, init)` have been written (or zeroed) at some time.
+    init: usize,
 }
 
 // SAFETY: `PageBuf` owns its allocation exclusively (like `Vec<u8>`); shared references only
@@ -37,7 +41,12 @@ impl PageBuf {
         let Some(ptr) = NonNull::new(p) else {
             handle_alloc_error(layout)
         };
-        PageBuf { ptr, len: 0, cap }
+        PageBuf {
+            ptr,
+            len: 0,
+            cap,
+            init: 0,
+        }
     }
 
     /// A copy of `data`, aligned.
@@ -53,6 +62,7 @@ impl PageBuf {
         // SAFETY: `len <= cap`; `write_bytes` initialises exactly bytes `[0, len)`.
         unsafe { std::ptr::write_bytes(b.ptr.as_ptr(), 0, len) };
         b.len = len;
+        b.init = len;
         b
     }
 
@@ -84,6 +94,24 @@ impl PageBuf {
         // SAFETY: `[self.len, len)` lies inside the allocation (`len <= cap`, ensured above).
         unsafe { std::ptr::write_bytes(self.ptr.as_ptr().add(self.len), 0, len - self.len) };
         self.len = len;
+        self.init = self.init.max(len);
+    }
+
+    /// Sets the length to `len` (growing if needed). Bytes past the old length keep what they
+    /// last held in this buffer, and are zero where it never held anything: for a buffer the
+    /// caller overwrites anyway (a read), reuse costs no zeroing.
+    pub fn resize_reusing(&mut self, len: usize) {
+        if len > self.cap {
+            let mut bigger = PageBuf::with_capacity(len);
+            bigger.extend_from_slice(self);
+            *self = bigger;
+        }
+        if len > self.init {
+            // SAFETY: `[init, len)` lies inside the allocation (`len <= cap`, ensured above).
+            unsafe { std::ptr::write_bytes(self.ptr.as_ptr().add(self.init), 0, len - self.init) };
+            self.init = len;
+        }
+        self.len = len;
     }
 
     /// Appends `data`, moving to a larger aligned allocation when it does not fit.
@@ -101,6 +129,7 @@ impl PageBuf {
             std::ptr::copy_nonoverlapping(data.as_ptr(), self.ptr.as_ptr().add(self.len), data.len());
         }
         self.len += data.len();
+        self.init = self.init.max(self.len);
     }
 }
 
@@ -272,6 +301,27 @@ mod tests {
         let (c, d, e) = (pool.get(), pool.get(), pool.get());
         drop((b, c, d, e));
         assert_eq!(pool.free_count(), 2);
+    }
+
+    #[test]
+    fn reuse_skips_zeroing_only_where_written_before() {
+        let pool = BufPool::new(8192, 1);
+        let mut a = pool.get();
+        a.extend_from_slice(&[7; 4096]);
+        drop(a);
+        let mut b = pool.get();
+        b.resize_reusing(8192);
+        // The first page keeps what it held; the second was never written: zero.
+        assert!(b[..4096].iter().all(|&x| x == 7));
+        assert!(b[4096..].iter().all(|&x| x == 0));
+        b.resize_reusing(2);
+        b.resize_zeroed(4);
+        assert_eq!(&b[..], &[7, 7, 0, 0]);
+        // Growing past the capacity keeps the exposed bytes.
+        b.resize_reusing(10_000);
+        assert_eq!(&b[..4], &[7, 7, 0, 0]);
+        assert!(b[4..].iter().all(|&x| x == 0 || x == 7));
+        assert!((b.as_ptr() as usize).is_multiple_of(BUF_ALIGN));
     }
 
     #[test]
