@@ -255,7 +255,7 @@ impl SvmShell {
         }
         drop(g);
         for (pid, message) in ended {
-            self.end_client(pid, message);
+            self.end_client(node, pid, message);
         }
         ids
     }
@@ -280,9 +280,10 @@ impl SvmShell {
         tracing::debug!(node = %node.name(), %file, forgotten, "coherence state of a removed file forgotten");
     }
 
-    /// Tells client process `pid` (through its lifeline) that it must end, and why.
-    fn end_client(&self, pid: i32, message: String) {
-        tracing::warn!(pid, %message, "ending a client");
+    /// Tells client process `pid` (through its lifeline) that a fault failed and it must end,
+    /// and why.
+    fn end_client(&self, node: &Node, pid: i32, message: String) {
+        tracing::error!(node = %node.name(), pid, %message, "client fault failed");
         if let Some(tx) = self.lifelines.lock().unwrap_or_else(|e| e.into_inner()).get(&pid) {
             let _ = tx.send(message);
         }
@@ -665,12 +666,7 @@ impl SvmShell {
                         me.on_loaded(&node, page, txn, data);
                     });
                 }
-                Outgoing::Fatal { pid, message } => {
-                    tracing::error!(node = %node.name(), pid, %message, "client fault failed");
-                    if let Some(tx) = self.lifelines.lock().unwrap_or_else(|e| e.into_inner()).get(&pid) {
-                        let _ = tx.send(message);
-                    }
-                }
+                Outgoing::Fatal { pid, message } => self.end_client(node, pid, message),
             }
         }
     }
@@ -784,12 +780,12 @@ fn ensure_svm(g: &mut Inner, node: &Node) -> Result<(), OpError> {
             peers[l.0 as usize] = Some(inc);
         }
     }
-    // If another node holds shared pages and knew an older incarnation of this one, this daemon
-    // restarted under a running job: the directory of the pages it manages is gone.
+    // If another node holds shared pages, this daemon (restarted, or a spare in a dead node's
+    // place) may have lost the directory of pages it manages: fenced when a node holding
+    // segments knew another incarnation of this logical id (it has not caught up yet), or saw
+    // it come back as this one while it held state (it caught up before this check, so its
+    // view alone would look current).
     let inc = svm_incarnation(&st, me.0, node.incarnation);
-    // Fenced when a node holding segments knew another incarnation of this logical id (it
-    // has not caught up yet), or saw it come back as this one while it held state (it did
-    // catch up before this check: the view alone would look current).
     let others_hold = {
         let members = node.members.lock().unwrap_or_else(|e| e.into_inner());
         node.logical_map(&st).values().any(|p| {
@@ -802,7 +798,7 @@ fn ensure_svm(g: &mut Inner, node: &Node) -> Result<(), OpError> {
         })
     };
     g.svm = Some(if others_hold {
-        tracing::warn!(node = %node.name(), "restarted while other nodes hold shared pages: pages managed here are unavailable until the job restarts");
+        tracing::warn!(node = %node.name(), "restarted while other nodes hold shared pages: pages managed here are unavailable until no other node holds any");
         Svm::restarted(me, inc, peers)
     } else {
         Svm::new(me, inc, peers)

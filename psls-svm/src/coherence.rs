@@ -93,7 +93,7 @@ pub enum FaultError {
     LoadFailed,
     #[error("too many faults waiting on one page")]
     TooManyWaiters,
-    #[error("the page's manager node restarted and lost its directory: restart the job from a checkpoint")]
+    #[error("the page's manager node restarted and lost its directory: its pages are refused until no node holds shared pages (remove the files, or restart every daemon)")]
     ManagerRestarted,
 }
 
