@@ -278,8 +278,8 @@ impl Session {
         let nz = std::num::NonZeroUsize::new(len_usize).ok_or_else(|| ClientError::Protocol("empty mapping".into()))?;
         // A read-only mapping gets a read-only descriptor, which cannot be mapped shared for
         // writing; userfaultfd only takes mappings that may become writable, so it is mapped
-        // private (the daemon's copy-on-write-free pages are installed read-only in it, and a
-        // hole punched in the memfd still drops them).
+        // private (the memfd's pages are installed read-only in it, never copied, and a hole
+        // punched in the memfd still drops them).
         use nix::sys::mman::{MapFlags, ProtFlags};
         let (prot, flags) = if writable {
             (ProtFlags::PROT_READ | ProtFlags::PROT_WRITE, MapFlags::MAP_SHARED)
