@@ -155,12 +155,14 @@ impl Client {
         }
     }
 
-    /// Round trips of `bytes` bytes with node `peer` over the daemons' QUIC transport (ns).
-    pub fn peer_ping(&mut self, peer: &str, bytes: u32, count: u32) -> Result<Vec<u64>, ClientError> {
+    /// Round trips of `bytes` bytes with node `peer` (ns): requests over the daemons' request
+    /// transport, or with `link`, one-way messages over their message link.
+    pub fn peer_ping(&mut self, peer: &str, bytes: u32, count: u32, link: bool) -> Result<Vec<u64>, ClientError> {
         match self.call(&Request::PeerPing {
             peer: peer.into(),
             bytes,
             count,
+            link,
         })? {
             Response::Latencies(l) => Ok(l),
             r => Err(unexpected(r)),

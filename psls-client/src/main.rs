@@ -291,7 +291,7 @@ fn run(cli: &Cli) -> Result<()> {
                 nodes,
                 spares,
                 base_port,
-                *base_port as u32 + nodes + spares - 1
+                *base_port as u32 + 2 * (nodes + spares) - 1
             );
         }
         Cmd::Cluster(ClusterCmd::Up { timeout_s }) => {

@@ -11,7 +11,9 @@
 //!
 //! [[node]]                      # logical ids are the order of [[node]] entries
 //! name = "n0"
-//! addr = "127.0.0.1:7400"
+//! addr = "127.0.0.1:7400"       # QUIC: requests, page transfers, heartbeats
+//! link_addr = "127.0.0.1:7500"  # QUIC: the message link (coherence, barriers, locks);
+//!                               # default: addr's IP, port + 100
 //! data_dir = "data/n0"
 //! socket = "run/n0.sock"
 //! memory_mb = 1024
@@ -87,10 +89,32 @@ impl Default for ClusterSection {
 pub struct NodeEntry {
     pub name: String,
     pub addr: SocketAddr,
+    /// UDP address of the node's message link (coherence, barrier and lock messages: a second
+    /// QUIC endpoint, served by its own thread). Default: [`NodeEntry::DEFAULT_LINK_OFFSET`]
+    /// ports above `addr`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub link_addr: Option<SocketAddr>,
     pub data_dir: PathBuf,
     pub socket: PathBuf,
     #[serde(default = "default_memory_mb")]
     pub memory_mb: u64,
+}
+
+impl NodeEntry {
+    /// How far above `addr`'s port the message link listens when `link_addr` is not given.
+    pub const DEFAULT_LINK_OFFSET: u16 = 100;
+
+    /// The message link's address (see [`NodeEntry::link_addr`]); `None` when the default
+    /// would pass port 65535.
+    pub fn link(&self) -> Option<SocketAddr> {
+        match self.link_addr {
+            Some(a) => Some(a),
+            None => {
+                let port = self.addr.port().checked_add(Self::DEFAULT_LINK_OFFSET)?;
+                Some(SocketAddr::new(self.addr.ip(), port))
+            }
+        }
+    }
 }
 
 fn default_memory_mb() -> u64 {
@@ -167,6 +191,16 @@ impl ClusterConfig {
             if !addrs.insert(n.addr) {
                 return Err(format!("address {} appears twice", n.addr));
             }
+            let Some(link) = n.link() else {
+                return Err(format!(
+                    "node {}: addr's port is too high for the default link_addr (port + {}); give link_addr",
+                    n.name,
+                    NodeEntry::DEFAULT_LINK_OFFSET
+                ));
+            };
+            if !addrs.insert(link) {
+                return Err(format!("address {link} (node {}'s link) appears twice", n.name));
+            }
             if n.memory_mb == 0 {
                 return Err(format!("node {}: memory_mb must be > 0", n.name));
             }
@@ -201,10 +235,17 @@ impl ClusterConfig {
         self.resolve(&self.cluster.cert_dir)
     }
 
-    /// The default local cluster: `nodes` daemons and `spares` spares on loopback.
+    /// The default local cluster: `nodes` daemons and `spares` spares on loopback, on the
+    /// `2 × (nodes + spares)` ports from `base_port`: first every node's `addr`, then every
+    /// node's `link_addr`.
     pub fn local(nodes: u32, spares: u32, memory_mb: u64, base_port: u16) -> ClusterConfig {
+        let total = nodes + spares;
         let entry = |name: String, i: u32| NodeEntry {
             addr: SocketAddr::from(([127, 0, 0, 1], base_port.wrapping_add(i as u16))),
+            link_addr: Some(SocketAddr::from((
+                [127, 0, 0, 1],
+                base_port.wrapping_add((total + i) as u16),
+            ))),
             data_dir: PathBuf::from("data").join(&name),
             socket: PathBuf::from("run").join(format!("{name}.sock")),
             memory_mb,
@@ -231,6 +272,24 @@ mod tests {
         back.base_dir = c.base_dir.clone();
         assert_eq!(back, c);
         assert_eq!(c.spares[0].addr.port(), 7404);
+        assert_eq!(c.nodes[1].link(), Some("127.0.0.1:7406".parse().unwrap()));
+    }
+
+    #[test]
+    fn link_addresses_default_and_must_not_collide() {
+        let mut c = ClusterConfig::local(2, 0, 512, 7400);
+        for n in &mut c.nodes {
+            n.link_addr = None;
+        }
+        c.validate().unwrap();
+        assert_eq!(c.nodes[0].link(), Some("127.0.0.1:7500".parse().unwrap()));
+        // A link on another node's address is refused.
+        c.nodes[0].link_addr = Some(c.nodes[1].addr);
+        assert!(c.validate().unwrap_err().contains("twice"), "{:?}", c.validate());
+        // No default above port 65435.
+        c.nodes[0].link_addr = None;
+        c.nodes[0].addr = "127.0.0.1:65500".parse().unwrap();
+        assert!(c.validate().unwrap_err().contains("link_addr"));
     }
 
     #[test]

@@ -112,12 +112,16 @@ pub enum Request {
     },
     /// Fault and transfer counters of this node's shared virtual memory.
     SvmStats,
-    /// `count` request/response round trips of `bytes` bytes each way with node `peer` over
-    /// the daemons' QUIC transport; answered by `Latencies` (nanoseconds).
+    /// `count` round trips of `bytes` bytes each way with node `peer`; answered by
+    /// `Latencies` (nanoseconds). Over the request transport (a request and its response), or
+    /// with `link`, over the message link (a one-way message and its one-way answer, as the
+    /// coherence protocol's messages travel).
     PeerPing {
         peer: String,
         bytes: u32,
         count: u32,
+        #[serde(default)]
+        link: bool,
     },
     /// `psls run`: starts `ranks` ranks of `program` over the cluster; answered by a stream of
     /// `RankOutput` and a final `JobDone`.

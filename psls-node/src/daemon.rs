@@ -89,19 +89,23 @@ pub async fn run(config: &Path, name: &str) -> Result<()> {
     let meta = MetaStore::open(meta_disk.as_ref()).with_context(|| format!("opening metadata in {}", dir.display()))?;
 
     let (server, client) = crate::tls::configs(&cfg.cert_dir(), name)?;
+    // Validation checked that every node has a link address.
+    let link_of = |n: &psls_ipc::config::NodeEntry| n.link().unwrap_or(n.addr);
     let peers = cfg
         .all()
         .filter(|n| n.name != name)
-        .map(|n| (n.name.clone(), n.addr))
+        .map(|n| (n.name.clone(), (n.addr, link_of(n))))
         .collect();
+    let known: Vec<String> = cfg.all().map(|n| n.name.clone()).collect();
     let reset_key = crate::tls::reset_key(&cfg.cert_dir(), name)?;
-    let net = Transport::bind(me.addr, server, client, reset_key, peers).map_err(|e| {
-        if e.kind() == std::io::ErrorKind::AddrInUse {
-            anyhow::anyhow!("cannot listen on {}: the port is in use", me.addr)
-        } else {
-            anyhow::anyhow!("cannot listen on {}: {e}", me.addr)
-        }
-    })?;
+    let net =
+        Transport::bind((me.addr, link_of(&me)), server, client, reset_key, peers, known.clone()).map_err(|e| {
+            if e.kind() == std::io::ErrorKind::AddrInUse {
+                anyhow::anyhow!("cannot listen on {} and {}: a port is in use", me.addr, link_of(&me))
+            } else {
+                anyhow::anyhow!("cannot listen on {} and {}: {e}", me.addr, link_of(&me))
+            }
+        })?;
     let socket = cfg.socket_path(&me);
     let listener = crate::ipc_server::bind(&socket)?;
 
@@ -114,8 +118,16 @@ pub async fn run(config: &Path, name: &str) -> Result<()> {
         net,
         Instant::now(),
     ));
-    let known: Arc<Vec<String>> = Arc::new(cfg.all().map(|n| n.name.clone()).collect());
-    tokio::spawn(transport::serve(node.net.endpoint().clone(), node.clone(), known));
+    tokio::spawn(transport::serve(
+        node.net.endpoint().clone(),
+        node.clone(),
+        Arc::new(known),
+    ));
+    let (link, handler) = (node.net.link.clone(), Arc::new(crate::node::LinkDelivery(node.clone())));
+    std::thread::Builder::new()
+        .name("psls-link".into())
+        .spawn(move || link.run(handler))
+        .context("starting the message link thread")?;
     // Learn the cluster's metadata before serving clients, so a restarted node never answers
     // from a stale namespace.
     // Disk figures go into every heartbeat: peers check free space with them.
@@ -133,6 +145,7 @@ pub async fn run(config: &Path, name: &str) -> Result<()> {
     }
     let _ = std::fs::remove_file(&socket);
     node.net.endpoint().close(0u32.into(), b"shutdown");
+    node.net.link.close();
     if let Err(e) = node.store.sync() {
         tracing::error!(node = name, error = %e, "final fsync failed");
     }

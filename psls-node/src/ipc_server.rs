@@ -717,7 +717,12 @@ async fn client(node: Arc<Node>, stream: UnixStream) -> anyhow::Result<()> {
                     Err(e) => err(e),
                 }
             }
-            Request::PeerPing { peer, bytes, count } => {
+            Request::PeerPing {
+                peer,
+                bytes,
+                count,
+                link,
+            } => {
                 if bytes > 1 << 20 || count == 0 || count > 100_000 || node.cfg.entry(&peer).is_none() {
                     err(OpError::new(
                         ErrorKind::Invalid,
@@ -729,6 +734,16 @@ async fn client(node: Arc<Node>, stream: UnixStream) -> anyhow::Result<()> {
                     let mut failure = None;
                     for _ in 0..count {
                         let t = std::time::Instant::now();
+                        if link {
+                            match link_ping(&node, &peer, payload.clone()).await {
+                                Ok(()) => out.push(t.elapsed().as_nanos() as u64),
+                                Err(e) => {
+                                    failure = Some(e);
+                                    break;
+                                }
+                            }
+                            continue;
+                        }
                         match node
                             .call_data(&peer, crate::peer::PeerReq::Echo, payload.clone(), node.request_timeout)
                             .await
@@ -907,6 +922,33 @@ pub fn status(node: &Node) -> ClusterStatus {
 
 #[allow(dead_code)]
 const _: () = assert!(MAX_FRAME > proto::CHUNK);
+
+/// One round trip over the message link: a `LinkPing` out, its `LinkPong` back.
+async fn link_ping(node: &Arc<Node>, peer: &str, payload: bytes::Bytes) -> Result<(), OpError> {
+    let id = node.next_link_ping.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    node.link_pings.lock().unwrap_or_else(|e| e.into_inner()).insert(id, tx);
+    let len = payload.len();
+    let r = match node.net.post(peer, &crate::peer::PeerReq::LinkPing { id }, payload) {
+        Err(e) => Err(e.into()),
+        Ok(()) => match tokio::time::timeout(node.request_timeout, rx).await {
+            Ok(Ok(n)) if n == len => Ok(()),
+            Ok(Ok(_)) => Err(OpError::new(
+                ErrorKind::Internal,
+                "link pong came back with another size",
+            )),
+            Ok(Err(_)) | Err(_) => Err(OpError::new(
+                ErrorKind::Unavailable,
+                format!(
+                    "no link pong from {peer} within {} ms",
+                    node.request_timeout.as_millis()
+                ),
+            )),
+        },
+    };
+    node.link_pings.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
+    r
+}
 
 #[cfg(test)]
 mod tests {

@@ -1,5 +1,6 @@
 //! `psls-node`: the daemon run on every cluster node. It is the I/O shell around the PSLS
-//! protocol and storage crates: QUIC with mutual TLS between nodes ([`transport`], [`tls`]),
+//! protocol and storage crates: QUIC with mutual TLS between nodes ([`transport`] for requests, [`link`] for one-way
+//! messages, [`tls`]),
 //! the Unix socket for local clients ([`ipc_server`]), heartbeats ([`membership`]), the
 //! mirrored parallel file system across nodes ([`pfs`]), the shared virtual memory fault
 //! service ([`svm`]), barriers and locks ([`sync`]), jobs of ranks ([`launcher`]), and the node state that ties them together ([`node`]).
@@ -7,6 +8,7 @@
 pub mod daemon;
 pub mod ipc_server;
 pub mod launcher;
+pub mod link;
 pub mod membership;
 pub mod node;
 pub mod peer;

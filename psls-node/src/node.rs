@@ -18,7 +18,7 @@ use psls_pfs::meta::{MetaOp, MetaState, MetaStore};
 use psls_pfs::MetaError;
 use psls_pfs::{PageRef, PageStore, Placement, ReadStatus, Role};
 use psls_svm::{FileId, NodeId, PAGE_SIZE};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -104,6 +104,9 @@ pub struct Node {
     pub waits: crate::sync::Waits,
     /// Jobs launched here and rank processes running here.
     pub jobs: crate::launcher::Jobs,
+    /// Message link round trips under way (`LinkPing` id → its waiter).
+    pub link_pings: Mutex<HashMap<u64, tokio::sync::oneshot::Sender<usize>>>,
+    pub next_link_ping: AtomicU64,
 }
 
 impl Node {
@@ -142,6 +145,8 @@ impl Node {
             sync: Mutex::new(crate::sync::SyncState::default()),
             waits: crate::sync::Waits::default(),
             jobs: crate::launcher::Jobs::default(),
+            link_pings: Mutex::new(HashMap::new()),
+            next_link_ping: AtomicU64::new(0),
         }
     }
 
@@ -528,7 +533,7 @@ impl Node {
             .heard(Instant::now(), peer, hb);
         if restarted {
             tracing::info!(node = %self.me.name, peer, "peer restarted with a new incarnation");
-            self.net.drop_connection(peer);
+            self.net.peer_restarted(peer);
         }
     }
 
@@ -855,10 +860,54 @@ impl Node {
                 self.svm.on_message(&self, env, payload);
                 Ok(PeerResp::Ok)
             }
+            PeerReq::LinkPing { .. } | PeerReq::LinkPong { .. } => {
+                Err(OpError::new(ErrorKind::Invalid, "link pings go over the message link"))
+            }
         };
         match r {
             Ok(resp) => (resp, out_payload),
             Err(e) => (peer_error(e), bytes::Bytes::new()),
+        }
+    }
+}
+
+/// Delivers the message link's messages to the node (on the link thread).
+pub struct LinkDelivery(pub Arc<Node>);
+
+impl crate::link::LinkHandler for LinkDelivery {
+    fn deliver(&self, from: &str, req: PeerReq, payload: bytes::Bytes) {
+        let node = &self.0;
+        match req {
+            PeerReq::Svm(env) => node.svm.on_message(node, env, payload),
+            req @ (PeerReq::BarrierArrive { .. }
+            | PeerReq::LockAcquire { .. }
+            | PeerReq::LockRelease { .. }
+            | PeerReq::SyncGone { .. }) => {
+                if let Err(e) = crate::sync::serve(node, req) {
+                    tracing::warn!(node = %node.name(), peer = from, error = %e, "barrier or lock message refused");
+                }
+            }
+            PeerReq::SyncDone { key, who, error } => {
+                let result = match error {
+                    None => Ok(()),
+                    Some((kind, message)) => Err(OpError::new(kind, message)),
+                };
+                crate::sync::resolve(node, &key, &who, result);
+            }
+            PeerReq::LinkPing { id } => {
+                if let Err(e) = node.net.post(from, &PeerReq::LinkPong { id }, payload) {
+                    tracing::warn!(node = %node.name(), peer = from, error = %e, "link pong not sent");
+                }
+            }
+            PeerReq::LinkPong { id } => {
+                let waiter = node.link_pings.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
+                if let Some(tx) = waiter {
+                    let _ = tx.send(payload.len());
+                }
+            }
+            other => {
+                tracing::warn!(node = %node.name(), peer = from, message = ?std::mem::discriminant(&other), "not a one-way message: dropped");
+            }
         }
     }
 }

@@ -166,6 +166,14 @@ pub enum PeerReq {
     },
     /// Answered with the payload it carries (transport round-trip measurements).
     Echo,
+    /// Message link round-trip measurement: answered by a `LinkPong` with the same id and
+    /// payload, posted back.
+    LinkPing {
+        id: u64,
+    },
+    LinkPong {
+        id: u64,
+    },
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]

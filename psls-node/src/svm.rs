@@ -652,7 +652,7 @@ impl SvmShell {
                 Outgoing::Send { to, env, payload } => {
                     let phys = node.physical_of(&node.meta_state(), to);
                     let req = PeerReq::Svm(env);
-                    if let Err(e) = node.net.post(&self.runtime, &phys, &req, payload, node.request_timeout) {
+                    if let Err(e) = node.net.post(&phys, &req, payload) {
                         tracing::warn!(node = %node.name(), peer = %phys, error = %e, "coherence message not sent");
                     }
                 }

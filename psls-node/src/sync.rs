@@ -214,16 +214,7 @@ pub async fn call(node: &Arc<Node>, req: PeerReq) -> Result<(), OpError> {
             if coord == node.name() {
                 return serve(node, req).map(|_| ());
             }
-            return node
-                .net
-                .post(
-                    &tokio::runtime::Handle::current(),
-                    &coord,
-                    &req,
-                    bytes::Bytes::new(),
-                    node.request_timeout,
-                )
-                .map_err(Into::into);
+            return node.net.post(&coord, &req, bytes::Bytes::new()).map_err(Into::into);
         }
         _ => {
             return match node
@@ -257,13 +248,7 @@ pub async fn call(node: &Arc<Node>, req: PeerReq) -> Result<(), OpError> {
             node.waits.lock().remove(&wait_key);
             return Err(e);
         }
-    } else if let Err(e) = node.net.post(
-        &tokio::runtime::Handle::current(),
-        &coord,
-        &req,
-        bytes::Bytes::new(),
-        node.request_timeout,
-    ) {
+    } else if let Err(e) = node.net.post(&coord, &req, bytes::Bytes::new()) {
         node.waits.lock().remove(&wait_key);
         return Err(e.into());
     }
@@ -302,13 +287,7 @@ fn deliver(node: &Arc<Node>, notices: Vec<Notice>) {
             who: who.clone(),
             error,
         };
-        if let Err(e) = node.net.post(
-            &tokio::runtime::Handle::current(),
-            &target,
-            &req,
-            bytes::Bytes::new(),
-            node.request_timeout,
-        ) {
+        if let Err(e) = node.net.post(&target, &req, bytes::Bytes::new()) {
             tracing::warn!(node = %node.name(), peer = %target, %who, error = %e, "sync notice not sent");
         }
     }

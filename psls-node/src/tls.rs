@@ -113,7 +113,12 @@ pub fn reset_key(dir: &Path, name: &str) -> Result<Arc<ring::hmac::Key>> {
 
 /// The node name in a verified peer certificate chain.
 pub fn peer_name(conn: &quinn::Connection) -> Option<String> {
-    let any = conn.peer_identity()?;
+    peer_name_of(conn.peer_identity())
+}
+
+/// The node name in a verified peer identity (a certificate chain), as QUIC reports it.
+pub fn peer_name_of(identity: Option<Box<dyn std::any::Any>>) -> Option<String> {
+    let any = identity?;
     let chain = any.downcast::<Vec<CertificateDer<'static>>>().ok()?;
     let (_, cert) = x509_parser::parse_x509_certificate(chain.first()?.as_ref()).ok()?;
     let san = cert.subject_alternative_name().ok()??;

@@ -2,12 +2,9 @@
 //! per request. Incoming connections are accepted only from certificates of the cluster CA; the
 //! peer's name comes from its certificate.
 //!
-//! One-way messages ([`Transport::post`]: the coherence protocol's) go on one long-lived
-//! unidirectional stream per peer, as length-prefixed frames, written by one task per peer
-//! that takes everything queued at once; the receiver handles a stream's frames in order on
-//! one task. No stream is opened and no task spawned per message: a message costs a queue
-//! push and its bytes. Delivery is in order and at most once: a batch whose write fails is
-//! dropped (the peer died or restarted; the protocol learns that from membership).
+//! One-way messages ([`Transport::post`]: the coherence protocol's, barriers', locks') do not
+//! go through here but through the node's message link ([`crate::link`]), a second QUIC
+//! endpoint driven without async tasks.
 
 use crate::peer::{self, PeerReq, PeerResp, MAX_PEER_MSG};
 use crate::tls;
@@ -33,40 +30,35 @@ pub enum NetError {
 /// rose ~40% over the 208 KiB default on loopback, where drops cost retransmissions).
 const UDP_BUFFER_BYTES: usize = 4 << 20;
 
-/// One-way messages written per batch, at most (and the queue is drained in such batches).
-const POST_BATCH: usize = 256;
-/// One-way messages queued for one peer, at most: a full queue means the peer has stopped
-/// reading for a long time; the message is refused (and logged by the caller) rather than
-/// memory growing without bound.
-const POST_QUEUE: usize = 1 << 16;
-
-/// A one-way message waiting for its peer's writer task.
-struct Posted {
-    /// Frame length prefix and encoded header.
-    head: bytes::Bytes,
-    payload: bytes::Bytes,
-}
-
 pub struct Transport {
     endpoint: quinn::Endpoint,
     addrs: HashMap<String, SocketAddr>,
     conns: Mutex<HashMap<String, quinn::Connection>>,
     dial: HashMap<String, tokio::sync::Mutex<()>>,
-    /// Per peer, the queue of its writer task (started on the first post).
-    outboxes: Mutex<HashMap<String, tokio::sync::mpsc::Sender<Posted>>>,
-    /// One-way messages queued for sending since start.
-    posted: std::sync::atomic::AtomicU64,
+    /// One-way messages.
+    pub link: Arc<crate::link::Link>,
 }
 
 impl Transport {
-    /// Binds the node's UDP address.
+    /// Binds the node's UDP addresses: `addr` for requests, `link` for one-way messages.
+    /// `peers`: every other node's two addresses; `known`: every node name of the cluster.
     pub fn bind(
-        addr: SocketAddr,
+        (addr, link): (SocketAddr, SocketAddr),
         server: quinn::ServerConfig,
         client: quinn::ClientConfig,
         reset_key: Arc<ring::hmac::Key>,
-        peers: HashMap<String, SocketAddr>,
+        peers: HashMap<String, (SocketAddr, SocketAddr)>,
+        known: Vec<String>,
     ) -> std::io::Result<Transport> {
+        let link = crate::link::Link::bind(
+            link,
+            server.clone(),
+            client.clone(),
+            reset_key.clone(),
+            peers.iter().map(|(k, v)| (k.clone(), v.1)).collect(),
+            known,
+        )?;
+        let peers: HashMap<String, SocketAddr> = peers.into_iter().map(|(k, v)| (k, v.0)).collect();
         let socket = std::net::UdpSocket::bind(addr)?;
         // Bigger socket buffers than the default 208 KiB, so bursts of large datagrams are not
         // dropped (the kernel caps them at net.core.[rw]mem_max).
@@ -85,15 +77,14 @@ impl Transport {
             addrs: peers,
             conns: Mutex::new(HashMap::new()),
             dial,
-            outboxes: Mutex::new(HashMap::new()),
-            posted: std::sync::atomic::AtomicU64::new(0),
+            link: Arc::new(link),
         })
     }
 
     /// One-way messages (the coherence protocol's, barriers', locks') queued for sending
     /// since start.
     pub fn posted(&self) -> u64 {
-        self.posted.load(std::sync::atomic::Ordering::Relaxed)
+        self.link.posted()
     }
 
     pub fn endpoint(&self) -> &quinn::Endpoint {
@@ -156,113 +147,10 @@ impl Transport {
         .await
     }
 
-    /// Queues `req` with `payload` for `peer` as a one-way message and returns at once (see
-    /// the module documentation for delivery). Must be called within the tokio runtime's
-    /// reach (it may start the peer's writer task on it).
-    pub fn post(
-        self: &Arc<Self>,
-        runtime: &tokio::runtime::Handle,
-        peer: &str,
-        req: &PeerReq,
-        payload: bytes::Bytes,
-        timeout: Duration,
-    ) -> Result<(), NetError> {
-        if !self.addrs.contains_key(peer) {
-            return Err(NetError::UnknownPeer(peer.into()));
-        }
-        let header = peer::encode_header(req);
-        let len = header.len() + payload.len();
-        if len > MAX_PEER_MSG {
-            return Err(NetError::BadResponse {
-                peer: peer.into(),
-                message: format!("one-way message of {len} bytes exceeds {MAX_PEER_MSG}"),
-            });
-        }
-        let mut head = Vec::with_capacity(4 + header.len());
-        head.extend_from_slice(&(len as u32).to_le_bytes());
-        head.extend_from_slice(&header);
-        let mut msg = Posted {
-            head: head.into(),
-            payload,
-        };
-        let mut boxes = self.outboxes.lock().unwrap_or_else(|e| e.into_inner());
-        // At most twice: a writer task that ended (runtime shutting down) is replaced once.
-        for _ in 0..2 {
-            let tx = boxes.entry(peer.to_string()).or_insert_with(|| {
-                let (tx, rx) = tokio::sync::mpsc::channel(POST_QUEUE);
-                runtime.spawn(self.clone().pump(peer.to_string(), rx, timeout));
-                tx
-            });
-            match tx.try_send(msg) {
-                Ok(()) => {
-                    self.posted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    return Ok(());
-                }
-                Err(tokio::sync::mpsc::error::TrySendError::Full(_)) => {
-                    return Err(unreachable(
-                        peer,
-                        &format!("{POST_QUEUE} one-way messages already queued"),
-                    ));
-                }
-                Err(tokio::sync::mpsc::error::TrySendError::Closed(back)) => {
-                    msg = back;
-                    boxes.remove(peer);
-                }
-            }
-        }
-        Err(unreachable(peer, &"its writer task is gone"))
-    }
-
-    /// The writer task of `peer`'s one-way messages.
-    async fn pump(self: Arc<Self>, peer: String, mut rx: tokio::sync::mpsc::Receiver<Posted>, timeout: Duration) {
-        let mut stream: Option<(quinn::Connection, quinn::SendStream)> = None;
-        let mut batch: Vec<Posted> = Vec::with_capacity(POST_BATCH);
-        while let Some(first) = rx.recv().await {
-            batch.push(first);
-            while batch.len() < POST_BATCH {
-                match rx.try_recv() {
-                    Ok(m) => batch.push(m),
-                    Err(_) => break,
-                }
-            }
-            let mut chunks: Vec<bytes::Bytes> = Vec::with_capacity(2 * batch.len());
-            for m in batch.drain(..) {
-                chunks.push(m.head);
-                if !m.payload.is_empty() {
-                    chunks.push(m.payload);
-                }
-            }
-            // A stream on a connection known to be closed is replaced before writing.
-            if stream.as_ref().is_some_and(|(c, _)| c.close_reason().is_some()) {
-                stream = None;
-            }
-            let n = chunks.len();
-            let write = async {
-                if stream.is_none() {
-                    let conn = self.connection(&peer).await?;
-                    let send = conn.open_uni().await.map_err(|e| unreachable(&peer, &e))?;
-                    stream = Some((conn, send));
-                }
-                let (_, send) = stream.as_mut().expect("opened above");
-                send.write_all_chunks(&mut chunks)
-                    .await
-                    .map_err(|e| unreachable(&peer, &e))
-            };
-            let r = match tokio::time::timeout(timeout, write).await {
-                Ok(r) => r,
-                Err(_) => Err(NetError::Timeout {
-                    peer: peer.clone(),
-                    ms: timeout.as_millis() as u64,
-                }),
-            };
-            if let Err(e) = r {
-                tracing::warn!(peer = %peer, error = %e, messages = n, "one-way messages dropped");
-                if let Some((c, _)) = stream.take() {
-                    c.close(0u32.into(), b"reset");
-                }
-                self.drop_connection(&peer);
-            }
-        }
+    /// Sends `req` with `payload` to `peer` as a one-way message over the message link and
+    /// returns at once (see [`crate::link`] for delivery).
+    pub fn post(&self, peer: &str, req: &PeerReq, payload: bytes::Bytes) -> Result<(), NetError> {
+        self.link.post(peer, req, payload)
     }
 
     /// Runs `talk` on the connection to `peer` within `timeout`. A timeout or a broken
@@ -290,7 +178,14 @@ impl Transport {
         r
     }
 
-    /// Forgets the cached connection to `peer` (after it restarted, say).
+    /// `peer` restarted: forgets both cached connections to it (messages still queued on the
+    /// link were for its previous incarnation).
+    pub fn peer_restarted(&self, peer: &str) {
+        self.link.drop_peer(peer);
+        self.drop_connection(peer);
+    }
+
+    /// Forgets the cached request connection to `peer` (it timed out or broke).
     pub fn drop_connection(&self, peer: &str) {
         if let Some(c) = self.conns.lock().unwrap_or_else(|e| e.into_inner()).remove(peer) {
             c.close(0u32.into(), b"reset");
@@ -351,48 +246,6 @@ fn gather_aligned(chunks: &[bytes::Bytes], total: usize) -> bytes::Bytes {
     bytes::Bytes::from_owner(buf).slice(pad..)
 }
 
-/// Handles the one-way messages of one stream in order until it ends.
-async fn read_posts<H: Handler>(mut recv: quinn::RecvStream, handler: Arc<H>, name: String) {
-    loop {
-        let mut prefix = [0u8; 4];
-        match recv.read_exact(&mut prefix).await {
-            Ok(()) => {}
-            Err(quinn::ReadExactError::FinishedEarly(0)) => return,
-            Err(e) => {
-                tracing::debug!(peer = %name, error = %e, "one-way message stream ended");
-                return;
-            }
-        }
-        let len = u32::from_le_bytes(prefix) as usize;
-        if len > MAX_PEER_MSG {
-            tracing::warn!(peer = %name, len, "one-way message too large; stream dropped");
-            let _ = recv.stop(1u32.into());
-            return;
-        }
-        let mut body = bytes::BytesMut::with_capacity(len);
-        while body.len() < len {
-            match recv.read_chunk(len - body.len(), true).await {
-                Ok(Some(c)) => body.extend_from_slice(&c.bytes),
-                Ok(None) => {
-                    tracing::warn!(peer = %name, "one-way message stream ended inside a message");
-                    return;
-                }
-                Err(e) => {
-                    tracing::debug!(peer = %name, error = %e, "one-way message stream ended");
-                    return;
-                }
-            }
-        }
-        match peer::decode::<PeerReq>(body.freeze()) {
-            Ok((req, payload)) => {
-                handler.clone().handle(name.clone(), req, payload).await;
-            }
-            // The frame boundary is known, so the next message is still read.
-            Err(e) => tracing::warn!(peer = %name, error = %e, "dropped malformed one-way message"),
-        }
-    }
-}
-
 /// A stream to `peer` broke.
 fn unreachable(peer: &str, e: &dyn std::fmt::Display) -> NetError {
     NetError::Unreachable {
@@ -440,9 +293,9 @@ pub async fn serve<H: Handler>(endpoint: quinn::Endpoint, handler: Arc<H>, known
                         Err(_) => return,
                     },
                     uni = conn.accept_uni() => match uni {
-                        Ok(recv) => {
-                            // A stream of one-way messages: handled in order, never answered.
-                            tokio::spawn(read_posts(recv, handler.clone(), name.clone()));
+                        Ok(mut recv) => {
+                            // One-way messages come over the message link, not here.
+                            let _ = recv.stop(1u32.into());
                             continue;
                         }
                         Err(_) => return,

@@ -36,7 +36,10 @@ fn free_addr() -> SocketAddr {
 fn transport(certs: &std::path::Path, me: &str, addr: SocketAddr, peers: HashMap<String, SocketAddr>) -> Transport {
     let (server, client) = psls_node::tls::configs(certs, me).unwrap();
     let key = psls_node::tls::reset_key(certs, me).unwrap();
-    Transport::bind(addr, server, client, key, peers).unwrap()
+    // The message link (a second endpoint) is not under test here: any free port will do.
+    let peers = peers.into_iter().map(|(k, a)| (k, (a, free_addr()))).collect();
+    let known = vec!["n0".to_string(), "n1".to_string()];
+    Transport::bind((addr, free_addr()), server, client, key, peers, known).unwrap()
 }
 
 /// A raw QUIC stream exchange as node `me` (certs from `certs`) with the server at `addr`.

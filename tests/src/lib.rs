@@ -39,7 +39,7 @@ static NEXT: AtomicU32 = AtomicU32::new(0);
 fn free_ports(count: u16) -> u16 {
     loop {
         let k = NEXT.fetch_add(1, Ordering::SeqCst);
-        let base = 20000 + ((std::process::id() % 400) * 80 + k * 8) as u16 % 40000;
+        let base = 20000 + ((std::process::id() % 400) * 160 + k * 16) as u16 % 40000;
         let ok = (0..count).all(|i| std::net::UdpSocket::bind(("127.0.0.1", base + i)).is_ok());
         if ok {
             return base;
@@ -60,7 +60,7 @@ impl Cluster {
     pub fn init(nodes: u32, spares: u32, tune: impl FnOnce(&mut ClusterConfig)) -> Cluster {
         let tmp = tempfile::tempdir().expect("tempdir");
         let dir = tmp.path().join("c");
-        let base = free_ports((nodes + spares) as u16);
+        let base = free_ports(2 * (nodes + spares) as u16);
         let c = Cluster {
             tmp,
             dir,

@@ -6,7 +6,9 @@
 //!
 //! next to, measured in the same run: a bare userfaultfd round trip (a minimal in-process
 //! handler resolving a memfd mapping's faults like the daemon does: pwrite, then
-//! `UFFDIO_CONTINUE`) and a 4 KiB request/response over the daemons' own QUIC transport.
+//! `UFFDIO_CONTINUE`) and 4 KiB round trips over the daemons' own QUIC transports: over the
+//! message link, which the faults' messages travel on (the remote-fault target is set against
+//! this one), and, for reference, a request and its response over the request transport.
 //! Prints p50/p99 of each, the targets, and one JSON line. The measurements run in rounds
 //! (default 5 of 1000 pages); each round's faults are set against that round's baselines and
 //! the ratios reported are the medians over rounds. On this VM a fault round trip is bimodal,
@@ -223,11 +225,12 @@ fn main() -> Result<()> {
 
 /// One round: every kind of fault on fresh files (suffix `round`), with both baselines.
 /// Per-kind latencies (ns) in the order of [`KINDS`].
-fn round(exe: &Path, cdir: &Path, pages: usize, round: usize) -> Result<[Vec<u64>; 7]> {
+fn round(exe: &Path, cdir: &Path, pages: usize, round: usize) -> Result<[Vec<u64>; 8]> {
     let f = |name: &str| format!("{name}-{round}");
     let bare = bare_uffd(pages, false)?;
     let bare_other = bare_uffd(pages, true)?;
-    let quic = psls_client::cluster::connect(cdir, Some("n0"))?.peer_ping("n1", 4096, pages as u32)?;
+    let quic = psls_client::cluster::connect(cdir, Some("n0"))?.peer_ping("n1", 4096, pages as u32, false)?;
+    let link = psls_client::cluster::connect(cdir, Some("n0"))?.peer_ping("n1", 4096, pages as u32, true)?;
     // Local read: another process on n0 brought every page to n0 first.
     run_child(exe, cdir, "n0", "read", &f("fb-lr"), pages)?;
     let local_read = run_child(exe, cdir, "n0", "mread", &f("fb-lr"), pages)?;
@@ -250,11 +253,13 @@ fn round(exe: &Path, cdir: &Path, pages: usize, round: usize) -> Result<[Vec<u64
         remote_read,
         inval_write,
         bare_other,
+        link,
     ])
 }
 
-const KINDS: [&str; 7] = [
+const KINDS: [&str; 8] = [
     "bare_uffd",
+    // The request transport: a request and its response (reference).
     "quic_4k_rtt",
     "local_read_fault",
     "local_write_fault",
@@ -263,25 +268,27 @@ const KINDS: [&str; 7] = [
     // Not a target's baseline: what the same handler costs from another process, as the
     // daemon serves its clients (the local-fault target compares with the in-process one).
     "bare_uffd_other_process",
+    // The message link: a one-way message and its one-way answer, as faults' messages travel.
+    "link_4k_rtt",
 ];
 
 fn measure(exe: &Path, cdir: &Path, pages: usize, rounds: usize) -> Result<()> {
     // Rounds interleave the baselines with the faults, so that drift in machine load hits
     // both alike; each round's faults are compared with that round's baselines, and the
     // ratios reported are the medians over rounds.
-    let mut all: [Vec<u64>; 7] = Default::default();
+    let mut all: [Vec<u64>; 8] = Default::default();
     // Per round: local read / bare, local write / bare, remote read / target, write / target,
     // local read / bare from another process.
     let mut ratios: [Vec<f64>; 5] = Default::default();
     for r in 0..rounds {
         let mut v = round(exe, cdir, pages, r)?;
         let p = |v: &mut Vec<u64>| pct(v, 0.5);
-        let (b, q) = (p(&mut v[0]), p(&mut v[1]));
-        let target = b + 1.5 * q;
+        let (b, q, l) = (p(&mut v[0]), p(&mut v[1]), p(&mut v[7]));
+        let target = b + 1.5 * l;
         let (lr, lw, rr, wi) = (p(&mut v[2]), p(&mut v[3]), p(&mut v[4]), p(&mut v[5]));
         let bo = p(&mut v[6]);
         eprintln!(
-            "round {}: bare {b:.1} (other process {bo:.1}), quic rtt {q:.1}; local read {lr:.1}, write {lw:.1}; remote read {rr:.1}, invalidating write {wi:.1} (µs, p50)",
+            "round {}: bare {b:.1} (other process {bo:.1}), link rtt {l:.1} (request rtt {q:.1}); local read {lr:.1}, write {lw:.1}; remote read {rr:.1}, invalidating write {wi:.1} (µs, p50)",
             r + 1
         );
         for (k, x) in [lr / b, lw / b, rr / target, wi / target, lr / bo]
@@ -296,7 +303,7 @@ fn measure(exe: &Path, cdir: &Path, pages: usize, rounds: usize) -> Result<()> {
     }
     let mut json = serde_json::Map::new();
     println!("Fault latency, local 4-node cluster, {rounds} rounds (µs; p50 / p99 of all samples)");
-    let mut p50 = [0f64; 7];
+    let mut p50 = [0f64; 8];
     for (k, name) in KINDS.iter().enumerate() {
         let v = &mut all[k];
         let (a, z) = (pct(v, 0.5), pct(v, 0.99));
@@ -311,7 +318,7 @@ fn measure(exe: &Path, cdir: &Path, pages: usize, rounds: usize) -> Result<()> {
     println!("Targets (median over rounds of each round's p50 against that round's baselines):");
     println!("  local fault  <= 1.3 x bare uffd:              read {lr:.2}x, write {lw:.2}x");
     println!("  (local read against the bare handler in another process: {lro:.2}x)");
-    println!("  remote fault <= bare + 1.5 x QUIC RTT (= 1.0): read {rr:.2}, invalidating write {wi:.2}");
+    println!("  remote fault <= bare + 1.5 x link RTT (= 1.0): read {rr:.2}, invalidating write {wi:.2}");
     json.insert("bench".into(), serde_json::json!("faults"));
     json.insert("rounds".into(), serde_json::json!(rounds));
     json.insert("local_read_ratio".into(), serde_json::json!(lr));
@@ -319,7 +326,7 @@ fn measure(exe: &Path, cdir: &Path, pages: usize, rounds: usize) -> Result<()> {
     json.insert("local_read_vs_other_process".into(), serde_json::json!(lro));
     json.insert("remote_read_of_target".into(), serde_json::json!(rr));
     json.insert("invalidating_write_of_target".into(), serde_json::json!(wi));
-    json.insert("remote_target_us".into(), serde_json::json!(p50[0] + 1.5 * p50[1]));
+    json.insert("remote_target_us".into(), serde_json::json!(p50[0] + 1.5 * p50[7]));
     println!("{}", serde_json::Value::Object(json));
     Ok(())
 }
