@@ -126,7 +126,14 @@ pub async fn run(config: &Path, name: &str) -> Result<()> {
     let (link, handler) = (node.net.link.clone(), Arc::new(crate::node::LinkDelivery(node.clone())));
     std::thread::Builder::new()
         .name("psls-link".into())
-        .spawn(move || link.run(handler))
+        .spawn(move || {
+            // Fail-stop: a node whose link thread died would still heartbeat but lose every
+            // coherence, barrier and lock message; better to end the daemon and be seen down.
+            if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| link.run(handler))).is_err() {
+                tracing::error!("the message link thread panicked: stopping the daemon");
+                std::process::exit(70);
+            }
+        })
         .context("starting the message link thread")?;
     // Learn the cluster's metadata before serving clients, so a restarted node never answers
     // from a stale namespace.

@@ -273,8 +273,9 @@ impl Link {
     /// The link thread: until [`Link::close`], reads datagrams, runs timers and delivers
     /// messages to `handler`.
     pub fn run(self: Arc<Self>, handler: Arc<dyn LinkHandler>) {
-        let mut rx = vec![0u8; DATAGRAM_BYTES];
+        let mut rx = RecvBatch::new();
         let mut inbox: Vec<(String, PeerReq, Bytes)> = Vec::new();
+        let mut touched: Vec<ConnectionHandle> = Vec::new();
         loop {
             let timeout = {
                 let mut g = self.lock();
@@ -289,24 +290,44 @@ impl Link {
             let now = Instant::now();
             let mut guard = self.lock();
             let g = &mut *guard;
-            for _ in 0..DATAGRAMS_PER_WAKE {
-                match self.socket.recv_from(&mut rx) {
-                    Ok((n, from)) => self.on_datagram(g, now, from, &rx[..n]),
+            let mut read = 0;
+            while read < DATAGRAMS_PER_WAKE {
+                match rx.recv(&self.socket) {
+                    Ok(n) => {
+                        for k in 0..n {
+                            let (from, data) = rx.get(k);
+                            if let Some(ch) = self.on_datagram(g, now, from, data) {
+                                touched.push(ch);
+                            }
+                        }
+                        read += n;
+                        // A short batch drained the socket.
+                        if n < RECV_BATCH {
+                            break;
+                        }
+                    }
                     Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
                     // ICMP errors (a peer's port closed) surface here; QUIC recovers or times out.
                     Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => continue,
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
                     Err(e) => {
                         tracing::warn!(error = %e, "message link: receiving failed");
                         break;
                     }
                 }
             }
-            let handles: Vec<ConnectionHandle> = g.conns.keys().copied().collect();
-            for ch in handles {
-                let Some(c) = g.conns.get_mut(&ch) else { continue };
+            // Only connections that got datagrams or whose timer is due have anything to do:
+            // senders on other threads drive their connection themselves.
+            for (&ch, c) in g.conns.iter_mut() {
                 if c.conn.poll_timeout().is_some_and(|t| t <= now) {
                     c.conn.handle_timeout(now);
+                    touched.push(ch);
                 }
+            }
+            touched.sort_unstable();
+            touched.dedup();
+            for ch in touched.drain(..) {
+                let Some(c) = g.conns.get_mut(&ch) else { continue };
                 self.events(c, now, &mut inbox);
                 drive(&mut g.ep, ch, c, now, &self.socket, &mut g.tx);
                 if c.conn.is_drained() {
@@ -356,13 +377,14 @@ impl Link {
         }
     }
 
-    fn on_datagram(&self, g: &mut Inner, now: Instant, from: SocketAddr, data: &[u8]) {
+    /// Hands one datagram to the endpoint; the connection it concerns, if any.
+    fn on_datagram(&self, g: &mut Inner, now: Instant, from: SocketAddr, data: &[u8]) -> Option<ConnectionHandle> {
         let mut out = Vec::new();
         match g.ep.handle(now, from, None, None, BytesMut::from(data), &mut out) {
             Some(DatagramEvent::ConnectionEvent(ch, ev)) => {
-                if let Some(c) = g.conns.get_mut(&ch) {
-                    c.conn.handle_event(ev);
-                }
+                let c = g.conns.get_mut(&ch)?;
+                c.conn.handle_event(ev);
+                Some(ch)
             }
             Some(DatagramEvent::NewConnection(incoming)) => match g.ep.accept(incoming, now, &mut out, None) {
                 Ok((ch, conn)) => {
@@ -378,16 +400,21 @@ impl Link {
                             dead: false,
                         },
                     );
+                    Some(ch)
                 }
                 Err(e) => {
                     tracing::warn!(%from, error = %e.cause, "message link: refused a connection");
                     if let Some(t) = e.response {
                         send(&self.socket, &out[..t.size], t.destination);
                     }
+                    None
                 }
             },
-            Some(DatagramEvent::Response(t)) => send(&self.socket, &out[..t.size], t.destination),
-            None => {}
+            Some(DatagramEvent::Response(t)) => {
+                send(&self.socket, &out[..t.size], t.destination);
+                None
+            }
+            None => None,
         }
     }
 
@@ -557,6 +584,98 @@ fn drive(ep: &mut Endpoint, ch: ConnectionHandle, c: &mut Conn, now: Instant, so
             break;
         };
         send(socket, &tx[..t.size], t.destination);
+    }
+}
+
+/// Datagrams taken per `recvmmsg`.
+const RECV_BATCH: usize = 16;
+
+/// Buffers for taking up to [`RECV_BATCH`] datagrams with one `recvmmsg`.
+struct RecvBatch {
+    bufs: Vec<u8>,
+    addrs: Vec<libc::sockaddr_storage>,
+    lens: [usize; RECV_BATCH],
+}
+
+impl RecvBatch {
+    fn new() -> RecvBatch {
+        RecvBatch {
+            bufs: vec![0u8; RECV_BATCH * DATAGRAM_BYTES],
+            // SAFETY: sockaddr_storage is plain data; all zeros is a valid (empty) value.
+            addrs: vec![unsafe { std::mem::zeroed() }; RECV_BATCH],
+            lens: [0; RECV_BATCH],
+        }
+    }
+
+    /// Takes up to [`RECV_BATCH`] datagrams without blocking; how many.
+    fn recv(&mut self, socket: &UdpSocket) -> std::io::Result<usize> {
+        let mut iovs: Vec<libc::iovec> = self
+            .bufs
+            .chunks_mut(DATAGRAM_BYTES)
+            .map(|b| libc::iovec {
+                iov_base: b.as_mut_ptr().cast(),
+                iov_len: b.len(),
+            })
+            .collect();
+        // SAFETY: mmsghdr is plain data; all zeros is valid before the fields are set below.
+        let mut hdrs: [libc::mmsghdr; RECV_BATCH] = unsafe { std::mem::zeroed() };
+        for (k, h) in hdrs.iter_mut().enumerate() {
+            h.msg_hdr.msg_name = (&mut self.addrs[k] as *mut libc::sockaddr_storage).cast();
+            h.msg_hdr.msg_namelen = std::mem::size_of::<libc::sockaddr_storage>() as libc::socklen_t;
+            h.msg_hdr.msg_iov = &mut iovs[k];
+            h.msg_hdr.msg_iovlen = 1;
+        }
+        // SAFETY: RECV_BATCH headers, each pointing at its own live address slot and one
+        // iovec over its own DATAGRAM_BYTES of `bufs`; all outlive the call.
+        let n = unsafe {
+            libc::recvmmsg(
+                socket.as_raw_fd(),
+                hdrs.as_mut_ptr(),
+                RECV_BATCH as libc::c_uint,
+                libc::MSG_DONTWAIT,
+                std::ptr::null_mut(),
+            )
+        };
+        if n < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let n = n as usize;
+        for (k, h) in hdrs.iter().enumerate().take(n) {
+            self.lens[k] = h.msg_len as usize;
+        }
+        Ok(n)
+    }
+
+    /// Datagram `k` of the last batch: its sender and bytes.
+    fn get(&self, k: usize) -> (SocketAddr, &[u8]) {
+        let data = &self.bufs[k * DATAGRAM_BYTES..k * DATAGRAM_BYTES + self.lens[k]];
+        (sockaddr_to(&self.addrs[k]), data)
+    }
+}
+
+/// The socket address in `s` (unspecified for a family other than IPv4 or IPv6; QUIC then
+/// finds no connection for it).
+fn sockaddr_to(s: &libc::sockaddr_storage) -> SocketAddr {
+    match s.ss_family as libc::c_int {
+        libc::AF_INET => {
+            // SAFETY: the family says the storage holds a sockaddr_in.
+            let a = unsafe { &*(s as *const libc::sockaddr_storage).cast::<libc::sockaddr_in>() };
+            SocketAddr::from((
+                std::net::Ipv4Addr::from(u32::from_be(a.sin_addr.s_addr)),
+                u16::from_be(a.sin_port),
+            ))
+        }
+        libc::AF_INET6 => {
+            // SAFETY: the family says the storage holds a sockaddr_in6.
+            let a = unsafe { &*(s as *const libc::sockaddr_storage).cast::<libc::sockaddr_in6>() };
+            SocketAddr::V6(std::net::SocketAddrV6::new(
+                std::net::Ipv6Addr::from(a.sin6_addr.s6_addr),
+                u16::from_be(a.sin6_port),
+                a.sin6_flowinfo,
+                a.sin6_scope_id,
+            ))
+        }
+        _ => SocketAddr::from(([0, 0, 0, 0], 0)),
     }
 }
 

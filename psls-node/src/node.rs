@@ -174,7 +174,32 @@ impl Node {
     }
 
     pub fn physical_of(&self, st: &MetaState, logical: NodeId) -> String {
-        self.logical_map(st).get(&logical.0).cloned().unwrap_or_default()
+        if st.logical.is_empty() {
+            return self
+                .cfg
+                .nodes
+                .get(logical.0 as usize)
+                .map(|n| n.name.clone())
+                .unwrap_or_default();
+        }
+        st.logical.get(&logical.0).cloned().unwrap_or_default()
+    }
+
+    /// The physical node holding `logical` now: [`Node::physical_of`] on the current
+    /// metadata, without copying it (every coherence message asks).
+    pub fn physical_now(&self, logical: NodeId) -> String {
+        let m = self.meta.lock().unwrap_or_else(|e| e.into_inner());
+        self.physical_of(m.state(), logical)
+    }
+
+    /// [`Node::coordinator`] on the current metadata, without copying it (every barrier and
+    /// lock call asks).
+    pub fn coordinator_now(&self) -> Option<(u32, String)> {
+        let map = {
+            let m = self.meta.lock().unwrap_or_else(|e| e.into_inner());
+            self.logical_map(m.state())
+        };
+        map.into_iter().find(|(_, p)| self.is_live(p))
     }
 
     pub fn my_logical(&self, st: &MetaState) -> Option<NodeId> {

@@ -650,7 +650,7 @@ impl SvmShell {
         for o in out {
             match o {
                 Outgoing::Send { to, env, payload } => {
-                    let phys = node.physical_of(&node.meta_state(), to);
+                    let phys = node.physical_now(to);
                     let req = PeerReq::Svm(env);
                     if let Err(e) = node.net.post(&phys, &req, payload) {
                         tracing::warn!(node = %node.name(), peer = %phys, error = %e, "coherence message not sent");

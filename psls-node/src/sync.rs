@@ -203,8 +203,7 @@ impl Waits {
 /// A rank's barrier or lock call: waits for its notice. Releases (and `SyncGone`) are
 /// request/response; arrivals and acquires are posted and answered by a `SyncDone`.
 pub async fn call(node: &Arc<Node>, req: PeerReq) -> Result<(), OpError> {
-    let st = node.meta_state();
-    let Some((_, coord)) = node.coordinator(&st) else {
+    let Some((_, coord)) = node.coordinator_now() else {
         return Err(OpError::new(ErrorKind::Unavailable, "no coordinator is up"));
     };
     let wait_key = match &req {
@@ -260,7 +259,7 @@ pub async fn call(node: &Arc<Node>, req: PeerReq) -> Result<(), OpError> {
                 return r.unwrap_or_else(|_| Err(OpError::new(ErrorKind::Unavailable, "the wait was cancelled")));
             }
             _ = tokio::time::sleep(check) => {
-                let now = node.coordinator(&node.meta_state()).map(|(_, c)| c);
+                let now = node.coordinator_now().map(|(_, c)| c);
                 if now.as_deref() != Some(coord.as_str()) {
                     node.waits.lock().remove(&wait_key);
                     return Err(OpError::new(
