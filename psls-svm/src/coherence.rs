@@ -1206,9 +1206,8 @@ impl Svm {
                 source,
                 implied,
             });
-            for c in invals {
-                self.send(c, Msg::Inval { page, txn });
-            }
+            // The forward first: its path (owner, then the page's bytes to the requester) is
+            // the longest, and the shell sends in this order.
             if let Source::Owner(o, _) = source {
                 self.send(
                     o,
@@ -1220,6 +1219,9 @@ impl Svm {
                         grant: implied,
                     },
                 );
+            }
+            for c in invals {
+                self.send(c, Msg::Inval { page, txn });
             }
             if !implied {
                 self.send(
