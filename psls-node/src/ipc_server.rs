@@ -781,6 +781,7 @@ async fn client(node: Arc<Node>, stream: UnixStream) -> anyhow::Result<()> {
                         ("joined_reads".into(), st.joined_reads),
                         ("implied_grants".into(), st.implied_grants),
                         ("posted_messages".into(), node.net.posted()),
+                        ("link_datagrams".into(), node.net.link.datagrams()),
                     ],
                 }
             }

@@ -97,6 +97,7 @@ pub struct Link {
     addrs: HashMap<String, SocketAddr>,
     known: Vec<String>,
     posted: AtomicU64,
+    datagrams: AtomicU64,
 }
 
 impl Link {
@@ -144,6 +145,7 @@ impl Link {
             addrs: peers,
             known,
             posted: AtomicU64::new(0),
+            datagrams: AtomicU64::new(0),
         })
     }
 
@@ -154,6 +156,15 @@ impl Link {
     /// Messages posted since start.
     pub fn posted(&self) -> u64 {
         self.posted.load(Ordering::Relaxed)
+    }
+
+    /// Datagrams sent since start (messages, acknowledgements, handshakes, keep-alives).
+    pub fn datagrams(&self) -> u64 {
+        self.datagrams.load(Ordering::Relaxed)
+    }
+
+    fn sent(&self, n: u64) {
+        self.datagrams.fetch_add(n, Ordering::Relaxed);
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner> {
@@ -217,13 +228,13 @@ impl Link {
             c.queue.push_back(payload);
         }
         write_queue(c);
-        drive(&mut g.ep, ch, c, now, &self.socket, &mut g.tx);
+        self.posted.fetch_add(1, Ordering::Relaxed);
+        self.sent(drive(&mut g.ep, ch, c, now, &self.socket, &mut g.tx));
         let wake = match (c.conn.poll_timeout(), g.sleeping_until) {
             (Some(t), Some(s)) => t < s,
             (Some(_), None) => true,
             (None, _) => false,
         };
-        self.posted.fetch_add(1, Ordering::Relaxed);
         if wake {
             g.sleeping_until = c.conn.poll_timeout();
             self.wake();
@@ -242,7 +253,7 @@ impl Link {
                 c.dead = true;
                 c.queue.clear();
                 c.conn.close(now, 0u32.into(), Bytes::from_static(b"reset"));
-                drive(&mut g.ep, ch, c, now, &self.socket, &mut g.tx);
+                self.sent(drive(&mut g.ep, ch, c, now, &self.socket, &mut g.tx));
             }
         }
         drop(guard);
@@ -257,7 +268,7 @@ impl Link {
         g.stop = true;
         for (&ch, c) in g.conns.iter_mut() {
             c.conn.close(now, 0u32.into(), Bytes::from_static(b"shutdown"));
-            drive(&mut g.ep, ch, c, now, &self.socket, &mut g.tx);
+            self.sent(drive(&mut g.ep, ch, c, now, &self.socket, &mut g.tx));
         }
         drop(guard);
         self.wake();
@@ -329,7 +340,7 @@ impl Link {
             for ch in touched.drain(..) {
                 let Some(c) = g.conns.get_mut(&ch) else { continue };
                 self.events(c, now, &mut inbox);
-                drive(&mut g.ep, ch, c, now, &self.socket, &mut g.tx);
+                self.sent(drive(&mut g.ep, ch, c, now, &self.socket, &mut g.tx));
                 if c.conn.is_drained() {
                     if let Some(p) = c.peer.clone().filter(|_| c.outgoing) {
                         if g.dialed.get(&p) == Some(&ch) {
@@ -569,8 +580,16 @@ fn write_queue(c: &mut Conn) {
     }
 }
 
-/// Runs `c`'s endpoint bookkeeping and puts everything it has to send on the socket.
-fn drive(ep: &mut Endpoint, ch: ConnectionHandle, c: &mut Conn, now: Instant, socket: &UdpSocket, tx: &mut Vec<u8>) {
+/// Runs `c`'s endpoint bookkeeping and puts everything it has to send on the socket; how
+/// many datagrams it sent.
+fn drive(
+    ep: &mut Endpoint,
+    ch: ConnectionHandle,
+    c: &mut Conn,
+    now: Instant,
+    socket: &UdpSocket,
+    tx: &mut Vec<u8>,
+) -> u64 {
     for _ in 0..1024 {
         let Some(ev) = c.conn.poll_endpoint_events() else { break };
         if let Some(back) = ep.handle_event(ch, ev) {
@@ -578,13 +597,16 @@ fn drive(ep: &mut Endpoint, ch: ConnectionHandle, c: &mut Conn, now: Instant, so
         }
     }
     // Bounded by the congestion window; the bound here only guards against a bug.
+    let mut sent = 0;
     for _ in 0..4096 {
         tx.clear();
         let Some(t) = c.conn.poll_transmit(now, 1, tx) else {
             break;
         };
         send(socket, &tx[..t.size], t.destination);
+        sent += 1;
     }
+    sent
 }
 
 /// Datagrams taken per `recvmmsg`.

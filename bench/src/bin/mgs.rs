@@ -234,6 +234,7 @@ fn main() -> Result<()> {
             "pages_loaded",
             "joined_reads",
             "posted_messages",
+            "link_datagrams",
         ];
         let base = rank * SLOT;
         if base + SLOT <= slots.len() {
@@ -255,6 +256,7 @@ fn main() -> Result<()> {
         let mut per_node = serde_json::Map::new();
         let mut pages_moved = 0u64;
         let mut posted = 0u64;
+        let mut datagrams = 0u64;
         for r in 0..size.min(slots.len() / SLOT) {
             let b = r * SLOT;
             if slots[b] == 0 {
@@ -267,6 +269,7 @@ fn main() -> Result<()> {
             }
             pages_moved += slots[b + 4];
             posted += slots[b + 8];
+            datagrams += slots[b + 9];
             per_node.insert(
                 node,
                 serde_json::json!({
@@ -278,6 +281,7 @@ fn main() -> Result<()> {
                     "pages_loaded": slots[b + 6],
                     "joined_reads": slots[b + 7],
                     "posted_messages": slots[b + 8],
+                    "link_datagrams": slots[b + 9],
                 }),
             );
         }
@@ -308,6 +312,7 @@ fn main() -> Result<()> {
                 "bytes_moved": pages_moved * 4096,
                 "messages": posted,
                 "messages_per_step": posted as f64 / a.vectors as f64,
+                "datagrams": datagrams,
             })
         );
         if !ok {
