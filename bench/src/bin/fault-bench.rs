@@ -14,8 +14,10 @@
 //! the ratios reported are the medians over rounds. On this VM a fault round trip is bimodal,
 //! about 12 µs or about 19 µs for a whole run of one process (whether the handler wakes on the
 //! faulting thread's CPU or the other one), for the bare handlers and the daemon alike, so
-//! single runs compare modes rather than handlers; rounds average that out. For reference
-//! it also measures the bare handler in another process (as the daemon serves its clients).
+//! single runs compare modes rather than handlers; rounds average that out, and a last part
+//! measures the local faults and the bare handler with the placement fixed (both on one CPU,
+//! then on two). For reference it also measures the bare handler in another process (as the
+//! daemon serves its clients).
 //!
 //! Usage: `fault-bench [--pages N] [--rounds N]` (needs `psls-node` next to it; run as root on a machine
 //! with /dev/userfaultfd).
