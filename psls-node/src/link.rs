@@ -174,9 +174,9 @@ impl Link {
     /// Queues `req` with `payload` for `peer` and sends what the connection allows at once.
     /// Returns without waiting for anything.
     pub fn post(&self, peer: &str, req: &PeerReq, payload: Bytes) -> Result<(), NetError> {
-        let Some(&addr) = self.addrs.get(peer) else {
+        if !self.addrs.contains_key(peer) {
             return Err(NetError::UnknownPeer(peer.into()));
-        };
+        }
         let header = peer::encode_header(req);
         let len = header.len() + payload.len();
         if len > MAX_PEER_MSG {
@@ -188,6 +188,21 @@ impl Link {
         let mut head = Vec::with_capacity(4 + header.len());
         head.extend_from_slice(&(len as u32).to_le_bytes());
         head.extend_from_slice(&header);
+        self.enqueue(peer, head.into(), payload)
+    }
+
+    /// Queues bytes for `peer` as they are (tests: malformed frames).
+    #[cfg(test)]
+    fn post_raw(&self, peer: &str, bytes: Bytes) -> Result<(), NetError> {
+        self.enqueue(peer, bytes, Bytes::new())
+    }
+
+    /// Queues one frame (`head`, then `payload`) on the connection to `peer`, dialling it if
+    /// needed, and sends what the connection allows.
+    fn enqueue(&self, peer: &str, head: Bytes, payload: Bytes) -> Result<(), NetError> {
+        let Some(&addr) = self.addrs.get(peer) else {
+            return Err(NetError::UnknownPeer(peer.into()));
+        };
         let now = Instant::now();
         let mut guard = self.lock();
         let g = &mut *guard;
@@ -223,7 +238,7 @@ impl Link {
                 message: format!("{QUEUE_CHUNKS} chunks already queued"),
             });
         }
-        c.queue.push_back(head.into());
+        c.queue.push_back(head);
         if !payload.is_empty() {
             c.queue.push_back(payload);
         }
@@ -895,6 +910,67 @@ mod tests {
                 break;
             }
             assert!(std::time::Instant::now() < deadline, "never reached the restarted peer");
+            id += 1;
+        }
+        for l in [&a, &b] {
+            l.close();
+        }
+        ta.join().unwrap();
+        tb.join().unwrap();
+    }
+
+    /// Bad frames from a peer of the cluster: a malformed message is dropped and the next one
+    /// on the stream still arrives; a frame longer than the limit closes the connection (the
+    /// sender dials again for later messages). Nothing panics.
+    #[test]
+    fn bad_frames_are_dropped_or_close_the_connection() {
+        let dir = tempfile::tempdir().unwrap();
+        psls_ipc::certs::generate(dir.path(), "t", &["a".to_string(), "b".to_string()]).unwrap();
+        let bind = |me: &str, peer: &str, peer_addr: SocketAddr| {
+            let (s, c) = crate::tls::configs(dir.path(), me).unwrap();
+            Arc::new(
+                Link::bind(
+                    "127.0.0.1:0".parse().unwrap(),
+                    s,
+                    c,
+                    crate::tls::reset_key(dir.path(), me).unwrap(),
+                    [(peer.to_string(), peer_addr)].into(),
+                    vec!["a".into(), "b".into()],
+                )
+                .unwrap(),
+            )
+        };
+        let b = bind("b", "a", "127.0.0.1:9".parse().unwrap());
+        let a = bind("a", "b", b.local_addr().unwrap());
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (b2, a2) = (b.clone(), a.clone());
+        let tb = std::thread::spawn(move || b2.run(Arc::new(Collect(tx))));
+        let (txa, _rxa) = std::sync::mpsc::channel();
+        let ta = std::thread::spawn(move || a2.run(Arc::new(Collect(txa))));
+        let got = || match rx.recv_timeout(TEST_WAIT) {
+            Ok((_, PeerReq::LinkPing { id }, _)) => id,
+            other => panic!("{other:?}"),
+        };
+        // A frame whose header is not a message: dropped; the stream goes on.
+        let mut junk = 6u32.to_le_bytes().to_vec();
+        junk.extend_from_slice(&[0xff; 6]);
+        a.post_raw("b", Bytes::from(junk)).unwrap();
+        a.post("b", &PeerReq::LinkPing { id: 1 }, Bytes::new()).unwrap();
+        assert_eq!(got(), 1);
+        // A frame announcing more than the limit: the connection is closed at once, without
+        // waiting for the rest.
+        let too_long = ((MAX_PEER_MSG + 1) as u32).to_le_bytes().to_vec();
+        a.post_raw("b", Bytes::from(too_long)).unwrap();
+        // Later messages get through again, on a new connection.
+        let deadline = std::time::Instant::now() + TEST_WAIT;
+        let mut id = 2;
+        loop {
+            a.post("b", &PeerReq::LinkPing { id }, Bytes::new()).unwrap();
+            if let Ok((_, PeerReq::LinkPing { id: back }, _)) = rx.recv_timeout(Duration::from_millis(200)) {
+                assert!((2..=id).contains(&back));
+                break;
+            }
+            assert!(std::time::Instant::now() < deadline, "no message after the bad frame");
             id += 1;
         }
         for l in [&a, &b] {
