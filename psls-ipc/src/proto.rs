@@ -173,6 +173,9 @@ pub struct NodeStatus {
     pub name: String,
     pub logical: Option<u32>,
     pub addr: String,
+    /// The node's message link address (`link_addr`, or its default).
+    #[serde(default)]
+    pub link_addr: String,
     pub spare: bool,
     pub state: NodeState,
     pub pid: Option<u32>,

@@ -894,6 +894,7 @@ pub fn status(node: &Node) -> ClusterStatus {
                 name: n.name.clone(),
                 logical,
                 addr: n.addr.to_string(),
+                link_addr: n.link().map(|a| a.to_string()).unwrap_or_default(),
                 spare: logical.is_none() && is_spare_entry,
                 state,
                 pid: hb.as_ref().filter(|_| up).map(|h| h.pid),

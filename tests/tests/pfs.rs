@@ -35,6 +35,15 @@ fn import_64mib_survives_kill_of_any_node() {
     let st = c.status();
     assert!(st.nodes.iter().all(|n| n.state.to_string() == "up"), "{st:?}");
     assert!(st.nodes.iter().filter(|n| n.name == "n0").all(|n| n.incarnation == 2));
+    // Every node shows its two addresses, all distinct.
+    let mut addrs: Vec<&str> = st
+        .nodes
+        .iter()
+        .flat_map(|n| [n.addr.as_str(), n.link_addr.as_str()])
+        .collect();
+    addrs.sort();
+    addrs.dedup();
+    assert_eq!(addrs.len(), 2 * st.nodes.len(), "{st:?}");
 }
 
 #[test]
