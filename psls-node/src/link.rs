@@ -762,6 +762,44 @@ mod tests {
         }
     }
 
+    /// A link of node `me` (certificates in `certs`) on `addr`, knowing one peer; the cluster
+    /// lists nodes "a" and "b".
+    fn link(certs: &Path, me: &str, addr: SocketAddr, peer: &str, peer_addr: SocketAddr) -> Arc<Link> {
+        let (s, c) = crate::tls::configs(certs, me).unwrap();
+        Arc::new(
+            Link::bind(
+                addr,
+                s,
+                c,
+                crate::tls::reset_key(certs, me).unwrap(),
+                [(peer.to_string(), peer_addr)].into(),
+                vec!["a".into(), "b".into()],
+            )
+            .unwrap(),
+        )
+    }
+
+    /// Posts pings to "b" with ids from `first` until one arrives on `rx` (a message may be
+    /// lost on a connection that is being closed); fails after [`TEST_WAIT`].
+    fn ping_until_delivered(
+        a: &Link,
+        rx: &std::sync::mpsc::Receiver<(String, PeerReq, Bytes)>,
+        first: u64,
+        what: &str,
+    ) {
+        let deadline = std::time::Instant::now() + TEST_WAIT;
+        let mut id = first;
+        loop {
+            a.post("b", &PeerReq::LinkPing { id }, Bytes::new()).unwrap();
+            if let Ok((_, PeerReq::LinkPing { id: back }, _)) = rx.recv_timeout(Duration::from_millis(200)) {
+                assert!((first..=id).contains(&back), "ping {back} after {first}..={id}");
+                return;
+            }
+            assert!(std::time::Instant::now() < deadline, "{what}");
+            id += 1;
+        }
+    }
+
     /// Two links with the cluster's certificates: messages arrive in order, whole, with the
     /// sender's certificate name. A node of another CA, and a node of this CA that the
     /// cluster does not list, get nothing delivered.
@@ -772,20 +810,8 @@ mod tests {
         psls_ipc::certs::generate(dir.path(), "t", &names).unwrap();
         let other = tempfile::tempdir().unwrap();
         psls_ipc::certs::generate(other.path(), "u", &names).unwrap();
-        let make = |certs: &Path, me: &str, peer: &str, peer_addr: SocketAddr| {
-            let (s, c) = crate::tls::configs(certs, me).unwrap();
-            Arc::new(
-                Link::bind(
-                    "127.0.0.1:0".parse().unwrap(),
-                    s,
-                    c,
-                    crate::tls::reset_key(certs, me).unwrap(),
-                    [(peer.to_string(), peer_addr)].into(),
-                    vec!["a".into(), "b".into()],
-                )
-                .unwrap(),
-            )
-        };
+        let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
+        let make = |certs: &Path, me: &str, peer: &str, peer_addr: SocketAddr| link(certs, me, any, peer, peer_addr);
         // b listens; a, a stranger "c" of the same CA and an "a" of another CA send to it.
         let b = make(dir.path(), "b", "a", "127.0.0.1:9".parse().unwrap());
         let baddr = b.local_addr().unwrap();
@@ -851,20 +877,8 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let names = ["a", "b"].map(String::from);
         psls_ipc::certs::generate(dir.path(), "t", &names).unwrap();
-        let bind = |me: &str, addr: SocketAddr, peer: &str, peer_addr: SocketAddr| {
-            let (s, c) = crate::tls::configs(dir.path(), me).unwrap();
-            Arc::new(
-                Link::bind(
-                    addr,
-                    s,
-                    c,
-                    crate::tls::reset_key(dir.path(), me).unwrap(),
-                    [(peer.to_string(), peer_addr)].into(),
-                    vec!["a".into(), "b".into()],
-                )
-                .unwrap(),
-            )
-        };
+        let bind =
+            |me: &str, addr: SocketAddr, peer: &str, peer_addr: SocketAddr| link(dir.path(), me, addr, peer, peer_addr);
         let start = |l: &Arc<Link>| {
             let (tx, rx) = std::sync::mpsc::channel();
             let l2 = l.clone();
@@ -901,17 +915,7 @@ mod tests {
         drop(b);
         let b = bind("b", baddr, "a", "127.0.0.1:9".parse().unwrap());
         let (tb, rb) = start(&b);
-        let deadline = std::time::Instant::now() + TEST_WAIT;
-        let mut id = 3;
-        loop {
-            ping(id);
-            if let Ok((_, PeerReq::LinkPing { id: got }, _)) = rb.recv_timeout(Duration::from_millis(200)) {
-                assert!(got >= 3 && got <= id);
-                break;
-            }
-            assert!(std::time::Instant::now() < deadline, "never reached the restarted peer");
-            id += 1;
-        }
+        ping_until_delivered(&a, &rb, 3, "never reached the restarted peer");
         for l in [&a, &b] {
             l.close();
         }
@@ -927,18 +931,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         psls_ipc::certs::generate(dir.path(), "t", &["a".to_string(), "b".to_string()]).unwrap();
         let bind = |me: &str, peer: &str, peer_addr: SocketAddr| {
-            let (s, c) = crate::tls::configs(dir.path(), me).unwrap();
-            Arc::new(
-                Link::bind(
-                    "127.0.0.1:0".parse().unwrap(),
-                    s,
-                    c,
-                    crate::tls::reset_key(dir.path(), me).unwrap(),
-                    [(peer.to_string(), peer_addr)].into(),
-                    vec!["a".into(), "b".into()],
-                )
-                .unwrap(),
-            )
+            link(dir.path(), me, "127.0.0.1:0".parse().unwrap(), peer, peer_addr)
         };
         let b = bind("b", "a", "127.0.0.1:9".parse().unwrap());
         let a = bind("a", "b", b.local_addr().unwrap());
@@ -962,17 +955,7 @@ mod tests {
         let too_long = ((MAX_PEER_MSG + 1) as u32).to_le_bytes().to_vec();
         a.post_raw("b", Bytes::from(too_long)).unwrap();
         // Later messages get through again, on a new connection.
-        let deadline = std::time::Instant::now() + TEST_WAIT;
-        let mut id = 2;
-        loop {
-            a.post("b", &PeerReq::LinkPing { id }, Bytes::new()).unwrap();
-            if let Ok((_, PeerReq::LinkPing { id: back }, _)) = rx.recv_timeout(Duration::from_millis(200)) {
-                assert!((2..=id).contains(&back));
-                break;
-            }
-            assert!(std::time::Instant::now() < deadline, "no message after the bad frame");
-            id += 1;
-        }
+        ping_until_delivered(&a, &rx, 2, "no message after the bad frame");
         for l in [&a, &b] {
             l.close();
         }
