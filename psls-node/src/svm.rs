@@ -646,57 +646,79 @@ impl SvmShell {
         self.dispatch(node, out);
     }
 
-    fn dispatch(self: &Arc<Self>, node: &Arc<Node>, out: Vec<Outgoing>) {
-        for o in out {
-            match o {
-                Outgoing::Send { to, env, payload } => {
-                    let phys = node.physical_now(to);
-                    let req = PeerReq::Svm(env);
-                    if let Err(e) = node.net.post(&phys, &req, payload) {
-                        tracing::warn!(node = %node.name(), peer = %phys, error = %e, "coherence message not sent");
-                    }
-                }
-                Outgoing::Load { page, txn, backing } => {
-                    let (node, me) = (node.clone(), self.clone());
-                    self.runtime.spawn(async move {
-                        let data = match backing {
-                            Backing::Volatile { .. } => Ok(bytes::Bytes::from_static(&[0u8; PAGE_SIZE])),
-                            Backing::Pfs(f) => crate::pfs::read_page(&node, &f, page.index).await,
-                        };
-                        me.on_loaded(&node, page, txn, data);
-                    });
-                }
-                Outgoing::Fatal { pid, message } => self.end_client(node, pid, message),
-            }
-        }
-    }
-
-    fn on_loaded(self: &Arc<Self>, node: &Arc<Node>, page: PageId, txn: TxnId, data: Result<bytes::Bytes, OpError>) {
-        let mut out = Vec::new();
-        {
-            let mut g = self.lock();
-            let ok = match (&data, g.segs.get(&page.file)) {
-                (Ok(d), Some(seg)) if d.len() == PAGE_SIZE => {
-                    match seg.memfd.write_all_at(d, page.index * PAGE_SIZE as u64) {
-                        Ok(()) => true,
-                        Err(e) => {
-                            tracing::error!(node = %node.name(), %page, error = %e, "installing a loaded page failed");
-                            false
+    fn dispatch(self: &Arc<Self>, node: &Arc<Node>, mut out: Vec<Outgoing>) {
+        // Pages known to be all zeros (volatile segments, files never written) are installed
+        // here, without a trip through the runtime; what that sets off is dispatched in the
+        // next round. Each round completes at least one transaction, so this ends.
+        let mut zeros: Vec<(PageId, TxnId)> = Vec::new();
+        for _ in 0..MAX_STEPS {
+            for o in out.drain(..) {
+                match o {
+                    Outgoing::Send { to, env, payload } => {
+                        let phys = node.physical_now(to);
+                        let req = PeerReq::Svm(env);
+                        if let Err(e) = node.net.post(&phys, &req, payload) {
+                            tracing::warn!(node = %node.name(), peer = %phys, error = %e, "coherence message not sent");
                         }
                     }
+                    Outgoing::Load { page, txn, backing } => match backing {
+                        Backing::Volatile { .. } => zeros.push((page, txn)),
+                        Backing::Pfs(f) if f.gen == 0 => zeros.push((page, txn)),
+                        Backing::Pfs(f) => {
+                            let (node, me) = (node.clone(), self.clone());
+                            self.runtime.spawn(async move {
+                                let data = crate::pfs::read_page(&node, &f, page.index).await;
+                                let out = me.install_loaded(&node, page, txn, data);
+                                me.dispatch(&node, out);
+                            });
+                        }
+                    },
+                    Outgoing::Fatal { pid, message } => self.end_client(node, pid, message),
                 }
-                (Err(e), _) => {
-                    tracing::error!(node = %node.name(), %page, error = %e, "loading a page from the PFS failed");
-                    false
-                }
-                _ => false,
-            };
-            if let Some(svm) = g.svm.as_mut() {
-                svm.loaded(page, txn, ok);
             }
-            run(&mut g, node, &mut out);
+            if zeros.is_empty() {
+                return;
+            }
+            for (page, txn) in zeros.drain(..) {
+                let data = Ok(bytes::Bytes::from_static(&[0u8; PAGE_SIZE]));
+                out.extend(self.install_loaded(node, page, txn, data));
+            }
         }
-        self.dispatch(node, out);
+        tracing::error!(node = %node.name(), "coherence dispatch did not settle");
+    }
+
+    /// Installs a page loaded from the PFS (or known to be zeros) and runs what follows;
+    /// returns what must be done outside the lock.
+    fn install_loaded(
+        &self,
+        node: &Arc<Node>,
+        page: PageId,
+        txn: TxnId,
+        data: Result<bytes::Bytes, OpError>,
+    ) -> Vec<Outgoing> {
+        let mut out = Vec::new();
+        let mut g = self.lock();
+        let ok = match (&data, g.segs.get(&page.file)) {
+            (Ok(d), Some(seg)) if d.len() == PAGE_SIZE => {
+                match seg.memfd.write_all_at(d, page.index * PAGE_SIZE as u64) {
+                    Ok(()) => true,
+                    Err(e) => {
+                        tracing::error!(node = %node.name(), %page, error = %e, "installing a loaded page failed");
+                        false
+                    }
+                }
+            }
+            (Err(e), _) => {
+                tracing::error!(node = %node.name(), %page, error = %e, "loading a page from the PFS failed");
+                false
+            }
+            _ => false,
+        };
+        if let Some(svm) = g.svm.as_mut() {
+            svm.loaded(page, txn, ok);
+        }
+        run(&mut g, node, &mut out);
+        out
     }
 }
 
