@@ -8,7 +8,11 @@
 //! open, so that if the daemon dies a faulting thread stays blocked instead of reading memory
 //! nobody manages; a watchdog thread on the session's *lifeline* connection then ends the
 //! process with a clear message. It does the same when the daemon reports that one of the
-//! process's faults cannot be served.
+//! process's faults cannot be served; once the session is dropped it ends quietly.
+//!
+//! Barrier and lock calls go over the session's *sync channel*, a `SOCK_SEQPACKET` socket
+//! pair whose other end the daemon holds: one datagram each way, answered by the daemon
+//! without going through its async runtime.
 
 use crate::ClientError;
 use psls_ipc::proto::{self, FrameError, Request, Response};
@@ -17,7 +21,8 @@ use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 
 /// The socket of the local daemon: `PSLS_SOCKET`, else the node `PSLS_NODE` (default: the
 /// first node whose socket answers) of the cluster in `$PSLS_HOME` (default `./.psls`).
@@ -139,9 +144,73 @@ fn daemon_error(r: Response) -> ClientError {
     }
 }
 
+/// The client end of a sync channel (see `psls_ipc::proto`): barrier and lock calls, one
+/// datagram each way, answered by the daemon without its runtime.
+struct SyncChannel {
+    sock: OwnedFd,
+}
+
+impl SyncChannel {
+    /// Makes a socket pair and hands the daemon its end over `conn`.
+    fn open(conn: &mut Conn) -> Result<SyncChannel, ClientError> {
+        use nix::sys::socket::{socketpair, AddressFamily, SockFlag, SockType};
+        let (mine, theirs) = socketpair(AddressFamily::Unix, SockType::SeqPacket, None, SockFlag::SOCK_CLOEXEC)
+            .map_err(|e| ClientError::Local(std::io::Error::from(e)))?;
+        match conn.call(&Request::SyncChannel, Some(std::os::fd::AsFd::as_fd(&theirs)))? {
+            (Response::Ok, _) => Ok(SyncChannel { sock: mine }),
+            (other, _) => Err(daemon_error(other)),
+        }
+    }
+
+    fn call(&mut self, req: &Request) -> Result<Response, ClientError> {
+        use nix::sys::socket::{recv, send, MsgFlags};
+        let bytes = proto::encode_datagram(req).map_err(ClientError::Frame)?;
+        let io = |e: nix::errno::Errno| frame_err(std::io::Error::from(e));
+        loop {
+            match send(self.sock.as_raw_fd(), &bytes, MsgFlags::MSG_NOSIGNAL) {
+                Err(nix::errno::Errno::EINTR) => continue,
+                r => {
+                    r.map_err(io)?;
+                    break;
+                }
+            }
+        }
+        let mut buf = vec![0u8; proto::MAX_SYNC_MSG + 1];
+        let n = loop {
+            match recv(self.sock.as_raw_fd(), &mut buf, MsgFlags::MSG_TRUNC) {
+                Err(nix::errno::Errno::EINTR) => continue,
+                r => break r.map_err(io)?,
+            }
+        };
+        if n == 0 {
+            return Err(ClientError::Frame(FrameError::Closed));
+        }
+        if n > proto::MAX_SYNC_MSG {
+            return Err(ClientError::Frame(FrameError::DatagramTooLarge(n)));
+        }
+        proto::decode(&buf[..n]).map_err(ClientError::Frame)
+    }
+}
+
+/// The session's end of its lifeline: closed when the session is dropped, after which the
+/// watchdog ends quietly (the process no longer depends on the daemon).
+struct Lifeline {
+    closed: Arc<AtomicBool>,
+    sock: UnixStream,
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        self.lifeline.closed.store(true, Ordering::SeqCst);
+        let _ = self.lifeline.sock.shutdown(std::net::Shutdown::Both);
+    }
+}
+
 /// A process's session with its node daemon.
 pub struct Session {
     conn: Mutex<Conn>,
+    sync: Mutex<SyncChannel>,
+    lifeline: Lifeline,
     rank: u32,
     size: u32,
     job: String,
@@ -150,28 +219,35 @@ pub struct Session {
 impl Session {
     /// Connects to the local daemon (see [`socket_path`]) and starts the lifeline watchdog.
     pub fn connect() -> Result<Session, ClientError> {
-        let path = socket_path()?;
-        let conn = Conn::connect(&path)?;
+        Session::connect_to(&socket_path()?)
+    }
+
+    /// Connects to the daemon listening at `path` (rank, size and job still come from the
+    /// environment).
+    pub fn connect_to(path: &Path) -> Result<Session, ClientError> {
+        let path = path.to_path_buf();
+        let mut conn = Conn::connect(&path)?;
+        let sync = SyncChannel::open(&mut conn)?;
         let mut life = Conn::connect(&path)?;
         life.send(&Request::Lifeline, None)?;
+        let lifeline = Lifeline {
+            closed: Arc::new(AtomicBool::new(false)),
+            sock: life.sock.try_clone().map_err(ClientError::Local)?,
+        };
+        let closed = lifeline.closed.clone();
         std::thread::Builder::new()
             .name("psls-lifeline".into())
-            .spawn(move || watchdog(life))
+            .spawn(move || watchdog(life, closed))
             .map_err(|e| ClientError::Local(std::io::Error::other(e)))?;
         let env_u32 = |k: &str, d: u32| std::env::var(k).ok().and_then(|v| v.parse().ok()).unwrap_or(d);
         Ok(Session {
             conn: Mutex::new(conn),
+            sync: Mutex::new(sync),
+            lifeline,
             rank: env_u32("PSLS_RANK", 0),
             size: env_u32("PSLS_SIZE", 1).max(1),
             job: std::env::var("PSLS_JOB").unwrap_or_default(),
         })
-    }
-
-    fn call_ok(&self, req: &Request) -> Result<(), ClientError> {
-        match self.call(req, None)? {
-            (Response::Ok, _) => Ok(()),
-            (other, _) => Err(daemon_error(other)),
-        }
     }
 
     /// Waits until every rank of the job ([`Session::size`]) has called `barrier(name)`.
@@ -179,9 +255,17 @@ impl Session {
         self.barrier_of(name, self.size)
     }
 
+    /// A barrier or lock call, on the sync channel.
+    fn sync_call(&self, req: &Request) -> Result<(), ClientError> {
+        match self.sync.lock().unwrap_or_else(|e| e.into_inner()).call(req)? {
+            Response::Ok => Ok(()),
+            other => Err(daemon_error(other)),
+        }
+    }
+
     /// Waits until `count` ranks of the job have called this barrier.
     pub fn barrier_of(&self, name: &str, count: u32) -> Result<(), ClientError> {
-        self.call_ok(&Request::Barrier {
+        self.sync_call(&Request::Barrier {
             job: self.job.clone(),
             name: name.into(),
             count,
@@ -198,7 +282,7 @@ impl Session {
 
     /// Waits for lock `id` of the job and holds it.
     pub fn lock(&self, id: u64) -> Result<(), ClientError> {
-        self.call_ok(&Request::Lock {
+        self.sync_call(&Request::Lock {
             job: self.job.clone(),
             id,
         })
@@ -206,7 +290,7 @@ impl Session {
 
     /// Releases lock `id`; an error if this process does not hold it.
     pub fn unlock(&self, id: u64) -> Result<(), ClientError> {
-        self.call_ok(&Request::Unlock {
+        self.sync_call(&Request::Unlock {
             job: self.job.clone(),
             id,
         })
@@ -393,8 +477,12 @@ fn user_mode_uffd() -> std::io::Result<userfaultfd::Uffd> {
 }
 
 /// Ends the process when the daemon says a fault failed or when the daemon goes away.
-fn watchdog(mut life: Conn) {
-    let message = match life.recv() {
+fn watchdog(mut life: Conn, closed: Arc<AtomicBool>) {
+    let got = life.recv();
+    if closed.load(Ordering::SeqCst) {
+        return;
+    }
+    let message = match got {
         Ok((Response::Fatal { message }, _)) => format!("psls: {message}"),
         Ok((other, _)) => format!("psls: unexpected message on the lifeline: {other:?}"),
         Err(_) => {

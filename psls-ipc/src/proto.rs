@@ -6,6 +6,11 @@
 //!   `ImportCommit`; the daemon answers once, after the durable commit (or with the first error);
 //! - export: `Export` is answered by `ExportBegin`, `Data`…, `ExportEnd` (or an `Error`).
 //!
+//! Sync channel: with `SyncChannel` a client hands the daemon one end of a `SOCK_SEQPACKET`
+//! socket pair (SCM_RIGHTS). On it each barrier, lock or unlock call is one datagram each way,
+//! a `Request` (`Barrier`, `Lock` or `Unlock`) from the client and its `Response`, with no
+//! length prefix, each at most [`MAX_SYNC_MSG`] bytes; one call at a time.
+//!
 //! `ImportFd` and `ExportFd` carry the client's file descriptor (SCM_RIGHTS, attached to the
 //! frame's first byte): the daemon reads or writes the file itself and answers once. The client
 //! opened the file, so the daemon gets exactly the client's access, and the bytes skip the
@@ -16,6 +21,8 @@ use std::io::{self, Read, Write};
 
 /// Upper bound of one frame body (a 4 MiB data chunk plus headers).
 pub const MAX_FRAME: usize = 4 * 1024 * 1024 + 4096;
+/// Upper bound of one datagram on a sync channel.
+pub const MAX_SYNC_MSG: usize = 8 * 1024;
 /// Data chunk size used by the CLI for import and by the daemon for export.
 pub const CHUNK: usize = 1024 * 1024;
 
@@ -133,6 +140,10 @@ pub enum Request {
         env: Vec<(String, String)>,
         cwd: String,
     },
+    // New variants go last: postcard numbers variants by position.
+    /// Makes the socket passed with this frame (SCM_RIGHTS; one end of a `SOCK_SEQPACKET`
+    /// pair) the caller process's sync channel: its barrier and lock calls go there.
+    SyncChannel,
 }
 
 /// Class of an error, so that callers can react without parsing text.
@@ -294,6 +305,8 @@ pub enum FrameError {
     Closed,
     #[error("frame of {0} bytes exceeds the limit of {MAX_FRAME}")]
     TooLarge(usize),
+    #[error("sync message of {0} bytes exceeds the limit of {MAX_SYNC_MSG}")]
+    DatagramTooLarge(usize),
     #[error("malformed message: {0}")]
     Malformed(String),
     #[error("I/O error: {0}")]
@@ -309,6 +322,15 @@ pub fn encode<T: Serialize>(msg: &T) -> Result<Vec<u8>, FrameError> {
     out.extend_from_slice(&(body.len() as u32).to_le_bytes());
     out.extend_from_slice(&body);
     Ok(out)
+}
+
+/// One sync-channel datagram: the postcard body alone, at most [`MAX_SYNC_MSG`] bytes.
+pub fn encode_datagram<T: Serialize>(msg: &T) -> Result<Vec<u8>, FrameError> {
+    let body = postcard::to_stdvec(msg).map_err(|e| FrameError::Malformed(e.to_string()))?;
+    if body.len() > MAX_SYNC_MSG {
+        return Err(FrameError::DatagramTooLarge(body.len()));
+    }
+    Ok(body)
 }
 
 pub fn decode<T: for<'de> Deserialize<'de>>(body: &[u8]) -> Result<T, FrameError> {

@@ -116,6 +116,7 @@ pub async fn run(config: &Path, name: &str) -> Result<()> {
         store,
         meta,
         net,
+        crate::sync_channel::Channels::new().context("creating the sync channels' epoll")?,
         Instant::now(),
     ));
     tokio::spawn(transport::serve(
@@ -135,6 +136,17 @@ pub async fn run(config: &Path, name: &str) -> Result<()> {
             }
         })
         .context("starting the message link thread")?;
+    let sync_node = node.clone();
+    std::thread::Builder::new()
+        .name("psls-sync".into())
+        .spawn(move || {
+            // Fail-stop, as for the link thread: ranks would wait forever on calls nobody reads.
+            if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| sync_node.channels.run(&sync_node))).is_err() {
+                tracing::error!("the sync channel thread panicked: stopping the daemon");
+                std::process::exit(70);
+            }
+        })
+        .context("starting the sync channel thread")?;
     // Learn the cluster's metadata before serving clients, so a restarted node never answers
     // from a stale namespace.
     // Disk figures go into every heartbeat: peers check free space with them.

@@ -226,10 +226,7 @@ async fn lifeline(node: &Arc<Node>, pid: i32, mut r: OwnedReadHalf, mut w: Owned
         }
     };
     // The process is gone (or closed its session): its locks and barrier waits go with it.
-    let gone = crate::peer::PeerReq::SyncGone {
-        who: crate::sync::who(node, pid),
-    };
-    if let Err(e) = crate::sync::call(node, gone).await {
+    if let Err(e) = crate::sync::gone(node, crate::sync::who(node, pid)) {
         tracing::warn!(node = %node.name(), pid, error = %e, "could not release a dead client's locks");
     }
     r
@@ -679,6 +676,17 @@ async fn client(node: Arc<Node>, stream: UnixStream) -> anyhow::Result<()> {
                     }
                 }
             },
+            Request::SyncChannel => match (pid, fds.len()) {
+                (None, _) => err(OpError::new(ErrorKind::Invalid, "no peer pid")),
+                (Some(_), n) if n != 1 => err(OpError::new(
+                    ErrorKind::Invalid,
+                    format!("a sync channel needs exactly one descriptor (the socket), got {n}"),
+                )),
+                (Some(pid), _) => match node.channels.add(fds.remove(0), pid, caller.uid) {
+                    Ok(()) => Response::Ok,
+                    Err(e) => err(e),
+                },
+            },
             Request::Barrier { job, name, count } => {
                 let req = crate::peer::PeerReq::BarrierArrive {
                     key: crate::sync::key(caller.uid, &job, &name),
@@ -782,6 +790,7 @@ async fn client(node: Arc<Node>, stream: UnixStream) -> anyhow::Result<()> {
                         ("implied_grants".into(), st.implied_grants),
                         ("posted_messages".into(), node.net.posted()),
                         ("link_datagrams".into(), node.net.link.datagrams()),
+                        ("sync_channels".into(), node.channels.len() as u64),
                     ],
                 }
             }

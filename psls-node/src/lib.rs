@@ -15,5 +15,6 @@ pub mod peer;
 pub mod pfs;
 pub mod svm;
 pub mod sync;
+pub mod sync_channel;
 pub mod tls;
 pub mod transport;

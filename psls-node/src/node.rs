@@ -102,6 +102,8 @@ pub struct Node {
     pub sync: Mutex<crate::sync::SyncState>,
     /// This node's ranks waiting for a barrier or lock notice.
     pub waits: crate::sync::Waits,
+    /// Local clients' sync channels (served by the `psls-sync` thread).
+    pub channels: crate::sync_channel::Channels,
     /// Jobs launched here and rank processes running here.
     pub jobs: crate::launcher::Jobs,
     /// Message link round trips under way (`LinkPing` id → its waiter).
@@ -118,6 +120,7 @@ impl Node {
         store: Arc<PageStore>,
         meta: MetaStore,
         net: Transport,
+        channels: crate::sync_channel::Channels,
         now: Instant,
     ) -> Node {
         let peers = cfg.all().filter(|n| n.name != me.name).map(|n| n.name.clone());
@@ -144,6 +147,7 @@ impl Node {
             svm: Arc::new(crate::svm::SvmShell::new(tokio::runtime::Handle::current())),
             sync: Mutex::new(crate::sync::SyncState::default()),
             waits: crate::sync::Waits::default(),
+            channels,
             jobs: crate::launcher::Jobs::default(),
             link_pings: Mutex::new(HashMap::new()),
             next_link_ping: AtomicU64::new(0),

@@ -3,23 +3,24 @@
 //!
 //! Both live at the coordinator (the lowest live logical node), in [`SyncState`]: a pure state
 //! machine whose calls return *notices* — which waiting rank to release, with what result. A
-//! rank's daemon registers the wait locally, posts the arrival or acquire to the coordinator
-//! (one-way, on the per-peer message stream), and the coordinator posts each notice back to
-//! the waiter's node (`SyncDone`): a barrier costs one message each way per remote rank, no
-//! stream per call. Names are scoped by user and job, so jobs and users cannot meet at each
+//! rank's daemon registers the wait locally, posts the arrival, acquire or release to the
+//! coordinator (one-way, on the message link), and the coordinator posts each notice back to
+//! the waiter's node (`SyncDone`): a call costs one message each way per remote rank. The
+//! waiting rank is answered through its [`Replier`]: straight into its sync channel
+//! ([`crate::sync_channel`]), or through a runtime task for calls on the request connection. Names are scoped by user and job, so jobs and users cannot meet at each
 //! other's barriers.
 //!
 //! Invariants: a lock has at most one holder, and only the holder may release it; a barrier
 //! opens exactly when `count` distinct ranks have arrived; a rank that dies releases its locks
 //! and fails the barrier it waited at, so no other rank waits forever on it; a wait whose
-//! coordinator changes fails at once (the new coordinator knows nothing of it).
+//! coordinator changes fails within a heartbeat interval ([`Waits::sweep`]: the new
+//! coordinator knows nothing of it); every registered wait is answered exactly once.
 
 use crate::node::{Node, OpError};
 use crate::peer::{PeerReq, PeerResp};
 use psls_ipc::ErrorKind;
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 use tokio::sync::oneshot;
 
 /// Most ranks at one barrier, and waiters on one lock.
@@ -107,13 +108,17 @@ impl SyncState {
         }
     }
 
-    /// `who` releases lock `key`; the notices grant it to the next waiter.
-    pub fn release(&mut self, key: &str, who: &str) -> Result<Vec<Notice>, OpError> {
+    /// `who` releases lock `key`: the notices answer it (an error if it does not hold the
+    /// lock) and grant the lock to the next waiter.
+    pub fn release(&mut self, key: &str, who: &str) -> Vec<Notice> {
         let held = self.locks.get(key).and_then(|l| l.holder.as_deref()) == Some(who);
         if !held {
-            return Err(invalid(format!("lock {} is not held by this rank", short(key))));
+            let m = format!("lock {} is not held by this rank", short(key));
+            return vec![(key.into(), who.into(), Err(invalid(m)))];
         }
-        Ok(self.pass_on(key))
+        let mut out = vec![(key.to_string(), who.to_string(), Ok(()))];
+        out.extend(self.pass_on(key));
+        out
     }
 
     /// Gives lock `key` to the next waiter, or frees it.
@@ -188,88 +193,135 @@ fn node_of(who: &str) -> &str {
     who.split_once('/').map_or(who, |(n, _)| n)
 }
 
-type Reply = oneshot::Sender<Result<(), OpError>>;
+/// How a waiting rank gets its answer.
+pub enum Replier {
+    /// A task of the runtime awaits it (calls made on the client's request connection).
+    Task(oneshot::Sender<Result<(), OpError>>),
+    /// The rank waits on its sync channel: the answer is written there directly, by whichever
+    /// thread has it.
+    Channel(Arc<crate::sync_channel::Channel>),
+}
 
-/// This node's ranks waiting for a barrier or a lock, by (key, who).
-#[derive(Default)]
-pub struct Waits(Mutex<HashMap<(String, String), Reply>>);
-
-impl Waits {
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<(String, String), Reply>> {
-        self.0.lock().unwrap_or_else(|e| e.into_inner())
+impl Replier {
+    fn send(self, r: Result<(), OpError>) {
+        match self {
+            Replier::Task(tx) => {
+                let _ = tx.send(r);
+            }
+            Replier::Channel(ch) => ch.answer(r),
+        }
     }
 }
 
-/// A rank's barrier or lock call: waits for its notice. Releases (and `SyncGone`) are
-/// request/response; arrivals and acquires are posted and answered by a `SyncDone`.
-pub async fn call(node: &Arc<Node>, req: PeerReq) -> Result<(), OpError> {
-    let Some((_, coord)) = node.coordinator_now() else {
-        return Err(OpError::new(ErrorKind::Unavailable, "no coordinator is up"));
-    };
+struct Wait {
+    /// The coordinator the call went to: if it changes, the wait fails (the new one never
+    /// saw it).
+    coord: String,
+    reply: Replier,
+}
+
+/// This node's ranks waiting for a barrier, a lock or an unlock, by (key, who).
+#[derive(Default)]
+pub struct Waits(Mutex<HashMap<(String, String), Wait>>);
+
+impl Waits {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<(String, String), Wait>> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Fails every wait whose coordinator is no longer the coordinator.
+    pub fn sweep(&self, node: &Node) {
+        let now = node.coordinator_now().map(|(_, c)| c);
+        let stale: Vec<((String, String), Wait)> = {
+            let mut w = self.lock();
+            let keys: Vec<(String, String)> = w
+                .iter()
+                .filter(|(_, v)| now.as_deref() != Some(v.coord.as_str()))
+                .map(|(k, _)| k.clone())
+                .collect();
+            keys.into_iter().filter_map(|k| w.remove_entry(&k)).collect()
+        };
+        for (_, wait) in stale {
+            let e = OpError::new(
+                ErrorKind::Unavailable,
+                format!("the coordinator ({}) went down while this rank waited", wait.coord),
+            );
+            wait.reply.send(Err(e));
+        }
+    }
+}
+
+/// Starts a rank's barrier, lock or unlock call: registers its wait, then posts it to the
+/// coordinator (or serves it here). The answer always comes through `reply`: the
+/// coordinator's notice, an error now, or the sweep's if the coordinator goes down.
+pub fn start(node: &Arc<Node>, req: PeerReq, reply: Replier) {
     let wait_key = match &req {
-        PeerReq::BarrierArrive { key, who, .. } | PeerReq::LockAcquire { key, who } => (key.clone(), who.clone()),
-        // Posted like arrivals, so it cannot overtake the rank's last arrival on the way.
-        PeerReq::SyncGone { .. } => {
-            if coord == node.name() {
-                return serve(node, req).map(|_| ());
-            }
-            return node.net.post(&coord, &req, bytes::Bytes::new()).map_err(Into::into);
-        }
+        PeerReq::BarrierArrive { key, who, .. }
+        | PeerReq::LockAcquire { key, who }
+        | PeerReq::LockRelease { key, who } => (key.clone(), who.clone()),
         _ => {
-            return match node
-                .call_data(&coord, req, bytes::Bytes::new(), node.request_timeout)
-                .await?
-            {
-                (PeerResp::Ok, _) => Ok(()),
-                (PeerResp::Error { kind, message }, _) => Err(OpError::new(kind, message)),
-                (other, _) => Err(OpError::new(
-                    ErrorKind::Internal,
-                    format!("unexpected answer {other:?}"),
-                )),
-            };
+            reply.send(Err(OpError::new(ErrorKind::Internal, "not a barrier or lock call")));
+            return;
         }
     };
-    let (tx, mut rx) = oneshot::channel();
+    let Some((_, coord)) = node.coordinator_now() else {
+        reply.send(Err(OpError::new(ErrorKind::Unavailable, "no coordinator is up")));
+        return;
+    };
     {
         let mut w = node.waits.lock();
         if w.len() >= MAX_LOCAL_WAITS {
-            return Err(OpError::new(
+            drop(w);
+            reply.send(Err(OpError::new(
                 ErrorKind::Unavailable,
                 "too many waiting ranks on this node",
-            ));
+            )));
+            return;
         }
-        if w.insert(wait_key.clone(), tx).is_some() {
-            return Err(invalid("this rank already waits here".into()));
+        if w.contains_key(&wait_key) {
+            drop(w);
+            reply.send(Err(invalid("this rank already waits here".into())));
+            return;
+        }
+        w.insert(
+            wait_key.clone(),
+            Wait {
+                coord: coord.clone(),
+                reply,
+            },
+        );
+    }
+    let sent = if coord == node.name() {
+        serve(node, req).map(|_| ())
+    } else {
+        node.net.post(&coord, &req, bytes::Bytes::new()).map_err(Into::into)
+    };
+    if let Err(e) = sent {
+        if let Some(wait) = node.waits.lock().remove(&wait_key) {
+            wait.reply.send(Err(e));
         }
     }
+}
+
+/// A rank's barrier, lock or unlock call made through the runtime: waits for its answer.
+pub async fn call(node: &Arc<Node>, req: PeerReq) -> Result<(), OpError> {
+    let (tx, rx) = oneshot::channel();
+    start(node, req, Replier::Task(tx));
+    rx.await
+        .unwrap_or_else(|_| Err(OpError::new(ErrorKind::Unavailable, "the wait was cancelled")))
+}
+
+/// Rank `who` of this node is gone: the coordinator releases its locks and fails the barrier
+/// it waited at. Posted like arrivals, so it cannot overtake the rank's last call on the way.
+pub fn gone(node: &Arc<Node>, who: String) -> Result<(), OpError> {
+    let Some((_, coord)) = node.coordinator_now() else {
+        return Err(OpError::new(ErrorKind::Unavailable, "no coordinator is up"));
+    };
+    let req = PeerReq::SyncGone { who };
     if coord == node.name() {
-        if let Err(e) = serve(node, req) {
-            node.waits.lock().remove(&wait_key);
-            return Err(e);
-        }
-    } else if let Err(e) = node.net.post(&coord, &req, bytes::Bytes::new()) {
-        node.waits.lock().remove(&wait_key);
-        return Err(e.into());
+        return serve(node, req).map(|_| ());
     }
-    // Wait for the notice; a change of coordinator ends the wait (the new one never saw it).
-    let check = Duration::from_millis(node.cfg.cluster.heartbeat_interval_ms.max(10));
-    loop {
-        tokio::select! {
-            r = &mut rx => {
-                return r.unwrap_or_else(|_| Err(OpError::new(ErrorKind::Unavailable, "the wait was cancelled")));
-            }
-            _ = tokio::time::sleep(check) => {
-                let now = node.coordinator_now().map(|(_, c)| c);
-                if now.as_deref() != Some(coord.as_str()) {
-                    node.waits.lock().remove(&wait_key);
-                    return Err(OpError::new(
-                        ErrorKind::Unavailable,
-                        format!("the coordinator ({coord}) went down while this rank waited"),
-                    ));
-                }
-            }
-        }
-    }
+    node.net.post(&coord, &req, bytes::Bytes::new()).map_err(Into::into)
 }
 
 /// Delivers notices: to this node's waits, or posted to the waiter's node.
@@ -292,12 +344,11 @@ fn deliver(node: &Arc<Node>, notices: Vec<Notice>) {
     }
 }
 
-/// Releases this node's rank `who` waiting on `key`.
+/// Answers this node's rank `who` waiting on `key`.
 pub fn resolve(node: &Node, key: &str, who: &str, result: Result<(), OpError>) {
-    match node.waits.lock().remove(&(key.to_string(), who.to_string())) {
-        Some(tx) => {
-            let _ = tx.send(result);
-        }
+    let wait = node.waits.lock().remove(&(key.to_string(), who.to_string()));
+    match wait {
+        Some(wait) => wait.reply.send(result),
         None => tracing::debug!(node = %node.name(), %who, "sync notice for a wait that is gone"),
     }
 }
@@ -310,7 +361,7 @@ pub fn serve(node: &Arc<Node>, req: PeerReq) -> Result<PeerResp, OpError> {
         match req {
             PeerReq::BarrierArrive { key, count, who } => st.arrive(&key, count, &who),
             PeerReq::LockAcquire { key, who } => st.acquire(&key, &who),
-            PeerReq::LockRelease { key, who } => st.release(&key, &who)?,
+            PeerReq::LockRelease { key, who } => st.release(&key, &who),
             PeerReq::SyncGone { who } => st.gone(&who),
             _ => return Err(OpError::new(ErrorKind::Internal, "not a sync request")),
         }
@@ -349,12 +400,21 @@ mod tests {
         assert!(s.acquire("0:j:7", "n1/2").is_empty());
         assert!(s.acquire("0:j:7", "n2/3").is_empty());
         assert!(s.acquire("0:j:7", "n0/1")[0].2.is_err(), "relocking");
-        assert!(s.release("0:j:7", "n1/2").is_err(), "a waiter cannot release");
+        let n = s.release("0:j:7", "n1/2");
+        assert_eq!(released(&n), vec![("n1/2", false)], "a waiter cannot release");
         assert_eq!(released(&s.gone("n0/1")), vec![("n1/2", true)]);
-        assert_eq!(released(&s.release("0:j:7", "n1/2").unwrap()), vec![("n2/3", true)]);
-        assert!(s.release("0:j:7", "n2/3").unwrap().is_empty());
+        let n = s.release("0:j:7", "n1/2");
+        assert_eq!(released(&n), vec![("n1/2", true), ("n2/3", true)]);
+        assert_eq!(released(&s.release("0:j:7", "n2/3")), vec![("n2/3", true)]);
         assert!(s.locks.is_empty());
-        assert!(s.release("0:j:7", "n2/3").is_err(), "unlocking a lock not held");
+        let n = s.release("0:j:7", "n2/3");
+        assert_eq!(released(&n), vec![("n2/3", false)], "unlocking a lock not held");
+        assert!(n[0]
+            .2
+            .as_ref()
+            .unwrap_err()
+            .message
+            .contains("is not held by this rank"));
     }
 
     #[test]

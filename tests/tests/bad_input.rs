@@ -259,3 +259,147 @@ fn foreign_certificate_is_refused() {
     let st = a.status();
     assert!(st.nodes.iter().all(|n| n.state.to_string() == "up"), "{st:?}");
 }
+
+/// A sync channel (a rank's barrier and lock calls, one datagram each way): a wrong or missing
+/// descriptor is refused; a malformed, oversized or foreign request gets one clear error and
+/// the channel goes on serving; so does a second call while one waits.
+#[test]
+fn sync_channel_bad_input_gets_clear_errors_and_the_channel_goes_on() {
+    use nix::sys::socket::{
+        recv, send, sendmsg, socketpair, AddressFamily, ControlMessage, MsgFlags, SockFlag, SockType,
+    };
+    use psls_ipc::proto::{self, Request, Response, MAX_SYNC_MSG};
+    use std::os::fd::{AsRawFd, OwnedFd};
+    let c = Cluster::start(2, 0);
+    let sock = c.config().socket_path(c.config().entry("n1").unwrap());
+    let conn = std::os::unix::net::UnixStream::connect(&sock).unwrap();
+    conn.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    // SyncChannel with the given descriptors; the daemon's answer.
+    let register = |fds: &[i32]| -> String {
+        let frame = proto::encode(&Request::SyncChannel).unwrap();
+        let cmsg = [ControlMessage::ScmRights(fds)];
+        let cmsgs: &[ControlMessage] = if fds.is_empty() { &[] } else { &cmsg };
+        let n = sendmsg::<()>(
+            conn.as_raw_fd(),
+            &[std::io::IoSlice::new(&frame)],
+            cmsgs,
+            MsgFlags::empty(),
+            None,
+        )
+        .unwrap();
+        assert_eq!(n, frame.len());
+        let r: Response = proto::read_frame(&mut &conn).expect("an answer frame");
+        format!("{r:?}")
+    };
+    let r = register(&[]);
+    assert!(r.contains("exactly one descriptor"), "{r}");
+    let (pipe_r, _pipe_w) = nix::unistd::pipe().unwrap();
+    let r = register(&[pipe_r.as_raw_fd()]);
+    assert!(r.contains("must be a SOCK_SEQPACKET socket"), "{r}");
+    let pair = || socketpair(AddressFamily::Unix, SockType::SeqPacket, None, SockFlag::SOCK_CLOEXEC).unwrap();
+    let (mine, theirs): (OwnedFd, OwnedFd) = pair();
+    assert_eq!(register(&[theirs.as_raw_fd()]), "Ok");
+    drop(theirs);
+    let ten_s = nix::sys::time::TimeVal::new(10, 0);
+    nix::sys::socket::setsockopt(&mine, nix::sys::socket::sockopt::ReceiveTimeout, &ten_s).unwrap();
+    let call = |bytes: &[u8]| -> String {
+        assert_eq!(send(mine.as_raw_fd(), bytes, MsgFlags::empty()).unwrap(), bytes.len());
+        let mut buf = vec![0u8; MAX_SYNC_MSG];
+        let n = recv(mine.as_raw_fd(), &mut buf, MsgFlags::empty()).expect("an answer datagram");
+        let r: Response = proto::decode(&buf[..n]).unwrap();
+        format!("{r:?}")
+    };
+    let req = |r: &Request| proto::encode_datagram(r).unwrap();
+    let r = call(&[0xee; 7]);
+    assert!(r.contains("bad sync request"), "{r}");
+    let r = call(&vec![1u8; MAX_SYNC_MSG + 100]);
+    assert!(r.contains("exceeds the limit"), "{r}");
+    let r = call(&req(&Request::Status));
+    assert!(r.contains("only Barrier, Lock and Unlock"), "{r}");
+    // The channel still works: a barrier of one, a lock and its release, a second release.
+    let job = "bad-input".to_string();
+    let barrier = Request::Barrier {
+        job: job.clone(),
+        name: "b".into(),
+        count: 1,
+    };
+    assert_eq!(call(&req(&barrier)), "Ok");
+    assert_eq!(
+        call(&req(&Request::Lock {
+            job: job.clone(),
+            id: 7
+        })),
+        "Ok"
+    );
+    assert_eq!(
+        call(&req(&Request::Unlock {
+            job: job.clone(),
+            id: 7
+        })),
+        "Ok"
+    );
+    let r = call(&req(&Request::Unlock {
+        job: job.clone(),
+        id: 7,
+    }));
+    assert!(r.contains("lock 7 is not held by this rank"), "{r}");
+    // A second call while one waits is refused; the waiting one is answered later.
+    let two = Request::Barrier {
+        job: job.clone(),
+        name: "two".into(),
+        count: 2,
+    };
+    assert_eq!(
+        send(mine.as_raw_fd(), &req(&two), MsgFlags::empty()).unwrap(),
+        req(&two).len()
+    );
+    let r = call(&req(&barrier));
+    assert!(r.contains("one call at a time"), "{r}");
+    let (mine2, theirs2) = pair();
+    let conn2 = std::os::unix::net::UnixStream::connect(&sock).unwrap();
+    let frame = proto::encode(&Request::SyncChannel).unwrap();
+    let fds = [theirs2.as_raw_fd()];
+    sendmsg::<()>(
+        conn2.as_raw_fd(),
+        &[std::io::IoSlice::new(&frame)],
+        &[ControlMessage::ScmRights(&fds)],
+        MsgFlags::empty(),
+        None,
+    )
+    .unwrap();
+    let r: Response = proto::read_frame(&mut &conn2).unwrap();
+    assert_eq!(format!("{r:?}"), "Ok");
+    // A second channel of the same process (the daemon names ranks by pid): arriving there
+    // too is this rank arriving twice, which is refused.
+    assert_eq!(
+        send(mine2.as_raw_fd(), &req(&two), MsgFlags::empty()).unwrap(),
+        req(&two).len()
+    );
+    let mut buf = vec![0u8; MAX_SYNC_MSG];
+    let n = recv(mine2.as_raw_fd(), &mut buf, MsgFlags::empty()).unwrap();
+    let r: Response = proto::decode(&buf[..n]).unwrap();
+    assert!(format!("{r:?}").contains("already waits"), "{r:?}");
+    // Closed channels are dropped: only the checking session's own is left.
+    drop((mine, mine2));
+    let s = psls_client::Session::connect_to(&sock).unwrap();
+    let channels = || {
+        s.node_stats()
+            .unwrap()
+            .1
+            .into_iter()
+            .find(|(k, _)| k == "sync_channels")
+            .unwrap()
+            .1
+    };
+    let t = std::time::Instant::now();
+    while channels() != 1 {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "{} sync channels left",
+            channels()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // The daemon is fine.
+    assert!(c.status().nodes.iter().all(|n| n.state.to_string() == "up"));
+}
