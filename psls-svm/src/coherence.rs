@@ -18,11 +18,14 @@
 //!   its access and wakes the faulting clients.
 //!
 //! # Messages of one transaction
-//! Read: `Req` → manager; `Fwd` → owner, which downgrades and sends `Data`; `Grant` → requester.
+//! Read: `Req` → manager; `Fwd` → owner, which downgrades and sends `Data` to the requester.
 //! Write: as read, but the owner sends its data and drops its copy, and every other holder gets
-//! `Inval` and acks the requester directly (`InvalAck`). A requester that already holds a copy
-//! gets no data (`Source::Have`). A page in no memory is loaded from disk by the requester
-//! (`Source::Disk`). Latency: 1.5 round trips for a remote fault, whatever the copyset.
+//! `Inval` and acks the requester directly (`InvalAck`). When the owner is the source, its
+//! `Data` is the grant (it carries the acks to collect, which the manager put in the `Fwd`);
+//! otherwise the manager sends a `Grant`: a requester that already holds a copy gets no data
+//! (`Source::Have`), and a page in no memory is loaded from disk by the requester
+//! (`Source::Disk`). The requester reports `Done` to the manager. Latency: 1.5 round trips for
+//! a remote fault, whatever the copyset.
 //!
 //! # Invariants (asserted by the simulator after every step)
 //! - At most one node has write access to a page; while one has, no other node has any access.
@@ -119,17 +122,22 @@ pub enum Msg {
     },
     /// Manager → owner: send the page to `to`; drop the copy after if `access` is `Write`,
     /// keep it read-only if `Read`. `grant`: the manager sent the requester no `Grant` (the
-    /// owner is the source and no copy needs invalidating), so the `Data` stands for it.
+    /// owner is the source), so the `Data` stands for it, with these acknowledgements to
+    /// collect.
     Fwd {
         page: PageId,
         txn: TxnId,
         to: NodeId,
         access: Access,
-        grant: bool,
+        grant: Option<Vec<(NodeId, Incarnation)>>,
     },
     /// Owner → requester, with the page's 4096 bytes as payload. `grant`: this also grants the
-    /// transaction (source: the sender; no acknowledgements to collect).
-    Data { page: PageId, txn: TxnId, grant: bool },
+    /// transaction (source: the sender), with the acknowledgements to collect.
+    Data {
+        page: PageId,
+        txn: TxnId,
+        grant: Option<Vec<(NodeId, Incarnation)>>,
+    },
     /// Manager → holder: drop your copy and ack `txn.node`.
     Inval { page: PageId, txn: TxnId },
     /// Holder → requester.
@@ -257,6 +265,9 @@ pub struct Stats {
     /// granted), and those of them it had to grant after all because the owner died.
     pub implied_grants: u64,
     pub late_grants: u64,
+    /// Late grants this node, as requester, received after the owner's `Data` had granted
+    /// while it still collected acknowledgements.
+    pub redundant_grants: u64,
 }
 
 /// This node's side of one page: its access and its own pending request.
@@ -279,6 +290,9 @@ struct Pending {
     /// Failed (its waiters were told); it still collects the invalidation acks before
     /// telling the manager, so that no copy outlives the manager's view.
     aborted: bool,
+    /// The owner's `Data` granted (a late `Grant` from a manager that thinks the owner died
+    /// is then redundant).
+    granted_by_data: bool,
 }
 
 /// The manager's record of a page it manages.
@@ -329,7 +343,7 @@ struct Peer {
     up: bool,
 }
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct Busy {
     txn: TxnId,
     access: Access,
@@ -338,6 +352,8 @@ struct Busy {
     /// the manager sends the `Grant` after all, so that the requester learns its source is
     /// gone.
     implied: bool,
+    /// The invalidation acks the requester collects.
+    acks: Vec<(NodeId, Incarnation)>,
 }
 
 /// The protocol state of one node.
@@ -605,6 +621,7 @@ impl Svm {
                 txn,
                 access: need,
                 grant: None,
+                granted_by_data: false,
                 data: false,
                 loaded: false,
                 acked: BTreeSet::new(),
@@ -798,7 +815,7 @@ impl Svm {
             for b in d.busy.iter_mut() {
                 if b.implied && matches!(b.source, Source::Owner(o, _) if o == n) {
                     b.implied = false;
-                    late.push(*b);
+                    late.push(b.clone());
                 }
             }
             if owner_gone {
@@ -820,7 +837,7 @@ impl Svm {
                     txn: b.txn,
                     access: b.access,
                     source: b.source,
-                    acks: Vec::new(),
+                    acks: b.acks,
                 };
                 self.send(b.txn.node, grant);
             }
@@ -966,6 +983,9 @@ impl Svm {
                 Ok(Receipt::Accepted)
             }
             Msg::Data { txn, grant, .. } => {
+                if let Some(acks) = &grant {
+                    self.learn_incarnations(acks);
+                }
                 let l = self.local.entry(page).or_default();
                 let Some(p) = l.pending.as_mut().filter(|p| p.txn == txn) else {
                     return Ok(Receipt::Dropped);
@@ -980,11 +1000,14 @@ impl Svm {
                         page,
                         "data from a node that is not the granted source"
                     ),
-                    // The data grants: from the owner, with nothing to invalidate. (A `Grant`
-                    // may still follow if the manager thinks this owner died: it is then
-                    // ignored, the transaction being over.)
-                    None if grant => p.grant = Some((source, Vec::new())),
-                    None => {}
+                    // The data grants: from the owner, with the acks to collect. (A `Grant` may
+                    // still follow if the manager thinks this owner died: it is then ignored.)
+                    None => {
+                        if let Some(acks) = grant {
+                            p.grant = Some((source, acks));
+                            p.granted_by_data = true;
+                        }
+                    }
                 }
                 ensure!(
                     l.access.is_none(),
@@ -1009,15 +1032,9 @@ impl Svm {
         acks: Vec<(NodeId, Incarnation)>,
         from: NodeId,
     ) -> Result<(), ProtocolError> {
-        // Newer incarnations than known are news (they are up).
-        let mentioned = acks.iter().copied().chain(match source {
-            Source::Owner(o, inc) => Some((o, inc)),
-            _ => None,
-        });
-        for (n, inc) in mentioned.collect::<Vec<_>>() {
-            if self.peers.get(n.0 as usize).is_some_and(|p| inc > p.incarnation) {
-                self.peer_up(n, inc);
-            }
+        self.learn_incarnations(&acks);
+        if let Source::Owner(o, inc) = source {
+            self.learn_incarnations(&[(o, inc)]);
         }
         // An owner that is down, or runs a later incarnation than the one that held the page,
         // has lost it.
@@ -1039,6 +1056,18 @@ impl Svm {
         let Some(p) = l.pending.as_mut().filter(|p| p.txn == txn) else {
             return Ok(());
         };
+        if p.granted_by_data {
+            // The owner's `Data` granted already; the manager sent this one because it
+            // thought the owner died first. The same grant: nothing to do.
+            ensure!(
+                p.grant.as_ref().map(|g| (&g.0, &g.1)) == Some((&source, &acks)),
+                from,
+                page,
+                "a late grant that differs from the one the data carried"
+            );
+            self.stats.redundant_grants += 1;
+            return Ok(());
+        }
         ensure!(p.grant.is_none(), from, page, "grant sent twice");
         ensure!(
             p.access == access,
@@ -1076,7 +1105,23 @@ impl Svm {
         Ok(())
     }
 
-    fn on_forward(&mut self, page: PageId, txn: TxnId, to: NodeId, access: Access, grant: bool) {
+    /// Incarnations newer than known are news: those nodes are up.
+    fn learn_incarnations(&mut self, mentioned: &[(NodeId, Incarnation)]) {
+        for &(n, inc) in mentioned {
+            if self.peers.get(n.0 as usize).is_some_and(|p| inc > p.incarnation) {
+                self.peer_up(n, inc);
+            }
+        }
+    }
+
+    fn on_forward(
+        &mut self,
+        page: PageId,
+        txn: TxnId,
+        to: NodeId,
+        access: Access,
+        grant: Option<Vec<(NodeId, Incarnation)>>,
+    ) {
         let manager = self.manager(page);
         let held = self.local.get(&page).and_then(|l| l.access);
         if held.is_none() {
@@ -1192,19 +1237,21 @@ impl Svm {
                     .filter(|&c| c != r && Some(c) != forwarder)
                     .collect();
             }
-            let acks = invals
+            let acks: Vec<(NodeId, Incarnation)> = invals
                 .iter()
                 .map(|&c| (c, self.peers[c.0 as usize].incarnation))
                 .collect();
-            // With the owner as source and nothing to invalidate, the owner's `Data` grants:
-            // one message fewer on every such fault.
-            let implied = matches!(source, Source::Owner(..)) && invals.is_empty();
+            // With the owner as source, the owner's `Data` grants (carrying the acks to
+            // collect): one message fewer on every such fault, and one fewer for the requester
+            // to wait for.
+            let implied = matches!(source, Source::Owner(..));
             self.stats.implied_grants += implied as u64;
             d.busy.push(Busy {
                 txn,
                 access,
                 source,
                 implied,
+                acks: acks.clone(),
             });
             // The forward first: its path (owner, then the page's bytes to the requester) is
             // the longest, and the shell sends in this order.
@@ -1216,7 +1263,7 @@ impl Svm {
                         txn,
                         to: r,
                         access,
-                        grant: implied,
+                        grant: implied.then(|| acks.clone()),
                     },
                 );
             }
@@ -1245,7 +1292,7 @@ impl Svm {
         let Some(i) = d.busy.iter().position(|b| b.txn == txn) else {
             return Ok(());
         };
-        let b = d.busy[i];
+        let b = d.busy[i].clone();
         ensure!(
             from == txn.node,
             from,
@@ -1302,7 +1349,7 @@ impl Svm {
         let Some(i) = d.busy.iter().position(|b| b.txn == txn) else {
             return;
         };
-        let b = d.busy[i];
+        let b = d.busy[i].clone();
         if !matches!(b.source, Source::Owner(o, _) if o == from) {
             return;
         }

@@ -14,7 +14,7 @@
 //!
 //! `PSLS_SIM_SEEDS=N` runs N seeds (default 2000); `PSLS_SIM_SEED=S` runs only seed S.
 
-use psls_svm::coherence::{Access, Action, Envelope, FaultError, Receipt, Svm, TxnId, WaiterId};
+use psls_svm::coherence::{Access, Action, Envelope, FaultError, Msg, Receipt, Svm, TxnId, WaiterId};
 use psls_svm::rng::SplitMix64;
 use psls_svm::{FileId, Incarnation, NodeId, PageId};
 use std::collections::{BTreeMap, HashMap};
@@ -462,7 +462,7 @@ impl World {
     }
 }
 
-fn run_seed(seed: u64) -> (u64, u64, u64, u64) {
+fn run_seed(seed: u64) -> (u64, u64, u64, u64, u64) {
     let mut w = World::new(seed);
     let crashes_allowed = seed.is_multiple_of(3);
     let steps = 200 + w.rng.below(400);
@@ -494,7 +494,8 @@ fn run_seed(seed: u64) -> (u64, u64, u64, u64) {
     }
     let joined = w.nodes.iter().map(|n| n.svm.stats().joined_reads).sum();
     let late = w.nodes.iter().map(|n| n.svm.stats().late_grants).sum();
-    (w.done_ops, w.failed_ops, joined, late)
+    let redundant = w.nodes.iter().map(|n| n.svm.stats().redundant_grants).sum();
+    (w.done_ops, w.failed_ops, joined, late, redundant)
 }
 
 #[test]
@@ -513,12 +514,14 @@ fn random_schedules_keep_memory_sequentially_consistent() {
     let mut failed = 0;
     let mut joined = 0;
     let mut late = 0;
+    let mut redundant = 0;
     for seed in first..first + count {
-        let (d, f, j, l) = run_seed(seed);
+        let (d, f, j, l, r) = run_seed(seed);
         done += d;
         failed += f;
         joined += j;
         late += l;
+        redundant += r;
     }
     // The runs must do real work, and failures only come from crashes and failed loads.
     if count >= 100 {
@@ -528,6 +531,9 @@ fn random_schedules_keep_memory_sequentially_consistent() {
         assert!(joined > count, "only {joined} joined reads over {count} seeds");
         // Owners die between a forward and their data (so the manager's late grants ran).
         assert!(late > 0, "no late grant over {count} seeds");
+        // ... also after their `Data` granted a write that still collected acks (so the
+        // requester's handling of the redundant grant ran).
+        assert!(redundant > 0, "no redundant late grant over {count} seeds");
     }
 }
 
@@ -599,6 +605,101 @@ fn page_bounces_between_two_writers_with_exact_counts() {
     // the owner's Data grants (the owner is the only other copy), so no Grant.
     assert_eq!(messages, 3 + 999 * 4);
     let _ = manager;
+}
+
+/// Runs every action of `nodes` to completion in FIFO order, moving page contents in `mem`;
+/// returns the messages sent between different nodes, as (from, to, kind).
+fn drive_fifo(nodes: &mut [Svm], mem: &mut [Option<u64>]) -> Vec<(usize, usize, &'static str)> {
+    let mut queue: std::collections::VecDeque<(usize, Action)> = std::collections::VecDeque::new();
+    let mut sent = Vec::new();
+    for _ in 0..10_000 {
+        for (i, n) in nodes.iter_mut().enumerate() {
+            while let Some(a) = n.poll_action() {
+                queue.push_back((i, a));
+            }
+        }
+        let Some((i, a)) = queue.pop_front() else { return sent };
+        match a {
+            Action::Send { to, env } => {
+                let to = to.0 as usize;
+                if to != i {
+                    let kind = match env.msg {
+                        Msg::Req { .. } => "Req",
+                        Msg::Grant { .. } => "Grant",
+                        Msg::Deny { .. } => "Deny",
+                        Msg::Fwd { .. } => "Fwd",
+                        Msg::Data { .. } => "Data",
+                        Msg::Inval { .. } => "Inval",
+                        Msg::InvalAck { .. } => "InvalAck",
+                        Msg::Done { .. } => "Done",
+                        Msg::Nack { .. } => "Nack",
+                    };
+                    sent.push((i, to, kind));
+                }
+                let payload = env.msg.has_payload().then(|| mem[i].expect("sender has the page"));
+                if let Receipt::Install(_) = nodes[to].receive(env).expect("no violation") {
+                    mem[to] = payload;
+                }
+            }
+            Action::Load { page, txn } => {
+                mem[i] = Some(0);
+                nodes[i].loaded(page, txn, true);
+            }
+            Action::SetAccess { access: None, .. } => mem[i] = None,
+            Action::SetAccess { .. } | Action::Resolve { .. } => {}
+            Action::Fail { error, .. } => panic!("fault failed: {error}"),
+        }
+    }
+    panic!("actions did not settle");
+}
+
+/// A write that must invalidate copies is granted by the owner's `Data`, which carries the
+/// acknowledgements to collect: the writer waits for the data and one ack per other copy, and
+/// no `Grant`. Exact messages.
+#[test]
+fn an_invalidating_write_is_granted_by_the_owners_data() {
+    let n = 4;
+    let peers = vec![Some(Incarnation(1)); n];
+    let mut nodes: Vec<Svm> = (0..n)
+        .map(|i| Svm::new(NodeId(i as u32), Incarnation(1), peers.clone()))
+        .collect();
+    let page = PageId {
+        file: FileId(7),
+        index: 0,
+    };
+    let m = nodes[0].manager(page).0 as usize;
+    let (owner, writer) = ((m + 1) % n, (m + 2) % n);
+    let mut mem = vec![None; n];
+    // The owner writes 1; every other node but the writer reads it (the writer has no copy:
+    // with one, it would be granted an upgrade, with no data).
+    nodes[owner].fault(page, Access::Write, 0);
+    drive_fifo(&mut nodes, &mut mem);
+    mem[owner] = Some(1);
+    for i in (0..n).filter(|&i| i != owner && i != writer) {
+        nodes[i].fault(page, Access::Read, 0);
+        drive_fifo(&mut nodes, &mut mem);
+        assert_eq!(mem[i], Some(1), "reader n{i}");
+    }
+    nodes[writer].fault(page, Access::Write, 0);
+    let mut sent = drive_fifo(&mut nodes, &mut mem);
+    sent.sort();
+    let other = (m + 3) % n;
+    let mut want = vec![
+        (writer, m, "Req"),
+        (m, owner, "Fwd"),
+        (m, other, "Inval"),
+        (owner, writer, "Data"),
+        (m, writer, "InvalAck"),
+        (other, writer, "InvalAck"),
+        (writer, m, "Done"),
+    ];
+    want.sort();
+    assert_eq!(sent, want);
+    assert_eq!(mem[writer], Some(1), "the writer has the latest value");
+    for i in (0..n).filter(|&i| i != writer) {
+        assert_eq!(nodes[i].access(page), None, "n{i} still has a copy");
+    }
+    assert_eq!(nodes[writer].access(page), Some(Access::Write));
 }
 
 /// Forgetting a file drops its pages' holder and manager state and nothing else: the next
