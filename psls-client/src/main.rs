@@ -229,8 +229,8 @@ fn print_status(s: &ClusterStatus) {
         s.files
     );
     println!(
-        "{:<6} {:>3} {:<21} {:>8} {:>4} {:<9} {:>22} {:>12} {:>12}",
-        "NODE", "ID", "ADDRESS", "PID", "INC", "STATE", "MEMORY", "DISK USED", "DISK FREE"
+        "{:<6} {:>3} {:<21} {:<21} {:>8} {:>4} {:<9} {:>22} {:>12} {:>12}",
+        "NODE", "ID", "ADDRESS", "LINK", "PID", "INC", "STATE", "MEMORY", "DISK USED", "DISK FREE"
     );
     let tty = std::io::stdout().is_terminal();
     for n in &s.nodes {
@@ -240,10 +240,11 @@ fn print_status(s: &ClusterStatus) {
             (st, _, _) => st.to_string(),
         };
         println!(
-            "{:<6} {:>3} {:<21} {:>8} {:>4} {:<9} {:>22} {:>12} {:>12}",
+            "{:<6} {:>3} {:<21} {:<21} {:>8} {:>4} {:<9} {:>22} {:>12} {:>12}",
             n.name,
             n.logical.map_or("-".into(), |l| l.to_string()),
             n.addr,
+            n.link_addr,
             n.pid.map_or("-".into(), |p| p.to_string()),
             n.incarnation,
             state,
