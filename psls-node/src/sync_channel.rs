@@ -14,7 +14,7 @@
 //!
 //! Invariants and bounds: a channel belongs to the process that registered it (its pid and uid
 //! come from the registering connection's credentials, never from the channel); at most
-//! [`MAX_CHANNELS`] channels per node; one call at a time per channel (a second one while the
+//! [`MAX_CHANNELS`] channels per node and [`MAX_CHANNELS_PER_PROCESS`] per process; one call at a time per channel (a second one while the
 //! first waits is refused); a datagram longer than [`psls_ipc::proto::MAX_SYNC_MSG`] or not a
 //! sync request gets an error answer and the channel stays usable; a channel whose client end
 //! is closed is dropped.
@@ -29,6 +29,8 @@ use std::sync::{Arc, Mutex};
 
 /// Most sync channels registered on one node.
 pub const MAX_CHANNELS: usize = 4096;
+/// Most sync channels of one process (a session has one).
+pub const MAX_CHANNELS_PER_PROCESS: usize = 16;
 /// Events taken per `epoll_wait`.
 const EVENTS_PER_WAIT: usize = 64;
 
@@ -111,6 +113,12 @@ impl Channels {
             return Err(OpError::new(
                 ErrorKind::Unavailable,
                 format!("this node already serves {MAX_CHANNELS} sync channels"),
+            ));
+        }
+        if map.values().filter(|c| c.pid == pid).count() >= MAX_CHANNELS_PER_PROCESS {
+            return Err(OpError::new(
+                ErrorKind::Unavailable,
+                format!("this process already has {MAX_CHANNELS_PER_PROCESS} sync channels"),
             ));
         }
         let id = self.next.fetch_add(1, Ordering::Relaxed);

@@ -379,9 +379,41 @@ fn sync_channel_bad_input_gets_clear_errors_and_the_channel_goes_on() {
     let n = recv(mine2.as_raw_fd(), &mut buf, MsgFlags::empty()).unwrap();
     let r: Response = proto::decode(&buf[..n]).unwrap();
     assert!(format!("{r:?}").contains("already waits"), "{r:?}");
-    // Closed channels are dropped: only the checking session's own is left.
-    drop((mine, mine2));
-    let s = psls_client::Session::connect_to(&sock).unwrap();
+    // A process has at most 16 channels: 2 so far, 14 more, then a clear refusal.
+    let mut more = Vec::new();
+    for k in 0..15 {
+        let (m, t) = pair();
+        let fds = [t.as_raw_fd()];
+        sendmsg::<()>(
+            conn2.as_raw_fd(),
+            &[std::io::IoSlice::new(&frame)],
+            &[ControlMessage::ScmRights(&fds)],
+            MsgFlags::empty(),
+            None,
+        )
+        .unwrap();
+        let r: Response = proto::read_frame(&mut &conn2).unwrap();
+        let r = format!("{r:?}");
+        if k < 14 {
+            assert_eq!(r, "Ok", "channel {}", k + 3);
+        } else {
+            assert!(r.contains("already has 16 sync channels"), "{r}");
+        }
+        more.push(m);
+    }
+    // Closed channels are dropped: once they are, a session (of this same process) gets one,
+    // and it is the only one left.
+    drop((mine, mine2, more));
+    let t = std::time::Instant::now();
+    let s = loop {
+        match psls_client::Session::connect_to(&sock) {
+            Ok(s) => break s,
+            Err(e) => {
+                assert!(t.elapsed() < Duration::from_secs(10), "{e}");
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+    };
     let channels = || {
         s.node_stats()
             .unwrap()
@@ -391,7 +423,6 @@ fn sync_channel_bad_input_gets_clear_errors_and_the_channel_goes_on() {
             .unwrap()
             .1
     };
-    let t = std::time::Instant::now();
     while channels() != 1 {
         assert!(
             t.elapsed() < Duration::from_secs(10),
