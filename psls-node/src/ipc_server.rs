@@ -791,6 +791,7 @@ async fn client(node: Arc<Node>, stream: UnixStream) -> anyhow::Result<()> {
                         ("posted_messages".into(), node.net.posted()),
                         ("link_datagrams".into(), node.net.link.datagrams()),
                         ("sync_channels".into(), node.channels.len() as u64),
+                        ("sync_waits".into(), node.waits.len() as u64),
                     ],
                 }
             }

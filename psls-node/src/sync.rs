@@ -229,6 +229,24 @@ impl Waits {
         self.0.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Drops the waits of rank `who` (it is gone: nobody reads their answers, and the
+    /// coordinator, told of its departure, sends none).
+    fn forget(&self, who: &str) -> usize {
+        let mut w = self.lock();
+        let before = w.len();
+        w.retain(|(_, rank), _| rank != who);
+        before - w.len()
+    }
+
+    /// Waits registered now.
+    pub fn len(&self) -> usize {
+        self.lock().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
     /// Fails every wait whose coordinator is no longer the coordinator.
     pub fn sweep(&self, node: &Node) {
         let now = node.coordinator_now().map(|(_, c)| c);
@@ -314,6 +332,10 @@ pub async fn call(node: &Arc<Node>, req: PeerReq) -> Result<(), OpError> {
 /// Rank `who` of this node is gone: the coordinator releases its locks and fails the barrier
 /// it waited at. Posted like arrivals, so it cannot overtake the rank's last call on the way.
 pub fn gone(node: &Arc<Node>, who: String) -> Result<(), OpError> {
+    let dropped = node.waits.forget(&who);
+    if dropped > 0 {
+        tracing::debug!(node = %node.name(), %who, dropped, "a gone rank's waits dropped");
+    }
     let Some((_, coord)) = node.coordinator_now() else {
         return Err(OpError::new(ErrorKind::Unavailable, "no coordinator is up"));
     };

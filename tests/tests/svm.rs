@@ -286,6 +286,19 @@ fn locked_counter_across_nodes_counts_exactly_and_sync_errors_are_clear() {
         "{}",
         String::from_utf8_lossy(&o.stderr)
     );
+    // No node keeps a wait of either rank (the dead one's was dropped with it).
+    for n in ["n1", "n2"] {
+        let s = psls_client::Session::connect_to(&c.config().socket_path(c.config().entry(n).unwrap())).unwrap();
+        let waits = || {
+            let (_, counters) = s.node_stats().unwrap();
+            counters.into_iter().find(|(k, _)| k == "sync_waits").unwrap().1
+        };
+        let t = std::time::Instant::now();
+        while waits() != 0 {
+            assert!(t.elapsed() < Duration::from_secs(10), "{n} keeps {} waits", waits());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
 }
 
 #[test]
