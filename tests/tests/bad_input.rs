@@ -274,8 +274,8 @@ fn sync_channel_bad_input_gets_clear_errors_and_the_channel_goes_on() {
     let sock = c.config().socket_path(c.config().entry("n1").unwrap());
     let conn = std::os::unix::net::UnixStream::connect(&sock).unwrap();
     conn.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    // SyncChannel with the given descriptors; the daemon's answer.
-    let register = |fds: &[i32]| -> String {
+    // SyncChannel on `conn` with the given descriptors; the daemon's answer.
+    let register_on = |conn: &std::os::unix::net::UnixStream, fds: &[i32]| -> String {
         let frame = proto::encode(&Request::SyncChannel).unwrap();
         let cmsg = [ControlMessage::ScmRights(fds)];
         let cmsgs: &[ControlMessage] = if fds.is_empty() { &[] } else { &cmsg };
@@ -288,9 +288,10 @@ fn sync_channel_bad_input_gets_clear_errors_and_the_channel_goes_on() {
         )
         .unwrap();
         assert_eq!(n, frame.len());
-        let r: Response = proto::read_frame(&mut &conn).expect("an answer frame");
+        let r: Response = proto::read_frame(&mut &*conn).expect("an answer frame");
         format!("{r:?}")
     };
+    let register = |fds: &[i32]| register_on(&conn, fds);
     let r = register(&[]);
     assert!(r.contains("exactly one descriptor"), "{r}");
     let (pipe_r, _pipe_w) = nix::unistd::pipe().unwrap();
@@ -357,18 +358,7 @@ fn sync_channel_bad_input_gets_clear_errors_and_the_channel_goes_on() {
     assert!(r.contains("one call at a time"), "{r}");
     let (mine2, theirs2) = pair();
     let conn2 = std::os::unix::net::UnixStream::connect(&sock).unwrap();
-    let frame = proto::encode(&Request::SyncChannel).unwrap();
-    let fds = [theirs2.as_raw_fd()];
-    sendmsg::<()>(
-        conn2.as_raw_fd(),
-        &[std::io::IoSlice::new(&frame)],
-        &[ControlMessage::ScmRights(&fds)],
-        MsgFlags::empty(),
-        None,
-    )
-    .unwrap();
-    let r: Response = proto::read_frame(&mut &conn2).unwrap();
-    assert_eq!(format!("{r:?}"), "Ok");
+    assert_eq!(register_on(&conn2, &[theirs2.as_raw_fd()]), "Ok");
     // A second channel of the same process (the daemon names ranks by pid): arriving there
     // too is this rank arriving twice, which is refused.
     assert_eq!(
@@ -383,17 +373,7 @@ fn sync_channel_bad_input_gets_clear_errors_and_the_channel_goes_on() {
     let mut more = Vec::new();
     for k in 0..15 {
         let (m, t) = pair();
-        let fds = [t.as_raw_fd()];
-        sendmsg::<()>(
-            conn2.as_raw_fd(),
-            &[std::io::IoSlice::new(&frame)],
-            &[ControlMessage::ScmRights(&fds)],
-            MsgFlags::empty(),
-            None,
-        )
-        .unwrap();
-        let r: Response = proto::read_frame(&mut &conn2).unwrap();
-        let r = format!("{r:?}");
+        let r = register_on(&conn2, &[t.as_raw_fd()]);
         if k < 14 {
             assert_eq!(r, "Ok", "channel {}", k + 3);
         } else {
