@@ -229,13 +229,24 @@ impl Waits {
         self.0.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Drops the waits of rank `who` (it is gone: nobody reads their answers, and the
-    /// coordinator, told of its departure, sends none).
+    /// Ends the waits of rank `who`, which is gone (or closed a session): each is answered
+    /// with an error (nobody may read it; a second session of the same process would), and
+    /// the coordinator, told of the departure, sends no notice for them.
     fn forget(&self, who: &str) -> usize {
-        let mut w = self.lock();
-        let before = w.len();
-        w.retain(|(_, rank), _| rank != who);
-        before - w.len()
+        let gone: Vec<Wait> = {
+            let mut w = self.lock();
+            let keys: Vec<(String, String)> = w.keys().filter(|(_, rank)| rank == who).cloned().collect();
+            keys.iter().filter_map(|k| w.remove(k)).collect()
+        };
+        let n = gone.len();
+        for wait in gone {
+            let e = OpError::new(
+                ErrorKind::Unavailable,
+                format!("rank {who} ended its session while this call waited"),
+            );
+            wait.reply.send(Err(e));
+        }
+        n
     }
 
     /// Waits registered now.
@@ -329,12 +340,13 @@ pub async fn call(node: &Arc<Node>, req: PeerReq) -> Result<(), OpError> {
         .unwrap_or_else(|_| Err(OpError::new(ErrorKind::Unavailable, "the wait was cancelled")))
 }
 
-/// Rank `who` of this node is gone: the coordinator releases its locks and fails the barrier
-/// it waited at. Posted like arrivals, so it cannot overtake the rank's last call on the way.
+/// Rank `who` of this node is gone: its waits here end, and the coordinator releases its
+/// locks and fails the barrier it waited at. Posted like arrivals, so it cannot overtake the
+/// rank's last call on the way.
 pub fn gone(node: &Arc<Node>, who: String) -> Result<(), OpError> {
-    let dropped = node.waits.forget(&who);
-    if dropped > 0 {
-        tracing::debug!(node = %node.name(), %who, dropped, "a gone rank's waits dropped");
+    let ended = node.waits.forget(&who);
+    if ended > 0 {
+        tracing::debug!(node = %node.name(), %who, ended, "a gone rank's waits ended");
     }
     let Some((_, coord)) = node.coordinator_now() else {
         return Err(OpError::new(ErrorKind::Unavailable, "no coordinator is up"));
