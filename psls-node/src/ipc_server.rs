@@ -210,7 +210,7 @@ async fn import_from_fd(
 /// Holds a client's lifeline: writes `Fatal` when one of its faults fails; returns when the
 /// client closes it.
 async fn lifeline(node: &Arc<Node>, pid: i32, mut r: OwnedReadHalf, mut w: OwnedWriteHalf) -> anyhow::Result<()> {
-    let mut rx = node.svm.lifeline(pid);
+    let (id, mut rx) = node.svm.lifeline(pid);
     let mut byte = [0u8; 1];
     let r = loop {
         tokio::select! {
@@ -225,7 +225,10 @@ async fn lifeline(node: &Arc<Node>, pid: i32, mut r: OwnedReadHalf, mut w: Owned
             _ = r.read(&mut byte) => break Ok(()),
         }
     };
-    // The process is gone (or closed its session): its locks and barrier waits go with it.
+    // The process is gone (or closed its last session): its locks and barrier waits go with it.
+    if !node.svm.end_lifeline(pid, id) {
+        return r;
+    }
     if let Err(e) = crate::sync::gone(node, crate::sync::who(node, pid)) {
         tracing::warn!(node = %node.name(), pid, error = %e, "could not release a dead client's locks");
     }

@@ -162,7 +162,9 @@ struct Inner {
 pub struct SvmShell {
     inner: Mutex<Inner>,
     /// Per client process, its lifeline.
-    lifelines: Mutex<HashMap<i32, tokio::sync::mpsc::UnboundedSender<String>>>,
+    /// Per client process, its lifelines (one per session), by id.
+    lifelines: Mutex<HashMap<i32, Vec<(u64, tokio::sync::mpsc::UnboundedSender<String>)>>>,
+    next_lifeline: std::sync::atomic::AtomicU64,
     runtime: tokio::runtime::Handle,
 }
 
@@ -201,6 +203,7 @@ impl SvmShell {
         SvmShell {
             inner: Mutex::new(Inner::default()),
             lifelines: Mutex::new(HashMap::new()),
+            next_lifeline: std::sync::atomic::AtomicU64::new(0),
             runtime,
         }
     }
@@ -284,8 +287,10 @@ impl SvmShell {
     /// and why.
     fn end_client(&self, node: &Node, pid: i32, message: String) {
         tracing::error!(node = %node.name(), pid, %message, "client fault failed");
-        if let Some(tx) = self.lifelines.lock().unwrap_or_else(|e| e.into_inner()).get(&pid) {
-            let _ = tx.send(message);
+        if let Some(lines) = self.lifelines.lock().unwrap_or_else(|e| e.into_inner()).get(&pid) {
+            for (_, tx) in lines {
+                let _ = tx.send(message.clone());
+            }
         }
     }
 
@@ -326,10 +331,29 @@ impl SvmShell {
     }
 
     /// Registers the lifeline of process `pid`; returns what to write on it.
-    pub fn lifeline(&self, pid: i32) -> tokio::sync::mpsc::UnboundedReceiver<String> {
+    pub fn lifeline(&self, pid: i32) -> (u64, tokio::sync::mpsc::UnboundedReceiver<String>) {
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-        self.lifelines.lock().unwrap_or_else(|e| e.into_inner()).insert(pid, tx);
-        rx
+        let id = self.next_lifeline.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.lifelines
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(pid)
+            .or_default()
+            .push((id, tx));
+        (id, rx)
+    }
+
+    /// Lifeline `id` of process `pid` closed; whether it was the process's last (the process
+    /// is gone, or has no session left).
+    pub fn end_lifeline(&self, pid: i32, id: u64) -> bool {
+        let mut all = self.lifelines.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(lines) = all.get_mut(&pid) else { return true };
+        lines.retain(|(i, _)| *i != id);
+        if lines.is_empty() {
+            all.remove(&pid);
+            return true;
+        }
+        false
     }
 
     /// The memfd of `file` on this node (created on first use), for a client to map.

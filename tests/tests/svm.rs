@@ -572,3 +572,38 @@ fn a_barrier_wait_fails_clearly_when_the_coordinator_dies() {
         "{err}"
     );
 }
+
+/// A process with two sessions is one rank: ending one session ends neither the process nor
+/// the other session's calls (a waiting barrier stays waiting, a lock stays the process's).
+#[test]
+fn a_second_session_in_a_process_works_and_ending_it_ends_nothing_else() {
+    let c = Cluster::start(2, 0);
+    let sock = c.config().socket_path(c.config().entry("n1").unwrap());
+    let waiting = psls_client::Session::connect_to(&sock).unwrap();
+    let other = psls_client::Session::connect_to(&sock).unwrap();
+    other.lock(7).unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let _ = tx.send(waiting.barrier_of("counted", 2).map_err(|e| e.to_string()));
+        });
+        std::thread::sleep(Duration::from_millis(300));
+        assert!(rx.try_recv().is_err(), "the barrier opened with one rank of two");
+        drop(other);
+        std::thread::sleep(Duration::from_millis(500));
+        assert!(
+            rx.try_recv().is_err(),
+            "ending the other session ended the waiting call"
+        );
+        // A second rank (another process) arrives: both go on.
+        let o = wait_within(
+            spawn(&c, "n1", &["count", "two-sessions", "1", "0", "2"]),
+            Duration::from_secs(30),
+        );
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let r = rx.recv_timeout(Duration::from_secs(10)).expect("the waiting call hung");
+        assert_eq!(r, Ok(()));
+    });
+    // The lock taken through the ended session is still this process's.
+    waiting.unlock(7).unwrap();
+}
