@@ -158,12 +158,14 @@ struct Inner {
     self_msgs: VecDeque<Envelope>,
 }
 
+/// Per client process, its lifelines (one per session), by id.
+type Lifelines = HashMap<i32, Vec<(u64, tokio::sync::mpsc::UnboundedSender<String>)>>;
+
 /// The daemon's shared-virtual-memory state.
 pub struct SvmShell {
     inner: Mutex<Inner>,
     /// Per client process, its lifeline.
-    /// Per client process, its lifelines (one per session), by id.
-    lifelines: Mutex<HashMap<i32, Vec<(u64, tokio::sync::mpsc::UnboundedSender<String>)>>>,
+    lifelines: Mutex<Lifelines>,
     next_lifeline: std::sync::atomic::AtomicU64,
     runtime: tokio::runtime::Handle,
 }
