@@ -164,7 +164,7 @@ type Lifelines = HashMap<i32, Vec<(u64, tokio::sync::mpsc::UnboundedSender<Strin
 /// The daemon's shared-virtual-memory state.
 pub struct SvmShell {
     inner: Mutex<Inner>,
-    /// Per client process, its lifeline.
+    /// Per client process, its lifelines.
     lifelines: Mutex<Lifelines>,
     next_lifeline: std::sync::atomic::AtomicU64,
     runtime: tokio::runtime::Handle,
