@@ -10,6 +10,9 @@
 //! process with a clear message. It does the same when the daemon reports that one of the
 //! process's faults cannot be served; once the session is dropped it ends quietly.
 //!
+//! Mappings are not inherited by forked children (`MADV_DONTFORK`): their copies would not be
+//! registered with the userfaultfd and would bypass the coherence protocol.
+//!
 //! Barrier and lock calls go over the session's *sync channel*, a `SOCK_SEQPACKET` socket
 //! pair whose other end the daemon holds: one datagram each way, answered by the daemon
 //! without going through its async runtime.
@@ -378,6 +381,17 @@ impl Session {
             // SAFETY: unmaps exactly the range mapped above, which nothing else uses.
             let _ = unsafe { nix::sys::mman::munmap(base, len_usize) };
         };
+        // A forked child must not inherit the mapping: its copy would not be registered with
+        // the userfaultfd, so touching a page the node does not hold would create a zero page
+        // in the node's memfd, and its stores would bypass the protocol. Without the mapping, a
+        // child's access is a segmentation fault instead.
+        // SAFETY: advice on exactly the range mapped above.
+        if let Err(e) = unsafe { nix::sys::mman::madvise(base, len_usize, nix::sys::mman::MmapAdvise::MADV_DONTFORK) } {
+            unmap(base);
+            return Err(ClientError::Local(std::io::Error::other(format!(
+                "madvise(MADV_DONTFORK): {e}"
+            ))));
+        }
         let uffd = match create_uffd() {
             Ok(u) => u,
             Err(e) => {

@@ -98,6 +98,12 @@ fn bad_maps_get_clear_errors() {
     assert!(!out.status.success() && text.contains("0 bytes"), "{text}");
     // The daemons are still fine.
     run_ok(&c, "n1", &["map", "small", "8192", "0"]);
+    // A forked child does not inherit a mapping (its copy would bypass the protocol): touching
+    // it is a segmentation fault, and the node's copy of the page stays as it was.
+    run_ok(&c, "n0", &["fill", "forked", "2", "5"]);
+    let out = run_ok(&c, "n0", &["fork", "forked", "2"]);
+    assert!(out.contains("child signal 11"), "{out}");
+    run_ok(&c, "n1", &["check", "forked", "2", "5"]);
 }
 
 /// A user who may only read a file maps it read-only on another node: a writable map is

@@ -277,6 +277,29 @@ fn main() {
                 std::process::exit(4);
             }
         }
+        "fork" => {
+            // `fork NAME PAGES`: a forked child touches the mapping; prints how it ended.
+            // SAFETY: fork in a process whose other threads only wait in blocking calls; the
+            // child touches one byte, then leaves with _exit.
+            let pid = unsafe { libc::fork() };
+            if pid == 0 {
+                // SAFETY: one volatile load inside the parent's mapping (gone in the child).
+                let v = unsafe { std::ptr::read_volatile(&w[0]) };
+                // SAFETY: _exit ends the child at once.
+                unsafe { libc::_exit((v & 0x7f) as i32) };
+            }
+            let mut status = 0;
+            // SAFETY: waits for our own child, writing its status into a live int.
+            if unsafe { libc::waitpid(pid, &mut status, 0) } != pid {
+                eprintln!("waitpid failed");
+                std::process::exit(5);
+            }
+            if libc::WIFSIGNALED(status) {
+                println!("child signal {}", libc::WTERMSIG(status));
+            } else {
+                println!("child exit {}", libc::WEXITSTATUS(status));
+            }
+        }
         "sync-errors" => {
             // Unlocking a lock not held, a barrier with a mismatched count.
             let e = s.unlock(99).expect_err("unlock of a lock not held");
