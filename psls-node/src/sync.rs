@@ -7,8 +7,8 @@
 //! coordinator (one-way, on the message link), and the coordinator posts each notice back to
 //! the waiter's node (`SyncDone`): a call costs one message each way per remote rank. The
 //! waiting rank is answered through its [`Replier`]: straight into its sync channel
-//! ([`crate::sync_channel`]), or through a runtime task for calls on the request connection. Names are scoped by user and job, so jobs and users cannot meet at each
-//! other's barriers.
+//! ([`crate::sync_channel`]), or through a runtime task for calls on the request connection.
+//! Names are scoped by user and job, so jobs and users cannot meet at each other's barriers.
 //!
 //! Invariants: a lock has at most one holder, and only the holder may release it; a barrier
 //! opens exactly when `count` distinct ranks have arrived; a rank that dies releases its locks
@@ -229,9 +229,9 @@ impl Waits {
         self.0.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Ends the waits of rank `who`, which is gone (or closed a session): each is answered
-    /// with an error (nobody may read it; a second session of the same process would), and
-    /// the coordinator, told of the departure, sends no notice for them.
+    /// Ends the waits of rank `who`, which is gone (or has no session left): each is answered
+    /// with an error, in case anyone still reads it, since the coordinator, told of the
+    /// departure, sends no notice for them.
     fn forget(&self, who: &str) -> usize {
         let gone: Vec<Wait> = {
             let mut w = self.lock();
@@ -242,7 +242,7 @@ impl Waits {
         for wait in gone {
             let e = OpError::new(
                 ErrorKind::Unavailable,
-                format!("rank {who} ended its session while this call waited"),
+                format!("rank {who} ended its sessions while this call waited"),
             );
             wait.reply.send(Err(e));
         }

@@ -14,10 +14,10 @@
 //!
 //! Invariants and bounds: a channel belongs to the process that registered it (its pid and uid
 //! come from the registering connection's credentials, never from the channel); at most
-//! [`MAX_CHANNELS`] channels per node and [`MAX_CHANNELS_PER_PROCESS`] per process; one call at a time per channel (a second one while the
-//! first waits is refused); a datagram longer than [`psls_ipc::proto::MAX_SYNC_MSG`] or not a
-//! sync request gets an error answer and the channel stays usable; a channel whose client end
-//! is closed is dropped.
+//! [`MAX_CHANNELS`] channels per node and [`MAX_CHANNELS_PER_PROCESS`] per process; one call
+//! at a time per channel (a second one while the first waits is refused); a datagram longer
+//! than [`psls_ipc::proto::MAX_SYNC_MSG`] or not a sync request gets an error answer and the
+//! channel stays usable; a channel whose client end is closed is dropped.
 
 use crate::node::{Node, OpError};
 use psls_ipc::proto::{self, Request, Response, MAX_SYNC_MSG};

@@ -5,9 +5,9 @@
 //! Rank 0 checks the result (max |QᵀQ − I| below 1e-9), runs the same kernel on plain shared
 //! memory with as many threads as there are ranks (the baseline, in the same run), and prints
 //! one JSON line: times (`init_s`: until rank 0 finished writing its initial vectors, the
-//! first touch of every page included), their ratio, fault counts per node, bytes moved, and a checksum of Q
-//! (bit-identical whatever the number of ranks: every vector sees the same operations in the
-//! same order).
+//! first touch of every page included), their ratio, fault counts per node, bytes moved, and a
+//! checksum of Q (bit-identical whatever the number of ranks: every vector sees the same
+//! operations in the same order).
 
 use anyhow::{bail, Context, Result};
 use psls_client::Session;
