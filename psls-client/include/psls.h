@@ -47,7 +47,8 @@ int psls_map_ro(const char *name, size_t size, const void **addr);
 int psls_unmap(const void *addr);
 /* Waits until every rank of the job has called psls_barrier. */
 int psls_barrier(void);
-/* Waits until `count` ranks have called the barrier `name`. */
+/* Waits until `count` ranks have called the barrier `name` (a name of more than about 8000
+ * bytes is PSLS_EINVAL). */
 int psls_barrier_named(const char *name, uint32_t count);
 /* Locks are per job, identified by a number; unlocking a lock not held is an error. */
 int psls_lock(uint64_t id);

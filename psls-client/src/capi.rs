@@ -48,6 +48,7 @@ fn code_of(e: &ClientError) -> c_int {
             ErrorKind::Internal => PSLS_EINTERNAL,
         },
         ClientError::Connect { .. } => PSLS_ECONNECT,
+        ClientError::Invalid(_) => PSLS_EINVAL,
         ClientError::Frame(_) | ClientError::Protocol(_) => PSLS_EUNAVAIL,
         ClientError::Local(_) => PSLS_EIO,
     }
@@ -254,4 +255,22 @@ pub extern "C" fn psls_strerror(err: c_int) -> *const c_char {
 #[no_mangle]
 pub extern "C" fn psls_last_error() -> *const c_char {
     LAST.with(|l| l.borrow().as_ptr())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn errors_map_to_their_codes() {
+        let daemon = |kind| ClientError::Daemon {
+            kind,
+            message: String::new(),
+        };
+        assert_eq!(code_of(&daemon(ErrorKind::NotFound)), PSLS_ENOENT);
+        assert_eq!(code_of(&daemon(ErrorKind::Invalid)), PSLS_EINVAL);
+        assert_eq!(code_of(&ClientError::Invalid("name".into())), PSLS_EINVAL);
+        let closed = ClientError::Frame(psls_ipc::proto::FrameError::Closed);
+        assert_eq!(code_of(&closed), PSLS_EUNAVAIL);
+    }
 }

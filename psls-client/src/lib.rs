@@ -29,6 +29,9 @@ pub enum ClientError {
     Local(std::io::Error),
     #[error("unexpected answer from the daemon: {0}")]
     Protocol(String),
+    /// The caller's arguments cannot make a valid request (found before sending anything).
+    #[error("invalid argument: {0}")]
+    Invalid(String),
 }
 
 pub struct Client {

@@ -167,7 +167,13 @@ impl SyncChannel {
 
     fn call(&mut self, req: &Request) -> Result<Response, ClientError> {
         use nix::sys::socket::{recv, send, MsgFlags};
-        let bytes = proto::encode_datagram(req).map_err(ClientError::Frame)?;
+        let bytes = proto::encode_datagram(req).map_err(|e| match e {
+            FrameError::DatagramTooLarge(n) => ClientError::Invalid(format!(
+                "the call takes {n} bytes, more than a barrier or lock call may ({}): use a shorter name",
+                proto::MAX_SYNC_MSG
+            )),
+            e => ClientError::Frame(e),
+        })?;
         let io = |e: nix::errno::Errno| frame_err(std::io::Error::from(e));
         loop {
             match send(self.sock.as_raw_fd(), &bytes, MsgFlags::MSG_NOSIGNAL) {

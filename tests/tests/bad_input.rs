@@ -411,6 +411,12 @@ fn sync_channel_bad_input_gets_clear_errors_and_the_channel_goes_on() {
         );
         std::thread::sleep(Duration::from_millis(20));
     }
+    // Through the client library: a name too long for a sync call is the caller's error, and
+    // the session goes on.
+    let e = s.barrier_of(&"x".repeat(MAX_SYNC_MSG), 1).unwrap_err();
+    assert!(matches!(e, psls_client::ClientError::Invalid(_)), "{e:?}");
+    assert!(e.to_string().contains("use a shorter name"), "{e}");
+    s.barrier_of("after", 1).unwrap();
     // The daemon is fine.
     assert!(c.status().nodes.iter().all(|n| n.state.to_string() == "up"));
 }
