@@ -4,7 +4,8 @@
 //! Owns, per mapped file on this node, one memfd (the node's memory copy of the file's pages,
 //! shared by every local client mapping) and the clients' userfaultfds. Each registered
 //! userfaultfd has its own OS thread (the fault path stays off the tokio runtime); peer
-//! messages and loads come in from async tasks. All of them take one lock, feed the state
+//! messages come in on the link thread, PFS loads from async tasks (pages known to be zeros
+//! are installed in place, without one). All of them take one lock, feed the state
 //! machine and execute its actions in order:
 //! - `SetAccess(None)` punches the page out of the memfd (zapping it in every client),
 //!   `SetAccess(Read)` write-protects it in every client mapping;
