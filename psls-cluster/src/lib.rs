@@ -1,0 +1,26 @@
+//! `psls-cluster`: the cluster's control protocols as deterministic state machines with no I/O,
+//! no clock, no threads and no randomness (the shape of `psls-svm` and of `quinn-proto`).
+//! Time comes in as an argument in milliseconds (`now_ms`), messages come in through
+//! `receive`, and what must happen comes out as actions the shell (`psls-node`) carries out in
+//! order: sends, durable writes, answers to waiting callers.
+//!
+//! - [`membership`]: the failure detector over heartbeats (up, suspect, down).
+//! - [`meta`]: coordinator election with epochs and replication of the namespace metadata
+//!   (a one-slot Multi-Paxos over snapshots): committed metadata is the same on every node for
+//!   a given sequence number, at most one coordinator acts per epoch, and an acknowledged
+//!   operation is never lost while a majority of the nodes' disks survive.
+//! - [`sync`]: named barriers and locks at the coordinator, and each node's table of ranks
+//!   waiting for their answers.
+//!
+//! `tests/sim.rs` drives all of them in one seeded simulator that crashes and restarts nodes,
+//! delays and reorders messages and drops them on dead links, and checks the invariants after
+//! every step.
+//!
+//! Invariant of the crate: nothing here reads a clock, touches a socket or a file, or spawns
+//! a thread; every queue is bounded.
+
+#![forbid(unsafe_code)]
+
+pub mod membership;
+pub mod meta;
+pub mod sync;

@@ -1,0 +1,592 @@
+//! Seeded simulation of the cluster's control protocols: heartbeats and the failure detector
+//! ([`Membership`]), coordinator election and metadata replication ([`Replica`]).
+//!
+//! Each seed builds 3 to 5 voters and runs a schedule in simulated milliseconds: heartbeats
+//! every 100 ms, a 1000 ms failure timeout, messages delayed by 1–80 ms and so reordered, now
+//! and then delayed past the timeout (so live nodes are declared down and two nodes may both
+//! believe they coordinate), submissions at whichever node leads, and crashes at any step —
+//! of the coordinator too, of two nodes at once, in the middle of an election or a proposal.
+//! A crashed node loses every action it had not carried out and its in-flight messages may or
+//! may not arrive (a dead link drops its queue); it restarts from what it made durable, with a
+//! new incarnation. The shell here does what `psls-node` does: persist before anything later,
+//! send, answer.
+//!
+//! After every step it checks: two nodes never hold different committed states for the same
+//! sequence number (and histories are prefixes of each other); a node's committed sequence
+//! number never goes back, not even across a restart; an operation answered `Ok(seq)` is the
+//! `seq`-th operation of every committed history; at most one node coordinates an epoch;
+//! what a live node must have on disk is on disk; every submission is answered at most once.
+//! At the end it stops the chaos, restarts every node and checks liveness: one coordinator,
+//! every node at the same committed state, a new operation committed, every submission to a
+//! node that did not crash answered.
+//!
+//! `PSLS_SIM_SEED=N` runs one seed (with `PSLS_SIM_TRACE=1`, every event); `PSLS_SIM_SEEDS=N`
+//! runs N seeds from 0. A failing seed prints itself.
+
+use psls_cluster::membership::Membership;
+use psls_cluster::meta::{Action, Durable, Epoch, Msg, ReplError, Replica, Replicated};
+use psls_svm::rng::SplitMix64;
+use std::collections::{BTreeMap, BTreeSet};
+
+/// A log of numbers; odd numbers above 1000 are refused (so rejections happen).
+#[derive(Clone, Debug, Default, PartialEq)]
+struct Log(Vec<u64>);
+
+impl Replicated for Log {
+    type Op = u64;
+    type Error = String;
+    fn seq(&self) -> u64 {
+        self.0.len() as u64
+    }
+    fn apply(&mut self, op: &u64) -> Result<(), String> {
+        if *op > 1000 && op % 2 == 1 {
+            return Err(format!("{op} refused"));
+        }
+        self.0.push(*op);
+        Ok(())
+    }
+}
+
+const HEARTBEAT_MS: u64 = 100;
+const TIMEOUT_MS: u64 = 1000;
+const STEPS: usize = 1500;
+
+struct Rng(SplitMix64);
+
+impl Rng {
+    fn below(&mut self, n: u64) -> u64 {
+        self.0.next_u64() % n.max(1)
+    }
+    fn chance(&mut self, per_mille: u64) -> bool {
+        self.below(1000) < per_mille
+    }
+}
+
+enum Wire {
+    Heartbeat { incarnation: u64, seq: u64 },
+    Meta(Msg<Log>),
+}
+
+struct InFlight {
+    at_ms: u64,
+    from: u32,
+    from_inc: u64,
+    to: u32,
+    wire: Wire,
+}
+
+struct Node {
+    up: bool,
+    incarnation: u64,
+    replica: Replica<Log, u64>,
+    disk: Durable<Log>,
+    members: Membership<()>,
+    next_heartbeat_ms: u64,
+    restart_at_ms: u64,
+    /// Highest committed sequence number this node ever held (memory or disk).
+    high_seq: u64,
+}
+
+struct World {
+    seed: u64,
+    rng: Rng,
+    now_ms: u64,
+    nodes: Vec<Node>,
+    net: Vec<InFlight>,
+    /// Sequence number → the one committed state for it.
+    chosen: BTreeMap<u64, Log>,
+    /// Epoch → the node that led it.
+    leaders: BTreeMap<Epoch, u32>,
+    /// Token → (node it was submitted to, that node's incarnation, op, answered).
+    tokens: BTreeMap<u64, (u32, u64, u64, bool)>,
+    next_token: u64,
+    /// Directed links that delay every message past the failure timeout until then: the
+    /// receiver declares a live sender down.
+    slow_until_ms: BTreeMap<(u32, u32), u64>,
+    /// Steps at which two live nodes both led (each in its own epoch).
+    dual_leader_steps: u64,
+    committed_ops: u64,
+    rejected: u64,
+    interrupted: u64,
+    trace: bool,
+}
+
+fn name(i: u32) -> String {
+    format!("v{i}")
+}
+
+fn empty() -> Durable<Log> {
+    Durable {
+        promised: Epoch::default(),
+        committed: Log::default(),
+        accepted: None,
+    }
+}
+
+impl World {
+    fn new(seed: u64) -> World {
+        let mut rng = Rng(SplitMix64::new(seed));
+        let n = 3 + rng.below(3) as u32;
+        let nodes = (0..n)
+            .map(|i| Node {
+                up: true,
+                incarnation: 1,
+                replica: Replica::new(i, n, empty()),
+                disk: empty(),
+                members: Membership::new((0..n).filter(|&j| j != i).map(name), TIMEOUT_MS, 0),
+                next_heartbeat_ms: 0,
+                restart_at_ms: 0,
+                high_seq: 0,
+            })
+            .collect();
+        World {
+            seed,
+            rng,
+            now_ms: 0,
+            nodes,
+            net: Vec::new(),
+            chosen: BTreeMap::new(),
+            leaders: BTreeMap::new(),
+            tokens: BTreeMap::new(),
+            next_token: 0,
+            slow_until_ms: BTreeMap::new(),
+            dual_leader_steps: 0,
+            committed_ops: 0,
+            rejected: 0,
+            interrupted: 0,
+            trace: std::env::var_os("PSLS_SIM_TRACE").is_some(),
+        }
+    }
+
+    fn fail(&self, what: String) -> ! {
+        panic!("cluster simulation seed {} at {} ms: {what}", self.seed, self.now_ms);
+    }
+
+    fn n(&self) -> u32 {
+        self.nodes.len() as u32
+    }
+
+    fn delay_ms(&mut self, chaos: bool, from: u32, to: u32) -> u64 {
+        let slow = self.slow_until_ms.get(&(from, to)).is_some_and(|&t| t > self.now_ms);
+        if chaos && (slow || self.rng.chance(15)) {
+            1200 + self.rng.below(1300)
+        } else {
+            1 + self.rng.below(80)
+        }
+    }
+
+    /// Carries out node `i`'s actions in order, as the daemon does.
+    fn run_actions(&mut self, i: u32, chaos: bool) {
+        for _ in 0..100_000 {
+            let Some(a) = self.nodes[i as usize].replica.poll_action() else {
+                let node = &self.nodes[i as usize];
+                if node.replica.durable() != node.disk.clone().normalized() {
+                    self.fail(format!("v{i} changed durable state without asking to persist it"));
+                }
+                return;
+            };
+            match a {
+                Action::PersistVote { promised, accepted } => {
+                    let d = &mut self.nodes[i as usize].disk;
+                    d.promised = promised;
+                    d.accepted = accepted;
+                }
+                Action::PersistCommitted(s) => {
+                    let node = &mut self.nodes[i as usize];
+                    if s.seq() < node.disk.committed.seq() {
+                        self.fail(format!("v{i} persisted an older committed state"));
+                    }
+                    node.disk.committed = s;
+                }
+                Action::Send { to, msg } => {
+                    if self.trace {
+                        eprintln!("{} v{i} -> v{to}: {msg:?}", self.now_ms);
+                    }
+                    let at_ms = self.now_ms + self.delay_ms(chaos, i, to);
+                    let from_inc = self.nodes[i as usize].incarnation;
+                    self.net.push(InFlight {
+                        at_ms,
+                        from: i,
+                        from_inc,
+                        to,
+                        wire: Wire::Meta(msg),
+                    });
+                }
+                Action::Done { token, result } => {
+                    if self.trace {
+                        eprintln!("{} v{i} answers {token}: {result:?}", self.now_ms);
+                    }
+                    let Some(t) = self.tokens.get_mut(&token) else {
+                        self.fail(format!("answer to unknown submission {token}"));
+                    };
+                    if t.3 {
+                        self.fail(format!("submission {token} answered twice"));
+                    }
+                    t.3 = true;
+                    let op = t.2;
+                    match result {
+                        Ok(seq) => {
+                            self.committed_ops += 1;
+                            let state = self.nodes[i as usize].replica.committed().clone();
+                            self.record(i, &state);
+                            let Some(s) = self.chosen.get(&seq) else {
+                                self.fail(format!("v{i} acknowledged seq {seq} that no node committed"));
+                            };
+                            if s.0.get(seq as usize - 1) != Some(&op) {
+                                self.fail(format!(
+                                    "submission {token} ({op}) acknowledged at seq {seq} holding {s:?}"
+                                ));
+                            }
+                        }
+                        Err(ReplError::Rejected(_)) => {
+                            self.rejected += 1;
+                            if !(op > 1000 && op % 2 == 1) {
+                                self.fail(format!("valid op {op} rejected"));
+                            }
+                        }
+                        Err(ReplError::Interrupted) => self.interrupted += 1,
+                        Err(_) => {}
+                    }
+                }
+            }
+        }
+        self.fail(format!("v{i} produced actions without end"));
+    }
+
+    /// Records a committed state: the first one for its seq is the one every other must equal,
+    /// and histories must be prefixes of each other.
+    fn record(&mut self, i: u32, s: &Log) {
+        let seq = s.seq();
+        if seq == 0 {
+            return;
+        }
+        match self.chosen.get(&seq) {
+            Some(c) if c != s => self.fail(format!("v{i} committed {s:?} at seq {seq}, another node {c:?}")),
+            Some(_) => {}
+            None => {
+                for (&other, c) in self.chosen.range(..seq).next_back().into_iter() {
+                    if s.0[..other as usize] != c.0[..] {
+                        self.fail(format!("v{i}'s history {s:?} does not extend seq {other}'s {c:?}"));
+                    }
+                }
+                if let Some((&other, c)) = self.chosen.range(seq + 1..).next() {
+                    if c.0[..seq as usize] != s.0[..] {
+                        self.fail(format!("v{i}'s history {s:?} is not a prefix of seq {other}'s {c:?}"));
+                    }
+                }
+                self.chosen.insert(seq, s.clone());
+            }
+        }
+    }
+
+    fn check(&mut self) {
+        let leading = (0..self.n())
+            .filter(|&i| self.nodes[i as usize].up && self.nodes[i as usize].replica.leading().is_some())
+            .count();
+        if leading > 1 {
+            self.dual_leader_steps += 1;
+        }
+        for i in 0..self.n() {
+            let node = &self.nodes[i as usize];
+            let (mem, disk) = (node.replica.committed().clone(), node.disk.committed.clone());
+            let seq = if node.up { mem.seq() } else { disk.seq() };
+            if seq < node.high_seq {
+                self.fail(format!(
+                    "v{i}'s committed seq went back from {} to {seq}",
+                    node.high_seq
+                ));
+            }
+            self.nodes[i as usize].high_seq = seq;
+            self.record(i, &disk);
+            if self.nodes[i as usize].up {
+                self.record(i, &mem);
+                if let Some(e) = self.nodes[i as usize].replica.leading() {
+                    match self.leaders.insert(e, i) {
+                        Some(other) if other != i => self.fail(format!("v{other} and v{i} both led epoch {e:?}")),
+                        _ => {}
+                    }
+                }
+            }
+        }
+    }
+
+    fn coordinator_in_view(&self, i: u32) -> bool {
+        let node = &self.nodes[i as usize];
+        (0..i).all(|j| !node.members.is_live(self.now_ms, &name(j)))
+    }
+
+    fn crash(&mut self, i: u32) {
+        if self.trace {
+            eprintln!("{} CRASH v{i}", self.now_ms);
+        }
+        let down_ms = 200 + self.rng.below(3000);
+        let node = &mut self.nodes[i as usize];
+        node.up = false;
+        node.restart_at_ms = self.now_ms + down_ms;
+        // The dead link drops what it had not sent yet; what was on the wire may arrive.
+        let inc = node.incarnation;
+        let mut keep = Vec::new();
+        for m in std::mem::take(&mut self.net) {
+            if m.from == i && m.from_inc == inc && self.rng.chance(500) {
+                continue;
+            }
+            keep.push(m);
+        }
+        self.net = keep;
+    }
+
+    fn restart(&mut self, i: u32) {
+        if self.trace {
+            eprintln!("{} RESTART v{i}", self.now_ms);
+        }
+        let n = self.n();
+        let now_ms = self.now_ms;
+        let node = &mut self.nodes[i as usize];
+        node.up = true;
+        node.incarnation += 1;
+        node.replica = Replica::new(i, n, node.disk.clone());
+        node.members = Membership::new((0..n).filter(|&j| j != i).map(name), TIMEOUT_MS, now_ms);
+        node.next_heartbeat_ms = now_ms;
+    }
+
+    fn deliver(&mut self, m: InFlight, chaos: bool) {
+        let to = m.to as usize;
+        if !self.nodes[to].up {
+            return;
+        }
+        // A restarted sender's old connection is gone: its late messages are dropped.
+        if self.nodes[m.from as usize].incarnation != m.from_inc {
+            return;
+        }
+        match m.wire {
+            Wire::Heartbeat { incarnation, seq } => {
+                let now_ms = self.now_ms;
+                self.nodes[to].members.heard(now_ms, &name(m.from), incarnation, ());
+                self.nodes[to].replica.peer_seq(m.from, seq);
+            }
+            Wire::Meta(msg) => {
+                if self.trace {
+                    eprintln!("{} v{} <- v{}: {msg:?}", self.now_ms, m.to, m.from);
+                }
+                self.nodes[to].replica.receive(m.from, msg);
+            }
+        }
+        self.run_actions(m.to, chaos);
+    }
+
+    /// One step: time passes, due messages arrive, nodes tick, maybe a crash or a submission.
+    fn step(&mut self, chaos: bool) {
+        self.now_ms += 1 + self.rng.below(40);
+        let now_ms = self.now_ms;
+        // Deliver what is due, in a random order among them (reordering).
+        let mut due: Vec<InFlight> = Vec::new();
+        let mut later = Vec::new();
+        for m in std::mem::take(&mut self.net) {
+            if m.at_ms <= now_ms {
+                due.push(m);
+            } else {
+                later.push(m);
+            }
+        }
+        self.net = later;
+        while !due.is_empty() {
+            let k = self.rng.below(due.len() as u64) as usize;
+            let m = due.swap_remove(k);
+            self.deliver(m, chaos);
+        }
+        for i in 0..self.n() {
+            if !self.nodes[i as usize].up {
+                if chaos && now_ms >= self.nodes[i as usize].restart_at_ms {
+                    self.restart(i);
+                } else {
+                    continue;
+                }
+            }
+            if now_ms >= self.nodes[i as usize].next_heartbeat_ms {
+                self.nodes[i as usize].next_heartbeat_ms = now_ms + HEARTBEAT_MS;
+                let (inc, seq) = (
+                    self.nodes[i as usize].incarnation,
+                    self.nodes[i as usize].replica.committed().seq(),
+                );
+                for j in 0..self.n() {
+                    if j != i {
+                        let at_ms = now_ms + self.delay_ms(chaos, i, j);
+                        self.net.push(InFlight {
+                            at_ms,
+                            from: i,
+                            from_inc: inc,
+                            to: j,
+                            wire: Wire::Heartbeat { incarnation: inc, seq },
+                        });
+                    }
+                }
+            }
+            let coord = self.coordinator_in_view(i);
+            self.nodes[i as usize].replica.tick(now_ms, coord);
+            self.run_actions(i, chaos);
+        }
+        if chaos {
+            // A slow link: one node, or a pair both ways, stops hearing another in time.
+            if self.rng.chance(6) {
+                let (a, b) = (
+                    self.rng.below(self.n() as u64) as u32,
+                    self.rng.below(self.n() as u64) as u32,
+                );
+                let until_ms = now_ms + 500 + self.rng.below(3000);
+                if a != b {
+                    self.slow_until_ms.insert((a, b), until_ms);
+                    if self.rng.chance(500) {
+                        self.slow_until_ms.insert((b, a), until_ms);
+                    }
+                }
+            }
+            if self.rng.chance(8) {
+                let i = self.rng.below(self.n() as u64) as u32;
+                if self.nodes[i as usize].up {
+                    self.crash(i);
+                }
+                // Now and then a second node at the same instant.
+                if self.rng.chance(200) {
+                    let j = (i + 1) % self.n();
+                    if self.nodes[j as usize].up {
+                        self.crash(j);
+                    }
+                }
+            }
+            // The coordinator, often in the middle of a proposal.
+            if self.rng.chance(4) {
+                if let Some(i) = (0..self.n())
+                    .find(|&i| self.nodes[i as usize].up && self.nodes[i as usize].replica.leading().is_some())
+                {
+                    self.crash(i);
+                }
+            }
+        }
+        if chaos && self.rng.chance(150) {
+            self.submit_somewhere();
+        }
+        self.check();
+    }
+
+    fn submit_somewhere(&mut self) {
+        let leaders: Vec<u32> = (0..self.n())
+            .filter(|&i| self.nodes[i as usize].up && self.nodes[i as usize].replica.leading().is_some())
+            .collect();
+        // Mostly to a leader; sometimes to anyone (who must refuse it).
+        let i = if !leaders.is_empty() && !self.rng.chance(100) {
+            leaders[self.rng.below(leaders.len() as u64) as usize]
+        } else {
+            self.rng.below(self.n() as u64) as u32
+        };
+        if !self.nodes[i as usize].up {
+            return;
+        }
+        let op = if self.rng.chance(100) {
+            1001 + 2 * self.rng.below(100)
+        } else {
+            self.rng.below(1000)
+        };
+        let token = self.next_token;
+        self.next_token += 1;
+        self.tokens
+            .insert(token, (i, self.nodes[i as usize].incarnation, op, false));
+        self.nodes[i as usize].replica.submit(token, op);
+        self.run_actions(i, true);
+    }
+}
+
+fn run_seed(seed: u64) -> (u64, u64, u64, u64) {
+    let mut w = World::new(seed);
+    for _ in 0..STEPS {
+        w.step(true);
+    }
+    // Calm: every node back, no more crashes or long delays.
+    for i in 0..w.n() {
+        if !w.nodes[i as usize].up {
+            w.restart(i);
+        }
+    }
+    let calm_from_ms = w.now_ms;
+    let mut settled = false;
+    for _ in 0..2000 {
+        w.step(false);
+        let leaders: Vec<u32> = (0..w.n())
+            .filter(|&i| w.nodes[i as usize].replica.leading().is_some())
+            .collect();
+        let seqs: BTreeSet<u64> = w.nodes.iter().map(|n| n.replica.committed().seq()).collect();
+        if leaders.len() == 1
+            && seqs.len() == 1
+            && !w.nodes[leaders[0] as usize].replica.busy()
+            && w.now_ms > calm_from_ms + 3 * TIMEOUT_MS
+        {
+            settled = true;
+            break;
+        }
+    }
+    if !settled {
+        w.fail("the cluster did not settle on one coordinator and one committed state".into());
+    }
+    // A last operation commits everywhere.
+    let leader = (0..w.n())
+        .find(|&i| w.nodes[i as usize].replica.leading().is_some())
+        .unwrap_or(0);
+    let token = w.next_token;
+    w.next_token += 1;
+    w.tokens
+        .insert(token, (leader, w.nodes[leader as usize].incarnation, 7, false));
+    let target = w.nodes[leader as usize].replica.committed().seq() + 1;
+    w.nodes[leader as usize].replica.submit(token, 7);
+    w.run_actions(leader, false);
+    for _ in 0..500 {
+        w.step(false);
+        if w.nodes.iter().all(|n| n.replica.committed().seq() == target) && !w.nodes[leader as usize].replica.busy() {
+            break;
+        }
+    }
+    if !w.nodes.iter().all(|n| n.replica.committed().seq() == target) {
+        w.fail(format!("the last operation did not reach every node (seq {target})"));
+    }
+    // Every submission to a node that did not crash since was answered.
+    for (token, (i, inc, _, answered)) in &w.tokens {
+        if !answered && w.nodes[*i as usize].incarnation == *inc {
+            w.fail(format!("submission {token} to v{i} was never answered"));
+        }
+    }
+    (w.committed_ops, w.rejected, w.interrupted, w.dual_leader_steps)
+}
+
+#[test]
+fn random_schedules_keep_the_metadata_agreed_and_durable() {
+    let (first, count) = match std::env::var("PSLS_SIM_SEED").ok().and_then(|s| s.parse::<u64>().ok()) {
+        Some(s) => (s, 1),
+        None => (
+            0,
+            std::env::var("PSLS_SIM_SEEDS")
+                .ok()
+                .and_then(|s| s.parse::<u64>().ok())
+                .unwrap_or(1000),
+        ),
+    };
+    let (mut ok, mut rejected, mut interrupted, mut dual) = (0, 0, 0, 0);
+    for seed in first..first + count {
+        let (o, r, i, d) = run_seed(seed);
+        ok += o;
+        rejected += r;
+        interrupted += i;
+        dual += d;
+    }
+    eprintln!(
+        "{count} seeds: {ok} operations committed, {rejected} rejected, {interrupted} interrupted, \
+         {dual} steps with two coordinators"
+    );
+    if count >= 100 {
+        // The schedules must do real work and really exercise the failure paths.
+        assert!(ok > count * 5, "only {ok} operations committed over {count} seeds");
+        assert!(rejected > 0, "no invalid operation was ever rejected");
+        assert!(
+            interrupted > 0,
+            "no operation was ever interrupted by a coordinator change"
+        );
+        assert!(dual > 0, "two nodes never believed they coordinated at once");
+    }
+}
