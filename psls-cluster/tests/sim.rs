@@ -564,7 +564,7 @@ fn random_schedules_keep_the_metadata_agreed_and_durable() {
             std::env::var("PSLS_SIM_SEEDS")
                 .ok()
                 .and_then(|s| s.parse::<u64>().ok())
-                .unwrap_or(1000),
+                .unwrap_or(3000),
         ),
     };
     let (mut ok, mut rejected, mut interrupted, mut dual) = (0, 0, 0, 0);

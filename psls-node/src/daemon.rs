@@ -69,6 +69,8 @@ fn open_disk(dir: &Path, fault: bool) -> Result<Arc<dyn Disk>> {
 
 /// Runs node `name` of the cluster in `config` until it is told to stop.
 pub async fn run(config: &Path, name: &str) -> Result<()> {
+    // Fail-stop from the first instant: a panic in any thread ends the daemon.
+    crate::failstop::install();
     let cfg = Arc::new(ClusterConfig::load(config)?);
     let Some(me) = cfg.entry(name).cloned() else {
         bail!("node '{name}' is not in {}", config.display());
@@ -128,23 +130,17 @@ pub async fn run(config: &Path, name: &str) -> Result<()> {
     std::thread::Builder::new()
         .name("psls-link".into())
         .spawn(move || {
-            // Fail-stop: a node whose link thread died would still heartbeat but lose every
-            // coherence, barrier and lock message; better to end the daemon and be seen down.
-            if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| link.run(handler))).is_err() {
-                tracing::error!("the message link thread panicked: stopping the daemon");
-                std::process::exit(70);
-            }
+            // A panic here stops the daemon (`failstop`): a node whose link thread died would
+            // still heartbeat but lose every coherence, barrier and lock message.
+            link.run(handler)
         })
         .context("starting the message link thread")?;
     let sync_node = node.clone();
     std::thread::Builder::new()
         .name("psls-sync".into())
         .spawn(move || {
-            // Fail-stop, as for the link thread: ranks would wait forever on calls nobody reads.
-            if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| sync_node.channels.run(&sync_node))).is_err() {
-                tracing::error!("the sync channel thread panicked: stopping the daemon");
-                std::process::exit(70);
-            }
+            // As for the link thread: ranks would wait forever on calls nobody reads.
+            sync_node.channels.run(&sync_node)
         })
         .context("starting the sync channel thread")?;
     // Learn the cluster's metadata before serving clients, so a restarted node never answers

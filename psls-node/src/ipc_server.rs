@@ -2,6 +2,7 @@
 //! SO_PEERCRED; file owners and modes decide reads and writes, and cluster administration
 //! (scrub, replace, shutdown) is for root or the daemon's own user. Every frame is bounded.
 
+use crate::failstop::Locked;
 use crate::node::{Node, OpError};
 use crate::pfs::{self, Caller, Importer};
 use psls_ipc::proto::{self, ClusterStatus, NodeState, NodeStatus, Request, Response, MAX_FRAME};
@@ -887,15 +888,7 @@ pub fn status(node: &Node) -> ClusterStatus {
         .map(|n| {
             let logical = map.iter().find(|(_, p)| **p == n.name).map(|(l, _)| *l);
             let is_spare_entry = node.cfg.spares.iter().any(|s| s.name == n.name);
-            let hb = if n.name == node.me.name {
-                Some(node.own_heartbeat())
-            } else {
-                node.members
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .view(&n.name)
-                    .and_then(|v| v.heartbeat.clone())
-            };
+            let hb = node.heartbeat_of(&n.name);
             let live_state = node.state_of(&n.name);
             let state = if logical.is_none() && !is_spare_entry {
                 NodeState::Replaced
@@ -942,7 +935,7 @@ const _: () = assert!(MAX_FRAME > proto::CHUNK);
 async fn link_ping(node: &Arc<Node>, peer: &str, payload: bytes::Bytes) -> Result<(), OpError> {
     let id = node.next_link_ping.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let (tx, rx) = tokio::sync::oneshot::channel();
-    node.link_pings.lock().unwrap_or_else(|e| e.into_inner()).insert(id, tx);
+    node.link_pings.locked().insert(id, tx);
     let len = payload.len();
     let r = match node.net.post(peer, &crate::peer::PeerReq::LinkPing { id }, payload) {
         Err(e) => Err(e.into()),
@@ -961,7 +954,7 @@ async fn link_ping(node: &Arc<Node>, peer: &str, payload: bytes::Bytes) -> Resul
             )),
         },
     };
-    node.link_pings.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
+    node.link_pings.locked().remove(&id);
     r
 }
 

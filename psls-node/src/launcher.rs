@@ -9,6 +9,7 @@
 //! each acknowledged); once a rank fails or its node goes down, every other rank of the job is
 //! killed; the CLI's answer comes only when every rank is accounted for.
 
+use crate::failstop::Locked;
 use crate::node::{Node, OpError};
 use crate::peer::{PeerReq, PeerResp};
 use psls_ipc::ErrorKind;
@@ -58,7 +59,7 @@ pub struct Jobs {
 static NEXT_JOB: AtomicU64 = AtomicU64::new(1);
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
+    m.locked()
 }
 
 /// Rank → logical node: `per_node` consecutive ranks per node, else round robin.

@@ -23,6 +23,7 @@
 //! link thread, so a handler may post. The link thread sleeps until its next timer or a
 //! datagram; a sender that makes a timer earlier than that wakes it (eventfd).
 
+use crate::failstop::Locked;
 use crate::peer::{self, PeerReq, MAX_PEER_MSG};
 use crate::transport::NetError;
 use bytes::{Bytes, BytesMut};
@@ -168,7 +169,7 @@ impl Link {
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner> {
-        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+        self.inner.locked()
     }
 
     /// Queues `req` with `payload` for `peer` and sends what the connection allows at once.

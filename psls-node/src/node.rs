@@ -9,9 +9,10 @@
 //!   every live node; a node that misses one catches up from a peer with a newer replica;
 //! - blocking disk work runs on the blocking pool, never on the async workers.
 
-use crate::membership::Membership;
+use crate::failstop::Locked;
 use crate::peer::{BadCopy, Heartbeat, PageState, PeerReq, PeerResp};
 use crate::transport::{BoxFuture, Handler, NetError, Transport};
+use psls_cluster::membership::{Liveness, Membership};
 use psls_ipc::proto::NodeState;
 use psls_ipc::{ClusterConfig, ErrorKind, NodeEntry};
 use psls_pfs::meta::{MetaOp, MetaState, MetaStore};
@@ -84,7 +85,9 @@ pub struct Node {
     pub incarnation: u64,
     pub store: Arc<PageStore>,
     pub meta: Arc<Mutex<MetaStore>>,
-    pub members: Mutex<Membership>,
+    /// The failure detector (time: milliseconds since `started`).
+    members: Mutex<Membership<Heartbeat>>,
+    started: Instant,
     pub net: Arc<Transport>,
     pub placement: Placement,
     pub request_timeout: Duration,
@@ -124,7 +127,7 @@ impl Node {
         now: Instant,
     ) -> Node {
         let peers = cfg.all().filter(|n| n.name != me.name).map(|n| n.name.clone());
-        let members = Membership::new(peers, Duration::from_millis(cfg.cluster.heartbeat_timeout_ms), now);
+        let members = Membership::new(peers, cfg.cluster.heartbeat_timeout_ms, 0);
         let placement = Placement::new(cfg.nodes.len() as u32).expect("validated config has >= 2 nodes");
         Node {
             request_timeout: Duration::from_millis(cfg.cluster.request_timeout_ms),
@@ -134,6 +137,7 @@ impl Node {
             store,
             meta: Arc::new(Mutex::new(meta)),
             members: Mutex::new(members),
+            started: now,
             net: Arc::new(net),
             placement,
             euid: nix::unistd::geteuid().as_raw(),
@@ -158,9 +162,28 @@ impl Node {
         &self.me.name
     }
 
+    /// Milliseconds since this daemon started: the failure detector's clock.
+    pub fn now_ms(&self) -> u64 {
+        self.started.elapsed().as_millis() as u64
+    }
+
+    /// The last heartbeat heard from `physical` (this node's own for itself).
+    pub fn heartbeat_of(&self, physical: &str) -> Option<Heartbeat> {
+        if physical == self.me.name {
+            return Some(self.heartbeat());
+        }
+        self.members.locked().heartbeat(physical).cloned()
+    }
+
+    /// Runs `f` with a read-only look at the failure detector (its `heartbeat(peer)` is the
+    /// last heartbeat heard from a peer).
+    pub fn with_heartbeats<R>(&self, f: impl FnOnce(&Membership<Heartbeat>) -> R) -> R {
+        f(&self.members.locked())
+    }
+
     /// A copy of the metadata replica.
     pub fn meta_state(&self) -> MetaState {
-        self.meta.lock().unwrap_or_else(|e| e.into_inner()).state().clone()
+        self.meta.locked().state().clone()
     }
 
     /// Logical → physical map (the configured one until the first replacement).
@@ -192,7 +215,7 @@ impl Node {
     /// The physical node holding `logical` now: [`Node::physical_of`] on the current
     /// metadata, without copying it (every coherence message asks).
     pub fn physical_now(&self, logical: NodeId) -> String {
-        let m = self.meta.lock().unwrap_or_else(|e| e.into_inner());
+        let m = self.meta.locked();
         self.physical_of(m.state(), logical)
     }
 
@@ -200,7 +223,7 @@ impl Node {
     /// lock call asks).
     pub fn coordinator_now(&self) -> Option<(u32, String)> {
         let map = {
-            let m = self.meta.lock().unwrap_or_else(|e| e.into_inner());
+            let m = self.meta.locked();
             self.logical_map(m.state())
         };
         map.into_iter().find(|(_, p)| self.is_live(p))
@@ -214,22 +237,18 @@ impl Node {
     }
 
     pub fn is_live(&self, physical: &str) -> bool {
-        physical == self.me.name
-            || self
-                .members
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .is_live(Instant::now(), physical)
+        physical == self.me.name || self.members.locked().is_live(self.now_ms(), physical)
     }
 
     pub fn state_of(&self, physical: &str) -> NodeState {
         if physical == self.me.name {
             NodeState::Up
         } else {
-            self.members
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .state(Instant::now(), physical)
+            match self.members.locked().state(self.now_ms(), physical) {
+                Liveness::Up => NodeState::Up,
+                Liveness::Suspect => NodeState::Suspect,
+                Liveness::Down => NodeState::Down,
+            }
         }
     }
 
@@ -351,7 +370,7 @@ impl Node {
         let meta = self.meta.clone();
         let op2 = op.clone();
         let seq = blocking(move || {
-            let mut m = meta.lock().unwrap_or_else(|e| e.into_inner());
+            let mut m = meta.locked();
             m.apply(&op2).map(|()| m.state().seq)
         })
         .await??;
@@ -391,16 +410,12 @@ impl Node {
     pub async fn catch_up(self: &Arc<Self>) {
         let mine = self.meta_state().seq;
         let best = {
-            let m = self.members.lock().unwrap_or_else(|e| e.into_inner());
-            let now = Instant::now();
+            let m = self.members.locked();
+            let now_ms = self.now_ms();
             self.cfg
                 .all()
-                .filter(|n| n.name != self.me.name && m.is_live(now, &n.name))
-                .filter_map(|n| {
-                    m.view(&n.name)
-                        .and_then(|v| v.heartbeat.as_ref())
-                        .map(|h| (h.meta_seq, n.name.clone()))
-                })
+                .filter(|n| n.name != self.me.name && m.is_live(now_ms, &n.name))
+                .filter_map(|n| m.heartbeat(&n.name).map(|h| (h.meta_seq, n.name.clone())))
                 .max()
         };
         if let Some((seq, peer)) = best.filter(|(s, _)| *s > mine) {
@@ -415,7 +430,7 @@ impl Node {
                     let meta = self.meta.clone();
                     let seq = st.seq;
                     let r = blocking(move || {
-                        let mut m = meta.lock().unwrap_or_else(|e| e.into_inner());
+                        let mut m = meta.locked();
                         if st.seq > m.state().seq {
                             m.install(st)
                         } else {
@@ -444,7 +459,7 @@ impl Node {
     async fn apply_remote(self: &Arc<Self>, from: String, seq: u64, op: MetaOp) -> PeerResp {
         let meta = self.meta.clone();
         let r = blocking(move || {
-            let mut m = meta.lock().unwrap_or_else(|e| e.into_inner());
+            let mut m = meta.locked();
             let cur = m.state().seq;
             if seq <= cur {
                 Ok(true)
@@ -555,11 +570,8 @@ impl Node {
     }
 
     fn heard(&self, peer: &str, hb: Heartbeat) {
-        let restarted = self
-            .members
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .heard(Instant::now(), peer, hb);
+        let now_ms = self.now_ms();
+        let restarted = self.members.locked().heard(now_ms, peer, hb.incarnation, hb);
         if restarted {
             tracing::info!(node = %self.me.name, peer, "peer restarted with a new incarnation");
             self.net.peer_restarted(peer);
@@ -590,11 +602,8 @@ impl Node {
 
     async fn maybe_auto_replace(self: &Arc<Self>) {
         let after = self.cfg.cluster.replace_after_ms;
-        let downs = self
-            .members
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .tick(Instant::now());
+        let now_ms = self.now_ms();
+        let downs = self.members.locked().tick(now_ms);
         if after == 0 {
             return;
         }
@@ -604,7 +613,7 @@ impl Node {
         }
         let map = self.logical_map(&st);
         for (peer, down_for) in downs {
-            if down_for < Duration::from_millis(after) {
+            if down_for < after {
                 continue;
             }
             let Some((&logical, _)) = map.iter().find(|(_, p)| **p == peer) else {
@@ -929,7 +938,7 @@ impl crate::link::LinkHandler for LinkDelivery {
                 }
             }
             PeerReq::LinkPong { id } => {
-                let waiter = node.link_pings.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
+                let waiter = node.link_pings.locked().remove(&id);
                 if let Some(tx) = waiter {
                     let _ = tx.send(payload.len());
                 }

@@ -11,6 +11,7 @@
 //! a missing, stale, corrupt or unreachable copy, from the other one, and the bad copy is then
 //! repaired in place from the good one.
 
+use crate::failstop::Locked;
 use crate::node::{blocking, Node, OpError};
 use crate::peer::{PageState, PeerReq, PeerResp, BATCH_PAGES};
 use psls_ipc::proto::{FileInfo, ScrubReport, Stripe};
@@ -120,16 +121,7 @@ fn check_space(node: &Node, st: &MetaState, id: FileId, size: u64) -> Result<(),
             .map(|&r| node.placement.held_count(NodeId(l), id, pages, r))
             .sum::<u64>();
         let need = held.saturating_mul(COPY_BYTES);
-        let free = if p == node.me.name {
-            node.own_heartbeat().disk_free_bytes
-        } else {
-            node.members
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .view(&p)
-                .and_then(|v| v.heartbeat.as_ref())
-                .map_or(0, |h| h.disk_free_bytes)
-        };
+        let free = node.heartbeat_of(&p).map_or(0, |h| h.disk_free_bytes);
         if need > free {
             return Err(OpError::new(
                 ErrorKind::NoSpace,
@@ -235,7 +227,7 @@ struct Incarnations(std::sync::Mutex<BTreeMap<String, u64>>);
 
 impl Incarnations {
     fn check(&self, phys: &str, incarnation: u64) -> Result<(), OpError> {
-        let mut m = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let mut m = self.0.locked();
         match m.insert(phys.to_string(), incarnation) {
             Some(old) if old != incarnation => Err(OpError::new(
                 ErrorKind::Unavailable,

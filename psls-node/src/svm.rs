@@ -18,6 +18,7 @@
 //! while this node holds write access; a fault that cannot be served leaves the client blocked
 //! and tells its lifeline, never maps anything.
 
+use crate::failstop::Locked;
 use crate::node::{Node, OpError};
 use crate::peer::PeerReq;
 use psls_ipc::ErrorKind;
@@ -212,7 +213,7 @@ impl SvmShell {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
-        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+        self.inner.locked()
     }
 
     /// Job `job` ended: its volatile segments go — the node's memory of them, their coherence
@@ -290,7 +291,7 @@ impl SvmShell {
     /// and why.
     fn end_client(&self, node: &Node, pid: i32, message: String) {
         tracing::error!(node = %node.name(), pid, %message, "client fault failed");
-        if let Some(lines) = self.lifelines.lock().unwrap_or_else(|e| e.into_inner()).get(&pid) {
+        if let Some(lines) = self.lifelines.locked().get(&pid) {
             for (_, tx) in lines {
                 let _ = tx.send(message.clone());
             }
@@ -337,19 +338,14 @@ impl SvmShell {
     pub fn lifeline(&self, pid: i32) -> (u64, tokio::sync::mpsc::UnboundedReceiver<String>) {
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
         let id = self.next_lifeline.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        self.lifelines
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .entry(pid)
-            .or_default()
-            .push((id, tx));
+        self.lifelines.locked().entry(pid).or_default().push((id, tx));
         (id, rx)
     }
 
     /// Lifeline `id` of process `pid` closed; whether it was the process's last (the process
     /// is gone, or has no session left).
     pub fn end_lifeline(&self, pid: i32, id: u64) -> bool {
-        let mut all = self.lifelines.lock().unwrap_or_else(|e| e.into_inner());
+        let mut all = self.lifelines.locked();
         let Some(lines) = all.get_mut(&pid) else { return true };
         lines.retain(|(i, _)| *i != id);
         if lines.is_empty() {
@@ -591,11 +587,7 @@ impl SvmShell {
                     if let Some(svm) = g.svm.as_mut() {
                         svm.fault(page, access, w);
                         let last = (map.len / PAGE_SIZE) as u64 - 1;
-                        let next = map
-                            .prefetch
-                            .lock()
-                            .unwrap_or_else(|e| e.into_inner())
-                            .on_fault(index, last);
+                        let next = map.prefetch.locked().on_fault(index, last);
                         if let Some(next) = next {
                             svm.prefetch(
                                 PageId {
@@ -763,24 +755,14 @@ fn pidfd_open(pid: i32) -> std::io::Result<OwnedFd> {
 /// (logical id, incarnation, up) of every logical node, as membership sees them.
 fn peer_views(node: &Node) -> Vec<(NodeId, Incarnation, bool)> {
     let st = node.meta_state();
-    let members = node.members.lock().unwrap_or_else(|e| e.into_inner());
-    let now = std::time::Instant::now();
     node.logical_map(&st)
         .into_iter()
         .map(|(l, phys)| {
             if phys == node.me.name {
                 return (NodeId(l), svm_incarnation(&st, l, node.incarnation), true);
             }
-            let inc = members
-                .view(&phys)
-                .and_then(|v| v.heartbeat.as_ref())
-                .map(|h| h.incarnation)
-                .unwrap_or(0);
-            (
-                NodeId(l),
-                svm_incarnation(&st, l, inc),
-                inc > 0 && members.is_live(now, &phys),
-            )
+            let inc = node.with_heartbeats(|m| m.heartbeat(&phys).map_or(0, |h| h.incarnation));
+            (NodeId(l), svm_incarnation(&st, l, inc), inc > 0 && node.is_live(&phys))
         })
         .collect()
 }
@@ -789,12 +771,11 @@ fn peer_views(node: &Node) -> Vec<(NodeId, Incarnation, bool)> {
 /// was last heard to hold any) that it holds no shared-memory segment at all.
 fn others_hold_nothing(node: &Node) -> bool {
     let st = node.meta_state();
-    let members = node.members.lock().unwrap_or_else(|e| e.into_inner());
-    node.logical_map(&st).values().filter(|p| **p != node.me.name).all(|p| {
-        members
-            .view(p)
-            .and_then(|v| v.heartbeat.as_ref())
-            .is_some_and(|h| h.svm_segments == 0)
+    node.with_heartbeats(|m| {
+        node.logical_map(&st)
+            .values()
+            .filter(|p| **p != node.me.name)
+            .all(|p| m.heartbeat(p).is_some_and(|h| h.svm_segments == 0))
     })
 }
 
@@ -836,14 +817,15 @@ fn ensure_svm(g: &mut Inner, node: &Node) -> Result<(), OpError> {
     // view alone would look current).
     let inc = svm_incarnation(&st, me.0, node.incarnation);
     let others_hold = {
-        let members = node.members.lock().unwrap_or_else(|e| e.into_inner());
-        node.logical_map(&st).values().any(|p| {
-            *p != node.me.name
-                && members.view(p).and_then(|v| v.heartbeat.as_ref()).is_some_and(|h| {
-                    let knew = h.svm_view.get(me.0 as usize).copied().unwrap_or(0);
-                    let fenced = h.svm_fenced.get(me.0 as usize).copied().unwrap_or(0);
-                    h.svm_segments > 0 && ((knew != 0 && knew != inc.0) || fenced == inc.0)
-                })
+        node.with_heartbeats(|m| {
+            node.logical_map(&st).values().any(|p| {
+                *p != node.me.name
+                    && m.heartbeat(p).is_some_and(|h| {
+                        let knew = h.svm_view.get(me.0 as usize).copied().unwrap_or(0);
+                        let fenced = h.svm_fenced.get(me.0 as usize).copied().unwrap_or(0);
+                        h.svm_segments > 0 && ((knew != 0 && knew != inc.0) || fenced == inc.0)
+                    })
+            })
         })
     };
     g.svm = Some(if others_hold {

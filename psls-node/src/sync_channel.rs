@@ -19,6 +19,7 @@
 //! than [`psls_ipc::proto::MAX_SYNC_MSG`] or not a sync request gets an error answer and the
 //! channel stays usable; a channel whose client end is closed is dropped.
 
+use crate::failstop::Locked;
 use crate::node::{Node, OpError};
 use psls_ipc::proto::{self, Request, Response, MAX_SYNC_MSG};
 use psls_ipc::ErrorKind;
@@ -92,7 +93,7 @@ impl Channels {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Arc<Channel>>> {
-        self.map.lock().unwrap_or_else(|e| e.into_inner())
+        self.map.locked()
     }
 
     /// Registers the channel end `fd` for process `pid` of user `uid`.

@@ -6,6 +6,7 @@
 //! go through here but through the node's message link ([`crate::link`]), a second QUIC
 //! endpoint driven without async tasks.
 
+use crate::failstop::Locked;
 use crate::peer::{self, PeerReq, PeerResp, MAX_PEER_MSG};
 use crate::tls;
 use psls_svm::PAGE_SIZE;
@@ -94,8 +95,7 @@ impl Transport {
     async fn connection(&self, peer: &str) -> Result<quinn::Connection, NetError> {
         let cached = |s: &Self| {
             s.conns
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
+                .locked()
                 .get(peer)
                 .filter(|c| c.close_reason().is_none())
                 .cloned()
@@ -115,10 +115,7 @@ impl Transport {
             .map_err(|e| unreachable(peer, &e))?
             .await
             .map_err(|e| unreachable(peer, &e))?;
-        self.conns
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(peer.to_string(), conn.clone());
+        self.conns.locked().insert(peer.to_string(), conn.clone());
         Ok(conn)
     }
 
@@ -187,7 +184,7 @@ impl Transport {
 
     /// Forgets the cached request connection to `peer` (it timed out or broke).
     pub fn drop_connection(&self, peer: &str) {
-        if let Some(c) = self.conns.lock().unwrap_or_else(|e| e.into_inner()).remove(peer) {
+        if let Some(c) = self.conns.locked().remove(peer) {
             c.close(0u32.into(), b"reset");
         }
     }

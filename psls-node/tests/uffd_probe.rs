@@ -16,6 +16,7 @@ fn kernel_userfaultfd_behaviour_the_fault_service_relies_on() {
     let memfd = nix::sys::memfd::memfd_create("probe", nix::sys::memfd::MFdFlags::MFD_CLOEXEC).unwrap();
     let file = std::fs::File::from(memfd);
     file.set_len(4 * PAGE as u64).unwrap();
+    // SAFETY: a fresh shared mapping of a memfd this test owns; nothing else maps that range.
     let base = unsafe {
         libc::mmap(
             std::ptr::null_mut(),
@@ -39,15 +40,18 @@ fn kernel_userfaultfd_behaviour_the_fault_service_relies_on() {
     );
     r.unwrap();
     let b = base as usize;
-    // SAFETY (the toucher): volatile accesses to bytes of the four mapped pages.
-    let toucher = std::thread::spawn(move || unsafe {
-        let p = b as *mut u8;
-        let first = std::ptr::read_volatile(p); // read fault, page absent: MISSING
-        std::ptr::write_volatile(p, 7); // write on a write-protected page: WP fault
-        let second = std::ptr::read_volatile(p.add(PAGE)); // page 1 in the memfd already: MINOR
-        std::ptr::write_volatile(p.add(2 * PAGE), 9); // page 2 absent, a write: MISSING
-        let after_punch = std::ptr::read_volatile(p); // page 0 punched out: MISSING again
-        (first, second, after_punch)
+    let toucher = std::thread::spawn(move || {
+        // SAFETY: volatile accesses to bytes of the four mapped pages, which stay mapped until
+        // the test ends.
+        unsafe {
+            let p = b as *mut u8;
+            let first = std::ptr::read_volatile(p); // read fault, page absent: MISSING
+            std::ptr::write_volatile(p, 7); // write on a write-protected page: WP fault
+            let second = std::ptr::read_volatile(p.add(PAGE)); // page 1 in the memfd already: MINOR
+            std::ptr::write_volatile(p.add(2 * PAGE), 9); // page 2 absent, a write: MISSING
+            let after_punch = std::ptr::read_volatile(p); // page 0 punched out: MISSING again
+            (first, second, after_punch)
+        }
     });
     use std::os::unix::fs::FileExt;
     for step in 0..5 {
@@ -86,6 +90,7 @@ fn kernel_userfaultfd_behaviour_the_fault_service_relies_on() {
                 assert_eq!(rw, ReadWrite::Write);
                 file.write_all_at(&[44u8; PAGE], 2 * PAGE as u64).unwrap();
                 // Punch page 0 (it is mapped writable in the toucher).
+                // SAFETY: fallocate on a descriptor this test owns; no memory is touched.
                 let r = unsafe {
                     libc::fallocate(
                         file.as_raw_fd(),

@@ -50,16 +50,19 @@ fn child(mode: &str, file: &str, pages: usize) -> Result<()> {
         // SAFETY: i < pages: the byte is inside the mapping.
         let p = unsafe { base.add(i * PAGE) };
         match mode {
-            // SAFETY (all arms): one volatile byte access inside the mapping.
             "read" => {
+                // SAFETY: one volatile byte access inside the mapping.
                 unsafe { std::ptr::read_volatile(p) };
             }
+            // SAFETY: one volatile byte access inside the mapping.
             "write" => unsafe { std::ptr::write_volatile(p, i as u8) },
             "mread" | "mwrite" if i % 2 == 0 => {
                 let t = Instant::now();
                 if mode == "mread" {
+                    // SAFETY: one volatile byte access inside the mapping.
                     unsafe { std::ptr::read_volatile(p) };
                 } else {
+                    // SAFETY: one volatile byte access inside the mapping.
                     unsafe { std::ptr::write_volatile(p, i as u8) };
                 }
                 lat.push(t.elapsed().as_nanos() as u64);
