@@ -11,6 +11,7 @@
 
 use crate::failstop::Locked;
 use crate::node::{Node, OpError};
+pub use crate::peer::JobSpec;
 use crate::peer::{PeerReq, PeerResp};
 use psls_ipc::ErrorKind;
 use std::collections::{BTreeMap, HashMap};
@@ -31,20 +32,6 @@ pub const LOST_STATUS: i32 = 255;
 pub enum JobEvent {
     Output { rank: u32, err: bool, data: Vec<u8> },
     Exit { rank: u32, code: i32 },
-}
-
-/// What a job description holds.
-#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
-pub struct JobSpec {
-    pub job: String,
-    pub launcher: String,
-    pub size: u32,
-    pub program: String,
-    pub args: Vec<String>,
-    pub env: Vec<(String, String)>,
-    pub cwd: String,
-    pub uid: u32,
-    pub gid: u32,
 }
 
 /// Per node: the launcher's event channels and the local rank processes.

@@ -24,8 +24,8 @@
 //! datagram; a sender that makes a timer earlier than that wakes it (eventfd).
 
 use crate::failstop::Locked;
+use crate::peer::NetError;
 use crate::peer::{self, PeerReq, MAX_PEER_MSG};
-use crate::transport::NetError;
 use bytes::{Bytes, BytesMut};
 use quinn_proto::{
     ClientConfig, Connection, ConnectionHandle, DatagramEvent, Dir, Endpoint, EndpointConfig, Event, ServerConfig,

@@ -1,10 +1,24 @@
-//! Messages between node daemons. One request and one response per QUIC bidirectional stream;
+//! Messages between node daemons: the wire types at the bottom of the daemon (this module
+//! imports nothing of `psls-node`). One request and one response per QUIC bidirectional stream;
 //! each body is postcard, bounded by [`MAX_PEER_MSG`].
 
 use psls_pfs::meta::MetaOp;
 use psls_pfs::Role;
 use psls_svm::FileId;
 use serde::{Deserialize, Serialize};
+
+/// Why a message to a peer (request or one-way) failed.
+#[derive(Debug, thiserror::Error)]
+pub enum NetError {
+    #[error("unknown peer {0}")]
+    UnknownPeer(String),
+    #[error("cannot reach {peer}: {message}")]
+    Unreachable { peer: String, message: String },
+    #[error("request to {peer} timed out after {ms} ms")]
+    Timeout { peer: String, ms: u64 },
+    #[error("bad response from {peer}: {message}")]
+    BadResponse { peer: String, message: String },
+}
 
 /// Largest accepted peer message body.
 pub const MAX_PEER_MSG: usize = 8 * 1024 * 1024;
@@ -16,6 +30,20 @@ pub const BATCH_PAGES: usize = 256;
 pub fn batch_pool() -> &'static std::sync::Arc<psls_pfs::BufPool> {
     static POOL: std::sync::OnceLock<std::sync::Arc<psls_pfs::BufPool>> = std::sync::OnceLock::new();
     POOL.get_or_init(|| psls_pfs::BufPool::new((BATCH_PAGES + 2) * psls_svm::PAGE_SIZE, 32))
+}
+
+/// What a job description holds (sent to every node that runs ranks of the job).
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+pub struct JobSpec {
+    pub job: String,
+    pub launcher: String,
+    pub size: u32,
+    pub program: String,
+    pub args: Vec<String>,
+    pub env: Vec<(String, String)>,
+    pub cwd: String,
+    pub uid: u32,
+    pub gid: u32,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -143,7 +171,7 @@ pub enum PeerReq {
     },
     /// From a job's launcher: start these ranks here.
     Spawn {
-        spec: crate::launcher::JobSpec,
+        spec: JobSpec,
         ranks: Vec<u32>,
     },
     /// To a job's launcher: output of a rank (stdout, or stderr if `err`).

@@ -7,6 +7,7 @@
 //! endpoint driven without async tasks.
 
 use crate::failstop::Locked;
+pub use crate::peer::NetError;
 use crate::peer::{self, PeerReq, PeerResp, MAX_PEER_MSG};
 use crate::tls;
 use psls_svm::PAGE_SIZE;
@@ -14,18 +15,6 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-
-#[derive(Debug, thiserror::Error)]
-pub enum NetError {
-    #[error("unknown peer {0}")]
-    UnknownPeer(String),
-    #[error("cannot reach {peer}: {message}")]
-    Unreachable { peer: String, message: String },
-    #[error("request to {peer} timed out after {ms} ms")]
-    Timeout { peer: String, ms: u64 },
-    #[error("bad response from {peer}: {message}")]
-    BadResponse { peer: String, message: String },
-}
 
 /// Socket buffer size asked for: room for bursts at full speed (measured: export throughput
 /// rose ~40% over the 208 KiB default on loopback, where drops cost retransmissions).
