@@ -57,16 +57,19 @@
 //!   copyset (a writer is the writable owner and the only member), unless its own transaction
 //!   is still in progress at the manager (its `Done` is on the way), or the page is lost and
 //!   an `Inval` or write `Fwd` on the way will drop the copy. Between transactions, a live
-//!   owner the manager knows holds the page. A manager that restarted and refuses its pages has no directory to check.
-//! - A page is marked lost (or a `Deny` says so) only if a node involved with it died: held
-//!   it, had a transaction or load on it (by its own books or a manager's), or had a message
-//!   about it on the way. A manager
-//!   refuses as restarted only while it is.
+//!   owner the manager knows holds the page. A manager that restarted and refuses its pages
+//!   has no directory to check.
+//! - A page is marked lost (or a `Deny` says so) only if a node that died may have taken its
+//!   latest version: owned it by the manager's books, held its last copy, could write it, was
+//!   writing it (by its own books or the manager's), or had sent its data, still on the way.
+//!   A reader's death alone loses nothing. (A fenced node is dead from its verdict on.) A
+//!   manager refuses as restarted only while it is.
 //! - Every failed fault is explained, per page and per cause: `PageLost` only on a page a
-//!   dead node was involved with; `ManagerDown` only when the manager incarnation the node
-//!   knew really died (crashed or declared) and the node has learnt it; `ManagerRestarted`
-//!   only from a recovering manager's refusal; `LoadFailed` only from an injected failure of
-//!   that page's load on that node; none at all otherwise (faults of a fenced node excepted).
+//!   dead node may have taken (as above: the source of a transfer is the owner);
+//!   `ManagerDown` only when the manager incarnation the node knew really died (crashed or
+//!   declared) and the node has learnt it; `ManagerRestarted` only from a recovering
+//!   manager's refusal; `LoadFailed` only from an injected failure of that page's load on
+//!   that node; none at all otherwise (faults of a fenced node excepted).
 //! - No protocol violation is reported; no action is produced for a cancelled fault.
 //!
 //! At the end it stops new work and drains (failures still happen early in the drain):
@@ -204,7 +207,8 @@ struct World {
     next_waiter: WaiterId,
     /// Faults waiting: waiter → client.
     waiters: HashMap<WaiterId, usize>,
-    /// Pages a node that died was involved with: only their faults may fail as lost.
+    /// Pages whose latest version a node that died may have taken (see [`World::taint`]):
+    /// only their faults may fail as lost.
     tainted: HashSet<PageId>,
     /// The input being processed, and what the node processing it knew of every node's
     /// incarnation before it.
@@ -352,7 +356,7 @@ impl World {
                 }
             }
             FaultError::PageLost if self.tainted.contains(&page) => Ok(()),
-            FaultError::PageLost => Err("no node involved with the page died".into()),
+            FaultError::PageLost => Err("no node that died may have taken its latest version".into()),
             FaultError::TooManyWaiters => Err("the simulator never has that many".into()),
         }
     }
@@ -382,9 +386,9 @@ impl World {
                         Msg::Deny {
                             error: FaultError::PageLost,
                             ..
-                        } if self.live_page(page) && !self.tainted.contains(&page) => {
-                            self.fail(format!("n{i} says {page} is lost, but no node involved with it died"))
-                        }
+                        } if self.live_page(page) && !self.tainted.contains(&page) => self.fail(format!(
+                            "n{i} says {page} is lost, but no node that died may have taken its latest version"
+                        )),
                         _ => {}
                     }
                     let payload = if env.msg.has_payload() {
@@ -598,23 +602,39 @@ impl World {
         self.run_actions(i);
     }
 
-    /// Node `v` dies (crash or verdict): every page it is involved with may be lost.
-    fn taint(&mut self, v: usize) {
+    /// Nodes `vs` die together (crash or verdict): the pages whose latest version they may
+    /// take with them may be lost from now on. Those are the pages one of them owns by its
+    /// manager's books, holds as the last copy outside them (a fenced node's copy counts as
+    /// gone), could write, is writing (a write transaction of its in progress, by its own books
+    /// or the manager's), or sent the data of (still on the way). A reader's death alone, or a
+    /// requester's reading, loses nothing.
+    fn taint(&mut self, vs: &[usize]) {
         for &page in &self.pages {
-            let n = &self.nodes[v];
-            let involved = n.svm.access(page).is_some()
-                || n.applied.contains_key(&page)
-                || n.svm.in_progress(page).pending.is_some()
-                || n.loads.iter().any(|l| l.0 == page)
-                || self
+            let dir = self.nodes[self.manager(page)].svm.directory(page);
+            let holds_elsewhere = (0..self.nodes.len())
+                .any(|j| !vs.contains(&j) && !self.nodes[j].zombie && self.nodes[j].applied.contains_key(&page));
+            let takes = |v: usize| {
+                let me = NodeId(v as u32);
+                let n = &self.nodes[v];
+                let owner = dir.as_ref().is_some_and(|d| d.0 == Some(me));
+                let last = n.applied.contains_key(&page) && !holds_elsewhere;
+                let writes = n.applied.get(&page) == Some(&Access::Write)
+                    || n.svm.access(page) == Some(Access::Write)
+                    || n.svm.in_progress(page).pending.is_some_and(|(_, a)| a == Access::Write)
+                    || self.nodes.iter().any(|m| {
+                        m.svm
+                            .in_progress(page)
+                            .busy
+                            .iter()
+                            .any(|&(t, a)| t.node == me && a == Access::Write)
+                    });
+                let sourcing = self
                     .net
                     .iter()
-                    .any(|(_, e, _)| e.from.0 as usize == v && e.msg.page() == page)
-                || self
-                    .nodes
-                    .iter()
-                    .any(|m| m.svm.in_progress(page).busy.iter().any(|(t, _)| t.node.0 as usize == v));
-            if involved {
+                    .any(|(_, e, _)| e.from == me && e.msg.page() == page && e.msg.has_payload());
+                owner || last || writes || sourcing
+            };
+            if vs.iter().any(|&v| takes(v)) {
                 self.tainted.insert(page);
             }
         }
@@ -640,9 +660,7 @@ impl World {
         if vs.len() > 1 {
             self.c.double_crashes += 1;
         }
-        for &v in vs {
-            self.taint(v);
-        }
+        self.taint(vs);
         // Their queued messages die with them (those on the wire arrive).
         self.drop_messages(|rng, _, e| vs.contains(&(e.from.0 as usize)) && rng.chance(50));
         for &v in vs {
@@ -712,7 +730,7 @@ impl World {
     /// Node `v`, live, is declared dead: fenced now, it restarts later.
     fn verdict(&mut self, v: usize) {
         self.c.verdicts += 1;
-        self.taint(v);
+        self.taint(&[v]);
         let inc = self.nodes[v].svm.incarnation();
         self.log(format!("VERDICT: n{v} incarnation {} declared dead", inc.0));
         self.nodes[v].zombie = true;
@@ -728,7 +746,7 @@ impl World {
     fn link_break(&mut self, a: usize, b: usize) {
         let v = if self.rng.chance(50) { a } else { b };
         self.log(format!("LINK n{a}-n{b} breaks"));
-        self.taint(v);
+        self.taint(&[v]);
         self.drop_messages(|_, to, e| {
             let from = e.from.0 as usize;
             (to == a && from == b) || (to == b && from == a)
@@ -901,7 +919,9 @@ impl World {
             let mgr = &self.nodes[m];
             let (owner, copyset, writable, lost) = mgr.svm.directory(page).unwrap_or_default();
             if lost && !self.tainted.contains(&page) {
-                self.fail(format!("n{m} marks {page} lost, but no node involved with it died"));
+                self.fail(format!(
+                    "n{m} marks {page} lost, but no node that died may have taken its latest version"
+                ));
             }
             if mgr.zombie || mgr.svm.recovering() {
                 continue;
@@ -1087,7 +1107,7 @@ impl World {
             8 => {
                 let z: Vec<usize> = (0..n).filter(|&i| self.nodes[i].zombie).collect();
                 let v = z[self.rng.below(z.len())];
-                self.taint(v);
+                self.taint(&[v]);
                 self.drop_messages(|rng, _, e| e.from.0 as usize == v && rng.chance(50));
                 self.restart(v);
             }
@@ -1105,6 +1125,13 @@ impl World {
             _ => {
                 let r = ends[self.rng.below(ends.len())];
                 self.end_recovery(r);
+            }
+        }
+        // A fenced node is dead to the protocol from its verdict on: whatever it takes up
+        // meanwhile goes with it too.
+        for z in 0..n {
+            if self.nodes[z].zombie {
+                self.taint(&[z]);
             }
         }
         self.check();
