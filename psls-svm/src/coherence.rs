@@ -356,6 +356,18 @@ struct Busy {
     acks: Vec<(NodeId, Incarnation)>,
 }
 
+/// What is in progress on one page at one node ([`Svm::in_progress`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct InProgress {
+    /// This node's own request: its transaction and the access asked for.
+    pub pending: Option<(TxnId, Access)>,
+    /// Local faults waiting.
+    pub waiters: usize,
+    /// As the page's manager: the transactions running, and how many wait in the queue.
+    pub busy: Vec<(TxnId, Access)>,
+    pub queued: usize,
+}
+
 /// The protocol state of one node.
 #[derive(Debug)]
 pub struct Svm {
@@ -482,6 +494,19 @@ impl Svm {
             .map(|d| (d.owner, d.copyset.iter().copied().collect(), d.writable, d.lost))
     }
 
+    /// What is in progress on `page` here (for checks): this node's own request, the faults
+    /// waiting, and, as its manager, the transactions running and queued.
+    pub fn in_progress(&self, page: PageId) -> InProgress {
+        let l = self.local.get(&page);
+        let d = self.dir.get(&page);
+        InProgress {
+            pending: l.and_then(|l| l.pending.as_ref()).map(|p| (p.txn, p.access)),
+            waiters: l.map_or(0, |l| l.waiters.len()),
+            busy: d.map_or(Vec::new(), |d| d.busy.iter().map(|b| (b.txn, b.access)).collect()),
+            queued: d.map_or(0, |d| d.queue.len()),
+        }
+    }
+
     /// The next action for the shell.
     pub fn poll_action(&mut self) -> Option<Action> {
         self.actions.pop_front()
@@ -511,7 +536,8 @@ impl Svm {
         });
     }
 
-    fn is_up(&self, n: NodeId) -> bool {
+    /// Whether this node holds node `n` up (at the incarnation it knows of it).
+    pub fn is_up(&self, n: NodeId) -> bool {
         self.peers.get(n.0 as usize).is_some_and(|p| p.up)
     }
 

@@ -2,22 +2,87 @@
 //!
 //! Many nodes and clients in one process; a seed chooses everything: cluster size, pages,
 //! which client acts, which in-flight message is delivered next (any order: messages are
-//! reordered freely), when loads from disk finish or fail, when nodes crash and when the others
-//! learn of it. After every step it checks:
-//! - at most one node can write a page, and no other node holds it meanwhile;
-//! - every copy a node may access holds the latest value written to that page, so every read
-//!   returns the value of the latest write;
-//! - no protocol violation is reported.
+//! reordered freely), when loads from disk finish or fail, when nodes crash, when links break,
+//! when jobs end and when the others learn of any of it.
 //!
-//! At the end it stops new work and drains: every fault must then be resolved or, only where
-//! a crash or a failed load excuses it, failed. A failure prints the seed that reproduces it.
+//! # The shell, as the daemon's (`psls-node/src/svm.rs`)
+//! Each node runs its state machine's actions in order, as the daemon's shell does, and keeps
+//! what they left: the node's memory (its memfd), the access its `SetAccess` actions applied,
+//! and, per client, that client's page table. `SetAccess(None)` punches the page out of the
+//! memory and unmaps it in every client of the node; `SetAccess(Read)` write-protects it in
+//! every client; `SetAccess(Write)` changes no client. `Resolve` maps the page in the faulting
+//! client, writable only if the node's access (by the state machine's books, as the daemon
+//! asks them) is `Write`; if the memory does not hold the page, the client is only woken and
+//! faults again. Clients read and write only through their page tables: a client whose
+//! mapping does not allow its operation faults. Client threads do not take the shell's lock:
+//! a client may act between two actions of its node's shell.
 //!
-//! `PSLS_SIM_SEEDS=N` runs N seeds (default 2000); `PSLS_SIM_SEED=S` runs only seed S.
+//! # Failures, as the daemon meets them
+//! - **Crash** (of one node, or two at once, at any step, several per seed on most seeds): the
+//!   node restarts at once as a new incarnation with an empty memory (its waiting clients are
+//!   gone with it), as [`Svm::restarted`] when another node holds segments (the daemon's
+//!   `ensure_svm`), else as [`Svm::new`]. Its messages still queued die with it (each with
+//!   even odds; the rest were on the wire). Each other node learns, at its own time, of the
+//!   death and then of the new incarnation, or only of the new incarnation (a restart faster
+//!   than the failure detector: the daemon then calls only `peer_up`).
+//! - **Link break between live nodes**: the transport is reliable between live nodes, but a
+//!   lost connection drops its queue (`link.rs`), in both directions; the protocols rely on
+//!   membership to learn of it. So a break is followed by a verdict on one of the two ends
+//!   (DESIGN §2: the coordinator's verdict is final for that incarnation). The daemon as it
+//!   stands does not enforce that verdict: a node declared down is not told, keeps running
+//!   and, when heard again with the same incarnation, stays down in the others' state
+//!   machines (`peer_up` ignores a known incarnation) while it still holds its copies. The
+//!   simulator models what DESIGN §2 requires instead: the declared node is *fenced* — its
+//!   clients stop at once — while its daemon runs on for a while (it keeps answering the
+//!   messages it gets, from an incarnation the others hold dead or are about to), until it
+//!   restarts as a new incarnation with an empty memory. The others learn of the verdict
+//!   (`peer_down`) at their own times, then of the new incarnation.
+//! - **Failed loads** (injected, 2%).
+//! - **A client process dies** while its fault waits: the shell cancels the fault
+//!   ([`Svm::cancel`], the daemon's `drop_map`).
+//! - **A job ends**: its processes exit (their waiting faults are cancelled), then each node,
+//!   at its own time, drops the job's segments and their coherence state
+//!   ([`Svm::forget_file`], the daemon's `end_job`/`forget`), and a later job uses new files.
+//!   A restarted node refusing its pages serves them again ([`Svm::end_recovery`]) once no
+//!   other node holds any segment (the daemon's `sync_peers`).
+//!
+//! # Checks after every step
+//! - The access each node's shell applied equals the state machine's record; no client maps a
+//!   page beyond its node's applied access, nor a page its node's memory does not hold; no
+//!   page is snapshotted for `Data` while a client of the sender may write it.
+//! - At most one node can write a page, and then no other node holds it; every copy a node may
+//!   access holds the latest value written, so every read returns the latest write. (A fenced
+//!   node is left out: its clients are stopped.)
+//! - The manager's directory covers every node that holds the page: a holder is in the
+//!   copyset (a writer is the writable owner and the only member), unless its own transaction
+//!   is still in progress at the manager (its `Done` is on the way), or the page is lost and
+//!   an `Inval` or write `Fwd` on the way will drop the copy. Between transactions, a live
+//!   owner the manager knows holds the page. A manager that restarted and refuses its pages
+//!   has no directory to check.
+//! - A page is marked lost (or a `Deny` says so) only if a node that died may have taken its
+//!   latest version: owned it by the manager's books, held its last copy, could write it, was
+//!   writing it (by its own books or the manager's), or had sent its data, still on the way.
+//!   A reader's death alone loses nothing. (A fenced node is dead from its verdict on.) A
+//!   manager refuses as restarted only while it is.
+//! - Every failed fault is explained, per page and per cause: `PageLost` only on a page a
+//!   dead node may have taken (as above: the source of a transfer is the owner);
+//!   `ManagerDown` only when the manager incarnation the node knew really died (crashed or
+//!   declared) and the node has learnt it; `ManagerRestarted` only from a recovering
+//!   manager's refusal; `LoadFailed` only from an injected failure of that page's load on
+//!   that node; none at all otherwise (faults of a fenced node excepted).
+//! - No protocol violation is reported; no action is produced for a cancelled fault.
+//!
+//! At the end it stops new work and drains (failures still happen early in the drain):
+//! every fault must then be resolved or failed as above, and no node may have anything left
+//! in progress on the current job's pages. A failure prints the seed that reproduces it.
+//!
+//! `PSLS_SIM_SEEDS=N` runs N seeds (default 10000); `PSLS_SIM_SEED=S` runs only seed S;
+//! `PSLS_SIM_TRACE=1` prints every event.
 
-use psls_svm::coherence::{Access, Action, Envelope, FaultError, Msg, Receipt, Svm, TxnId, WaiterId};
+use psls_svm::coherence::{Access, Action, Envelope, FaultError, InProgress, Msg, Receipt, Svm, TxnId, WaiterId};
 use psls_svm::rng::SplitMix64;
 use psls_svm::{FileId, Incarnation, NodeId, PageId};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 struct Rng(SplitMix64);
 
@@ -28,6 +93,9 @@ impl Rng {
     }
     fn chance(&mut self, percent: u64) -> bool {
         self.0.next_u64() % 100 < percent
+    }
+    fn permille(&mut self, p: u64) -> bool {
+        self.0.next_u64() % 1000 < p
     }
 }
 
@@ -56,14 +124,15 @@ enum ClientState {
     Idle,
     /// Wants to do `op`; will try at one of its next steps.
     Ready(Op),
-    /// Faulted; waiting for the daemon.
-    Waiting(Op),
+    /// Faulted (this waiter); waiting for the daemon.
+    Waiting(Op, WaiterId),
 }
 
 struct Client {
     node: usize,
-    id: WaiterId,
     state: ClientState,
+    /// The client's page table: how each page is mapped in it (absent: not mapped).
+    mapped: HashMap<PageId, Access>,
 }
 
 struct Node {
@@ -71,8 +140,48 @@ struct Node {
     /// The node's memory (its memfd): page → value. Present is not the same as accessible.
     mem: HashMap<PageId, u64>,
     loads: Vec<(PageId, TxnId)>,
-    /// Access per page as the `SetAccess` actions run so far left it (what clients can do).
+    /// Access per page as the `SetAccess` actions run so far left it.
     applied: HashMap<PageId, Access>,
+    /// Holds segments of the current job (a client of it used one): its heartbeats say so.
+    segs: bool,
+    /// Declared dead while live: fenced (its clients are stopped) until it restarts.
+    zombie: bool,
+    /// While a job ends: this node dropped the job's segments.
+    dropped: bool,
+}
+
+/// The input a node is processing, for what it explains.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Cause {
+    Other,
+    /// That node's load of that page failed (injected).
+    LoadFailed(usize, PageId),
+    /// A `Deny` delivered to that node.
+    Denied(usize, PageId, FaultError),
+}
+
+/// Counters over a run.
+#[derive(Clone, Copy, Debug, Default)]
+struct Counts {
+    done: u64,
+    failed: u64,
+    /// Failures by error: lost, manager down, load failed, too many waiters, manager
+    /// restarted.
+    failed_by: [u64; 5],
+    crashes: u64,
+    double_crashes: u64,
+    verdicts: u64,
+    dropped_msgs: u64,
+    cancels: u64,
+    job_ends: u64,
+    end_recoveries: u64,
+    /// Resolved faults whose page was not in memory any more (the client faulted again).
+    woken_unmapped: u64,
+    /// Client operations done between two actions of their node's shell.
+    interleaved: u64,
+    joined: u64,
+    late: u64,
+    redundant: u64,
 }
 
 struct World {
@@ -80,7 +189,14 @@ struct World {
     rng: Rng,
     nodes: Vec<Node>,
     clients: Vec<Client>,
+    /// Pages per job, and files they spread over.
+    npages: usize,
+    files: usize,
+    job: u64,
+    /// The current job's pages.
     pages: Vec<PageId>,
+    /// The job ended: nodes drop its segments; no client works until the next job.
+    ending: bool,
     /// In flight: (to, envelope, payload).
     net: Vec<(usize, Envelope, Option<u64>)>,
     /// Membership news not yet delivered: (to node, about node, incarnation, up).
@@ -88,25 +204,33 @@ struct World {
     /// The latest value written to each page (the disk holds 0 and is never written here).
     truth: HashMap<PageId, u64>,
     next_value: u64,
-    crashes: usize,
-    load_failures: usize,
-    done_ops: u64,
-    failed_ops: u64,
+    next_waiter: WaiterId,
+    /// Faults waiting: waiter → client.
+    waiters: HashMap<WaiterId, usize>,
+    /// Pages whose latest version a node that died may have taken (see [`World::taint`]):
+    /// only their faults may fail as lost.
+    tainted: HashSet<PageId>,
+    /// The input being processed, and what the node processing it knew of every node's
+    /// incarnation before it.
+    cause: Cause,
+    known_before: Vec<Incarnation>,
+    /// Per mille per step: crashes, link breaks.
+    crash_rate: u64,
+    break_rate: u64,
+    c: Counts,
     steps: u64,
     trace: Vec<String>,
 }
+
+/// Most deaths (crashes and verdicts) in one seed.
+const MAX_DEATHS: u64 = 10;
 
 impl World {
     fn new(seed: u64) -> World {
         let mut rng = Rng(SplitMix64::new(seed));
         let n = 2 + rng.below(4);
         let files = 1 + rng.below(2);
-        let pages: Vec<PageId> = (0..1 + rng.below(4))
-            .map(|k| PageId {
-                file: FileId(100 + (k % files) as u64),
-                index: k as u64,
-            })
-            .collect();
+        let npages = 1 + rng.below(4);
         let peers: Vec<Option<Incarnation>> = (0..n).map(|_| Some(Incarnation(1))).collect();
         let nodes = (0..n)
             .map(|i| Node {
@@ -114,37 +238,67 @@ impl World {
                 mem: HashMap::new(),
                 loads: Vec::new(),
                 applied: HashMap::new(),
+                segs: false,
+                zombie: false,
+                dropped: false,
             })
             .collect();
         let per_node = 1 + rng.below(2);
         let clients = (0..n * per_node)
             .map(|k| Client {
                 node: k % n,
-                id: k as WaiterId,
                 state: ClientState::Idle,
+                mapped: HashMap::new(),
             })
             .collect();
-        World {
+        // Most seeds see failures: crashes on most, link breaks on one in two.
+        let crash_rate = if rng.chance(85) { 20 + rng.below(60) as u64 } else { 0 };
+        let break_rate = if rng.chance(50) { 20 + rng.below(40) as u64 } else { 0 };
+        let mut w = World {
             seed,
             rng,
             nodes,
             clients,
-            pages,
+            npages,
+            files,
+            job: 0,
+            pages: Vec::new(),
+            ending: false,
             net: Vec::new(),
             news: Vec::new(),
             truth: HashMap::new(),
             next_value: 1,
-            crashes: 0,
-            load_failures: 0,
-            done_ops: 0,
-            failed_ops: 0,
+            next_waiter: 0,
+            waiters: HashMap::new(),
+            tainted: HashSet::new(),
+            cause: Cause::Other,
+            known_before: Vec::new(),
+            crash_rate,
+            break_rate,
+            c: Counts::default(),
             steps: 0,
             trace: Vec::new(),
-        }
+        };
+        w.pages = w.job_pages();
+        w
+    }
+
+    /// The current job's pages (each job its own files).
+    fn job_pages(&self) -> Vec<PageId> {
+        (0..self.npages)
+            .map(|k| PageId {
+                file: FileId(100 + 16 * self.job + (k % self.files) as u64),
+                index: k as u64,
+            })
+            .collect()
+    }
+
+    fn manager(&self, page: PageId) -> usize {
+        self.nodes[0].svm.manager(page).0 as usize
     }
 
     fn fail(&self, why: String) -> ! {
-        let tail: Vec<&String> = self.trace.iter().rev().take(40).collect();
+        let tail: Vec<&String> = self.trace.iter().rev().take(60).collect();
         let mut t = String::new();
         for l in tail.into_iter().rev() {
             t.push_str(l);
@@ -166,20 +320,85 @@ impl World {
         self.trace.push(s);
     }
 
+    /// Node `i` is about to process an input: remembers what it explains.
+    fn begin(&mut self, i: usize, cause: Cause) {
+        self.cause = cause;
+        self.known_before = (0..self.nodes.len())
+            .map(|m| self.nodes[i].svm.known_incarnation(NodeId(m as u32)))
+            .collect();
+    }
+
+    /// Why a fault of node `i` on `page` may fail with `error` now, or why not.
+    fn excuse(&self, i: usize, page: PageId, error: FaultError) -> Result<(), String> {
+        if self.nodes[i].zombie {
+            // Declared dead: its clients are stopped, their faults end with it.
+            return Ok(());
+        }
+        match error {
+            FaultError::LoadFailed if self.cause == Cause::LoadFailed(i, page) => Ok(()),
+            FaultError::LoadFailed => Err("no load of that page failed on that node".into()),
+            FaultError::ManagerRestarted if self.cause == Cause::Denied(i, page, error) => Ok(()),
+            FaultError::ManagerRestarted => Err("not on a restarted manager's refusal".into()),
+            FaultError::ManagerDown => {
+                let m = self.manager(page);
+                let k = self.known_before[m];
+                let dead = self.nodes[m].svm.incarnation() > k
+                    || (self.nodes[m].zombie && self.nodes[m].svm.incarnation() == k);
+                let svm = &self.nodes[i].svm;
+                let learnt = !svm.is_up(NodeId(m as u32)) || svm.known_incarnation(NodeId(m as u32)) > k;
+                if dead && learnt {
+                    Ok(())
+                } else {
+                    Err(format!(
+                        "manager n{m} incarnation {} did not die (dead {dead}, learnt {learnt})",
+                        k.0
+                    ))
+                }
+            }
+            FaultError::PageLost if self.tainted.contains(&page) => Ok(()),
+            FaultError::PageLost => Err("no node that died may have taken its latest version".into()),
+            FaultError::TooManyWaiters => Err("the simulator never has that many".into()),
+        }
+    }
+
     /// Runs node `i`'s queued actions, as the daemon would, in order.
     fn run_actions(&mut self, i: usize) {
         for _ in 0..100_000 {
+            // A client thread does not wait for the shell's lock.
+            if self.rng.chance(10) {
+                self.client_inline(i);
+            }
             let Some(a) = self.nodes[i].svm.poll_action() else {
+                self.cause = Cause::Other;
                 return;
             };
             self.log(format!("n{i} {a:?}"));
             match a {
                 Action::Send { to, env } => {
+                    let page = env.msg.page();
+                    match env.msg {
+                        Msg::Deny {
+                            error: FaultError::ManagerRestarted,
+                            ..
+                        } if !self.nodes[i].svm.recovering() => {
+                            self.fail(format!("n{i} refuses {page} as restarted, but it is not recovering"))
+                        }
+                        Msg::Deny {
+                            error: FaultError::PageLost,
+                            ..
+                        } if self.live_page(page) && !self.tainted.contains(&page) => self.fail(format!(
+                            "n{i} says {page} is lost, but no node that died may have taken its latest version"
+                        )),
+                        _ => {}
+                    }
                     let payload = if env.msg.has_payload() {
-                        let page = env.msg.page();
-                        // A snapshot while clients could still write would miss their stores:
-                        // check the access as the actions executed so far left it.
-                        if self.nodes[i].applied.get(&page) == Some(&Access::Write) {
+                        // A snapshot while clients could still write would miss their stores.
+                        if self.nodes[i].applied.get(&page) == Some(&Access::Write)
+                            || self
+                                .clients
+                                .iter()
+                                .any(|c| c.node == i && c.mapped.get(&page) == Some(&Access::Write))
+                        {
                             self.fail(format!("n{i} snapshots page {page} while it may still be written"));
                         }
                         match self.nodes[i].mem.get(&page) {
@@ -192,84 +411,167 @@ impl World {
                     self.net.push((to.0 as usize, env, payload));
                 }
                 Action::Load { page, txn } => self.nodes[i].loads.push((page, txn)),
-                Action::SetAccess { page, access } => match access {
-                    None => {
-                        self.nodes[i].applied.remove(&page);
-                        self.nodes[i].mem.remove(&page);
-                    }
-                    Some(a) => {
-                        self.nodes[i].applied.insert(page, a);
-                        if !self.nodes[i].mem.contains_key(&page) {
-                            self.fail(format!("n{i} gets access to page {page} not in its memory"));
+                Action::SetAccess { page, access } => {
+                    match access {
+                        None => {
+                            self.nodes[i].applied.remove(&page);
+                            self.nodes[i].mem.remove(&page);
+                        }
+                        Some(a) => {
+                            self.nodes[i].applied.insert(page, a);
+                            if !self.nodes[i].mem.contains_key(&page) {
+                                self.fail(format!("n{i} gets access to page {page} not in its memory"));
+                            }
                         }
                     }
-                },
-                Action::Resolve { waiter, page, access } => match self.clients[waiter as usize].state {
-                    ClientState::Waiting(op) if op.page() == page && op.access() <= access => {
-                        self.clients[waiter as usize].state = ClientState::Ready(op);
+                    for c in self.clients.iter_mut().filter(|c| c.node == i) {
+                        match access {
+                            // Punched out of the memfd: gone from every mapping.
+                            None => {
+                                c.mapped.remove(&page);
+                            }
+                            // Write-protected in every mapping.
+                            Some(Access::Read) => {
+                                if let Some(m) = c.mapped.get_mut(&page) {
+                                    *m = Access::Read;
+                                }
+                            }
+                            Some(Access::Write) => {}
+                        }
                     }
-                    ClientState::Waiting(op) if op.page() == page => {
-                        self.fail(format!("client {waiter} resolved with {access:?} for {op:?}"))
-                    }
-                    other => self.fail(format!("resolve for client {waiter} in state {other:?}")),
-                },
-                Action::Fail { waiter, page, error } => {
-                    let excused = match error {
-                        FaultError::LoadFailed => self.load_failures > 0,
-                        _ => self.crashes > 0,
+                }
+                Action::Resolve { waiter, page, access } => {
+                    let Some(k) = self.waiters.remove(&waiter) else {
+                        self.fail(format!("resolve of waiter {waiter}, which does not wait (cancelled?)"))
                     };
-                    if !excused {
-                        self.fail(format!("fault of client {waiter} on {page} failed: {error}"));
+                    let op = match self.clients[k].state {
+                        ClientState::Waiting(op, w) if w == waiter && op.page() == page && op.access() <= access => op,
+                        other => self.fail(format!(
+                            "resolve of {page} {access:?} for client {k} in state {other:?}"
+                        )),
+                    };
+                    // As the daemon: mapped (UFFDIO_CONTINUE) as the node's access allows, if
+                    // the memory holds the page; else the client is woken and faults again.
+                    if self.nodes[i].mem.contains_key(&page) {
+                        let m = match self.nodes[i].svm.access(page) {
+                            Some(Access::Write) => Access::Write,
+                            _ => Access::Read,
+                        };
+                        self.clients[k].mapped.insert(page, m);
+                    } else {
+                        self.c.woken_unmapped += 1;
                     }
-                    let state = self.clients[waiter as usize].state;
-                    if !matches!(state, ClientState::Waiting(op) if op.page() == page) {
-                        self.fail(format!("fail for client {waiter} in state {state:?}"));
+                    self.clients[k].state = ClientState::Ready(op);
+                }
+                Action::Fail { waiter, page, error } => {
+                    let Some(k) = self.waiters.remove(&waiter) else {
+                        self.fail(format!("fail of waiter {waiter}, which does not wait (cancelled?)"))
+                    };
+                    let state = self.clients[k].state;
+                    if !matches!(state, ClientState::Waiting(op, w) if w == waiter && op.page() == page) {
+                        self.fail(format!("fail for client {k} in state {state:?}"));
                     }
-                    self.clients[waiter as usize].state = ClientState::Idle;
-                    self.failed_ops += 1;
+                    if let Err(why) = self.excuse(i, page, error) {
+                        self.fail(format!(
+                            "fault of client {k} on n{i} on {page} failed: {error}; unexplained: {why}"
+                        ));
+                    }
+                    self.clients[k].state = ClientState::Idle;
+                    self.c.failed += 1;
+                    self.c.failed_by[error as usize] += 1;
                 }
             }
         }
         self.fail(format!("n{i} produced an unbounded number of actions"));
     }
 
-    /// Client `k` tries its op: done if its node has the access, else a fault.
-    fn client_try(&mut self, k: usize) {
-        let c = &self.clients[k];
-        let ClientState::Ready(op) = c.state else { return };
-        let i = c.node;
+    /// Whether `page` belongs to the running job (an ended job's pages are being forgotten:
+    /// their directories go before their copies, and their messages may find no state).
+    fn live_page(&self, page: PageId) -> bool {
+        !self.ending && self.pages.contains(&page)
+    }
+
+    /// Whether client `k` may work (its node is not fenced, its job is running).
+    fn may_work(&self, k: usize) -> bool {
+        !self.ending && !self.nodes[self.clients[k].node].zombie
+    }
+
+    /// Client `k` does `op` in memory, as its page table allows (checked by the caller).
+    fn perform(&mut self, k: usize, op: Op) {
+        let i = self.clients[k].node;
         let page = op.page();
-        if self.nodes[i].svm.access(page) >= Some(op.access()) {
-            let have = self.nodes[i].mem.get(&page).copied();
-            let want = self.truth.get(&page).copied().unwrap_or(0);
-            match op {
-                Op::Read(_) => {
-                    if have != Some(want) {
-                        self.fail(format!(
-                            "client {k} on n{i} read {have:?} from {page}, latest write is {want}"
-                        ));
-                    }
-                }
-                Op::Write(_, v) => {
-                    self.nodes[i].mem.insert(page, v);
-                    self.truth.insert(page, v);
+        let have = self.nodes[i].mem.get(&page).copied();
+        let want = self.truth.get(&page).copied().unwrap_or(0);
+        match op {
+            Op::Read(_) => {
+                if have != Some(want) {
+                    self.fail(format!(
+                        "client {k} on n{i} read {have:?} from {page}, latest write is {want}"
+                    ));
                 }
             }
-            self.log(format!("client {k} on n{i} did {op:?}"));
-            self.clients[k].state = ClientState::Idle;
-            self.done_ops += 1;
-        } else {
-            self.clients[k].state = ClientState::Waiting(op);
-            let id = self.clients[k].id;
-            self.log(format!("client {k} on n{i} faults {op:?}"));
-            self.nodes[i].svm.fault(page, op.access(), id);
-            self.run_actions(i);
+            Op::Write(_, v) => {
+                if have.is_none() {
+                    self.fail(format!("client {k} on n{i} writes {page}, mapped but not in memory"));
+                }
+                self.nodes[i].mem.insert(page, v);
+                self.truth.insert(page, v);
+            }
         }
+        self.log(format!("client {k} on n{i} did {op:?}"));
+        self.clients[k].state = ClientState::Idle;
+        self.c.done += 1;
+    }
+
+    /// A ready client of node `i` whose mapping allows its operation does it now (between two
+    /// actions of the shell).
+    fn client_inline(&mut self, i: usize) {
+        let able: Vec<(usize, Op)> = (0..self.clients.len())
+            .filter(|&k| self.clients[k].node == i && self.may_work(k))
+            .filter_map(|k| match self.clients[k].state {
+                ClientState::Ready(op) if self.clients[k].mapped.get(&op.page()).copied() >= Some(op.access()) => {
+                    Some((k, op))
+                }
+                _ => None,
+            })
+            .collect();
+        if able.is_empty() {
+            return;
+        }
+        let (k, op) = able[self.rng.below(able.len())];
+        self.c.interleaved += 1;
+        self.perform(k, op);
+    }
+
+    /// Client `k` tries its op: done if its page table allows it, else a fault.
+    fn client_try(&mut self, k: usize) {
+        let ClientState::Ready(op) = self.clients[k].state else {
+            return;
+        };
+        let i = self.clients[k].node;
+        self.nodes[i].segs = true;
+        if self.clients[k].mapped.get(&op.page()).copied() >= Some(op.access()) {
+            self.perform(k, op);
+            return;
+        }
+        let waiter = self.next_waiter;
+        self.next_waiter += 1;
+        self.waiters.insert(waiter, k);
+        self.clients[k].state = ClientState::Waiting(op, waiter);
+        self.log(format!("client {k} on n{i} faults {op:?} as waiter {waiter}"));
+        self.begin(i, Cause::Other);
+        self.nodes[i].svm.fault(op.page(), op.access(), waiter);
+        self.run_actions(i);
     }
 
     fn deliver(&mut self, m: usize) {
         let (to, env, payload) = self.net.swap_remove(m);
         self.log(format!("deliver to n{to}: {env:?} payload {payload:?}"));
+        let cause = match env.msg {
+            Msg::Deny { page, error, .. } => Cause::Denied(to, page, error),
+            _ => Cause::Other,
+        };
+        self.begin(to, cause);
         match self.nodes[to].svm.receive(env) {
             Ok(Receipt::Install(page)) => match payload {
                 Some(v) => {
@@ -278,6 +580,10 @@ impl World {
                 None => self.fail("install without a payload".into()),
             },
             Ok(_) => {}
+            // An ended job's pages are forgotten node by node: a manager that forgot one may
+            // grant it afresh to a node still holding it. The daemon logs such a message and
+            // drops it; no process maps the page any more.
+            Err(e) if !self.live_page(e.page) => self.log(format!("n{to} rejects: {e}")),
             Err(e) => self.fail(format!("n{to}: {e}")),
         }
         self.run_actions(to);
@@ -288,36 +594,164 @@ impl World {
         let ok = !self.rng.chance(2);
         if ok {
             self.nodes[i].mem.insert(page, 0);
-        } else {
-            self.load_failures += 1;
         }
         self.log(format!("n{i} load of {page} done ok={ok}"));
+        let cause = if ok { Cause::Other } else { Cause::LoadFailed(i, page) };
+        self.begin(i, cause);
         self.nodes[i].svm.loaded(page, txn, ok);
         self.run_actions(i);
     }
 
-    fn crash(&mut self, i: usize) {
-        self.crashes += 1;
-        let inc = Incarnation(self.nodes[i].svm.incarnation().0 + 1);
-        self.log(format!("CRASH n{i}, restarts as incarnation {}", inc.0));
-        // It restarts knowing everybody's current incarnation, with an empty memory.
-        let peers: Vec<Option<Incarnation>> = self.nodes.iter().map(|n| Some(n.svm.incarnation())).collect();
-        self.nodes[i] = Node {
-            svm: Svm::restarted(NodeId(i as u32), inc, peers),
+    /// Nodes `vs` die together (crash or verdict): the pages whose latest version they may
+    /// take with them may be lost from now on. Those are the pages one of them owns by its
+    /// manager's books, holds as the last copy outside them (a fenced node's copy counts as
+    /// gone), could write, is writing (a write transaction of its in progress, by its own books
+    /// or the manager's), or sent the data of (still on the way). A reader's death alone, or a
+    /// requester's reading, loses nothing.
+    fn taint(&mut self, vs: &[usize]) {
+        for &page in &self.pages {
+            let dir = self.nodes[self.manager(page)].svm.directory(page);
+            let holds_elsewhere = (0..self.nodes.len())
+                .any(|j| !vs.contains(&j) && !self.nodes[j].zombie && self.nodes[j].applied.contains_key(&page));
+            let takes = |v: usize| {
+                let me = NodeId(v as u32);
+                let n = &self.nodes[v];
+                let owner = dir.as_ref().is_some_and(|d| d.0 == Some(me));
+                let last = n.applied.contains_key(&page) && !holds_elsewhere;
+                let writes = n.applied.get(&page) == Some(&Access::Write)
+                    || n.svm.access(page) == Some(Access::Write)
+                    || n.svm.in_progress(page).pending.is_some_and(|(_, a)| a == Access::Write)
+                    || self.nodes.iter().any(|m| {
+                        m.svm
+                            .in_progress(page)
+                            .busy
+                            .iter()
+                            .any(|&(t, a)| t.node == me && a == Access::Write)
+                    });
+                let sourcing = self
+                    .net
+                    .iter()
+                    .any(|(_, e, _)| e.from == me && e.msg.page() == page && e.msg.has_payload());
+                owner || last || writes || sourcing
+            };
+            if vs.iter().any(|&v| takes(v)) {
+                self.tainted.insert(page);
+            }
+        }
+    }
+
+    /// Drops in-flight messages that `keep` refuses; counts them.
+    fn drop_messages(&mut self, mut drop: impl FnMut(&mut Rng, usize, &Envelope) -> bool) {
+        let mut kept = Vec::with_capacity(self.net.len());
+        for m in std::mem::take(&mut self.net) {
+            if drop(&mut self.rng, m.0, &m.1) {
+                self.c.dropped_msgs += 1;
+                self.trace.push(format!("dropped: to n{} {:?}", m.0, m.1));
+            } else {
+                kept.push(m);
+            }
+        }
+        self.net = kept;
+    }
+
+    /// Nodes `vs` crash at once and restart.
+    fn crash(&mut self, vs: &[usize]) {
+        self.c.crashes += 1;
+        if vs.len() > 1 {
+            self.c.double_crashes += 1;
+        }
+        self.taint(vs);
+        // Their queued messages die with them (those on the wire arrive).
+        self.drop_messages(|rng, _, e| vs.contains(&(e.from.0 as usize)) && rng.chance(50));
+        for &v in vs {
+            self.restart(v);
+        }
+    }
+
+    /// Node `v` (crashed, or declared dead) starts again as a new incarnation.
+    fn restart(&mut self, v: usize) {
+        let old = self.nodes[v].svm.incarnation();
+        let inc = Incarnation(old.0 + 1);
+        let was_zombie = self.nodes[v].zombie;
+        // As the daemon's `ensure_svm`: if another node holds segments, it may hold pages the
+        // lost directory counted, and the pages managed here are refused.
+        let others_hold = (0..self.nodes.len()).any(|j| j != v && self.nodes[j].segs);
+        self.log(format!(
+            "RESTART n{v} as incarnation {} ({})",
+            inc.0,
+            if others_hold { "recovering" } else { "fresh" }
+        ));
+        // It knows everybody's current incarnation, but not one declared dead.
+        let peers: Vec<Option<Incarnation>> = self
+            .nodes
+            .iter()
+            .map(|n| (!n.zombie).then(|| n.svm.incarnation()))
+            .collect();
+        let mut peers = peers;
+        peers[v] = Some(inc);
+        let me = NodeId(v as u32);
+        let svm = if others_hold {
+            Svm::restarted(me, inc, peers)
+        } else {
+            self.restart_from_disk(v);
+            Svm::new(me, inc, peers)
+        };
+        self.nodes[v] = Node {
+            svm,
             mem: HashMap::new(),
             loads: Vec::new(),
             applied: HashMap::new(),
+            segs: false,
+            zombie: false,
+            dropped: self.ending,
         };
-        for c in self.clients.iter_mut().filter(|c| c.node == i) {
-            c.state = ClientState::Idle;
+        for k in 0..self.clients.len() {
+            if self.clients[k].node != v {
+                continue;
+            }
+            if let ClientState::Waiting(_, w) = self.clients[k].state {
+                self.waiters.remove(&w);
+            }
+            self.clients[k].state = ClientState::Idle;
+            self.clients[k].mapped.clear();
         }
         for j in 0..self.nodes.len() {
-            if j != i {
-                // Each survivor hears, at its own time, first of the death, then of the restart.
-                self.news.push((j, i, Incarnation(inc.0 - 1), false));
-                self.news.push((j, i, inc, true));
+            if j != v {
+                // Each other node hears, at its own time, of the death (unless declared
+                // already, or the restart beat the failure detector), then of the restart.
+                if !was_zombie && self.rng.chance(70) {
+                    self.news.push((j, v, old, false));
+                }
+                self.news.push((j, v, inc, true));
             }
         }
+    }
+
+    /// Node `v`, live, is declared dead: fenced now, it restarts later.
+    fn verdict(&mut self, v: usize) {
+        self.c.verdicts += 1;
+        self.taint(&[v]);
+        let inc = self.nodes[v].svm.incarnation();
+        self.log(format!("VERDICT: n{v} incarnation {} declared dead", inc.0));
+        self.nodes[v].zombie = true;
+        for j in 0..self.nodes.len() {
+            if j != v {
+                self.news.push((j, v, inc, false));
+            }
+        }
+    }
+
+    /// The link between live nodes `a` and `b` breaks: its queued messages (both ways) are
+    /// dropped, and one of the two is declared dead.
+    fn link_break(&mut self, a: usize, b: usize) {
+        let v = if self.rng.chance(50) { a } else { b };
+        self.log(format!("LINK n{a}-n{b} breaks"));
+        self.taint(&[v]);
+        self.drop_messages(|_, to, e| {
+            let from = e.from.0 as usize;
+            (to == a && from == b) || (to == b && from == a)
+        });
+        self.verdict(v);
     }
 
     fn deliver_news(&mut self, k: usize) {
@@ -330,6 +764,7 @@ impl World {
             inc.0,
             if up { "up" } else { "down" }
         ));
+        self.begin(to, Cause::Other);
         if up {
             self.nodes[to].svm.peer_up(NodeId(about as u32), inc);
         } else {
@@ -338,18 +773,135 @@ impl World {
         self.run_actions(to);
     }
 
+    /// The client process of a waiting fault dies: the shell cancels the fault.
+    fn cancel(&mut self, k: usize) {
+        let ClientState::Waiting(_, w) = self.clients[k].state else {
+            return;
+        };
+        let i = self.clients[k].node;
+        self.log(format!("client {k} on n{i} dies; waiter {w} cancelled"));
+        self.c.cancels += 1;
+        self.waiters.remove(&w);
+        self.clients[k].state = ClientState::Idle;
+        self.clients[k].mapped.clear();
+        self.begin(i, Cause::Other);
+        self.nodes[i].svm.cancel(w);
+        self.run_actions(i);
+    }
+
+    /// The job ends: its processes exit (their faults are cancelled); the nodes drop its
+    /// segments later, each at its own time.
+    fn end_job(&mut self) {
+        self.log(format!("JOB {} ENDS", self.job));
+        self.c.job_ends += 1;
+        for k in 0..self.clients.len() {
+            self.cancel(k);
+            self.clients[k].state = ClientState::Idle;
+            self.clients[k].mapped.clear();
+        }
+        self.ending = true;
+        for n in &mut self.nodes {
+            n.dropped = false;
+        }
+    }
+
+    /// Node `i` drops the ended job's segments: memory and coherence state.
+    fn drop_job(&mut self, i: usize) {
+        self.log(format!("n{i} drops job {}'s segments", self.job));
+        let pages = self.pages.clone();
+        let n = &mut self.nodes[i];
+        for &p in &pages {
+            n.mem.remove(&p);
+            n.applied.remove(&p);
+        }
+        for p in pages.iter().take(self.files) {
+            n.svm.forget_file(p.file);
+        }
+        n.segs = false;
+        n.dropped = true;
+    }
+
+    fn start_job(&mut self) {
+        self.job += 1;
+        self.pages = self.job_pages();
+        self.ending = false;
+        self.log(format!("JOB {} STARTS: {:?}", self.job, self.pages));
+    }
+
+    /// The pages node `v` manages start again from disk, with an empty directory: no other
+    /// node holds a segment (and `v` itself holds none of them: it restarted, and refused
+    /// them since), so no memory holds them and no live process saw what was written to them
+    /// since they were loaded. (Pages managed elsewhere keep their directories: lost stays
+    /// lost.)
+    fn restart_from_disk(&mut self, v: usize) {
+        for p in self.pages.clone() {
+            if self.manager(p) == v {
+                // (A page stays tainted: a dead node's messages about it may still arrive.)
+                self.truth.remove(&p);
+            }
+        }
+    }
+
+    /// A restarted node serves its pages again: no other node holds a segment.
+    fn end_recovery(&mut self, r: usize) {
+        self.log(format!("n{r} ends recovery"));
+        self.c.end_recoveries += 1;
+        self.restart_from_disk(r);
+        self.begin(r, Cause::Other);
+        self.nodes[r].svm.end_recovery();
+        self.run_actions(r);
+    }
+
+    fn recovery_ends(&self) -> Vec<usize> {
+        (0..self.nodes.len())
+            .filter(|&r| {
+                !self.nodes[r].zombie
+                    && self.nodes[r].svm.recovering()
+                    && (0..self.nodes.len()).all(|j| j == r || !self.nodes[j].segs)
+            })
+            .collect()
+    }
+
     fn check(&self) {
+        let n = self.nodes.len();
+        // The shell's access is the state machine's; clients map within it.
+        for (i, node) in self.nodes.iter().enumerate() {
+            let mut pages: Vec<PageId> = node.applied.keys().copied().collect();
+            pages.extend(node.svm.held().map(|(p, _)| p));
+            for p in pages {
+                let (applied, books) = (node.applied.get(&p).copied(), node.svm.access(p));
+                if applied != books {
+                    self.fail(format!(
+                        "n{i} page {p}: the shell applied {applied:?}, the protocol says {books:?}"
+                    ));
+                }
+            }
+            for (k, c) in self.clients.iter().enumerate().filter(|(_, c)| c.node == i) {
+                for (p, &m) in &c.mapped {
+                    if Some(m) > node.applied.get(p).copied() || !node.mem.contains_key(p) {
+                        self.fail(format!(
+                            "client {k} on n{i} maps {p} {m:?}; the node applied {:?}, memory has it: {}",
+                            node.applied.get(p),
+                            node.mem.contains_key(p)
+                        ));
+                    }
+                }
+            }
+        }
+        if self.ending {
+            // No process maps the ended job's pages; their directories go before their
+            // copies. The next job uses other files.
+            return;
+        }
         for &page in &self.pages {
+            let want = self.truth.get(&page).copied().unwrap_or(0);
             let mut writers = 0;
             let mut holders = 0;
-            for (i, n) in self.nodes.iter().enumerate() {
-                let Some(a) = n.svm.access(page) else { continue };
+            for (i, node) in self.nodes.iter().enumerate().filter(|(_, x)| !x.zombie) {
+                let Some(&a) = node.applied.get(&page) else { continue };
                 holders += 1;
-                if a == Access::Write {
-                    writers += 1;
-                }
-                let have = n.mem.get(&page).copied();
-                let want = self.truth.get(&page).copied().unwrap_or(0);
+                writers += (a == Access::Write) as usize;
+                let have = node.mem.get(&page).copied();
                 if have != Some(want) {
                     self.fail(format!(
                         "n{i} holds {page} ({a:?}) with {have:?}, latest write is {want}"
@@ -357,21 +909,80 @@ impl World {
                 }
             }
             if writers > 1 || (writers == 1 && holders > 1) {
-                let who: BTreeMap<usize, Option<Access>> = self
-                    .nodes
-                    .iter()
-                    .enumerate()
-                    .map(|(i, n)| (i, n.svm.access(page)))
-                    .collect();
+                let who: BTreeMap<usize, Option<Access>> =
+                    (0..n).map(|i| (i, self.nodes[i].applied.get(&page).copied())).collect();
                 self.fail(format!(
                     "page {page}: {writers} writers among {holders} holders: {who:?}"
                 ));
             }
+            let m = self.manager(page);
+            let mgr = &self.nodes[m];
+            let (owner, copyset, writable, lost) = mgr.svm.directory(page).unwrap_or_default();
+            if lost && !self.tainted.contains(&page) {
+                self.fail(format!(
+                    "n{m} marks {page} lost, but no node that died may have taken its latest version"
+                ));
+            }
+            if mgr.zombie || mgr.svm.recovering() {
+                continue;
+            }
+            // The directory covers every holder.
+            let prog = mgr.svm.in_progress(page);
+            for (h, node) in self.nodes.iter().enumerate().filter(|(_, x)| !x.zombie) {
+                let Some(&a) = node.applied.get(&page) else { continue };
+                let inc = node.svm.incarnation();
+                let in_txn = prog
+                    .busy
+                    .iter()
+                    .any(|(t, _)| t.node.0 as usize == h && t.incarnation == inc);
+                let leaving = lost
+                    && self.net.iter().any(|(to, e, _)| {
+                        *to == h
+                            && e.to_incarnation == inc
+                            && e.msg.page() == page
+                            && matches!(
+                                e.msg,
+                                Msg::Inval { .. }
+                                    | Msg::Fwd {
+                                        access: Access::Write,
+                                        ..
+                                    }
+                            )
+                    });
+                let me = NodeId(h as u32);
+                let recorded = match a {
+                    Access::Read => copyset.contains(&me),
+                    Access::Write => owner == Some(me) && writable && copyset == [me],
+                };
+                if !(recorded || in_txn || leaving) {
+                    self.fail(format!(
+                        "n{h} holds {page} ({a:?}) but the directory at n{m} says owner {owner:?} copyset \
+                         {copyset:?} writable {writable} lost {lost}, in progress {prog:?}"
+                    ));
+                }
+            }
+            // Between transactions, a live owner holds the page. (A writer is recorded writable,
+            // above; the converse need not hold: a forward for a reader that died meanwhile
+            // may still downgrade the owner.)
+            if let (Some(o), true, false) = (owner, prog == InProgress::default(), lost) {
+                let on = &self.nodes[o.0 as usize];
+                let current = mgr.svm.is_up(o) && mgr.svm.known_incarnation(o) == on.svm.incarnation();
+                if current && !on.zombie {
+                    let held = on.applied.get(&page).copied();
+                    if held.is_none() || !copyset.contains(&o) {
+                        self.fail(format!(
+                            "n{m} records {o} as {page}'s owner (writable {writable}, copyset {copyset:?}), which holds {held:?}"
+                        ));
+                    }
+                }
+            }
         }
     }
 
-    fn step(&mut self, new_work: bool, crashes_allowed: bool) -> bool {
+    fn step(&mut self, new_work: bool, failures: bool) -> bool {
         self.steps += 1;
+        let n = self.nodes.len();
+        let deaths = self.c.crashes + self.c.double_crashes + self.c.verdicts;
         // Candidate moves, picked uniformly at random.
         let mut moves: Vec<u8> = Vec::new();
         if !self.net.is_empty() {
@@ -383,18 +994,49 @@ impl World {
         if !self.news.is_empty() {
             moves.push(2);
         }
-        let ready = self.clients.iter().any(|c| matches!(c.state, ClientState::Ready(_)));
-        if ready {
+        let ready: Vec<usize> = (0..self.clients.len())
+            .filter(|&k| matches!(self.clients[k].state, ClientState::Ready(_)) && self.may_work(k))
+            .collect();
+        if !ready.is_empty() {
             moves.extend([3, 3]);
         }
-        if new_work && self.clients.iter().any(|c| c.state == ClientState::Idle) {
+        let idle: Vec<usize> = (0..self.clients.len())
+            .filter(|&k| self.clients[k].state == ClientState::Idle && self.may_work(k))
+            .collect();
+        if new_work && !idle.is_empty() {
             moves.extend([4, 4]);
         }
-        if crashes_allowed && self.crashes < 2 && self.rng.chance(1) {
+        if failures && deaths < MAX_DEATHS && self.rng.permille(self.crash_rate) {
             moves.push(5);
         }
-        if new_work {
+        if new_work && !self.ending {
             moves.push(6);
+        }
+        let live: Vec<usize> = (0..n).filter(|&i| !self.nodes[i].zombie).collect();
+        if failures && deaths < MAX_DEATHS && live.len() >= 2 && self.rng.permille(self.break_rate) {
+            moves.push(7);
+        }
+        if self.nodes.iter().any(|n| n.zombie) {
+            moves.push(8);
+        }
+        let waiting: Vec<usize> = (0..self.clients.len())
+            .filter(|&k| matches!(self.clients[k].state, ClientState::Waiting(..)) && self.may_work(k))
+            .collect();
+        if failures && !waiting.is_empty() && self.rng.permille(10) {
+            moves.push(9);
+        }
+        // A job ends now and then, soon after its pages started failing (a failed fault ends
+        // its process).
+        let failing = self.nodes.iter().any(|n| n.svm.recovering()) || !self.tainted.is_empty();
+        if new_work && !self.ending && self.rng.permille(if failing { 30 } else { 3 }) {
+            moves.push(10);
+        }
+        if self.ending {
+            moves.push(if self.nodes.iter().all(|n| n.dropped) { 12 } else { 11 });
+        }
+        let ends = self.recovery_ends();
+        if !ends.is_empty() {
+            moves.push(13);
         }
         if moves.is_empty() {
             return false;
@@ -405,9 +1047,7 @@ impl World {
                 self.deliver(m);
             }
             1 => {
-                let with: Vec<usize> = (0..self.nodes.len())
-                    .filter(|&i| !self.nodes[i].loads.is_empty())
-                    .collect();
+                let with: Vec<usize> = (0..n).filter(|&i| !self.nodes[i].loads.is_empty()).collect();
                 let i = with[self.rng.below(with.len())];
                 let l = self.rng.below(self.nodes[i].loads.len());
                 self.finish_load(i, l);
@@ -417,16 +1057,10 @@ impl World {
                 self.deliver_news(k);
             }
             3 => {
-                let ready: Vec<usize> = (0..self.clients.len())
-                    .filter(|&k| matches!(self.clients[k].state, ClientState::Ready(_)))
-                    .collect();
                 let k = ready[self.rng.below(ready.len())];
                 self.client_try(k);
             }
             4 => {
-                let idle: Vec<usize> = (0..self.clients.len())
-                    .filter(|&k| self.clients[k].state == ClientState::Idle)
-                    .collect();
                 let k = idle[self.rng.below(idle.len())];
                 let page = self.pages[self.rng.below(self.pages.len())];
                 let op = if self.rng.chance(40) {
@@ -440,12 +1074,17 @@ impl World {
                 self.client_try(k);
             }
             5 => {
-                let i = self.rng.below(self.nodes.len());
-                self.crash(i);
+                let a = self.rng.below(n);
+                let b = self.rng.below(n);
+                if a != b && self.rng.chance(25) {
+                    self.crash(&[a, b]);
+                } else {
+                    self.crash(&[a]);
+                }
             }
-            _ => {
-                // A prefetch: read or write access to a page nobody waits for.
-                let i = self.rng.below(self.nodes.len());
+            6 => {
+                // A prefetch (the daemon's, on a fault): access to a page nobody waits for.
+                let i = live[self.rng.below(live.len())];
                 let page = self.pages[self.rng.below(self.pages.len())];
                 let access = if self.rng.chance(30) {
                     Access::Write
@@ -453,8 +1092,46 @@ impl World {
                     Access::Read
                 };
                 self.log(format!("n{i} prefetches {page} {access:?}"));
+                self.nodes[i].segs = true;
+                self.begin(i, Cause::Other);
                 self.nodes[i].svm.prefetch(page, access);
                 self.run_actions(i);
+            }
+            7 => {
+                let a = live[self.rng.below(live.len())];
+                let b = live[self.rng.below(live.len())];
+                if a != b {
+                    self.link_break(a, b);
+                }
+            }
+            8 => {
+                let z: Vec<usize> = (0..n).filter(|&i| self.nodes[i].zombie).collect();
+                let v = z[self.rng.below(z.len())];
+                self.taint(&[v]);
+                self.drop_messages(|rng, _, e| e.from.0 as usize == v && rng.chance(50));
+                self.restart(v);
+            }
+            9 => {
+                let k = waiting[self.rng.below(waiting.len())];
+                self.cancel(k);
+            }
+            10 => self.end_job(),
+            11 => {
+                let left: Vec<usize> = (0..n).filter(|&i| !self.nodes[i].dropped).collect();
+                let i = left[self.rng.below(left.len())];
+                self.drop_job(i);
+            }
+            12 => self.start_job(),
+            _ => {
+                let r = ends[self.rng.below(ends.len())];
+                self.end_recovery(r);
+            }
+        }
+        // A fenced node is dead to the protocol from its verdict on: whatever it takes up
+        // meanwhile goes with it too.
+        for z in 0..n {
+            if self.nodes[z].zombie {
+                self.taint(&[z]);
             }
         }
         self.check();
@@ -462,17 +1139,16 @@ impl World {
     }
 }
 
-fn run_seed(seed: u64) -> (u64, u64, u64, u64, u64) {
+fn run_seed(seed: u64) -> Counts {
     let mut w = World::new(seed);
-    let crashes_allowed = seed.is_multiple_of(3);
     let steps = 200 + w.rng.below(400);
     for _ in 0..steps {
-        w.step(true, crashes_allowed);
+        w.step(true, true);
     }
-    // Drain: no new work, no crashes; everything in flight must settle.
+    // Drain: no new work; failures only at first; everything in flight must settle.
     let mut drained = false;
-    for _ in 0..200_000 {
-        if !w.step(false, false) {
+    for s in 0..200_000 {
+        if !w.step(false, s < 50) {
             drained = true;
             break;
         }
@@ -485,17 +1161,19 @@ fn run_seed(seed: u64) -> (u64, u64, u64, u64, u64) {
             w.fail(format!("client {k} never finished: {:?}", c.state));
         }
     }
-    if w.crashes == 0 {
-        for (i, n) in w.nodes.iter().enumerate() {
-            if !n.svm.is_quiet() {
-                w.fail(format!("n{i} still has work in flight after draining"));
+    for (i, n) in w.nodes.iter().enumerate() {
+        for &p in &w.pages {
+            let prog = n.svm.in_progress(p);
+            if prog != InProgress::default() {
+                w.fail(format!("n{i} still has work in flight on {p} after draining: {prog:?}"));
             }
         }
     }
-    let joined = w.nodes.iter().map(|n| n.svm.stats().joined_reads).sum();
-    let late = w.nodes.iter().map(|n| n.svm.stats().late_grants).sum();
-    let redundant = w.nodes.iter().map(|n| n.svm.stats().redundant_grants).sum();
-    (w.done_ops, w.failed_ops, joined, late, redundant)
+    let mut c = w.c;
+    c.joined = w.nodes.iter().map(|n| n.svm.stats().joined_reads).sum();
+    c.late = w.nodes.iter().map(|n| n.svm.stats().late_grants).sum();
+    c.redundant = w.nodes.iter().map(|n| n.svm.stats().redundant_grants).sum();
+    c
 }
 
 #[test]
@@ -507,33 +1185,76 @@ fn random_schedules_keep_memory_sequentially_consistent() {
             std::env::var("PSLS_SIM_SEEDS")
                 .ok()
                 .and_then(|s| s.parse::<u64>().ok())
-                .unwrap_or(2000),
+                .unwrap_or(10000),
         ),
     };
-    let mut done = 0;
-    let mut failed = 0;
-    let mut joined = 0;
-    let mut late = 0;
-    let mut redundant = 0;
+    let mut t = Counts::default();
+    let mut crashed_seeds = 0;
     for seed in first..first + count {
-        let (d, f, j, l, r) = run_seed(seed);
-        done += d;
-        failed += f;
-        joined += j;
-        late += l;
-        redundant += r;
+        let c = run_seed(seed);
+        crashed_seeds += (c.crashes > 0) as u64;
+        t.done += c.done;
+        t.failed += c.failed;
+        for (a, b) in t.failed_by.iter_mut().zip(c.failed_by) {
+            *a += b;
+        }
+        t.crashes += c.crashes;
+        t.double_crashes += c.double_crashes;
+        t.verdicts += c.verdicts;
+        t.dropped_msgs += c.dropped_msgs;
+        t.cancels += c.cancels;
+        t.job_ends += c.job_ends;
+        t.end_recoveries += c.end_recoveries;
+        t.woken_unmapped += c.woken_unmapped;
+        t.interleaved += c.interleaved;
+        t.joined += c.joined;
+        t.late += c.late;
+        t.redundant += c.redundant;
     }
-    // The runs must do real work, and failures only come from crashes and failed loads.
+    eprintln!("{count} seeds, {crashed_seeds} with crashes: {t:?}");
+    // The runs must do real work, and every path they are meant to test must run.
     if count >= 100 {
-        assert!(done > count * 50, "only {done} operations completed over {count} seeds");
-        assert!(failed < done / 10, "{failed} failed operations against {done} done");
+        // (Most seeds crash, and a manager that restarted while others held pages refuses its
+        // pages until the job ends: many faults fail, every one of them explained.)
+        assert!(
+            t.done > count * 30,
+            "only {} operations completed over {count} seeds",
+            t.done
+        );
+        assert!(
+            t.failed < t.done,
+            "{} failed operations against {} done",
+            t.failed,
+            t.done
+        );
+        for (kind, n) in ["lost", "manager down", "load failed"]
+            .iter()
+            .zip(t.failed_by)
+            .chain([(&"manager restarted", t.failed_by[4])])
+        {
+            assert!(n > 0, "no fault failed as {kind} over {count} seeds");
+        }
+        assert!(
+            crashed_seeds > count * 7 / 10,
+            "crashes on only {crashed_seeds} of {count} seeds"
+        );
+        assert!(t.crashes > 2 * count, "only {} crashes over {count} seeds", t.crashes);
+        assert!(t.double_crashes > 0, "no two nodes crashed at once over {count} seeds");
+        assert!(t.verdicts > count / 10, "only {} live nodes declared dead", t.verdicts);
+        assert!(t.dropped_msgs > 0, "no message dropped over {count} seeds");
+        assert!(t.cancels > 0, "no fault cancelled over {count} seeds");
+        assert!(
+            t.end_recoveries > 0,
+            "no restarted node ended its recovery over {count} seeds"
+        );
+        assert!(t.interleaved > 0, "no client acted between two actions of its shell");
         // Concurrent reads of one page really happen (so their checks above ran).
-        assert!(joined > count, "only {joined} joined reads over {count} seeds");
+        assert!(t.joined > count, "only {} joined reads over {count} seeds", t.joined);
         // Owners die between a forward and their data (so the manager's late grants ran).
-        assert!(late > 0, "no late grant over {count} seeds");
+        assert!(t.late > 0, "no late grant over {count} seeds");
         // ... also after their `Data` granted a write that still collected acks (so the
         // requester's handling of the redundant grant ran).
-        assert!(redundant > 0, "no redundant late grant over {count} seeds");
+        assert!(t.redundant > 0, "no redundant late grant over {count} seeds");
     }
 }
 
