@@ -30,6 +30,9 @@
 //! # Invariants (asserted by the simulator after every step)
 //! - At most one node has write access to a page; while one has, no other node has any access.
 //! - A read returns the value of the latest write in the order the manager serialized them.
+//! - The manager's directory covers every node that holds the page (owner, copyset), save a
+//!   requester whose transaction is still in progress there, and, on a lost page, a holder an
+//!   invalidation on the way will empty.
 //!
 //! The shell keeps these by executing actions in order: it sets access before it acks an
 //! invalidation, snapshots a page for `Data` before it drops it, and installs received data
