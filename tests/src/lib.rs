@@ -3,6 +3,8 @@
 //! workspace target folder (`cargo build --workspace --bins` first; the test script does).
 //!
 //! Every cluster lives in its own temporary folder and port range and is stopped on drop.
+//! Tests wait for states ([`wait_for`]), never for fixed times; [`Peer`] talks to the
+//! daemons as one of the cluster's nodes (its certificate), to observe or to misbehave.
 
 use psls_ipc::proto::ClusterStatus;
 use psls_ipc::ClusterConfig;
@@ -256,6 +258,100 @@ impl Drop for Cluster {
     fn drop(&mut self) {
         let _ = self.cmd(&["cluster", "down"]).output();
     }
+}
+
+/// Polls `done` every 20 ms until it holds; panics with `what` (and the time waited) if it
+/// does not within `limit`.
+pub fn wait_for(limit: Duration, what: &str, mut done: impl FnMut() -> bool) {
+    let t = Instant::now();
+    while !done() {
+        assert!(t.elapsed() < limit, "{what}: not within {limit:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The request transport of one of the cluster's nodes, run by the test: requests to the
+/// daemons carry that node's certificate (a daemon takes them as from that node).
+pub struct Peer {
+    pub rt: tokio::runtime::Runtime,
+    pub net: psls_node::transport::Transport,
+}
+
+impl Peer {
+    /// Speaks as node `me` of cluster `c` (its certificate and key), from fresh local ports.
+    pub fn new(c: &Cluster, me: &str) -> Peer {
+        let cfg = c.config();
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .expect("runtime");
+        let (server, client) = psls_node::tls::configs(&cfg.cert_dir(), me).expect("node certificate");
+        let key = psls_node::tls::reset_key(&cfg.cert_dir(), me).expect("node key");
+        let peers = cfg
+            .all()
+            .filter(|n| n.name != me)
+            .map(|n| (n.name.clone(), (n.addr, n.link().unwrap_or(n.addr))))
+            .collect();
+        let known = cfg.all().map(|n| n.name.clone()).collect();
+        let any: std::net::SocketAddr = "127.0.0.1:0".parse().expect("address");
+        let net = {
+            let _g = rt.enter();
+            psls_node::transport::Transport::bind((any, any), server, client, key, peers, known).expect("bind")
+        };
+        Peer { rt, net }
+    }
+
+    /// One request to node `to`; its answer.
+    pub fn request(
+        &self,
+        to: &str,
+        req: &psls_node::peer::PeerReq,
+        payload: bytes::Bytes,
+    ) -> Result<(psls_node::peer::PeerResp, bytes::Bytes), psls_node::transport::NetError> {
+        self.rt
+            .block_on(self.net.request(to, req, payload, Duration::from_secs(10)))
+    }
+}
+
+/// Writes all of `data` into the pipe `fd` (switched to non-blocking), waiting for its reader
+/// to make room; panics if the reader takes less than all of it within `limit`.
+pub fn pipe_feed(fd: std::os::fd::BorrowedFd<'_>, data: &[u8], limit: Duration) {
+    use std::os::fd::AsRawFd;
+    let fd = fd.as_raw_fd();
+    // SAFETY: fcntl on a descriptor the caller keeps open.
+    unsafe { libc::fcntl(fd, libc::F_SETFL, libc::fcntl(fd, libc::F_GETFL) | libc::O_NONBLOCK) };
+    let t = Instant::now();
+    let mut off = 0;
+    while off < data.len() {
+        // SAFETY: writes from a live slice.
+        let n = unsafe { libc::write(fd, data[off..].as_ptr().cast(), data.len() - off) };
+        if n > 0 {
+            off += n as usize;
+            continue;
+        }
+        let e = std::io::Error::last_os_error();
+        assert!(
+            e.kind() == std::io::ErrorKind::WouldBlock || e.kind() == std::io::ErrorKind::Interrupted,
+            "writing into the pipe: {e}"
+        );
+        assert!(
+            t.elapsed() < limit,
+            "the pipe's reader took {off} of {} bytes in {limit:?}",
+            data.len()
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// Bytes written into a pipe and not yet read (`fd`: either end of it).
+pub fn pipe_unread(fd: std::os::fd::BorrowedFd<'_>) -> usize {
+    use std::os::fd::AsRawFd;
+    let mut n: libc::c_int = 0;
+    // SAFETY: FIONREAD stores one int through a pointer to a live local.
+    let r = unsafe { libc::ioctl(fd.as_raw_fd(), libc::FIONREAD, &mut n as *mut libc::c_int) };
+    assert_eq!(r, 0, "FIONREAD: {}", std::io::Error::last_os_error());
+    n as usize
 }
 
 /// Asserts two byte strings are equal without printing megabytes.

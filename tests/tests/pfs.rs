@@ -1,7 +1,8 @@
 //! The mirrored PFS with real daemons: data survives the loss of any one node, a permanent
 //! loss with re-mirroring onto a spare, corruption on disk, interrupted imports and power cuts.
 
-use psls_tests::{assert_same, random_bytes, Cluster};
+use psls_tests::{assert_same, pipe_feed, pipe_unread, random_bytes, wait_for, Cluster};
+use std::collections::BTreeSet;
 use std::time::Duration;
 
 const MIB: usize = 1024 * 1024;
@@ -192,110 +193,266 @@ fn corrupted_pages_are_detected_served_from_mirror_and_scrubbed() {
     assert!(err.contains("could not be repaired"), "{err}");
 }
 
+/// Ids of the files whose store files `node` holds (names `f<id, hex>.<role>.<part>`).
+fn stored_ids(c: &Cluster, node: &str) -> BTreeSet<u64> {
+    let cfg = c.config();
+    std::fs::read_dir(cfg.data_dir(cfg.entry(node).unwrap()).join("pages"))
+        .unwrap()
+        .filter_map(|e| {
+            let name = e.ok()?.file_name().into_string().ok()?;
+            u64::from_str_radix(name.strip_prefix('f')?.split('.').next()?, 16).ok()
+        })
+        .collect()
+}
+
+/// Store files on all the logical nodes together.
+fn store_file_count(c: &Cluster) -> usize {
+    let cfg = c.config();
+    cfg.nodes
+        .iter()
+        .map(|n| std::fs::read_dir(cfg.data_dir(n).join("pages")).unwrap().count())
+        .sum()
+}
+
+/// Whether every logical node holds store files of a file id not in `known`: pages of an
+/// import in progress have reached all of them.
+fn new_pages_everywhere(c: &Cluster, known: &BTreeSet<u64>) -> bool {
+    c.config()
+        .nodes
+        .iter()
+        .all(|n| stored_ids(c, &n.name).iter().any(|id| !known.contains(id)))
+}
+
+/// Every file id stored on any logical node.
+fn all_stored_ids(c: &Cluster) -> BTreeSet<u64> {
+    c.config().nodes.iter().flat_map(|n| stored_ids(c, &n.name)).collect()
+}
+
+/// Imports interrupted midway, once pages of the new version are on every node: by killing
+/// the client process (streamed import), and by killing the process writing the pipe the
+/// daemon reads (descriptor import). Each fails with the error the interruption causes, and
+/// commits nothing: a replaced file keeps its old contents bit for bit, a new name does not
+/// appear, and the aborted pages are removed from every node.
 #[test]
 fn interrupted_import_commits_nothing() {
+    use std::os::fd::AsFd;
+    use std::os::unix::process::ExitStatusExt;
+    use std::process::{Command, Stdio};
     let c = Cluster::start(4, 0);
     let v1 = random_bytes(3 * MIB, 4);
     let local = c.write_local("v1.bin", &v1);
     c.ok(&["import", &local, "f"]);
-    // A client that dies midway through a replacing import.
-    struct Failing(usize);
-    impl std::io::Read for Failing {
-        fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
-            if self.0 == 0 {
-                return Err(std::io::Error::other("source vanished"));
-            }
-            let n = buf.len().min(self.0);
-            buf[..n].fill(7);
-            self.0 -= n;
-            Ok(n)
-        }
-    }
     let cfg = c.config();
     let sock = cfg.socket_path(cfg.entry("n1").unwrap());
-    for replace in [true, false] {
-        let name = if replace { "f" } else { "g" };
-        let mut client = psls_client::Client::connect(&sock).unwrap();
-        let r = client.import(&mut Failing(2 * MIB + 100), 3 * MIB as u64, name, 0o644, replace);
-        assert!(r.is_err());
-        drop(client);
+    let files_of_f = store_file_count(&c);
+    // 12 MiB announced, 6 MiB sent: the first 4 MiB fill a batch for every home node, so the
+    // daemon writes pages to every node while it waits for the rest.
+    let (size, sent) = (12 * MIB, 6 * MIB);
+    let check_nothing_committed = |name: &str, what: &str| {
+        // The abort removes the new pages from every node (after the answer, for a dead client).
+        wait_for(Duration::from_secs(20), &format!("{what}: stray page files"), || {
+            store_file_count(&c) == files_of_f
+        });
+        let ls = c.ok(&["ls"]);
+        assert_eq!(ls.lines().count(), 1, "{what}: {ls}");
+        if name == "f" {
+            assert_same(&c.export("f", &[]), &v1, &format!("{what}: old contents"));
+        } else {
+            let err = c.fails(&["stat", name]);
+            assert!(err.contains(name), "{what}: {err}");
+        }
+    };
+
+    // The client process dies midway through a streamed import.
+    for name in ["f", "g"] {
+        let known = all_stored_ids(&c);
+        let gone_before = c.log("n1").matches("client went away during import").count();
+        let mut client = Command::new(env!("CARGO_BIN_EXE_import-probe"))
+            .args([sock.to_str().unwrap(), name, &size.to_string(), "replace"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stdin = client.stdin.take().unwrap();
+        pipe_feed(stdin.as_fd(), &vec![7u8; sent], Duration::from_secs(30));
+        wait_for(
+            Duration::from_secs(20),
+            "the import's pages never reached every node",
+            || new_pages_everywhere(&c, &known),
+        );
+        assert!(client.try_wait().unwrap().is_none(), "the client ended by itself");
+        client.kill().unwrap();
+        let st = client.wait().unwrap();
+        assert_eq!(st.signal(), Some(libc::SIGKILL), "{st:?}");
+        drop(stdin);
+        // The daemon saw its client vanish mid-import, and said so.
+        wait_for(
+            Duration::from_secs(20),
+            "the daemon never noticed the dead client",
+            || c.log("n1").matches("client went away during import").count() > gone_before,
+        );
+        check_nothing_committed(name, &format!("killed client, {name}"));
     }
-    std::thread::sleep(Duration::from_millis(500));
-    let ls = c.ok(&["ls"]);
-    assert_eq!(ls.lines().count(), 1, "{ls}");
-    assert_same(&c.export("f", &[]), &v1, "old contents after an interrupted replace");
-    // The aborted imports left no page files behind: only f's 6 store files per node
-    // (primary and mirror × headers, slot 0, slot 1).
-    let mut n = 0;
-    for node in cfg.nodes.iter() {
-        n += std::fs::read_dir(cfg.data_dir(node).join("pages")).unwrap().count();
+
+    // The process writing the pipe the daemon imports from dies midway.
+    for (name, replace) in [("f", true), ("g", false)] {
+        let known = all_stored_ids(&c);
+        let mut source = Command::new("sh")
+            .args(["-c", &format!("head -c {sent} /dev/zero; exec sleep 600")])
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let pipe = source.stdout.take().unwrap();
+        let sock = sock.clone();
+        let importer = std::thread::spawn(move || {
+            psls_client::Client::connect(&sock)
+                .and_then(|mut cl| cl.import_fd(pipe.as_fd(), size as u64, name, 0o644, replace))
+        });
+        wait_for(
+            Duration::from_secs(20),
+            "the import's pages never reached every node",
+            || new_pages_everywhere(&c, &known),
+        );
+        assert!(!importer.is_finished(), "the import ended before its source died");
+        assert!(source.try_wait().unwrap().is_none(), "the source ended by itself");
+        source.kill().unwrap();
+        source.wait().unwrap();
+        let err = importer
+            .join()
+            .unwrap()
+            .expect_err("an import whose source died must fail");
+        // The source's end came early: that, and nothing else, is what the daemon reports.
+        let err = err.to_string();
+        assert!(
+            err.contains("reading the file to import") && err.contains("fill whole buffer"),
+            "{err}"
+        );
+        check_nothing_committed(name, &format!("killed source, {name}"));
     }
-    assert_eq!(n, 4 * 6, "stray page files after aborted imports");
 }
 
+/// Where a power cut strikes a replacing import fed through a pipe, as observed state.
+#[derive(Clone, Copy, Debug)]
+enum Cut {
+    /// The daemon has read this many MiB of the source and waits for more.
+    Fed(usize),
+    /// The daemon has read the whole source (the import is writing, syncing or committing).
+    SourceRead,
+    /// The import was acknowledged.
+    Acknowledged,
+}
+
+/// Power cuts (kill -9 of every daemon over the fault disk: unsynced writes are lost) at
+/// observed points of a replacing import. Before the source is complete the old contents must
+/// survive; after the acknowledgement the new; in between either, never a mix. After every
+/// cut the restarted cluster's scrub finds every copy of the file good.
 #[test]
 fn power_cut_during_import_leaves_old_or_new() {
+    use std::os::fd::AsFd;
     let mut c = Cluster::init(4, 0, |_| {});
     c.env.push(("PSLS_FAULT_DISK".into(), "1".into()));
     c.ok(&["cluster", "up"]);
-    let old = random_bytes(4 * MIB, 10);
-    let new = random_bytes(4 * MIB, 11);
+    let size = 16 * MIB;
+    let pages = size / 4096;
+    let old = random_bytes(size, 10);
+    let new = random_bytes(size, 11);
     let old_path = c.write_local("old.bin", &old);
-    let new_path = c.write_local("new.bin", &new);
     c.ok(&["import", &old_path, "f"]);
-    // Time one replacing import to spread the cut points over it.
-    let t = std::time::Instant::now();
-    c.ok(&["import", "--replace", &new_path, "f"]);
-    let full = t.elapsed();
-    c.ok(&["import", "--replace", &old_path, "f"]);
-    let cuts = 12;
-    // `current` is what f holds now; each round replaces it with the other version and cuts
-    // the power at a point spread over (and a little past) one import's duration. The last
-    // round cuts right after the import was acknowledged.
+    let cfg = c.config();
+    let sock = cfg.socket_path(cfg.entry("n1").unwrap());
+    let cuts = [
+        Cut::Fed(1),
+        Cut::Fed(6),
+        Cut::Fed(14),
+        Cut::SourceRead,
+        Cut::SourceRead,
+        Cut::Acknowledged,
+    ];
     let (mut before_commit, mut after_commit) = (0, 0);
     let mut current_is_old = true;
-    for k in 0..=cuts + 1 {
-        let (cur, next, next_path) = if current_is_old {
-            (&old, &new, &new_path)
-        } else {
-            (&new, &old, &old_path)
+    for (k, cut) in cuts.into_iter().enumerate() {
+        let (cur, next) = if current_is_old { (&old, &new) } else { (&new, &old) };
+        let known = all_stored_ids(&c);
+        let (r, w) = nix::unistd::pipe().unwrap();
+        let probe = r.try_clone().unwrap();
+        let sock = sock.clone();
+        let importer = std::thread::spawn(move || {
+            psls_client::Client::connect(&sock)
+                .and_then(|mut cl| cl.import_fd(r.as_fd(), size as u64, "f", 0o644, true))
+        });
+        let fed = match cut {
+            Cut::Fed(mib) => mib * MIB,
+            Cut::SourceRead | Cut::Acknowledged => size,
         };
-        let mut child = c
-            .cmd(&["import", "--replace", next_path, "f"])
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .unwrap();
-        let acknowledged = if k <= cuts {
-            std::thread::sleep(full.mul_f64(1.3 * k as f64 / cuts as f64));
-            c.kill_all();
-            child.wait().unwrap().success()
-        } else {
-            let ok = child.wait().unwrap().success();
-            c.kill_all();
-            assert!(ok, "the last import failed without a power cut");
-            ok
-        };
+        pipe_feed(w.as_fd(), &next[..fed], Duration::from_secs(30));
+        // Short of the whole source, the pipe stays open: the daemon waits for the rest.
+        let open_source = matches!(cut, Cut::Fed(_)).then_some(w);
+        wait_for(
+            Duration::from_secs(20),
+            &format!("cut {k}: the daemon never read the source"),
+            || pipe_unread(probe.as_fd()) == 0,
+        );
+        if fed >= 4 * MIB && matches!(cut, Cut::Fed(_)) {
+            // A full batch per home node went out: new pages are on every node, unsynced.
+            wait_for(
+                Duration::from_secs(20),
+                &format!("cut {k}: the import's pages never reached every node"),
+                || new_pages_everywhere(&c, &known),
+            );
+        }
+        if matches!(cut, Cut::Acknowledged) {
+            wait_for(Duration::from_secs(60), "the import was never answered", || {
+                importer.is_finished()
+            });
+        }
+        c.kill_all();
+        drop(open_source);
+        let acknowledged = importer.join().unwrap().is_ok();
+        match cut {
+            Cut::Fed(_) => assert!(
+                !acknowledged,
+                "cut {k}: an import of part of its source was acknowledged"
+            ),
+            Cut::Acknowledged => assert!(acknowledged, "cut {k}: the import failed without a power cut"),
+            Cut::SourceRead => {}
+        }
+        drop(probe);
         c.ok(&["cluster", "up"]);
         let got = c.export("f", &[]);
         if got == *cur {
             assert!(
                 !acknowledged,
-                "cut {k}: the import was acknowledged but its commit was lost"
+                "cut {k} ({cut:?}): the import was acknowledged but its commit was lost"
             );
             before_commit += 1;
         } else {
-            assert_same(&got, next, &format!("cut {k}: neither the old nor the new contents"));
+            assert!(
+                !matches!(cut, Cut::Fed(_)),
+                "cut {k} ({cut:?}): contents changed by an import whose source was incomplete"
+            );
+            assert_same(
+                &got,
+                next,
+                &format!("cut {k} ({cut:?}): neither the old nor the new contents"),
+            );
             after_commit += 1;
             current_is_old = !current_is_old;
         }
         assert_eq!(c.ok(&["ls"]).lines().count(), 1);
+        // Every copy of what was committed was synced before the commit: all good.
+        let scrub = c.ok(&["scrub"]);
+        assert_eq!(
+            scrub.trim(),
+            format!(
+                "scrub: 1 files, {} copies checked, 0 bad, 0 repaired, 0 unrepairable",
+                2 * pages
+            ),
+            "cut {k} ({cut:?})"
+        );
     }
-    assert_eq!(before_commit + after_commit, cuts + 2);
-    // The first cut comes before any commit can have happened, the last after one was
-    // acknowledged: both sides of the commit are always exercised.
     assert!(
-        before_commit > 0 && after_commit > 0,
+        before_commit >= 3 && after_commit >= 1,
         "before {before_commit}, after {after_commit}"
     );
 }
@@ -379,6 +536,7 @@ fn storage_node_restart_during_import_fails_the_import() {
     }
     let cfg = c.config();
     let sock = cfg.socket_path(cfg.entry("n0").unwrap());
+    let known = all_stored_ids(&c);
     let importer = std::thread::spawn(move || {
         let mut client = psls_client::Client::connect(&sock).unwrap();
         let mut src = Paced {
@@ -390,8 +548,41 @@ fn storage_node_restart_during_import_fails_the_import() {
         client.import(&mut src, 16 * MIB as u64, "f", 0o644, true)
     });
     half_rx.recv().unwrap();
-    // Let the first half reach every node's page cache (not its disk), then restart n2.
-    std::thread::sleep(Duration::from_millis(500));
+    // Wait until n2 holds (unsynced, in its fault disk's memory) every page of the first half
+    // it must hold, read back as a peer would, then restart it.
+    let mut id = None;
+    wait_for(Duration::from_secs(20), "the import's pages never reached n2", || {
+        id = stored_ids(&c, "n2").into_iter().find(|i| !known.contains(i));
+        id.is_some()
+    });
+    let file = psls_svm::FileId(id.unwrap());
+    let placement = psls_pfs::Placement::new(4).unwrap();
+    let peer = psls_tests::Peer::new(&c, "n3");
+    let first_half = (8 * MIB / 4096) as u64;
+    for role in [psls_pfs::Role::Primary, psls_pfs::Role::Mirror] {
+        let held: Vec<u64> = (0..first_half)
+            .filter(|&i| placement.holder(file, i, role) == psls_svm::NodeId(2))
+            .collect();
+        assert!(!held.is_empty());
+        for chunk in held.chunks(512) {
+            let req = psls_node::peer::PeerReq::ReadPages {
+                file,
+                role,
+                gen: 1,
+                indices: chunk.to_vec(),
+            };
+            wait_for(
+                Duration::from_secs(20),
+                &format!("n2 never held its {role:?} pages"),
+                || match peer.request("n2", &req, bytes::Bytes::new()) {
+                    Ok((psls_node::peer::PeerResp::Pages(st), _)) => {
+                        st.iter().all(|s| *s == psls_node::peer::PageState::Ok)
+                    }
+                    other => panic!("reading n2's pages: {other:?}"),
+                },
+            );
+        }
+    }
     c.kill("n2");
     c.ok(&["cluster", "up"]);
     go_tx.send(()).unwrap();
@@ -401,5 +592,11 @@ fn storage_node_restart_during_import_fails_the_import() {
     assert_same(&c.export("f", &[]), &old, "old contents after the failed import");
     assert_eq!(c.ok(&["ls"]).lines().count(), 1);
     let scrub = c.ok(&["scrub"]);
-    assert!(scrub.contains(" 0 bad,"), "{scrub}");
+    assert_eq!(
+        scrub.trim(),
+        format!(
+            "scrub: 1 files, {} copies checked, 0 bad, 0 repaired, 0 unrepairable",
+            2 * MIB / 4096
+        )
+    );
 }

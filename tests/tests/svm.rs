@@ -1,6 +1,6 @@
 //! Shared virtual memory across real daemons and real client processes (userfaultfd).
 
-use psls_tests::Cluster;
+use psls_tests::{wait_for, Cluster};
 use std::process::{Child, Output, Stdio};
 use std::time::{Duration, Instant};
 
@@ -42,6 +42,30 @@ fn wait_within(mut ch: Child, limit: Duration) -> Output {
         std::thread::sleep(Duration::from_millis(20));
     }
     ch.wait_with_output().expect("output")
+}
+
+/// A counter of `node`'s daemon (`psls_client::Session::node_stats`).
+fn counter(c: &Cluster, node: &str, name: &str) -> u64 {
+    let cfg = c.config();
+    let s = psls_client::Session::connect_to(&cfg.socket_path(cfg.entry(node).unwrap())).unwrap();
+    let (_, counters) = s.node_stats().unwrap();
+    counters.into_iter().find(|(k, _)| k == name).unwrap().1
+}
+
+/// Waits until `node` has at least `n` barrier or lock calls of its ranks waiting.
+fn wait_sync_waits(c: &Cluster, node: &str, n: u64) {
+    wait_for(Duration::from_secs(20), &format!("{n} sync waits on {node}"), || {
+        counter(c, node, "sync_waits") >= n
+    });
+}
+
+/// Waits until `node`'s daemon serves one more client mapping than `before` mappings logged.
+fn wait_mapped(c: &Cluster, node: &str, before: usize) {
+    wait_for(
+        Duration::from_secs(20),
+        &format!("a client never mapped on {node}"),
+        || c.log(node).matches("serving faults").count() > before,
+    );
 }
 
 #[test]
@@ -228,8 +252,9 @@ fn a_spare_taking_over_a_manager_refuses_its_lost_pages_and_never_serves_stale_o
 fn a_dying_client_does_not_disturb_the_daemon_and_a_dying_daemon_stops_its_clients() {
     let c = Cluster::start(4, 0);
     // A consumer waits (faulting on word 0 again and again); kill -9 it.
+    let mapped = c.log("n2").matches("serving faults").count();
     let mut waiting = spawn(&c, "n2", &["consume", "k", "4"]);
-    std::thread::sleep(Duration::from_millis(500));
+    wait_mapped(&c, "n2", mapped);
     waiting.kill().unwrap();
     waiting.wait().unwrap();
     let t = Instant::now();
@@ -246,8 +271,9 @@ fn a_dying_client_does_not_disturb_the_daemon_and_a_dying_daemon_stops_its_clien
     assert!(wait_within(producer, Duration::from_secs(60)).status.success());
 
     // A client whose daemon dies ends with a clear message instead of hanging.
+    let mapped = c.log("n3").matches("serving faults").count();
     let waiting = spawn(&c, "n3", &["consume", "k2", "4"]);
-    std::thread::sleep(Duration::from_millis(500));
+    wait_mapped(&c, "n3", mapped);
     c.kill("n3");
     let o = wait_within(waiting, Duration::from_secs(20));
     assert_eq!(o.status.code(), Some(70), "{}", String::from_utf8_lossy(&o.stderr));
@@ -282,7 +308,8 @@ fn locked_counter_across_nodes_counts_exactly_and_sync_errors_are_clear() {
     // A rank that dies at a barrier fails the others there, with a clear message.
     let waiter = spawn(&c, "n1", &["count", "b", "1", "0", "3"]);
     let mut dying = spawn(&c, "n2", &["count", "b", "1", "0", "3"]);
-    std::thread::sleep(Duration::from_millis(800));
+    wait_sync_waits(&c, "n1", 1);
+    wait_sync_waits(&c, "n2", 1);
     dying.kill().unwrap();
     dying.wait().unwrap();
     let o = wait_within(waiter, Duration::from_secs(20));
@@ -568,7 +595,7 @@ fn removing_a_file_frees_its_memory_once_nobody_maps_it() {
 fn a_barrier_wait_fails_clearly_when_the_coordinator_dies() {
     let c = Cluster::start(4, 0);
     let waiter = spawn(&c, "n1", &["count", "b", "1", "0", "2"]);
-    std::thread::sleep(Duration::from_millis(800));
+    wait_sync_waits(&c, "n1", 1);
     c.kill("n0");
     let o = wait_within(waiter, Duration::from_secs(30));
     assert!(!o.status.success());
@@ -593,10 +620,16 @@ fn a_second_session_in_a_process_works_and_ending_it_ends_nothing_else() {
         s.spawn(|| {
             let _ = tx.send(waiting.barrier_of("counted", 2).map_err(|e| e.to_string()));
         });
-        std::thread::sleep(Duration::from_millis(300));
+        wait_sync_waits(&c, "n1", 1);
         assert!(rx.try_recv().is_err(), "the barrier opened with one rank of two");
+        let channels = counter(&c, "n1", "sync_channels");
         drop(other);
-        std::thread::sleep(Duration::from_millis(500));
+        wait_for(Duration::from_secs(20), "the ended session's channel stayed", || {
+            counter(&c, "n1", "sync_channels") < channels
+        });
+        // Deliberate: the ended session is gone; give the daemon time to (wrongly) end the
+        // other session's call with it, which is what must not happen.
+        std::thread::sleep(Duration::from_millis(300));
         assert!(
             rx.try_recv().is_err(),
             "ending the other session ended the waiting call"
