@@ -167,6 +167,12 @@ impl Node {
         self.started.elapsed().as_millis() as u64
     }
 
+    /// Whether the peer named `physical` by its certificate holds logical id `logical` now:
+    /// a coherence message names its sender, and only that node may send it.
+    pub fn speaks_for(&self, physical: &str, logical: NodeId) -> bool {
+        self.physical_now(logical) == physical
+    }
+
     /// The last heartbeat heard from `physical` (this node's own for itself).
     pub fn heartbeat_of(&self, physical: &str) -> Option<Heartbeat> {
         if physical == self.me.name {
@@ -895,8 +901,15 @@ impl Node {
                 Ok(PeerResp::Ok)
             }
             PeerReq::Svm(env) => {
-                self.svm.on_message(&self, env, payload);
-                Ok(PeerResp::Ok)
+                if self.speaks_for(&from, env.from) {
+                    self.svm.on_message(&self, env, payload);
+                    Ok(PeerResp::Ok)
+                } else {
+                    Err(OpError::new(
+                        ErrorKind::Permission,
+                        format!("{from} may not send coherence messages as node {}", env.from),
+                    ))
+                }
             }
             PeerReq::LinkPing { .. } | PeerReq::LinkPong { .. } => {
                 Err(OpError::new(ErrorKind::Invalid, "link pings go over the message link"))
@@ -916,7 +929,13 @@ impl crate::link::LinkHandler for LinkDelivery {
     fn deliver(&self, from: &str, req: PeerReq, payload: bytes::Bytes) {
         let node = &self.0;
         match req {
-            PeerReq::Svm(env) => node.svm.on_message(node, env, payload),
+            PeerReq::Svm(env) => {
+                if node.speaks_for(from, env.from) {
+                    node.svm.on_message(node, env, payload)
+                } else {
+                    tracing::warn!(node = %node.name(), peer = from, claimed = %env.from, "coherence message sent in another node's name: dropped");
+                }
+            }
             req @ (PeerReq::BarrierArrive { .. }
             | PeerReq::LockAcquire { .. }
             | PeerReq::LockRelease { .. }

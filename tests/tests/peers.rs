@@ -524,7 +524,6 @@ fn invalid_coherence_messages_are_refused_and_the_daemon_serves_on() {
 /// n0 believed it, it would drop every coherence message of the real n1 (an older
 /// incarnation, gone for good) and n1's faults on pages n0 manages would never end.
 #[test]
-#[ignore = "bug: psls-node/src/node.rs LinkDelivery::deliver hands PeerReq::Svm to svm.on_message without checking that env.from is the logical id of the certificate's node (`from`); a peer can speak for any node, e.g. declare it restarted"]
 fn a_peer_cannot_speak_for_another_node_in_coherence_messages() {
     let c = Cluster::start(4, 1);
     let run = |node: &str, args: &[&str]| {
