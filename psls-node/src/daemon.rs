@@ -147,6 +147,7 @@ pub async fn run(config: &Path, name: &str) -> Result<()> {
     // from a stale namespace.
     // Disk figures go into every heartbeat: peers check free space with them.
     node.refresh_disk_stats();
+    tokio::spawn(crate::replication::Replication::run(node.clone()));
     node.initial_sync().await;
     tokio::spawn(node.clone().run_ticks());
     tokio::spawn(crate::ipc_server::serve(node.clone(), listener, socket.clone()));

@@ -13,6 +13,7 @@ pub mod link;
 pub mod node;
 pub mod peer;
 pub mod pfs;
+pub mod replication;
 pub mod svm;
 pub mod sync;
 pub mod sync_channel;

@@ -13,6 +13,7 @@ use crate::failstop::Locked;
 use crate::peer::{BadCopy, Heartbeat, PageState, PeerReq, PeerResp};
 use crate::transport::{BoxFuture, Handler, NetError, Transport};
 use psls_cluster::membership::{Liveness, Membership};
+use psls_cluster::meta::ReplError;
 use psls_ipc::proto::NodeState;
 use psls_ipc::{ClusterConfig, ErrorKind, NodeEntry};
 use psls_pfs::meta::{MetaOp, MetaState, MetaStore};
@@ -92,7 +93,8 @@ pub struct Node {
     pub placement: Placement,
     pub request_timeout: Duration,
     pub euid: u32,
-    coord_lock: tokio::sync::Mutex<()>,
+    /// Coordinator election and metadata replication (the shell of `psls_cluster::meta`).
+    pub replication: crate::replication::Replication,
     rebuild_running: AtomicBool,
     pub rebuild_done: AtomicU64,
     pub rebuild_total: AtomicU64,
@@ -128,6 +130,7 @@ impl Node {
     ) -> Node {
         let peers = cfg.all().filter(|n| n.name != me.name).map(|n| n.name.clone());
         let members = Membership::new(peers, cfg.cluster.heartbeat_timeout_ms, 0);
+        let voters = cfg.all().map(|n| n.name.clone()).collect();
         let placement = Placement::new(cfg.nodes.len() as u32).expect("validated config has >= 2 nodes");
         Node {
             request_timeout: Duration::from_millis(cfg.cluster.request_timeout_ms),
@@ -141,7 +144,7 @@ impl Node {
             net: Arc::new(net),
             placement,
             euid: nix::unistd::geteuid().as_raw(),
-            coord_lock: tokio::sync::Mutex::new(()),
+            replication: crate::replication::Replication::new(voters),
             rebuild_running: AtomicBool::new(false),
             rebuild_done: AtomicU64::new(0),
             rebuild_total: AtomicU64::new(0),
@@ -347,74 +350,80 @@ impl Node {
 
     // ---- metadata replication ----
 
-    /// Submits `op` to the coordinator and waits until it is applied on every live node.
+    /// Submits `op` to the coordinator (this node or a peer) and waits until a quorum of the
+    /// nodes committed it. If the coordinator changes while the operation is under way, the
+    /// next one may still commit it: the committed state says whether it did.
     pub async fn submit(self: &Arc<Self>, op: MetaOp) -> Result<(), OpError> {
         let deadline = Instant::now() + self.request_timeout * 3;
         let mut last = OpError::new(ErrorKind::Unavailable, "no coordinator is reachable");
+        let mut interrupted = false;
         while Instant::now() < deadline {
+            if interrupted && op.reflected_in(&self.meta_state()) {
+                return Ok(());
+            }
             let st = self.meta_state();
-            match self.coordinator(&st) {
-                Some((_, c)) if c == self.me.name => return self.coordinate(op).await,
+            let outcome = match self.coordinator(&st) {
+                Some((_, c)) if c == self.me.name => self.replication.submit(op.clone()).await,
                 Some((_, c)) => match self.call(&c, PeerReq::MetaSubmit { op: op.clone() }).await {
                     Ok(PeerResp::Ok) => return Ok(()),
-                    Ok(PeerResp::Error { kind, message }) => return Err(OpError::new(kind, message)),
-                    Ok(other) => {
-                        last = OpError::new(ErrorKind::Unavailable, format!("coordinator {c} answered {other:?}"))
+                    Ok(PeerResp::NotCoordinator) => Err(ReplError::NotCoordinator),
+                    Ok(PeerResp::Interrupted) => Err(ReplError::Interrupted),
+                    Ok(PeerResp::Error { kind, message }) => {
+                        if interrupted && op.reflected_in(&self.meta_state()) {
+                            return Ok(());
+                        }
+                        return Err(OpError::new(kind, message));
                     }
-                    Err(e) => last = e.into(),
+                    Ok(other) => {
+                        last = OpError::new(ErrorKind::Unavailable, format!("coordinator {c} answered {other:?}"));
+                        Err(ReplError::NotCoordinator)
+                    }
+                    Err(e) => {
+                        last = e.into();
+                        Err(ReplError::NotCoordinator)
+                    }
                 },
-                None => {}
+                None => Err(ReplError::NotCoordinator),
+            };
+            match outcome {
+                Ok(_) => return Ok(()),
+                Err(ReplError::Rejected(e)) => {
+                    if interrupted && op.reflected_in(&self.meta_state()) {
+                        return Ok(());
+                    }
+                    return Err(e.into());
+                }
+                Err(ReplError::Interrupted) => {
+                    interrupted = true;
+                    last = OpError::new(
+                        ErrorKind::Unavailable,
+                        "the coordinator changed while a metadata operation was under way",
+                    );
+                }
+                Err(ReplError::NotCoordinator | ReplError::Busy) => {}
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
         Err(last)
     }
 
-    async fn coordinate(self: &Arc<Self>, op: MetaOp) -> Result<(), OpError> {
-        let _g = self.coord_lock.lock().await;
-        self.catch_up().await;
-        let meta = self.meta.clone();
-        let op2 = op.clone();
-        let seq = blocking(move || {
-            let mut m = meta.locked();
-            m.apply(&op2).map(|()| m.state().seq)
-        })
-        .await??;
-        tracing::info!(node = %self.me.name, seq, ?op, "metadata committed");
-        let peers: Vec<String> = self
-            .cfg
-            .all()
-            .map(|n| n.name.clone())
-            .filter(|n| *n != self.me.name && self.is_live(n))
-            .collect();
-        let mut tasks = tokio::task::JoinSet::new();
-        for p in peers.clone() {
-            let me = self.clone();
-            let op = op.clone();
-            tasks.spawn(async move { (p.clone(), me.call(&p, PeerReq::MetaApply { seq, op }).await) });
+    /// The coordinator's side of a peer's `MetaSubmit`.
+    async fn serve_submit(self: &Arc<Self>, op: MetaOp) -> PeerResp {
+        let st = self.meta_state();
+        if self.coordinator(&st).map(|c| c.1) != Some(self.me.name.clone()) {
+            return PeerResp::NotCoordinator;
         }
-        let mut acks = 0;
-        while let Some(r) = tasks.join_next().await {
-            match r {
-                Ok((_, Ok(PeerResp::Ok))) => acks += 1,
-                Ok((p, other)) => {
-                    tracing::warn!(peer = %p, ?other, seq, "metadata not acknowledged")
-                }
-                Err(e) => tracing::warn!(error = %e, "metadata replication task failed"),
-            }
+        match self.replication.submit(op).await {
+            Ok(_) => PeerResp::Ok,
+            Err(ReplError::NotCoordinator | ReplError::Busy) => PeerResp::NotCoordinator,
+            Err(ReplError::Interrupted) => PeerResp::Interrupted,
+            Err(ReplError::Rejected(e)) => peer_error(e.into()),
         }
-        if acks == 0 {
-            return Err(OpError::new(
-                ErrorKind::Unavailable,
-                "metadata could not be replicated to a second node (no other node is up)",
-            ));
-        }
-        Ok(())
     }
 
-    /// Pulls a newer metadata replica from a live peer that reports one.
+    /// Waits (up to a request timeout) until this node's metadata is as new as the newest a
+    /// live peer reported in its heartbeat: replication fetches it.
     pub async fn catch_up(self: &Arc<Self>) {
-        let mine = self.meta_state().seq;
         let best = {
             let m = self.members.locked();
             let now_ms = self.now_ms();
@@ -424,74 +433,19 @@ impl Node {
                 .filter_map(|n| m.heartbeat(&n.name).map(|h| (h.meta_seq, n.name.clone())))
                 .max()
         };
-        if let Some((seq, peer)) = best.filter(|(s, _)| *s > mine) {
-            self.fetch_snapshot(&peer, seq).await;
+        let Some((seq, peer)) = best.filter(|(s, _)| *s > self.meta_state().seq) else {
+            return;
+        };
+        self.replication.peer_seq(&peer, seq);
+        let deadline = Instant::now() + self.request_timeout;
+        while self.meta_state().seq < seq && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(10)).await;
         }
-    }
-
-    async fn fetch_snapshot(self: &Arc<Self>, peer: &str, at_least: u64) {
-        match self.call(peer, PeerReq::MetaFetch).await {
-            Ok(PeerResp::Snapshot(bytes)) => match MetaState::decode(&bytes) {
-                Ok(st) if st.seq >= at_least => {
-                    let meta = self.meta.clone();
-                    let seq = st.seq;
-                    let r = blocking(move || {
-                        let mut m = meta.locked();
-                        if st.seq > m.state().seq {
-                            m.install(st)
-                        } else {
-                            Ok(())
-                        }
-                    })
-                    .await;
-                    match r {
-                        Ok(Ok(())) => {
-                            tracing::info!(node = %self.me.name, from = peer, seq, "metadata caught up")
-                        }
-                        Ok(Err(e)) => {
-                            tracing::error!(error = %e, "cannot install metadata snapshot")
-                        }
-                        Err(e) => tracing::error!(error = %e, "cannot install metadata snapshot"),
-                    }
-                }
-                Ok(_) => {}
-                Err(e) => tracing::warn!(from = peer, error = %e, "bad metadata snapshot"),
-            },
-            Ok(other) => tracing::warn!(from = peer, ?other, "unexpected answer to MetaFetch"),
-            Err(e) => tracing::debug!(from = peer, error = %e, "metadata fetch failed"),
-        }
-    }
-
-    async fn apply_remote(self: &Arc<Self>, from: String, seq: u64, op: MetaOp) -> PeerResp {
-        let meta = self.meta.clone();
-        let r = blocking(move || {
-            let mut m = meta.locked();
-            let cur = m.state().seq;
-            if seq <= cur {
-                Ok(true)
-            } else if seq == cur + 1 {
-                m.apply(&op).map(|()| true)
-            } else {
-                Ok(false)
-            }
-        })
-        .await;
-        match r {
-            Ok(Ok(true)) => PeerResp::Ok,
-            Ok(Ok(false))
-            | Ok(Err(
-                MetaError::Exists(_) | MetaError::NotFound(_) | MetaError::Conflict { .. } | MetaError::Invalid(_),
-            )) => {
-                // Missed or diverged: take the coordinator's replica.
-                self.fetch_snapshot(&from, seq).await;
-                if self.meta_state().seq >= seq {
-                    PeerResp::Ok
-                } else {
-                    peer_error(OpError::new(ErrorKind::Unavailable, "metadata catch-up failed"))
-                }
-            }
-            Ok(Err(e)) => peer_error(e.into()),
-            Err(e) => peer_error(e),
+        let now = self.meta_state().seq;
+        if now >= seq {
+            tracing::info!(node = %self.me.name, from = %peer, seq = now, "metadata caught up");
+        } else {
+            tracing::warn!(node = %self.me.name, from = %peer, seq = now, wanted = seq, "metadata catch-up timed out");
         }
     }
 
@@ -577,7 +531,9 @@ impl Node {
 
     fn heard(&self, peer: &str, hb: Heartbeat) {
         let now_ms = self.now_ms();
+        let seq = hb.meta_seq;
         let restarted = self.members.locked().heard(now_ms, peer, hb.incarnation, hb);
+        self.replication.peer_seq(peer, seq);
         if restarted {
             tracing::info!(node = %self.me.name, peer, "peer restarted with a new incarnation");
             self.net.peer_restarted(peer);
@@ -851,16 +807,11 @@ impl Node {
                 .scrub_local(files)
                 .await
                 .map(|(checked, bad)| PeerResp::Scrub { checked, bad }),
-            PeerReq::MetaSubmit { op } => {
-                let st = self.meta_state();
-                if self.coordinator(&st).map(|c| c.1) != Some(self.me.name.clone()) {
-                    Ok(PeerResp::NotCoordinator)
-                } else {
-                    self.coordinate(op).await.map(|()| PeerResp::Ok)
-                }
+            PeerReq::MetaSubmit { op } => Ok(self.serve_submit(op).await),
+            PeerReq::Meta(msg) => {
+                self.replication.deliver(&from, msg);
+                Ok(PeerResp::Ok)
             }
-            PeerReq::MetaApply { seq, op } => Ok(self.apply_remote(from, seq, op).await),
-            PeerReq::MetaFetch => Ok(PeerResp::Snapshot(self.meta_state().encode())),
             req @ (PeerReq::BarrierArrive { .. }
             | PeerReq::LockAcquire { .. }
             | PeerReq::LockRelease { .. }
@@ -951,6 +902,7 @@ impl crate::link::LinkHandler for LinkDelivery {
                 };
                 crate::sync::resolve(node, &key, &who, result);
             }
+            PeerReq::Meta(msg) => node.replication.deliver(from, msg),
             PeerReq::LinkPing { id } => {
                 if let Err(e) = node.net.post(from, &PeerReq::LinkPong { id }, payload) {
                     tracing::warn!(node = %node.name(), peer = from, error = %e, "link pong not sent");

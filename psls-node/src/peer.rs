@@ -119,11 +119,8 @@ pub enum PeerReq {
     MetaSubmit {
         op: MetaOp,
     },
-    MetaApply {
-        seq: u64,
-        op: MetaOp,
-    },
-    MetaFetch,
+    /// Coordinator election and metadata replication (one-way, on the message link).
+    Meta(psls_cluster::meta::Msg<psls_pfs::meta::MetaState>),
     /// Job `job` ended: drop its volatile segments (answered with `Dropped`).
     JobEnded {
         job: String,
@@ -220,7 +217,6 @@ pub enum PeerResp {
         checked: u64,
         bad: Vec<BadCopy>,
     },
-    Snapshot(Vec<u8>),
     /// Answer to `JobEnded`: the volatile segments dropped.
     Dropped {
         files: Vec<FileId>,
@@ -230,6 +226,9 @@ pub enum PeerResp {
         count: u64,
     },
     NotCoordinator,
+    /// Answer to `MetaSubmit`: the coordinator changed while the operation was under way; it
+    /// may or may not have been committed.
+    Interrupted,
     Error {
         kind: psls_ipc::ErrorKind,
         message: String,

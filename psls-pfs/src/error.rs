@@ -30,7 +30,7 @@ impl StoreError {
 }
 
 /// Errors of [`crate::meta::MetaStore`] and of applying metadata operations.
-#[derive(Debug, thiserror::Error)]
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum MetaError {
     #[error("metadata database error: {0}")]
     Db(String),

@@ -9,10 +9,16 @@
 //!
 //! On-disk record (redb table `meta`, key `"state"`): `[format version u16 LE][postcard state]`.
 //! Format 2 added `assigned`; a format-1 record is read as having every logical id on its
-//! initial node.
+//! initial node. The replication vote (table `vote`, key `"vote"`, written in its own
+//! transaction): `[format version u16 LE = 1][postcard (promised epoch, accepted operation)]`;
+//! a store without one has promised nothing and accepted nothing.
+//!
+//! [`MetaState`] is the [`Replicated`] state of `psls_cluster::meta`: the coordinator
+//! election and replication protocol that orders operations across nodes.
 
 use crate::disk::{Disk, DiskFile};
 use crate::error::MetaError;
+use psls_cluster::meta::{Accepted, Durable, Epoch, Replicated};
 use psls_svm::{FileId, PAGE_SIZE};
 use redb::{ReadableDatabase, TableDefinition};
 use serde::{Deserialize, Serialize};
@@ -23,6 +29,12 @@ use std::sync::Arc;
 const META_TABLE: TableDefinition<&str, &[u8]> = TableDefinition::new("meta");
 const STATE_KEY: &str = "state";
 const STATE_FORMAT: u16 = 2;
+const VOTE_TABLE: TableDefinition<&str, &[u8]> = TableDefinition::new("vote");
+const VOTE_KEY: &str = "vote";
+const VOTE_FORMAT: u16 = 1;
+
+/// What a node promised and accepted in metadata replication.
+type Vote = (Epoch, Option<Accepted<MetaOp>>);
 
 /// Longest accepted file name in bytes.
 pub const MAX_NAME_LEN: usize = 255;
@@ -111,6 +123,34 @@ pub enum MetaOp {
         logical: u32,
         physical: String,
     },
+}
+
+impl MetaOp {
+    /// Whether `st` shows this operation's effect (a submitter whose coordinator changed
+    /// mid-operation looks there to learn whether it was applied).
+    pub fn reflected_in(&self, st: &MetaState) -> bool {
+        match self {
+            MetaOp::InitMap { .. } => !st.logical.is_empty(),
+            MetaOp::CommitFile { meta, .. } => st.files.get(&meta.name).is_some_and(|f| f.id == meta.id),
+            MetaOp::RemoveFile { name, id } => st.files.get(name).is_none_or(|f| f.id != *id),
+            MetaOp::Replace { logical, physical } => st.logical.get(logical) == Some(physical),
+            MetaOp::RebuildDone { logical, physical } => {
+                st.logical.get(logical) == Some(physical)
+                    && st.rebuilding.get(logical).is_none_or(|r| &r.physical != physical)
+            }
+        }
+    }
+}
+
+impl Replicated for MetaState {
+    type Op = MetaOp;
+    type Error = MetaError;
+    fn seq(&self) -> u64 {
+        self.seq
+    }
+    fn apply(&mut self, op: &MetaOp) -> Result<(), MetaError> {
+        MetaState::apply(self, op)
+    }
 }
 
 /// Checks a user-supplied file name.
@@ -271,15 +311,26 @@ impl redb::StorageBackend for Backend {
     }
 }
 
-/// The durable replica of [`MetaState`] on one node.
+/// The durable replica of [`MetaState`] on one node, with its replication vote.
 pub struct MetaStore {
     db: redb::Database,
     state: MetaState,
+    vote: Vote,
 }
 
 impl std::fmt::Debug for MetaStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("MetaStore").field("seq", &self.state.seq).finish()
+    }
+}
+
+fn decode_vote(bytes: &[u8]) -> Result<Vote, MetaError> {
+    if bytes.len() < 2 {
+        return Err(MetaError::Corrupt("vote record too short".into()));
+    }
+    match u16::from_le_bytes([bytes[0], bytes[1]]) {
+        VOTE_FORMAT => postcard::from_bytes(&bytes[2..]).map_err(|e| MetaError::Corrupt(e.to_string())),
+        v => Err(MetaError::Corrupt(format!("unknown vote format version {v}"))),
     }
 }
 
@@ -292,22 +343,41 @@ impl MetaStore {
         disk.sync_dir()
             .map_err(|e| MetaError::Db(format!("fsync directory: {e}")))?;
         let db = redb::Database::builder().create_with_backend(Backend(file))?;
-        let state = {
+        let (state, vote) = {
             let tx = db.begin_read()?;
-            match tx.open_table(META_TABLE) {
+            let state = match tx.open_table(META_TABLE) {
                 Ok(t) => match t.get(STATE_KEY)? {
                     Some(v) => MetaState::decode(v.value())?,
                     None => MetaState::default(),
                 },
                 Err(redb::TableError::TableDoesNotExist(_)) => MetaState::default(),
                 Err(e) => return Err(e.into()),
-            }
+            };
+            let vote = match tx.open_table(VOTE_TABLE) {
+                Ok(t) => match t.get(VOTE_KEY)? {
+                    Some(v) => decode_vote(v.value())?,
+                    None => (Epoch::default(), None),
+                },
+                Err(redb::TableError::TableDoesNotExist(_)) => (Epoch::default(), None),
+                Err(e) => return Err(e.into()),
+            };
+            (state, vote)
         };
-        Ok(MetaStore { db, state })
+        Ok(MetaStore { db, state, vote })
     }
 
     pub fn state(&self) -> &MetaState {
         &self.state
+    }
+
+    /// Everything replication keeps on disk (to restart its state machine from).
+    pub fn durable(&self) -> Durable<MetaState> {
+        Durable {
+            promised: self.vote.0,
+            committed: self.state.clone(),
+            accepted: self.vote.1.clone(),
+        }
+        .normalized()
     }
 
     fn persist(&mut self, next: MetaState) -> Result<(), MetaError> {
@@ -328,9 +398,24 @@ impl MetaStore {
         self.persist(next)
     }
 
-    /// Replaces the whole state (catch-up from a peer with a newer replica).
+    /// Replaces the whole state (a newer committed state from replication).
     pub fn install(&mut self, state: MetaState) -> Result<(), MetaError> {
         self.persist(state)
+    }
+
+    /// Durably records the replication vote: the epoch promised and the operation accepted.
+    pub fn persist_vote(&mut self, promised: Epoch, accepted: Option<Accepted<MetaOp>>) -> Result<(), MetaError> {
+        let vote: Vote = (promised, accepted);
+        let mut rec = VOTE_FORMAT.to_le_bytes().to_vec();
+        rec.extend(postcard::to_stdvec(&vote).map_err(|e| MetaError::Corrupt(e.to_string()))?);
+        let tx = self.db.begin_write()?;
+        {
+            let mut t = tx.open_table(VOTE_TABLE)?;
+            t.insert(VOTE_KEY, rec.as_slice())?;
+        }
+        tx.commit()?;
+        self.vote = vote;
+        Ok(())
     }
 }
 
@@ -401,6 +486,45 @@ mod tests {
         let m = MetaStore::open(&disk).unwrap();
         assert_eq!(m.state().seq, 2);
         assert_eq!(m.state().files["a"].id, FileId(3));
+    }
+
+    #[test]
+    fn the_vote_survives_a_reopen_and_ops_tell_whether_they_are_reflected() {
+        let dir = tempfile::tempdir().unwrap();
+        let disk = FileDisk::new(dir.path()).unwrap();
+        let op = MetaOp::CommitFile {
+            meta: meta("a", 5),
+            replaces: None,
+        };
+        {
+            let m = MetaStore::open(&disk).unwrap();
+            assert_eq!(m.durable().promised, Epoch::default(), "a new store promised nothing");
+            let mut m = m;
+            let acc = Accepted {
+                epoch: Epoch { n: 3, by: 1 },
+                seq: 1,
+                op: op.clone(),
+            };
+            m.persist_vote(Epoch { n: 4, by: 2 }, Some(acc.clone())).unwrap();
+        }
+        let mut m = MetaStore::open(&disk).unwrap();
+        let d = m.durable();
+        assert_eq!(d.promised, Epoch { n: 4, by: 2 });
+        assert_eq!(d.accepted.as_ref().map(|a| a.seq), Some(1));
+        assert!(!op.reflected_in(m.state()));
+        m.apply(&op).unwrap();
+        assert!(op.reflected_in(m.state()));
+        drop(m);
+        let m = MetaStore::open(&disk).unwrap();
+        assert!(
+            m.durable().accepted.is_none(),
+            "an accepted op the state covers is dropped"
+        );
+        let rm = MetaOp::RemoveFile {
+            name: "a".into(),
+            id: FileId(5),
+        };
+        assert!(!rm.reflected_in(m.state()));
     }
 
     #[test]

@@ -1,0 +1,177 @@
+//! The shell of metadata replication: one task owns this node's
+//! [`psls_cluster::meta::Replica`] over [`MetaState`] and feeds it, one input at a time, the
+//! coordinator verdict of the failure detector (every [`TICK_MS`]), the replication messages
+//! peers post on the message link, submissions, and the sequence numbers heartbeats gossip.
+//! It carries out the machine's actions in order: votes and committed states are written to
+//! the metadata store (redb, fsync) before anything later is sent or answered; sends go out on
+//! the message link; answers go back to the submitter.
+//!
+//! Voters are the physical nodes of the config (logical nodes first, then spares), numbered in
+//! config order; a majority of them is a quorum. The coordinator is the lowest live logical id
+//! (as before); what is new is that it acts only in an epoch a quorum promised it, so two nodes
+//! that both believe they coordinate cannot commit different operations.
+//!
+//! Fail-stop: a node that cannot write its vote or a committed state stops (it must not answer
+//! as if it had). Bounds: at most [`MAX_INPUTS`] inputs wait; a replication message arriving on
+//! a full queue is dropped (the protocol retries).
+
+use crate::failstop::Locked;
+use crate::node::{blocking, Node};
+use crate::peer::PeerReq;
+use psls_cluster::meta::{Action, Msg, ReplError, Replica};
+use psls_pfs::meta::{MetaOp, MetaState};
+use psls_pfs::MetaError;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::{mpsc, oneshot};
+
+/// How often the machine hears the failure detector's verdict (and retries claims and
+/// proposals).
+pub const TICK_MS: u64 = 50;
+/// Inputs waiting for the replication task.
+pub const MAX_INPUTS: usize = 4096;
+
+/// The answer to a submission: the sequence number the operation was committed at.
+pub type Outcome = Result<u64, ReplError<MetaError>>;
+
+enum Input {
+    Msg {
+        from: u32,
+        msg: Msg<MetaState>,
+    },
+    Submit {
+        op: MetaOp,
+        reply: oneshot::Sender<Outcome>,
+    },
+    PeerSeq {
+        from: u32,
+        seq: u64,
+    },
+}
+
+/// The door other parts of the daemon use: deliver, submit, gossip.
+pub struct Replication {
+    voters: Vec<String>,
+    tx: mpsc::Sender<Input>,
+    rx: Mutex<Option<mpsc::Receiver<Input>>>,
+}
+
+impl Replication {
+    /// Voters: the physical nodes, in config order.
+    pub fn new(voters: Vec<String>) -> Replication {
+        let (tx, rx) = mpsc::channel(MAX_INPUTS);
+        Replication {
+            voters,
+            tx,
+            rx: Mutex::new(Some(rx)),
+        }
+    }
+
+    fn voter_of(&self, physical: &str) -> Option<u32> {
+        self.voters.iter().position(|v| v == physical).map(|i| i as u32)
+    }
+
+    /// A replication message from peer `from` (its certificate's name).
+    pub fn deliver(&self, from: &str, msg: Msg<MetaState>) {
+        let Some(from) = self.voter_of(from) else {
+            tracing::warn!(
+                peer = from,
+                "replication message from a node that is not a voter: dropped"
+            );
+            return;
+        };
+        if self.tx.try_send(Input::Msg { from, msg }).is_err() {
+            tracing::warn!(peer = from, "replication queue full: message dropped");
+        }
+    }
+
+    /// A heartbeat of `from` says its committed metadata is at `seq`.
+    pub fn peer_seq(&self, from: &str, seq: u64) {
+        if let Some(from) = self.voter_of(from) {
+            let _ = self.tx.try_send(Input::PeerSeq { from, seq });
+        }
+    }
+
+    /// Submits `op` to this node's machine (answered `NotCoordinator` unless it coordinates).
+    pub async fn submit(&self, op: MetaOp) -> Outcome {
+        let (reply, rx) = oneshot::channel();
+        if self.tx.send(Input::Submit { op, reply }).await.is_err() {
+            return Err(ReplError::Interrupted);
+        }
+        rx.await.unwrap_or(Err(ReplError::Interrupted))
+    }
+
+    /// Runs the replication task until the daemon stops. Called once.
+    pub async fn run(node: Arc<Node>) {
+        let Some(mut rx) = node.replication.rx.locked().take() else {
+            tracing::error!("the replication task was started twice");
+            return;
+        };
+        let voters = node.replication.voters.clone();
+        let Some(me) = node.replication.voter_of(node.name()) else {
+            tracing::error!(node = %node.name(), "this node is not in its own config");
+            return;
+        };
+        let durable = node.meta.locked().durable();
+        let mut replica: Replica<MetaState, oneshot::Sender<Outcome>> = Replica::new(me, voters.len() as u32, durable);
+        let mut tick = tokio::time::interval(Duration::from_millis(TICK_MS));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {
+                    let st = node.meta_state();
+                    let coordinator = node.coordinator(&st).is_some_and(|(_, c)| c == node.name());
+                    replica.tick(node.now_ms(), coordinator);
+                }
+                input = rx.recv() => match input {
+                    None => return,
+                    Some(Input::Msg { from, msg }) => replica.receive(from, msg),
+                    Some(Input::Submit { op, reply }) => replica.submit(reply, op),
+                    Some(Input::PeerSeq { from, seq }) => replica.peer_seq(from, seq),
+                },
+            }
+            while let Some(a) = replica.poll_action() {
+                carry_out(&node, &voters, a).await;
+            }
+        }
+    }
+}
+
+/// Carries out one action; persisting comes before anything after it.
+async fn carry_out(node: &Arc<Node>, voters: &[String], a: Action<MetaState, oneshot::Sender<Outcome>>) {
+    match a {
+        Action::PersistVote { promised, accepted } => {
+            let meta = node.meta.clone();
+            let r = blocking(move || meta.locked().persist_vote(promised, accepted)).await;
+            if let Err(e) = r.map_err(|e| e.to_string()).and_then(|r| r.map_err(|e| e.to_string())) {
+                panic!("cannot record the metadata replication vote: {e}");
+            }
+        }
+        Action::PersistCommitted(state) => {
+            let seq = state.seq;
+            let meta = node.meta.clone();
+            let r = blocking(move || {
+                let mut m = meta.locked();
+                if state.seq > m.state().seq {
+                    m.install(state)
+                } else {
+                    Ok(())
+                }
+            })
+            .await;
+            if let Err(e) = r.map_err(|e| e.to_string()).and_then(|r| r.map_err(|e| e.to_string())) {
+                panic!("cannot record committed metadata (seq {seq}): {e}");
+            }
+            tracing::debug!(node = %node.name(), seq, "metadata committed");
+        }
+        Action::Send { to, msg } => {
+            let Some(peer) = voters.get(to as usize) else { return };
+            if let Err(e) = node.net.post(peer, &PeerReq::Meta(msg), bytes::Bytes::new()) {
+                tracing::debug!(node = %node.name(), %peer, error = %e, "replication message not sent");
+            }
+        }
+        Action::Done { token, result } => {
+            let _ = token.send(result);
+        }
+    }
+}
