@@ -16,8 +16,10 @@
 //!   most one coordinator acts per epoch.
 //! - **Replication.** The coordinator proposes one operation at a time for slot `seq + 1`; a
 //!   voter accepts it (durably) unless it promised a higher epoch; with a quorum of
-//!   acceptances the operation is committed, the coordinator answers the submitter and tells
-//!   everyone to commit. A voter whose committed state is behind is sent the coordinator's
+//!   acceptances the operation is committed and the coordinator tells everyone to commit; it
+//!   answers the submitter once every voter the shell says is live (`set_live`) has confirmed
+//!   the commit, so an operation answered `Ok` is visible on every live node (and one refused
+//!   as invalid is answered once the state it was refused on is). A voter whose committed state is behind is sent the coordinator's
 //!   (`Install`); a voter that hears (from heartbeats) of a newer committed state fetches it.
 //! - **Durability.** The shell must make `PersistVote` (promised epoch, accepted operation)
 //!   and `PersistCommitted` durable before it carries out any later action (a send or an
@@ -118,6 +120,8 @@ pub enum Msg<S: Replicated> {
     Install { state: S },
     /// Send me your committed state if it is newer than `seq`.
     Fetch { seq: u64 },
+    /// The sender's committed state is at `seq` now (after a `Commit` or an `Install`).
+    Committed { seq: u64 },
 }
 
 /// Why a submission failed.
@@ -192,6 +196,15 @@ pub struct Replica<S: Replicated, T> {
     queue: VecDeque<(T, S::Op)>,
     actions: VecDeque<Action<S, T>>,
     now_ms: u64,
+    /// Voters the shell's failure detector says are live.
+    live: BTreeSet<u32>,
+    /// Voter → the highest committed seq it confirmed (at the coordinator).
+    confirmed: BTreeMap<u32, u64>,
+    /// Answers waiting for every live voter to confirm the state they were decided on (an
+    /// operation committed at seq, or refused on the state at seq), in order.
+    confirming: VecDeque<(T, u64, Result<u64, ReplError<S::Error>>)>,
+    /// When confirmations were last asked for again.
+    confirm_sent_ms: u64,
 }
 
 impl<S: Replicated, T> Replica<S, T> {
@@ -210,6 +223,69 @@ impl<S: Replicated, T> Replica<S, T> {
             queue: VecDeque::new(),
             actions: VecDeque::new(),
             now_ms: 0,
+            live: (0..voters).collect(),
+            confirmed: BTreeMap::new(),
+            confirming: VecDeque::new(),
+            confirm_sent_ms: 0,
+        }
+    }
+
+    /// The voters the failure detector says are live (this one is always taken as live).
+    pub fn set_live(&mut self, live: impl IntoIterator<Item = u32>) {
+        self.live = live.into_iter().filter(|&v| v < self.voters).collect();
+        self.answer_confirmed();
+    }
+
+    /// Asks the live voters that have not confirmed the oldest awaited commit again (a
+    /// `Commit` or `Install` may have been lost with a connection).
+    fn retry_confirmations(&mut self) {
+        let Role::Leader { epoch, .. } = &self.role else {
+            return;
+        };
+        let epoch = *epoch;
+        let Some(&(_, seq, _)) = self.confirming.front() else {
+            return;
+        };
+        if self.now_ms.saturating_sub(self.confirm_sent_ms) < RETRY_MS {
+            return;
+        }
+        self.confirm_sent_ms = self.now_ms;
+        let late: Vec<u32> = self
+            .live
+            .iter()
+            .copied()
+            .filter(|&v| v != self.me && self.confirmed.get(&v).is_none_or(|&c| c < seq))
+            .collect();
+        let seq = self.committed.seq();
+        for v in late {
+            self.send(v, Msg::Commit { epoch, seq });
+        }
+    }
+
+    /// Queues an answer until every live voter has confirmed the state at `seq`.
+    fn confirm(&mut self, token: T, seq: u64, result: Result<u64, ReplError<S::Error>>) {
+        if self.confirming.is_empty() {
+            self.confirm_sent_ms = self.now_ms;
+        }
+        self.confirming.push_back((token, seq, result));
+        self.answer_confirmed();
+    }
+
+    /// Answers the submitters whose operations every live voter has confirmed.
+    fn answer_confirmed(&mut self) {
+        while let Some(&(_, seq, _)) = self.confirming.front() {
+            let me = self.me;
+            let all = self
+                .live
+                .iter()
+                .filter(|&&v| v != me)
+                .all(|v| self.confirmed.get(v).is_some_and(|&c| c >= seq));
+            if !all {
+                return;
+            }
+            if let Some((token, _, result)) = self.confirming.pop_front() {
+                self.actions.push_back(Action::Done { token, result });
+            }
         }
     }
 
@@ -241,7 +317,9 @@ impl<S: Replicated, T> Replica<S, T> {
 
     /// Whether an operation is being replicated or waits (for tests and status).
     pub fn busy(&self) -> bool {
-        !self.queue.is_empty() || matches!(&self.role, Role::Leader { inflight: Some(_), .. })
+        !self.queue.is_empty()
+            || !self.confirming.is_empty()
+            || matches!(&self.role, Role::Leader { inflight: Some(_), .. })
     }
 
     fn quorum(&self) -> usize {
@@ -291,6 +369,7 @@ impl<S: Replicated, T> Replica<S, T> {
             }
             return;
         }
+        self.retry_confirmations();
         match &self.role {
             Role::Follower => self.campaign(),
             Role::Candidate { sent_ms, .. } if now_ms.saturating_sub(*sent_ms) >= RETRY_MS => self.campaign(),
@@ -381,6 +460,14 @@ impl<S: Replicated, T> Replica<S, T> {
                 result: Err(why.clone()),
             });
         }
+        // Committed, but not yet seen everywhere: the submitter looks for itself.
+        while let Some((token, _, _)) = self.confirming.pop_front() {
+            self.actions.push_back(Action::Done {
+                token,
+                result: Err(why.clone()),
+            });
+        }
+        self.confirmed.clear();
     }
 
     fn step_down(&mut self) {
@@ -422,7 +509,7 @@ impl<S: Replicated, T> Replica<S, T> {
             }
             Msg::Promise {
                 epoch,
-                seq: _,
+                seq,
                 accepted,
                 state,
             } => {
@@ -439,6 +526,8 @@ impl<S: Replicated, T> Replica<S, T> {
                     return;
                 }
                 promises.insert(from, accepted);
+                let c = self.confirmed.entry(from).or_insert(0);
+                *c = (*c).max(seq);
                 if let Some(s) = state {
                     if s.seq() > newest.as_ref().map_or(0, |n| n.seq()) {
                         *newest = Some(s);
@@ -508,6 +597,9 @@ impl<S: Replicated, T> Replica<S, T> {
                     return;
                 }
                 f.acks.insert(from);
+                // Accepting slot seq means holding the state at seq - 1.
+                let c = self.confirmed.entry(from).or_insert(0);
+                *c = (*c).max(seq - 1);
                 if f.acks.len() >= quorum {
                     self.commit_inflight();
                 }
@@ -532,6 +624,8 @@ impl<S: Replicated, T> Replica<S, T> {
             }
             Msg::Commit { epoch, seq } => {
                 if seq <= self.committed.seq() {
+                    let seq = self.committed.seq();
+                    self.send(from, Msg::Committed { seq });
                     return;
                 }
                 let matches = self
@@ -547,11 +641,20 @@ impl<S: Replicated, T> Replica<S, T> {
                 let mut next = self.committed.clone();
                 if next.apply(&a.op).is_ok() {
                     self.set_committed(next);
+                    let seq = self.committed.seq();
+                    self.send(from, Msg::Committed { seq });
                 }
             }
             Msg::Install { state } => {
-                if state.seq() > self.committed.seq() {
+                if state.seq() <= self.committed.seq() {
+                    let seq = self.committed.seq();
+                    self.send(from, Msg::Committed { seq });
+                    return;
+                }
+                {
                     self.set_committed(state);
+                    let seq = self.committed.seq();
+                    self.send(from, Msg::Committed { seq });
                     // A coordinator that learns of a newer committed state mid-proposal has a
                     // stale base: its proposal cannot be chosen on it.
                     if let Role::Leader { inflight, .. } = &mut self.role {
@@ -568,6 +671,13 @@ impl<S: Replicated, T> Replica<S, T> {
                         }
                     }
                     self.propose_next();
+                }
+            }
+            Msg::Committed { seq } => {
+                if matches!(self.role, Role::Leader { .. }) {
+                    let c = self.confirmed.entry(from).or_insert(0);
+                    *c = (*c).max(seq);
+                    self.answer_confirmed();
                 }
             }
             Msg::Fetch { seq } => {
@@ -634,10 +744,12 @@ impl<S: Replicated, T> Replica<S, T> {
                     self.start(Some(token), op);
                     return;
                 }
-                Err(e) => self.actions.push_back(Action::Done {
-                    token,
-                    result: Err(ReplError::Rejected(e)),
-                }),
+                // Refused on the state at this seq: answered once every live voter has that state
+                // (a node told "exists" must find the file).
+                Err(e) => {
+                    let seq = self.committed.seq();
+                    self.confirm(token, seq, Err(ReplError::Rejected(e)));
+                }
             }
         }
     }
@@ -688,7 +800,7 @@ impl<S: Replicated, T> Replica<S, T> {
         let seq = f.accepted.seq;
         self.broadcast(&Msg::Commit { epoch, seq });
         if let Some(token) = f.token {
-            self.actions.push_back(Action::Done { token, result: Ok(seq) });
+            self.confirm(token, seq, Ok(seq));
         }
         self.propose_next();
     }
@@ -762,7 +874,8 @@ mod tests {
         rs[0].submit(1, 5);
         rs[0].submit(2, 1001);
         rs[0].submit(3, 6);
-        let done = settle(&mut rs);
+        let mut done = settle(&mut rs);
+        done.sort_by_key(|d| d.0);
         assert_eq!(done[0], (1, Ok(1)));
         assert!(matches!(&done[1], (2, Err(ReplError::Rejected(m))) if m.contains("1001")));
         assert_eq!(done[2], (3, Ok(2)));

@@ -4,21 +4,66 @@
 //! [`SyncState`] lives at the coordinator: each call returns *notices* — which waiting rank to
 //! release, with what result. [`Waits`] lives on every node: the ranks of that node waiting for
 //! a notice, each with the coordinator its call went to and a reply handle `R` of the shell's
-//! choosing. Both are pure; the shell posts arrivals to the coordinator and notices back.
+//! choosing, and the locks its ranks hold. Both are pure; the shell posts calls to the
+//! coordinator and notices back, in order per pair of nodes (the message link is FIFO).
+//!
+//! The coordinator's state is soft: a node that becomes coordinator starts from
+//! [`SyncState::take_over`], which knows no barrier and no lock and grants nothing until every
+//! live node has *reported* the locks its ranks hold (or has been declared down). A node sends
+//! its report to a coordinator before its first call there ([`Waits::register`] and
+//! [`Waits::sweep`] hand it out), and a recovering coordinator asks the nodes it awaits again
+//! (a report may be lost with a connection) — safe, since nothing is granted or released while
+//! it recovers, and reports it does not await are ignored. So a new coordinator never grants a
+//! lock that a rank of a live node still holds.
 //!
 //! Invariants: a lock has at most one holder, and only the holder may release it; a barrier
 //! opens exactly once, when `count` distinct ranks have arrived, releasing every one of them;
-//! a rank that dies releases its locks and fails the barrier it waited at, so no other rank
-//! waits forever on it; a wait whose coordinator changes fails at the next sweep (the new
-//! coordinator never saw it); every registered wait is answered exactly once. Ranks are named
-//! `node/pid`.
+//! a rank that dies (or whose node is declared down) releases its locks and fails the barrier
+//! it waited at, so no other rank waits forever on it; a wait whose coordinator changes fails
+//! at the next sweep (the new coordinator never saw it); every registered wait is answered
+//! exactly once. Ranks are named `node/pid`.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeSet, HashMap, VecDeque};
 
 /// Most ranks at one barrier, and waiters on one lock.
 pub const MAX_PARTIES: u32 = 1 << 16;
 /// Most waits registered on one node at a time.
 pub const MAX_LOCAL_WAITS: usize = 1 << 16;
+/// Most calls a recovering coordinator keeps until the reports are in.
+pub const MAX_DEFERRED: usize = 1 << 16;
+
+/// A rank's call at the coordinator.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Call {
+    Arrive {
+        key: String,
+        count: u32,
+        who: String,
+    },
+    Acquire {
+        key: String,
+        who: String,
+    },
+    Release {
+        key: String,
+        who: String,
+    },
+    /// Rank `who` exited.
+    Gone {
+        who: String,
+    },
+}
+
+/// What a waiting call was (to keep a node's ledger of held locks).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CallKind {
+    Barrier,
+    Acquire,
+    Release,
+}
+
+/// The locks a node's ranks hold: (key, rank).
+pub type Report = Vec<(String, String)>;
 
 /// Why a barrier or lock call failed.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -51,6 +96,9 @@ struct Lock {
 pub struct SyncState {
     barriers: HashMap<String, Barrier>,
     locks: HashMap<String, Lock>,
+    /// Nodes whose report this coordinator still waits for; calls wait meanwhile.
+    awaiting: BTreeSet<String>,
+    deferred: VecDeque<Call>,
 }
 
 fn invalid(m: String) -> SyncError {
@@ -58,6 +106,119 @@ fn invalid(m: String) -> SyncError {
 }
 
 impl SyncState {
+    /// The state of a node that has just become coordinator: nothing is known, and calls wait
+    /// until each of `nodes` (the live nodes, this one included) has reported its ranks' locks
+    /// or been declared down.
+    pub fn take_over(nodes: impl IntoIterator<Item = String>) -> SyncState {
+        SyncState {
+            awaiting: nodes.into_iter().collect(),
+            ..SyncState::default()
+        }
+    }
+
+    /// Whether calls still wait for reports.
+    pub fn recovering(&self) -> bool {
+        !self.awaiting.is_empty()
+    }
+
+    /// A call of a rank (deferred while reports are missing).
+    pub fn call(&mut self, c: Call) -> Vec<Notice> {
+        if self.recovering() {
+            if self.deferred.len() >= MAX_DEFERRED {
+                let (key, who) = match &c {
+                    Call::Arrive { key, who, .. } | Call::Acquire { key, who } | Call::Release { key, who } => {
+                        (key.clone(), who.clone())
+                    }
+                    Call::Gone { .. } => return Vec::new(),
+                };
+                let e = SyncError::Unavailable("the new coordinator has too many calls waiting".into());
+                return vec![(key, who, Err(e))];
+            }
+            self.deferred.push_back(c);
+            return Vec::new();
+        }
+        self.dispatch(c)
+    }
+
+    fn dispatch(&mut self, c: Call) -> Vec<Notice> {
+        match c {
+            Call::Arrive { key, count, who } => self.arrive(&key, count, &who),
+            Call::Acquire { key, who } => self.acquire(&key, &who),
+            Call::Release { key, who } => self.release(&key, &who),
+            Call::Gone { who } => self.gone(&who),
+        }
+    }
+
+    /// Node `node` reports the locks its ranks hold (ignored unless awaited). Once every
+    /// awaited node has reported, the deferred calls run.
+    pub fn report(&mut self, node: &str, held: &[(String, String)]) -> Vec<Notice> {
+        // Only awaited reports count: one asked for again, or sent twice, after recovery
+        // could name a lock released since.
+        if !self.awaiting.contains(node) {
+            return Vec::new();
+        }
+        for (key, who) in held {
+            if node_of(who) != node {
+                continue;
+            }
+            let l = self.locks.entry(key.clone()).or_default();
+            match &l.holder {
+                None => l.holder = Some(who.clone()),
+                Some(h) if h == who => {}
+                // Two holders cannot both be right; the first report stands (the second
+                // would be a protocol violation).
+                Some(_) => {}
+            }
+        }
+        self.awaiting.remove(node);
+        self.drain_deferred()
+    }
+
+    /// Node `node` is down: it reports nothing, and its ranks are gone.
+    pub fn node_down(&mut self, node: &str) -> Vec<Notice> {
+        self.awaiting.remove(node);
+        let mut ranks: BTreeSet<String> = BTreeSet::new();
+        for l in self.locks.values() {
+            ranks.extend(
+                l.holder
+                    .iter()
+                    .chain(l.queue.iter())
+                    .filter(|w| node_of(w) == node)
+                    .cloned(),
+            );
+        }
+        for b in self.barriers.values() {
+            ranks.extend(b.waiting.iter().filter(|w| node_of(w) == node).cloned());
+        }
+        self.deferred.retain(|c| match c {
+            Call::Arrive { who, .. } | Call::Acquire { who, .. } | Call::Release { who, .. } | Call::Gone { who } => {
+                node_of(who) != node
+            }
+        });
+        let mut out = Vec::new();
+        for who in ranks {
+            out.extend(self.gone(&who));
+        }
+        out.extend(self.drain_deferred());
+        out
+    }
+
+    /// The nodes whose reports are still awaited.
+    pub fn awaiting(&self) -> impl Iterator<Item = &str> {
+        self.awaiting.iter().map(|s| s.as_str())
+    }
+
+    fn drain_deferred(&mut self) -> Vec<Notice> {
+        let mut out = Vec::new();
+        if self.recovering() {
+            return out;
+        }
+        while let Some(c) = self.deferred.pop_front() {
+            out.extend(self.dispatch(c));
+        }
+        out
+    }
+
     /// `who` arrives at barrier `key` of `count` ranks.
     pub fn arrive(&mut self, key: &str, count: u32, who: &str) -> Vec<Notice> {
         if count == 0 || count > MAX_PARTIES {
@@ -208,10 +369,11 @@ pub fn node_of(who: &str) -> &str {
     who.split_once('/').map_or(who, |(n, _)| n)
 }
 
-/// One registered wait: the coordinator the call went to, and how to answer it.
+/// One registered wait: the coordinator the call went to, what it was, and how to answer it.
 #[derive(Debug)]
 pub struct Wait<R> {
     pub coord: String,
+    pub kind: CallKind,
     pub reply: R,
 }
 
@@ -224,23 +386,49 @@ pub enum RegisterError {
     Duplicate,
 }
 
-/// This node's ranks waiting for a barrier, a lock or an unlock, by (key, who). `R` is how
-/// the shell answers a rank. Every wait taken out is answered by the caller exactly once.
+/// This node's ranks waiting for a barrier, a lock or an unlock, by (key, who), and the locks
+/// they hold (the node's report to a new coordinator). `R` is how the shell answers a rank.
+/// Every wait taken out is answered by the caller exactly once.
 #[derive(Debug)]
 pub struct Waits<R> {
     waits: HashMap<(String, String), Wait<R>>,
+    /// (key, rank) of every lock a rank of this node holds.
+    held: BTreeSet<(String, String)>,
+    /// The coordinator that has this node's report.
+    reported_to: Option<String>,
 }
 
 impl<R> Default for Waits<R> {
     fn default() -> Self {
-        Waits { waits: HashMap::new() }
+        Waits {
+            waits: HashMap::new(),
+            held: BTreeSet::new(),
+            reported_to: None,
+        }
     }
 }
 
 impl<R> Waits<R> {
-    /// Registers rank `who`'s call on `key`, sent to `coord`. On error the reply handle comes
-    /// back, to be answered with the error.
-    pub fn register(&mut self, key: &str, who: &str, coord: &str, reply: R) -> Result<(), (RegisterError, R)> {
+    /// The report `coord` must get before anything else from this node, if it has not had it.
+    fn report_for(&mut self, coord: &str) -> Option<Report> {
+        if self.reported_to.as_deref() == Some(coord) {
+            return None;
+        }
+        self.reported_to = Some(coord.to_string());
+        Some(self.held.iter().cloned().collect())
+    }
+
+    /// Registers rank `who`'s call on `key`, to be sent to `coord`. Returns the report to send
+    /// `coord` first, if it has not had this node's. On error the reply handle comes back, to
+    /// be answered with the error.
+    pub fn register(
+        &mut self,
+        key: &str,
+        who: &str,
+        kind: CallKind,
+        coord: &str,
+        reply: R,
+    ) -> Result<Option<Report>, (RegisterError, R)> {
         if self.waits.len() >= MAX_LOCAL_WAITS {
             return Err((RegisterError::Full, reply));
         }
@@ -252,19 +440,40 @@ impl<R> Waits<R> {
             k,
             Wait {
                 coord: coord.to_string(),
+                kind,
                 reply,
             },
         );
-        Ok(())
+        Ok(self.report_for(coord))
     }
 
-    /// Takes the wait of `who` on `key` (a notice came, or its call could not be sent).
+    /// Takes the wait of `who` on `key` because its answer came (`ok`: it succeeded), keeping
+    /// the ledger of held locks; `None` if no such wait.
+    pub fn answered(&mut self, key: &str, who: &str, ok: bool) -> Option<Wait<R>> {
+        let w = self.waits.remove(&(key.to_string(), who.to_string()))?;
+        if ok {
+            match w.kind {
+                CallKind::Acquire => {
+                    self.held.insert((key.to_string(), who.to_string()));
+                }
+                CallKind::Release => {
+                    self.held.remove(&(key.to_string(), who.to_string()));
+                }
+                CallKind::Barrier => {}
+            }
+        }
+        Some(w)
+    }
+
+    /// Takes the wait of `who` on `key` whose call could not be sent.
     pub fn take(&mut self, key: &str, who: &str) -> Option<Wait<R>> {
         self.waits.remove(&(key.to_string(), who.to_string()))
     }
 
-    /// Takes every wait of rank `who` (gone): the caller answers each with an error.
+    /// Rank `who` is gone: takes every wait of it (the caller answers each with an error) and
+    /// forgets its locks (the coordinator passes them on).
     pub fn take_rank(&mut self, who: &str) -> Vec<(String, Wait<R>)> {
+        self.held.retain(|(_, w)| w != who);
         let mut keys: Vec<(String, String)> = self.waits.keys().filter(|(_, w)| w == who).cloned().collect();
         keys.sort();
         keys.into_iter()
@@ -272,9 +481,11 @@ impl<R> Waits<R> {
             .collect()
     }
 
-    /// Takes every wait whose coordinator is not `coord` (it changed: the new one never saw
-    /// the call); the caller answers each with an error.
-    pub fn sweep(&mut self, coord: Option<&str>) -> Vec<((String, String), Wait<R>)> {
+    /// The coordinator is `coord` now: takes every wait whose coordinator was another (the
+    /// new one never saw the call; the caller answers each with an error), and returns the
+    /// report `coord` must get if it has not had it.
+    #[allow(clippy::type_complexity)]
+    pub fn sweep(&mut self, coord: Option<&str>) -> (Vec<((String, String), Wait<R>)>, Option<Report>) {
         let mut keys: Vec<(String, String)> = self
             .waits
             .iter()
@@ -282,7 +493,25 @@ impl<R> Waits<R> {
             .map(|(k, _)| k.clone())
             .collect();
         keys.sort();
-        keys.into_iter().filter_map(|k| self.waits.remove_entry(&k)).collect()
+        let stale = keys.into_iter().filter_map(|k| self.waits.remove_entry(&k)).collect();
+        (stale, coord.and_then(|c| self.report_for(c)))
+    }
+
+    /// The last report could not be sent: the next call or sweep sends it again.
+    pub fn report_lost(&mut self) {
+        self.reported_to = None;
+    }
+
+    /// Coordinator `coord` asks for this node's report (it is recovering: nothing is granted
+    /// or released meanwhile, so the ledger is current).
+    pub fn report_to(&mut self, coord: &str) -> Report {
+        self.reported_to = Some(coord.to_string());
+        self.held.iter().cloned().collect()
+    }
+
+    /// Locks this node's ranks hold.
+    pub fn held(&self) -> impl Iterator<Item = &(String, String)> {
+        self.held.iter()
     }
 
     pub fn len(&self) -> usize {
@@ -362,20 +591,77 @@ mod tests {
     #[test]
     fn waits_are_taken_once_and_swept_when_the_coordinator_changes() {
         let mut w: Waits<u32> = Waits::default();
-        w.register("k", "n0/1", "n0", 1).unwrap();
+        let r = w.register("k", "n0/1", CallKind::Acquire, "n0", 1).unwrap();
+        assert_eq!(r, Some(vec![]), "the first call to a coordinator carries the report");
         assert_eq!(
-            w.register("k", "n0/1", "n0", 2).unwrap_err(),
+            w.register("k", "n0/1", CallKind::Acquire, "n0", 2).unwrap_err(),
             (RegisterError::Duplicate, 2)
         );
-        w.register("k", "n0/2", "n1", 3).unwrap();
-        w.register("l", "n0/2", "n0", 4).unwrap();
-        let swept = w.sweep(Some("n0"));
+        assert_eq!(
+            w.register("k", "n0/2", CallKind::Acquire, "n1", 3).unwrap(),
+            Some(vec![])
+        );
+        assert_eq!(
+            w.register("l", "n0/2", CallKind::Barrier, "n0", 4).unwrap(),
+            Some(vec![])
+        );
+        let (swept, report) = w.sweep(Some("n0"));
         assert_eq!(swept.len(), 1);
         assert_eq!(swept[0].1.reply, 3);
+        assert_eq!(
+            report, None,
+            "the call to n0 after one to n1 already carried the report"
+        );
         assert_eq!(w.take_rank("n0/2").len(), 1);
-        assert_eq!(w.take("k", "n0/1").map(|w| w.reply), Some(1));
-        assert!(w.take("k", "n0/1").is_none(), "a wait is taken once");
+        assert_eq!(w.answered("k", "n0/1", true).map(|w| w.reply), Some(1));
+        assert!(w.answered("k", "n0/1", true).is_none(), "a wait is taken once");
         assert!(w.is_empty());
+        assert_eq!(w.held().count(), 1, "the granted lock is in the ledger");
+        let (_, report) = w.sweep(Some("n2"));
+        assert_eq!(report, Some(vec![("k".to_string(), "n0/1".to_string())]));
+        assert_eq!(w.sweep(Some("n2")).1, None, "reported once per coordinator");
+        w.register("k", "n0/1", CallKind::Release, "n2", 5).unwrap();
+        w.answered("k", "n0/1", true);
+        assert_eq!(w.held().count(), 0, "the released lock left the ledger");
+    }
+
+    #[test]
+    fn a_new_coordinator_grants_nothing_before_the_reports_and_keeps_reported_holders() {
+        let mut s = SyncState::take_over(["n0".to_string(), "n1".to_string(), "n2".to_string()]);
+        assert!(
+            s.call(Call::Acquire {
+                key: "L".into(),
+                who: "n0/5".into()
+            })
+            .is_empty(),
+            "granted before reports"
+        );
+        assert!(s.report("n0", &[]).is_empty());
+        assert!(s.report("n5", &[("L".to_string(), "n5/1".to_string())]).is_empty());
+        assert_eq!(s.holder("L"), None, "a report that is not awaited is ignored");
+        let n = s.report(
+            "n1",
+            &[
+                ("L".to_string(), "n1/7".to_string()),
+                ("M".to_string(), "n2/1".to_string()),
+            ],
+        );
+        assert!(n.is_empty());
+        assert!(s.recovering());
+        // n2 is declared down: its report will not come; n0/5 keeps waiting since n1/7 holds L.
+        assert!(s.node_down("n2").is_empty(), "{:?}", s);
+        assert!(!s.recovering());
+        assert_eq!(s.holder("L"), Some("n1/7"));
+        assert_eq!(s.holder("M"), None, "a report names only its own node's ranks");
+        let n = s.call(Call::Release {
+            key: "L".into(),
+            who: "n1/7".into(),
+        });
+        assert_eq!(released(&n), vec![("n1/7", true), ("n0/5", true)]);
+        // A node going down releases its ranks' locks.
+        let n = s.node_down("n0");
+        assert!(n.is_empty());
+        assert_eq!(s.holder("L"), None);
     }
 
     #[test]

@@ -85,6 +85,8 @@ struct Node {
     restart_at_ms: u64,
     /// Highest committed sequence number this node ever held (memory or disk).
     high_seq: u64,
+    /// The live voters this node's machine was last told of.
+    live_view: Vec<u32>,
 }
 
 struct World {
@@ -137,6 +139,7 @@ impl World {
                 next_heartbeat_ms: 0,
                 restart_at_ms: 0,
                 high_seq: 0,
+                live_view: (0..n).collect(),
             })
             .collect();
         World {
@@ -237,6 +240,20 @@ impl World {
                                     "submission {token} ({op}) acknowledged at seq {seq} holding {s:?}"
                                 ));
                             }
+                            // Answered only once every node it takes as live has it.
+                            for v in self.nodes[i as usize].live_view.clone() {
+                                let n = &self.nodes[v as usize];
+                                let has = if n.up {
+                                    n.replica.committed().seq()
+                                } else {
+                                    n.disk.committed.seq()
+                                };
+                                if has < seq {
+                                    self.fail(format!(
+                                        "submission {token} answered at seq {seq} while live v{v} is at {has}"
+                                    ));
+                                }
+                            }
                         }
                         Err(ReplError::Rejected(_)) => {
                             self.rejected += 1;
@@ -308,6 +325,14 @@ impl World {
                 }
             }
         }
+    }
+
+    /// The voters node `i`'s failure detector takes as live (itself included).
+    fn live_in_view(&self, i: u32) -> Vec<u32> {
+        let node = &self.nodes[i as usize];
+        (0..self.n())
+            .filter(|&j| j == i || node.members.is_live(self.now_ms, &name(j)))
+            .collect()
     }
 
     fn coordinator_in_view(&self, i: u32) -> bool {
@@ -422,6 +447,9 @@ impl World {
                 }
             }
             let coord = self.coordinator_in_view(i);
+            let live = self.live_in_view(i);
+            self.nodes[i as usize].replica.set_live(live.iter().copied());
+            self.nodes[i as usize].live_view = live;
             self.nodes[i as usize].replica.tick(now_ms, coord);
             self.run_actions(i, chaos);
         }

@@ -104,7 +104,7 @@ pub struct Node {
     /// Shared virtual memory: segments, client mappings, the coherence state machine.
     pub svm: Arc<crate::svm::SvmShell>,
     /// Barriers and locks (served while this node coordinates).
-    pub sync: Mutex<crate::sync::SyncState>,
+    pub sync: Mutex<crate::sync::SyncSide>,
     /// This node's ranks waiting for a barrier or lock notice.
     pub waits: crate::sync::Waits,
     /// Local clients' sync channels (served by the `psls-sync` thread).
@@ -152,7 +152,7 @@ impl Node {
             disk_free: AtomicU64::new(0),
             shutdown: tokio::sync::Notify::new(),
             svm: Arc::new(crate::svm::SvmShell::new(tokio::runtime::Handle::current())),
-            sync: Mutex::new(crate::sync::SyncState::default()),
+            sync: Mutex::new(crate::sync::SyncSide::default()),
             waits: crate::sync::Waits::default(),
             channels,
             jobs: crate::launcher::Jobs::default(),
@@ -815,7 +815,9 @@ impl Node {
             req @ (PeerReq::BarrierArrive { .. }
             | PeerReq::LockAcquire { .. }
             | PeerReq::LockRelease { .. }
-            | PeerReq::SyncGone { .. }) => crate::sync::serve(&self, req),
+            | PeerReq::SyncGone { .. }
+            | PeerReq::SyncReport { .. }
+            | PeerReq::SyncReportAsk) => crate::sync::serve(&self, &from, req),
             PeerReq::SyncDone { key, who, error } => {
                 let result = match error {
                     None => Ok(()),
@@ -890,8 +892,10 @@ impl crate::link::LinkHandler for LinkDelivery {
             req @ (PeerReq::BarrierArrive { .. }
             | PeerReq::LockAcquire { .. }
             | PeerReq::LockRelease { .. }
-            | PeerReq::SyncGone { .. }) => {
-                if let Err(e) = crate::sync::serve(node, req) {
+            | PeerReq::SyncGone { .. }
+            | PeerReq::SyncReport { .. }
+            | PeerReq::SyncReportAsk) => {
+                if let Err(e) = crate::sync::serve(node, from, req) {
                     tracing::warn!(node = %node.name(), peer = from, error = %e, "barrier or lock message refused");
                 }
             }

@@ -199,6 +199,12 @@ pub enum PeerReq {
     LinkPong {
         id: u64,
     },
+    /// To a new coordinator, before any call: the locks this node's ranks hold (key, rank).
+    SyncReport {
+        held: Vec<(String, String)>,
+    },
+    /// From a coordinator that waits for this node's report: send it (again).
+    SyncReportAsk,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]

@@ -7,7 +7,9 @@
 //! the message link; answers go back to the submitter.
 //!
 //! Voters are the physical nodes of the config (logical nodes first, then spares), numbered in
-//! config order; a majority of them is a quorum. The coordinator is the lowest live logical id
+//! config order; a majority of them is a quorum. A submission is answered once every voter
+//! the failure detector takes as live has the operation (as before: a file created through one
+//! node can be mapped through any other at once). The coordinator is the lowest live logical id
 //! (as before); what is new is that it acts only in an epoch a quorum promised it, so two nodes
 //! that both believe they coordinate cannot commit different operations.
 //!
@@ -121,6 +123,8 @@ impl Replication {
                 _ = tick.tick() => {
                     let st = node.meta_state();
                     let coordinator = node.coordinator(&st).is_some_and(|(_, c)| c == node.name());
+                    let live = voters.iter().enumerate().filter(|(_, v)| node.is_live(v)).map(|(i, _)| i as u32);
+                    replica.set_live(live);
                     replica.tick(node.now_ms(), coordinator);
                 }
                 input = rx.recv() => match input {

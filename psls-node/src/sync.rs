@@ -11,15 +11,20 @@
 //! ([`crate::sync_channel`]), or through a runtime task for calls on the request connection.
 //! Names are scoped by user and job, so jobs and users cannot meet at each other's barriers.
 //!
+//! A coordinator is known by name and incarnation: a new one (another node, or the same one
+//! restarted) starts from nothing and grants no lock until every live node has sent the report
+//! of its ranks' held locks, which a node sends before its first call there and at the next
+//! [`sweep`] (soft state rebuilt from the survivors, DESIGN §3).
+//!
 //! Invariants (besides the protocol's): a wait whose coordinator changes fails within a
-//! heartbeat interval ([`Waits::sweep`]: the new coordinator knows nothing of it); every
-//! registered wait is answered exactly once.
+//! heartbeat interval ([`sweep`]: the new coordinator knows nothing of it); every registered
+//! wait is answered exactly once; a node calls only for its own ranks.
 
 use crate::failstop::Locked;
 use crate::node::{Node, OpError};
 use crate::peer::{PeerReq, PeerResp};
 pub use psls_cluster::sync::{key, SyncState, MAX_LOCAL_WAITS, MAX_PARTIES};
-use psls_cluster::sync::{node_of, Notice, RegisterError, SyncError};
+use psls_cluster::sync::{node_of, Call, CallKind, Notice, RegisterError, SyncError};
 use psls_ipc::ErrorKind;
 use std::sync::{Arc, Mutex};
 use tokio::sync::oneshot;
@@ -91,51 +96,148 @@ impl Waits {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+}
 
-    /// Fails every wait whose coordinator is no longer the coordinator.
-    pub fn sweep(&self, node: &Node) {
-        let now = node.coordinator_now().map(|(_, c)| c);
-        let stale = self.lock().sweep(now.as_deref());
-        for (_, wait) in stale {
-            let e = OpError::new(
-                ErrorKind::Unavailable,
-                format!("the coordinator ({}) went down while this rank waited", wait.coord),
-            );
-            wait.reply.send(Err(e));
+/// The coordinator's side: the barrier and lock state, and which coordinator this node last
+/// saw (when it becomes coordinator, it starts afresh and waits for the nodes' reports).
+#[derive(Default)]
+pub struct SyncSide {
+    coord_seen: Option<String>,
+    state: SyncState,
+}
+
+/// The coordinator as a rank's call addresses it: its name, and an identity that changes when
+/// it restarts (`name#incarnation`), so a restarted coordinator is a new one: waits it lost
+/// fail, and it gets the nodes' reports again.
+fn coordinator_id(node: &Node) -> Option<(String, String)> {
+    let (_, name) = node.coordinator_now()?;
+    let inc = if name == node.name() {
+        node.incarnation
+    } else {
+        node.heartbeat_of(&name).map_or(0, |h| h.incarnation)
+    };
+    let id = format!("{name}#{inc}");
+    Some((name, id))
+}
+
+/// Brings the coordinator's side up to date: a node that has just become coordinator starts
+/// from [`SyncState::take_over`] over the live nodes of the map; nodes it awaits that are down
+/// now report nothing (their ranks are gone). Returns the notices that releases.
+fn refresh(node: &Node, side: &mut SyncSide) -> Vec<Notice> {
+    let now = node.coordinator_now().map(|(_, c)| c);
+    let me = node.name();
+    if now.as_deref() == Some(me) && side.coord_seen.as_deref() != Some(me) {
+        let st = node.meta_state();
+        let live: Vec<String> = node
+            .logical_map(&st)
+            .into_values()
+            .filter(|p| node.is_live(p))
+            .collect();
+        tracing::info!(node = %me, awaiting = ?live, "coordinating barriers and locks: waiting for the nodes' reports");
+        side.state = SyncState::take_over(live);
+    }
+    side.coord_seen = now;
+    let down: Vec<String> = side
+        .state
+        .awaiting()
+        .filter(|n| !node.is_live(n))
+        .map(str::to_string)
+        .collect();
+    let mut out = Vec::new();
+    for n in down {
+        out.extend(side.state.node_down(&n));
+    }
+    out
+}
+
+/// Every heartbeat interval (on the `psls-sync` thread): fails the waits whose coordinator
+/// changed, sends a new coordinator this node's report, and at the coordinator, stops waiting
+/// for reports of nodes that went down.
+pub fn sweep(node: &Arc<Node>) {
+    let coord = coordinator_id(node);
+    let (stale, report) = node.waits.lock().sweep(coord.as_ref().map(|(_, id)| id.as_str()));
+    for (_, wait) in stale {
+        let e = OpError::new(
+            ErrorKind::Unavailable,
+            format!(
+                "the coordinator ({}) went down while this rank waited",
+                wait.coord.split('#').next().unwrap_or(&wait.coord)
+            ),
+        );
+        wait.reply.send(Err(e));
+    }
+    if let (Some((name, _)), Some(held)) = (coord, report) {
+        if let Err(e) = send(node, &name, PeerReq::SyncReport { held }) {
+            tracing::debug!(node = %node.name(), coordinator = %name, error = %e, "lock report not sent; will retry");
+            node.waits.lock().report_lost();
+        }
+    }
+    let (notices, ask) = {
+        let mut side = node.sync.locked();
+        let n = refresh(node, &mut side);
+        let ask: Vec<String> = side.state.awaiting().map(str::to_string).collect();
+        (n, ask)
+    };
+    deliver(node, notices);
+    // Recovering: ask the awaited nodes again (a report may have been lost with a connection).
+    for peer in ask {
+        if let Err(e) = send(node, &peer, PeerReq::SyncReportAsk) {
+            tracing::debug!(node = %node.name(), %peer, error = %e, "lock report request not sent");
         }
     }
 }
 
+/// Sends a sync message to the coordinator `coord` (served here if it is this node).
+fn send(node: &Arc<Node>, coord: &str, req: PeerReq) -> Result<(), OpError> {
+    if coord == node.name() {
+        return serve(node, coord, req).map(|_| ());
+    }
+    node.net.post(coord, &req, bytes::Bytes::new()).map_err(Into::into)
+}
+
 /// Starts a rank's barrier, lock or unlock call: registers its wait, then posts it to the
-/// coordinator (or serves it here). The answer always comes through `reply`: the
-/// coordinator's notice, an error now, or the sweep's if the coordinator goes down.
+/// coordinator (or serves it here), after this node's report if that coordinator has not had
+/// it. The answer always comes through `reply`: the coordinator's notice, an error now, or the
+/// sweep's if the coordinator goes down.
 pub fn start(node: &Arc<Node>, req: PeerReq, reply: Replier) {
-    let wait_key = match &req {
-        PeerReq::BarrierArrive { key, who, .. }
-        | PeerReq::LockAcquire { key, who }
-        | PeerReq::LockRelease { key, who } => (key.clone(), who.clone()),
+    let (wait_key, kind) = match &req {
+        PeerReq::BarrierArrive { key, who, .. } => ((key.clone(), who.clone()), CallKind::Barrier),
+        PeerReq::LockAcquire { key, who } => ((key.clone(), who.clone()), CallKind::Acquire),
+        PeerReq::LockRelease { key, who } => ((key.clone(), who.clone()), CallKind::Release),
         _ => {
             reply.send(Err(OpError::new(ErrorKind::Internal, "not a barrier or lock call")));
             return;
         }
     };
-    let Some((_, coord)) = node.coordinator_now() else {
+    let Some((coord, coord_id)) = coordinator_id(node) else {
         reply.send(Err(OpError::new(ErrorKind::Unavailable, "no coordinator is up")));
         return;
     };
-    if let Err((e, reply)) = node.waits.lock().register(&wait_key.0, &wait_key.1, &coord, reply) {
-        let e = match e {
-            RegisterError::Full => OpError::new(ErrorKind::Unavailable, e.to_string()),
-            RegisterError::Duplicate => OpError::new(ErrorKind::Invalid, e.to_string()),
-        };
-        reply.send(Err(e));
-        return;
-    }
-    let sent = if coord == node.name() {
-        serve(node, req).map(|_| ())
-    } else {
-        node.net.post(&coord, &req, bytes::Bytes::new()).map_err(Into::into)
+    let report = match node
+        .waits
+        .lock()
+        .register(&wait_key.0, &wait_key.1, kind, &coord_id, reply)
+    {
+        Ok(report) => report,
+        Err((e, reply)) => {
+            let e = match e {
+                RegisterError::Full => OpError::new(ErrorKind::Unavailable, e.to_string()),
+                RegisterError::Duplicate => OpError::new(ErrorKind::Invalid, e.to_string()),
+            };
+            reply.send(Err(e));
+            return;
+        }
     };
+    let mut sent = Ok(());
+    if let Some(held) = report {
+        sent = send(node, &coord, PeerReq::SyncReport { held });
+        if sent.is_err() {
+            node.waits.lock().report_lost();
+        }
+    }
+    if sent.is_ok() {
+        sent = send(node, &coord, req);
+    }
     if let Err(e) = sent {
         if let Some(wait) = node.waits.lock().take(&wait_key.0, &wait_key.1) {
             wait.reply.send(Err(e));
@@ -162,11 +264,7 @@ pub fn gone(node: &Arc<Node>, who: String) -> Result<(), OpError> {
     let Some((_, coord)) = node.coordinator_now() else {
         return Err(OpError::new(ErrorKind::Unavailable, "no coordinator is up"));
     };
-    let req = PeerReq::SyncGone { who };
-    if coord == node.name() {
-        return serve(node, req).map(|_| ());
-    }
-    node.net.post(&coord, &req, bytes::Bytes::new()).map_err(Into::into)
+    send(node, &coord, PeerReq::SyncGone { who })
 }
 
 /// Delivers notices: to this node's waits, or posted to the waiter's node.
@@ -192,25 +290,60 @@ fn deliver(node: &Arc<Node>, notices: Vec<Notice>) {
 
 /// Answers this node's rank `who` waiting on `key`.
 pub fn resolve(node: &Node, key: &str, who: &str, result: Result<(), OpError>) {
-    let wait = node.waits.lock().take(key, who);
+    let wait = node.waits.lock().answered(key, who, result.is_ok());
     match wait {
         Some(wait) => wait.reply.send(result),
         None => tracing::debug!(node = %node.name(), %who, "sync notice for a wait that is gone"),
     }
 }
 
-/// The coordinator's side of the sync messages (arrivals and acquires answer through
-/// notices; the returned response is for releases and departures).
-pub fn serve(node: &Arc<Node>, req: PeerReq) -> Result<PeerResp, OpError> {
-    let notices = {
-        let mut st = node.sync.locked();
-        match req {
-            PeerReq::BarrierArrive { key, count, who } => st.arrive(&key, count, &who),
-            PeerReq::LockAcquire { key, who } => st.acquire(&key, &who),
-            PeerReq::LockRelease { key, who } => st.release(&key, &who),
-            PeerReq::SyncGone { who } => st.gone(&who),
-            _ => return Err(OpError::new(ErrorKind::Internal, "not a sync request")),
+/// The coordinator's side of the sync messages from node `from` (arrivals and acquires answer
+/// through notices; the returned response is for releases and departures).
+pub fn serve(node: &Arc<Node>, from: &str, req: PeerReq) -> Result<PeerResp, OpError> {
+    let call = match req {
+        PeerReq::BarrierArrive { key, count, who } => Call::Arrive { key, count, who },
+        PeerReq::LockAcquire { key, who } => Call::Acquire { key, who },
+        PeerReq::LockRelease { key, who } => Call::Release { key, who },
+        PeerReq::SyncGone { who } => Call::Gone { who },
+        PeerReq::SyncReportAsk => {
+            // From a recovering coordinator (`from`): it gets this node's report now.
+            let Some((coord, id)) = coordinator_id(node) else {
+                return Ok(PeerResp::Ok);
+            };
+            if coord != from {
+                return Ok(PeerResp::Ok);
+            }
+            let held = node.waits.lock().report_to(&id);
+            send(node, &coord, PeerReq::SyncReport { held })?;
+            return Ok(PeerResp::Ok);
         }
+        PeerReq::SyncReport { held } => {
+            let notices = {
+                let mut side = node.sync.locked();
+                let mut n = refresh(node, &mut side);
+                n.extend(side.state.report(from, &held));
+                n
+            };
+            deliver(node, notices);
+            return Ok(PeerResp::Ok);
+        }
+        _ => return Err(OpError::new(ErrorKind::Internal, "not a sync request")),
+    };
+    // A node speaks only for its own ranks.
+    let who = match &call {
+        Call::Arrive { who, .. } | Call::Acquire { who, .. } | Call::Release { who, .. } | Call::Gone { who } => who,
+    };
+    if node_of(who) != from {
+        return Err(OpError::new(
+            ErrorKind::Permission,
+            format!("{from} may not call for rank {who} of another node"),
+        ));
+    }
+    let notices = {
+        let mut side = node.sync.locked();
+        let mut n = refresh(node, &mut side);
+        n.extend(side.state.call(call));
+        n
     };
     deliver(node, notices);
     Ok(PeerResp::Ok)

@@ -9,7 +9,7 @@
 //! one daemon thread on the way in and none on the way out, where the runtime took two hand-offs
 //! each way.
 //!
-//! The same thread also ends the waits whose coordinator went down ([`crate::sync::Waits::sweep`]),
+//! The same thread also ends the waits whose coordinator went down ([`crate::sync::sweep`]),
 //! for channel calls and runtime calls alike.
 //!
 //! Invariants and bounds: a channel belongs to the process that registered it (its pid and uid
@@ -199,7 +199,7 @@ impl Channels {
             }
             if last_sweep.elapsed().as_millis() as u64 >= sweep_ms as u64 {
                 last_sweep = std::time::Instant::now();
-                node.waits.sweep(node);
+                crate::sync::sweep(node);
             }
         }
     }
