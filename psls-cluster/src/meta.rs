@@ -140,6 +140,9 @@ pub enum ReplError<E: Display> {
     Rejected(E),
 }
 
+/// The answer to a submission: the seq it was committed at, or why not.
+pub type Outcome<S> = Result<u64, ReplError<<S as Replicated>::Error>>;
+
 /// What the shell must do, in order.
 #[derive(Debug)]
 pub enum Action<S: Replicated, T> {
@@ -202,7 +205,7 @@ pub struct Replica<S: Replicated, T> {
     confirmed: BTreeMap<u32, u64>,
     /// Answers waiting for every live voter to confirm the state they were decided on (an
     /// operation committed at seq, or refused on the state at seq), in order.
-    confirming: VecDeque<(T, u64, Result<u64, ReplError<S::Error>>)>,
+    confirming: VecDeque<(T, u64, Outcome<S>)>,
     /// When confirmations were last asked for again.
     confirm_sent_ms: u64,
 }
@@ -263,7 +266,7 @@ impl<S: Replicated, T> Replica<S, T> {
     }
 
     /// Queues an answer until every live voter has confirmed the state at `seq`.
-    fn confirm(&mut self, token: T, seq: u64, result: Result<u64, ReplError<S::Error>>) {
+    fn confirm(&mut self, token: T, seq: u64, result: Outcome<S>) {
         if self.confirming.is_empty() {
             self.confirm_sent_ms = self.now_ms;
         }

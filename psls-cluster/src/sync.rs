@@ -10,8 +10,9 @@
 //! The coordinator's state is soft: a node that becomes coordinator starts from
 //! [`SyncState::take_over`], which knows no barrier and no lock and grants nothing until every
 //! live node has *reported* the locks its ranks hold (or has been declared down). A node sends
-//! its report to a coordinator before its first call there ([`Waits::register`] and
-//! [`Waits::sweep`] hand it out), and a recovering coordinator asks the nodes it awaits again
+//! its report to a coordinator before its first call there ([`Waits::switch_to`], also run by
+//! [`Waits::sweep`]), after giving up every call still waiting on the old coordinator (its late
+//! grant must not make a second holder), and a recovering coordinator asks the nodes it awaits again
 //! (a report may be lost with a connection) — safe, since nothing is granted or released while
 //! it recovers, and reports it does not await are ignored. So a new coordinator never grants a
 //! lock that a rank of a live node still holds.
@@ -39,14 +40,17 @@ pub enum Call {
         key: String,
         count: u32,
         who: String,
+        call: u64,
     },
     Acquire {
         key: String,
         who: String,
+        call: u64,
     },
     Release {
         key: String,
         who: String,
+        call: u64,
     },
     /// Rank `who` exited.
     Gone {
@@ -76,19 +80,23 @@ pub enum SyncError {
     Unavailable(String),
 }
 
-/// A rank to release: the key it waits on, the rank (`node/pid`), and the result.
-pub type Notice = (String, String, Result<(), SyncError>);
+/// A rank to release: the key it waits on, the rank (`node/pid`), the id of the call it waits
+/// in (a notice for an earlier call on the same key, whose wait was given up, must not answer
+/// a later one), and the result.
+pub type Notice = (String, String, u64, Result<(), SyncError>);
 
 #[derive(Debug)]
 struct Barrier {
     count: u32,
-    waiting: Vec<String>,
+    /// (rank, call id).
+    waiting: Vec<(String, u64)>,
 }
 
 #[derive(Debug, Default)]
 struct Lock {
     holder: Option<String>,
-    queue: VecDeque<String>,
+    /// (rank, call id) waiting for the lock.
+    queue: VecDeque<(String, u64)>,
 }
 
 /// The coordinator's barriers and locks.
@@ -125,14 +133,14 @@ impl SyncState {
     pub fn call(&mut self, c: Call) -> Vec<Notice> {
         if self.recovering() {
             if self.deferred.len() >= MAX_DEFERRED {
-                let (key, who) = match &c {
-                    Call::Arrive { key, who, .. } | Call::Acquire { key, who } | Call::Release { key, who } => {
-                        (key.clone(), who.clone())
-                    }
+                let (key, who, call) = match &c {
+                    Call::Arrive { key, who, call, .. }
+                    | Call::Acquire { key, who, call }
+                    | Call::Release { key, who, call } => (key.clone(), who.clone(), *call),
                     Call::Gone { .. } => return Vec::new(),
                 };
                 let e = SyncError::Unavailable("the new coordinator has too many calls waiting".into());
-                return vec![(key, who, Err(e))];
+                return vec![(key, who, call, Err(e))];
             }
             self.deferred.push_back(c);
             return Vec::new();
@@ -142,9 +150,9 @@ impl SyncState {
 
     fn dispatch(&mut self, c: Call) -> Vec<Notice> {
         match c {
-            Call::Arrive { key, count, who } => self.arrive(&key, count, &who),
-            Call::Acquire { key, who } => self.acquire(&key, &who),
-            Call::Release { key, who } => self.release(&key, &who),
+            Call::Arrive { key, count, who, call } => self.arrive(&key, count, &who, call),
+            Call::Acquire { key, who, call } => self.acquire(&key, &who, call),
+            Call::Release { key, who, call } => self.release(&key, &who, call),
             Call::Gone { who } => self.gone(&who),
         }
     }
@@ -179,16 +187,11 @@ impl SyncState {
         self.awaiting.remove(node);
         let mut ranks: BTreeSet<String> = BTreeSet::new();
         for l in self.locks.values() {
-            ranks.extend(
-                l.holder
-                    .iter()
-                    .chain(l.queue.iter())
-                    .filter(|w| node_of(w) == node)
-                    .cloned(),
-            );
+            ranks.extend(l.holder.iter().filter(|w| node_of(w) == node).cloned());
+            ranks.extend(l.queue.iter().map(|(w, _)| w).filter(|w| node_of(w) == node).cloned());
         }
         for b in self.barriers.values() {
-            ranks.extend(b.waiting.iter().filter(|w| node_of(w) == node).cloned());
+            ranks.extend(b.waiting.iter().map(|(w, _)| w).filter(|w| node_of(w) == node).cloned());
         }
         self.deferred.retain(|c| match c {
             Call::Arrive { who, .. } | Call::Acquire { who, .. } | Call::Release { who, .. } | Call::Gone { who } => {
@@ -219,11 +222,11 @@ impl SyncState {
         out
     }
 
-    /// `who` arrives at barrier `key` of `count` ranks.
-    pub fn arrive(&mut self, key: &str, count: u32, who: &str) -> Vec<Notice> {
+    /// `who` arrives at barrier `key` of `count` ranks (in its call `call`).
+    pub fn arrive(&mut self, key: &str, count: u32, who: &str, call: u64) -> Vec<Notice> {
         if count == 0 || count > MAX_PARTIES {
             let m = format!("barrier count {count} (1 to {MAX_PARTIES})");
-            return vec![(key.into(), who.into(), Err(invalid(m)))];
+            return vec![(key.into(), who.into(), call, Err(invalid(m)))];
         }
         let b = self.barriers.entry(key.to_string()).or_insert(Barrier {
             count,
@@ -235,57 +238,61 @@ impl SyncState {
                 short(key),
                 b.count
             );
-            return vec![(key.into(), who.into(), Err(invalid(m)))];
+            return vec![(key.into(), who.into(), call, Err(invalid(m)))];
         }
-        if b.waiting.iter().any(|w| w == who) {
+        if b.waiting.iter().any(|(w, _)| w == who) {
             let m = format!("this rank already waits at barrier '{}'", short(key));
-            return vec![(key.into(), who.into(), Err(invalid(m)))];
+            return vec![(key.into(), who.into(), call, Err(invalid(m)))];
         }
-        b.waiting.push(who.to_string());
+        b.waiting.push((who.to_string(), call));
         if b.waiting.len() as u32 == b.count {
             if let Some(b) = self.barriers.remove(key) {
-                return b.waiting.into_iter().map(|w| (key.to_string(), w, Ok(()))).collect();
+                return b
+                    .waiting
+                    .into_iter()
+                    .map(|(w, c)| (key.to_string(), w, c, Ok(())))
+                    .collect();
             }
         }
         Vec::new()
     }
 
-    /// `who` asks for lock `key`.
-    pub fn acquire(&mut self, key: &str, who: &str) -> Vec<Notice> {
+    /// `who` asks for lock `key` (in its call `call`).
+    pub fn acquire(&mut self, key: &str, who: &str, call: u64) -> Vec<Notice> {
         let l = self.locks.entry(key.to_string()).or_default();
         match &l.holder {
             None => {
                 l.holder = Some(who.to_string());
-                vec![(key.into(), who.into(), Ok(()))]
+                vec![(key.into(), who.into(), call, Ok(()))]
             }
             Some(h) if h == who => {
                 let m = format!("lock {} is already held by this rank", short(key));
-                vec![(key.into(), who.into(), Err(invalid(m)))]
+                vec![(key.into(), who.into(), call, Err(invalid(m)))]
             }
-            Some(_) if l.queue.iter().any(|w| w == who) => {
+            Some(_) if l.queue.iter().any(|(w, _)| w == who) => {
                 let m = format!("this rank already waits for lock {}", short(key));
-                vec![(key.into(), who.into(), Err(invalid(m)))]
+                vec![(key.into(), who.into(), call, Err(invalid(m)))]
             }
             Some(_) if l.queue.len() as u32 >= MAX_PARTIES => {
                 let m = format!("too many ranks wait for lock {}", short(key));
-                vec![(key.into(), who.into(), Err(invalid(m)))]
+                vec![(key.into(), who.into(), call, Err(invalid(m)))]
             }
             Some(_) => {
-                l.queue.push_back(who.to_string());
+                l.queue.push_back((who.to_string(), call));
                 Vec::new()
             }
         }
     }
 
-    /// `who` releases lock `key`: the notices answer it (an error if it does not hold the
-    /// lock) and grant the lock to the next waiter.
-    pub fn release(&mut self, key: &str, who: &str) -> Vec<Notice> {
+    /// `who` releases lock `key` (in its call `call`): the notices answer it (an error if it
+    /// does not hold the lock) and grant the lock to the next waiter.
+    pub fn release(&mut self, key: &str, who: &str, call: u64) -> Vec<Notice> {
         let held = self.locks.get(key).and_then(|l| l.holder.as_deref()) == Some(who);
         if !held {
             let m = format!("lock {} is not held by this rank", short(key));
-            return vec![(key.into(), who.into(), Err(invalid(m)))];
+            return vec![(key.into(), who.into(), call, Err(invalid(m)))];
         }
-        let mut out = vec![(key.to_string(), who.to_string(), Ok(()))];
+        let mut out = vec![(key.to_string(), who.to_string(), call, Ok(()))];
         out.extend(self.pass_on(key));
         out
     }
@@ -295,9 +302,11 @@ impl SyncState {
         let Some(l) = self.locks.get_mut(key) else {
             return Vec::new();
         };
-        l.holder = l.queue.pop_front();
-        match &l.holder {
-            Some(next) => vec![(key.to_string(), next.clone(), Ok(()))],
+        match l.queue.pop_front() {
+            Some((next, call)) => {
+                l.holder = Some(next.clone());
+                vec![(key.to_string(), next, call, Ok(()))]
+            }
             None => {
                 self.locks.remove(key);
                 Vec::new()
@@ -310,7 +319,7 @@ impl SyncState {
     pub fn gone(&mut self, who: &str) -> Vec<Notice> {
         let mut out = Vec::new();
         for l in self.locks.values_mut() {
-            l.queue.retain(|w| w != who);
+            l.queue.retain(|(w, _)| w != who);
         }
         let mut held: Vec<String> = self
             .locks
@@ -325,18 +334,18 @@ impl SyncState {
         let mut failed: Vec<String> = self
             .barriers
             .iter()
-            .filter(|(_, b)| b.waiting.iter().any(|w| w == who))
+            .filter(|(_, b)| b.waiting.iter().any(|(w, _)| w == who))
             .map(|(k, _)| k.clone())
             .collect();
         failed.sort();
         for k in failed {
             if let Some(b) = self.barriers.remove(&k) {
-                for w in b.waiting.into_iter().filter(|w| w != who) {
+                for (w, c) in b.waiting.into_iter().filter(|(w, _)| w != who) {
                     let e = SyncError::Unavailable(format!(
                         "a rank ({who}) exited while waiting at barrier '{}'",
                         short(&k)
                     ));
-                    out.push((k.clone(), w, Err(e)));
+                    out.push((k.clone(), w, c, Err(e)));
                 }
             }
         }
@@ -349,8 +358,10 @@ impl SyncState {
     }
 
     /// Ranks waiting at barrier `key`.
-    pub fn waiting(&self, key: &str) -> &[String] {
-        self.barriers.get(key).map_or(&[], |b| b.waiting.as_slice())
+    pub fn waiting(&self, key: &str) -> Vec<&str> {
+        self.barriers
+            .get(key)
+            .map_or(Vec::new(), |b| b.waiting.iter().map(|(w, _)| w.as_str()).collect())
     }
 }
 
@@ -374,6 +385,8 @@ pub fn node_of(who: &str) -> &str {
 pub struct Wait<R> {
     pub coord: String,
     pub kind: CallKind,
+    /// The call's id: notices name it.
+    pub call: u64,
     pub reply: R,
 }
 
@@ -384,6 +397,8 @@ pub enum RegisterError {
     Full,
     #[error("this rank already waits here")]
     Duplicate,
+    #[error("no coordinator is up")]
+    NoCoordinator,
 }
 
 /// This node's ranks waiting for a barrier, a lock or an unlock, by (key, who), and the locks
@@ -396,6 +411,8 @@ pub struct Waits<R> {
     held: BTreeSet<(String, String)>,
     /// The coordinator that has this node's report.
     reported_to: Option<String>,
+    /// The id of the last call registered.
+    last_call: u64,
 }
 
 impl<R> Default for Waits<R> {
@@ -404,31 +421,44 @@ impl<R> Default for Waits<R> {
             waits: HashMap::new(),
             held: BTreeSet::new(),
             reported_to: None,
+            last_call: 0,
         }
     }
 }
 
 impl<R> Waits<R> {
-    /// The report `coord` must get before anything else from this node, if it has not had it.
-    fn report_for(&mut self, coord: &str) -> Option<Report> {
+    /// Makes `coord` the coordinator this node talks to. If it was another, every wait sent
+    /// to another coordinator is taken out (the caller answers each with an error: a late
+    /// notice from the old coordinator then answers nothing) and the report `coord` must get
+    /// before anything else from this node is returned with them.
+    #[allow(clippy::type_complexity)]
+    pub fn switch_to(&mut self, coord: &str) -> Option<(Vec<((String, String), Wait<R>)>, Report)> {
         if self.reported_to.as_deref() == Some(coord) {
             return None;
         }
+        let stale = self.take_where(|w| w.coord != coord);
         self.reported_to = Some(coord.to_string());
-        Some(self.held.iter().cloned().collect())
+        Some((stale, self.held.iter().cloned().collect()))
     }
 
-    /// Registers rank `who`'s call on `key`, to be sent to `coord`. Returns the report to send
-    /// `coord` first, if it has not had this node's. On error the reply handle comes back, to
-    /// be answered with the error.
-    pub fn register(
-        &mut self,
-        key: &str,
-        who: &str,
-        kind: CallKind,
-        coord: &str,
-        reply: R,
-    ) -> Result<Option<Report>, (RegisterError, R)> {
+    fn take_where(&mut self, f: impl Fn(&Wait<R>) -> bool) -> Vec<((String, String), Wait<R>)> {
+        let mut keys: Vec<(String, String)> = self
+            .waits
+            .iter()
+            .filter(|(_, w)| f(w))
+            .map(|(k, _)| k.clone())
+            .collect();
+        keys.sort();
+        keys.into_iter().filter_map(|k| self.waits.remove_entry(&k)).collect()
+    }
+
+    /// Registers rank `who`'s call on `key` to the coordinator this node switched to last
+    /// ([`Waits::switch_to`] first). Returns the call's id (the call carries it, its notice
+    /// names it). On error the reply handle comes back, to be answered with the error.
+    pub fn register(&mut self, key: &str, who: &str, kind: CallKind, reply: R) -> Result<u64, (RegisterError, R)> {
+        let Some(coord) = self.reported_to.clone() else {
+            return Err((RegisterError::NoCoordinator, reply));
+        };
         if self.waits.len() >= MAX_LOCAL_WAITS {
             return Err((RegisterError::Full, reply));
         }
@@ -436,21 +466,29 @@ impl<R> Waits<R> {
         if self.waits.contains_key(&k) {
             return Err((RegisterError::Duplicate, reply));
         }
+        self.last_call += 1;
+        let call = self.last_call;
         self.waits.insert(
             k,
             Wait {
-                coord: coord.to_string(),
+                coord,
                 kind,
+                call,
                 reply,
             },
         );
-        Ok(self.report_for(coord))
+        Ok(call)
     }
 
-    /// Takes the wait of `who` on `key` because its answer came (`ok`: it succeeded), keeping
-    /// the ledger of held locks; `None` if no such wait.
-    pub fn answered(&mut self, key: &str, who: &str, ok: bool) -> Option<Wait<R>> {
-        let w = self.waits.remove(&(key.to_string(), who.to_string()))?;
+    /// Takes the wait of `who` on `key` in call `call` because its answer came (`ok`: it
+    /// succeeded), keeping the ledger of held locks; `None` if no such wait (a notice for a
+    /// call whose wait was given up answers nothing).
+    pub fn answered(&mut self, key: &str, who: &str, call: u64, ok: bool) -> Option<Wait<R>> {
+        let k = (key.to_string(), who.to_string());
+        if self.waits.get(&k).is_none_or(|w| w.call != call) {
+            return None;
+        }
+        let w = self.waits.remove(&k)?;
         if ok {
             match w.kind {
                 CallKind::Acquire => {
@@ -481,20 +519,19 @@ impl<R> Waits<R> {
             .collect()
     }
 
-    /// The coordinator is `coord` now: takes every wait whose coordinator was another (the
-    /// new one never saw the call; the caller answers each with an error), and returns the
-    /// report `coord` must get if it has not had it.
+    /// Every heartbeat interval: the coordinator is `coord` now (`None`: none is up). Takes
+    /// every wait whose coordinator was another (the new one never saw the call; the caller
+    /// answers each with an error), and returns the report `coord` must get if it has not had
+    /// it.
     #[allow(clippy::type_complexity)]
     pub fn sweep(&mut self, coord: Option<&str>) -> (Vec<((String, String), Wait<R>)>, Option<Report>) {
-        let mut keys: Vec<(String, String)> = self
-            .waits
-            .iter()
-            .filter(|(_, w)| coord != Some(w.coord.as_str()))
-            .map(|(k, _)| k.clone())
-            .collect();
-        keys.sort();
-        let stale = keys.into_iter().filter_map(|k| self.waits.remove_entry(&k)).collect();
-        (stale, coord.and_then(|c| self.report_for(c)))
+        match coord {
+            None => (self.take_where(|_| true), None),
+            Some(c) => match self.switch_to(c) {
+                Some((stale, report)) => (stale, Some(report)),
+                None => (Vec::new(), None),
+            },
+        }
     }
 
     /// The last report could not be sent: the next call or sweep sends it again.
@@ -502,11 +539,15 @@ impl<R> Waits<R> {
         self.reported_to = None;
     }
 
-    /// Coordinator `coord` asks for this node's report (it is recovering: nothing is granted
-    /// or released meanwhile, so the ledger is current).
-    pub fn report_to(&mut self, coord: &str) -> Report {
-        self.reported_to = Some(coord.to_string());
-        self.held.iter().cloned().collect()
+    /// Coordinator `coord` (this node's) asks for this node's report again (it is recovering:
+    /// nothing is granted or released meanwhile, so the ledger is current). Waits sent to
+    /// another coordinator are taken out first, as by [`Waits::switch_to`].
+    #[allow(clippy::type_complexity)]
+    pub fn report_to(&mut self, coord: &str) -> (Vec<((String, String), Wait<R>)>, Report) {
+        match self.switch_to(coord) {
+            Some(x) => x,
+            None => (Vec::new(), self.held.iter().cloned().collect()),
+        }
     }
 
     /// Locks this node's ranks hold.
@@ -528,44 +569,44 @@ mod tests {
     use super::*;
 
     fn released(n: &[Notice]) -> Vec<(&str, bool)> {
-        n.iter().map(|(_, w, r)| (w.as_str(), r.is_ok())).collect()
+        n.iter().map(|(_, w, _, r)| (w.as_str(), r.is_ok())).collect()
     }
 
     #[test]
     fn barrier_opens_at_count_and_rejects_mismatches() {
         let mut s = SyncState::default();
-        assert!(s.arrive("0:j:x", 2, "n0/1").is_empty(), "opened too early");
-        let n = s.arrive("0:j:x", 3, "n1/2");
-        assert!(n[0].2.as_ref().unwrap_err().to_string().contains("awaited by 2 ranks"));
-        let n = s.arrive("0:j:x", 2, "n0/1");
-        assert!(n[0].2.as_ref().unwrap_err().to_string().contains("already waits"));
-        let n = s.arrive("0:j:x", 2, "n1/2");
+        assert!(s.arrive("0:j:x", 2, "n0/1", 0).is_empty(), "opened too early");
+        let n = s.arrive("0:j:x", 3, "n1/2", 0);
+        assert!(n[0].3.as_ref().unwrap_err().to_string().contains("awaited by 2 ranks"));
+        let n = s.arrive("0:j:x", 2, "n0/1", 0);
+        assert!(n[0].3.as_ref().unwrap_err().to_string().contains("already waits"));
+        let n = s.arrive("0:j:x", 2, "n1/2", 0);
         assert_eq!(released(&n), vec![("n0/1", true), ("n1/2", true)]);
-        assert!(n.iter().all(|(k, _, _)| k == "0:j:x"));
+        assert!(n.iter().all(|(k, _, _, _)| k == "0:j:x"));
         assert!(s.barriers.is_empty());
-        assert!(s.arrive("0:j:y", 0, "n0/1")[0].2.is_err());
+        assert!(s.arrive("0:j:y", 0, "n0/1", 0)[0].3.is_err());
     }
 
     #[test]
     fn locks_are_exclusive_fifo_and_released_by_a_dying_holder() {
         let mut s = SyncState::default();
-        assert_eq!(released(&s.acquire("0:j:7", "n0/1")), vec![("n0/1", true)]);
-        assert!(s.acquire("0:j:7", "n1/2").is_empty());
-        assert!(s.acquire("0:j:7", "n2/3").is_empty());
-        assert!(s.acquire("0:j:7", "n0/1")[0].2.is_err(), "relocking");
-        assert!(s.acquire("0:j:7", "n1/2")[0].2.is_err(), "queueing twice");
-        let n = s.release("0:j:7", "n1/2");
+        assert_eq!(released(&s.acquire("0:j:7", "n0/1", 0)), vec![("n0/1", true)]);
+        assert!(s.acquire("0:j:7", "n1/2", 0).is_empty());
+        assert!(s.acquire("0:j:7", "n2/3", 0).is_empty());
+        assert!(s.acquire("0:j:7", "n0/1", 0)[0].3.is_err(), "relocking");
+        assert!(s.acquire("0:j:7", "n1/2", 0)[0].3.is_err(), "queueing twice");
+        let n = s.release("0:j:7", "n1/2", 0);
         assert_eq!(released(&n), vec![("n1/2", false)], "a waiter cannot release");
         assert_eq!(released(&s.gone("n0/1")), vec![("n1/2", true)]);
         assert_eq!(s.holder("0:j:7"), Some("n1/2"));
-        let n = s.release("0:j:7", "n1/2");
+        let n = s.release("0:j:7", "n1/2", 0);
         assert_eq!(released(&n), vec![("n1/2", true), ("n2/3", true)]);
-        assert_eq!(released(&s.release("0:j:7", "n2/3")), vec![("n2/3", true)]);
+        assert_eq!(released(&s.release("0:j:7", "n2/3", 0)), vec![("n2/3", true)]);
         assert!(s.locks.is_empty());
-        let n = s.release("0:j:7", "n2/3");
+        let n = s.release("0:j:7", "n2/3", 0);
         assert_eq!(released(&n), vec![("n2/3", false)], "unlocking a lock not held");
         assert!(n[0]
-            .2
+            .3
             .as_ref()
             .unwrap_err()
             .to_string()
@@ -575,12 +616,12 @@ mod tests {
     #[test]
     fn a_rank_dying_at_a_barrier_fails_the_others() {
         let mut s = SyncState::default();
-        s.arrive("0:j:x", 3, "n0/1");
-        s.arrive("0:j:x", 3, "n1/2");
+        s.arrive("0:j:x", 3, "n0/1", 0);
+        s.arrive("0:j:x", 3, "n1/2", 0);
         let n = s.gone("n1/2");
         assert_eq!(released(&n), vec![("n0/1", false)]);
         assert!(n[0]
-            .2
+            .3
             .as_ref()
             .unwrap_err()
             .to_string()
@@ -589,40 +630,49 @@ mod tests {
     }
 
     #[test]
-    fn waits_are_taken_once_and_swept_when_the_coordinator_changes() {
+    fn waits_are_taken_once_and_given_up_when_the_coordinator_changes() {
         let mut w: Waits<u32> = Waits::default();
-        let r = w.register("k", "n0/1", CallKind::Acquire, "n0", 1).unwrap();
-        assert_eq!(r, Some(vec![]), "the first call to a coordinator carries the report");
         assert_eq!(
-            w.register("k", "n0/1", CallKind::Acquire, "n0", 2).unwrap_err(),
+            w.register("k", "n0/1", CallKind::Acquire, 0).unwrap_err().0,
+            RegisterError::NoCoordinator
+        );
+        let (stale, report) = w.switch_to("n0").unwrap();
+        assert!(
+            stale.is_empty() && report.is_empty(),
+            "the first switch carries an empty report"
+        );
+        assert!(w.switch_to("n0").is_none(), "reported once per coordinator");
+        let c1 = w.register("k", "n0/1", CallKind::Acquire, 1).unwrap();
+        assert_eq!(
+            w.register("k", "n0/1", CallKind::Acquire, 2).unwrap_err(),
             (RegisterError::Duplicate, 2)
         );
-        assert_eq!(
-            w.register("k", "n0/2", CallKind::Acquire, "n1", 3).unwrap(),
-            Some(vec![])
+        let c3 = w.register("l", "n0/2", CallKind::Barrier, 3).unwrap();
+        assert!(
+            w.answered("k", "n0/1", c1 + 100, true).is_none(),
+            "another call's notice"
         );
-        assert_eq!(
-            w.register("l", "n0/2", CallKind::Barrier, "n0", 4).unwrap(),
-            Some(vec![])
-        );
-        let (swept, report) = w.sweep(Some("n0"));
-        assert_eq!(swept.len(), 1);
-        assert_eq!(swept[0].1.reply, 3);
-        assert_eq!(
-            report, None,
-            "the call to n0 after one to n1 already carried the report"
-        );
-        assert_eq!(w.take_rank("n0/2").len(), 1);
-        assert_eq!(w.answered("k", "n0/1", true).map(|w| w.reply), Some(1));
-        assert!(w.answered("k", "n0/1", true).is_none(), "a wait is taken once");
-        assert!(w.is_empty());
+        assert_eq!(w.answered("k", "n0/1", c1, true).map(|w| w.reply), Some(1));
+        assert!(w.answered("k", "n0/1", c1, true).is_none(), "a wait is taken once");
         assert_eq!(w.held().count(), 1, "the granted lock is in the ledger");
-        let (_, report) = w.sweep(Some("n2"));
+        // A new coordinator: the barrier call to n0 is given up, the report names the lock.
+        let (stale, report) = w.sweep(Some("n1"));
+        assert_eq!(stale.len(), 1);
+        assert_eq!(stale[0].1.reply, 3);
         assert_eq!(report, Some(vec![("k".to_string(), "n0/1".to_string())]));
-        assert_eq!(w.sweep(Some("n2")).1, None, "reported once per coordinator");
-        w.register("k", "n0/1", CallKind::Release, "n2", 5).unwrap();
-        w.answered("k", "n0/1", true);
+        assert!(
+            w.answered("l", "n0/2", c3, true).is_none(),
+            "the old coordinator's late notice"
+        );
+        let c5 = w.register("k", "n0/1", CallKind::Release, 5).unwrap();
+        w.answered("k", "n0/1", c5, true);
         assert_eq!(w.held().count(), 0, "the released lock left the ledger");
+        let c6 = w.register("m", "n0/3", CallKind::Acquire, 6).unwrap();
+        assert_eq!(w.take_rank("n0/3").len(), 1);
+        assert!(w.answered("m", "n0/3", c6, true).is_none());
+        let (stale, report) = w.sweep(None);
+        assert!(stale.is_empty() && report.is_none());
+        assert!(w.is_empty());
     }
 
     #[test]
@@ -631,7 +681,8 @@ mod tests {
         assert!(
             s.call(Call::Acquire {
                 key: "L".into(),
-                who: "n0/5".into()
+                who: "n0/5".into(),
+                call: 9,
             })
             .is_empty(),
             "granted before reports"
@@ -656,8 +707,10 @@ mod tests {
         let n = s.call(Call::Release {
             key: "L".into(),
             who: "n1/7".into(),
+            call: 3,
         });
         assert_eq!(released(&n), vec![("n1/7", true), ("n0/5", true)]);
+        assert_eq!((n[0].2, n[1].2), (3, 9), "each notice names the call it answers");
         // A node going down releases its ranks' locks.
         let n = s.node_down("n0");
         assert!(n.is_empty());

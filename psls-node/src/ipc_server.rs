@@ -696,6 +696,7 @@ async fn client(node: Arc<Node>, stream: UnixStream) -> anyhow::Result<()> {
                     key: crate::sync::key(caller.uid, &job, &name),
                     count,
                     who: crate::sync::who(&node, pid.unwrap_or(0)),
+                    call: 0,
                 };
                 ok_or_err(crate::sync::call(&node, req).await)
             }
@@ -703,6 +704,7 @@ async fn client(node: Arc<Node>, stream: UnixStream) -> anyhow::Result<()> {
                 let req = crate::peer::PeerReq::LockAcquire {
                     key: crate::sync::key(caller.uid, &job, &id.to_string()),
                     who: crate::sync::who(&node, pid.unwrap_or(0)),
+                    call: 0,
                 };
                 ok_or_err(crate::sync::call(&node, req).await)
             }
@@ -710,6 +712,7 @@ async fn client(node: Arc<Node>, stream: UnixStream) -> anyhow::Result<()> {
                 let req = crate::peer::PeerReq::LockRelease {
                     key: crate::sync::key(caller.uid, &job, &id.to_string()),
                     who: crate::sync::who(&node, pid.unwrap_or(0)),
+                    call: 0,
                 };
                 ok_or_err(crate::sync::call(&node, req).await)
             }

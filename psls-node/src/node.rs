@@ -818,12 +818,12 @@ impl Node {
             | PeerReq::SyncGone { .. }
             | PeerReq::SyncReport { .. }
             | PeerReq::SyncReportAsk) => crate::sync::serve(&self, &from, req),
-            PeerReq::SyncDone { key, who, error } => {
+            PeerReq::SyncDone { key, who, call, error } => {
                 let result = match error {
                     None => Ok(()),
                     Some((kind, message)) => Err(OpError::new(kind, message)),
                 };
-                crate::sync::resolve(&self, &key, &who, result);
+                crate::sync::resolve(&self, &key, &who, call, result);
                 Ok(PeerResp::Ok)
             }
             req @ (PeerReq::Spawn { .. }
@@ -899,12 +899,12 @@ impl crate::link::LinkHandler for LinkDelivery {
                     tracing::warn!(node = %node.name(), peer = from, error = %e, "barrier or lock message refused");
                 }
             }
-            PeerReq::SyncDone { key, who, error } => {
+            PeerReq::SyncDone { key, who, call, error } => {
                 let result = match error {
                     None => Ok(()),
                     Some((kind, message)) => Err(OpError::new(kind, message)),
                 };
-                crate::sync::resolve(node, &key, &who, result);
+                crate::sync::resolve(node, &key, &who, call, result);
             }
             PeerReq::Meta(msg) => node.replication.deliver(from, msg),
             PeerReq::LinkPing { id } => {

@@ -145,15 +145,19 @@ pub enum PeerReq {
         key: String,
         count: u32,
         who: String,
+        /// The call's id on the rank's node (its notice names it; 0 until registered).
+        call: u64,
     },
     /// To the coordinator: answered when `who` holds lock `key`.
     LockAcquire {
         key: String,
         who: String,
+        call: u64,
     },
     LockRelease {
         key: String,
         who: String,
+        call: u64,
     },
     /// To the coordinator: rank `who` exited.
     SyncGone {
@@ -164,6 +168,8 @@ pub enum PeerReq {
     SyncDone {
         key: String,
         who: String,
+        /// The call this answers (a notice for an earlier call, given up, answers nothing).
+        call: u64,
         error: Option<(psls_ipc::ErrorKind, String)>,
     },
     /// From a job's launcher: start these ranks here.

@@ -156,16 +156,7 @@ fn refresh(node: &Node, side: &mut SyncSide) -> Vec<Notice> {
 pub fn sweep(node: &Arc<Node>) {
     let coord = coordinator_id(node);
     let (stale, report) = node.waits.lock().sweep(coord.as_ref().map(|(_, id)| id.as_str()));
-    for (_, wait) in stale {
-        let e = OpError::new(
-            ErrorKind::Unavailable,
-            format!(
-                "the coordinator ({}) went down while this rank waited",
-                wait.coord.split('#').next().unwrap_or(&wait.coord)
-            ),
-        );
-        wait.reply.send(Err(e));
-    }
+    give_up(stale);
     if let (Some((name, _)), Some(held)) = (coord, report) {
         if let Err(e) = send(node, &name, PeerReq::SyncReport { held }) {
             tracing::debug!(node = %node.name(), coordinator = %name, error = %e, "lock report not sent; will retry");
@@ -199,11 +190,11 @@ fn send(node: &Arc<Node>, coord: &str, req: PeerReq) -> Result<(), OpError> {
 /// coordinator (or serves it here), after this node's report if that coordinator has not had
 /// it. The answer always comes through `reply`: the coordinator's notice, an error now, or the
 /// sweep's if the coordinator goes down.
-pub fn start(node: &Arc<Node>, req: PeerReq, reply: Replier) {
-    let (wait_key, kind) = match &req {
-        PeerReq::BarrierArrive { key, who, .. } => ((key.clone(), who.clone()), CallKind::Barrier),
-        PeerReq::LockAcquire { key, who } => ((key.clone(), who.clone()), CallKind::Acquire),
-        PeerReq::LockRelease { key, who } => ((key.clone(), who.clone()), CallKind::Release),
+pub fn start(node: &Arc<Node>, mut req: PeerReq, reply: Replier) {
+    let (key, who, kind) = match &req {
+        PeerReq::BarrierArrive { key, who, .. } => (key.clone(), who.clone(), CallKind::Barrier),
+        PeerReq::LockAcquire { key, who, .. } => (key.clone(), who.clone(), CallKind::Acquire),
+        PeerReq::LockRelease { key, who, .. } => (key.clone(), who.clone(), CallKind::Release),
         _ => {
             reply.send(Err(OpError::new(ErrorKind::Internal, "not a barrier or lock call")));
             return;
@@ -213,35 +204,60 @@ pub fn start(node: &Arc<Node>, req: PeerReq, reply: Replier) {
         reply.send(Err(OpError::new(ErrorKind::Unavailable, "no coordinator is up")));
         return;
     };
-    let report = match node
-        .waits
-        .lock()
-        .register(&wait_key.0, &wait_key.1, kind, &coord_id, reply)
-    {
-        Ok(report) => report,
+    let (switched, registered) = {
+        let mut w = node.waits.lock();
+        let switched = w.switch_to(&coord_id);
+        (switched, w.register(&key, &who, kind, reply))
+    };
+    // A new coordinator: the calls still waiting on the old one are given up, and the new one
+    // gets this node's report before anything else.
+    let mut sent = Ok(());
+    if let Some((stale, held)) = switched {
+        give_up(stale);
+        sent = send(node, &coord, PeerReq::SyncReport { held });
+        if sent.is_err() {
+            node.waits.lock().report_lost();
+        }
+    }
+    let call_id = match registered {
+        Ok(id) => id,
         Err((e, reply)) => {
             let e = match e {
-                RegisterError::Full => OpError::new(ErrorKind::Unavailable, e.to_string()),
+                RegisterError::Full | RegisterError::NoCoordinator => {
+                    OpError::new(ErrorKind::Unavailable, e.to_string())
+                }
                 RegisterError::Duplicate => OpError::new(ErrorKind::Invalid, e.to_string()),
             };
             reply.send(Err(e));
             return;
         }
     };
-    let mut sent = Ok(());
-    if let Some(held) = report {
-        sent = send(node, &coord, PeerReq::SyncReport { held });
-        if sent.is_err() {
-            node.waits.lock().report_lost();
-        }
+    if let PeerReq::BarrierArrive { call, .. } | PeerReq::LockAcquire { call, .. } | PeerReq::LockRelease { call, .. } =
+        &mut req
+    {
+        *call = call_id;
     }
     if sent.is_ok() {
         sent = send(node, &coord, req);
     }
     if let Err(e) = sent {
-        if let Some(wait) = node.waits.lock().take(&wait_key.0, &wait_key.1) {
+        if let Some(wait) = node.waits.lock().take(&key, &who) {
             wait.reply.send(Err(e));
         }
+    }
+}
+
+/// Answers calls given up because the coordinator changed.
+fn give_up(stale: Vec<((String, String), psls_cluster::sync::Wait<Replier>)>) {
+    for (_, wait) in stale {
+        let e = OpError::new(
+            ErrorKind::Unavailable,
+            format!(
+                "the coordinator ({}) went down while this rank waited",
+                wait.coord.split('#').next().unwrap_or(&wait.coord)
+            ),
+        );
+        wait.reply.send(Err(e));
     }
 }
 
@@ -269,17 +285,18 @@ pub fn gone(node: &Arc<Node>, who: String) -> Result<(), OpError> {
 
 /// Delivers notices: to this node's waits, or posted to the waiter's node.
 fn deliver(node: &Arc<Node>, notices: Vec<Notice>) {
-    for (key, who, result) in notices {
+    for (key, who, call, result) in notices {
         let result = result.map_err(OpError::from);
         let target = node_of(&who).to_string();
         if target == node.name() {
-            resolve(node, &key, &who, result);
+            resolve(node, &key, &who, call, result);
             continue;
         }
         let error = result.err().map(|e| (e.kind, e.message));
         let req = PeerReq::SyncDone {
             key,
             who: who.clone(),
+            call,
             error,
         };
         if let Err(e) = node.net.post(&target, &req, bytes::Bytes::new()) {
@@ -288,9 +305,9 @@ fn deliver(node: &Arc<Node>, notices: Vec<Notice>) {
     }
 }
 
-/// Answers this node's rank `who` waiting on `key`.
-pub fn resolve(node: &Node, key: &str, who: &str, result: Result<(), OpError>) {
-    let wait = node.waits.lock().answered(key, who, result.is_ok());
+/// Answers this node's rank `who` waiting on `key` in call `call`.
+pub fn resolve(node: &Node, key: &str, who: &str, call: u64, result: Result<(), OpError>) {
+    let wait = node.waits.lock().answered(key, who, call, result.is_ok());
     match wait {
         Some(wait) => wait.reply.send(result),
         None => tracing::debug!(node = %node.name(), %who, "sync notice for a wait that is gone"),
@@ -301,9 +318,9 @@ pub fn resolve(node: &Node, key: &str, who: &str, result: Result<(), OpError>) {
 /// through notices; the returned response is for releases and departures).
 pub fn serve(node: &Arc<Node>, from: &str, req: PeerReq) -> Result<PeerResp, OpError> {
     let call = match req {
-        PeerReq::BarrierArrive { key, count, who } => Call::Arrive { key, count, who },
-        PeerReq::LockAcquire { key, who } => Call::Acquire { key, who },
-        PeerReq::LockRelease { key, who } => Call::Release { key, who },
+        PeerReq::BarrierArrive { key, count, who, call } => Call::Arrive { key, count, who, call },
+        PeerReq::LockAcquire { key, who, call } => Call::Acquire { key, who, call },
+        PeerReq::LockRelease { key, who, call } => Call::Release { key, who, call },
         PeerReq::SyncGone { who } => Call::Gone { who },
         PeerReq::SyncReportAsk => {
             // From a recovering coordinator (`from`): it gets this node's report now.
@@ -313,7 +330,8 @@ pub fn serve(node: &Arc<Node>, from: &str, req: PeerReq) -> Result<PeerResp, OpE
             if coord != from {
                 return Ok(PeerResp::Ok);
             }
-            let held = node.waits.lock().report_to(&id);
+            let (stale, held) = node.waits.lock().report_to(&id);
+            give_up(stale);
             send(node, &coord, PeerReq::SyncReport { held })?;
             return Ok(PeerResp::Ok);
         }
@@ -338,6 +356,25 @@ pub fn serve(node: &Arc<Node>, from: &str, req: PeerReq) -> Result<PeerResp, OpE
             ErrorKind::Permission,
             format!("{from} may not call for rank {who} of another node"),
         ));
+    }
+    // A node this coordinator takes as down gets nothing: what it granted there would be
+    // released at the next refresh (its ranks count as gone). And a node that is not the
+    // coordinator in its own view serves nothing (its state is not the cluster's).
+    let refusal = if !node.is_live(from) {
+        Some(format!("the coordinator takes {from} as down"))
+    } else if node.coordinator_now().map(|(_, c)| c).as_deref() != Some(node.name()) {
+        Some(format!("{} is not the coordinator (any more)", node.name()))
+    } else {
+        None
+    };
+    if let Some(why) = refusal {
+        if let Call::Arrive { key, who, call, .. }
+        | Call::Acquire { key, who, call }
+        | Call::Release { key, who, call } = call
+        {
+            deliver(node, vec![(key, who, call, Err(SyncError::Unavailable(why)))]);
+        }
+        return Ok(PeerResp::Ok);
     }
     let notices = {
         let mut side = node.sync.locked();

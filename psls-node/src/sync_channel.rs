@@ -244,14 +244,17 @@ impl Channels {
                 key: crate::sync::key(ch.uid, &job, &name),
                 count,
                 who,
+                call: 0,
             },
             Request::Lock { job, id } => crate::peer::PeerReq::LockAcquire {
                 key: crate::sync::key(ch.uid, &job, &id.to_string()),
                 who,
+                call: 0,
             },
             Request::Unlock { job, id } => crate::peer::PeerReq::LockRelease {
                 key: crate::sync::key(ch.uid, &job, &id.to_string()),
                 who,
+                call: 0,
             },
             _ => {
                 refuse("only Barrier, Lock and Unlock go on a sync channel".into());
