@@ -2,6 +2,7 @@
 //! incarnation, opens the store and metadata, binds the QUIC port and the client socket, and
 //! runs until SIGTERM/SIGINT or an admin shutdown.
 
+use crate::dispatch::Daemon;
 use crate::node::Node;
 use crate::transport::{self, Transport};
 use anyhow::{bail, Context, Result};
@@ -118,15 +119,19 @@ pub async fn run(config: &Path, name: &str) -> Result<()> {
         store,
         meta,
         net,
-        crate::sync_channel::Channels::new().context("creating the sync channels' epoll")?,
         Instant::now(),
     ));
+    let channels = crate::sync_channel::Channels::new().context("creating the sync channels' epoll")?;
+    let d = Daemon::new(node.clone(), channels);
     tokio::spawn(transport::serve(
         node.net.endpoint().clone(),
-        node.clone(),
+        d.clone(),
         Arc::new(known),
     ));
-    let (link, handler) = (node.net.link.clone(), Arc::new(crate::node::LinkDelivery(node.clone())));
+    let (link, handler) = (
+        node.net.link.clone(),
+        Arc::new(crate::dispatch::LinkDelivery(d.clone())),
+    );
     std::thread::Builder::new()
         .name("psls-link".into())
         .spawn(move || {
@@ -135,12 +140,12 @@ pub async fn run(config: &Path, name: &str) -> Result<()> {
             link.run(handler)
         })
         .context("starting the message link thread")?;
-    let sync_node = node.clone();
+    let (channels, sync) = (d.channels.clone(), d.sync.clone());
     std::thread::Builder::new()
         .name("psls-sync".into())
         .spawn(move || {
             // As for the link thread: ranks would wait forever on calls nobody reads.
-            sync_node.channels.run(&sync_node)
+            channels.run(&sync)
         })
         .context("starting the sync channel thread")?;
     // Learn the cluster's metadata before serving clients, so a restarted node never answers
@@ -149,8 +154,8 @@ pub async fn run(config: &Path, name: &str) -> Result<()> {
     node.refresh_disk_stats();
     tokio::spawn(crate::replication::Replication::run(node.clone()));
     node.initial_sync().await;
-    tokio::spawn(node.clone().run_ticks());
-    tokio::spawn(crate::ipc_server::serve(node.clone(), listener, socket.clone()));
+    tokio::spawn(d.clone().run_ticks());
+    tokio::spawn(crate::ipc_server::serve(d.clone(), listener, socket.clone()));
     tracing::info!(node = name, incarnation, addr = %me.addr, socket = %socket.display(), fault_disk = fault, "psls-node ready");
 
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;

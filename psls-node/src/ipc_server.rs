@@ -2,8 +2,10 @@
 //! SO_PEERCRED; file owners and modes decide reads and writes, and cluster administration
 //! (scrub, replace, shutdown) is for root or the daemon's own user. Every frame is bounded.
 
+use crate::dispatch::Daemon;
 use crate::failstop::Locked;
-use crate::node::{Node, OpError};
+use crate::node::Node;
+use crate::op::OpError;
 use crate::pfs::{self, Caller, Importer};
 use psls_ipc::proto::{self, ClusterStatus, NodeState, NodeStatus, Request, Response, MAX_FRAME};
 use psls_ipc::ErrorKind;
@@ -31,7 +33,7 @@ pub fn bind(path: &Path) -> anyhow::Result<UnixListener> {
     Ok(l)
 }
 
-pub async fn serve(node: Arc<Node>, listener: UnixListener, _path: PathBuf) {
+pub async fn serve(d: Arc<Daemon>, listener: UnixListener, _path: PathBuf) {
     loop {
         let (stream, _) = match listener.accept().await {
             Ok(s) => s,
@@ -41,9 +43,9 @@ pub async fn serve(node: Arc<Node>, listener: UnixListener, _path: PathBuf) {
                 continue;
             }
         };
-        let node = node.clone();
+        let d = d.clone();
         tokio::spawn(async move {
-            if let Err(e) = client(node, stream).await {
+            if let Err(e) = client(d, stream).await {
                 tracing::debug!(error = %e, "client connection ended");
             }
         });
@@ -177,7 +179,7 @@ async fn import_from_fd(
     while left > 0 {
         let n = left.min(proto::CHUNK as u64) as usize;
         let f = file.clone();
-        let read = crate::node::blocking(move || {
+        let read = crate::op::blocking(move || {
             let r = (&*f).read_exact(&mut buf[..n]);
             (buf, r)
         })
@@ -210,8 +212,9 @@ async fn import_from_fd(
 
 /// Holds a client's lifeline: writes `Fatal` when one of its faults fails; returns when the
 /// client closes it.
-async fn lifeline(node: &Arc<Node>, pid: i32, mut r: OwnedReadHalf, mut w: OwnedWriteHalf) -> anyhow::Result<()> {
-    let (id, mut rx) = node.svm.lifeline(pid);
+async fn lifeline(d: &Arc<Daemon>, pid: i32, mut r: OwnedReadHalf, mut w: OwnedWriteHalf) -> anyhow::Result<()> {
+    let node = &d.node;
+    let (id, mut rx) = d.svm.lifeline(pid);
     let mut byte = [0u8; 1];
     let r = loop {
         tokio::select! {
@@ -227,10 +230,10 @@ async fn lifeline(node: &Arc<Node>, pid: i32, mut r: OwnedReadHalf, mut w: Owned
         }
     };
     // The process is gone (or closed its last session): its locks and barrier waits go with it.
-    if !node.svm.end_lifeline(pid, id) {
+    if !d.svm.end_lifeline(pid, id) {
         return r;
     }
-    if let Err(e) = crate::sync::gone(node, crate::sync::who(node, pid)) {
+    if let Err(e) = crate::sync::gone(&d.sync, crate::sync::who(node, pid)) {
         tracing::warn!(node = %node.name(), pid, error = %e, "could not release a dead client's locks");
     }
     r
@@ -238,13 +241,14 @@ async fn lifeline(node: &Arc<Node>, pid: i32, mut r: OwnedReadHalf, mut w: Owned
 
 /// Relays a job's output to the CLI and ends with its status; kills the job if the CLI goes.
 async fn run_job(
-    node: &Arc<Node>,
+    d: &Arc<Daemon>,
     job: &str,
     ranks: u32,
     mut rx: tokio::sync::mpsc::UnboundedReceiver<crate::launcher::JobEvent>,
     mut r: OwnedReadHalf,
     mut w: OwnedWriteHalf,
 ) -> anyhow::Result<()> {
+    let node = &d.node;
     use crate::launcher::JobEvent;
     let mut exited: std::collections::BTreeMap<u32, i32> = std::collections::BTreeMap::new();
     let mut failed: Option<(u32, i32)> = None;
@@ -255,7 +259,7 @@ async fn run_job(
             _ = r.read(&mut byte) => {
                 tracing::info!(node = %node.name(), job, "the CLI went away: stopping the job");
                 crate::launcher::kill_everywhere(node, job).await;
-                crate::launcher::finished(node, job);
+                crate::launcher::finished(node, &d.jobs, job);
                 return Ok(());
             }
         };
@@ -277,7 +281,7 @@ async fn run_job(
             }
         }
     }
-    crate::launcher::finished(node, job);
+    crate::launcher::finished(node, &d.jobs, job);
     let (code, message) = match failed {
         None => (0, format!("all {ranks} ranks exited with status 0")),
         Some((rank, crate::launcher::LOST_STATUS)) => (
@@ -312,7 +316,7 @@ fn volatile_id(uid: u32, job: &str, name: &str) -> psls_svm::FileId {
 
 /// `Map`: checks the caller's rights, creates the file if asked, opens the node's segment.
 async fn map(
-    node: &Arc<Node>,
+    d: &Arc<Daemon>,
     caller: Caller,
     name: &str,
     size: u64,
@@ -321,6 +325,7 @@ async fn map(
     // `Some(job)` for a volatile segment of `job` (empty: outside a job).
     volatile: Option<&str>,
 ) -> Result<(Response, std::fs::File), OpError> {
+    let node = &d.node;
     let pages_len = |n: u64| n.div_ceil(psls_svm::PAGE_SIZE as u64) * psls_svm::PAGE_SIZE as u64;
     if size == 0 {
         return Err(OpError::new(ErrorKind::Invalid, "cannot map 0 bytes"));
@@ -372,7 +377,7 @@ async fn map(
         }
         (f.id, f.size, crate::svm::Backing::Pfs(f))
     };
-    let mut memfd = node.svm.segment(node, id, name, file_size, backing)?;
+    let mut memfd = d.svm.segment(node, id, name, file_size, backing)?;
     if !writable {
         memfd = read_only(&memfd)?;
     }
@@ -435,7 +440,7 @@ async fn export_to_fd(node: &Arc<Node>, caller: Caller, file: std::fs::File, nam
             Err(e) => return err(e),
         };
         let out = file.clone();
-        match crate::node::blocking(move || write_pages(&*out, &data)).await {
+        match crate::op::blocking(move || write_pages(&*out, &data)).await {
             Ok(Ok(())) => {}
             Ok(Err(e)) => return err(OpError::new(ErrorKind::Io, format!("writing the exported file: {e}"))),
             Err(e) => return err(e),
@@ -515,7 +520,8 @@ fn check_admin(node: &Node, c: Caller) -> Result<(), OpError> {
     }
 }
 
-async fn client(node: Arc<Node>, stream: UnixStream) -> anyhow::Result<()> {
+async fn client(d: Arc<Daemon>, stream: UnixStream) -> anyhow::Result<()> {
+    let node = d.node.clone();
     let cred = stream.peer_cred()?;
     let caller = Caller {
         uid: cred.uid(),
@@ -620,7 +626,7 @@ async fn client(node: Arc<Node>, stream: UnixStream) -> anyhow::Result<()> {
                     send(&mut w, &err(OpError::new(ErrorKind::Invalid, "no peer pid"))).await?;
                     return Ok(());
                 };
-                return lifeline(&node, pid, r, w).await;
+                return lifeline(&d, pid, r, w).await;
             }
             Request::Map {
                 name,
@@ -630,7 +636,7 @@ async fn client(node: Arc<Node>, stream: UnixStream) -> anyhow::Result<()> {
                 volatile,
                 job,
             } => match map(
-                &node,
+                &d,
                 caller,
                 &name,
                 size,
@@ -671,7 +677,7 @@ async fn client(node: Arc<Node>, stream: UnixStream) -> anyhow::Result<()> {
                 )),
                 (Some(_), Some(pid), _) => {
                     let fd = fds.remove(0);
-                    match node
+                    match d
                         .svm
                         .register(&node, pid, psls_svm::FileId(file), base, len, writable, fd)
                     {
@@ -686,7 +692,7 @@ async fn client(node: Arc<Node>, stream: UnixStream) -> anyhow::Result<()> {
                     ErrorKind::Invalid,
                     format!("a sync channel needs exactly one descriptor (the socket), got {n}"),
                 )),
-                (Some(pid), _) => match node.channels.add(fds.remove(0), pid, caller.uid) {
+                (Some(pid), _) => match d.channels.add(fds.remove(0), pid, caller.uid) {
                     Ok(()) => Response::Ok,
                     Err(e) => err(e),
                 },
@@ -698,7 +704,7 @@ async fn client(node: Arc<Node>, stream: UnixStream) -> anyhow::Result<()> {
                     who: crate::sync::who(&node, pid.unwrap_or(0)),
                     call: 0,
                 };
-                ok_or_err(crate::sync::call(&node, req).await)
+                ok_or_err(crate::sync::call(&d.sync, req).await)
             }
             Request::Lock { job, id } => {
                 let req = crate::peer::PeerReq::LockAcquire {
@@ -706,7 +712,7 @@ async fn client(node: Arc<Node>, stream: UnixStream) -> anyhow::Result<()> {
                     who: crate::sync::who(&node, pid.unwrap_or(0)),
                     call: 0,
                 };
-                ok_or_err(crate::sync::call(&node, req).await)
+                ok_or_err(crate::sync::call(&d.sync, req).await)
             }
             Request::Unlock { job, id } => {
                 let req = crate::peer::PeerReq::LockRelease {
@@ -714,7 +720,7 @@ async fn client(node: Arc<Node>, stream: UnixStream) -> anyhow::Result<()> {
                     who: crate::sync::who(&node, pid.unwrap_or(0)),
                     call: 0,
                 };
-                ok_or_err(crate::sync::call(&node, req).await)
+                ok_or_err(crate::sync::call(&d.sync, req).await)
             }
             Request::Run {
                 program,
@@ -724,11 +730,12 @@ async fn client(node: Arc<Node>, stream: UnixStream) -> anyhow::Result<()> {
                 env,
                 cwd,
             } => {
-                let launched =
-                    crate::launcher::launch(&node, ranks, per_node, program, args, env, cwd, caller.uid, caller.gid)
-                        .await;
+                let launched = crate::launcher::launch(
+                    &node, &d.jobs, ranks, per_node, program, args, env, cwd, caller.uid, caller.gid,
+                )
+                .await;
                 match launched {
-                    Ok((job, rx)) => return run_job(&node, &job, ranks, rx, r, w).await,
+                    Ok((job, rx)) => return run_job(&d, &job, ranks, rx, r, w).await,
                     Err(e) => err(e),
                 }
             }
@@ -781,7 +788,7 @@ async fn client(node: Arc<Node>, stream: UnixStream) -> anyhow::Result<()> {
                 }
             }
             Request::SvmStats => {
-                let st = node.svm.stats();
+                let st = d.svm.stats();
                 Response::SvmStats {
                     node: node.name().to_string(),
                     counters: vec![
@@ -797,13 +804,13 @@ async fn client(node: Arc<Node>, stream: UnixStream) -> anyhow::Result<()> {
                         ("implied_grants".into(), st.implied_grants),
                         ("posted_messages".into(), node.net.posted()),
                         ("link_datagrams".into(), node.net.link.datagrams()),
-                        ("sync_channels".into(), node.channels.len() as u64),
-                        ("sync_waits".into(), node.waits.len() as u64),
+                        ("sync_channels".into(), d.channels.len() as u64),
+                        ("sync_waits".into(), d.sync.waits() as u64),
                     ],
                 }
             }
             Request::Unmap { base } => match pid {
-                Some(pid) => match node.svm.unregister(pid, base) {
+                Some(pid) => match d.svm.unregister(pid, base) {
                     Ok(()) => Response::Ok,
                     Err(e) => err(e),
                 },

@@ -10,7 +10,8 @@
 //! killed; the CLI's answer comes only when every rank is accounted for.
 
 use crate::failstop::Locked;
-use crate::node::{Node, OpError};
+use crate::node::Node;
+use crate::op::OpError;
 pub use crate::peer::JobSpec;
 use crate::peer::{PeerReq, PeerResp};
 use psls_ipc::ErrorKind;
@@ -78,6 +79,7 @@ pub fn place(ranks: u32, nodes: &[u32], per_node: Option<u32>) -> Result<Vec<u32
 #[allow(clippy::too_many_arguments)]
 pub async fn launch(
     node: &Arc<Node>,
+    jobs: &Arc<Jobs>,
     ranks: u32,
     per_node: Option<u32>,
     program: String,
@@ -113,7 +115,7 @@ pub async fn launch(
         gid,
     };
     let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-    lock(&node.jobs.launched).insert(job.clone(), tx.clone());
+    lock(&jobs.launched).insert(job.clone(), tx.clone());
     let mut by_node: BTreeMap<u32, Vec<u32>> = BTreeMap::new();
     for (r, l) in placement.iter().enumerate() {
         by_node.entry(*l).or_default().push(r as u32);
@@ -132,7 +134,7 @@ pub async fn launch(
                 for p in started {
                     let _ = node.call(&p, PeerReq::KillJob { job: job.clone() }).await;
                 }
-                lock(&node.jobs.launched).remove(&job);
+                lock(&jobs.launched).remove(&job);
                 return Err(OpError::new(e.kind, format!("starting ranks on {phys}: {}", e.message)));
             }
         }
@@ -140,6 +142,7 @@ pub async fn launch(
     tracing::info!(node = %node.name(), %job, ranks, nodes = by_node.len(), "job started");
     // Watch the nodes running ranks: one that goes down takes its ranks with it.
     let watch_node = node.clone();
+    let watch_jobs = jobs.clone();
     let watch_job = job.clone();
     let owners: Vec<(String, Vec<u32>)> = by_node
         .iter()
@@ -149,7 +152,7 @@ pub async fn launch(
         let mut t = tokio::time::interval(Duration::from_millis(watch_node.cfg.cluster.heartbeat_interval_ms));
         loop {
             t.tick().await;
-            let Some(tx) = lock(&watch_node.jobs.launched).get(&watch_job).cloned() else {
+            let Some(tx) = lock(&watch_jobs.launched).get(&watch_job).cloned() else {
                 return;
             };
             for (phys, rs) in &owners {
@@ -185,8 +188,8 @@ pub const MAX_JOB_SEGMENTS: usize = 4096;
 
 /// The launcher forgets a finished job, and every node drops the job's volatile segments:
 /// first where they are held, then the coherence state of their managers.
-pub fn finished(node: &Arc<Node>, job: &str) {
-    lock(&node.jobs.launched).remove(job);
+pub fn finished(node: &Arc<Node>, jobs: &Arc<Jobs>, job: &str) {
+    lock(&jobs.launched).remove(job);
     let (node, job) = (node.clone(), job.to_string());
     tokio::spawn(async move {
         let st = node.meta_state();
@@ -220,8 +223,8 @@ pub fn finished(node: &Arc<Node>, job: &str) {
 }
 
 /// A rank's output or exit arrived at the launcher.
-pub fn event(node: &Node, job: &str, ev: JobEvent) -> Result<(), OpError> {
-    match lock(&node.jobs.launched).get(job) {
+pub fn event(jobs: &Jobs, job: &str, ev: JobEvent) -> Result<(), OpError> {
+    match lock(&jobs.launched).get(job) {
         Some(tx) => {
             let _ = tx.send(ev);
             Ok(())
@@ -231,8 +234,8 @@ pub fn event(node: &Node, job: &str, ev: JobEvent) -> Result<(), OpError> {
 }
 
 /// Kills this node's ranks of `job` (and their children).
-pub fn kill_local(node: &Node, job: &str) {
-    let pids = lock(&node.jobs.local).remove(job).unwrap_or_default();
+pub fn kill_local(jobs: &Jobs, job: &str) {
+    let pids = lock(&jobs.local).remove(job).unwrap_or_default();
     for pid in pids {
         // The whole process group of the rank.
         let _ = nix::sys::signal::killpg(
@@ -243,7 +246,7 @@ pub fn kill_local(node: &Node, job: &str) {
 }
 
 /// Starts this node's `ranks` of a job.
-pub fn spawn_local(node: &Arc<Node>, spec: JobSpec, ranks: Vec<u32>) -> Result<(), OpError> {
+pub fn spawn_local(node: &Arc<Node>, jobs: &Arc<Jobs>, spec: JobSpec, ranks: Vec<u32>) -> Result<(), OpError> {
     if spec.size == 0 || spec.size > MAX_RANKS || ranks.iter().any(|&r| r >= spec.size) {
         return Err(OpError::new(ErrorKind::Invalid, "bad rank numbers"));
     }
@@ -270,14 +273,14 @@ pub fn spawn_local(node: &Arc<Node>, spec: JobSpec, ranks: Vec<u32>) -> Result<(
             cmd.uid(spec.uid).gid(spec.gid);
         }
         let mut child = cmd.spawn().map_err(|e| {
-            kill_local(node, &spec.job);
+            kill_local(jobs, &spec.job);
             OpError::new(ErrorKind::Invalid, format!("cannot start '{}': {e}", spec.program))
         })?;
         if let Some(pid) = child.id() {
-            lock(&node.jobs.local).entry(spec.job.clone()).or_default().push(pid);
+            lock(&jobs.local).entry(spec.job.clone()).or_default().push(pid);
         }
         let (out, err) = (child.stdout.take(), child.stderr.take());
-        let (node, spec) = (node.clone(), spec.clone());
+        let (node, jobs, spec) = (node.clone(), jobs.clone(), spec.clone());
         tokio::spawn(async move {
             let relay = |stream: Option<Box<dyn tokio::io::AsyncRead + Send + Unpin>>, is_err: bool| {
                 let (node, spec) = (node.clone(), spec.clone());
@@ -309,7 +312,7 @@ pub fn spawn_local(node: &Arc<Node>, spec: JobSpec, ranks: Vec<u32>) -> Result<(
                 }
                 Err(_) => LOST_STATUS,
             };
-            if let Some(pids) = lock(&node.jobs.local).get_mut(&spec.job) {
+            if let Some(pids) = lock(&jobs.local).get_mut(&spec.job) {
                 if let Some(pid) = child.id() {
                     pids.retain(|p| *p != pid);
                 }
@@ -328,17 +331,17 @@ pub fn spawn_local(node: &Arc<Node>, spec: JobSpec, ranks: Vec<u32>) -> Result<(
 }
 
 /// Answers the launcher-related peer messages.
-pub fn serve(node: &Arc<Node>, req: PeerReq) -> Result<PeerResp, OpError> {
+pub fn serve(node: &Arc<Node>, jobs: &Arc<Jobs>, req: PeerReq) -> Result<PeerResp, OpError> {
     match req {
-        PeerReq::Spawn { spec, ranks } => spawn_local(node, spec, ranks).map(|()| PeerResp::Ok),
+        PeerReq::Spawn { spec, ranks } => spawn_local(node, jobs, spec, ranks).map(|()| PeerResp::Ok),
         PeerReq::RankOutput { job, rank, err, data } => {
-            event(node, &job, JobEvent::Output { rank, err, data }).map(|()| PeerResp::Ok)
+            event(jobs, &job, JobEvent::Output { rank, err, data }).map(|()| PeerResp::Ok)
         }
         PeerReq::RankExit { job, rank, code } => {
-            event(node, &job, JobEvent::Exit { rank, code }).map(|()| PeerResp::Ok)
+            event(jobs, &job, JobEvent::Exit { rank, code }).map(|()| PeerResp::Ok)
         }
         PeerReq::KillJob { job } => {
-            kill_local(node, &job);
+            kill_local(jobs, &job);
             Ok(PeerResp::Ok)
         }
         _ => Err(OpError::new(ErrorKind::Internal, "not a launcher request")),

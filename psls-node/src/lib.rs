@@ -1,16 +1,22 @@
-//! `psls-node`: the daemon run on every cluster node. It is the I/O shell around the PSLS
-//! protocol and storage crates: QUIC with mutual TLS between nodes ([`transport`] for requests, [`link`] for one-way
-//! messages, [`tls`]),
-//! the Unix socket for local clients ([`ipc_server`]), heartbeats (the failure detector of `psls-cluster`), the
-//! mirrored parallel file system across nodes ([`pfs`]), the shared virtual memory fault
-//! service ([`svm`]), barriers and locks ([`sync`]), jobs of ranks ([`launcher`]), and the node state that ties them together ([`node`]).
+//! `psls-node`: the daemon run on every cluster node, the I/O shell around the PSLS protocol
+//! and storage crates. Layered bottom to top, with no import circle:
+//! - wire and plumbing: [`peer`] (messages), [`op`] (errors), [`failstop`], [`tls`],
+//!   [`transport`] (requests), [`link`] (one-way messages);
+//! - the core: [`node`] (identity, store, metadata, membership, peer calls) and
+//!   [`replication`] (the shell of `psls_cluster::meta`);
+//! - subsystems on the core: [`pfs`] (the mirrored file system across nodes), [`svm`] (shared
+//!   virtual memory), [`sync`] and [`sync_channel`] (barriers and locks), [`launcher`] (jobs);
+//! - the top: [`dispatch`] (the daemon assembled, and what peers send routed to its
+//!   subsystem), [`ipc_server`] (local clients), [`daemon`] (start-up).
 
 pub mod daemon;
+pub mod dispatch;
 pub mod failstop;
 pub mod ipc_server;
 pub mod launcher;
 pub mod link;
 pub mod node;
+pub mod op;
 pub mod peer;
 pub mod pfs;
 pub mod replication;

@@ -1,85 +1,41 @@
-//! The node daemon's state and its peer-facing side: the page store, the metadata replica,
-//! membership, metadata replication through the coordinator, heartbeats and background work
-//! (rebuild after a replacement, automatic replacement, metadata catch-up).
+//! The node's core ([`Node`]): configuration and identity, the page store and the metadata
+//! replica, the failure detector and heartbeats, the transport and requests to peers (a
+//! request to itself goes to the daemon's handler, wired at start-up), metadata submission
+//! through the coordinator, and the page-store requests peers make. Every subsystem is built
+//! on it and gets it as its door; it imports none of them (the subsystems and the dispatch sit
+//! above it: see `dispatch`).
 //!
 //! Invariants:
 //! - a page is written to this node's store only if placement makes this node's logical id its
 //!   holder in that role (checked on every `WritePages`);
-//! - metadata operations are ordered by the coordinator (lowest live logical id) and reach
-//!   every live node; a node that misses one catches up from a peer with a newer replica;
+//! - metadata operations are ordered by the coordinator in an epoch a quorum promised
+//!   (`replication`), and a submission is answered once every live node has the result;
 //! - blocking disk work runs on the blocking pool, never on the async workers.
 
 use crate::failstop::Locked;
+pub use crate::op::{blocking, peer_error, OpError};
 use crate::peer::{BadCopy, Heartbeat, PageState, PeerReq, PeerResp};
-use crate::transport::{BoxFuture, Handler, NetError, Transport};
+use crate::transport::{Handler, NetError, Transport};
 use psls_cluster::membership::{Liveness, Membership};
 use psls_cluster::meta::ReplError;
 use psls_ipc::proto::NodeState;
 use psls_ipc::{ClusterConfig, ErrorKind, NodeEntry};
 use psls_pfs::meta::{MetaOp, MetaState, MetaStore};
-use psls_pfs::MetaError;
 use psls_pfs::{PageRef, PageStore, Placement, ReadStatus, Role};
 use psls_svm::{FileId, NodeId, PAGE_SIZE};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-/// An error to report to a client or peer: a class and one line of text.
-#[derive(Clone, Debug, thiserror::Error)]
-#[error("{message}")]
-pub struct OpError {
-    pub kind: ErrorKind,
-    pub message: String,
-}
+/// What shared memory adds to a heartbeat, given the number of logical nodes: segments held,
+/// the incarnation known of every logical node, and those seen back while holding state.
+pub type SvmBeat = Arc<dyn Fn(usize) -> (u64, Vec<u64>, Vec<u64>) + Send + Sync>;
 
-impl OpError {
-    pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
-        OpError {
-            kind,
-            message: message.into(),
-        }
-    }
-}
-
-impl From<MetaError> for OpError {
-    fn from(e: MetaError) -> Self {
-        let kind = match &e {
-            MetaError::Exists(_) => ErrorKind::Exists,
-            MetaError::NotFound(_) => ErrorKind::NotFound,
-            MetaError::Conflict { .. } | MetaError::Invalid(_) => ErrorKind::Invalid,
-            MetaError::Db(_) | MetaError::Corrupt(_) => ErrorKind::Io,
-        };
-        OpError::new(kind, e.to_string())
-    }
-}
-
-impl From<NetError> for OpError {
-    fn from(e: NetError) -> Self {
-        OpError::new(ErrorKind::Unavailable, e.to_string())
-    }
-}
-
-impl From<psls_pfs::StoreError> for OpError {
-    fn from(e: psls_pfs::StoreError) -> Self {
-        OpError::new(ErrorKind::Io, e.to_string())
-    }
-}
-
-pub fn peer_error(e: OpError) -> PeerResp {
-    PeerResp::Error {
-        kind: e.kind,
-        message: e.message,
-    }
-}
-
-/// Runs blocking work on the blocking pool.
-pub async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Result<T, OpError> {
-    tokio::task::spawn_blocking(f)
-        .await
-        .map_err(|e| OpError::new(ErrorKind::Internal, format!("worker failed: {e}")))
-}
-
+/// The node's core: configuration, identity, the page store and the metadata replica,
+/// membership, the transport, and requests to peers. Every subsystem (shared memory, the
+/// PFS operations, barriers and locks, the launcher) is built on it and gets it as its door;
+/// it knows none of them.
 pub struct Node {
     pub cfg: Arc<ClusterConfig>,
     pub me: NodeEntry,
@@ -95,22 +51,16 @@ pub struct Node {
     pub euid: u32,
     /// Coordinator election and metadata replication (the shell of `psls_cluster::meta`).
     pub replication: crate::replication::Replication,
-    rebuild_running: AtomicBool,
+    pub(crate) rebuild_running: AtomicBool,
     pub rebuild_done: AtomicU64,
     pub rebuild_total: AtomicU64,
     disk_used: AtomicU64,
     disk_free: AtomicU64,
     pub shutdown: tokio::sync::Notify,
-    /// Shared virtual memory: segments, client mappings, the coherence state machine.
-    pub svm: Arc<crate::svm::SvmShell>,
-    /// Barriers and locks (served while this node coordinates).
-    pub sync: Mutex<crate::sync::SyncSide>,
-    /// This node's ranks waiting for a barrier or lock notice.
-    pub waits: crate::sync::Waits,
-    /// Local clients' sync channels (served by the `psls-sync` thread).
-    pub channels: crate::sync_channel::Channels,
-    /// Jobs launched here and rank processes running here.
-    pub jobs: crate::launcher::Jobs,
+    /// The daemon's request handler, for the requests a node sends itself (set at start-up).
+    local: OnceLock<Arc<dyn Handler>>,
+    /// What shared memory adds to every heartbeat (set at start-up).
+    beat: OnceLock<SvmBeat>,
     /// Message link round trips under way (`LinkPing` id → its waiter).
     pub link_pings: Mutex<HashMap<u64, tokio::sync::oneshot::Sender<usize>>>,
     pub next_link_ping: AtomicU64,
@@ -125,7 +75,6 @@ impl Node {
         store: Arc<PageStore>,
         meta: MetaStore,
         net: Transport,
-        channels: crate::sync_channel::Channels,
         now: Instant,
     ) -> Node {
         let peers = cfg.all().filter(|n| n.name != me.name).map(|n| n.name.clone());
@@ -151,11 +100,8 @@ impl Node {
             disk_used: AtomicU64::new(0),
             disk_free: AtomicU64::new(0),
             shutdown: tokio::sync::Notify::new(),
-            svm: Arc::new(crate::svm::SvmShell::new(tokio::runtime::Handle::current())),
-            sync: Mutex::new(crate::sync::SyncSide::default()),
-            waits: crate::sync::Waits::default(),
-            channels,
-            jobs: crate::launcher::Jobs::default(),
+            local: OnceLock::new(),
+            beat: OnceLock::new(),
             link_pings: Mutex::new(HashMap::new()),
             next_link_ping: AtomicU64::new(0),
         }
@@ -163,6 +109,13 @@ impl Node {
 
     pub fn name(&self) -> &str {
         &self.me.name
+    }
+
+    /// Wires the daemon's request handler (for requests to this node itself) and what shared
+    /// memory adds to heartbeats. Called once, at start-up.
+    pub fn wire(&self, local: Arc<dyn Handler>, beat: SvmBeat) {
+        let _ = self.local.set(local);
+        let _ = self.beat.set(beat);
     }
 
     /// Milliseconds since this daemon started: the failure detector's clock.
@@ -281,7 +234,13 @@ impl Node {
         timeout: Duration,
     ) -> Result<(PeerResp, bytes::Bytes), NetError> {
         if physical == self.me.name {
-            return Ok(self.clone().handle(physical.to_string(), req, payload).await);
+            let Some(local) = self.local.get().cloned() else {
+                return Err(NetError::Unreachable {
+                    peer: physical.to_string(),
+                    message: "the daemon is still starting".into(),
+                });
+            };
+            return Ok(local.handle(physical.to_string(), req, payload).await);
         }
         self.net.request(physical, &req, payload, timeout).await
     }
@@ -319,10 +278,13 @@ impl Node {
         }
     }
 
-    fn heartbeat(&self) -> Heartbeat {
+    pub(crate) fn heartbeat(&self) -> Heartbeat {
         let st = self.meta_state();
         let rebuilding = self.my_logical(&st).is_some_and(|l| st.rebuilding.contains_key(&l.0));
-        let (svm_view, svm_fenced) = self.svm.view(self.cfg.nodes.len());
+        let (svm_segments, svm_view, svm_fenced) = self
+            .beat
+            .get()
+            .map_or((0, Vec::new(), Vec::new()), |b| b(self.cfg.nodes.len()));
         Heartbeat {
             incarnation: self.incarnation,
             pid: std::process::id(),
@@ -337,7 +299,7 @@ impl Node {
                     self.rebuild_total.load(Ordering::Relaxed),
                 )
             }),
-            svm_segments: self.svm.segments(),
+            svm_segments,
             svm_view,
             svm_fenced,
         }
@@ -408,7 +370,7 @@ impl Node {
     }
 
     /// The coordinator's side of a peer's `MetaSubmit`.
-    async fn serve_submit(self: &Arc<Self>, op: MetaOp) -> PeerResp {
+    pub(crate) async fn serve_submit(self: &Arc<Self>, op: MetaOp) -> PeerResp {
         let st = self.meta_state();
         if self.coordinator(&st).map(|c| c.1) != Some(self.me.name.clone()) {
             return PeerResp::NotCoordinator;
@@ -451,63 +413,10 @@ impl Node {
 
     // ---- background work ----
 
-    /// Heartbeats and periodic duties, until shutdown.
-    pub async fn run_ticks(self: Arc<Self>) {
-        let interval = Duration::from_millis(self.cfg.cluster.heartbeat_interval_ms);
-        // A heartbeat may wait as long as the failure timeout: cancelling it sooner would also
-        // cancel a slow first TLS handshake.
-        let hb_timeout = Duration::from_millis(self.cfg.cluster.heartbeat_timeout_ms);
-        let mut t = tokio::time::interval(interval);
-        t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut n: u64 = 0;
-        loop {
-            t.tick().await;
-            if n.is_multiple_of(10) {
-                let store = self.store.clone();
-                if let Ok((u, f)) = blocking(move || {
-                    (
-                        store.disk().used_bytes().unwrap_or(0),
-                        store.disk().free_bytes().unwrap_or(0),
-                    )
-                })
-                .await
-                {
-                    self.disk_used.store(u, Ordering::Relaxed);
-                    self.disk_free.store(f, Ordering::Relaxed);
-                }
-            }
-            n += 1;
-            let hb = self.heartbeat();
-            for peer in self.cfg.all().filter(|p| p.name != self.me.name) {
-                let me = self.clone();
-                let name = peer.name.clone();
-                let hb = hb.clone();
-                tokio::spawn(async move {
-                    if let Ok((PeerResp::HeartbeatAck(theirs), _)) = me
-                        .net
-                        .request(&name, &PeerReq::Heartbeat(hb), bytes::Bytes::new(), hb_timeout)
-                        .await
-                    {
-                        me.heard(&name, theirs);
-                    }
-                });
-            }
-            self.catch_up().await;
-            self.svm.sync_peers(&self);
-            self.maybe_rebuild();
-            self.maybe_auto_replace().await;
-        }
-    }
-
-    /// Measures disk use and free space (blocking: walks the store folder).
-    pub fn refresh_disk_stats(&self) {
-        let d = self.store.disk();
-        self.disk_used.store(d.used_bytes().unwrap_or(0), Ordering::Relaxed);
-        self.disk_free.store(d.free_bytes().unwrap_or(0), Ordering::Relaxed);
-    }
-
-    /// One heartbeat round-trip with every peer, then metadata catch-up (start-up).
-    pub async fn initial_sync(self: &Arc<Self>) {
+    /// One heartbeat to every peer (answers are heard as they come; `wait`: until all are
+    /// in or timed out). A heartbeat may wait as long as the failure timeout: cancelling it
+    /// sooner would also cancel a slow first TLS handshake.
+    pub async fn heartbeat_round(self: &Arc<Self>, wait: bool) {
         let timeout = Duration::from_millis(self.cfg.cluster.heartbeat_timeout_ms);
         let hb = self.heartbeat();
         let mut tasks = tokio::task::JoinSet::new();
@@ -525,11 +434,39 @@ impl Node {
                 }
             });
         }
-        while tasks.join_next().await.is_some() {}
+        if wait {
+            while tasks.join_next().await.is_some() {}
+        } else {
+            tasks.detach_all();
+        }
+    }
+
+    /// Measures disk use and free space on the blocking pool.
+    pub async fn refresh_disk_stats_async(self: &Arc<Self>) {
+        let me = self.clone();
+        let _ = blocking(move || me.refresh_disk_stats()).await;
+    }
+
+    /// The failure detector's tick: how long (ms) each down peer has been down.
+    pub fn down_peers(&self) -> Vec<(String, u64)> {
+        let now_ms = self.now_ms();
+        self.members.locked().tick(now_ms)
+    }
+
+    /// Measures disk use and free space (blocking: walks the store folder).
+    pub fn refresh_disk_stats(&self) {
+        let d = self.store.disk();
+        self.disk_used.store(d.used_bytes().unwrap_or(0), Ordering::Relaxed);
+        self.disk_free.store(d.free_bytes().unwrap_or(0), Ordering::Relaxed);
+    }
+
+    /// One heartbeat round-trip with every peer, then metadata catch-up (start-up).
+    pub async fn initial_sync(self: &Arc<Self>) {
+        self.heartbeat_round(true).await;
         self.catch_up().await;
     }
 
-    fn heard(&self, peer: &str, hb: Heartbeat) {
+    pub(crate) fn heard(&self, peer: &str, hb: Heartbeat) {
         let now_ms = self.now_ms();
         let seq = hb.meta_seq;
         let restarted = self.members.locked().heard(now_ms, peer, hb.incarnation, hb);
@@ -537,63 +474,6 @@ impl Node {
         if restarted {
             tracing::info!(node = %self.me.name, peer, "peer restarted with a new incarnation");
             self.net.peer_restarted(peer);
-        }
-    }
-
-    fn maybe_rebuild(self: &Arc<Self>) {
-        let st = self.meta_state();
-        let Some(l) = self.my_logical(&st) else {
-            return;
-        };
-        if st.rebuilding.get(&l.0).is_none_or(|r| r.physical != self.me.name) {
-            return;
-        }
-        if self.rebuild_running.swap(true, Ordering::SeqCst) {
-            return;
-        }
-        let me = self.clone();
-        tokio::spawn(async move {
-            let r = crate::pfs::rebuild(&me, l).await;
-            if let Err(e) = &r {
-                tracing::warn!(node = %me.me.name, error = %e, "rebuild interrupted; will retry");
-                tokio::time::sleep(Duration::from_secs(1)).await;
-            }
-            me.rebuild_running.store(false, Ordering::SeqCst);
-        });
-    }
-
-    async fn maybe_auto_replace(self: &Arc<Self>) {
-        let after = self.cfg.cluster.replace_after_ms;
-        let now_ms = self.now_ms();
-        let downs = self.members.locked().tick(now_ms);
-        if after == 0 {
-            return;
-        }
-        let st = self.meta_state();
-        if self.coordinator(&st).map(|c| c.1) != Some(self.me.name.clone()) {
-            return;
-        }
-        let map = self.logical_map(&st);
-        for (peer, down_for) in downs {
-            if down_for < after {
-                continue;
-            }
-            let Some((&logical, _)) = map.iter().find(|(_, p)| **p == peer) else {
-                continue;
-            };
-            let spare = self
-                .cfg
-                .spares
-                .iter()
-                .find(|s| !map.values().any(|p| *p == s.name) && self.state_of(&s.name) == NodeState::Up)
-                .map(|s| s.name.clone());
-            if let Some(spare) = spare {
-                tracing::warn!(logical, down = %peer, %spare, "node down too long: replacing it with a spare");
-                if let Err(e) = crate::pfs::replace(self, logical, &spare).await {
-                    tracing::warn!(error = %e, "automatic replacement failed");
-                }
-                return;
-            }
         }
     }
 
@@ -628,7 +508,7 @@ impl Node {
             .collect()
     }
 
-    async fn write_pages(
+    pub(crate) async fn write_pages(
         &self,
         file: FileId,
         role: Role,
@@ -653,7 +533,7 @@ impl Node {
         Ok(())
     }
 
-    async fn read_pages(
+    pub(crate) async fn read_pages(
         &self,
         file: FileId,
         role: Role,
@@ -687,7 +567,7 @@ impl Node {
         .await
     }
 
-    async fn scrub_local(&self, files: Vec<(FileId, u64, u64)>) -> Result<(u64, Vec<BadCopy>), OpError> {
+    pub(crate) async fn scrub_local(&self, files: Vec<(FileId, u64, u64)>) -> Result<(u64, Vec<BadCopy>), OpError> {
         let st = self.meta_state();
         let Some(me) = self.my_logical(&st) else {
             return Ok((0, Vec::new()));
@@ -738,193 +618,6 @@ fn page_state(s: ReadStatus) -> PageState {
     }
 }
 
-impl Handler for Node {
-    fn handle(
-        self: Arc<Self>,
-        from: String,
-        req: PeerReq,
-        payload: bytes::Bytes,
-    ) -> BoxFuture<(PeerResp, bytes::Bytes)> {
-        Box::pin(self.handle_inner(from, req, payload))
-    }
-}
-
-impl Node {
-    async fn handle_inner(
-        self: Arc<Self>,
-        from: String,
-        req: PeerReq,
-        payload: bytes::Bytes,
-    ) -> (PeerResp, bytes::Bytes) {
-        let mut out_payload = bytes::Bytes::new();
-        let r: Result<PeerResp, OpError> = match req {
-            PeerReq::Heartbeat(hb) => {
-                self.heard(&from, hb);
-                Ok(PeerResp::HeartbeatAck(self.heartbeat()))
-            }
-            PeerReq::WritePages {
-                file,
-                role,
-                gen,
-                keep_gen,
-                indices,
-            } => self
-                .write_pages(file, role, gen, keep_gen, indices, payload)
-                .await
-                .map(|()| PeerResp::Stored {
-                    incarnation: self.incarnation,
-                }),
-            PeerReq::Sync => {
-                let store = self.store.clone();
-                match blocking(move || store.sync()).await {
-                    Ok(Ok(())) => Ok(PeerResp::Stored {
-                        incarnation: self.incarnation,
-                    }),
-                    Ok(Err(e)) => {
-                        tracing::error!(node = %self.me.name, error = %e, "fsync failed; page store poisoned");
-                        Err(e.into())
-                    }
-                    Err(e) => Err(e),
-                }
-            }
-            PeerReq::ReadPages {
-                file,
-                role,
-                gen,
-                indices,
-            } => self.read_pages(file, role, gen, indices).await.map(|(states, data)| {
-                out_payload = data;
-                PeerResp::Pages(states)
-            }),
-            PeerReq::RemoveFile { file } => {
-                let store = self.store.clone();
-                blocking(move || store.remove_file(file))
-                    .await
-                    .and_then(|r| r.map_err(OpError::from))
-                    .map(|()| PeerResp::Ok)
-            }
-            PeerReq::ScrubLocal { files } => self
-                .scrub_local(files)
-                .await
-                .map(|(checked, bad)| PeerResp::Scrub { checked, bad }),
-            PeerReq::MetaSubmit { op } => Ok(self.serve_submit(op).await),
-            PeerReq::Meta(msg) => {
-                self.replication.deliver(&from, msg);
-                Ok(PeerResp::Ok)
-            }
-            req @ (PeerReq::BarrierArrive { .. }
-            | PeerReq::LockAcquire { .. }
-            | PeerReq::LockRelease { .. }
-            | PeerReq::SyncGone { .. }
-            | PeerReq::SyncReport { .. }
-            | PeerReq::SyncReportAsk) => crate::sync::serve(&self, &from, req),
-            PeerReq::SyncDone { key, who, call, error } => {
-                let result = match error {
-                    None => Ok(()),
-                    Some((kind, message)) => Err(OpError::new(kind, message)),
-                };
-                crate::sync::resolve(&self, &key, &who, call, result);
-                Ok(PeerResp::Ok)
-            }
-            req @ (PeerReq::Spawn { .. }
-            | PeerReq::RankOutput { .. }
-            | PeerReq::RankExit { .. }
-            | PeerReq::KillJob { .. }) => crate::launcher::serve(&self, req),
-            PeerReq::Echo => {
-                out_payload = payload;
-                Ok(PeerResp::Ok)
-            }
-            PeerReq::JobEnded { job } => Ok(PeerResp::Dropped {
-                files: self.svm.end_job(&self, &job),
-            }),
-            PeerReq::ForgetFiles { files } => {
-                if files.len() > crate::launcher::MAX_JOB_SEGMENTS {
-                    Err(OpError::new(ErrorKind::Invalid, "too many segments to forget at once"))
-                } else {
-                    let pages = self.svm.forget(&files);
-                    tracing::debug!(node = %self.name(), segments = files.len(), pages, "ended job's segments forgotten");
-                    Ok(PeerResp::Ok)
-                }
-            }
-            PeerReq::CountMappings { file } => Ok(PeerResp::Mappings {
-                count: self.svm.mappings(file),
-            }),
-            PeerReq::DropRemoved { file } => {
-                self.svm.drop_removed(&self, file);
-                Ok(PeerResp::Ok)
-            }
-            PeerReq::Svm(env) => {
-                if self.speaks_for(&from, env.from) {
-                    self.svm.on_message(&self, env, payload);
-                    Ok(PeerResp::Ok)
-                } else {
-                    Err(OpError::new(
-                        ErrorKind::Permission,
-                        format!("{from} may not send coherence messages as node {}", env.from),
-                    ))
-                }
-            }
-            PeerReq::LinkPing { .. } | PeerReq::LinkPong { .. } => {
-                Err(OpError::new(ErrorKind::Invalid, "link pings go over the message link"))
-            }
-        };
-        match r {
-            Ok(resp) => (resp, out_payload),
-            Err(e) => (peer_error(e), bytes::Bytes::new()),
-        }
-    }
-}
-
-/// Delivers the message link's messages to the node (on the link thread).
-pub struct LinkDelivery(pub Arc<Node>);
-
-impl crate::link::LinkHandler for LinkDelivery {
-    fn deliver(&self, from: &str, req: PeerReq, payload: bytes::Bytes) {
-        let node = &self.0;
-        match req {
-            PeerReq::Svm(env) => {
-                if node.speaks_for(from, env.from) {
-                    node.svm.on_message(node, env, payload)
-                } else {
-                    tracing::warn!(node = %node.name(), peer = from, claimed = %env.from, "coherence message sent in another node's name: dropped");
-                }
-            }
-            req @ (PeerReq::BarrierArrive { .. }
-            | PeerReq::LockAcquire { .. }
-            | PeerReq::LockRelease { .. }
-            | PeerReq::SyncGone { .. }
-            | PeerReq::SyncReport { .. }
-            | PeerReq::SyncReportAsk) => {
-                if let Err(e) = crate::sync::serve(node, from, req) {
-                    tracing::warn!(node = %node.name(), peer = from, error = %e, "barrier or lock message refused");
-                }
-            }
-            PeerReq::SyncDone { key, who, call, error } => {
-                let result = match error {
-                    None => Ok(()),
-                    Some((kind, message)) => Err(OpError::new(kind, message)),
-                };
-                crate::sync::resolve(node, &key, &who, call, result);
-            }
-            PeerReq::Meta(msg) => node.replication.deliver(from, msg),
-            PeerReq::LinkPing { id } => {
-                if let Err(e) = node.net.post(from, &PeerReq::LinkPong { id }, payload) {
-                    tracing::warn!(node = %node.name(), peer = from, error = %e, "link pong not sent");
-                }
-            }
-            PeerReq::LinkPong { id } => {
-                let waiter = node.link_pings.locked().remove(&id);
-                if let Some(tx) = waiter {
-                    let _ = tx.send(payload.len());
-                }
-            }
-            other => {
-                tracing::warn!(node = %node.name(), peer = from, message = ?std::mem::discriminant(&other), "not a one-way message: dropped");
-            }
-        }
-    }
-}
-
 /// Resident set size of this process.
 pub fn rss_bytes() -> u64 {
     std::fs::read_to_string("/proc/self/statm")
@@ -932,4 +625,28 @@ pub fn rss_bytes() -> u64 {
         .and_then(|s| s.split_whitespace().nth(1).and_then(|v| v.parse::<u64>().ok()))
         .map(|pages| pages * 4096)
         .unwrap_or(0)
+}
+
+impl crate::replication::Host for Node {
+    fn name(&self) -> &str {
+        &self.me.name
+    }
+    fn now_ms(&self) -> u64 {
+        Node::now_ms(self)
+    }
+    fn is_coordinator(&self) -> bool {
+        self.coordinator_now().is_some_and(|(_, c)| c == self.me.name)
+    }
+    fn is_live(&self, peer: &str) -> bool {
+        Node::is_live(self, peer)
+    }
+    fn meta(&self) -> &Arc<Mutex<MetaStore>> {
+        &self.meta
+    }
+    fn replication(&self) -> &crate::replication::Replication {
+        &self.replication
+    }
+    fn post(&self, peer: &str, req: &PeerReq) -> Result<(), NetError> {
+        self.net.post(peer, req, bytes::Bytes::new())
+    }
 }

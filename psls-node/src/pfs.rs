@@ -12,7 +12,8 @@
 //! repaired in place from the good one.
 
 use crate::failstop::Locked;
-use crate::node::{blocking, Node, OpError};
+use crate::node::Node;
+use crate::op::{blocking, OpError};
 use crate::peer::{PageState, PeerReq, PeerResp, BATCH_PAGES};
 use psls_ipc::proto::{FileInfo, ScrubReport, Stripe};
 use psls_ipc::ErrorKind;
@@ -22,6 +23,7 @@ use psls_svm::{FileId, NodeId, PAGE_SIZE};
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::time::Duration;
 
 /// Bytes one page copy takes on disk (data slot and header).
 const COPY_BYTES: u64 = PAGE_SIZE as u64 + psls_pfs::slot::HEADER_LEN as u64;
@@ -996,4 +998,62 @@ pub async fn rebuild(node: &Arc<Node>, l: NodeId) -> Result<(), OpError> {
     .await?;
     tracing::info!(node = %node.name(), logical = %l, pages = total, "rebuild finished: every page has two copies again");
     Ok(())
+}
+
+/// Starts this node's rebuild if the metadata says it is rebuilding a logical id and none runs.
+pub fn maybe_rebuild(node: &Arc<Node>) {
+    let st = node.meta_state();
+    let Some(l) = node.my_logical(&st) else {
+        return;
+    };
+    if st.rebuilding.get(&l.0).is_none_or(|r| r.physical != node.me.name) {
+        return;
+    }
+    if node.rebuild_running.swap(true, Ordering::SeqCst) {
+        return;
+    }
+    let me = node.clone();
+    tokio::spawn(async move {
+        let r = rebuild(&me, l).await;
+        if let Err(e) = &r {
+            tracing::warn!(node = %me.me.name, error = %e, "rebuild interrupted; will retry");
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+        me.rebuild_running.store(false, Ordering::SeqCst);
+    });
+}
+
+/// At the coordinator: gives a logical id down longer than `replace_after_ms` to a free spare.
+pub async fn maybe_auto_replace(node: &Arc<Node>) {
+    let after = node.cfg.cluster.replace_after_ms;
+    let downs = node.down_peers();
+    if after == 0 {
+        return;
+    }
+    let st = node.meta_state();
+    if node.coordinator(&st).map(|c| c.1) != Some(node.me.name.clone()) {
+        return;
+    }
+    let map = node.logical_map(&st);
+    for (peer, down_for) in downs {
+        if down_for < after {
+            continue;
+        }
+        let Some((&logical, _)) = map.iter().find(|(_, p)| **p == peer) else {
+            continue;
+        };
+        let spare = node
+            .cfg
+            .spares
+            .iter()
+            .find(|s| !map.values().any(|p| *p == s.name) && node.state_of(&s.name) == psls_ipc::proto::NodeState::Up)
+            .map(|s| s.name.clone());
+        if let Some(spare) = spare {
+            tracing::warn!(logical, down = %peer, %spare, "node down too long: replacing it with a spare");
+            if let Err(e) = replace(node, logical, &spare).await {
+                tracing::warn!(error = %e, "automatic replacement failed");
+            }
+            return;
+        }
+    }
 }

@@ -18,9 +18,10 @@
 //! a full queue is dropped (the protocol retries).
 
 use crate::failstop::Locked;
-use crate::node::{blocking, Node};
-use crate::peer::PeerReq;
+use crate::op::blocking;
+use crate::peer::{NetError, PeerReq};
 use psls_cluster::meta::{Action, Msg, ReplError, Replica};
+use psls_pfs::meta::MetaStore;
 use psls_pfs::meta::{MetaOp, MetaState};
 use psls_pfs::MetaError;
 use std::sync::{Arc, Mutex};
@@ -49,6 +50,24 @@ enum Input {
         from: u32,
         seq: u64,
     },
+}
+
+/// What replication needs of the node it runs on (its door; `Node` is the one host).
+pub trait Host: Send + Sync + 'static {
+    /// This node's physical name.
+    fn name(&self) -> &str;
+    /// Milliseconds on the failure detector's clock.
+    fn now_ms(&self) -> u64;
+    /// Whether the failure detector makes this node the coordinator (lowest live logical id).
+    fn is_coordinator(&self) -> bool;
+    /// Whether the failure detector takes physical node `peer` as live.
+    fn is_live(&self, peer: &str) -> bool;
+    /// The metadata store (committed state and vote).
+    fn meta(&self) -> &Arc<Mutex<MetaStore>>;
+    /// The replication messages' own door in (this node's [`Replication`]).
+    fn replication(&self) -> &Replication;
+    /// Posts a one-way message to `peer` on the message link.
+    fn post(&self, peer: &str, req: &PeerReq) -> Result<(), NetError>;
 }
 
 /// The door other parts of the daemon use: deliver, submit, gossip.
@@ -104,25 +123,24 @@ impl Replication {
     }
 
     /// Runs the replication task until the daemon stops. Called once.
-    pub async fn run(node: Arc<Node>) {
-        let Some(mut rx) = node.replication.rx.locked().take() else {
+    pub async fn run<H: Host>(node: Arc<H>) {
+        let Some(mut rx) = node.replication().rx.locked().take() else {
             tracing::error!("the replication task was started twice");
             return;
         };
-        let voters = node.replication.voters.clone();
-        let Some(me) = node.replication.voter_of(node.name()) else {
+        let voters = node.replication().voters.clone();
+        let Some(me) = node.replication().voter_of(node.name()) else {
             tracing::error!(node = %node.name(), "this node is not in its own config");
             return;
         };
-        let durable = node.meta.locked().durable();
+        let durable = node.meta().locked().durable();
         let mut replica: Replica<MetaState, oneshot::Sender<Outcome>> = Replica::new(me, voters.len() as u32, durable);
         let mut tick = tokio::time::interval(Duration::from_millis(TICK_MS));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tokio::select! {
                 _ = tick.tick() => {
-                    let st = node.meta_state();
-                    let coordinator = node.coordinator(&st).is_some_and(|(_, c)| c == node.name());
+                    let coordinator = node.is_coordinator();
                     let live = voters.iter().enumerate().filter(|(_, v)| node.is_live(v)).map(|(i, _)| i as u32);
                     replica.set_live(live);
                     replica.tick(node.now_ms(), coordinator);
@@ -142,10 +160,10 @@ impl Replication {
 }
 
 /// Carries out one action; persisting comes before anything after it.
-async fn carry_out(node: &Arc<Node>, voters: &[String], a: Action<MetaState, oneshot::Sender<Outcome>>) {
+async fn carry_out<H: Host>(node: &Arc<H>, voters: &[String], a: Action<MetaState, oneshot::Sender<Outcome>>) {
     match a {
         Action::PersistVote { promised, accepted } => {
-            let meta = node.meta.clone();
+            let meta = node.meta().clone();
             let r = blocking(move || meta.locked().persist_vote(promised, accepted)).await;
             if let Err(e) = r.map_err(|e| e.to_string()).and_then(|r| r.map_err(|e| e.to_string())) {
                 panic!("cannot record the metadata replication vote: {e}");
@@ -153,7 +171,7 @@ async fn carry_out(node: &Arc<Node>, voters: &[String], a: Action<MetaState, one
         }
         Action::PersistCommitted(state) => {
             let seq = state.seq;
-            let meta = node.meta.clone();
+            let meta = node.meta().clone();
             let r = blocking(move || {
                 let mut m = meta.locked();
                 if state.seq > m.state().seq {
@@ -170,7 +188,7 @@ async fn carry_out(node: &Arc<Node>, voters: &[String], a: Action<MetaState, one
         }
         Action::Send { to, msg } => {
             let Some(peer) = voters.get(to as usize) else { return };
-            if let Err(e) = node.net.post(peer, &PeerReq::Meta(msg), bytes::Bytes::new()) {
+            if let Err(e) = node.post(peer, &PeerReq::Meta(msg)) {
                 tracing::debug!(node = %node.name(), %peer, error = %e, "replication message not sent");
             }
         }

@@ -19,7 +19,8 @@
 //! and tells its lifeline, never maps anything.
 
 use crate::failstop::Locked;
-use crate::node::{Node, OpError};
+use crate::node::Node;
+use crate::op::OpError;
 use crate::peer::PeerReq;
 use psls_ipc::ErrorKind;
 use psls_pfs::meta::FileMeta;

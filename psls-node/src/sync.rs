@@ -21,7 +21,8 @@
 //! wait is answered exactly once; a node calls only for its own ranks.
 
 use crate::failstop::Locked;
-use crate::node::{Node, OpError};
+use crate::node::Node;
+use crate::op::OpError;
 use crate::peer::{PeerReq, PeerResp};
 pub use psls_cluster::sync::{key, SyncState, MAX_LOCAL_WAITS, MAX_PARTIES};
 use psls_cluster::sync::{node_of, Call, CallKind, Notice, RegisterError, SyncError};
@@ -49,7 +50,36 @@ pub enum Replier {
     Task(oneshot::Sender<Result<(), OpError>>),
     /// The rank waits on its sync channel: the answer is written there directly, by whichever
     /// thread has it.
-    Channel(Arc<crate::sync_channel::Channel>),
+    Sink(Arc<dyn ReplySink>),
+}
+
+/// Where an answer can be written straight away (a rank's sync channel).
+pub trait ReplySink: Send + Sync {
+    fn answer(&self, r: Result<(), OpError>);
+}
+
+/// Barriers and locks on this node: the waiting ranks and, while this node coordinates, the
+/// barrier and lock state. The handle the sync channels, the IPC server and the peer
+/// dispatch use.
+pub struct SyncShell {
+    pub node: Arc<Node>,
+    waits: Waits,
+    side: Mutex<SyncSide>,
+}
+
+impl SyncShell {
+    pub fn new(node: Arc<Node>) -> SyncShell {
+        SyncShell {
+            node,
+            waits: Waits::default(),
+            side: Mutex::new(SyncSide::default()),
+        }
+    }
+
+    /// Waits registered now.
+    pub fn waits(&self) -> usize {
+        self.waits.len()
+    }
 }
 
 impl Replier {
@@ -58,7 +88,7 @@ impl Replier {
             Replier::Task(tx) => {
                 let _ = tx.send(r);
             }
-            Replier::Channel(ch) => ch.answer(r),
+            Replier::Sink(ch) => ch.answer(r),
         }
     }
 }
@@ -153,35 +183,37 @@ fn refresh(node: &Node, side: &mut SyncSide) -> Vec<Notice> {
 /// Every heartbeat interval (on the `psls-sync` thread): fails the waits whose coordinator
 /// changed, sends a new coordinator this node's report, and at the coordinator, stops waiting
 /// for reports of nodes that went down.
-pub fn sweep(node: &Arc<Node>) {
+pub fn sweep(sh: &SyncShell) {
+    let node = &sh.node;
     let coord = coordinator_id(node);
-    let (stale, report) = node.waits.lock().sweep(coord.as_ref().map(|(_, id)| id.as_str()));
+    let (stale, report) = sh.waits.lock().sweep(coord.as_ref().map(|(_, id)| id.as_str()));
     give_up(stale);
     if let (Some((name, _)), Some(held)) = (coord, report) {
-        if let Err(e) = send(node, &name, PeerReq::SyncReport { held }) {
+        if let Err(e) = send(sh, &name, PeerReq::SyncReport { held }) {
             tracing::debug!(node = %node.name(), coordinator = %name, error = %e, "lock report not sent; will retry");
-            node.waits.lock().report_lost();
+            sh.waits.lock().report_lost();
         }
     }
     let (notices, ask) = {
-        let mut side = node.sync.locked();
+        let mut side = sh.side.locked();
         let n = refresh(node, &mut side);
         let ask: Vec<String> = side.state.awaiting().map(str::to_string).collect();
         (n, ask)
     };
-    deliver(node, notices);
+    deliver(sh, notices);
     // Recovering: ask the awaited nodes again (a report may have been lost with a connection).
     for peer in ask {
-        if let Err(e) = send(node, &peer, PeerReq::SyncReportAsk) {
+        if let Err(e) = send(sh, &peer, PeerReq::SyncReportAsk) {
             tracing::debug!(node = %node.name(), %peer, error = %e, "lock report request not sent");
         }
     }
 }
 
 /// Sends a sync message to the coordinator `coord` (served here if it is this node).
-fn send(node: &Arc<Node>, coord: &str, req: PeerReq) -> Result<(), OpError> {
+fn send(sh: &SyncShell, coord: &str, req: PeerReq) -> Result<(), OpError> {
+    let node = &sh.node;
     if coord == node.name() {
-        return serve(node, coord, req).map(|_| ());
+        return serve(sh, coord, req).map(|_| ());
     }
     node.net.post(coord, &req, bytes::Bytes::new()).map_err(Into::into)
 }
@@ -190,7 +222,8 @@ fn send(node: &Arc<Node>, coord: &str, req: PeerReq) -> Result<(), OpError> {
 /// coordinator (or serves it here), after this node's report if that coordinator has not had
 /// it. The answer always comes through `reply`: the coordinator's notice, an error now, or the
 /// sweep's if the coordinator goes down.
-pub fn start(node: &Arc<Node>, mut req: PeerReq, reply: Replier) {
+pub fn start(sh: &SyncShell, mut req: PeerReq, reply: Replier) {
+    let node = &sh.node;
     let (key, who, kind) = match &req {
         PeerReq::BarrierArrive { key, who, .. } => (key.clone(), who.clone(), CallKind::Barrier),
         PeerReq::LockAcquire { key, who, .. } => (key.clone(), who.clone(), CallKind::Acquire),
@@ -205,7 +238,7 @@ pub fn start(node: &Arc<Node>, mut req: PeerReq, reply: Replier) {
         return;
     };
     let (switched, registered) = {
-        let mut w = node.waits.lock();
+        let mut w = sh.waits.lock();
         let switched = w.switch_to(&coord_id);
         (switched, w.register(&key, &who, kind, reply))
     };
@@ -214,9 +247,9 @@ pub fn start(node: &Arc<Node>, mut req: PeerReq, reply: Replier) {
     let mut sent = Ok(());
     if let Some((stale, held)) = switched {
         give_up(stale);
-        sent = send(node, &coord, PeerReq::SyncReport { held });
+        sent = send(sh, &coord, PeerReq::SyncReport { held });
         if sent.is_err() {
-            node.waits.lock().report_lost();
+            sh.waits.lock().report_lost();
         }
     }
     let call_id = match registered {
@@ -238,10 +271,10 @@ pub fn start(node: &Arc<Node>, mut req: PeerReq, reply: Replier) {
         *call = call_id;
     }
     if sent.is_ok() {
-        sent = send(node, &coord, req);
+        sent = send(sh, &coord, req);
     }
     if let Err(e) = sent {
-        if let Some(wait) = node.waits.lock().take(&key, &who) {
+        if let Some(wait) = sh.waits.lock().take(&key, &who) {
             wait.reply.send(Err(e));
         }
     }
@@ -262,9 +295,9 @@ fn give_up(stale: Vec<((String, String), psls_cluster::sync::Wait<Replier>)>) {
 }
 
 /// A rank's barrier, lock or unlock call made through the runtime: waits for its answer.
-pub async fn call(node: &Arc<Node>, req: PeerReq) -> Result<(), OpError> {
+pub async fn call(sh: &SyncShell, req: PeerReq) -> Result<(), OpError> {
     let (tx, rx) = oneshot::channel();
-    start(node, req, Replier::Task(tx));
+    start(sh, req, Replier::Task(tx));
     rx.await
         .unwrap_or_else(|_| Err(OpError::new(ErrorKind::Unavailable, "the wait was cancelled")))
 }
@@ -272,24 +305,26 @@ pub async fn call(node: &Arc<Node>, req: PeerReq) -> Result<(), OpError> {
 /// Rank `who` of this node is gone: its waits here end, and the coordinator releases its
 /// locks and fails the barrier it waited at. Posted like arrivals, so it cannot overtake the
 /// rank's last call on the way.
-pub fn gone(node: &Arc<Node>, who: String) -> Result<(), OpError> {
-    let ended = node.waits.forget(&who);
+pub fn gone(sh: &SyncShell, who: String) -> Result<(), OpError> {
+    let node = &sh.node;
+    let ended = sh.waits.forget(&who);
     if ended > 0 {
         tracing::debug!(node = %node.name(), %who, ended, "a gone rank's waits ended");
     }
     let Some((_, coord)) = node.coordinator_now() else {
         return Err(OpError::new(ErrorKind::Unavailable, "no coordinator is up"));
     };
-    send(node, &coord, PeerReq::SyncGone { who })
+    send(sh, &coord, PeerReq::SyncGone { who })
 }
 
 /// Delivers notices: to this node's waits, or posted to the waiter's node.
-fn deliver(node: &Arc<Node>, notices: Vec<Notice>) {
+fn deliver(sh: &SyncShell, notices: Vec<Notice>) {
+    let node = &sh.node;
     for (key, who, call, result) in notices {
         let result = result.map_err(OpError::from);
         let target = node_of(&who).to_string();
         if target == node.name() {
-            resolve(node, &key, &who, call, result);
+            resolve(sh, &key, &who, call, result);
             continue;
         }
         let error = result.err().map(|e| (e.kind, e.message));
@@ -306,8 +341,9 @@ fn deliver(node: &Arc<Node>, notices: Vec<Notice>) {
 }
 
 /// Answers this node's rank `who` waiting on `key` in call `call`.
-pub fn resolve(node: &Node, key: &str, who: &str, call: u64, result: Result<(), OpError>) {
-    let wait = node.waits.lock().answered(key, who, call, result.is_ok());
+pub fn resolve(sh: &SyncShell, key: &str, who: &str, call: u64, result: Result<(), OpError>) {
+    let node = &sh.node;
+    let wait = sh.waits.lock().answered(key, who, call, result.is_ok());
     match wait {
         Some(wait) => wait.reply.send(result),
         None => tracing::debug!(node = %node.name(), %who, "sync notice for a wait that is gone"),
@@ -316,7 +352,8 @@ pub fn resolve(node: &Node, key: &str, who: &str, call: u64, result: Result<(), 
 
 /// The coordinator's side of the sync messages from node `from` (arrivals and acquires answer
 /// through notices; the returned response is for releases and departures).
-pub fn serve(node: &Arc<Node>, from: &str, req: PeerReq) -> Result<PeerResp, OpError> {
+pub fn serve(sh: &SyncShell, from: &str, req: PeerReq) -> Result<PeerResp, OpError> {
+    let node = &sh.node;
     let call = match req {
         PeerReq::BarrierArrive { key, count, who, call } => Call::Arrive { key, count, who, call },
         PeerReq::LockAcquire { key, who, call } => Call::Acquire { key, who, call },
@@ -330,19 +367,19 @@ pub fn serve(node: &Arc<Node>, from: &str, req: PeerReq) -> Result<PeerResp, OpE
             if coord != from {
                 return Ok(PeerResp::Ok);
             }
-            let (stale, held) = node.waits.lock().report_to(&id);
+            let (stale, held) = sh.waits.lock().report_to(&id);
             give_up(stale);
-            send(node, &coord, PeerReq::SyncReport { held })?;
+            send(sh, &coord, PeerReq::SyncReport { held })?;
             return Ok(PeerResp::Ok);
         }
         PeerReq::SyncReport { held } => {
             let notices = {
-                let mut side = node.sync.locked();
+                let mut side = sh.side.locked();
                 let mut n = refresh(node, &mut side);
                 n.extend(side.state.report(from, &held));
                 n
             };
-            deliver(node, notices);
+            deliver(sh, notices);
             return Ok(PeerResp::Ok);
         }
         _ => return Err(OpError::new(ErrorKind::Internal, "not a sync request")),
@@ -372,16 +409,16 @@ pub fn serve(node: &Arc<Node>, from: &str, req: PeerReq) -> Result<PeerResp, OpE
         | Call::Acquire { key, who, call }
         | Call::Release { key, who, call } = call
         {
-            deliver(node, vec![(key, who, call, Err(SyncError::Unavailable(why)))]);
+            deliver(sh, vec![(key, who, call, Err(SyncError::Unavailable(why)))]);
         }
         return Ok(PeerResp::Ok);
     }
     let notices = {
-        let mut side = node.sync.locked();
+        let mut side = sh.side.locked();
         let mut n = refresh(node, &mut side);
         n.extend(side.state.call(call));
         n
     };
-    deliver(node, notices);
+    deliver(sh, notices);
     Ok(PeerResp::Ok)
 }

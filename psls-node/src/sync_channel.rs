@@ -20,7 +20,7 @@
 //! channel stays usable; a channel whose client end is closed is dropped.
 
 use crate::failstop::Locked;
-use crate::node::{Node, OpError};
+use crate::op::OpError;
 use psls_ipc::proto::{self, Request, Response, MAX_SYNC_MSG};
 use psls_ipc::ErrorKind;
 use std::collections::HashMap;
@@ -42,6 +42,12 @@ pub struct Channel {
     uid: u32,
     /// A call is under way: its answer is still to be written.
     busy: AtomicBool,
+}
+
+impl crate::sync::ReplySink for Channel {
+    fn answer(&self, r: Result<(), OpError>) {
+        Channel::answer(self, r)
+    }
 }
 
 impl Channel {
@@ -157,7 +163,8 @@ impl Channels {
 
     /// The `psls-sync` thread: serves the channels' calls and sweeps waits whose coordinator
     /// changed, every heartbeat interval at most. Runs until the process ends.
-    pub fn run(&self, node: &Arc<Node>) {
+    pub fn run(&self, sync: &Arc<crate::sync::SyncShell>) {
+        let node = &sync.node;
         use nix::sys::epoll::{EpollEvent, EpollFlags};
         let sweep_ms = node.cfg.cluster.heartbeat_interval_ms.clamp(10, u16::MAX as u64) as u16;
         let mut events = [EpollEvent::empty(); EVENTS_PER_WAIT];
@@ -181,7 +188,7 @@ impl Channels {
                 if ev.events().contains(EpollFlags::EPOLLIN) {
                     // Every datagram waiting, bounded: a channel has one call at a time.
                     for _ in 0..EVENTS_PER_WAIT {
-                        match self.take(node, &ch, &mut buf) {
+                        match self.take(sync, &ch, &mut buf) {
                             Ok(true) => {}
                             Ok(false) => break,
                             Err(()) => {
@@ -199,14 +206,15 @@ impl Channels {
             }
             if last_sweep.elapsed().as_millis() as u64 >= sweep_ms as u64 {
                 last_sweep = std::time::Instant::now();
-                crate::sync::sweep(node);
+                crate::sync::sweep(sync);
             }
         }
     }
 
     /// Reads and starts one call from `ch`: `Ok(true)` if one was there, `Ok(false)` if none
     /// is, `Err` if the channel is closed.
-    fn take(&self, node: &Arc<Node>, ch: &Arc<Channel>, buf: &mut [u8]) -> Result<bool, ()> {
+    fn take(&self, sync: &Arc<crate::sync::SyncShell>, ch: &Arc<Channel>, buf: &mut [u8]) -> Result<bool, ()> {
+        let node = &sync.node;
         use nix::sys::socket::{recv, MsgFlags};
         let n = match recv(ch.fd.as_raw_fd(), buf, MsgFlags::MSG_DONTWAIT | MsgFlags::MSG_TRUNC) {
             Ok(0) => return Err(()),
@@ -261,7 +269,7 @@ impl Channels {
                 return Ok(true);
             }
         };
-        crate::sync::start(node, peer_req, crate::sync::Replier::Channel(ch.clone()));
+        crate::sync::start(sync, peer_req, crate::sync::Replier::Sink(ch.clone()));
         Ok(true)
     }
 }

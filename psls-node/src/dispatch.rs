@@ -1,0 +1,265 @@
+//! The daemon assembled: the node's core ([`Node`]) and the subsystems built on it — shared
+//! memory ([`SvmShell`]), barriers and locks ([`SyncShell`]), the sync channels, the jobs — in
+//! one [`Daemon`], and the dispatch of what peers send: requests on the transport
+//! ([`Handler`]) and one-way messages on the message link ([`LinkDelivery`]), each to the
+//! subsystem it concerns. Also the periodic duties (heartbeats, metadata catch-up, shared
+//! memory bookkeeping, rebuild and automatic replacement). The top of the daemon: nothing but
+//! `daemon` and `ipc_server` imports it.
+
+use crate::failstop::Locked;
+use crate::launcher::Jobs;
+use crate::node::Node;
+use crate::op::{blocking, peer_error, OpError};
+use crate::peer::PeerReq;
+use crate::peer::PeerResp;
+use crate::svm::SvmShell;
+use crate::sync::SyncShell;
+use crate::sync_channel::Channels;
+use crate::transport::{BoxFuture, Handler};
+use psls_ipc::ErrorKind;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// A running daemon: the core and its subsystems.
+pub struct Daemon {
+    pub node: Arc<Node>,
+    /// Shared virtual memory: segments, client mappings, the coherence state machine.
+    pub svm: Arc<SvmShell>,
+    /// Barriers and locks: waiting ranks, and the coordinator's state.
+    pub sync: Arc<SyncShell>,
+    /// Local clients' sync channels (served by the `psls-sync` thread).
+    pub channels: Arc<Channels>,
+    /// Jobs launched here and rank processes running here.
+    pub jobs: Arc<Jobs>,
+}
+
+impl Daemon {
+    /// Assembles the daemon around `node` and wires the core to it (requests to itself,
+    /// shared-memory figures in heartbeats).
+    pub fn new(node: Arc<Node>, channels: Channels) -> Arc<Daemon> {
+        let svm = Arc::new(SvmShell::new(tokio::runtime::Handle::current()));
+        let d = Arc::new(Daemon {
+            sync: Arc::new(SyncShell::new(node.clone())),
+            channels: Arc::new(channels),
+            jobs: Arc::new(Jobs::default()),
+            svm: svm.clone(),
+            node,
+        });
+        let beat: crate::node::SvmBeat = Arc::new(move |nodes| {
+            let (view, fenced) = svm.view(nodes);
+            (svm.segments(), view, fenced)
+        });
+        d.node.wire(d.clone(), beat);
+        d
+    }
+
+    /// Heartbeats and periodic duties, until shutdown.
+    pub async fn run_ticks(self: Arc<Self>) {
+        let node = self.node.clone();
+        let interval = Duration::from_millis(node.cfg.cluster.heartbeat_interval_ms);
+        let mut t = tokio::time::interval(interval);
+        t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut n: u64 = 0;
+        loop {
+            t.tick().await;
+            if n.is_multiple_of(10) {
+                node.refresh_disk_stats_async().await;
+            }
+            n += 1;
+            node.heartbeat_round(false).await;
+            node.catch_up().await;
+            self.svm.sync_peers(&node);
+            crate::pfs::maybe_rebuild(&node);
+            crate::pfs::maybe_auto_replace(&node).await;
+        }
+    }
+}
+
+impl Handler for Daemon {
+    fn handle(
+        self: Arc<Self>,
+        from: String,
+        req: PeerReq,
+        payload: bytes::Bytes,
+    ) -> BoxFuture<(PeerResp, bytes::Bytes)> {
+        Box::pin(self.handle_inner(from, req, payload))
+    }
+}
+
+impl Daemon {
+    async fn handle_inner(
+        self: Arc<Self>,
+        from: String,
+        req: PeerReq,
+        payload: bytes::Bytes,
+    ) -> (PeerResp, bytes::Bytes) {
+        let node = self.node.clone();
+        let mut out_payload = bytes::Bytes::new();
+        let r: Result<PeerResp, OpError> = match req {
+            PeerReq::Heartbeat(hb) => {
+                node.heard(&from, hb);
+                Ok(PeerResp::HeartbeatAck(node.heartbeat()))
+            }
+            PeerReq::WritePages {
+                file,
+                role,
+                gen,
+                keep_gen,
+                indices,
+            } => node
+                .write_pages(file, role, gen, keep_gen, indices, payload)
+                .await
+                .map(|()| PeerResp::Stored {
+                    incarnation: node.incarnation,
+                }),
+            PeerReq::Sync => {
+                let store = node.store.clone();
+                match blocking(move || store.sync()).await {
+                    Ok(Ok(())) => Ok(PeerResp::Stored {
+                        incarnation: node.incarnation,
+                    }),
+                    Ok(Err(e)) => {
+                        tracing::error!(node = %node.me.name, error = %e, "fsync failed; page store poisoned");
+                        Err(e.into())
+                    }
+                    Err(e) => Err(e),
+                }
+            }
+            PeerReq::ReadPages {
+                file,
+                role,
+                gen,
+                indices,
+            } => node.read_pages(file, role, gen, indices).await.map(|(states, data)| {
+                out_payload = data;
+                PeerResp::Pages(states)
+            }),
+            PeerReq::RemoveFile { file } => {
+                let store = node.store.clone();
+                blocking(move || store.remove_file(file))
+                    .await
+                    .and_then(|r| r.map_err(OpError::from))
+                    .map(|()| PeerResp::Ok)
+            }
+            PeerReq::ScrubLocal { files } => node
+                .scrub_local(files)
+                .await
+                .map(|(checked, bad)| PeerResp::Scrub { checked, bad }),
+            PeerReq::MetaSubmit { op } => Ok(node.serve_submit(op).await),
+            PeerReq::Meta(msg) => {
+                node.replication.deliver(&from, msg);
+                Ok(PeerResp::Ok)
+            }
+            req @ (PeerReq::BarrierArrive { .. }
+            | PeerReq::LockAcquire { .. }
+            | PeerReq::LockRelease { .. }
+            | PeerReq::SyncGone { .. }
+            | PeerReq::SyncReport { .. }
+            | PeerReq::SyncReportAsk) => crate::sync::serve(&self.sync, &from, req),
+            PeerReq::SyncDone { key, who, call, error } => {
+                let result = match error {
+                    None => Ok(()),
+                    Some((kind, message)) => Err(OpError::new(kind, message)),
+                };
+                crate::sync::resolve(&self.sync, &key, &who, call, result);
+                Ok(PeerResp::Ok)
+            }
+            req @ (PeerReq::Spawn { .. }
+            | PeerReq::RankOutput { .. }
+            | PeerReq::RankExit { .. }
+            | PeerReq::KillJob { .. }) => crate::launcher::serve(&node, &self.jobs, req),
+            PeerReq::Echo => {
+                out_payload = payload;
+                Ok(PeerResp::Ok)
+            }
+            PeerReq::JobEnded { job } => Ok(PeerResp::Dropped {
+                files: self.svm.end_job(&node, &job),
+            }),
+            PeerReq::ForgetFiles { files } => {
+                if files.len() > crate::launcher::MAX_JOB_SEGMENTS {
+                    Err(OpError::new(ErrorKind::Invalid, "too many segments to forget at once"))
+                } else {
+                    let pages = self.svm.forget(&files);
+                    tracing::debug!(node = %node.name(), segments = files.len(), pages, "ended job's segments forgotten");
+                    Ok(PeerResp::Ok)
+                }
+            }
+            PeerReq::CountMappings { file } => Ok(PeerResp::Mappings {
+                count: self.svm.mappings(file),
+            }),
+            PeerReq::DropRemoved { file } => {
+                self.svm.drop_removed(&node, file);
+                Ok(PeerResp::Ok)
+            }
+            PeerReq::Svm(env) => {
+                if node.speaks_for(&from, env.from) {
+                    self.svm.on_message(&node, env, payload);
+                    Ok(PeerResp::Ok)
+                } else {
+                    Err(OpError::new(
+                        ErrorKind::Permission,
+                        format!("{from} may not send coherence messages as node {}", env.from),
+                    ))
+                }
+            }
+            PeerReq::LinkPing { .. } | PeerReq::LinkPong { .. } => {
+                Err(OpError::new(ErrorKind::Invalid, "link pings go over the message link"))
+            }
+        };
+        match r {
+            Ok(resp) => (resp, out_payload),
+            Err(e) => (peer_error(e), bytes::Bytes::new()),
+        }
+    }
+}
+
+/// Delivers the message link's messages to the node (on the link thread).
+pub struct LinkDelivery(pub Arc<Daemon>);
+
+impl crate::link::LinkHandler for LinkDelivery {
+    fn deliver(&self, from: &str, req: PeerReq, payload: bytes::Bytes) {
+        let d = &self.0;
+        let node = &d.node;
+        match req {
+            PeerReq::Svm(env) => {
+                if node.speaks_for(from, env.from) {
+                    d.svm.on_message(node, env, payload)
+                } else {
+                    tracing::warn!(node = %node.name(), peer = from, claimed = %env.from, "coherence message sent in another node's name: dropped");
+                }
+            }
+            req @ (PeerReq::BarrierArrive { .. }
+            | PeerReq::LockAcquire { .. }
+            | PeerReq::LockRelease { .. }
+            | PeerReq::SyncGone { .. }
+            | PeerReq::SyncReport { .. }
+            | PeerReq::SyncReportAsk) => {
+                if let Err(e) = crate::sync::serve(&d.sync, from, req) {
+                    tracing::warn!(node = %node.name(), peer = from, error = %e, "barrier or lock message refused");
+                }
+            }
+            PeerReq::SyncDone { key, who, call, error } => {
+                let result = match error {
+                    None => Ok(()),
+                    Some((kind, message)) => Err(OpError::new(kind, message)),
+                };
+                crate::sync::resolve(&d.sync, &key, &who, call, result);
+            }
+            PeerReq::Meta(msg) => node.replication.deliver(from, msg),
+            PeerReq::LinkPing { id } => {
+                if let Err(e) = node.net.post(from, &PeerReq::LinkPong { id }, payload) {
+                    tracing::warn!(node = %node.name(), peer = from, error = %e, "link pong not sent");
+                }
+            }
+            PeerReq::LinkPong { id } => {
+                let waiter = node.link_pings.locked().remove(&id);
+                if let Some(tx) = waiter {
+                    let _ = tx.send(payload.len());
+                }
+            }
+            other => {
+                tracing::warn!(node = %node.name(), peer = from, message = ?std::mem::discriminant(&other), "not a one-way message: dropped");
+            }
+        }
+    }
+}
