@@ -11,10 +11,13 @@
 //!   operation is never lost while a majority of the nodes' disks survive.
 //! - [`sync`]: named barriers and locks at the coordinator, and each node's table of ranks
 //!   waiting for their answers.
+//! - [`write`]: the two-phase write of page copies before a commit record (imports, repairs,
+//!   rebuilds).
 //!
-//! `tests/sim.rs` drives all of them in one seeded simulator that crashes and restarts nodes,
-//! delays and reorders messages and drops them on dead links, and checks the invariants after
-//! every step.
+//! Seeded simulators drive them (`tests/sim.rs`: membership, election and metadata;
+//! `tests/sync_sim.rs`: barriers and locks; `tests/pfs_sim.rs`: imports, disk losses and
+//! re-mirroring): they crash and restart nodes, delay and reorder messages and drop them on
+//! dead links, and check the invariants after every step.
 //!
 //! Invariant of the crate: nothing here reads a clock, touches a socket or a file, or spawns
 //! a thread; every queue is bounded.
@@ -24,3 +27,4 @@
 pub mod membership;
 pub mod meta;
 pub mod sync;
+pub mod write;

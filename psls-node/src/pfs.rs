@@ -15,6 +15,7 @@ use crate::failstop::Locked;
 use crate::node::Node;
 use crate::op::{blocking, OpError};
 use crate::peer::{PageState, PeerReq, PeerResp, BATCH_PAGES};
+use psls_cluster::write::{Write, WriteAction};
 use psls_ipc::proto::{FileInfo, ScrubReport, Stripe};
 use psls_ipc::ErrorKind;
 use psls_pfs::meta::{validate_name, FileMeta, MetaOp, MetaState, MAX_FILE_SIZE};
@@ -186,6 +187,7 @@ pub async fn create(node: &Arc<Node>, caller: Caller, name: &str, size: u64, mod
     node.submit(MetaOp::CommitFile {
         meta: meta.clone(),
         replaces: None,
+        placed_at: None,
     })
     .await?;
     Ok(info(&meta))
@@ -254,6 +256,22 @@ async fn write_to(
     data: bytes::Bytes,
 ) -> Result<(String, u64), OpError> {
     let phys = node.physical_of(&node.meta_state(), l);
+    let incarnation = write_to_phys(node, &phys, file, role, gen, keep_gen, indices, data).await?;
+    Ok((phys, incarnation))
+}
+
+/// [`write_to`] a physical node; returns the incarnation that took the pages.
+#[allow(clippy::too_many_arguments)]
+async fn write_to_phys(
+    node: &Arc<Node>,
+    phys: &str,
+    file: FileId,
+    role: Role,
+    gen: u64,
+    keep_gen: u64,
+    indices: Vec<u64>,
+    data: bytes::Bytes,
+) -> Result<u64, OpError> {
     let req = PeerReq::WritePages {
         file,
         role,
@@ -261,8 +279,8 @@ async fn write_to(
         keep_gen,
         indices,
     };
-    match node.call_data_ok(&phys, req, data).await? {
-        (PeerResp::Stored { incarnation }, _) => Ok((phys, incarnation)),
+    match node.call_data_ok(phys, req, data).await? {
+        (PeerResp::Stored { incarnation }, _) => Ok(incarnation),
         (other, _) => Err(OpError::new(
             ErrorKind::Internal,
             format!("{phys}: unexpected answer {other:?}"),
@@ -291,8 +309,14 @@ pub struct Importer {
     /// Pages waiting to be written, by home node. The mirror copies of a home node's pages
     /// are the same pages in the same order on the next node, so one batch serves both.
     batches: BTreeMap<u32, Batch>,
-    inflight: tokio::task::JoinSet<Result<(), OpError>>,
-    written: Arc<Incarnations>,
+    /// Batches under way: each ends with the node that got it and the incarnation that took
+    /// it, or why not.
+    inflight: tokio::task::JoinSet<(String, Result<u64, OpError>)>,
+    /// The two-phase write (`psls_cluster::write`): acknowledgements and fsyncs with their
+    /// incarnations, and when the commit record may be written.
+    write: Write,
+    /// The logical map the pages were placed with (the commit record is refused if it changed).
+    placed_at: u64,
 }
 
 impl Importer {
@@ -312,6 +336,7 @@ impl Importer {
         check_space(node, &st, id, size)?;
         tracing::info!(node = %node.name(), file = %id, name, size, "import started");
         let (uid, gid, created_unix_ms) = (caller.uid, caller.gid, now_ms());
+        let placed_at = st.map_version;
         Ok(Importer {
             node: node.clone(),
             meta: FileMeta {
@@ -329,16 +354,30 @@ impl Importer {
             partial: Vec::with_capacity(PAGE_SIZE),
             batches: BTreeMap::new(),
             inflight: tokio::task::JoinSet::new(),
-            written: Arc::default(),
+            write: Write::new(),
+            placed_at,
         })
     }
 
+    /// Waits until at most `limit` batches are under way, feeding their answers to the write.
     async fn reap(&mut self, limit: usize) -> Result<(), OpError> {
         while self.inflight.len() > limit {
             match self.inflight.join_next().await {
-                Some(Ok(r)) => r?,
-                Some(Err(e)) => return Err(OpError::new(ErrorKind::Internal, format!("write task failed: {e}"))),
+                Some(Ok((phys, Ok(incarnation)))) => self.write.stored(&phys, incarnation),
+                Some(Ok((phys, Err(e)))) => self.write.store_failed(&phys, &e.message),
+                Some(Err(e)) => self.write.abort(format!("write task failed: {e}")),
                 None => break,
+            }
+            self.failed()?;
+        }
+        Ok(())
+    }
+
+    /// The write's failure, if it failed.
+    fn failed(&mut self) -> Result<(), OpError> {
+        while let Some(a) = self.write.poll_action() {
+            if let WriteAction::Done(Err(why)) = a {
+                return Err(OpError::new(ErrorKind::Unavailable, why));
             }
         }
         Ok(())
@@ -355,13 +394,17 @@ impl Importer {
         let (indices, data) = batch.into_parts();
         let (file, gen) = (self.meta.id, self.meta.gen);
         let mirror = self.node.placement.mirror(file, indices[0]);
+        let st = self.node.meta_state();
         for (l, role) in [(NodeId(home), Role::Primary), (mirror, Role::Mirror)] {
             let node = self.node.clone();
-            let written = self.written.clone();
+            let phys = node.physical_of(&st, l);
+            if !self.write.sent(&phys) {
+                return;
+            }
             let (indices, data) = (indices.clone(), data.clone());
             self.inflight.spawn(async move {
-                let (phys, incarnation) = write_to(&node, l, file, role, gen, 0, indices, data).await?;
-                written.check(&phys, incarnation)
+                let r = write_to_phys(&node, &phys, file, role, gen, 0, indices, data).await;
+                (phys, r)
             });
         }
     }
@@ -434,16 +477,48 @@ impl Importer {
         let t = std::time::Instant::now();
         self.reap(0).await?;
         let drain_ms = t.elapsed().as_millis() as u64;
+        // Phase two: fsync every node written to, then the commit record, as the write says.
         let t = std::time::Instant::now();
-        sync_all(&self.node, &self.written).await?;
-        let sync_ms = t.elapsed().as_millis() as u64;
-        let t = std::time::Instant::now();
-        let op = MetaOp::CommitFile {
-            meta: self.meta.clone(),
-            replaces: self.replaces,
-        };
-        self.node.submit(op).await?;
-        let commit_ms = t.elapsed().as_millis() as u64;
+        self.write.finish();
+        let mut sync_ms = 0;
+        let mut syncs: tokio::task::JoinSet<(String, Result<u64, OpError>)> = tokio::task::JoinSet::new();
+        loop {
+            let Some(a) = self.write.poll_action() else {
+                match syncs.join_next().await {
+                    Some(Ok((phys, Ok(incarnation)))) => self.write.synced(&phys, incarnation),
+                    Some(Ok((phys, Err(e)))) => self.write.sync_failed(&phys, &e.message),
+                    Some(Err(e)) => self.write.abort(format!("fsync task failed: {e}")),
+                    None => {
+                        return Err(OpError::new(ErrorKind::Internal, "the import's write stalled"));
+                    }
+                }
+                continue;
+            };
+            match a {
+                WriteAction::Sync { node: phys } => {
+                    let node = self.node.clone();
+                    syncs.spawn(async move {
+                        let r = sync_on(&node, &phys).await;
+                        (phys, r)
+                    });
+                }
+                WriteAction::Commit => {
+                    sync_ms = t.elapsed().as_millis() as u64;
+                    let op = MetaOp::CommitFile {
+                        meta: self.meta.clone(),
+                        replaces: self.replaces,
+                        placed_at: Some(self.placed_at),
+                    };
+                    let r = self.node.submit(op).await;
+                    self.write.committed(r.map_err(|e| e.message));
+                }
+                // The caller removes what was written (`abort`).
+                WriteAction::Abort { .. } => {}
+                WriteAction::Done(Ok(())) => break,
+                WriteAction::Done(Err(why)) => return Err(OpError::new(ErrorKind::Unavailable, why)),
+            }
+        }
+        let commit_ms = t.elapsed().as_millis() as u64 - sync_ms;
         tracing::info!(node = %self.node.name(), file = %self.meta.id, name = %self.meta.name,
             drain_ms, sync_ms, commit_ms, "import committed");
         if let Some(old) = self.replaces {

@@ -109,6 +109,10 @@ pub enum MetaOp {
     CommitFile {
         meta: FileMeta,
         replaces: Option<FileId>,
+        /// The `map_version` the file's pages were placed with (`None`: no page was written).
+        /// Refused if the map changed since: a copy may have gone to a node that was replaced
+        /// after its spare planned the rebuild, which would then never re-mirror it.
+        placed_at: Option<u64>,
     },
     RemoveFile {
         name: String,
@@ -179,8 +183,17 @@ impl MetaState {
                     next.map_version += 1;
                 }
             }
-            MetaOp::CommitFile { meta, replaces } => {
+            MetaOp::CommitFile {
+                meta,
+                replaces,
+                placed_at,
+            } => {
                 validate_name(&meta.name)?;
+                if placed_at.is_some_and(|v| v != next.map_version) {
+                    return Err(MetaError::Invalid(
+                        "a node was replaced while the file was written; nothing was committed (write it again)".into(),
+                    ));
+                }
                 match (next.files.get(&meta.name), replaces) {
                     (Some(_), None) => return Err(MetaError::Exists(meta.name.clone())),
                     (Some(cur), Some(old)) if cur.id != *old => {
@@ -446,31 +459,36 @@ mod tests {
             m.apply(&MetaOp::CommitFile {
                 meta: meta("a", 1),
                 replaces: None,
+                placed_at: None,
             })
             .unwrap();
             assert!(matches!(
                 m.apply(&MetaOp::CommitFile {
                     meta: meta("a", 2),
-                    replaces: None
+                    replaces: None,
+                    placed_at: None,
                 }),
                 Err(MetaError::Exists(_))
             ));
             assert!(matches!(
                 m.apply(&MetaOp::CommitFile {
                     meta: meta("a", 3),
-                    replaces: Some(FileId(9))
+                    replaces: Some(FileId(9)),
+                    placed_at: None,
                 }),
                 Err(MetaError::Conflict { .. })
             ));
             m.apply(&MetaOp::CommitFile {
                 meta: meta("a", 3),
                 replaces: Some(FileId(1)),
+                placed_at: None,
             })
             .unwrap();
             assert!(m
                 .apply(&MetaOp::CommitFile {
                     meta: meta("b/c", 4),
-                    replaces: None
+                    replaces: None,
+                    placed_at: None,
                 })
                 .is_err());
             assert!(matches!(
@@ -495,6 +513,7 @@ mod tests {
         let op = MetaOp::CommitFile {
             meta: meta("a", 5),
             replaces: None,
+            placed_at: Some(0),
         };
         {
             let m = MetaStore::open(&disk).unwrap();
@@ -525,6 +544,32 @@ mod tests {
             id: FileId(5),
         };
         assert!(!rm.reflected_in(m.state()));
+    }
+
+    #[test]
+    fn a_file_placed_with_an_older_map_is_not_committed() {
+        let mut s = MetaState::default();
+        let map: BTreeMap<u32, String> = (0..4).map(|i| (i, format!("n{i}"))).collect();
+        s.apply(&MetaOp::InitMap { logical: map }).unwrap();
+        let placed_at = Some(s.map_version);
+        s.apply(&MetaOp::Replace {
+            logical: 2,
+            physical: "s0".into(),
+        })
+        .unwrap();
+        let op = MetaOp::CommitFile {
+            meta: meta("late", 9),
+            replaces: None,
+            placed_at,
+        };
+        let e = s.clone().apply(&op).unwrap_err();
+        assert!(e.to_string().contains("replaced while the file was written"), "{e}");
+        let op = MetaOp::CommitFile {
+            meta: meta("late", 9),
+            replaces: None,
+            placed_at: Some(s.map_version),
+        };
+        s.apply(&op).unwrap();
     }
 
     #[test]
@@ -601,6 +646,7 @@ mod tests {
                     m.apply(&MetaOp::CommitFile {
                         meta: meta("a", 1),
                         replaces: None,
+                        placed_at: None,
                     })
                     .unwrap();
                     disk.halt_after(k);
@@ -608,6 +654,7 @@ mod tests {
                         .apply(&MetaOp::CommitFile {
                             meta: meta("a", 2),
                             replaces: Some(FileId(1)),
+                            placed_at: None,
                         })
                         .is_ok();
                     disk.power_cut(seed);
