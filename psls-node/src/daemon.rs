@@ -110,7 +110,7 @@ pub async fn run(config: &Path, name: &str) -> Result<()> {
             }
         })?;
     let socket = cfg.socket_path(&me);
-    let listener = crate::ipc_server::bind(&socket)?;
+    let listener = crate::ipc::bind(&socket)?;
 
     let node = Arc::new(Node::new(
         cfg.clone(),
@@ -155,7 +155,7 @@ pub async fn run(config: &Path, name: &str) -> Result<()> {
     tokio::spawn(crate::replication::Replication::run(node.clone()));
     node.initial_sync().await;
     tokio::spawn(d.clone().run_ticks());
-    tokio::spawn(crate::ipc_server::serve(d.clone(), listener, socket.clone()));
+    tokio::spawn(crate::ipc::serve(d.clone(), listener, socket.clone()));
     tracing::info!(node = name, incarnation, addr = %me.addr, socket = %socket.display(), fault_disk = fault, "psls-node ready");
 
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;

@@ -7,12 +7,12 @@
 //! - subsystems on the core: [`pfs`] (the mirrored file system across nodes), [`svm`] (shared
 //!   virtual memory), [`sync`] and [`sync_channel`] (barriers and locks), [`launcher`] (jobs);
 //! - the top: [`dispatch`] (the daemon assembled, and what peers send routed to its
-//!   subsystem), [`ipc_server`] (local clients), [`daemon`] (start-up).
+//!   subsystem), [`ipc`] (local clients), [`daemon`] (start-up).
 
 pub mod daemon;
 pub mod dispatch;
 pub mod failstop;
-pub mod ipc_server;
+pub mod ipc;
 pub mod launcher;
 pub mod link;
 pub mod node;

@@ -1,0 +1,256 @@
+//! Local clients' shared-memory requests: map a file or a volatile segment (the node's memfd
+//! comes back with the answer), register a mapping's userfaultfd, unmap, the fault counters,
+//! and the lifeline that tells a client its fault failed (and, when it closes, that the process
+//! is gone). A client registers only files mapped on the same connection, and writable only if
+//! it was granted writable there.
+
+use super::{err, misrouted, send, send_with_fd, Conn, Flow};
+use crate::dispatch::Daemon;
+use crate::op::OpError;
+use crate::pfs::{self, Caller};
+use psls_ipc::proto::{Request, Response};
+use psls_ipc::ErrorKind;
+use std::os::fd::OwnedFd;
+use std::sync::Arc;
+use tokio::io::AsyncReadExt;
+use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
+
+/// Map, register, unmap, fault counters, lifeline.
+pub(super) async fn handle(c: &mut Conn, req: Request, mut fds: Vec<OwnedFd>) -> std::io::Result<Flow> {
+    let (d, caller, pid) = (c.d.clone(), c.caller, c.pid);
+    let node = d.node.clone();
+    let resp = match req {
+        Request::Map {
+            name,
+            size,
+            create,
+            writable,
+            volatile,
+            job,
+        } => match map(
+            &d,
+            caller,
+            &name,
+            size,
+            create,
+            writable,
+            volatile.then_some(job.as_str()),
+        )
+        .await
+        {
+            Ok((resp, memfd)) => {
+                if let Response::Mapped { file, writable, .. } = resp {
+                    // Writable once c.granted on this connection, whatever came after.
+                    *c.granted.entry(file).or_insert(false) |= writable;
+                }
+                send_with_fd(&mut c.w, &resp, std::os::fd::AsFd::as_fd(&memfd)).await?;
+                return Ok(Flow::Sent);
+            }
+            Err(e) => err(e),
+        },
+        Request::Register {
+            file,
+            base,
+            len,
+            writable,
+        } => match (c.granted.get(&file), pid, fds.len()) {
+            (None, _, _) => err(OpError::new(
+                ErrorKind::Invalid,
+                "register of a file not mapped on this connection",
+            )),
+            (Some(false), _, _) if writable => err(OpError::new(
+                ErrorKind::Permission,
+                "the file was mapped read-only: it cannot be registered writable",
+            )),
+            (_, None, _) => err(OpError::new(ErrorKind::Invalid, "no peer pid")),
+            (_, _, n) if n != 1 => err(OpError::new(
+                ErrorKind::Invalid,
+                format!("register needs exactly one descriptor (the userfaultfd), got {n}"),
+            )),
+            (Some(_), Some(pid), _) => {
+                let fd = fds.remove(0);
+                match d
+                    .svm
+                    .register(&node, pid, psls_svm::FileId(file), base, len, writable, fd)
+                {
+                    Ok(()) => Response::Ok,
+                    Err(e) => err(e),
+                }
+            }
+        },
+        Request::Unmap { base } => match pid {
+            Some(pid) => match d.svm.unregister(pid, base) {
+                Ok(()) => Response::Ok,
+                Err(e) => err(e),
+            },
+            None => err(OpError::new(ErrorKind::Invalid, "no peer pid")),
+        },
+        Request::SvmStats => {
+            let st = d.svm.stats();
+            Response::SvmStats {
+                node: node.name().to_string(),
+                counters: vec![
+                    ("local_faults".into(), st.local_faults),
+                    ("read_requests".into(), st.read_requests),
+                    ("write_requests".into(), st.write_requests),
+                    ("pages_in".into(), st.pages_in),
+                    ("pages_out".into(), st.pages_out),
+                    ("pages_loaded".into(), st.pages_loaded),
+                    ("invalidations".into(), st.invalidations),
+                    ("failed_faults".into(), st.failed_faults),
+                    ("joined_reads".into(), st.joined_reads),
+                    ("implied_grants".into(), st.implied_grants),
+                    ("posted_messages".into(), node.net.posted()),
+                    ("link_datagrams".into(), node.net.link.datagrams()),
+                    ("sync_channels".into(), d.channels.len() as u64),
+                    ("sync_waits".into(), d.sync.waits() as u64),
+                ],
+            }
+        }
+        Request::Lifeline => {
+            let Some(pid) = pid else {
+                send(&mut c.w, &err(OpError::new(ErrorKind::Invalid, "no peer pid"))).await?;
+                return Ok(Flow::Close);
+            };
+            return Ok(Flow::Lifeline(pid));
+        }
+        other => misrouted(&other),
+    };
+    Ok(Flow::Reply(resp))
+}
+
+/// Holds a client's lifeline: writes `Fatal` when one of its faults fails; returns when the
+/// client closes it.
+pub(super) async fn lifeline(
+    d: &Arc<Daemon>,
+    pid: i32,
+    mut r: OwnedReadHalf,
+    mut w: OwnedWriteHalf,
+) -> anyhow::Result<()> {
+    let node = &d.node;
+    let (id, mut rx) = d.svm.lifeline(pid);
+    let mut byte = [0u8; 1];
+    let r = loop {
+        tokio::select! {
+            m = rx.recv() => match m {
+                Some(message) => {
+                    if let Err(e) = send(&mut w, &Response::Fatal { message }).await {
+                        break Err(e.into());
+                    }
+                }
+                None => break Ok(()),
+            },
+            _ = r.read(&mut byte) => break Ok(()),
+        }
+    };
+    // The process is gone (or closed its last session): its locks and barrier waits go with it.
+    if !d.svm.end_lifeline(pid, id) {
+        return r;
+    }
+    if let Err(e) = crate::sync::gone(&d.sync, crate::sync::who(node, pid)) {
+        tracing::warn!(node = %node.name(), pid, error = %e, "could not release a dead client's locks");
+    }
+    r
+}
+
+/// A stable id for a volatile segment: from its owner, job and name (high bit set, so it
+/// never collides with a parallel file's id). A later job's segment of the same name is
+/// another segment, so late messages about an ended job's pages touch nothing of it.
+fn volatile_id(uid: u32, job: &str, name: &str) -> psls_svm::FileId {
+    let mut h = psls_svm::rng::mix64(uid as u64 ^ 0x5053_4c53);
+    // Length-prefixed, so ("ab", "c") and ("a", "bc") differ.
+    for part in [job, name] {
+        h = psls_svm::rng::mix64(h ^ part.len() as u64);
+        for chunk in part.as_bytes().chunks(8) {
+            let mut b = [0u8; 8];
+            b[..chunk.len()].copy_from_slice(chunk);
+            h = psls_svm::rng::mix64(h ^ u64::from_le_bytes(b));
+        }
+    }
+    psls_svm::FileId(h | 1 << 63)
+}
+
+/// `Map`: checks the caller's rights, creates the file if asked, opens the node's segment.
+async fn map(
+    d: &Arc<Daemon>,
+    caller: Caller,
+    name: &str,
+    size: u64,
+    create: bool,
+    writable: bool,
+    // `Some(job)` for a volatile segment of `job` (empty: outside a job).
+    volatile: Option<&str>,
+) -> Result<(Response, std::fs::File), OpError> {
+    let node = &d.node;
+    let pages_len = |n: u64| n.div_ceil(psls_svm::PAGE_SIZE as u64) * psls_svm::PAGE_SIZE as u64;
+    if size == 0 {
+        return Err(OpError::new(ErrorKind::Invalid, "cannot map 0 bytes"));
+    }
+    // A writable mapping gets the node's memfd read-write: only callers who may write the file
+    // get one. A read-only mapping gets a read-only descriptor of the same memory (it cannot
+    // be mapped shared for writing, nor made writable later).
+    if !writable && (create || volatile.is_some()) {
+        return Err(OpError::new(
+            ErrorKind::Invalid,
+            "a read-only mapping is of an existing parallel file (no create, no volatile segment)",
+        ));
+    }
+    let (id, file_size, backing) = if let Some(job) = volatile {
+        psls_pfs::meta::validate_name(name).map_err(|e| OpError::new(ErrorKind::Invalid, e.to_string()))?;
+        if job.len() > 256 {
+            return Err(OpError::new(ErrorKind::Invalid, "job id longer than 256 bytes"));
+        }
+        let job = (!job.is_empty()).then(|| job.to_string());
+        (
+            volatile_id(caller.uid, job.as_deref().unwrap_or(""), name),
+            size,
+            crate::svm::Backing::Volatile { job },
+        )
+    } else {
+        let found = pfs::lookup_file(node, name);
+        let f = match found {
+            Ok(f) => f,
+            Err(e) if e.kind == ErrorKind::NotFound && create => {
+                match pfs::create(node, caller, name, size, 0o644).await {
+                    Ok(_) => {}
+                    // Another rank created it first.
+                    Err(e) if e.kind == ErrorKind::Exists => {}
+                    Err(e) => return Err(e),
+                }
+                pfs::lookup_file(node, name)?
+            }
+            Err(e) => return Err(e),
+        };
+        caller.check_read(&f)?;
+        if writable {
+            caller.check_write(&f)?;
+        }
+        if size > f.size {
+            return Err(OpError::new(
+                ErrorKind::Invalid,
+                format!("cannot map {size} bytes of '{name}': the file has {} bytes", f.size),
+            ));
+        }
+        (f.id, f.size, crate::svm::Backing::Pfs(f))
+    };
+    let mut memfd = d.svm.segment(node, id, name, file_size, backing)?;
+    if !writable {
+        memfd = read_only(&memfd)?;
+    }
+    let resp = Response::Mapped {
+        file: id.0,
+        size: file_size,
+        len: pages_len(size),
+        writable,
+    };
+    Ok((resp, memfd))
+}
+
+/// A new read-only open file description of `file` (through its /proc link).
+fn read_only(file: &std::fs::File) -> Result<std::fs::File, OpError> {
+    use std::os::fd::AsRawFd;
+    std::fs::OpenOptions::new()
+        .read(true)
+        .open(format!("/proc/self/fd/{}", file.as_raw_fd()))
+        .map_err(|e| OpError::new(ErrorKind::Internal, format!("reopening a memfd read-only: {e}")))
+}
