@@ -1,7 +1,7 @@
 //! Local clients' cluster requests: status (anyone), scrub, node replacement and shutdown
 //! (root or the daemon's user), and round-trip measurements to a peer (fault-bench).
 
-use super::{err, misrouted, send, Conn, Flow};
+use super::conn::{err, misrouted, send, Conn, Flow};
 use crate::failstop::Locked;
 use crate::node::Node;
 use crate::op::OpError;

@@ -3,7 +3,7 @@
 //! against the file's owner and mode (`pfs::Caller`); a passed descriptor must be a regular
 //! file, pipe or character device open for the access needed.
 
-use super::{err, misrouted, one_fd, read_body, send, send_data, Access, Conn, Flow};
+use super::conn::{err, misrouted, one_fd, read_body, send, send_data, Access, Conn, Flow};
 use crate::node::Node;
 use crate::op::OpError;
 use crate::pfs::{self, Caller, Importer};

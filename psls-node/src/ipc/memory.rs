@@ -4,7 +4,7 @@
 //! is gone). A client registers only files mapped on the same connection, and writable only if
 //! it was granted writable there.
 
-use super::{err, misrouted, send, send_with_fd, Conn, Flow};
+use super::conn::{err, misrouted, send, send_with_fd, Conn, Flow};
 use crate::dispatch::Daemon;
 use crate::op::OpError;
 use crate::pfs::{self, Caller};

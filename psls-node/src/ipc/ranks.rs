@@ -2,7 +2,7 @@
 //! short path, served by the `psls-sync` thread), the same calls on this connection, and
 //! `psls run` (the launcher's side: start the job, relay its output, end with its status).
 
-use super::{err, misrouted, ok_or_err, send, Conn, Flow};
+use super::conn::{err, misrouted, ok_or_err, send, Conn, Flow};
 use crate::dispatch::Daemon;
 use crate::op::OpError;
 use psls_ipc::proto::{Request, Response};

@@ -1,0 +1,206 @@
+//! The message link against real sockets on loopback: order, certificates, bounds, restarts.
+
+use super::*;
+
+struct Collect(std::sync::mpsc::Sender<(String, PeerReq, Bytes)>);
+impl LinkHandler for Collect {
+    fn deliver(&self, from: &str, req: PeerReq, payload: Bytes) {
+        let _ = self.0.send((from.to_string(), req, payload));
+    }
+}
+
+/// A link of node `me` (certificates in `certs`) on `addr`, knowing one peer; the cluster
+/// lists nodes "a" and "b".
+fn link(certs: &Path, me: &str, addr: SocketAddr, peer: &str, peer_addr: SocketAddr) -> Arc<Link> {
+    let (s, c) = crate::tls::configs(certs, me).unwrap();
+    Arc::new(
+        Link::bind(
+            addr,
+            s,
+            c,
+            crate::tls::reset_key(certs, me).unwrap(),
+            [(peer.to_string(), peer_addr)].into(),
+            vec!["a".into(), "b".into()],
+        )
+        .unwrap(),
+    )
+}
+
+/// Posts pings to "b" with ids from `first` until one arrives on `rx` (a message may be
+/// lost on a connection that is being closed); fails after [`TEST_WAIT`].
+fn ping_until_delivered(a: &Link, rx: &std::sync::mpsc::Receiver<(String, PeerReq, Bytes)>, first: u64, what: &str) {
+    let deadline = std::time::Instant::now() + TEST_WAIT;
+    let mut id = first;
+    loop {
+        a.post("b", &PeerReq::LinkPing { id }, Bytes::new()).unwrap();
+        if let Ok((_, PeerReq::LinkPing { id: back }, _)) = rx.recv_timeout(Duration::from_millis(200)) {
+            assert!((first..=id).contains(&back), "ping {back} after {first}..={id}");
+            return;
+        }
+        assert!(std::time::Instant::now() < deadline, "{what}");
+        id += 1;
+    }
+}
+
+/// Two links with the cluster's certificates: messages arrive in order, whole, with the
+/// sender's certificate name. A node of another CA, and a node of this CA that the
+/// cluster does not list, get nothing delivered.
+#[test]
+fn messages_arrive_in_order_whole_and_only_from_the_cluster() {
+    let dir = tempfile::tempdir().unwrap();
+    let names = ["a", "b", "c"].map(String::from);
+    psls_ipc::certs::generate(dir.path(), "t", &names).unwrap();
+    let other = tempfile::tempdir().unwrap();
+    psls_ipc::certs::generate(other.path(), "u", &names).unwrap();
+    let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
+    let make = |certs: &Path, me: &str, peer: &str, peer_addr: SocketAddr| link(certs, me, any, peer, peer_addr);
+    // b listens; a, a stranger "c" of the same CA and an "a" of another CA send to it.
+    let b = make(dir.path(), "b", "a", "127.0.0.1:9".parse().unwrap());
+    let baddr = b.local_addr().unwrap();
+    let a = make(dir.path(), "a", "b", baddr);
+    let c = make(dir.path(), "c", "b", baddr);
+    let fake = make(other.path(), "a", "b", baddr);
+    let (tx, rx) = std::sync::mpsc::channel();
+    let mut threads = Vec::new();
+    for (l, h) in [(&b, Some(tx))]
+        .into_iter()
+        .chain([(&a, None), (&c, None), (&fake, None)])
+    {
+        let (l, h) = (l.clone(), h);
+        threads.push(std::thread::spawn(move || {
+            let (t2, _r2) = std::sync::mpsc::channel();
+            l.run(Arc::new(Collect(h.unwrap_or(t2))))
+        }));
+    }
+    c.post(
+        "b",
+        &PeerReq::LinkPing { id: u64::MAX },
+        Bytes::from_static(b"stranger"),
+    )
+    .unwrap();
+    fake.post("b", &PeerReq::LinkPing { id: u64::MAX }, Bytes::from_static(b"forged"))
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    let n = 2000u64;
+    for i in 0..n {
+        let payload = Bytes::from(vec![(i % 251) as u8; (i as usize * 37) % 9000]);
+        a.post("b", &PeerReq::LinkPing { id: i }, payload).unwrap();
+    }
+    for i in 0..n {
+        let (from, req, payload) = rx.recv_timeout(TEST_WAIT).expect("message");
+        assert_eq!(from, "a");
+        assert!(matches!(req, PeerReq::LinkPing { id } if id == i), "{req:?} at {i}");
+        assert_eq!(payload.len(), (i as usize * 37) % 9000);
+        assert!(payload.iter().all(|&x| x == (i % 251) as u8));
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(rx.try_recv().is_err(), "nothing but a's messages is delivered");
+    assert_eq!(a.posted(), n);
+    assert!(matches!(
+        a.post("nobody", &PeerReq::LinkPing { id: 0 }, Bytes::new()),
+        Err(NetError::UnknownPeer(_))
+    ));
+    let big = Bytes::from(vec![0u8; MAX_PEER_MSG]);
+    assert!(a.post("b", &PeerReq::LinkPing { id: 0 }, big).is_err());
+    for l in [&a, &b, &c, &fake] {
+        l.close();
+    }
+    for t in threads {
+        t.join().unwrap();
+    }
+}
+
+/// A peer that restarts on the same port (a new endpoint, the same certificate and reset
+/// key): after `drop_peer` (what membership does when it hears the new incarnation) the
+/// next message dials afresh and arrives; and even without it, the stale connection is
+/// reset by the new endpoint and later messages get through on a new one.
+#[test]
+fn a_restarted_peer_is_reached_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let names = ["a", "b"].map(String::from);
+    psls_ipc::certs::generate(dir.path(), "t", &names).unwrap();
+    let bind =
+        |me: &str, addr: SocketAddr, peer: &str, peer_addr: SocketAddr| link(dir.path(), me, addr, peer, peer_addr);
+    let start = |l: &Arc<Link>| {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let l2 = l.clone();
+        (std::thread::spawn(move || l2.run(Arc::new(Collect(tx)))), rx)
+    };
+    let b = bind("b", "127.0.0.1:0".parse().unwrap(), "a", "127.0.0.1:9".parse().unwrap());
+    let baddr = b.local_addr().unwrap();
+    let a = bind("a", "127.0.0.1:0".parse().unwrap(), "b", baddr);
+    let (ta, _ra) = start(&a);
+    let (tb, rb) = start(&b);
+    let ping = |id: u64| {
+        a.post("b", &PeerReq::LinkPing { id }, Bytes::from_static(b"x"))
+            .unwrap()
+    };
+    let got = |rx: &std::sync::mpsc::Receiver<(String, PeerReq, Bytes)>| match rx.recv_timeout(TEST_WAIT) {
+        Ok((_, PeerReq::LinkPing { id }, _)) => id,
+        other => panic!("{other:?}"),
+    };
+    ping(1);
+    assert_eq!(got(&rb), 1);
+    // b restarts on the same port.
+    b.close();
+    tb.join().unwrap();
+    drop(b);
+    let b = bind("b", baddr, "a", "127.0.0.1:9".parse().unwrap());
+    let (tb, rb) = start(&b);
+    a.drop_peer("b");
+    ping(2);
+    assert_eq!(got(&rb), 2, "delivered to the new incarnation after drop_peer");
+    // Restart again, this time without drop_peer: the first message may be lost on the
+    // stale connection (the new endpoint resets it); a later one gets through.
+    b.close();
+    tb.join().unwrap();
+    drop(b);
+    let b = bind("b", baddr, "a", "127.0.0.1:9".parse().unwrap());
+    let (tb, rb) = start(&b);
+    ping_until_delivered(&a, &rb, 3, "never reached the restarted peer");
+    for l in [&a, &b] {
+        l.close();
+    }
+    ta.join().unwrap();
+    tb.join().unwrap();
+}
+
+/// Bad frames from a peer of the cluster: a malformed message is dropped and the next one
+/// on the stream still arrives; a frame longer than the limit closes the connection (the
+/// sender dials again for later messages). Nothing panics.
+#[test]
+fn bad_frames_are_dropped_or_close_the_connection() {
+    let dir = tempfile::tempdir().unwrap();
+    psls_ipc::certs::generate(dir.path(), "t", &["a".to_string(), "b".to_string()]).unwrap();
+    let bind = |me: &str, peer: &str, peer_addr: SocketAddr| {
+        link(dir.path(), me, "127.0.0.1:0".parse().unwrap(), peer, peer_addr)
+    };
+    let b = bind("b", "a", "127.0.0.1:9".parse().unwrap());
+    let a = bind("a", "b", b.local_addr().unwrap());
+    let (tx, rx) = std::sync::mpsc::channel();
+    let (b2, a2) = (b.clone(), a.clone());
+    let tb = std::thread::spawn(move || b2.run(Arc::new(Collect(tx))));
+    let (txa, _rxa) = std::sync::mpsc::channel();
+    let ta = std::thread::spawn(move || a2.run(Arc::new(Collect(txa))));
+    let got = || match rx.recv_timeout(TEST_WAIT) {
+        Ok((_, PeerReq::LinkPing { id }, _)) => id,
+        other => panic!("{other:?}"),
+    };
+    // A frame whose header is not a message: dropped; the stream goes on.
+    let mut junk = 6u32.to_le_bytes().to_vec();
+    junk.extend_from_slice(&[0xff; 6]);
+    a.post_raw("b", Bytes::from(junk)).unwrap();
+    a.post("b", &PeerReq::LinkPing { id: 1 }, Bytes::new()).unwrap();
+    assert_eq!(got(), 1);
+    // A frame announcing more than the limit: the connection is closed at once, without
+    // waiting for the rest.
+    let too_long = ((MAX_PEER_MSG + 1) as u32).to_le_bytes().to_vec();
+    a.post_raw("b", Bytes::from(too_long)).unwrap();
+    // Later messages get through again, on a new connection.
+    ping_until_delivered(&a, &rx, 2, "no message after the bad frame");
+    for l in [&a, &b] {
+        l.close();
+    }
+    ta.join().unwrap();
+    tb.join().unwrap();
+}

@@ -1,0 +1,249 @@
+//! Keeping two good copies: scrub (every copy checked, bad ones rewritten from the good one),
+//! replacement of a lost node by a spare, the rebuild of its copies, and when to rebuild or
+//! replace on its own.
+
+use super::files::*;
+use super::read::read_from;
+use crate::node::Node;
+use crate::op::{blocking, OpError};
+use crate::peer::{PeerReq, PeerResp, BATCH_PAGES};
+use psls_ipc::proto::ScrubReport;
+use psls_ipc::ErrorKind;
+use psls_pfs::meta::{FileMeta, MetaOp, MetaState};
+use psls_pfs::Role;
+use psls_svm::{FileId, NodeId};
+use std::collections::BTreeMap;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// `psls scrub`: verifies every copy on every node and repairs bad ones from the good copy.
+pub async fn scrub(node: &Arc<Node>) -> Result<ScrubReport, OpError> {
+    let st = node.meta_state();
+    check_all_serving(node, &st)?;
+    let files: Vec<(FileId, u64, u64)> = st.files.values().map(|f| (f.id, f.pages(), f.gen)).collect();
+    let by_id: BTreeMap<FileId, FileMeta> = st.files.values().map(|f| (f.id, f.clone())).collect();
+    let mut report = ScrubReport {
+        files: files.len() as u64,
+        ..Default::default()
+    };
+    let mut bad = Vec::new();
+    for (l, p) in node.logical_map(&st) {
+        match node.call_ok(&p, PeerReq::ScrubLocal { files: files.clone() }).await? {
+            PeerResp::Scrub { checked, bad: b } => {
+                report.copies_checked += checked;
+                report.bad_copies += b.len() as u64;
+                bad.extend(b.into_iter().map(|c| (NodeId(l), c)));
+            }
+            other => {
+                return Err(OpError::new(
+                    ErrorKind::Internal,
+                    format!("{p}: unexpected answer {other:?}"),
+                ))
+            }
+        }
+    }
+    let written = Arc::new(Incarnations::default());
+    // Group: (file, bad role, bad holder, good holder) → indices.
+    let mut groups: BTreeMap<(FileId, Role, NodeId, NodeId), Vec<u64>> = BTreeMap::new();
+    for (l, c) in bad {
+        let good = node.placement.holder(c.file, c.index, c.role.other());
+        groups.entry((c.file, c.role, l, good)).or_default().push(c.index);
+    }
+    for ((file, role, dst, src), idx) in groups {
+        let Some(f) = by_id.get(&file) else { continue };
+        for chunk in idx.chunks(BATCH_PAGES) {
+            let (ok, failed) = copy_pages(node, &st, f, (role.other(), src, dst), chunk.to_vec(), &written).await;
+            report.repaired += ok;
+            report.unrepairable += failed;
+        }
+    }
+    if report.repaired > 0 {
+        // A node that restarted before this sync lost the repairs: the scrub fails; run it again.
+        sync_all(node, &written).await?;
+    }
+    tracing::info!(node = %node.name(), ?report, "scrub finished");
+    Ok(report)
+}
+
+/// Copies pages from `src`'s `src_role` copies into `dst`'s other-role copies (checking the
+/// storing incarnation against `written`); returns
+/// (copied, failed).
+pub(super) async fn copy_pages(
+    node: &Arc<Node>,
+    st: &MetaState,
+    f: &FileMeta,
+    (src_role, src, dst): (Role, NodeId, NodeId),
+    idx: Vec<u64>,
+    written: &Incarnations,
+) -> (u64, u64) {
+    let (ok, bad) = read_from(node, st, f, src_role, src, idx.clone()).await.split(&idx);
+    for (i, state) in &bad {
+        tracing::error!(file = %f.id, page = i, ?state, "both copies bad: cannot repair");
+    }
+    let n = ok.indices.len() as u64;
+    if n == 0 {
+        return (0, bad.len() as u64);
+    }
+    let (indices, data) = ok.into_parts();
+    let r = write_to(node, dst, f.id, src_role.other(), f.gen, f.gen, indices, data).await;
+    match r.and_then(|(phys, incarnation)| written.check(&phys, incarnation)) {
+        Ok(()) => (n, bad.len() as u64),
+        Err(e) => {
+            tracing::error!(node = %dst, error = %e, "repair write failed");
+            (0, bad.len() as u64 + n)
+        }
+    }
+}
+
+/// `psls node replace`: gives logical id `logical` to `spare`; the spare then rebuilds.
+pub async fn replace(node: &Arc<Node>, logical: u32, spare: &str) -> Result<(), OpError> {
+    let st = node.meta_state();
+    let map = node.logical_map(&st);
+    let Some(old) = map.get(&logical).cloned() else {
+        return Err(OpError::new(
+            ErrorKind::Invalid,
+            format!("there is no logical node {logical} (the cluster has {})", map.len()),
+        ));
+    };
+    if node.cfg.entry(spare).is_none() {
+        return Err(OpError::new(
+            ErrorKind::Invalid,
+            format!("no node named '{spare}' in the cluster config"),
+        ));
+    }
+    if map.values().any(|p| p == spare) {
+        return Err(OpError::new(
+            ErrorKind::Invalid,
+            format!("'{spare}' already holds a logical id"),
+        ));
+    }
+    if node.is_live(&old) {
+        return Err(OpError::new(
+            ErrorKind::Invalid,
+            format!("node {logical} ({old}) is up; only a down node can be replaced"),
+        ));
+    }
+    if !node.is_live(spare) {
+        return Err(OpError::new(
+            ErrorKind::Unavailable,
+            format!("spare '{spare}' is not up"),
+        ));
+    }
+    if st.logical.is_empty() {
+        node.submit(MetaOp::InitMap { logical: map.clone() }).await?;
+    }
+    node.submit(MetaOp::Replace {
+        logical,
+        physical: spare.into(),
+    })
+    .await?;
+    tracing::warn!(logical, old = %old, new = %spare, "node replaced; rebuilding its copies");
+    Ok(())
+}
+
+/// Re-creates every copy logical node `l` (this node) must hold, from the other copies.
+pub async fn rebuild(node: &Arc<Node>, l: NodeId) -> Result<(), OpError> {
+    let st = node.meta_state();
+    let p = node.placement;
+    let files: Vec<FileMeta> = st.files.values().filter(|f| f.gen > 0).cloned().collect();
+    let total: u64 = files
+        .iter()
+        .map(|f| {
+            [Role::Primary, Role::Mirror]
+                .iter()
+                .map(|&r| p.held_count(l, f.id, f.pages(), r))
+                .sum::<u64>()
+        })
+        .sum();
+    node.rebuild_total.store(total, Ordering::Relaxed);
+    node.rebuild_done.store(0, Ordering::Relaxed);
+    tracing::info!(node = %node.name(), logical = %l, pages = total, "rebuild started");
+    for f in &files {
+        for role in [Role::Primary, Role::Mirror] {
+            let src_role = role.other();
+            let held: Vec<u64> = p.held(l, f.id, f.pages(), role).collect();
+            for chunk in held.chunks(BATCH_PAGES) {
+                let src = p.holder(f.id, chunk[0], src_role);
+                let (ok, bad) = read_from(node, &st, f, src_role, src, chunk.to_vec())
+                    .await
+                    .split(chunk);
+                if let Some((i, state)) = bad.first() {
+                    let msg = format!("cannot copy page {}:{i} from {src}: {state:?}", f.id);
+                    return Err(OpError::new(ErrorKind::Unavailable, msg));
+                }
+                let n = ok.indices.len() as u64;
+                let (indices, data) = ok.into_parts();
+                write_to(node, l, f.id, role, f.gen, f.gen, indices, data).await?;
+                node.rebuild_done.fetch_add(n, Ordering::Relaxed);
+            }
+        }
+        let store = node.store.clone();
+        blocking(move || store.sync()).await??;
+    }
+    node.submit(MetaOp::RebuildDone {
+        logical: l.0,
+        physical: node.name().to_string(),
+    })
+    .await?;
+    tracing::info!(node = %node.name(), logical = %l, pages = total, "rebuild finished: every page has two copies again");
+    Ok(())
+}
+
+/// Starts this node's rebuild if the metadata says it is rebuilding a logical id and none runs.
+pub fn maybe_rebuild(node: &Arc<Node>) {
+    let st = node.meta_state();
+    let Some(l) = node.my_logical(&st) else {
+        return;
+    };
+    if st.rebuilding.get(&l.0).is_none_or(|r| r.physical != node.me.name) {
+        return;
+    }
+    if node.rebuild_running.swap(true, Ordering::SeqCst) {
+        return;
+    }
+    let me = node.clone();
+    tokio::spawn(async move {
+        let r = rebuild(&me, l).await;
+        if let Err(e) = &r {
+            tracing::warn!(node = %me.me.name, error = %e, "rebuild interrupted; will retry");
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+        me.rebuild_running.store(false, Ordering::SeqCst);
+    });
+}
+
+/// At the coordinator: gives a logical id down longer than `replace_after_ms` to a free spare.
+pub async fn maybe_auto_replace(node: &Arc<Node>) {
+    let after = node.cfg.cluster.replace_after_ms;
+    let downs = node.down_peers();
+    if after == 0 {
+        return;
+    }
+    let st = node.meta_state();
+    if node.coordinator(&st).map(|c| c.1) != Some(node.me.name.clone()) {
+        return;
+    }
+    let map = node.logical_map(&st);
+    for (peer, down_for) in downs {
+        if down_for < after {
+            continue;
+        }
+        let Some((&logical, _)) = map.iter().find(|(_, p)| **p == peer) else {
+            continue;
+        };
+        let spare = node
+            .cfg
+            .spares
+            .iter()
+            .find(|s| !map.values().any(|p| *p == s.name) && node.state_of(&s.name) == psls_ipc::proto::NodeState::Up)
+            .map(|s| s.name.clone());
+        if let Some(spare) = spare {
+            tracing::warn!(logical, down = %peer, %spare, "node down too long: replacing it with a spare");
+            if let Err(e) = replace(node, logical, &spare).await {
+                tracing::warn!(error = %e, "automatic replacement failed");
+            }
+            return;
+        }
+    }
+}

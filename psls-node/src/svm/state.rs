@@ -1,0 +1,181 @@
+//! The shared-memory shell's state: segments (the node's memfd per mapped file), client
+//! mappings and their fault threads, waiting faults, the lifelines, the adaptive prefetch, and
+//! the coherence state machine behind the shell's one lock.
+
+use psls_pfs::meta::FileMeta;
+use psls_svm::coherence::{Envelope, Svm, TxnId, WaiterId};
+use psls_svm::{FileId, NodeId, PageId, PAGE_SIZE};
+use std::collections::{HashMap, VecDeque};
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::{Arc, Mutex};
+use userfaultfd::{FaultKind, Uffd};
+/// Actions run per lock hold, at most (a bound; the state machine produces far fewer).
+pub(super) const MAX_STEPS: usize = 1 << 20;
+/// Fault events read per `read` on a userfaultfd.
+pub(super) const EVENT_BATCH: usize = 64;
+/// Largest segment a client may map.
+pub const MAX_SEGMENT_BYTES: u64 = 1 << 40;
+
+pub(super) const UFFDIO_CONTINUE_MODE_WP: u64 = 1 << 1;
+
+/// Where a segment's pages come from when no memory holds them.
+#[derive(Clone, Debug)]
+pub enum Backing {
+    /// A parallel file: its committed pages in the PFS.
+    Pfs(FileMeta),
+    /// A volatile segment: zeros. With a job, it is dropped when the job ends.
+    Volatile { job: Option<String> },
+}
+
+pub(super) struct Segment {
+    pub(super) name: String,
+    pub(super) memfd: std::fs::File,
+    pub(super) pages: u64,
+    pub(super) backing: Backing,
+    pub(super) maps: Vec<Arc<ClientMap>>,
+}
+
+/// One client mapping: its userfaultfd and where the file is mapped in the client.
+pub struct ClientMap {
+    pub(super) id: u64,
+    pub(super) pid: i32,
+    pub(super) file: FileId,
+    pub(super) base: usize,
+    pub(super) len: usize,
+    pub(super) writable: bool,
+    pub(super) uffd: Uffd,
+    /// Wakes the fault thread for shutdown.
+    pub(super) stop: OwnedFd,
+    /// Only the mapping's fault thread uses it.
+    pub(super) prefetch: Mutex<Prefetch>,
+}
+
+/// Adaptive next-page prefetch of one client mapping. A fault that is not on the page last
+/// prefetched asks for the next page too, while prefetching pays: a prefetched page that the
+/// client then touches (its first access faults, locally) is a hit, one it skips is a miss.
+/// After a miss prefetching stops, and is tried again every [`Prefetch::PROBE_EVERY`] faults.
+/// This serves runs of pages (a vector spanning pages: the second page comes with the
+/// first), and stays off for strided access, where the next page is often one that another
+/// node is writing and fetching it would only downgrade that writer.
+#[derive(Debug, Default)]
+pub(super) struct Prefetch {
+    /// The page last prefetched, until the client touches it or faults elsewhere.
+    pub(super) outstanding: Option<u64>,
+    /// Hits minus misses, clamped to [-1, 2]; prefetching is on while >= 0.
+    pub(super) score: i8,
+    /// Faults since prefetching went off.
+    pub(super) idle_faults: u32,
+}
+
+impl Prefetch {
+    pub(super) const PROBE_EVERY: u32 = 32;
+
+    /// A fault on page `index`; returns the page to prefetch, if any (`last` is the
+    /// mapping's last page).
+    pub(super) fn on_fault(&mut self, index: u64, last: u64) -> Option<u64> {
+        match self.outstanding.take() {
+            Some(p) if p == index => {
+                // A hit: this page was asked for already; the run may go on past it.
+                self.score = (self.score + 1).min(2);
+                return None;
+            }
+            Some(_) => self.score = (self.score - 1).max(-1),
+            None => {}
+        }
+        let on = if self.score >= 0 {
+            true
+        } else {
+            self.idle_faults += 1;
+            self.idle_faults.is_multiple_of(Self::PROBE_EVERY)
+        };
+        if on && index < last {
+            self.idle_faults = 0;
+            self.outstanding = Some(index + 1);
+            Some(index + 1)
+        } else {
+            None
+        }
+    }
+}
+
+impl ClientMap {
+    pub(super) fn addr_of(&self, index: u64) -> usize {
+        self.base + index as usize * PAGE_SIZE
+    }
+}
+
+pub(super) struct Waiter {
+    pub(super) map: Arc<ClientMap>,
+    pub(super) addr: usize,
+    pub(super) kind: FaultKind,
+}
+
+/// What must be done outside the lock.
+pub(super) enum Outgoing {
+    Send {
+        to: NodeId,
+        env: Envelope,
+        payload: bytes::Bytes,
+    },
+    Load {
+        page: PageId,
+        txn: TxnId,
+        backing: Backing,
+    },
+    Fatal {
+        pid: i32,
+        message: String,
+    },
+}
+
+#[derive(Default)]
+pub(super) struct Inner {
+    pub(super) svm: Option<Svm>,
+    pub(super) segs: HashMap<FileId, Segment>,
+    pub(super) waiters: HashMap<WaiterId, Waiter>,
+    pub(super) next_waiter: WaiterId,
+    pub(super) next_map: u64,
+    pub(super) self_msgs: VecDeque<Envelope>,
+}
+
+/// Per client process, its lifelines (one per session), by id.
+pub(super) type Lifelines = HashMap<i32, Vec<(u64, tokio::sync::mpsc::UnboundedSender<String>)>>;
+
+/// The daemon's shared-virtual-memory state.
+pub struct SvmShell {
+    pub(super) inner: Mutex<Inner>,
+    /// Per client process, its lifelines.
+    pub(super) lifelines: Mutex<Lifelines>,
+    pub(super) next_lifeline: std::sync::atomic::AtomicU64,
+    pub(super) runtime: tokio::runtime::Handle,
+}
+
+pub(super) fn errno_of(e: &std::io::Error) -> i32 {
+    e.raw_os_error().unwrap_or(0)
+}
+
+/// `UFFDIO_CONTINUE` on one page, write-protected if `wp` (the `userfaultfd` crate has no
+/// write-protect mode for it).
+pub fn continue_page(uffd: &Uffd, addr: usize, wp: bool) -> std::io::Result<()> {
+    #[repr(C)]
+    struct UffdioContinue {
+        start: u64,
+        len: u64,
+        mode: u64,
+        mapped: i64,
+    }
+    let mut c = UffdioContinue {
+        start: addr as u64,
+        len: PAGE_SIZE as u64,
+        mode: if wp { UFFDIO_CONTINUE_MODE_WP } else { 0 },
+        mapped: 0,
+    };
+    // SAFETY: UFFDIO_CONTINUE reads and writes only the struct passed, which lives across the
+    // call and has the kernel's layout (struct uffdio_continue: range, mode, mapped).
+    let r = unsafe { libc::ioctl(uffd.as_raw_fd(), userfaultfd_sys::UFFDIO_CONTINUE as _, &mut c) };
+    if r < 0 {
+        Err(std::io::Error::last_os_error())
+    } else {
+        Ok(())
+    }
+}
