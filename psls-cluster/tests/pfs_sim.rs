@@ -589,7 +589,7 @@ fn random_schedules_keep_committed_files_whole_on_both_copies() {
             std::env::var("PSLS_SIM_SEEDS")
                 .ok()
                 .and_then(|s| s.parse::<u64>().ok())
-                .unwrap_or(200),
+                .unwrap_or(1000),
         ),
     };
     let (mut committed, mut aborted, mut rebuilds) = (0, 0, 0);

@@ -4,7 +4,7 @@
 //! ([`Handler`]) and one-way messages on the message link ([`LinkDelivery`]), each to the
 //! subsystem it concerns. Also the periodic duties (heartbeats, metadata catch-up, shared
 //! memory bookkeeping, rebuild and automatic replacement). The top of the daemon: nothing but
-//! `daemon` and `ipc_server` imports it.
+//! `daemon` and `ipc` import it.
 
 use crate::failstop::Locked;
 use crate::launcher::Jobs;

@@ -5,8 +5,9 @@
 use super::files::*;
 use super::read::read_from;
 use crate::node::Node;
-use crate::op::{blocking, OpError};
+use crate::op::OpError;
 use crate::peer::{PeerReq, PeerResp, BATCH_PAGES};
+use psls_cluster::write::{Write, WriteAction};
 use psls_ipc::proto::ScrubReport;
 use psls_ipc::ErrorKind;
 use psls_pfs::meta::{FileMeta, MetaOp, MetaState};
@@ -159,6 +160,11 @@ pub async fn rebuild(node: &Arc<Node>, l: NodeId) -> Result<(), OpError> {
     node.rebuild_total.store(total, Ordering::Relaxed);
     node.rebuild_done.store(0, Ordering::Relaxed);
     tracing::info!(node = %node.name(), logical = %l, pages = total, "rebuild started");
+    // The copies are written here, through the two-phase write: every batch acknowledged by
+    // this incarnation, one fsync by the same incarnation, then the commit record.
+    let me = node.name().to_string();
+    let mut write = Write::new();
+    let fail = |why: String| OpError::new(ErrorKind::Unavailable, why);
     for f in &files {
         for role in [Role::Primary, Role::Mirror] {
             let src_role = role.other();
@@ -169,23 +175,39 @@ pub async fn rebuild(node: &Arc<Node>, l: NodeId) -> Result<(), OpError> {
                     .await
                     .split(chunk);
                 if let Some((i, state)) = bad.first() {
-                    let msg = format!("cannot copy page {}:{i} from {src}: {state:?}", f.id);
-                    return Err(OpError::new(ErrorKind::Unavailable, msg));
+                    return Err(fail(format!("cannot copy page {}:{i} from {src}: {state:?}", f.id)));
                 }
                 let n = ok.indices.len() as u64;
                 let (indices, data) = ok.into_parts();
-                write_to(node, l, f.id, role, f.gen, f.gen, indices, data).await?;
+                write.sent(&me);
+                match write_to_phys(node, &me, f.id, role, f.gen, f.gen, indices, data).await {
+                    Ok(incarnation) => write.stored(&me, incarnation),
+                    Err(e) => write.store_failed(&me, &e.message),
+                }
                 node.rebuild_done.fetch_add(n, Ordering::Relaxed);
             }
         }
-        let store = node.store.clone();
-        blocking(move || store.sync()).await??;
     }
-    node.submit(MetaOp::RebuildDone {
-        logical: l.0,
-        physical: node.name().to_string(),
-    })
-    .await?;
+    write.finish();
+    while let Some(a) = write.poll_action() {
+        match a {
+            WriteAction::Sync { node: phys } => match sync_on(node, &phys).await {
+                Ok(incarnation) => write.synced(&phys, incarnation),
+                Err(e) => write.sync_failed(&phys, &e.message),
+            },
+            WriteAction::Commit => {
+                let r = node
+                    .submit(MetaOp::RebuildDone {
+                        logical: l.0,
+                        physical: me.clone(),
+                    })
+                    .await;
+                write.committed(r.map_err(|e| e.message));
+            }
+            WriteAction::Abort { .. } => {}
+            WriteAction::Done(r) => r.map_err(fail)?,
+        }
+    }
     tracing::info!(node = %node.name(), logical = %l, pages = total, "rebuild finished: every page has two copies again");
     Ok(())
 }

@@ -249,6 +249,7 @@ fn main() {
                     break;
                 }
                 if v % 2 == rank {
+                    // SAFETY: a volatile store to a word of the mapping (a valid `&mut u64`).
                     unsafe { std::ptr::write_volatile(&mut w[0], v + 1) };
                     mine += 1;
                 } else if t.elapsed() > Duration::from_secs(120) {
@@ -257,9 +258,9 @@ fn main() {
                 }
             }
             s.barrier_of("pingpong", 2).expect("barrier");
-            println!("did {mine} of {} final {}", rounds, unsafe {
-                std::ptr::read_volatile(&w[0])
-            });
+            // SAFETY: a volatile load of a word of the mapping.
+            let last = unsafe { std::ptr::read_volatile(&w[0]) };
+            println!("did {mine} of {} final {}", rounds, last);
         }
         "falseshare" => {
             // `falseshare NAME PAGES TIMES`: each rank adds one to its own word of page 0,
@@ -271,7 +272,10 @@ fn main() {
                 unsafe { std::ptr::write_volatile(&mut w[rank], std::ptr::read_volatile(&w[rank]) + 1) };
             }
             s.barrier("falseshare").expect("barrier");
-            let words: Vec<u64> = (0..size).map(|r| unsafe { std::ptr::read_volatile(&w[r]) }).collect();
+            let words: Vec<u64> = (0..size)
+                // SAFETY: volatile loads of words of the mapping.
+                .map(|r| unsafe { std::ptr::read_volatile(&w[r]) })
+                .collect();
             println!("words {words:?}");
             if words.iter().any(|&x| x != times) {
                 std::process::exit(4);
@@ -344,10 +348,13 @@ fn litmus(test: &str, iters: usize) {
     let w: &mut [u64] = m.as_mut_slice();
     let base = w.as_mut_ptr();
     // x on page 0, y on page 1, each rank's results on its own pages.
+    // SAFETY: page 1 of the mapping, which has at least 2 + ranks * res_pages pages.
     let (x, y) = (base, unsafe { base.add(W) });
+    // SAFETY: a word of rank r's result pages, inside the mapping for every r < size.
     let res = |r: usize, it: usize, k: usize| unsafe { base.add(2 * W + r * res_pages * W + it * 2 + k) };
-    // SAFETY (all below): plain volatile loads and stores of words inside the mapping.
+    // SAFETY: plain volatile loads of words inside the mapping (pointers from x, y, res).
     let ld = |p: *mut u64| unsafe { std::ptr::read_volatile(p) };
+    // SAFETY: plain volatile stores of words inside the mapping (pointers from x, y, res).
     let st = |p: *mut u64, v: u64| unsafe { std::ptr::write_volatile(p, v) };
     s.barrier("litmus-start").expect("barrier");
     for it in 0..iters {
