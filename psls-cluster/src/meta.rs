@@ -19,7 +19,8 @@
 //!   acceptances the operation is committed and the coordinator tells everyone to commit; it
 //!   answers the submitter once every voter the shell says is live (`set_live`) has confirmed
 //!   the commit, so an operation answered `Ok` is visible on every live node (and one refused
-//!   as invalid is answered once the state it was refused on is). A voter whose committed state is behind is sent the coordinator's
+//!   as invalid is answered once the state it was refused on is). A voter whose committed
+//!   state is behind is sent the coordinator's
 //!   (`Install`); a voter that hears (from heartbeats) of a newer committed state fetches it.
 //! - **Durability.** The shell must make `PersistVote` (promised epoch, accepted operation)
 //!   and `PersistCommitted` durable before it carries out any later action (a send or an
@@ -33,6 +34,9 @@
 //!
 //! Bounds: at most [`MAX_QUEUED`] submissions wait at a coordinator; every message names one
 //! slot or carries one state.
+//!
+//! Why one file of this size (about 800 lines without its tests): one state machine whose
+//! handlers share the Paxos invariants stated above; split, a reader would lose them.
 
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet, VecDeque};

@@ -44,6 +44,9 @@
 //! needed (its memory is gone). A page whose only up-to-date copy was on a lost node is *lost*:
 //! faults on it fail until a checkpoint rollback restores it (a later issue). A page that was not
 //! written since it was loaded is simply reloaded from disk.
+//!
+//! Why one file of this size: it is one state machine whose handlers share one set of
+//! invariants (owner, copyset, the manager's queue); split, a reader would lose them.
 
 use crate::ids::{FileId, Incarnation, NodeId, PageId};
 use serde::{Deserialize, Serialize};

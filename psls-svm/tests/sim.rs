@@ -78,6 +78,9 @@
 //!
 //! `PSLS_SIM_SEEDS=N` runs N seeds (default 10000); `PSLS_SIM_SEED=S` runs only seed S;
 //! `PSLS_SIM_TRACE=1` prints every event.
+//!
+//! Why one file of this size: one simulated world (nodes, shell, clients, network) whose
+//! checks after every step read all of it.
 
 use psls_svm::coherence::{Access, Action, Envelope, FaultError, InProgress, Msg, Receipt, Svm, TxnId, WaiterId};
 use psls_svm::rng::SplitMix64;
