@@ -583,3 +583,25 @@ fn a_peer_cannot_speak_for_another_node_in_coherence_messages() {
     run("n1", &["check", "shm", "16", "1"]);
     run("n0", &["check", "shm", "16", "1"]);
 }
+
+/// `fault-bench`'s round trips through a daemon: a request/response on the request transport
+/// and a ping/pong on the message link, each answered once per round trip asked for (a
+/// refactoring once answered a link ping run with nothing: the client waited forever).
+#[test]
+fn peer_pings_over_both_transports_answer_every_round_trip() {
+    let c = Cluster::start(2, 0);
+    for link in [false, true] {
+        let mut client = psls_client::cluster::connect(&c.dir, Some("n0")).expect("connect to n0");
+        let rtts = client.peer_ping("n1", 4096, 5, link).expect("peer ping");
+        assert_eq!(rtts.len(), 5, "link={link}: one latency per round trip");
+        assert!(rtts.iter().all(|&ns| ns > 0), "link={link}: {rtts:?}");
+        // The connection goes on after the answer.
+        let again = client.peer_ping("n1", 16, 2, link).expect("second peer ping");
+        assert_eq!(again.len(), 2);
+    }
+    let mut client = psls_client::cluster::connect(&c.dir, Some("n0")).expect("connect to n0");
+    let e = client
+        .peer_ping("nobody", 4096, 1, true)
+        .expect_err("an unknown peer is refused");
+    assert!(e.to_string().contains("a node of the cluster"), "{e}");
+}

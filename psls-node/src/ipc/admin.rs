@@ -56,7 +56,7 @@ pub(super) async fn handle(c: &mut Conn, req: Request, _fds: Vec<OwnedFd>) -> st
                                 break;
                             }
                         }
-                        return Ok(Flow::Sent);
+                        continue;
                     }
                     match node
                         .call_data(&peer, crate::peer::PeerReq::Echo, payload.clone(), node.request_timeout)

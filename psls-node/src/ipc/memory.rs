@@ -40,7 +40,7 @@ pub(super) async fn handle(c: &mut Conn, req: Request, mut fds: Vec<OwnedFd>) ->
         {
             Ok((resp, memfd)) => {
                 if let Response::Mapped { file, writable, .. } = resp {
-                    // Writable once c.granted on this connection, whatever came after.
+                    // Writable once granted on this connection, whatever came after.
                     *c.granted.entry(file).or_insert(false) |= writable;
                 }
                 send_with_fd(&mut c.w, &resp, std::os::fd::AsFd::as_fd(&memfd)).await?;
