@@ -184,11 +184,18 @@ impl Node {
     /// [`Node::coordinator`] on the current metadata, without copying it (every barrier and
     /// lock call asks).
     pub fn coordinator_now(&self) -> Option<(u32, String)> {
-        let map = {
-            let m = self.meta.locked();
-            self.logical_map(m.state())
-        };
-        map.into_iter().find(|(_, p)| self.is_live(p))
+        // Lock order: metadata, then the failure detector (nothing takes them the other way).
+        let m = self.meta.locked();
+        let st = m.state();
+        let members = self.members.locked();
+        let now_ms = self.now_ms();
+        let live = |p: &str| p == self.me.name || members.is_live(now_ms, p);
+        if st.logical.is_empty() {
+            let (i, n) = self.cfg.nodes.iter().enumerate().find(|(_, n)| live(&n.name))?;
+            Some((i as u32, n.name.clone()))
+        } else {
+            st.logical.iter().find(|(_, p)| live(p)).map(|(l, p)| (*l, p.clone()))
+        }
     }
 
     pub fn my_logical(&self, st: &MetaState) -> Option<NodeId> {

@@ -144,7 +144,7 @@ fn coordinator_id(node: &Node) -> Option<(String, String)> {
     let inc = if name == node.name() {
         node.incarnation
     } else {
-        node.heartbeat_of(&name).map_or(0, |h| h.incarnation)
+        node.with_heartbeats(|m| m.view(&name).and_then(|v| v.incarnation).unwrap_or(0))
     };
     let id = format!("{name}#{inc}");
     Some((name, id))
@@ -397,26 +397,27 @@ pub fn serve(sh: &SyncShell, from: &str, req: PeerReq) -> Result<PeerResp, OpErr
     // A node this coordinator takes as down gets nothing: what it granted there would be
     // released at the next refresh (its ranks count as gone). And a node that is not the
     // coordinator in its own view serves nothing (its state is not the cluster's).
-    let refusal = if !node.is_live(from) {
-        Some(format!("the coordinator takes {from} as down"))
-    } else if node.coordinator_now().map(|(_, c)| c).as_deref() != Some(node.name()) {
-        Some(format!("{} is not the coordinator (any more)", node.name()))
-    } else {
-        None
-    };
-    if let Some(why) = refusal {
-        if let Call::Arrive { key, who, call, .. }
-        | Call::Acquire { key, who, call }
-        | Call::Release { key, who, call } = call
-        {
-            deliver(sh, vec![(key, who, call, Err(SyncError::Unavailable(why)))]);
-        }
-        return Ok(PeerResp::Ok);
-    }
     let notices = {
         let mut side = sh.side.locked();
         let mut n = refresh(node, &mut side);
-        n.extend(side.state.call(call));
+        let refusal = if !node.is_live(from) {
+            Some(format!("the coordinator takes {from} as down"))
+        } else if side.coord_seen.as_deref() != Some(node.name()) {
+            Some(format!("{} is not the coordinator (any more)", node.name()))
+        } else {
+            None
+        };
+        match refusal {
+            Some(why) => {
+                if let Call::Arrive { key, who, call, .. }
+                | Call::Acquire { key, who, call }
+                | Call::Release { key, who, call } = call
+                {
+                    n.push((key, who, call, Err(SyncError::Unavailable(why))));
+                }
+            }
+            None => n.extend(side.state.call(call)),
+        }
         n
     };
     deliver(sh, notices);
