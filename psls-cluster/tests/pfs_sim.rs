@@ -26,17 +26,6 @@ use std::collections::{BTreeMap, BTreeSet};
 const LOGICAL: u32 = 4;
 const STEPS: usize = 2000;
 
-struct Rng(SplitMix64);
-
-impl Rng {
-    fn below(&mut self, n: u64) -> u64 {
-        self.0.next_u64() % n.max(1)
-    }
-    fn chance(&mut self, per_mille: u64) -> bool {
-        self.below(1000) < per_mille
-    }
-}
-
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 enum Role {
     Primary,
@@ -122,7 +111,7 @@ struct Writer {
 
 struct World {
     seed: u64,
-    rng: Rng,
+    rng: SplitMix64,
     step: usize,
     nodes: BTreeMap<String, Node>,
     /// Logical id → physical node.
@@ -523,7 +512,7 @@ impl World {
 }
 
 fn run_seed(seed: u64) -> (u64, u64, u64) {
-    let rng = Rng(SplitMix64::new(seed));
+    let rng = SplitMix64::new(seed);
     let names: Vec<String> = (0..=LOGICAL)
         .map(|i| if i < LOGICAL { format!("n{i}") } else { "s0".into() })
         .collect();

@@ -51,17 +51,6 @@ const HEARTBEAT_MS: u64 = 100;
 const TIMEOUT_MS: u64 = 1000;
 const STEPS: usize = 1500;
 
-struct Rng(SplitMix64);
-
-impl Rng {
-    fn below(&mut self, n: u64) -> u64 {
-        self.0.next_u64() % n.max(1)
-    }
-    fn chance(&mut self, per_mille: u64) -> bool {
-        self.below(1000) < per_mille
-    }
-}
-
 enum Wire {
     Heartbeat { incarnation: u64, seq: u64 },
     Meta(Msg<Log>),
@@ -91,7 +80,7 @@ struct Node {
 
 struct World {
     seed: u64,
-    rng: Rng,
+    rng: SplitMix64,
     now_ms: u64,
     nodes: Vec<Node>,
     net: Vec<InFlight>,
@@ -127,7 +116,7 @@ fn empty() -> Durable<Log> {
 
 impl World {
     fn new(seed: u64) -> World {
-        let mut rng = Rng(SplitMix64::new(seed));
+        let mut rng = SplitMix64::new(seed);
         let n = 3 + rng.below(3) as u32;
         let nodes = (0..n)
             .map(|i| Node {

@@ -27,17 +27,6 @@ use std::collections::{BTreeMap, BTreeSet};
 const STEPS: usize = 3000;
 const SWEEP_MS: u64 = 100;
 
-struct Rng(SplitMix64);
-
-impl Rng {
-    fn below(&mut self, n: u64) -> u64 {
-        self.0.next_u64() % n.max(1)
-    }
-    fn chance(&mut self, per_mille: u64) -> bool {
-        self.below(1000) < per_mille
-    }
-}
-
 #[derive(Clone, Debug)]
 enum Wire {
     Call(Call),
@@ -85,7 +74,7 @@ struct Msg {
 
 struct World {
     seed: u64,
-    rng: Rng,
+    rng: SplitMix64,
     now_ms: u64,
     step: usize,
     nodes: Vec<Node>,
@@ -572,7 +561,7 @@ impl World {
 }
 
 fn run_seed(seed: u64) -> (u64, u64, u64) {
-    let mut rng = Rng(SplitMix64::new(seed));
+    let mut rng = SplitMix64::new(seed);
     let count = 3 + rng.below(2) as usize;
     let names: Vec<String> = (0..count).map(|i| format!("n{i}")).collect();
     let nodes = names

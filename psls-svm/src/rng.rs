@@ -30,6 +30,17 @@ impl SplitMix64 {
         out
     }
 
+    /// A number below `n` (0 when `n` is 0); the small bias of the modulo does not matter to
+    /// the simulators and tests that use it.
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next_u64() % n.max(1)
+    }
+
+    /// True `per_mille` times in a thousand.
+    pub fn chance(&mut self, per_mille: u64) -> bool {
+        self.below(1000) < per_mille
+    }
+
     pub fn fill_bytes(&mut self, buf: &mut [u8]) {
         for chunk in buf.chunks_mut(8) {
             chunk.copy_from_slice(&self.next_u64().to_le_bytes()[..chunk.len()]);
