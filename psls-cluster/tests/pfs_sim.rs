@@ -19,6 +19,8 @@
 //! after a re-mirror every page has two whole copies again. At the end (no more failures) the
 //! rebuild and a last import complete. `PSLS_SIM_SEED` / `PSLS_SIM_SEEDS` as in the others.
 
+mod common;
+
 use psls_cluster::write::{Write, WriteAction};
 use psls_svm::rng::SplitMix64;
 use std::collections::{BTreeMap, BTreeSet};
@@ -571,18 +573,10 @@ fn run_seed(seed: u64) -> (u64, u64, u64) {
 
 #[test]
 fn random_schedules_keep_committed_files_whole_on_both_copies() {
-    let (first, count) = match std::env::var("PSLS_SIM_SEED").ok().and_then(|s| s.parse::<u64>().ok()) {
-        Some(s) => (s, 1),
-        None => (
-            0,
-            std::env::var("PSLS_SIM_SEEDS")
-                .ok()
-                .and_then(|s| s.parse::<u64>().ok())
-                .unwrap_or(1000),
-        ),
-    };
+    let seeds = common::seeds(1000);
+    let count = seeds.end - seeds.start;
     let (mut committed, mut aborted, mut rebuilds) = (0, 0, 0);
-    for seed in first..first + count {
+    for seed in seeds {
         let (c, a, r) = run_seed(seed);
         committed += c;
         aborted += a;

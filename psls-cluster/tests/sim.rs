@@ -23,6 +23,8 @@
 //! `PSLS_SIM_SEED=N` runs one seed (with `PSLS_SIM_TRACE=1`, every event); `PSLS_SIM_SEEDS=N`
 //! runs N seeds from 0. A failing seed prints itself.
 
+mod common;
+
 use psls_cluster::membership::Membership;
 use psls_cluster::meta::{Action, Durable, Epoch, Msg, ReplError, Replica, Replicated};
 use psls_svm::rng::SplitMix64;
@@ -574,18 +576,10 @@ fn run_seed(seed: u64) -> (u64, u64, u64, u64) {
 
 #[test]
 fn random_schedules_keep_the_metadata_agreed_and_durable() {
-    let (first, count) = match std::env::var("PSLS_SIM_SEED").ok().and_then(|s| s.parse::<u64>().ok()) {
-        Some(s) => (s, 1),
-        None => (
-            0,
-            std::env::var("PSLS_SIM_SEEDS")
-                .ok()
-                .and_then(|s| s.parse::<u64>().ok())
-                .unwrap_or(3000),
-        ),
-    };
+    let seeds = common::seeds(3000);
+    let count = seeds.end - seeds.start;
     let (mut ok, mut rejected, mut interrupted, mut dual) = (0, 0, 0, 0);
-    for seed in first..first + count {
+    for seed in seeds {
         let (o, r, i, d) = run_seed(seed);
         ok += o;
         rejected += r;

@@ -20,6 +20,8 @@
 //! once. At the end (no more crashes) every call of a live rank is answered and the ranks go on.
 //! `PSLS_SIM_SEED=N` runs one seed, `PSLS_SIM_SEEDS=N` runs N; a failing seed prints itself.
 
+mod common;
+
 use psls_cluster::sync::{node_of, Call, CallKind, SyncError, SyncState, Waits};
 use psls_svm::rng::SplitMix64;
 use std::collections::{BTreeMap, BTreeSet};
@@ -670,18 +672,10 @@ fn run_seed(seed: u64) -> (u64, u64, u64) {
 
 #[test]
 fn random_schedules_keep_one_lock_holder_and_whole_barriers() {
-    let (first, count) = match std::env::var("PSLS_SIM_SEED").ok().and_then(|s| s.parse::<u64>().ok()) {
-        Some(s) => (s, 1),
-        None => (
-            0,
-            std::env::var("PSLS_SIM_SEEDS")
-                .ok()
-                .and_then(|s| s.parse::<u64>().ok())
-                .unwrap_or(2000),
-        ),
-    };
+    let seeds = common::seeds(2000);
+    let count = seeds.end - seeds.start;
     let (mut grants, mut barriers, mut takeovers) = (0, 0, 0);
-    for seed in first..first + count {
+    for seed in seeds {
         let (g, b, t) = run_seed(seed);
         grants += g;
         barriers += b;
