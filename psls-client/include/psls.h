@@ -45,6 +45,10 @@ int psls_map(const char *name, size_t size, int create, void **addr);
 int psls_map_ro(const char *name, size_t size, const void **addr);
 /* Unmaps a mapping of psls_map or psls_map_ro. */
 int psls_unmap(const void *addr);
+/* Makes the process's writes to the parallel files it maps writable durable: a persistent
+ * checkpoint of them, on both disk copies, before it returns (the last psls_unmap of a
+ * writable mapping does the same for its file). */
+int psls_sync(void);
 /* Waits until every rank of the job has called psls_barrier. */
 int psls_barrier(void);
 /* Waits until `count` ranks have called the barrier `name` (a name of more than about 8000

@@ -199,6 +199,12 @@ pub extern "C" fn psls_unmap(addr: *const c_void) -> c_int {
     })
 }
 
+/// Makes the process's writes to the files it maps writable durable (see `Session::sync`).
+#[no_mangle]
+pub extern "C" fn psls_sync() -> c_int {
+    with_session(|s| s.sync().map_or_else(from, |_| 0))
+}
+
 /// Waits until every rank of the job has called `psls_barrier`.
 #[no_mangle]
 pub extern "C" fn psls_barrier() -> c_int {

@@ -289,6 +289,17 @@ impl Session {
         }
     }
 
+    /// Makes this process's writes to the parallel files it maps writable durable: a
+    /// persistent checkpoint of those files, committed on both disk copies before it returns.
+    /// Returns the number of pages written (0 when nothing was mapped writable or dirty).
+    /// The last unmap of a writable mapping does the same for its file.
+    pub fn sync(&self) -> Result<u64, ClientError> {
+        match self.call(&Request::Sync, None)? {
+            (Response::Synced { pages, .. }, _) => Ok(pages),
+            (other, _) => Err(daemon_error(other)),
+        }
+    }
+
     /// Waits for lock `id` of the job and holds it.
     pub fn lock(&self, id: u64) -> Result<(), ClientError> {
         self.sync_call(&Request::Lock {

@@ -98,10 +98,14 @@ pub enum Request {
         len: u64,
         writable: bool,
     },
-    /// The caller unmaps the mapping at `base`.
+    /// The caller unmaps the mapping at `base`. The last writable mapping of a parallel file
+    /// by a process makes its writes to the file durable first (a persistent checkpoint).
     Unmap {
         base: u64,
     },
+    /// Makes the caller's writes to the parallel files it maps writable durable (a persistent
+    /// checkpoint of them); answered by `Synced`.
+    Sync,
     /// Waits until `count` ranks of the caller's job have called the barrier `name`.
     Barrier {
         job: String,
@@ -246,6 +250,12 @@ pub struct ScrubReport {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Response {
     Ok,
+    /// Answer to `Sync`: the checkpoint committed as `epoch` (0: nothing was mapped
+    /// writable), writing `pages` pages.
+    Synced {
+        epoch: u64,
+        pages: u64,
+    },
     Error {
         kind: ErrorKind,
         message: String,

@@ -1,11 +1,13 @@
 //! The daemon assembled: the node's core ([`Node`]) and the subsystems built on it — shared
-//! memory ([`SvmShell`]), barriers and locks ([`SyncShell`]), the sync channels, the jobs — in
+//! memory ([`SvmShell`]), barriers and locks ([`SyncShell`]), the sync channels, the jobs,
+//! checkpoints ([`CkptShell`]) — in
 //! one [`Daemon`], and the dispatch of what peers send: requests on the transport
 //! ([`Handler`]) and one-way messages on the message link ([`LinkDelivery`]), each to the
 //! subsystem it concerns. Also the periodic duties (heartbeats, metadata catch-up, shared
 //! memory bookkeeping, rebuild and automatic replacement). The top of the daemon: nothing but
 //! `daemon` and `ipc` import it.
 
+use crate::ckpt::CkptShell;
 use crate::failstop::Locked;
 use crate::launcher::Jobs;
 use crate::node::Node;
@@ -31,6 +33,8 @@ pub struct Daemon {
     pub channels: Arc<Channels>,
     /// Jobs launched here and rank processes running here.
     pub jobs: Arc<Jobs>,
+    /// Checkpoints: this node's participant and, while it coordinates, the rounds.
+    pub ckpt: Arc<CkptShell>,
 }
 
 impl Daemon {
@@ -42,6 +46,11 @@ impl Daemon {
             sync: Arc::new(SyncShell::new(node.clone())),
             channels: Arc::new(channels),
             jobs: Arc::new(Jobs::default()),
+            ckpt: Arc::new(CkptShell::new(
+                node.clone(),
+                svm.clone(),
+                tokio::runtime::Handle::current(),
+            )),
             svm: svm.clone(),
             node,
         });
@@ -69,6 +78,7 @@ impl Daemon {
             node.heartbeat_round(false).await;
             node.catch_up().await;
             self.svm.sync_peers(&node);
+            self.ckpt.tick();
             crate::pfs::maybe_rebuild(&node);
             crate::pfs::maybe_auto_replace(&node).await;
         }
@@ -104,10 +114,9 @@ impl Daemon {
                 file,
                 role,
                 gen,
-                keep_gen,
                 indices,
             } => node
-                .write_pages(file, role, gen, keep_gen, indices, payload)
+                .write_pages(file, role, gen, indices, payload)
                 .await
                 .map(|()| PeerResp::Stored {
                     incarnation: node.incarnation,
@@ -128,9 +137,9 @@ impl Daemon {
             PeerReq::ReadPages {
                 file,
                 role,
-                gen,
                 indices,
-            } => node.read_pages(file, role, gen, indices).await.map(|(states, data)| {
+                gens,
+            } => node.read_pages(file, role, indices, gens).await.map(|(states, data)| {
                 out_payload = data;
                 PeerResp::Pages(states)
             }),
@@ -141,8 +150,8 @@ impl Daemon {
                     .and_then(|r| r.map_err(OpError::from))
                     .map(|()| PeerResp::Ok)
             }
-            PeerReq::ScrubLocal { files } => node
-                .scrub_local(files)
+            PeerReq::ScrubLocal { files, seq } => node
+                .scrub_local(files, seq)
                 .await
                 .map(|(checked, bad)| PeerResp::Scrub { checked, bad }),
             PeerReq::MetaSubmit { op } => Ok(node.serve_submit(op).await),
@@ -202,9 +211,11 @@ impl Daemon {
                     ))
                 }
             }
-            PeerReq::LinkPing { .. } | PeerReq::LinkPong { .. } => {
-                Err(OpError::new(ErrorKind::Invalid, "link pings go over the message link"))
-            }
+            PeerReq::LinkPing { .. } | PeerReq::LinkPong { .. } | PeerReq::Ckpt(_) => Err(OpError::new(
+                ErrorKind::Invalid,
+                "link pings and checkpoint messages go over the message link",
+            )),
+            PeerReq::CkptRun { job, files } => self.ckpt.serve_run(job, files).await,
         };
         match r {
             Ok(resp) => (resp, out_payload),
@@ -246,6 +257,7 @@ impl crate::link::LinkHandler for LinkDelivery {
                 crate::sync::resolve(&d.sync, &key, &who, call, result);
             }
             PeerReq::Meta(msg) => node.replication.deliver(from, msg),
+            PeerReq::Ckpt(msg) => d.ckpt.deliver(from, msg),
             PeerReq::LinkPing { id } => {
                 if let Err(e) = node.net.post(from, &PeerReq::LinkPong { id }, payload) {
                     tracing::warn!(node = %node.name(), peer = from, error = %e, "link pong not sent");

@@ -9,6 +9,7 @@
 //! - the top: [`dispatch`] (the daemon assembled, and what peers send routed to its
 //!   subsystem), [`ipc`] (local clients), [`daemon`] (start-up).
 
+pub mod ckpt;
 pub mod daemon;
 pub mod dispatch;
 pub mod failstop;

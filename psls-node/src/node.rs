@@ -148,6 +148,11 @@ impl Node {
         self.meta.locked().state().clone()
     }
 
+    /// The committed metadata of file `id` now (without copying the whole state).
+    pub fn file_by_id(&self, id: FileId) -> Option<psls_pfs::meta::FileMeta> {
+        self.meta.locked().state().files.values().find(|f| f.id == id).cloned()
+    }
+
     /// Logical → physical map (the configured one until the first replacement).
     pub fn logical_map(&self, st: &MetaState) -> BTreeMap<u32, String> {
         if st.logical.is_empty() {
@@ -505,25 +510,45 @@ impl Node {
         Ok(())
     }
 
-    fn refs(&self, indices: &[u64]) -> Vec<PageRef> {
+    fn refs(&self, indices: &[u64], gens: impl Fn(usize, u64) -> u64) -> Vec<PageRef> {
         indices
             .iter()
-            .map(|&index| PageRef {
+            .enumerate()
+            .map(|(k, &index)| PageRef {
                 index,
                 local: self.placement.local_index(index),
+                gen: gens(k, index),
             })
             .collect()
+    }
+
+    /// Waits (a bounded time) until this node's committed metadata has reached `seq`.
+    pub async fn meta_reached(&self, seq: u64) -> Result<MetaState, OpError> {
+        let deadline = Instant::now() + self.request_timeout;
+        loop {
+            let st = self.meta_state();
+            if st.seq >= seq {
+                return Ok(st);
+            }
+            if Instant::now() >= deadline {
+                return Err(OpError::new(
+                    ErrorKind::Unavailable,
+                    format!("{}: metadata at {} has not reached {seq}", self.me.name, st.seq),
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
     }
 
     pub(crate) async fn write_pages(
         &self,
         file: FileId,
         role: Role,
-        gen: u64,
-        keep_gen: u64,
+        gen: crate::peer::WriteGen,
         indices: Vec<u64>,
         data: bytes::Bytes,
     ) -> Result<(), OpError> {
+        use crate::peer::WriteGen;
         if data.len() != indices.len() * PAGE_SIZE {
             let msg = format!(
                 "{} pages need {} bytes, got {}",
@@ -535,8 +560,46 @@ impl Node {
         }
         self.check_holder(file, role, indices.iter().copied())?;
         let store = self.store.clone();
-        let refs = self.refs(&indices);
-        blocking(move || store.write_batch(file, role, gen, keep_gen, &refs, &data)).await??;
+        match gen {
+            WriteGen::New { gen, seq } => {
+                // The slot to spare is the committed version's, as this node's metadata says
+                // (never the writer's word for it).
+                let st = self.meta_reached(seq).await?;
+                let f = st.files.values().find(|f| f.id == file);
+                let refs = self.refs(&indices, |_, i| f.map_or(0, |f| f.page_gen(i)));
+                if let Some(r) = refs.iter().find(|r| r.gen >= gen) {
+                    return Err(OpError::new(
+                        ErrorKind::Invalid,
+                        format!(
+                            "page {file}:{} is at generation {}: a write at {gen} is stale",
+                            r.index, r.gen
+                        ),
+                    ));
+                }
+                blocking(move || store.write_batch(file, role, gen, &refs, &data)).await??;
+            }
+            WriteGen::Same { gens } => {
+                if gens.len() != indices.len() {
+                    return Err(OpError::new(ErrorKind::Invalid, "one generation per page is needed"));
+                }
+                let refs = self.refs(&indices, |k, _| gens[k]);
+                blocking(move || -> Result<(), psls_pfs::StoreError> {
+                    // One batch per run of pages of the same generation.
+                    let mut k = 0;
+                    while k < refs.len() {
+                        let g = refs[k].gen;
+                        let mut e = k + 1;
+                        while e < refs.len() && refs[e].gen == g {
+                            e += 1;
+                        }
+                        store.write_batch(file, role, g, &refs[k..e], &data[k * PAGE_SIZE..e * PAGE_SIZE])?;
+                        k = e;
+                    }
+                    Ok(())
+                })
+                .await??;
+            }
+        }
         Ok(())
     }
 
@@ -544,15 +607,18 @@ impl Node {
         &self,
         file: FileId,
         role: Role,
-        gen: u64,
         indices: Vec<u64>,
+        gens: Vec<u64>,
     ) -> Result<(Vec<PageState>, bytes::Bytes), OpError> {
         if indices.len() > crate::peer::BATCH_PAGES * 4 {
             return Err(OpError::new(ErrorKind::Invalid, "too many pages in one read"));
         }
+        if gens.len() != indices.len() {
+            return Err(OpError::new(ErrorKind::Invalid, "one generation per page is needed"));
+        }
         self.check_holder(file, role, indices.iter().copied())?;
         let store = self.store.clone();
-        let refs = self.refs(&indices);
+        let refs = self.refs(&indices, |k, _| gens[k]);
         blocking(move || {
             // Page-aligned, so runs of pages are read with direct I/O. A reused buffer is not
             // zeroed first (the reads overwrite it); the pages not read well are zeroed after,
@@ -560,7 +626,7 @@ impl Node {
             let len = refs.len() * PAGE_SIZE;
             let mut data = crate::peer::batch_pool().get_at_least(len);
             data.resize_reusing(len);
-            let states: Vec<PageState> = match store.read_batch(file, role, gen, &refs, &mut data) {
+            let states: Vec<PageState> = match store.read_batch(file, role, &refs, &mut data) {
                 Ok(st) => st.into_iter().map(page_state).collect(),
                 Err(e) => vec![PageState::Error(e.to_string()); refs.len()],
             };
@@ -574,8 +640,14 @@ impl Node {
         .await
     }
 
-    pub(crate) async fn scrub_local(&self, files: Vec<(FileId, u64, u64)>) -> Result<(u64, Vec<BadCopy>), OpError> {
-        let st = self.meta_state();
+    pub(crate) async fn scrub_local(&self, files: Vec<FileId>, seq: u64) -> Result<(u64, Vec<BadCopy>), OpError> {
+        let st = self.meta_reached(seq).await?;
+        let files: Vec<psls_pfs::meta::FileMeta> = st
+            .files
+            .values()
+            .filter(|f| files.contains(&f.id) && !f.never_written())
+            .cloned()
+            .collect();
         let Some(me) = self.my_logical(&st) else {
             return Ok((0, Vec::new()));
         };
@@ -585,22 +657,25 @@ impl Node {
             let mut checked = 0;
             let mut bad = Vec::new();
             let mut buf = Vec::new();
-            for (file, pages, gen) in files {
-                if gen == 0 {
-                    continue;
-                }
+            for f in files {
+                let file = f.id;
                 for role in [Role::Primary, Role::Mirror] {
-                    let held: Vec<u64> = placement.held(me, file, pages, role).collect();
+                    // Pages never written (generation 0) have no copy to check.
+                    let held: Vec<u64> = placement
+                        .held(me, file, f.pages(), role)
+                        .filter(|&i| f.page_gen(i) > 0)
+                        .collect();
                     for chunk in held.chunks(crate::peer::BATCH_PAGES) {
                         let refs: Vec<PageRef> = chunk
                             .iter()
                             .map(|&index| PageRef {
                                 index,
                                 local: placement.local_index(index),
+                                gen: f.page_gen(index),
                             })
                             .collect();
                         buf.resize(refs.len() * PAGE_SIZE, 0);
-                        let states = store.read_batch(file, role, gen, &refs, &mut buf);
+                        let states = store.read_batch(file, role, &refs, &mut buf);
                         checked += refs.len() as u64;
                         for (k, &index) in chunk.iter().enumerate() {
                             if !matches!(states.as_ref().map(|s| s[k]), Ok(ReadStatus::Ok)) {

@@ -91,6 +91,18 @@ pub struct BadCopy {
     pub index: u64,
 }
 
+/// Which generation a `WritePages` writes, and which slot it spares.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub enum WriteGen {
+    /// A new version `gen` of every page (an import, a checkpoint), into the slot that does
+    /// not hold the page's committed version — as the storing node's metadata says, once it
+    /// has reached sequence `seq` (a file it does not know has none).
+    New { gen: u64, seq: u64 },
+    /// A rewrite of each page's committed version in place (a repair, a rebuild): page `i` at
+    /// generation `gens[i]`.
+    Same { gens: Vec<u64> },
+}
+
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub enum PeerReq {
     Heartbeat(Heartbeat),
@@ -98,23 +110,25 @@ pub enum PeerReq {
     WritePages {
         file: FileId,
         role: Role,
-        gen: u64,
-        keep_gen: u64,
+        gen: WriteGen,
         indices: Vec<u64>,
     },
     Sync,
+    /// Page `indices[i]` at its committed generation `gens[i]`.
     ReadPages {
         file: FileId,
         role: Role,
-        gen: u64,
         indices: Vec<u64>,
+        gens: Vec<u64>,
     },
     RemoveFile {
         file: FileId,
     },
-    /// Check every local copy of these (file, pages, gen).
+    /// Check every local copy of these files (at the generations this node's metadata says,
+    /// once it has reached sequence `seq`).
     ScrubLocal {
-        files: Vec<(FileId, u64, u64)>,
+        files: Vec<FileId>,
+        seq: u64,
     },
     MetaSubmit {
         op: MetaOp,
@@ -139,6 +153,14 @@ pub enum PeerReq {
     },
     /// A coherence protocol message (one-way); payload: the page's 4096 bytes for `Data`.
     Svm(psls_svm::coherence::Envelope),
+    /// A checkpoint protocol message (one-way, on the message link).
+    Ckpt(psls_ckpt::Msg),
+    /// To the coordinator: take a persistent checkpoint of `job` over `files` now (answered
+    /// with `CkptDone` once it committed, or an error).
+    CkptRun {
+        job: String,
+        files: Vec<FileId>,
+    },
     /// To the coordinator: rank `who` waits at barrier `key` of `count` ranks (answered when it
     /// opens).
     BarrierArrive {
@@ -238,6 +260,12 @@ pub enum PeerResp {
         count: u64,
     },
     NotCoordinator,
+    /// Answer to `CkptRun`: the checkpoint committed as `epoch`, writing `pages` pages.
+    CkptDone {
+        epoch: u64,
+        pages: u64,
+        bytes: u64,
+    },
     /// Answer to `MetaSubmit`: the coordinator changed while the operation was under way; it
     /// may or may not have been committed.
     Interrupted,

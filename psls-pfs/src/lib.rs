@@ -10,7 +10,8 @@
 //! - [`store::PageStore`]: two slots per page (current + shadow) selected by generation.
 //! - [`placement`]: home and mirror node of every page.
 //! - [`meta`]: the replicated namespace (names, sizes, owners, commit records, logical map)
-//!   persisted in redb through the same `Disk` contract.
+//!   persisted in redb through the same `Disk` contract; [`gens`]: each page's committed
+//!   generation; [`jobs`]: the jobs' checkpoint commit records.
 //!
 //! The crate does no networking; the node daemon decides which node's store a page goes to.
 
@@ -18,6 +19,8 @@ pub mod buf;
 pub mod disk;
 pub mod error;
 pub mod fault;
+pub mod gens;
+pub mod jobs;
 pub mod meta;
 pub mod placement;
 pub mod slot;

@@ -9,15 +9,19 @@
 //!
 //! On-disk record (redb table `meta`, key `"state"`): `[format version u16 LE][postcard state]`.
 //! Format 2 added `assigned`; a format-1 record is read as having every logical id on its
-//! initial node. The replication vote (table `vote`, key `"vote"`, written in its own
-//! transaction): `[format version u16 LE = 1][postcard (promised epoch, accepted operation)]`;
-//! a store without one has promised nothing and accepted nothing.
+//! initial node. Format 3 added per-page generations (`FileMeta::written`) and the jobs'
+//! checkpoint records (`jobs`); older records read with none. The replication vote (table
+//! `vote`, key `"vote"`, written in its own transaction): `[format version u16 LE = 2][postcard
+//! (promised epoch, accepted operation)]` (format 1, whose operations carry format-2 files,
+//! still reads); a store without one has promised nothing and accepted nothing.
 //!
 //! [`MetaState`] is the [`Replicated`] state of `psls_cluster::meta`: the coordinator
 //! election and replication protocol that orders operations across nodes.
 
 use crate::disk::{Disk, DiskFile};
 use crate::error::MetaError;
+use crate::gens::PageGens;
+use crate::jobs::{FileRuns, JobCkpt};
 use psls_cluster::meta::{Accepted, Durable, Epoch, Replicated};
 use psls_svm::{FileId, PAGE_SIZE};
 use redb::{ReadableDatabase, TableDefinition};
@@ -28,10 +32,10 @@ use std::sync::Arc;
 
 const META_TABLE: TableDefinition<&str, &[u8]> = TableDefinition::new("meta");
 const STATE_KEY: &str = "state";
-const STATE_FORMAT: u16 = 2;
+const STATE_FORMAT: u16 = 3;
 const VOTE_TABLE: TableDefinition<&str, &[u8]> = TableDefinition::new("vote");
 const VOTE_KEY: &str = "vote";
-const VOTE_FORMAT: u16 = 1;
+const VOTE_FORMAT: u16 = 2;
 
 /// What a node promised and accepted in metadata replication.
 type Vote = (Epoch, Option<Accepted<MetaOp>>);
@@ -52,14 +56,58 @@ pub struct FileMeta {
     pub gid: u32,
     /// Permission bits (0o777 mask).
     pub mode: u32,
-    /// Generation of every page's committed version; 0 means "all zero, never written".
+    /// Base generation: of every page no checkpoint wrote (set by the import; 0 means "all
+    /// zero, never written").
     pub gen: u64,
     pub created_unix_ms: u64,
+    /// Generations of the pages persistent checkpoints wrote since.
+    pub written: PageGens,
 }
 
 impl FileMeta {
     pub fn pages(&self) -> u64 {
         self.size.div_ceil(PAGE_SIZE as u64)
+    }
+    /// The generation of page `index`'s committed version (0: never written, all zero).
+    pub fn page_gen(&self, index: u64) -> u64 {
+        self.written.get(index).unwrap_or(self.gen)
+    }
+    /// The highest generation of any page (a new version must be above it).
+    pub fn top_gen(&self) -> u64 {
+        self.gen.max(self.written.max_gen())
+    }
+    /// Whether every page is still all zero (nothing was ever written).
+    pub fn never_written(&self) -> bool {
+        self.gen == 0 && self.written.runs() == 0
+    }
+}
+
+/// Format 2 of [`FileMeta`] (before `written`).
+#[derive(Deserialize)]
+struct FileMetaV2 {
+    id: FileId,
+    name: String,
+    size: u64,
+    uid: u32,
+    gid: u32,
+    mode: u32,
+    gen: u64,
+    created_unix_ms: u64,
+}
+
+impl From<FileMetaV2> for FileMeta {
+    fn from(f: FileMetaV2) -> FileMeta {
+        FileMeta {
+            id: f.id,
+            name: f.name,
+            size: f.size,
+            uid: f.uid,
+            gid: f.gid,
+            mode: f.mode,
+            gen: f.gen,
+            created_unix_ms: f.created_unix_ms,
+            written: PageGens::default(),
+        }
     }
 }
 
@@ -85,16 +133,33 @@ pub struct MetaState {
     /// (absent: still on its initial node, 0). It orders the nodes that held one logical id,
     /// whose own incarnation counters are unrelated.
     pub assigned: BTreeMap<u32, u64>,
+    /// Every job's checkpoint record, by job name.
+    pub jobs: BTreeMap<String, JobCkpt>,
 }
 
 /// Format 1 of [`MetaState`] (before `assigned`).
 #[derive(Deserialize)]
 struct MetaStateV1 {
     seq: u64,
-    files: BTreeMap<String, FileMeta>,
+    files: BTreeMap<String, FileMetaV2>,
     logical: BTreeMap<u32, String>,
     map_version: u64,
     rebuilding: BTreeMap<u32, Rebuild>,
+}
+
+/// Format 2 of [`MetaState`] (before per-page generations and jobs).
+#[derive(Deserialize)]
+struct MetaStateV2 {
+    seq: u64,
+    files: BTreeMap<String, FileMetaV2>,
+    logical: BTreeMap<u32, String>,
+    map_version: u64,
+    rebuilding: BTreeMap<u32, Rebuild>,
+    assigned: BTreeMap<u32, u64>,
+}
+
+fn files_v2(files: BTreeMap<String, FileMetaV2>) -> BTreeMap<String, FileMeta> {
+    files.into_iter().map(|(n, f)| (n, f.into())).collect()
 }
 
 /// A change to the namespace.
@@ -127,6 +192,72 @@ pub enum MetaOp {
         logical: u32,
         physical: String,
     },
+    /// Commit record of checkpoint `epoch` of `job`: the pages it names are durable on both
+    /// copies at generation `gen`, which they have from now on (see [`crate::jobs`]).
+    Checkpoint {
+        job: String,
+        epoch: u64,
+        gen: u64,
+        /// The `map_version` the pages were placed with (refused if the map changed since).
+        placed_at: u64,
+        files: Vec<FileRuns>,
+        at_unix_ms: u64,
+        bytes: u64,
+    },
+    /// Checkpoint `epoch` of `job` will never commit (refused if it did).
+    FenceCheckpoint {
+        job: String,
+        epoch: u64,
+    },
+    /// Job `job` is over: its checkpoint record goes.
+    EndJob {
+        job: String,
+    },
+}
+
+/// Format 1 of the operation in a vote record (files of format 2).
+#[derive(Deserialize)]
+enum MetaOpV1 {
+    InitMap {
+        logical: BTreeMap<u32, String>,
+    },
+    CommitFile {
+        meta: FileMetaV2,
+        replaces: Option<FileId>,
+        placed_at: Option<u64>,
+    },
+    RemoveFile {
+        name: String,
+        id: FileId,
+    },
+    Replace {
+        logical: u32,
+        physical: String,
+    },
+    RebuildDone {
+        logical: u32,
+        physical: String,
+    },
+}
+
+impl From<MetaOpV1> for MetaOp {
+    fn from(op: MetaOpV1) -> MetaOp {
+        match op {
+            MetaOpV1::InitMap { logical } => MetaOp::InitMap { logical },
+            MetaOpV1::CommitFile {
+                meta,
+                replaces,
+                placed_at,
+            } => MetaOp::CommitFile {
+                meta: meta.into(),
+                replaces,
+                placed_at,
+            },
+            MetaOpV1::RemoveFile { name, id } => MetaOp::RemoveFile { name, id },
+            MetaOpV1::Replace { logical, physical } => MetaOp::Replace { logical, physical },
+            MetaOpV1::RebuildDone { logical, physical } => MetaOp::RebuildDone { logical, physical },
+        }
+    }
 }
 
 impl MetaOp {
@@ -142,6 +273,9 @@ impl MetaOp {
                 st.logical.get(logical) == Some(physical)
                     && st.rebuilding.get(logical).is_none_or(|r| &r.physical != physical)
             }
+            MetaOp::Checkpoint { job, epoch, .. } => st.jobs.get(job).is_some_and(|r| r.epoch >= *epoch),
+            MetaOp::FenceCheckpoint { job, epoch } => crate::jobs::decided(st, job, *epoch).is_some(),
+            MetaOp::EndJob { job } => !st.jobs.contains_key(job),
         }
     }
 }
@@ -252,6 +386,19 @@ impl MetaState {
                     next.rebuilding.remove(logical);
                 }
             }
+            MetaOp::Checkpoint {
+                job,
+                epoch,
+                gen,
+                placed_at,
+                files,
+                at_unix_ms,
+                bytes,
+            } => crate::jobs::apply_checkpoint(&mut next, job, *epoch, *gen, *placed_at, files, *at_unix_ms, *bytes)?,
+            MetaOp::FenceCheckpoint { job, epoch } => crate::jobs::apply_fence(&mut next, job, *epoch)?,
+            MetaOp::EndJob { job } => {
+                next.jobs.remove(job);
+            }
         }
         next.seq += 1;
         *self = next;
@@ -273,15 +420,28 @@ impl MetaState {
         let corrupt = |e: postcard::Error| MetaError::Corrupt(e.to_string());
         match v {
             STATE_FORMAT => postcard::from_bytes(&bytes[2..]).map_err(corrupt),
+            2 => {
+                let old: MetaStateV2 = postcard::from_bytes(&bytes[2..]).map_err(corrupt)?;
+                Ok(MetaState {
+                    seq: old.seq,
+                    files: files_v2(old.files),
+                    logical: old.logical,
+                    map_version: old.map_version,
+                    rebuilding: old.rebuilding,
+                    assigned: old.assigned,
+                    jobs: BTreeMap::new(),
+                })
+            }
             1 => {
                 let old: MetaStateV1 = postcard::from_bytes(&bytes[2..]).map_err(corrupt)?;
                 Ok(MetaState {
                     seq: old.seq,
-                    files: old.files,
+                    files: files_v2(old.files),
                     logical: old.logical,
                     map_version: old.map_version,
                     rebuilding: old.rebuilding,
                     assigned: BTreeMap::new(),
+                    jobs: BTreeMap::new(),
                 })
             }
             v => Err(MetaError::Corrupt(format!("unknown metadata format version {v}"))),
@@ -341,8 +501,19 @@ fn decode_vote(bytes: &[u8]) -> Result<Vote, MetaError> {
     if bytes.len() < 2 {
         return Err(MetaError::Corrupt("vote record too short".into()));
     }
+    let corrupt = |e: postcard::Error| MetaError::Corrupt(e.to_string());
     match u16::from_le_bytes([bytes[0], bytes[1]]) {
-        VOTE_FORMAT => postcard::from_bytes(&bytes[2..]).map_err(|e| MetaError::Corrupt(e.to_string())),
+        VOTE_FORMAT => postcard::from_bytes(&bytes[2..]).map_err(corrupt),
+        1 => {
+            let (promised, accepted): (Epoch, Option<Accepted<MetaOpV1>>) =
+                postcard::from_bytes(&bytes[2..]).map_err(corrupt)?;
+            let accepted = accepted.map(|a| Accepted {
+                epoch: a.epoch,
+                seq: a.seq,
+                op: a.op.into(),
+            });
+            Ok((promised, accepted))
+        }
         v => Err(MetaError::Corrupt(format!("unknown vote format version {v}"))),
     }
 }
@@ -447,6 +618,7 @@ mod tests {
             mode: 0o644,
             gen: 1,
             created_unix_ms: 0,
+            written: PageGens::default(),
         }
     }
 
@@ -632,6 +804,126 @@ mod tests {
         v1.extend(postcard::to_stdvec(&V1(s.seq, &s.files, &s.logical, s.map_version, &s.rebuilding)).unwrap());
         let old = MetaState::decode(&v1).unwrap();
         assert_eq!((old.seq, &old.logical, old.assignment(2)), (s.seq, &s.logical, 0));
+    }
+
+    #[test]
+    fn checkpoints_commit_once_above_every_earlier_epoch_and_set_page_generations() {
+        let mut s = MetaState::default();
+        let map: BTreeMap<u32, String> = (0..4).map(|i| (i, format!("n{i}"))).collect();
+        s.apply(&MetaOp::InitMap { logical: map }).unwrap();
+        let mut f = meta("a", 7);
+        f.size = 10 * PAGE_SIZE as u64;
+        s.apply(&MetaOp::CommitFile {
+            meta: f,
+            replaces: None,
+            placed_at: None,
+        })
+        .unwrap();
+        let ck = |epoch: u64, gen: u64, runs: Vec<(u64, u64)>| MetaOp::Checkpoint {
+            job: "j".into(),
+            epoch,
+            gen,
+            placed_at: 1,
+            files: vec![FileRuns { file: FileId(7), runs }],
+            at_unix_ms: 5,
+            bytes: 4096,
+        };
+        assert_eq!(crate::jobs::decided(&s, "j", 1), None);
+        s.apply(&ck(1, 2, vec![(2, 4)])).unwrap();
+        let fm = &s.files["a"];
+        assert_eq!(
+            (fm.page_gen(1), fm.page_gen(2), fm.page_gen(3), fm.page_gen(4)),
+            (1, 2, 2, 1)
+        );
+        assert_eq!(crate::jobs::decided(&s, "j", 1), Some(true));
+        assert!(ck(1, 2, vec![]).reflected_in(&s));
+        // Stale epochs, generations not above the file's, pages outside it: refused.
+        for bad in [
+            ck(1, 3, vec![]),
+            ck(2, 2, vec![(0, 1)]),
+            ck(2, 3, vec![(9, 11)]),
+            ck(2, 3, vec![(3, 3)]),
+        ] {
+            assert!(s.clone().apply(&bad).is_err(), "{bad:?}");
+        }
+        // A fenced epoch never commits; a committed one cannot be fenced.
+        s.apply(&MetaOp::FenceCheckpoint {
+            job: "j".into(),
+            epoch: 2,
+        })
+        .unwrap();
+        assert_eq!(crate::jobs::decided(&s, "j", 2), Some(false));
+        assert!(s.clone().apply(&ck(2, 3, vec![(0, 1)])).is_err());
+        assert!(s
+            .clone()
+            .apply(&MetaOp::FenceCheckpoint {
+                job: "j".into(),
+                epoch: 1
+            })
+            .is_err());
+        s.apply(&ck(3, 3, vec![(3, 5)])).unwrap();
+        let fm = &s.files["a"];
+        assert_eq!(
+            (fm.page_gen(2), fm.page_gen(3), fm.page_gen(4), fm.top_gen()),
+            (2, 3, 3, 3)
+        );
+        assert_eq!(crate::jobs::floor(&s, "j"), 3);
+        // A replaced node between placement and commit: refused.
+        s.apply(&MetaOp::Replace {
+            logical: 1,
+            physical: "s0".into(),
+        })
+        .unwrap();
+        assert!(s.clone().apply(&ck(4, 4, vec![(0, 1)])).is_err());
+        assert_eq!(MetaState::decode(&s.encode()).unwrap(), s);
+        s.apply(&MetaOp::EndJob { job: "j".into() }).unwrap();
+        assert!(s.jobs.is_empty());
+    }
+
+    #[test]
+    fn format_2_records_and_format_1_votes_still_read() {
+        #[derive(Serialize)]
+        struct F2<'a>(u64, &'a str, u64, u32, u32, u32, u64, u64);
+        #[derive(Serialize)]
+        struct S2<'a>(
+            u64,
+            BTreeMap<&'a str, F2<'a>>,
+            BTreeMap<u32, String>,
+            u64,
+            BTreeMap<u32, Rebuild>,
+            BTreeMap<u32, u64>,
+        );
+        let files = BTreeMap::from([("a", F2(3, "a", 100, 1, 1, 0o644, 4, 9))]);
+        let mut rec = 2u16.to_le_bytes().to_vec();
+        rec.extend(postcard::to_stdvec(&S2(5, files, BTreeMap::new(), 0, BTreeMap::new(), BTreeMap::new())).unwrap());
+        let st = MetaState::decode(&rec).unwrap();
+        assert_eq!((st.seq, st.files["a"].id, st.files["a"].page_gen(0)), (5, FileId(3), 4));
+        #[derive(Serialize)]
+        enum Op1<'a> {
+            _InitMap,
+            CommitFile {
+                meta: F2<'a>,
+                replaces: Option<FileId>,
+                placed_at: Option<u64>,
+            },
+        }
+        let acc = Accepted {
+            epoch: Epoch { n: 2, by: 0 },
+            seq: 6,
+            op: Op1::CommitFile {
+                meta: F2(3, "a", 100, 1, 1, 0o644, 4, 9),
+                replaces: None,
+                placed_at: Some(1),
+            },
+        };
+        let mut v = 1u16.to_le_bytes().to_vec();
+        v.extend(postcard::to_stdvec(&(Epoch { n: 3, by: 1 }, Some(acc))).unwrap());
+        let (promised, accepted) = decode_vote(&v).unwrap();
+        assert_eq!(promised, Epoch { n: 3, by: 1 });
+        match accepted.map(|a| a.op) {
+            Some(MetaOp::CommitFile { meta, .. }) => assert_eq!((meta.id, meta.gen), (FileId(3), 4)),
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]

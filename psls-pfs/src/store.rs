@@ -7,9 +7,10 @@
 //! pages is one read.
 //!
 //! A page version is identified by its generation. The committed generation of each page is
-//! known to the caller (from the namespace metadata); a new version is written to the *shadow*
-//! slot, the one that does not hold the committed generation, so the committed version stays
-//! intact until a durable commit record names the new generation.
+//! known to the caller (from the namespace metadata, per page: [`crate::gens`]) and passed with
+//! every page ([`PageRef::gen`]); a new version is written to the *shadow* slot, the one that
+//! does not hold the committed generation, so the committed version stays intact until a
+//! durable commit record names the new generation.
 //!
 //! Invariants:
 //! - a read returns data only if the slot's header names this file, page and the expected
@@ -51,11 +52,13 @@ pub struct PageLoc {
     pub local: u64,
 }
 
-/// One page of a batch: its index in the file and its local position.
+/// One page of a batch: its index in the file, its local position, and the generation of its
+/// committed version (what a read expects; what a write must spare).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PageRef {
     pub index: u64,
     pub local: u64,
+    pub gen: u64,
 }
 
 /// Result of reading one page copy.
@@ -221,13 +224,12 @@ impl PageStore {
         Ok(Some(p))
     }
 
-    /// Reads generation `expected_gen` of `pages` (of one file and role) into `out`
+    /// Reads `pages` (of one file and role; each at its generation [`PageRef::gen`]) into `out`
     /// (`pages.len()` × 4096 bytes; page i at `i * 4096`). Pages not `Ok` read as zero.
     pub fn read_batch(
         &self,
         file: FileId,
         role: Role,
-        expected_gen: u64,
         pages: &[PageRef],
         out: &mut [u8],
     ) -> Result<Vec<ReadStatus>, StoreError> {
@@ -248,7 +250,11 @@ impl PageStore {
             // Which slot holds the expected generation, per page.
             let mut want: Vec<Option<(usize, u32)>> = vec![None; len];
             for j in 0..len {
-                let index = pages[start + j].index;
+                let PageRef {
+                    index,
+                    gen: expected_gen,
+                    ..
+                } = pages[start + j];
                 let st = [0, 1].map(|s| slot::parse(header_at(&hb, j, s), file, index));
                 if let Some(s) = (0..2).find(|&s| gen_of(st[s]) == Some(expected_gen)) {
                     if let HeaderState::Written { crc, .. } = st[s] {
@@ -298,14 +304,14 @@ impl PageStore {
     }
 
     /// Writes generation `gen` of `pages` (of one file and role; page i's bytes at
-    /// `data[i * 4096..]`) into their shadow slots, never the slot holding `keep_gen` (pass
-    /// `keep_gen == gen` to repair a copy in place). Not durable until [`PageStore::sync`].
+    /// `data[i * 4096..]`) into their shadow slots, never the slot holding a page's committed
+    /// generation [`PageRef::gen`] (pass `gen` itself there to repair a copy in place). Not
+    /// durable until [`PageStore::sync`].
     pub fn write_batch(
         &self,
         file: FileId,
         role: Role,
         gen: u64,
-        keep_gen: u64,
         pages: &[PageRef],
         data: &[u8],
     ) -> Result<(), StoreError> {
@@ -321,7 +327,9 @@ impl PageStore {
             let mut hb = f.headers(l0, len)?;
             let mut target = vec![0usize; len];
             for j in 0..len {
-                let index = pages[start + j].index;
+                let PageRef {
+                    index, gen: keep_gen, ..
+                } = pages[start + j];
                 let st = [0, 1].map(|s| slot::parse(header_at(&hb, j, s), file, index));
                 target[j] = if let Some(s) = (0..2).find(|&s| gen_of(st[s]) == Some(gen)) {
                     s
@@ -369,8 +377,9 @@ impl PageStore {
         let r = PageRef {
             index: loc.index,
             local: loc.local,
+            gen: expected_gen,
         };
-        let st = self.read_batch(loc.file, loc.role, expected_gen, &[r], &mut buf)?;
+        let st = self.read_batch(loc.file, loc.role, &[r], &mut buf)?;
         Ok(match st[0] {
             ReadStatus::Ok => ReadOutcome::Ok(buf),
             ReadStatus::Missing => ReadOutcome::Missing,
@@ -388,10 +397,10 @@ impl PageStore {
             loc.file,
             loc.role,
             gen,
-            keep_gen,
             &[PageRef {
                 index: loc.index,
                 local: loc.local,
+                gen: keep_gen,
             }],
             data,
         )

@@ -568,8 +568,8 @@ fn storage_node_restart_during_import_fails_the_import() {
             let req = psls_node::peer::PeerReq::ReadPages {
                 file,
                 role,
-                gen: 1,
                 indices: chunk.to_vec(),
+                gens: vec![1; chunk.len()],
             };
             wait_for(
                 Duration::from_secs(20),

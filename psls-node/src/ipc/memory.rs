@@ -80,9 +80,35 @@ pub(super) async fn handle(c: &mut Conn, req: Request, mut fds: Vec<OwnedFd>) ->
         },
         Request::Unmap { base } => match pid {
             Some(pid) => match d.svm.unregister(pid, base) {
-                Ok(()) => Response::Ok,
+                Ok(None) => Response::Ok,
+                // The process's last writable mapping of a parallel file: its writes become
+                // durable before the answer.
+                Ok(Some(file)) => match d.ckpt.checkpoint(&process_job(&d, pid), vec![file]).await {
+                    Ok(_) => Response::Ok,
+                    Err(e) => err(OpError::new(
+                        e.kind,
+                        format!("unmapped, but the writes are not durable: {}", e.message),
+                    )),
+                },
                 Err(e) => err(e),
             },
+            None => err(OpError::new(ErrorKind::Invalid, "no peer pid")),
+        },
+        Request::Sync => match pid {
+            Some(pid) => {
+                let files = d.svm.writable_files(pid);
+                if files.is_empty() {
+                    Response::Synced { epoch: 0, pages: 0 }
+                } else {
+                    match d.ckpt.checkpoint(&process_job(&d, pid), files).await {
+                        Ok(done) => Response::Synced {
+                            epoch: done.epoch,
+                            pages: done.pages,
+                        },
+                        Err(e) => err(e),
+                    }
+                }
+            }
             None => err(OpError::new(ErrorKind::Invalid, "no peer pid")),
         },
         Request::SvmStats => {
@@ -150,7 +176,19 @@ pub(super) async fn lifeline(
     if let Err(e) = crate::sync::gone(&d.sync, crate::sync::who(node, pid)) {
         tracing::warn!(node = %node.name(), pid, error = %e, "could not release a dead client's locks");
     }
+    // Its checkpoint record, if it took checkpoints, goes too.
+    let job = process_job(d, pid);
+    if node.meta_state().jobs.contains_key(&job) {
+        if let Err(e) = node.submit(psls_pfs::meta::MetaOp::EndJob { job: job.clone() }).await {
+            tracing::warn!(node = %node.name(), job, error = %e, "could not drop an ended process's checkpoint record");
+        }
+    }
     r
+}
+
+/// The checkpoint job of a process that maps files outside `psls run`: the process itself.
+pub(super) fn process_job(d: &Daemon, pid: i32) -> String {
+    format!("proc:{}:{pid}", d.node.name())
 }
 
 /// A stable id for a volatile segment: from its owner, job and name (high bit set, so it

@@ -103,6 +103,7 @@ async fn client(d: Arc<Daemon>, stream: UnixStream) -> anyhow::Result<()> {
             Request::Map { .. }
             | Request::Register { .. }
             | Request::Unmap { .. }
+            | Request::Sync
             | Request::SvmStats
             | Request::Lifeline => memory::handle(&mut c, req, fds).await?,
             Request::SyncChannel

@@ -5,7 +5,7 @@
 use crate::failstop::Locked;
 use crate::node::Node;
 use crate::op::OpError;
-use crate::peer::{PeerReq, PeerResp, BATCH_PAGES};
+use crate::peer::{PeerReq, PeerResp, WriteGen, BATCH_PAGES};
 use psls_cluster::write::{Write, WriteAction};
 use psls_ipc::proto::{FileInfo, Stripe};
 use psls_ipc::ErrorKind;
@@ -74,7 +74,7 @@ pub(super) fn lookup(st: &MetaState, name: &str) -> Result<FileMeta, OpError> {
         .ok_or_else(|| OpError::new(ErrorKind::NotFound, format!("no file named '{name}'")))
 }
 
-pub(super) fn now_ms() -> u64 {
+pub fn now_ms() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_millis() as u64)
@@ -82,7 +82,7 @@ pub(super) fn now_ms() -> u64 {
 }
 
 /// Every logical node must be able to take writes.
-pub(super) fn check_all_serving(node: &Node, st: &MetaState) -> Result<(), OpError> {
+pub fn check_all_serving(node: &Node, st: &MetaState) -> Result<(), OpError> {
     for (l, p) in node.logical_map(st) {
         if st.rebuilding.contains_key(&l) {
             return Err(OpError::new(
@@ -177,6 +177,7 @@ pub async fn create(node: &Arc<Node>, caller: Caller, name: &str, size: u64, mod
         mode,
         gen: 0,
         created_unix_ms: now_ms(),
+        written: Default::default(),
     };
     node.submit(MetaOp::CommitFile {
         meta: meta.clone(),
@@ -236,33 +237,29 @@ impl Incarnations {
     }
 }
 
-/// Writes `batch` as generation `gen` (sparing `keep_gen`) to `role` copies on logical `l`;
-/// returns the physical node and the incarnation that took the pages.
-#[allow(clippy::too_many_arguments)]
-pub(super) async fn write_to(
+/// Writes `batch` (generation: `gen`) to `role` copies on logical `l`; returns the physical
+/// node and the incarnation that took the pages.
+pub async fn write_to(
     node: &Arc<Node>,
     l: NodeId,
     file: FileId,
     role: Role,
-    gen: u64,
-    keep_gen: u64,
+    gen: WriteGen,
     indices: Vec<u64>,
     data: bytes::Bytes,
 ) -> Result<(String, u64), OpError> {
     let phys = node.physical_of(&node.meta_state(), l);
-    let incarnation = write_to_phys(node, &phys, file, role, gen, keep_gen, indices, data).await?;
+    let incarnation = write_to_phys(node, &phys, file, role, gen, indices, data).await?;
     Ok((phys, incarnation))
 }
 
 /// [`write_to`] a physical node; returns the incarnation that took the pages.
-#[allow(clippy::too_many_arguments)]
-pub(super) async fn write_to_phys(
+pub async fn write_to_phys(
     node: &Arc<Node>,
     phys: &str,
     file: FileId,
     role: Role,
-    gen: u64,
-    keep_gen: u64,
+    gen: WriteGen,
     indices: Vec<u64>,
     data: bytes::Bytes,
 ) -> Result<u64, OpError> {
@@ -270,7 +267,6 @@ pub(super) async fn write_to_phys(
         file,
         role,
         gen,
-        keep_gen,
         indices,
     };
     match node.call_data_ok(phys, req, data).await? {
@@ -283,7 +279,7 @@ pub(super) async fn write_to_phys(
 }
 
 /// fsync on one node; returns the incarnation that synced.
-pub(super) async fn sync_on(node: &Arc<Node>, phys: &str) -> Result<u64, OpError> {
+pub async fn sync_on(node: &Arc<Node>, phys: &str) -> Result<u64, OpError> {
     match node.call_ok(phys, PeerReq::Sync).await? {
         PeerResp::Stored { incarnation } => Ok(incarnation),
         other => Err(OpError::new(
@@ -342,6 +338,7 @@ impl Importer {
                 mode,
                 gen: 1,
                 created_unix_ms,
+                written: Default::default(),
             },
             replaces,
             received: 0,
@@ -397,7 +394,7 @@ impl Importer {
             }
             let (indices, data) = (indices.clone(), data.clone());
             self.inflight.spawn(async move {
-                let r = write_to_phys(&node, &phys, file, role, gen, 0, indices, data).await;
+                let r = write_to_phys(&node, &phys, file, role, WriteGen::New { gen, seq: 0 }, indices, data).await;
                 (phys, r)
             });
         }

@@ -7,6 +7,10 @@
 //! name binding (old contents or no file); after it, the new. Replacing a file writes a new id,
 //! so readers of the old contents are never disturbed.
 //!
+//! Checkpoints (`crate::ckpt`) write pages of existing files through the same page writes
+//! (`write_to_phys` with a new generation, `sync_on`); their commit record sets the pages'
+//! generations ([`psls_pfs::gens`]), and reads ask for each page's own generation.
+//!
 //! Read protocol: from a copy on the reading node if it holds one, else from the primary; on
 //! a missing, stale, corrupt or unreachable copy, from the other one, and the bad copy is then
 //! repaired in place from the good one.
@@ -15,6 +19,9 @@ mod files;
 mod read;
 mod repair;
 
-pub use files::{create, info, list, lookup_file, remove, stat, Caller, Importer};
+pub use files::{
+    check_all_serving, create, info, list, lookup_file, now_ms as unix_ms, remove, stat, sync_on, write_to_phys,
+    Caller, Importer,
+};
 pub use read::{export_stream, read_page, ExportChunks, Pages};
 pub use repair::{maybe_auto_replace, maybe_rebuild, rebuild, replace, scrub};

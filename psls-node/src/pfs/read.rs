@@ -5,7 +5,7 @@
 use super::files::*;
 use crate::node::Node;
 use crate::op::OpError;
-use crate::peer::{PageState, PeerReq, PeerResp};
+use crate::peer::{PageState, PeerReq, PeerResp, WriteGen};
 use psls_ipc::ErrorKind;
 use psls_pfs::meta::{FileMeta, MetaState};
 use psls_pfs::Role;
@@ -59,11 +59,12 @@ pub(super) async fn read_from_within(
         return PagesRead::failed(n, format!("{l} is not available"));
     }
     let phys = node.physical_of(st, l);
+    let gens = indices.iter().map(|&i| f.page_gen(i)).collect();
     let req = PeerReq::ReadPages {
         file: f.id,
         role,
-        gen: f.gen,
         indices,
+        gens,
     };
     match node.call_data(&phys, req, bytes::Bytes::new(), timeout).await {
         Ok((PeerResp::Pages(states), data)) if states.len() == n && data.len() == n * PAGE_SIZE => {
@@ -107,7 +108,7 @@ pub type Pages = Vec<bytes::Bytes>;
 /// and a bad first copy is then repaired in place from the good one.
 pub(super) async fn read_chunk(node: Arc<Node>, f: FileMeta, first: u64, count: u64) -> Result<Pages, OpError> {
     let zero = bytes::Bytes::from_static(&ZERO_PAGE);
-    if f.gen == 0 {
+    if f.never_written() {
         return Ok(vec![zero; count as usize]);
     }
     let st = node.meta_state();
@@ -124,10 +125,16 @@ pub(super) async fn read_chunk(node: Arc<Node>, f: FileMeta, first: u64, count: 
     };
     let mut out: Vec<Option<bytes::Bytes>> = vec![None; count as usize];
     let slot = |i: u64| (i - first) as usize;
+    // Pages never written (generation 0) are zeros, on no disk.
+    for i in first..first + count {
+        if f.page_gen(i) == 0 {
+            out[slot(i)] = Some(zero.clone());
+        }
+    }
     // Page → (why its first copy failed, whether that copy answered and was bad).
     let mut failed: BTreeMap<u64, (String, bool)> = BTreeMap::new();
     let mut reads = tokio::task::JoinSet::new();
-    for ((l, role), idx) in group_by(first..first + count, |i| copies(i)[0]) {
+    for ((l, role), idx) in group_by((first..first + count).filter(|&i| f.page_gen(i) > 0), |i| copies(i)[0]) {
         let (node, st, f) = (node.clone(), st.clone(), f.clone());
         // Wait briefly for the first copy only when every second copy can take over.
         let others_serve = idx.iter().all(|&i| node.can_serve(&st, copies(i)[1].0));
@@ -171,13 +178,16 @@ pub(super) async fn read_chunk(node: Arc<Node>, f: FileMeta, first: u64, count: 
         }
         for ((l, role), batch) in repairs {
             let node = node.clone();
-            let (file, gen) = (f.id, f.gen);
+            let f = f.clone();
             tokio::spawn(async move {
                 let n = batch.indices.len();
+                let file = f.id;
                 let r = async {
                     let written = Incarnations::default();
                     let (indices, data) = batch.into_parts();
-                    let (phys, incarnation) = write_to(&node, l, file, role, gen, gen, indices, data).await?;
+                    let gens = indices.iter().map(|&i| f.page_gen(i)).collect();
+                    let gen = WriteGen::Same { gens };
+                    let (phys, incarnation) = write_to(&node, l, file, role, gen, indices, data).await?;
                     written.check(&phys, incarnation)?;
                     written.check(&phys, sync_on(&node, &phys).await?)
                 }

@@ -6,7 +6,7 @@ use super::files::*;
 use super::read::read_from;
 use crate::node::Node;
 use crate::op::OpError;
-use crate::peer::{PeerReq, PeerResp, BATCH_PAGES};
+use crate::peer::{PeerReq, PeerResp, WriteGen, BATCH_PAGES};
 use psls_cluster::write::{Write, WriteAction};
 use psls_ipc::proto::ScrubReport;
 use psls_ipc::ErrorKind;
@@ -22,7 +22,7 @@ use std::time::Duration;
 pub async fn scrub(node: &Arc<Node>) -> Result<ScrubReport, OpError> {
     let st = node.meta_state();
     check_all_serving(node, &st)?;
-    let files: Vec<(FileId, u64, u64)> = st.files.values().map(|f| (f.id, f.pages(), f.gen)).collect();
+    let files: Vec<FileId> = st.files.values().map(|f| f.id).collect();
     let by_id: BTreeMap<FileId, FileMeta> = st.files.values().map(|f| (f.id, f.clone())).collect();
     let mut report = ScrubReport {
         files: files.len() as u64,
@@ -30,7 +30,16 @@ pub async fn scrub(node: &Arc<Node>) -> Result<ScrubReport, OpError> {
     };
     let mut bad = Vec::new();
     for (l, p) in node.logical_map(&st) {
-        match node.call_ok(&p, PeerReq::ScrubLocal { files: files.clone() }).await? {
+        match node
+            .call_ok(
+                &p,
+                PeerReq::ScrubLocal {
+                    files: files.clone(),
+                    seq: st.seq,
+                },
+            )
+            .await?
+        {
             PeerResp::Scrub { checked, bad: b } => {
                 report.copies_checked += checked;
                 report.bad_copies += b.len() as u64;
@@ -87,7 +96,10 @@ pub(super) async fn copy_pages(
         return (0, bad.len() as u64);
     }
     let (indices, data) = ok.into_parts();
-    let r = write_to(node, dst, f.id, src_role.other(), f.gen, f.gen, indices, data).await;
+    let gen = WriteGen::Same {
+        gens: indices.iter().map(|&i| f.page_gen(i)).collect(),
+    };
+    let r = write_to(node, dst, f.id, src_role.other(), gen, indices, data).await;
     match r.and_then(|(phys, incarnation)| written.check(&phys, incarnation)) {
         Ok(()) => (n, bad.len() as u64),
         Err(e) => {
@@ -147,7 +159,7 @@ pub async fn replace(node: &Arc<Node>, logical: u32, spare: &str) -> Result<(), 
 pub async fn rebuild(node: &Arc<Node>, l: NodeId) -> Result<(), OpError> {
     let st = node.meta_state();
     let p = node.placement;
-    let files: Vec<FileMeta> = st.files.values().filter(|f| f.gen > 0).cloned().collect();
+    let files: Vec<FileMeta> = st.files.values().filter(|f| !f.never_written()).cloned().collect();
     let total: u64 = files
         .iter()
         .map(|f| {
@@ -180,7 +192,10 @@ pub async fn rebuild(node: &Arc<Node>, l: NodeId) -> Result<(), OpError> {
                 let n = ok.indices.len() as u64;
                 let (indices, data) = ok.into_parts();
                 write.sent(&me);
-                match write_to_phys(node, &me, f.id, role, f.gen, f.gen, indices, data).await {
+                let gen = WriteGen::Same {
+                    gens: indices.iter().map(|&i| f.page_gen(i)).collect(),
+                };
+                match write_to_phys(node, &me, f.id, role, gen, indices, data).await {
                     Ok(incarnation) => write.stored(&me, incarnation),
                     Err(e) => write.store_failed(&me, &e.message),
                 }

@@ -186,9 +186,11 @@ pub(super) fn apply(g: &mut Inner, node: &Node, a: Action, out: &mut Vec<Outgoin
             }
         },
         Action::SetAccess { page, access } => {
-            let Some(seg) = g.segs.get(&page.file) else { return };
+            let Some(seg) = g.segs.get_mut(&page.file) else { return };
             match access {
                 None => {
+                    // The latest version, if this copy was it, now lives where it went.
+                    seg.dirty.clear(page.index);
                     let r = nix::fcntl::fallocate(
                         &seg.memfd,
                         nix::fcntl::FallocateFlags::FALLOC_FL_PUNCH_HOLE
@@ -215,12 +217,21 @@ pub(super) fn apply(g: &mut Inner, node: &Node, a: Action, out: &mut Vec<Outgoin
                         }
                     }
                 }
-                Some(Access::Write) => {}
+                // Write access may come with another node's dirty version (a write moves the
+                // page here and drops the other copies, with their dirty bits): this copy is
+                // the one a checkpoint must take.
+                Some(Access::Write) => seg.dirty.set(page.index),
             }
         }
         Action::Resolve { waiter, page, .. } => {
             let Some(w) = g.waiters.remove(&waiter) else { return };
             let node_access = g.svm.as_ref().and_then(|s| s.access(page));
+            if node_access == Some(Access::Write) && w.map.writable {
+                // Mapped writable in the client: from now on it may differ from the disk.
+                if let Some(seg) = g.segs.get_mut(&page.file) {
+                    seg.dirty.set(page.index);
+                }
+            }
             resolve(&w, node_access);
         }
         Action::Fail { waiter, page, error } => {

@@ -13,15 +13,21 @@
 //!   unless this node may write) or lifts the write protection;
 //! - `Send` snapshots the page (for `Data`) before anything after it runs.
 //!
+//! It also keeps, per segment, which pages clients here may have written since a checkpoint
+//! last took them (`dirty`: set when a page is mapped writable in a client, cleared when the
+//! copy goes or a checkpoint takes it).
+//!
 //! Invariants: the daemon never maps the memfds (it reads and writes them with pread/pwrite,
 //! so it cannot create pages by touching them); a page is mapped writable in a client only
 //! while this node holds write access; a fault that cannot be served leaves the client blocked
 //! and tells its lifeline, never maps anything.
 
+mod dirty;
 mod fault;
 mod shell;
 mod state;
 
+pub use dirty::Taken;
 pub use fault::svm_incarnation;
 pub use state::{continue_page, Backing, ClientMap, SvmShell, MAX_SEGMENT_BYTES};
 

@@ -82,6 +82,19 @@ impl SvmShell {
         ids
     }
 
+    /// The parallel files process `pid` maps writable here.
+    pub fn writable_files(&self, pid: i32) -> Vec<FileId> {
+        let g = self.lock();
+        let mut v: Vec<FileId> = g
+            .segs
+            .iter()
+            .filter(|(_, s)| matches!(s.backing, Backing::Pfs(_)) && s.maps.iter().any(|m| m.pid == pid && m.writable))
+            .map(|(id, _)| *id)
+            .collect();
+        v.sort();
+        v
+    }
+
     /// Client mappings of `file` served here.
     pub fn mappings(&self, file: FileId) -> u64 {
         self.lock().segs.get(&file).map_or(0, |s| s.maps.len() as u64)
@@ -211,6 +224,7 @@ impl SvmShell {
                 pages,
                 backing,
                 maps: Vec::new(),
+                dirty: Dirty::new(pages),
             },
         );
         tracing::info!(node = %node.name(), %file, name, pages, "segment opened");
@@ -291,8 +305,9 @@ impl SvmShell {
         Ok(())
     }
 
-    /// Stops serving the mapping of process `pid` at `base`.
-    pub fn unregister(&self, pid: i32, base: u64) -> Result<(), OpError> {
+    /// Stops serving the mapping of process `pid` at `base`. Returns the parallel file whose
+    /// last writable mapping by `pid` this was (its writes are to be made durable).
+    pub fn unregister(&self, pid: i32, base: u64) -> Result<Option<FileId>, OpError> {
         let mut g = self.lock();
         let found = g
             .segs
@@ -307,7 +322,11 @@ impl SvmShell {
             ));
         };
         drop_map(&mut g, &m);
-        Ok(())
+        let last_writer = m.writable
+            && g.segs.get(&m.file).is_some_and(|s| {
+                matches!(s.backing, Backing::Pfs(_)) && !s.maps.iter().any(|x| x.pid == pid && x.writable)
+            });
+        Ok(last_writer.then_some(m.file))
     }
 
     /// The thread serving one client mapping.
@@ -497,8 +516,14 @@ impl SvmShell {
                     }
                     Outgoing::Load { page, txn, backing } => match backing {
                         Backing::Volatile { .. } => zeros.push((page, txn)),
-                        Backing::Pfs(f) if f.gen == 0 => zeros.push((page, txn)),
+                        // The page's generation now, not when the segment opened: checkpoints
+                        // write pages of mapped files.
                         Backing::Pfs(f) => {
+                            let f = node.file_by_id(f.id).unwrap_or(f);
+                            if f.page_gen(page.index) == 0 {
+                                zeros.push((page, txn));
+                                continue;
+                            }
                             let (node, me) = (node.clone(), self.clone());
                             self.runtime.spawn(async move {
                                 let data = crate::pfs::read_page(&node, &f, page.index).await;

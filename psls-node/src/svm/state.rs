@@ -33,6 +33,43 @@ pub(super) struct Segment {
     pub(super) pages: u64,
     pub(super) backing: Backing,
     pub(super) maps: Vec<Arc<ClientMap>>,
+    /// Pages whose copy here may differ from the disks, since a checkpoint last took them
+    /// (one bit per page): set when this node gets write access (the page may come with
+    /// another node's unsaved writes) and whenever a page is mapped writable in a client;
+    /// cleared when the copy is dropped or a checkpoint takes it. So every page whose latest
+    /// version is not on the disks has its bit set on a node holding that version.
+    pub(super) dirty: Dirty,
+}
+
+/// A bit per page.
+#[derive(Default)]
+pub(super) struct Dirty(Vec<u64>);
+
+impl Dirty {
+    pub(super) fn new(pages: u64) -> Dirty {
+        Dirty(vec![0; pages.div_ceil(64) as usize])
+    }
+    pub(super) fn set(&mut self, i: u64) {
+        if let Some(w) = self.0.get_mut((i / 64) as usize) {
+            *w |= 1 << (i % 64);
+        }
+    }
+    pub(super) fn clear(&mut self, i: u64) {
+        if let Some(w) = self.0.get_mut((i / 64) as usize) {
+            *w &= !(1 << (i % 64));
+        }
+    }
+    /// The pages set, in order.
+    pub(super) fn iter(&self) -> impl Iterator<Item = u64> + '_ {
+        self.0.iter().enumerate().flat_map(|(k, &w)| {
+            (0..64u64)
+                .filter(move |b| w & (1 << b) != 0)
+                .map(move |b| k as u64 * 64 + b)
+        })
+    }
+    pub(super) fn count(&self) -> u64 {
+        self.0.iter().map(|w| w.count_ones() as u64).sum()
+    }
 }
 
 /// One client mapping: its userfaultfd and where the file is mapped in the client.

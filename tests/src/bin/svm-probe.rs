@@ -180,6 +180,33 @@ fn main() {
         std::process::exit(1)
     });
     let w: &mut [u64] = m.as_mut_slice();
+    if mode == "fillsync" {
+        // `fillsync NAME PAGES SEED SEED2 FROM`: fills every page with SEED's pattern, syncs
+        // (prints the pages written), writes SEED2's pattern over pages FROM.. and exits at
+        // once: no unmap, so only what the sync made durable is on the disks.
+        let (seed, seed2): (u64, u64) = (arg(4).parse().expect("SEED"), arg(5).parse().expect("SEED2"));
+        let from: usize = arg(6).parse().expect("FROM");
+        for p in 0..pages {
+            for k in 0..words_per_page {
+                w[p * words_per_page + k] = pattern(seed, p, k);
+            }
+        }
+        match s.sync() {
+            Ok(n) => println!("synced {n}"),
+            Err(e) => {
+                eprintln!("sync: {e}");
+                std::process::exit(1)
+            }
+        }
+        for p in from..pages {
+            for k in 0..words_per_page {
+                w[p * words_per_page + k] = pattern(seed2, p, k);
+            }
+        }
+        use std::io::Write;
+        let _ = std::io::stdout().flush();
+        std::process::exit(0)
+    }
     match mode.as_str() {
         "produce" => {
             for p in 1..pages {

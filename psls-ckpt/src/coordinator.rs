@@ -1,0 +1,615 @@
+//! The coordinator's side of a persistent checkpoint (two-phase, DESIGN §7).
+//!
+//! A round (one per job at a time): `start` sends `Prepare` to every participant (every live
+//! logical node: any of them may hold dirty pages of the job's files and every page has copies
+//! on two of them) → each answers `Prepared` (its pages are durable on both copies) or
+//! `Refused` → with every answer in, [`CoordAction::Commit`]: the shell writes the commit
+//! record (one metadata operation for every file of the job) and reports with `committed` →
+//! `Decide` to every participant, and [`CoordAction::Finished`].
+//!
+//! Aborts: a refusal, a participant going down, or no answer within the timeout before the
+//! commit record is asked for: `Decide{commit: false}` and `Finished(Aborted)`; nothing was
+//! submitted, so nothing can commit. Once the record is asked for, only its outcome decides:
+//! if writing it fails (the coordinator's metadata quorum broke, say), the epoch is fenced
+//! ([`CoordAction::Fence`]) and the record — committed or fenced — is what the participants
+//! are told.
+//!
+//! After a coordinator change, the new coordinator knows no round; participants report the
+//! epochs they prepared and never saw decided (`InDoubt`, or a `Prepared` for no round here):
+//! it fences each once and tells them the outcome (the commit record decides).
+//!
+//! Invariants: `Commit` only after every participant of the round answered `Prepared` for that
+//! epoch; a participant is told `commit: true` only after the record committed; each round
+//! finishes exactly once; the tables are bounded ([`crate::MAX_ROUNDS`],
+//! [`crate::MAX_IN_DOUBT`]).
+
+use crate::msg::Msg;
+use psls_pfs::jobs::FileRuns;
+use psls_svm::{FileId, NodeId};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+
+/// How a round ended.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// The checkpoint committed: `pages` pages (one copy; `bytes` bytes) were written.
+    Committed { pages: u64, bytes: u64 },
+    /// It did not; the previous checkpoint stands.
+    Aborted(String),
+}
+
+/// What the shell must do.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CoordAction {
+    Send {
+        to: NodeId,
+        msg: Msg,
+    },
+    /// Write the commit record of `epoch` (`MetaOp::Checkpoint`), then call
+    /// [`Coordinator::committed`].
+    Commit {
+        job: String,
+        epoch: u64,
+        gen: u64,
+        files: Vec<FileRuns>,
+        bytes: u64,
+    },
+    /// Make sure `epoch` never commits (`MetaOp::FenceCheckpoint`), then call
+    /// [`Coordinator::fenced`] with what the record says.
+    Fence {
+        job: String,
+        epoch: u64,
+    },
+    /// The round of `epoch` is over.
+    Finished {
+        job: String,
+        epoch: u64,
+        outcome: Outcome,
+    },
+}
+
+/// Why `start` refused.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum StartError {
+    /// A round of this job is in progress.
+    Busy,
+    /// Too many rounds in progress.
+    Full,
+    /// No participant, or an epoch not above the job's floor.
+    Invalid(String),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    Collecting,
+    Committing,
+    /// The commit record's outcome is unknown: fencing to learn it.
+    Fencing,
+}
+
+#[derive(Debug)]
+struct Round {
+    epoch: u64,
+    gen: u64,
+    participants: BTreeSet<NodeId>,
+    waiting: BTreeSet<NodeId>,
+    written: BTreeMap<FileId, Vec<(u64, u64)>>,
+    bytes: u64,
+    started_ms: u64,
+    phase: Phase,
+}
+
+/// An epoch reported in doubt, being fenced, and who to tell.
+#[derive(Debug, Default)]
+struct Doubt {
+    reporters: BTreeSet<NodeId>,
+    asked: bool,
+}
+
+/// See the module documentation.
+#[derive(Debug)]
+pub struct Coordinator {
+    timeout_ms: u64,
+    rounds: BTreeMap<String, Round>,
+    doubts: BTreeMap<(String, u64), Doubt>,
+    actions: VecDeque<CoordAction>,
+}
+
+impl Coordinator {
+    /// A coordinator whose rounds abort when not all prepared within `timeout_ms`.
+    pub fn new(timeout_ms: u64) -> Coordinator {
+        Coordinator {
+            timeout_ms,
+            rounds: BTreeMap::new(),
+            doubts: BTreeMap::new(),
+            actions: VecDeque::new(),
+        }
+    }
+
+    pub fn poll_action(&mut self) -> Option<CoordAction> {
+        self.actions.pop_front()
+    }
+
+    /// Whether a round of `job` is in progress.
+    pub fn busy(&self, job: &str) -> bool {
+        self.rounds.contains_key(job)
+    }
+
+    /// The epoch of `job`'s round in progress, and how many participants it still waits for.
+    pub fn progress(&self, job: &str) -> Option<(u64, usize)> {
+        self.rounds.get(job).map(|r| (r.epoch, r.waiting.len()))
+    }
+
+    /// Starts checkpoint `epoch` of `job` (the shell takes it above the job's floor in the
+    /// metadata, [`psls_pfs::jobs::floor`]), at generation `gen` (above every page generation
+    /// of `files`), once participants' metadata has reached `seq`; `committed` is the job's
+    /// last committed epoch.
+    #[allow(clippy::too_many_arguments)]
+    pub fn start(
+        &mut self,
+        now_ms: u64,
+        job: &str,
+        epoch: u64,
+        gen: u64,
+        seq: u64,
+        committed: u64,
+        files: Vec<FileId>,
+        participants: BTreeSet<NodeId>,
+    ) -> Result<(), StartError> {
+        if self.rounds.contains_key(job) {
+            return Err(StartError::Busy);
+        }
+        if self.rounds.len() >= crate::MAX_ROUNDS {
+            return Err(StartError::Full);
+        }
+        if participants.is_empty() || epoch <= committed {
+            return Err(StartError::Invalid(format!(
+                "epoch {epoch} (committed {committed}) with {} participants",
+                participants.len()
+            )));
+        }
+        for &to in &participants {
+            self.actions.push_back(CoordAction::Send {
+                to,
+                msg: Msg::Prepare {
+                    job: job.to_string(),
+                    epoch,
+                    gen,
+                    seq,
+                    files: files.clone(),
+                    committed,
+                },
+            });
+        }
+        self.rounds.insert(
+            job.to_string(),
+            Round {
+                epoch,
+                gen,
+                waiting: participants.clone(),
+                participants,
+                written: BTreeMap::new(),
+                bytes: 0,
+                started_ms: now_ms,
+                phase: Phase::Collecting,
+            },
+        );
+        Ok(())
+    }
+
+    /// A message from participant `from`.
+    pub fn receive(&mut self, from: NodeId, msg: Msg) {
+        let (job, epoch) = (msg.job().to_string(), msg.epoch());
+        let current = self.rounds.get(&job).map(|r| r.epoch);
+        match msg {
+            Msg::Prepared { written, bytes, .. } if current == Some(epoch) => {
+                let Some(r) = self.rounds.get_mut(&job) else { return };
+                if r.phase != Phase::Collecting || !r.waiting.remove(&from) {
+                    return;
+                }
+                for fr in written {
+                    r.written.entry(fr.file).or_default().extend(fr.runs);
+                }
+                r.bytes += bytes;
+                if r.waiting.is_empty() {
+                    r.phase = Phase::Committing;
+                    let files = r
+                        .written
+                        .iter()
+                        .map(|(f, runs)| FileRuns {
+                            file: *f,
+                            runs: merge(runs),
+                        })
+                        .collect();
+                    self.actions.push_back(CoordAction::Commit {
+                        job,
+                        epoch,
+                        gen: r.gen,
+                        files,
+                        bytes: r.bytes,
+                    });
+                }
+            }
+            Msg::Refused { why, .. }
+                if current == Some(epoch) && self.rounds.get(&job).is_some_and(|r| r.phase == Phase::Collecting) =>
+            {
+                self.abort(&job, format!("{from} could not write its pages: {why}"));
+            }
+            // A participant holds an epoch no round here is deciding: settle it by the record.
+            Msg::Prepared { .. } | Msg::InDoubt { .. } if current != Some(epoch) => {
+                self.doubt(&job, epoch, from);
+            }
+            // Stale (another epoch), or not for a coordinator.
+            _ => {}
+        }
+    }
+
+    fn doubt(&mut self, job: &str, epoch: u64, from: NodeId) {
+        let key = (job.to_string(), epoch);
+        if !self.doubts.contains_key(&key) && self.doubts.len() >= crate::MAX_IN_DOUBT {
+            return; // reported again later (the participant repeats at every coordinator change)
+        }
+        let d = self.doubts.entry(key).or_default();
+        d.reporters.insert(from);
+        if !d.asked {
+            d.asked = true;
+            self.actions.push_back(CoordAction::Fence {
+                job: job.to_string(),
+                epoch,
+            });
+        }
+    }
+
+    /// Participant `n` went down: a round still collecting that waits on it aborts (one
+    /// committing finishes by its record, and those that come back roll back anyway).
+    pub fn node_down(&mut self, n: NodeId) {
+        let hit: Vec<String> = self
+            .rounds
+            .iter()
+            .filter(|(_, r)| r.phase == Phase::Collecting && r.participants.contains(&n))
+            .map(|(j, _)| j.clone())
+            .collect();
+        for job in hit {
+            if let Some(r) = self.rounds.get_mut(&job) {
+                r.participants.remove(&n);
+            }
+            self.abort(&job, format!("{n} went down during the checkpoint"));
+        }
+        for d in self.doubts.values_mut() {
+            d.reporters.remove(&n);
+        }
+    }
+
+    /// Rounds not all prepared after the timeout abort.
+    pub fn tick(&mut self, now_ms: u64) {
+        let late: Vec<String> = self
+            .rounds
+            .iter()
+            .filter(|(_, r)| r.phase == Phase::Collecting && now_ms.saturating_sub(r.started_ms) > self.timeout_ms)
+            .map(|(j, _)| j.clone())
+            .collect();
+        for job in late {
+            let waiting: Vec<String> = self.rounds[&job].waiting.iter().map(|n| n.to_string()).collect();
+            self.abort(
+                &job,
+                format!("no answer from {} within {} ms", waiting.join(", "), self.timeout_ms),
+            );
+        }
+    }
+
+    fn abort(&mut self, job: &str, why: String) {
+        let Some(r) = self.rounds.remove(job) else { return };
+        self.decide(job, r.epoch, false, &r.participants);
+        self.actions.push_back(CoordAction::Finished {
+            job: job.to_string(),
+            epoch: r.epoch,
+            outcome: Outcome::Aborted(why),
+        });
+    }
+
+    fn decide(&mut self, job: &str, epoch: u64, commit: bool, to: &BTreeSet<NodeId>) {
+        for &n in to {
+            self.actions.push_back(CoordAction::Send {
+                to: n,
+                msg: Msg::Decide {
+                    job: job.to_string(),
+                    epoch,
+                    commit,
+                },
+            });
+        }
+    }
+
+    /// The commit record of `epoch` was written (`Ok`) or could not be (`Err`: its fate is
+    /// unknown, so it is fenced and the record decides).
+    pub fn committed(&mut self, job: &str, epoch: u64, result: Result<(), String>) {
+        let Some(r) = self.rounds.get_mut(job) else { return };
+        if r.epoch != epoch || r.phase != Phase::Committing {
+            return;
+        }
+        match result {
+            Ok(()) => {
+                let r = self.rounds.remove(job).expect("present");
+                let pages = r.written.values().flat_map(|v| v.iter()).map(|(s, e)| e - s).sum();
+                self.decide(job, epoch, true, &r.participants);
+                self.actions.push_back(CoordAction::Finished {
+                    job: job.to_string(),
+                    epoch,
+                    outcome: Outcome::Committed { pages, bytes: r.bytes },
+                });
+            }
+            Err(_) => {
+                r.phase = Phase::Fencing;
+                self.actions.push_back(CoordAction::Fence {
+                    job: job.to_string(),
+                    epoch,
+                });
+            }
+        }
+    }
+
+    /// What the record says of `epoch` after a fence: `Ok(true)` it committed, `Ok(false)` it
+    /// never will; `Err` the fence could not be written (asked again at once by the shell's
+    /// retry, or at the next report).
+    pub fn fenced(&mut self, job: &str, epoch: u64, result: Result<bool, String>) {
+        let key = (job.to_string(), epoch);
+        match result {
+            Ok(commit) => {
+                if let Some(d) = self.doubts.remove(&key) {
+                    self.decide(job, epoch, commit, &d.reporters);
+                }
+                if self
+                    .rounds
+                    .get(job)
+                    .is_some_and(|r| r.epoch == epoch && r.phase == Phase::Fencing)
+                {
+                    let r = self.rounds.remove(job).expect("present");
+                    let pages = r.written.values().flat_map(|v| v.iter()).map(|(s, e)| e - s).sum();
+                    self.decide(job, epoch, commit, &r.participants);
+                    let outcome = if commit {
+                        Outcome::Committed { pages, bytes: r.bytes }
+                    } else {
+                        Outcome::Aborted("the commit record could not be written".into())
+                    };
+                    self.actions.push_back(CoordAction::Finished {
+                        job: job.to_string(),
+                        epoch,
+                        outcome,
+                    });
+                }
+            }
+            Err(_) => {
+                // Nobody is told anything; the doubt is asked again when reported again, the
+                // round's fence when the shell retries.
+                if let Some(d) = self.doubts.get_mut(&key) {
+                    d.asked = false;
+                }
+            }
+        }
+    }
+
+    /// Fences still to be asked again (after a failed one): the shell calls this on its timer.
+    pub fn retry(&mut self) {
+        let again: Vec<(String, u64)> = self
+            .doubts
+            .iter()
+            .filter(|(_, d)| !d.asked && !d.reporters.is_empty())
+            .map(|(k, _)| k.clone())
+            .collect();
+        for (job, epoch) in again {
+            if let Some(d) = self.doubts.get_mut(&(job.clone(), epoch)) {
+                d.asked = true;
+            }
+            self.actions.push_back(CoordAction::Fence { job, epoch });
+        }
+        self.doubts.retain(|_, d| !d.reporters.is_empty());
+        let fencing: Vec<(String, u64)> = self
+            .rounds
+            .iter()
+            .filter(|(_, r)| r.phase == Phase::Fencing)
+            .map(|(j, r)| (j.clone(), r.epoch))
+            .collect();
+        for (job, epoch) in fencing {
+            self.actions.push_back(CoordAction::Fence { job, epoch });
+        }
+    }
+}
+
+/// Sorts and merges page runs.
+fn merge(runs: &[(u64, u64)]) -> Vec<(u64, u64)> {
+    let mut v: Vec<(u64, u64)> = runs.iter().copied().filter(|(s, e)| s < e).collect();
+    v.sort_unstable();
+    let mut out: Vec<(u64, u64)> = Vec::with_capacity(v.len());
+    for (s, e) in v {
+        match out.last_mut() {
+            Some(last) if s <= last.1 => last.1 = last.1.max(e),
+            _ => out.push((s, e)),
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn nodes(n: u32) -> BTreeSet<NodeId> {
+        (0..n).map(NodeId).collect()
+    }
+
+    fn drain(c: &mut Coordinator) -> Vec<CoordAction> {
+        std::iter::from_fn(|| c.poll_action()).collect()
+    }
+
+    fn prepared(epoch: u64, runs: Vec<(u64, u64)>) -> Msg {
+        Msg::Prepared {
+            job: "j".into(),
+            epoch,
+            written: vec![FileRuns { file: FileId(1), runs }],
+            bytes: 4096,
+        }
+    }
+
+    #[test]
+    fn commits_after_every_participant_prepared_and_then_decides() {
+        let mut c = Coordinator::new(1000);
+        c.start(0, "j", 1, 5, 10, 0, vec![FileId(1)], nodes(3)).unwrap();
+        assert_eq!(c.start(0, "j", 2, 5, 10, 0, vec![], nodes(3)), Err(StartError::Busy));
+        let a = drain(&mut c);
+        assert_eq!(a.len(), 3, "{a:?}");
+        c.receive(NodeId(0), prepared(1, vec![(4, 6)]));
+        c.receive(NodeId(0), prepared(1, vec![(9, 10)])); // a duplicate counts once
+        c.receive(NodeId(1), prepared(0, vec![(0, 1)])); // stale epoch: a doubt, not this round
+        c.receive(NodeId(1), prepared(1, vec![(2, 4)]));
+        let a = drain(&mut c);
+        assert!(matches!(&a[..], [CoordAction::Fence { epoch: 0, .. }]), "{a:?}");
+        c.receive(NodeId(2), prepared(1, vec![(6, 7)]));
+        let a = drain(&mut c);
+        match &a[..] {
+            [CoordAction::Commit {
+                epoch: 1,
+                gen: 5,
+                files,
+                bytes,
+                ..
+            }] => {
+                assert_eq!(files[0].runs, vec![(2, 7)]);
+                assert_eq!(*bytes, 3 * 4096);
+            }
+            other => panic!("{other:?}"),
+        }
+        // A participant lost now does not abort: the record decides.
+        c.node_down(NodeId(2));
+        c.committed("j", 1, Ok(()));
+        let a = drain(&mut c);
+        assert_eq!(
+            a.iter()
+                .filter(|x| matches!(
+                    x,
+                    CoordAction::Send {
+                        msg: Msg::Decide { commit: true, .. },
+                        ..
+                    }
+                ))
+                .count(),
+            3
+        );
+        assert!(matches!(
+            a.last(),
+            Some(CoordAction::Finished {
+                outcome: Outcome::Committed { pages: 5, .. },
+                ..
+            })
+        ));
+        assert!(!c.busy("j"));
+    }
+
+    #[test]
+    fn refusals_downs_and_timeouts_abort_before_the_record_and_a_failed_record_is_fenced() {
+        let mut c = Coordinator::new(1000);
+        c.start(0, "j", 1, 5, 10, 0, vec![], nodes(2)).unwrap();
+        c.receive(
+            NodeId(0),
+            Msg::Refused {
+                job: "j".into(),
+                epoch: 1,
+                why: "disk".into(),
+            },
+        );
+        let a = drain(&mut c);
+        assert!(a
+            .iter()
+            .any(|x| matches!(x, CoordAction::Finished { outcome: Outcome::Aborted(w), .. } if w.contains("disk"))));
+        assert!(!a.iter().any(|x| matches!(x, CoordAction::Commit { .. })));
+
+        c.start(0, "j", 2, 5, 10, 0, vec![], nodes(2)).unwrap();
+        c.node_down(NodeId(1));
+        let a = drain(&mut c);
+        assert!(matches!(
+            a.last(),
+            Some(CoordAction::Finished {
+                outcome: Outcome::Aborted(_),
+                ..
+            })
+        ));
+        // Only the survivor is told.
+        assert_eq!(
+            a.iter()
+                .filter(|x| matches!(
+                    x,
+                    CoordAction::Send {
+                        msg: Msg::Decide { .. },
+                        ..
+                    }
+                ))
+                .count(),
+            1
+        );
+
+        c.start(0, "j", 3, 5, 10, 0, vec![], nodes(2)).unwrap();
+        c.tick(1000);
+        assert!(c.busy("j"));
+        c.tick(1001);
+        assert!(!c.busy("j"));
+        drain(&mut c);
+
+        c.start(0, "j", 4, 5, 10, 0, vec![], nodes(1)).unwrap();
+        c.receive(NodeId(0), prepared(4, vec![]));
+        drain(&mut c);
+        c.committed("j", 4, Err("quorum lost".into()));
+        assert!(matches!(drain(&mut c)[..], [CoordAction::Fence { epoch: 4, .. }]));
+        c.fenced("j", 4, Err("still no quorum".into()));
+        c.retry();
+        assert!(matches!(drain(&mut c)[..], [CoordAction::Fence { epoch: 4, .. }]));
+        c.fenced("j", 4, Ok(true));
+        let a = drain(&mut c);
+        assert!(a.iter().any(|x| matches!(
+            x,
+            CoordAction::Send {
+                msg: Msg::Decide {
+                    commit: true,
+                    epoch: 4,
+                    ..
+                },
+                ..
+            }
+        )));
+        assert!(matches!(
+            a.last(),
+            Some(CoordAction::Finished {
+                outcome: Outcome::Committed { .. },
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn doubts_are_fenced_once_and_every_reporter_told() {
+        let mut c = Coordinator::new(1000);
+        c.receive(
+            NodeId(1),
+            Msg::InDoubt {
+                job: "j".into(),
+                epoch: 3,
+            },
+        );
+        c.receive(
+            NodeId(2),
+            Msg::InDoubt {
+                job: "j".into(),
+                epoch: 3,
+            },
+        );
+        assert_eq!(drain(&mut c).len(), 1);
+        c.fenced("j", 3, Ok(false));
+        let a = drain(&mut c);
+        assert_eq!(a.len(), 2);
+        assert!(a.iter().all(|x| matches!(
+            x,
+            CoordAction::Send {
+                msg: Msg::Decide { commit: false, .. },
+                ..
+            }
+        )));
+        assert_eq!(merge(&[(5, 6), (0, 2), (1, 3), (3, 3)]), vec![(0, 3), (5, 6)]);
+    }
+}

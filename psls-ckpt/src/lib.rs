@@ -1,0 +1,35 @@
+//! `psls-ckpt`: checkpoints as deterministic state machines with no I/O, no clock, no threads
+//! and no randomness (the shape of `psls-svm`, `psls-cluster` and `quinn-proto`). Time comes in
+//! as `now_ms`, messages through `receive`, and what must happen comes out of `poll_action`
+//! for the shell (`psls-node`) to carry out in order.
+//!
+//! - [`coordinator::Coordinator`]: the cluster coordinator's side of persistent (cleaner)
+//!   checkpoints (DESIGN §7): prepare on every node, collect, write the commit record, decide,
+//!   finish; abort on a refusal, a node going down or a timeout; and after a coordinator
+//!   change, finish or abort the rounds nodes report in doubt — the commit record decides.
+//! - [`participant::Participant`]: one node's side: write the job's dirty pages when asked
+//!   (one write at a time per job), report, and mark them clean or dirty again on the decision.
+//! - [`msg::Msg`]: what they send each other. Every message names the job and the epoch; a
+//!   message of another epoch than the one in progress, or from a node that is not the
+//!   coordinator, is dropped.
+//!
+//! Invariants of the crate: nothing here reads a clock, touches a socket or a file, or spawns a
+//! thread; every queue and table is bounded ([`MAX_ROUNDS`], [`MAX_IN_DOUBT`]); a participant
+//! marks a checkpoint's pages clean only when the coordinator says it committed (a doubt is
+//! resolved toward "dirty again", which costs a rewrite and never loses a write).
+
+#![forbid(unsafe_code)]
+
+pub mod coordinator;
+pub mod msg;
+pub mod participant;
+
+pub use coordinator::{CoordAction, Coordinator, Outcome};
+pub use msg::Msg;
+pub use participant::{PartAction, Participant};
+
+/// Rounds in progress at one coordinator, at most (one per job).
+pub const MAX_ROUNDS: usize = 4096;
+
+/// Epochs reported in doubt and not yet resolved, at most.
+pub const MAX_IN_DOUBT: usize = 4096;

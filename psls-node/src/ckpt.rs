@@ -1,0 +1,506 @@
+//! The checkpoint shell: drives `psls_ckpt`'s coordinator (on the cluster coordinator) and
+//! participant (on every node) with the message link, the page store writes, the metadata and
+//! the shared-memory shell's dirty pages.
+//!
+//! - A caller (a client's `sync`, the last unmap of a writable mapping) asks the coordinator
+//!   for a checkpoint of a job over some files ([`CkptShell::checkpoint`] → `CkptRun`).
+//! - The coordinator starts a round: epoch above the job's commit record and above any epoch
+//!   it started before, generation above every page generation of the files, participants
+//!   every logical node (each may hold dirty pages; every page has copies on two of them).
+//!   Rounds touching the same file run one after the other.
+//! - A participant takes its dirty pages of the files (`SvmShell::take_dirty`), writes them to
+//!   the primary and mirror shadow slots through the two-phase write
+//!   (`psls_cluster::write::Write`: every batch acknowledged and fsync'd by the same
+//!   incarnation), and reports the page runs it wrote.
+//! - The coordinator writes the commit record (`MetaOp::Checkpoint`), tells everyone, answers
+//!   the caller. Pages taken are then clean; on an abort they are dirty again.
+//!
+//! Invariants: nothing here writes the page store except through a round's participant write
+//! (or imports and repairs, elsewhere); the coordinator's and participant's state machines are
+//! fed under their own locks and their actions run outside them; a round's caller is answered
+//! exactly once.
+
+use crate::failstop::Locked;
+use crate::node::Node;
+use crate::op::OpError;
+use crate::peer::{PeerReq, PeerResp, WriteGen, BATCH_PAGES};
+use crate::svm::SvmShell;
+use psls_ckpt::{CoordAction, Coordinator, Msg, Outcome, PartAction, Participant};
+use psls_cluster::write::{Write, WriteAction};
+use psls_ipc::ErrorKind;
+use psls_pfs::jobs::FileRuns;
+use psls_pfs::meta::MetaOp;
+use psls_pfs::Role;
+use psls_svm::{FileId, NodeId, PAGE_SIZE};
+use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// How long a round may wait for every participant's pages.
+const ROUND_TIMEOUT_MS: u64 = 10 * 60 * 1000;
+
+/// Most page-write batches in flight from one participant.
+const WRITES_IN_FLIGHT: usize = 8;
+
+/// Most files one checkpoint request may name.
+pub const MAX_CKPT_FILES: usize = psls_pfs::jobs::MAX_CKPT_FILES;
+
+/// What a committed checkpoint did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Done {
+    pub epoch: u64,
+    pub pages: u64,
+    pub bytes: u64,
+}
+
+type Waiter = tokio::sync::oneshot::Sender<Result<Done, OpError>>;
+
+/// Pages taken from files, per file.
+type TakenPages = Vec<(FileId, Vec<u64>)>;
+
+/// A round's files and the callers waiting for it.
+type RoundCallers = (Vec<FileId>, Vec<Waiter>);
+
+/// See the module documentation.
+pub struct CkptShell {
+    node: Arc<Node>,
+    svm: Arc<SvmShell>,
+    coord: Mutex<Coordinator>,
+    part: Mutex<Participant>,
+    /// Pages taken by this node for (job, epoch), until the decision.
+    taken: Mutex<HashMap<(String, u64), TakenPages>>,
+    /// At the coordinator: callers of each job's round in progress, and its files.
+    rounds: Mutex<HashMap<String, RoundCallers>>,
+    /// At the coordinator: the highest epoch it started per job (never started twice).
+    started: Mutex<HashMap<String, u64>>,
+    /// Messages to this node itself, delivered by the drive loop.
+    own: Mutex<VecDeque<Msg>>,
+    /// Messages arrive on the link thread: tasks are spawned here.
+    runtime: tokio::runtime::Handle,
+}
+
+fn unavailable(why: impl Into<String>) -> OpError {
+    OpError::new(ErrorKind::Unavailable, why)
+}
+
+impl CkptShell {
+    pub fn new(node: Arc<Node>, svm: Arc<SvmShell>, runtime: tokio::runtime::Handle) -> CkptShell {
+        CkptShell {
+            runtime,
+            node,
+            svm,
+            coord: Mutex::new(Coordinator::new(ROUND_TIMEOUT_MS)),
+            part: Mutex::new(Participant::new()),
+            taken: Mutex::new(HashMap::new()),
+            rounds: Mutex::new(HashMap::new()),
+            started: Mutex::new(HashMap::new()),
+            own: Mutex::new(VecDeque::new()),
+        }
+    }
+
+    /// Takes a persistent checkpoint of `job` over `files` (through the coordinator); returns
+    /// once it committed. A coordinator change mid-way is retried a few times.
+    pub async fn checkpoint(self: &Arc<Self>, job: &str, files: Vec<FileId>) -> Result<Done, OpError> {
+        psls_pfs::jobs::validate_job(job).map_err(OpError::from)?;
+        if files.len() > MAX_CKPT_FILES {
+            return Err(OpError::new(ErrorKind::Invalid, "too many files in one checkpoint"));
+        }
+        let mut last = unavailable("no coordinator is reachable");
+        for _ in 0..3 {
+            let Some((_, coordinator)) = self.node.coordinator_now() else {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                continue;
+            };
+            let req = PeerReq::CkptRun {
+                job: job.to_string(),
+                files: files.clone(),
+            };
+            let timeout = Duration::from_millis(ROUND_TIMEOUT_MS + 5000);
+            match self
+                .node
+                .call_data(&coordinator, req, bytes::Bytes::new(), timeout)
+                .await
+            {
+                Ok((PeerResp::CkptDone { epoch, pages, bytes }, _)) => return Ok(Done { epoch, pages, bytes }),
+                Ok((PeerResp::NotCoordinator, _)) => {
+                    last = unavailable(format!("{coordinator} is no longer the coordinator"))
+                }
+                Ok((PeerResp::Error { kind, message }, _)) if kind != ErrorKind::Unavailable => {
+                    return Err(OpError::new(kind, message))
+                }
+                Ok((PeerResp::Error { kind, message }, _)) => last = OpError::new(kind, message),
+                Ok((other, _)) => {
+                    return Err(OpError::new(
+                        ErrorKind::Internal,
+                        format!("unexpected answer {other:?}"),
+                    ))
+                }
+                Err(e) => last = unavailable(format!("{coordinator}: {e}")),
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        Err(last)
+    }
+
+    /// At the coordinator: runs a round of `job` over `files` and answers when it is over.
+    pub async fn serve_run(self: &Arc<Self>, job: String, files: Vec<FileId>) -> Result<PeerResp, OpError> {
+        let node = &self.node;
+        if node.coordinator_now().is_none_or(|(_, c)| c != node.name()) {
+            return Ok(PeerResp::NotCoordinator);
+        }
+        psls_pfs::jobs::validate_job(&job).map_err(OpError::from)?;
+        if files.len() > MAX_CKPT_FILES {
+            return Err(OpError::new(ErrorKind::Invalid, "too many files in one checkpoint"));
+        }
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        // Rounds of one job, or over one file, run one after the other.
+        let deadline = std::time::Instant::now() + Duration::from_millis(ROUND_TIMEOUT_MS);
+        loop {
+            {
+                let mut rounds = self.rounds.locked();
+                let clash =
+                    rounds.get(&job).is_some() || rounds.values().any(|(fs, _)| fs.iter().any(|f| files.contains(f)));
+                if !clash {
+                    let st = node.meta_state();
+                    crate::pfs::check_all_serving(node, &st)?;
+                    let metas: Vec<_> = files
+                        .iter()
+                        .map(|id| {
+                            st.files
+                                .values()
+                                .find(|f| f.id == *id)
+                                .ok_or_else(|| OpError::new(ErrorKind::NotFound, format!("no file with id {id}")))
+                        })
+                        .collect::<Result<_, _>>()?;
+                    let gen = metas.iter().map(|f| f.top_gen()).max().unwrap_or(0) + 1;
+                    let committed = st.jobs.get(&job).map_or(0, |r| r.epoch);
+                    let mut started = self.started.locked();
+                    let epoch = psls_pfs::jobs::floor(&st, &job).max(started.get(&job).copied().unwrap_or(0)) + 1;
+                    let participants: BTreeSet<NodeId> = node.logical_map(&st).keys().map(|l| NodeId(*l)).collect();
+                    self.coord
+                        .locked()
+                        .start(
+                            node.now_ms(),
+                            &job,
+                            epoch,
+                            gen,
+                            st.seq,
+                            committed,
+                            files.clone(),
+                            participants,
+                        )
+                        .map_err(|e| unavailable(format!("checkpoint of {job} not started: {e:?}")))?;
+                    started.insert(job.clone(), epoch);
+                    rounds.insert(job.clone(), (files.clone(), vec![tx]));
+                    tracing::info!(node = %node.name(), job, epoch, gen, files = files.len(), "checkpoint started");
+                    break;
+                }
+            }
+            if std::time::Instant::now() >= deadline {
+                return Err(unavailable("another checkpoint of these files is still running"));
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        self.drive();
+        let done = rx
+            .await
+            .map_err(|_| unavailable("the checkpoint's coordinator stopped"))??;
+        Ok(PeerResp::CkptDone {
+            epoch: done.epoch,
+            pages: done.pages,
+            bytes: done.bytes,
+        })
+    }
+
+    /// A checkpoint message from peer `from` (on the link thread).
+    pub fn deliver(self: &Arc<Self>, from: &str, msg: Msg) {
+        let st = self.node.meta_state();
+        let Some(l) = self
+            .node
+            .logical_map(&st)
+            .into_iter()
+            .find(|(_, p)| p == from)
+            .map(|(l, _)| NodeId(l))
+        else {
+            tracing::warn!(node = %self.node.name(), peer = from, "checkpoint message from a node with no logical id: dropped");
+            return;
+        };
+        self.receive(l, msg);
+        self.drive();
+    }
+
+    fn receive(&self, from: NodeId, msg: Msg) {
+        match msg {
+            Msg::Prepare { .. } | Msg::Decide { .. } => self.part.locked().receive(from, msg),
+            Msg::Prepared { .. } | Msg::Refused { .. } | Msg::InDoubt { .. } => self.coord.locked().receive(from, msg),
+        }
+    }
+
+    /// Periodic duties: round timeouts, participants gone down, the coordinator's identity for
+    /// the participant, fences to ask again.
+    pub fn tick(self: &Arc<Self>) {
+        let node = &self.node;
+        let st = node.meta_state();
+        let map = node.logical_map(&st);
+        {
+            let mut c = self.coord.locked();
+            c.tick(node.now_ms());
+            for (l, p) in &map {
+                if !node.is_live(p) {
+                    c.node_down(NodeId(*l));
+                }
+            }
+            c.retry();
+        }
+        let coordinator = node.coordinator_now().map(|(l, _)| NodeId(l));
+        self.part.locked().coordinator_changed(coordinator);
+        self.drive();
+    }
+
+    /// Runs both state machines' actions (and this node's messages to itself) until none is
+    /// left.
+    fn drive(self: &Arc<Self>) {
+        for _ in 0..1_000_000 {
+            let own = self.own.locked().pop_front();
+            if let Some(msg) = own {
+                let me = self.node.my_logical(&self.node.meta_state());
+                if let Some(me) = me {
+                    self.receive(me, msg);
+                }
+                continue;
+            }
+            let c = self.coord.locked().poll_action();
+            if let Some(a) = c {
+                self.coord_action(a);
+                continue;
+            }
+            let p = self.part.locked().poll_action();
+            if let Some(a) = p {
+                self.part_action(a);
+                continue;
+            }
+            return;
+        }
+        tracing::error!(node = %self.node.name(), "checkpoint actions did not settle");
+    }
+
+    fn send(&self, to: NodeId, msg: Msg) {
+        let node = &self.node;
+        let phys = node.physical_now(to);
+        if phys == node.name() {
+            self.own.locked().push_back(msg);
+            return;
+        }
+        if let Err(e) = node.net.post(&phys, &PeerReq::Ckpt(msg), bytes::Bytes::new()) {
+            tracing::warn!(node = %node.name(), peer = %phys, error = %e, "checkpoint message not sent");
+        }
+    }
+
+    fn coord_action(self: &Arc<Self>, a: CoordAction) {
+        match a {
+            CoordAction::Send { to, msg } => self.send(to, msg),
+            CoordAction::Commit {
+                job,
+                epoch,
+                gen,
+                files,
+                bytes,
+            } => {
+                let me = self.clone();
+                self.runtime.spawn(async move {
+                    let st = me.node.meta_state();
+                    let op = MetaOp::Checkpoint {
+                        job: job.clone(),
+                        epoch,
+                        gen,
+                        placed_at: st.map_version,
+                        files,
+                        at_unix_ms: crate::pfs::unix_ms(),
+                        bytes,
+                    };
+                    let r = me.node.submit(op).await.map_err(|e| e.message);
+                    me.coord.locked().committed(&job, epoch, r);
+                    me.drive();
+                });
+            }
+            CoordAction::Fence { job, epoch } => {
+                let me = self.clone();
+                self.runtime.spawn(async move {
+                    let op = MetaOp::FenceCheckpoint {
+                        job: job.clone(),
+                        epoch,
+                    };
+                    let r = me.node.submit(op).await;
+                    let st = me.node.meta_state();
+                    let r = match psls_pfs::jobs::decided(&st, &job, epoch) {
+                        Some(commit) => Ok(commit),
+                        None => Err(r.err().map(|e| e.message).unwrap_or_else(|| "undecided".into())),
+                    };
+                    me.coord.locked().fenced(&job, epoch, r);
+                    me.drive();
+                });
+            }
+            CoordAction::Finished { job, epoch, outcome } => {
+                let waiters = self.rounds.locked().remove(&job).map(|(_, w)| w).unwrap_or_default();
+                let r = match outcome {
+                    Outcome::Committed { pages, bytes } => {
+                        tracing::info!(node = %self.node.name(), job, epoch, pages, bytes, "checkpoint committed");
+                        Ok(Done { epoch, pages, bytes })
+                    }
+                    Outcome::Aborted(why) => {
+                        tracing::warn!(node = %self.node.name(), job, epoch, why, "checkpoint aborted");
+                        Err(unavailable(format!("checkpoint {epoch} of {job} aborted: {why}")))
+                    }
+                };
+                for w in waiters {
+                    let _ = w.send(r.clone());
+                }
+            }
+        }
+    }
+
+    fn part_action(self: &Arc<Self>, a: PartAction) {
+        match a {
+            PartAction::Send { to, msg } => self.send(to, msg),
+            PartAction::Write {
+                job,
+                epoch,
+                gen,
+                seq,
+                files,
+            } => {
+                let me = self.clone();
+                self.runtime.spawn(async move {
+                    let r = me.write(&job, epoch, gen, seq, &files).await;
+                    if let Err(e) = &r {
+                        tracing::warn!(node = %me.node.name(), job, epoch, error = %e, "checkpoint pages not written");
+                    }
+                    me.part.locked().written(&job, epoch, r.map_err(|e| e.message));
+                    me.drive();
+                });
+            }
+            PartAction::Clean { job, epoch } => {
+                self.taken.locked().remove(&(job, epoch));
+            }
+            PartAction::Restore { job, epoch } => {
+                if let Some(pages) = self.taken.locked().remove(&(job, epoch)) {
+                    self.svm.restore_dirty(&pages);
+                }
+            }
+        }
+    }
+
+    /// The participant's write: takes the dirty pages of `files` and writes them to both
+    /// copies at `gen`, durably; returns the runs written and their bytes.
+    async fn write(
+        self: &Arc<Self>,
+        job: &str,
+        epoch: u64,
+        gen: u64,
+        seq: u64,
+        files: &[FileId],
+    ) -> Result<(Vec<FileRuns>, u64), OpError> {
+        let node = &self.node;
+        let st = node.meta_reached(seq).await?;
+        let taken = self.svm.take_dirty(files).map_err(|e| OpError::new(ErrorKind::Io, e))?;
+        self.taken.locked().insert(
+            (job.to_string(), epoch),
+            taken.iter().map(|t| (t.file, t.indices.clone())).collect(),
+        );
+        let p = node.placement;
+        let mut write = Write::new();
+        let mut inflight = tokio::task::JoinSet::new();
+        let mut runs = Vec::new();
+        let mut pages = 0u64;
+        for t in &taken {
+            if !st.files.values().any(|f| f.id == t.file) {
+                continue; // removed meanwhile: nothing to keep
+            }
+            runs.push(FileRuns {
+                file: t.file,
+                runs: runs_of(&t.indices),
+            });
+            pages += t.indices.len() as u64;
+            for role in [Role::Primary, Role::Mirror] {
+                // Per holder, batches of its pages.
+                let mut by_node: HashMap<NodeId, Vec<usize>> = HashMap::new();
+                for (k, &i) in t.indices.iter().enumerate() {
+                    by_node.entry(p.holder(t.file, i, role)).or_default().push(k);
+                }
+                for (l, ks) in by_node {
+                    let phys = node.physical_of(&st, l);
+                    for chunk in ks.chunks(BATCH_PAGES) {
+                        let indices: Vec<u64> = chunk.iter().map(|&k| t.indices[k]).collect();
+                        let mut data = crate::peer::batch_pool().get();
+                        for &k in chunk {
+                            data.extend_from_slice(&t.data[k * PAGE_SIZE..][..PAGE_SIZE]);
+                        }
+                        while inflight.len() >= WRITES_IN_FLIGHT {
+                            reap(&mut inflight, &mut write).await;
+                        }
+                        write.sent(&phys);
+                        let (node, phys, file) = (node.clone(), phys.clone(), t.file);
+                        inflight.spawn(async move {
+                            let data = bytes::Bytes::from_owner(data);
+                            let gen = WriteGen::New { gen, seq };
+                            let r = crate::pfs::write_to_phys(&node, &phys, file, role, gen, indices, data).await;
+                            (phys, r)
+                        });
+                    }
+                }
+            }
+        }
+        while !inflight.is_empty() {
+            reap(&mut inflight, &mut write).await;
+        }
+        write.finish();
+        loop {
+            let Some(a) = write.poll_action() else {
+                return Err(OpError::new(ErrorKind::Internal, "checkpoint write stalled"));
+            };
+            match a {
+                WriteAction::Sync { node: phys } => match crate::pfs::sync_on(node, &phys).await {
+                    Ok(incarnation) => write.synced(&phys, incarnation),
+                    Err(e) => write.sync_failed(&phys, &e.message),
+                },
+                // Durable on both copies: the coordinator's commit record is what commits.
+                WriteAction::Commit => write.committed(Ok(())),
+                WriteAction::Abort { .. } => {}
+                WriteAction::Done(Ok(())) => break,
+                WriteAction::Done(Err(why)) => return Err(unavailable(why)),
+            }
+        }
+        tracing::info!(node = %node.name(), job, epoch, gen, pages, "checkpoint pages durable");
+        Ok((runs, pages * PAGE_SIZE as u64))
+    }
+}
+
+async fn reap(inflight: &mut tokio::task::JoinSet<(String, Result<u64, OpError>)>, write: &mut Write) {
+    match inflight.join_next().await {
+        Some(Ok((phys, Ok(incarnation)))) => write.stored(&phys, incarnation),
+        Some(Ok((phys, Err(e)))) => write.store_failed(&phys, &e.message),
+        Some(Err(e)) => write.abort(format!("a write task failed: {e}")),
+        None => {}
+    }
+}
+
+/// Sorted page indices as runs `(start, end)`.
+fn runs_of(indices: &[u64]) -> Vec<(u64, u64)> {
+    let mut out: Vec<(u64, u64)> = Vec::new();
+    for &i in indices {
+        match out.last_mut() {
+            Some(r) if r.1 == i => r.1 = i + 1,
+            _ => out.push((i, i + 1)),
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn runs_of_sorted_indices() {
+        assert_eq!(super::runs_of(&[1, 2, 3, 7, 9, 10]), vec![(1, 4), (7, 8), (9, 11)]);
+        assert!(super::runs_of(&[]).is_empty());
+    }
+}

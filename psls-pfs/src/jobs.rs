@@ -1,0 +1,159 @@
+//! Checkpoint commit records (DESIGN §7): one record per job names its last persistent
+//! checkpoint, and the operations that change it — commit a checkpoint (every file of the job
+//! at once), fence an epoch that must never commit, forget a job that ended.
+//!
+//! A checkpoint's pages are written to shadow slots at the checkpoint's generation and made
+//! durable on both copies first; [`crate::meta::MetaOp::Checkpoint`] then sets, in one
+//! replicated and durable metadata operation, the generation of every page it wrote. A power
+//! cut before it leaves the previous checkpoint whole (the readers expect the old
+//! generations); after it, the new one.
+//!
+//! Invariants (checked by `apply`): a job's committed epoch only grows; an epoch commits only
+//! above every epoch committed or fenced before (so a late commit of a fenced epoch, say from
+//! a coordinator that died mid-checkpoint and whose operation resurfaced, is refused); a
+//! checkpoint's generation is above every generation of the pages of the files it writes, so
+//! its writes never land in a page's committed slot; and it names only existing files, pages
+//! inside them, with the node map its pages were placed with.
+
+use crate::error::MetaError;
+use crate::meta::MetaState;
+use psls_svm::FileId;
+use serde::{Deserialize, Serialize};
+
+/// Longest job name in bytes.
+pub const MAX_JOB_LEN: usize = 128;
+
+/// Most files one checkpoint may name.
+pub const MAX_CKPT_FILES: usize = 4096;
+
+/// Most page runs one checkpoint may name (over all its files).
+pub const MAX_CKPT_RUNS: usize = 1 << 20;
+
+/// A job's checkpoint record.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JobCkpt {
+    /// The last committed checkpoint (0: none yet).
+    pub epoch: u64,
+    /// Its generation.
+    pub gen: u64,
+    /// When it committed (the coordinator's clock, ms since the Unix epoch).
+    pub at_unix_ms: u64,
+    /// Bytes of pages it wrote (one copy).
+    pub bytes: u64,
+    /// The highest epoch fenced: it and every lower epoch not committed never will be.
+    pub fenced: u64,
+}
+
+/// The pages of one file a checkpoint wrote: runs `(start, end)`, end exclusive.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileRuns {
+    pub file: FileId,
+    pub runs: Vec<(u64, u64)>,
+}
+
+/// Checks a job name.
+pub fn validate_job(job: &str) -> Result<(), MetaError> {
+    if job.is_empty() || job.len() > MAX_JOB_LEN || job.chars().any(|c| c.is_control()) {
+        return Err(MetaError::Invalid(format!(
+            "job name must be 1..={MAX_JOB_LEN} bytes without control characters"
+        )));
+    }
+    Ok(())
+}
+
+/// The epoch the next checkpoint of `job` must be above (committed or fenced).
+pub fn floor(st: &MetaState, job: &str) -> u64 {
+    st.jobs.get(job).map_or(0, |r| r.epoch.max(r.fenced))
+}
+
+/// Whether epoch `epoch` of `job` committed: `Some(true)` committed, `Some(false)` never will
+/// (fenced, or a later epoch committed instead), `None` undecided.
+pub fn decided(st: &MetaState, job: &str, epoch: u64) -> Option<bool> {
+    let r = st.jobs.get(job)?;
+    if r.epoch == epoch {
+        Some(true)
+    } else if r.epoch > epoch || r.fenced >= epoch {
+        Some(false)
+    } else {
+        None
+    }
+}
+
+/// Applies a checkpoint commit record to `next` (see the module invariants).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn apply_checkpoint(
+    next: &mut MetaState,
+    job: &str,
+    epoch: u64,
+    gen: u64,
+    placed_at: u64,
+    files: &[FileRuns],
+    at_unix_ms: u64,
+    bytes: u64,
+) -> Result<(), MetaError> {
+    validate_job(job)?;
+    let rec = next.jobs.get(job).cloned().unwrap_or_default();
+    if epoch <= rec.epoch.max(rec.fenced) {
+        return Err(MetaError::Invalid(format!(
+            "checkpoint {epoch} of job {job} is stale (committed {}, fenced {})",
+            rec.epoch, rec.fenced
+        )));
+    }
+    if placed_at != next.map_version {
+        return Err(MetaError::Invalid(
+            "a node was replaced while the checkpoint was written; nothing was committed".into(),
+        ));
+    }
+    if files.len() > MAX_CKPT_FILES || files.iter().map(|f| f.runs.len()).sum::<usize>() > MAX_CKPT_RUNS {
+        return Err(MetaError::Invalid(
+            "checkpoint names too many files or page runs".into(),
+        ));
+    }
+    for fr in files {
+        let Some(meta) = next.files.values_mut().find(|m| m.id == fr.file) else {
+            return Err(MetaError::Invalid(format!(
+                "checkpoint names file id {} that does not exist",
+                fr.file
+            )));
+        };
+        if gen <= meta.top_gen() {
+            return Err(MetaError::Invalid(format!(
+                "checkpoint generation {gen} is not above file '{}''s {}",
+                meta.name,
+                meta.top_gen()
+            )));
+        }
+        let pages = meta.pages();
+        for &(s, e) in &fr.runs {
+            if s >= e || e > pages {
+                return Err(MetaError::Invalid(format!(
+                    "checkpoint names pages {s}..{e} of '{}' ({pages} pages)",
+                    meta.name
+                )));
+            }
+            meta.written.set(s, e, gen);
+        }
+    }
+    next.jobs.insert(
+        job.to_string(),
+        JobCkpt {
+            epoch,
+            gen,
+            at_unix_ms,
+            bytes,
+            fenced: rec.fenced,
+        },
+    );
+    Ok(())
+}
+
+/// Fences epoch `epoch` of `job`: refused if it committed.
+pub(crate) fn apply_fence(next: &mut MetaState, job: &str, epoch: u64) -> Result<(), MetaError> {
+    validate_job(job)?;
+    let rec = next.jobs.entry(job.to_string()).or_default();
+    if rec.epoch == epoch && epoch > 0 {
+        return Err(MetaError::Invalid(format!("checkpoint {epoch} of job {job} committed")));
+    }
+    rec.fenced = rec.fenced.max(epoch);
+    Ok(())
+}
