@@ -1,8 +1,9 @@
 //! The coordinator's side of a persistent checkpoint (two-phase, DESIGN §7).
 //!
-//! A round (one per job at a time): `start` sends `Prepare` to every participant (every live
-//! logical node: any of them may hold dirty pages of the job's files and every page has copies
-//! on two of them) → each answers `Prepared` (its pages are durable on both copies) or
+//! A round (one per job at a time): `start` asks the shell to begin the epoch in the metadata
+//! ([`CoordAction::Begin`]: it gets its generation there, never given to another checkpoint)
+//! → `begun` sends `Prepare` to every participant (every live logical node: any of them may
+//! hold dirty pages of the job's files and every page has copies on two of them) → each answers `Prepared` (its pages are durable on both copies) or
 //! `Refused` → with every answer in, [`CoordAction::Commit`]: the shell writes the commit
 //! record (one metadata operation for every file of the job) and reports with `committed` →
 //! `Decide` to every participant, and [`CoordAction::Finished`].
@@ -44,6 +45,12 @@ pub enum CoordAction {
         to: NodeId,
         msg: Msg,
     },
+    /// Begin `epoch` in the metadata (`MetaOp::BeginCheckpoint`), then call
+    /// [`Coordinator::begun`] with its generation.
+    Begin {
+        job: String,
+        epoch: u64,
+    },
     /// Write the commit record of `epoch` (`MetaOp::Checkpoint`), then call
     /// [`Coordinator::committed`].
     Commit {
@@ -80,6 +87,7 @@ pub enum StartError {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Phase {
+    Beginning,
     Collecting,
     Committing,
     /// The commit record's outcome is unknown: fencing to learn it.
@@ -90,6 +98,7 @@ enum Phase {
 struct Round {
     epoch: u64,
     gen: u64,
+    files: Vec<FileId>,
     participants: BTreeSet<NodeId>,
     waiting: BTreeSet<NodeId>,
     written: BTreeMap<FileId, Vec<(u64, u64)>>,
@@ -140,18 +149,12 @@ impl Coordinator {
     }
 
     /// Starts checkpoint `epoch` of `job` (the shell takes it above the job's floor in the
-    /// metadata, [`psls_pfs::jobs::floor`]), at generation `gen` (above every page generation
-    /// of `files`), once participants' metadata has reached `seq`; `committed` is the job's
-    /// last committed epoch.
-    #[allow(clippy::too_many_arguments)]
+    /// metadata, [`psls_pfs::jobs::floor`]) over `files`, with every node of `participants`.
     pub fn start(
         &mut self,
         now_ms: u64,
         job: &str,
         epoch: u64,
-        gen: u64,
-        seq: u64,
-        committed: u64,
         files: Vec<FileId>,
         participants: BTreeSet<NodeId>,
     ) -> Result<(), StartError> {
@@ -161,13 +164,53 @@ impl Coordinator {
         if self.rounds.len() >= crate::MAX_ROUNDS {
             return Err(StartError::Full);
         }
-        if participants.is_empty() || epoch <= committed {
+        if participants.is_empty() || epoch == 0 {
             return Err(StartError::Invalid(format!(
-                "epoch {epoch} (committed {committed}) with {} participants",
+                "epoch {epoch} with {} participants",
                 participants.len()
             )));
         }
-        for &to in &participants {
+        self.actions.push_back(CoordAction::Begin {
+            job: job.to_string(),
+            epoch,
+        });
+        self.rounds.insert(
+            job.to_string(),
+            Round {
+                epoch,
+                gen: 0,
+                files,
+                waiting: participants.clone(),
+                participants,
+                written: BTreeMap::new(),
+                bytes: 0,
+                started_ms: now_ms,
+                phase: Phase::Beginning,
+            },
+        );
+        Ok(())
+    }
+
+    /// The metadata began `epoch` (`Ok`: its generation, the metadata sequence number that
+    /// shows it, and the job's last committed epoch) or could not (`Err`: the round aborts).
+    pub fn begun(&mut self, now_ms: u64, job: &str, epoch: u64, result: Result<(u64, u64, u64), String>) {
+        let Some(r) = self.rounds.get_mut(job) else { return };
+        if r.epoch != epoch || r.phase != Phase::Beginning {
+            return;
+        }
+        let (gen, seq, committed) = match result {
+            Ok(v) => v,
+            Err(why) => {
+                // Nothing was sent: nobody to tell.
+                r.participants.clear();
+                self.abort(job, format!("the checkpoint could not begin: {why}"));
+                return;
+            }
+        };
+        r.gen = gen;
+        r.phase = Phase::Collecting;
+        r.started_ms = now_ms;
+        for &to in &r.participants {
             self.actions.push_back(CoordAction::Send {
                 to,
                 msg: Msg::Prepare {
@@ -175,25 +218,11 @@ impl Coordinator {
                     epoch,
                     gen,
                     seq,
-                    files: files.clone(),
+                    files: r.files.clone(),
                     committed,
                 },
             });
         }
-        self.rounds.insert(
-            job.to_string(),
-            Round {
-                epoch,
-                gen,
-                waiting: participants.clone(),
-                participants,
-                written: BTreeMap::new(),
-                bytes: 0,
-                started_ms: now_ms,
-                phase: Phase::Collecting,
-            },
-        );
-        Ok(())
     }
 
     /// A message from participant `from`.
@@ -265,7 +294,7 @@ impl Coordinator {
         let hit: Vec<String> = self
             .rounds
             .iter()
-            .filter(|(_, r)| r.phase == Phase::Collecting && r.participants.contains(&n))
+            .filter(|(_, r)| matches!(r.phase, Phase::Beginning | Phase::Collecting) && r.participants.contains(&n))
             .map(|(j, _)| j.clone())
             .collect();
         for job in hit {
@@ -452,8 +481,12 @@ mod tests {
     #[test]
     fn commits_after_every_participant_prepared_and_then_decides() {
         let mut c = Coordinator::new(1000);
-        c.start(0, "j", 1, 5, 10, 0, vec![FileId(1)], nodes(3)).unwrap();
-        assert_eq!(c.start(0, "j", 2, 5, 10, 0, vec![], nodes(3)), Err(StartError::Busy));
+        c.start(0, "j", 1, vec![FileId(1)], nodes(3)).unwrap();
+        assert_eq!(c.start(0, "j", 2, vec![], nodes(3)), Err(StartError::Busy));
+        assert!(matches!(drain(&mut c)[..], [CoordAction::Begin { epoch: 1, .. }]));
+        c.receive(NodeId(0), prepared(1, vec![(4, 6)]));
+        assert!(drain(&mut c).is_empty(), "nothing is collected before the epoch begun");
+        c.begun(0, "j", 1, Ok((5, 10, 0)));
         let a = drain(&mut c);
         assert_eq!(a.len(), 3, "{a:?}");
         c.receive(NodeId(0), prepared(1, vec![(4, 6)]));
@@ -506,7 +539,12 @@ mod tests {
     #[test]
     fn refusals_downs_and_timeouts_abort_before_the_record_and_a_failed_record_is_fenced() {
         let mut c = Coordinator::new(1000);
-        c.start(0, "j", 1, 5, 10, 0, vec![], nodes(2)).unwrap();
+        let go = |c: &mut Coordinator, epoch: u64, n: u32| {
+            c.start(0, "j", epoch, vec![], nodes(n)).unwrap();
+            c.begun(0, "j", epoch, Ok((5, 10, 0)));
+            drain(c);
+        };
+        go(&mut c, 1, 2);
         c.receive(
             NodeId(0),
             Msg::Refused {
@@ -521,7 +559,7 @@ mod tests {
             .any(|x| matches!(x, CoordAction::Finished { outcome: Outcome::Aborted(w), .. } if w.contains("disk"))));
         assert!(!a.iter().any(|x| matches!(x, CoordAction::Commit { .. })));
 
-        c.start(0, "j", 2, 5, 10, 0, vec![], nodes(2)).unwrap();
+        go(&mut c, 2, 2);
         c.node_down(NodeId(1));
         let a = drain(&mut c);
         assert!(matches!(
@@ -545,14 +583,14 @@ mod tests {
             1
         );
 
-        c.start(0, "j", 3, 5, 10, 0, vec![], nodes(2)).unwrap();
+        go(&mut c, 3, 2);
         c.tick(1000);
         assert!(c.busy("j"));
         c.tick(1001);
         assert!(!c.busy("j"));
         drain(&mut c);
 
-        c.start(0, "j", 4, 5, 10, 0, vec![], nodes(1)).unwrap();
+        go(&mut c, 4, 1);
         c.receive(NodeId(0), prepared(4, vec![]));
         drain(&mut c);
         c.committed("j", 4, Err("quorum lost".into()));

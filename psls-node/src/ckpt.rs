@@ -163,36 +163,19 @@ impl CkptShell {
                 if !clash {
                     let st = node.meta_state();
                     crate::pfs::check_all_serving(node, &st)?;
-                    let metas: Vec<_> = files
-                        .iter()
-                        .map(|id| {
-                            st.files
-                                .values()
-                                .find(|f| f.id == *id)
-                                .ok_or_else(|| OpError::new(ErrorKind::NotFound, format!("no file with id {id}")))
-                        })
-                        .collect::<Result<_, _>>()?;
-                    let gen = metas.iter().map(|f| f.top_gen()).max().unwrap_or(0) + 1;
-                    let committed = st.jobs.get(&job).map_or(0, |r| r.epoch);
+                    if let Some(id) = files.iter().find(|id| !st.files.values().any(|f| f.id == **id)) {
+                        return Err(OpError::new(ErrorKind::NotFound, format!("no file with id {id}")));
+                    }
                     let mut started = self.started.locked();
                     let epoch = psls_pfs::jobs::floor(&st, &job).max(started.get(&job).copied().unwrap_or(0)) + 1;
                     let participants: BTreeSet<NodeId> = node.logical_map(&st).keys().map(|l| NodeId(*l)).collect();
                     self.coord
                         .locked()
-                        .start(
-                            node.now_ms(),
-                            &job,
-                            epoch,
-                            gen,
-                            st.seq,
-                            committed,
-                            files.clone(),
-                            participants,
-                        )
+                        .start(node.now_ms(), &job, epoch, files.clone(), participants)
                         .map_err(|e| unavailable(format!("checkpoint of {job} not started: {e:?}")))?;
                     started.insert(job.clone(), epoch);
                     rounds.insert(job.clone(), (files.clone(), vec![tx]));
-                    tracing::info!(node = %node.name(), job, epoch, gen, files = files.len(), "checkpoint started");
+                    tracing::info!(node = %node.name(), job, epoch, files = files.len(), "checkpoint started");
                     break;
                 }
             }
@@ -299,6 +282,26 @@ impl CkptShell {
     fn coord_action(self: &Arc<Self>, a: CoordAction) {
         match a {
             CoordAction::Send { to, msg } => self.send(to, msg),
+            CoordAction::Begin { job, epoch } => {
+                let me = self.clone();
+                self.runtime.spawn(async move {
+                    let r = me
+                        .node
+                        .submit(MetaOp::BeginCheckpoint {
+                            job: job.clone(),
+                            epoch,
+                        })
+                        .await;
+                    let st = me.node.meta_state();
+                    let r = match (r, st.jobs.get(&job)) {
+                        (Ok(()), Some(rec)) if rec.started == epoch => Ok((rec.started_gen, st.seq, rec.epoch)),
+                        (Ok(()), _) => Err("the metadata does not show the epoch begun".to_string()),
+                        (Err(e), _) => Err(e.message),
+                    };
+                    me.coord.locked().begun(me.node.now_ms(), &job, epoch, r);
+                    me.drive();
+                });
+            }
             CoordAction::Commit {
                 job,
                 epoch,

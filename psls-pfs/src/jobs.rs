@@ -8,12 +8,19 @@
 //! cut before it leaves the previous checkpoint whole (the readers expect the old
 //! generations); after it, the new one.
 //!
-//! Invariants (checked by `apply`): a job's committed epoch only grows; an epoch commits only
-//! above every epoch committed or fenced before (so a late commit of a fenced epoch, say from
-//! a coordinator that died mid-checkpoint and whose operation resurfaced, is refused); a
-//! checkpoint's generation is above every generation of the pages of the files it writes, so
-//! its writes never land in a page's committed slot; and it names only existing files, pages
-//! inside them, with the node map its pages were placed with.
+//! A checkpoint begins with [`crate::meta::MetaOp::BeginCheckpoint`]: its epoch must be above
+//! every epoch of the job begun, committed or fenced before, and it gets a generation from the
+//! cluster-wide counter (`MetaState::next_gen`), above every page generation of every file.
+//! So no two checkpoints ever write the same generation, and a write of an abandoned
+//! checkpoint that arrives late can be told from a newer one's (the page store refuses to put
+//! an older generation over a newer one).
+//!
+//! Invariants (checked by `apply`): a job's committed epoch only grows; only the epoch begun
+//! last can commit, with the generation it was given, and not once fenced (so a late commit of
+//! a fenced epoch, say from a coordinator that died mid-checkpoint and whose operation
+//! resurfaced, is refused); a checkpoint's generation is above every generation of the pages of
+//! the files it writes, so its writes never land in a page's committed slot; and it names only
+//! existing files, pages inside them, with the node map its pages were placed with.
 
 use crate::error::MetaError;
 use crate::meta::MetaState;
@@ -42,6 +49,9 @@ pub struct JobCkpt {
     pub bytes: u64,
     /// The highest epoch fenced: it and every lower epoch not committed never will be.
     pub fenced: u64,
+    /// The epoch begun last, and the generation it was given.
+    pub started: u64,
+    pub started_gen: u64,
 }
 
 /// The pages of one file a checkpoint wrote: runs `(start, end)`, end exclusive.
@@ -61,9 +71,27 @@ pub fn validate_job(job: &str) -> Result<(), MetaError> {
     Ok(())
 }
 
-/// The epoch the next checkpoint of `job` must be above (committed or fenced).
+/// The epoch the next checkpoint of `job` must be above (begun, committed or fenced).
 pub fn floor(st: &MetaState, job: &str) -> u64 {
-    st.jobs.get(job).map_or(0, |r| r.epoch.max(r.fenced))
+    st.jobs.get(job).map_or(0, |r| r.epoch.max(r.fenced).max(r.started))
+}
+
+/// Begins checkpoint `epoch` of `job`: gives it the next generation.
+pub(crate) fn apply_begin(next: &mut MetaState, job: &str, epoch: u64) -> Result<(), MetaError> {
+    validate_job(job)?;
+    let f = floor(next, job);
+    if epoch <= f {
+        return Err(MetaError::Invalid(format!(
+            "checkpoint {epoch} of job {job} is stale (the job is at {f})"
+        )));
+    }
+    let top = next.files.values().map(|m| m.top_gen()).max().unwrap_or(0);
+    let gen = next.next_gen.max(top + 1).max(2);
+    next.next_gen = gen + 1;
+    let rec = next.jobs.entry(job.to_string()).or_default();
+    rec.started = epoch;
+    rec.started_gen = gen;
+    Ok(())
 }
 
 /// Whether epoch `epoch` of `job` committed: `Some(true)` committed, `Some(false)` never will
@@ -93,10 +121,10 @@ pub(crate) fn apply_checkpoint(
 ) -> Result<(), MetaError> {
     validate_job(job)?;
     let rec = next.jobs.get(job).cloned().unwrap_or_default();
-    if epoch <= rec.epoch.max(rec.fenced) {
+    if epoch <= rec.epoch.max(rec.fenced) || epoch != rec.started || gen != rec.started_gen {
         return Err(MetaError::Invalid(format!(
-            "checkpoint {epoch} of job {job} is stale (committed {}, fenced {})",
-            rec.epoch, rec.fenced
+            "checkpoint {epoch} (generation {gen}) of job {job} is stale (committed {}, fenced {}, begun {} at generation {})",
+            rec.epoch, rec.fenced, rec.started, rec.started_gen
         )));
     }
     if placed_at != next.map_version {
@@ -141,7 +169,7 @@ pub(crate) fn apply_checkpoint(
             gen,
             at_unix_ms,
             bytes,
-            fenced: rec.fenced,
+            ..rec
         },
     );
     Ok(())

@@ -135,6 +135,8 @@ pub struct MetaState {
     pub assigned: BTreeMap<u32, u64>,
     /// Every job's checkpoint record, by job name.
     pub jobs: BTreeMap<String, JobCkpt>,
+    /// The generation the next checkpoint gets (cluster-wide, only grows).
+    pub next_gen: u64,
 }
 
 /// Format 1 of [`MetaState`] (before `assigned`).
@@ -191,6 +193,11 @@ pub enum MetaOp {
     RebuildDone {
         logical: u32,
         physical: String,
+    },
+    /// Checkpoint `epoch` of `job` begins: it gets the next generation (see [`crate::jobs`]).
+    BeginCheckpoint {
+        job: String,
+        epoch: u64,
     },
     /// Commit record of checkpoint `epoch` of `job`: the pages it names are durable on both
     /// copies at generation `gen`, which they have from now on (see [`crate::jobs`]).
@@ -273,6 +280,7 @@ impl MetaOp {
                 st.logical.get(logical) == Some(physical)
                     && st.rebuilding.get(logical).is_none_or(|r| &r.physical != physical)
             }
+            MetaOp::BeginCheckpoint { job, epoch } => crate::jobs::floor(st, job) >= *epoch,
             MetaOp::Checkpoint { job, epoch, .. } => st.jobs.get(job).is_some_and(|r| r.epoch >= *epoch),
             MetaOp::FenceCheckpoint { job, epoch } => crate::jobs::decided(st, job, *epoch).is_some(),
             MetaOp::EndJob { job } => !st.jobs.contains_key(job),
@@ -395,6 +403,7 @@ impl MetaState {
                 at_unix_ms,
                 bytes,
             } => crate::jobs::apply_checkpoint(&mut next, job, *epoch, *gen, *placed_at, files, *at_unix_ms, *bytes)?,
+            MetaOp::BeginCheckpoint { job, epoch } => crate::jobs::apply_begin(&mut next, job, *epoch)?,
             MetaOp::FenceCheckpoint { job, epoch } => crate::jobs::apply_fence(&mut next, job, *epoch)?,
             MetaOp::EndJob { job } => {
                 next.jobs.remove(job);
@@ -430,6 +439,7 @@ impl MetaState {
                     rebuilding: old.rebuilding,
                     assigned: old.assigned,
                     jobs: BTreeMap::new(),
+                    next_gen: 0,
                 })
             }
             1 => {
@@ -442,6 +452,7 @@ impl MetaState {
                     rebuilding: old.rebuilding,
                     assigned: BTreeMap::new(),
                     jobs: BTreeMap::new(),
+                    next_gen: 0,
                 })
             }
             v => Err(MetaError::Corrupt(format!("unknown metadata format version {v}"))),
@@ -828,7 +839,13 @@ mod tests {
             at_unix_ms: 5,
             bytes: 4096,
         };
+        let begin = |epoch: u64| MetaOp::BeginCheckpoint { job: "j".into(), epoch };
         assert_eq!(crate::jobs::decided(&s, "j", 1), None);
+        assert!(s.clone().apply(&ck(1, 2, vec![(2, 4)])).is_err(), "not begun");
+        s.apply(&begin(1)).unwrap();
+        assert_eq!(s.jobs["j"].started_gen, 2, "above the file's generation 1");
+        assert!(s.clone().apply(&begin(1)).is_err(), "begun twice");
+        assert!(s.clone().apply(&ck(1, 5, vec![(2, 4)])).is_err(), "another generation");
         s.apply(&ck(1, 2, vec![(2, 4)])).unwrap();
         let fm = &s.files["a"];
         assert_eq!(
@@ -837,10 +854,12 @@ mod tests {
         );
         assert_eq!(crate::jobs::decided(&s, "j", 1), Some(true));
         assert!(ck(1, 2, vec![]).reflected_in(&s));
-        // Stale epochs, generations not above the file's, pages outside it: refused.
+        // Stale epochs, epochs not begun, pages outside the file: refused.
+        s.apply(&begin(2)).unwrap();
+        assert_eq!(s.jobs["j"].started_gen, 3);
         for bad in [
             ck(1, 3, vec![]),
-            ck(2, 2, vec![(0, 1)]),
+            ck(3, 3, vec![(0, 1)]),
             ck(2, 3, vec![(9, 11)]),
             ck(2, 3, vec![(3, 3)]),
         ] {
@@ -861,11 +880,16 @@ mod tests {
                 epoch: 1
             })
             .is_err());
-        s.apply(&ck(3, 3, vec![(3, 5)])).unwrap();
+        assert!(
+            s.clone().apply(&begin(2)).is_err(),
+            "a fenced epoch does not begin again"
+        );
+        s.apply(&begin(3)).unwrap();
+        s.apply(&ck(3, 4, vec![(3, 5)])).unwrap();
         let fm = &s.files["a"];
         assert_eq!(
             (fm.page_gen(2), fm.page_gen(3), fm.page_gen(4), fm.top_gen()),
-            (2, 3, 3, 3)
+            (2, 4, 4, 4)
         );
         assert_eq!(crate::jobs::floor(&s, "j"), 3);
         // A replaced node between placement and commit: refused.
@@ -874,7 +898,8 @@ mod tests {
             physical: "s0".into(),
         })
         .unwrap();
-        assert!(s.clone().apply(&ck(4, 4, vec![(0, 1)])).is_err());
+        s.apply(&begin(4)).unwrap();
+        assert!(s.clone().apply(&ck(4, 5, vec![(0, 1)])).is_err());
         assert_eq!(MetaState::decode(&s.encode()).unwrap(), s);
         s.apply(&MetaOp::EndJob { job: "j".into() }).unwrap();
         assert!(s.jobs.is_empty());

@@ -15,8 +15,9 @@
 //! Invariants:
 //! - a read returns data only if the slot's header names this file, page and the expected
 //!   generation and the crc32 over header and data matches (checked right after the read);
-//! - a write never overwrites the slot holding `keep_gen` (the committed version), and its
-//!   header is encoded from the very bytes written;
+//! - a write never overwrites the slot holding `keep_gen` (the committed version), nor a slot
+//!   holding a newer generation than its own, and its header is encoded from the very bytes
+//!   written;
 //! - after a failed fsync the store is poisoned and refuses every further operation.
 
 use crate::disk::{Disk, DiskFile};
@@ -342,6 +343,15 @@ impl PageStore {
                 } else {
                     1
                 };
+                // A late write of an abandoned version never replaces a newer one.
+                if let Some(found) = gen_of(st[target[j]]).filter(|&g| g > gen) {
+                    return Err(StoreError::Newer {
+                        file,
+                        index,
+                        found,
+                        gen,
+                    });
+                }
                 let page = &data[(start + j) * PAGE_SIZE..][..PAGE_SIZE];
                 // The header's checksum is computed from the very bytes written below.
                 let h = slot::encode(file, index, gen, page);
@@ -514,6 +524,25 @@ mod tests {
         assert!(matches!(s.read(far, 1), Err(StoreError::BadPageIndex(_))));
         s.remove_file(FileId(7)).unwrap();
         assert_eq!(s.read(loc(4), 2).unwrap(), ReadOutcome::Missing);
+    }
+
+    #[test]
+    fn an_older_generation_never_replaces_a_newer_shadow() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = PageStore::new(Arc::new(FileDisk::new(dir.path()).unwrap()));
+        s.write(loc(3), 1, 0, &page(1)).unwrap();
+        s.write(loc(3), 5, 1, &page(5)).unwrap();
+        // A late write at generation 4, sparing committed 1: its slot holds 5.
+        assert!(matches!(
+            s.write(loc(3), 4, 1, &page(4)),
+            Err(StoreError::Newer { found: 5, gen: 4, .. })
+        ));
+        assert_eq!(s.read(loc(3), 5).unwrap(), ReadOutcome::Ok(page(5)));
+        assert_eq!(s.read(loc(3), 1).unwrap(), ReadOutcome::Ok(page(1)));
+        // Once 5 is committed, 1 is garbage: a later generation goes there.
+        s.write(loc(3), 6, 5, &page(6)).unwrap();
+        assert_eq!(s.read(loc(3), 6).unwrap(), ReadOutcome::Ok(page(6)));
+        assert_eq!(s.read(loc(3), 5).unwrap(), ReadOutcome::Ok(page(5)));
     }
 
     #[test]
