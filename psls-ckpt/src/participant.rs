@@ -14,7 +14,9 @@
 //!   when a later `Prepare` says their epoch is the job's last committed one; every other way
 //!   out (a refusal, an abort, a doubt settled by a later round) marks them dirty again;
 //! - messages from a node other than the coordinator, or of an epoch not in progress here,
-//!   are dropped.
+//!   are dropped; so is a `Prepare` not above every epoch of the job seen here (a late one
+//!   would take pages that belong to the round in progress, which would then commit without
+//!   them).
 
 use crate::msg::Msg;
 use psls_pfs::jobs::FileRuns;
@@ -63,6 +65,8 @@ enum State {
 pub struct Participant {
     coordinator: Option<NodeId>,
     jobs: BTreeMap<String, State>,
+    /// The highest epoch prepared here, per job (kept across a rollback, dropped at its end).
+    seen: BTreeMap<String, u64>,
     actions: VecDeque<PartAction>,
 }
 
@@ -77,6 +81,7 @@ impl Participant {
         Participant {
             coordinator: None,
             jobs: BTreeMap::new(),
+            seen: BTreeMap::new(),
             actions: VecDeque::new(),
         }
     }
@@ -132,6 +137,38 @@ impl Participant {
     }
 
     fn prepare(&mut self, msg: Msg) {
+        let Msg::Prepare {
+            job,
+            epoch,
+            gen,
+            seq,
+            files,
+            committed,
+        } = msg
+        else {
+            return;
+        };
+
+        if self.seen.get(&job).is_some_and(|&s| epoch <= s) {
+            return;
+        }
+        if !self.seen.contains_key(&job) && self.seen.len() >= crate::MAX_ROUNDS {
+            return; // too many jobs at once: this one's round times out at the coordinator
+        }
+        self.seen.insert(job.clone(), epoch);
+        self.begin(Msg::Prepare {
+            job,
+            epoch,
+            gen,
+            seq,
+            files,
+            committed,
+        });
+    }
+
+    /// Starts the write of a `Prepare` that passed the checks (now, or once the write before
+    /// it is over).
+    fn begin(&mut self, msg: Msg) {
         let Msg::Prepare {
             job,
             epoch,
@@ -205,7 +242,7 @@ impl Participant {
                 job: job.to_string(),
                 epoch,
             });
-            self.prepare(*next);
+            self.begin(*next);
             return;
         }
         let Some(to) = self.coordinator else {
@@ -248,10 +285,16 @@ impl Participant {
         }
     }
 
-    /// The job is over here (rolled back, or ended): whatever was taken is dropped with its
-    /// pages by the shell; nothing more is reported.
+    /// The job rolled back here: whatever was taken is dropped with its pages by the shell;
+    /// nothing more is reported (a later `Prepare` still has to be above every epoch seen).
     pub fn forget(&mut self, job: &str) {
         self.jobs.remove(job);
+    }
+
+    /// The job ended: nothing of it is kept.
+    pub fn end(&mut self, job: &str) {
+        self.jobs.remove(job);
+        self.seen.remove(job);
     }
 }
 
