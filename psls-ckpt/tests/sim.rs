@@ -3,8 +3,10 @@
 //! the real metadata operations (`MetaState::apply`: begin, commit record, fence), and disks
 //! with two slots per page copy that lose or tear unsynced writes in a crash. Messages are
 //! delayed and reordered; nodes crash at any step (the coordinator mid-round, a participant
-//! mid-write or mid-sync, two at once, every node in a power cut) and come back; metadata
-//! operations of a dead coordinator may still be applied later, in order, or never.
+//! mid-write or mid-sync, two at once, every node in a power cut) and come back, or are
+//! declared down while they run on (a coordinator that goes on with its round until it is
+//! fenced); metadata operations of a dead coordinator may still be applied later, in order,
+//! or never.
 //!
 //! A crash rolls the job back (the shape the daemon follows): once no round is deciding,
 //! the coordinator fences every epoch begun so far, and when the fence is applied, the
@@ -17,7 +19,7 @@
 //!   checkpoint's round began (the simulator keeps every checkpoint's image);
 //! - pages are written to the disks only by a participant's checkpoint write;
 //! - after every rollback, each page as the job now sees it equals its contents at the
-//!   restored checkpoint, bit for bit.
+//!   restored checkpoint, bit for bit, and no checkpoint begun before it ever commits.
 //!
 //! Each seed ends with a calm phase: every node up, a write, a round that must commit.
 //! `PSLS_SIM_SEED=N` runs one seed, `PSLS_SIM_SEEDS=N` seeds 0..N, `PSLS_SIM_TRACE=1` prints
@@ -136,6 +138,10 @@ struct WriteJob {
 
 struct Node {
     up: bool,
+    /// Declared down by the others while it still runs (a false suspicion): it goes on acting
+    /// on what it knew — a coordinator may still submit its round's operations — until it is
+    /// fenced (restarted with a new incarnation and an empty memory).
+    zombie: bool,
     inc: u64,
     disk: Disk,
     part: Participant,
@@ -154,6 +160,7 @@ impl Node {
     fn new() -> Node {
         Node {
             up: true,
+            zombie: false,
             inc: 1,
             disk: Disk::default(),
             part: Participant::new(),
@@ -171,8 +178,8 @@ enum Task {
     Begin(u64),
     Commit(u64),
     Fence(u64),
-    /// The fence of a rollback.
-    Rollback,
+    /// The fence of a rollback (its number: only the last one submitted completes it).
+    Rollback(u64),
 }
 
 struct MetaTask {
@@ -205,8 +212,15 @@ struct World {
     /// The job's pages as it sees them (its writes since the restored checkpoint).
     app: Image,
     next_val: u64,
-    /// A crash happened: the job is stopped until a rollback completes.
+    /// A crash happened: the job is stopped until a rollback completes (`Some(true)`: its
+    /// fence is submitted).
     rollback: Option<bool>,
+    /// Rollback fences submitted.
+    fences: u64,
+    /// Rollbacks completed: the job's run since the last one, and the run each round began in
+    /// (a checkpoint of a run rolled back must never commit).
+    lineage: u64,
+    round_lineage: BTreeMap<u64, u64>,
     rollbacks: u64,
     commits: u64,
     trace: bool,
@@ -255,6 +269,9 @@ impl World {
             app,
             next_val: 1,
             rollback: None,
+            fences: 0,
+            lineage: 0,
+            round_lineage: BTreeMap::new(),
             rollbacks: 0,
             commits: 0,
             trace: std::env::var("PSLS_SIM_TRACE").is_ok(),
@@ -269,7 +286,7 @@ impl World {
 
     fn coordinator(&self) -> Option<NodeId> {
         (0..self.nodes.len())
-            .find(|&i| self.nodes[i].up)
+            .find(|&i| self.nodes[i].up && !self.nodes[i].zombie)
             .map(|i| NodeId(i as u32))
     }
 
@@ -299,7 +316,7 @@ impl World {
     /// Whether the job's ranks run: not at a safe point in a round, not stopped for a rollback,
     /// and every node up (the ranks of a failed node restart when it is back).
     fn app_runs(&self) -> bool {
-        self.rollback.is_none() && self.nodes.iter().all(|n| n.up && !n.coord.busy(JOB))
+        self.rollback.is_none() && self.nodes.iter().all(|n| n.up && !n.zombie && !n.coord.busy(JOB))
     }
 
     // ---- the job ----
@@ -381,7 +398,7 @@ impl World {
 
     fn start_round(&mut self) {
         let Some(c) = self.coordinator() else { return };
-        if !self.app_runs() || self.nodes.iter().any(|n| !n.up) {
+        if !self.app_runs() {
             return;
         }
         let ci = c.0 as usize;
@@ -394,6 +411,7 @@ impl World {
             let img = self.image();
             assert_eq!(img, self.app, "the memory image differs from the job's writes");
             self.round_images.insert(epoch, img);
+            self.round_lineage.insert(epoch, self.lineage);
             self.log(|| format!("round {epoch} starts at {ci}"));
         }
     }
@@ -610,6 +628,11 @@ impl World {
         self.log(|| format!("meta {:?}: {:?}", t.task, r));
         if r.is_ok() {
             if let MetaOp::Checkpoint { epoch, .. } = &t.op {
+                assert_eq!(
+                    self.round_lineage.get(epoch),
+                    Some(&self.lineage),
+                    "checkpoint {epoch}, begun before a rollback, committed after it"
+                );
                 let img = self
                     .round_images
                     .get(epoch)
@@ -622,7 +645,8 @@ impl World {
         let by = t.by.0 as usize;
         let now = self.now_ms;
         match t.task {
-            Task::Rollback => self.finish_rollback(),
+            Task::Rollback(k) if k == self.fences && self.rollback == Some(true) => self.finish_rollback(),
+            Task::Rollback(_) => {}
             _ if !alive => {}
             Task::Begin(epoch) => {
                 let rec = self.meta.jobs.get(JOB).cloned().unwrap_or_default();
@@ -670,7 +694,27 @@ impl World {
         self.rollback = Some(false);
     }
 
+    /// The others declare node `i` down while it runs on.
+    fn suspect(&mut self, i: usize) {
+        if !self.nodes[i].up || self.nodes[i].zombie {
+            return;
+        }
+        self.log(|| format!("{i} declared down while it runs"));
+        self.nodes[i].zombie = true;
+        for (k, m) in self.nodes.iter_mut().enumerate() {
+            if m.up && k != i {
+                m.coord.node_down(NodeId(i as u32));
+            }
+        }
+        self.stop_job();
+        self.rollback = Some(false);
+    }
+
     fn restart(&mut self, i: usize) {
+        if self.nodes[i].zombie {
+            // Fenced: it must come back as a new incarnation with an empty memory.
+            self.crash(i);
+        }
         if self.nodes[i].up {
             return;
         }
@@ -699,11 +743,17 @@ impl World {
         }
         let epoch = jobs::floor(&self.meta, JOB).max(self.nodes[ci].started);
         self.rollback = Some(true);
-        self.submit(ci, MetaOp::FenceCheckpoint { job: JOB.into(), epoch }, Task::Rollback);
+        self.fences += 1;
+        self.submit(
+            ci,
+            MetaOp::FenceCheckpoint { job: JOB.into(), epoch },
+            Task::Rollback(self.fences),
+        );
     }
 
     fn finish_rollback(&mut self) {
         let target = self.committed_epoch();
+        self.lineage += 1;
         self.stop_job();
         self.app = self.history[&target].clone();
         self.rollback = None;
@@ -749,7 +799,7 @@ impl World {
 
     fn step(&mut self) {
         let coordinator = self.coordinator();
-        for n in self.nodes.iter_mut().filter(|n| n.up) {
+        for n in self.nodes.iter_mut().filter(|n| n.up && !n.zombie) {
             n.part.coordinator_changed(coordinator);
         }
         match self.rng.below(100) {
@@ -791,6 +841,10 @@ impl World {
                 let i = self.rng.below(self.nodes.len() as u64) as usize;
                 self.restart(i);
             }
+            94 if self.rng.chance(150) => {
+                let i = self.rng.below(self.nodes.len() as u64) as usize;
+                self.suspect(i);
+            }
             _ => {}
         }
         self.run_actions();
@@ -812,7 +866,7 @@ impl World {
             n.coord.retry();
         }
         let c = self.coordinator();
-        for n in self.nodes.iter_mut() {
+        for n in self.nodes.iter_mut().filter(|n| !n.zombie) {
             n.part.coordinator_changed(c);
         }
         self.run_actions();
