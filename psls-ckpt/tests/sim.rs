@@ -841,8 +841,12 @@ impl World {
                 let i = self.rng.below(self.nodes.len() as u64) as usize;
                 self.restart(i);
             }
-            94 if self.rng.chance(150) => {
-                let i = self.rng.below(self.nodes.len() as u64) as usize;
+            94 if self.rng.chance(300) => {
+                // Most often the coordinator: the one whose round may go on.
+                let i = match self.coordinator() {
+                    Some(c) if self.rng.chance(700) => c.0 as usize,
+                    _ => self.rng.below(self.nodes.len() as u64) as usize,
+                };
                 self.suspect(i);
             }
             _ => {}
