@@ -918,7 +918,7 @@ fn run(seed: u64) -> (u64, u64) {
 #[test]
 fn checkpoints_and_rollbacks_keep_exactly_one_checkpoint_on_the_disks() {
     let (mut commits, mut rollbacks) = (0, 0);
-    for seed in common::seeds(2000) {
+    for seed in common::seeds(10_000) {
         let r = std::panic::catch_unwind(|| run(seed));
         match r {
             Ok((c, r)) => {
