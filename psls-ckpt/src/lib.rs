@@ -9,6 +9,8 @@
 //!   change, finish or abort the rounds nodes report in doubt — the commit record decides.
 //! - [`participant::Participant`]: one node's side: write the job's dirty pages when asked
 //!   (one write at a time per job), report, and mark them clean or dirty again on the decision.
+//! - [`safepoint::SafePoints`]: the ranks' collective safe-point call, at the coordinator:
+//!   once every rank of a job called, one decision for all (take a checkpoint, or nothing).
 //! - [`msg::Msg`]: what they send each other. Every message names the job and the epoch; a
 //!   message of another epoch than the one in progress, or from a node that is not the
 //!   coordinator, is dropped.
@@ -23,10 +25,12 @@
 pub mod coordinator;
 pub mod msg;
 pub mod participant;
+pub mod safepoint;
 
 pub use coordinator::{CoordAction, Coordinator, Outcome};
 pub use msg::Msg;
 pub use participant::{PartAction, Participant};
+pub use safepoint::{Decision, SafeAction, SafePoints};
 
 /// Rounds in progress at one coordinator, at most (one per job).
 pub const MAX_ROUNDS: usize = 4096;

@@ -45,6 +45,16 @@ int psls_map(const char *name, size_t size, int create, void **addr);
 int psls_map_ro(const char *name, size_t size, const void **addr);
 /* Unmaps a mapping of psls_map or psls_map_ro. */
 int psls_unmap(const void *addr);
+/* The safe-point call: every rank calls it at the same point of its main loop with its
+ * private state (at most 1 MiB). Once all have, the coordinator decides for all: a persistent
+ * checkpoint of the job's files and states (the job's --checkpoint-interval elapsed, or
+ * `psls checkpoint` / `psls halt` asked), or nothing. Returns the checkpoint's epoch, 0 when
+ * none was taken, or a negative error. After `psls halt` the job's ranks are stopped. */
+int psls_checkpoint(const void *state, size_t len);
+/* Whether this rank restarted from a checkpoint: 1 with the state it saved copied to `buf`
+ * and its length in *len; 0 on a fresh start; negative on error (PSLS_EINVAL when `cap` is
+ * too small, *len then being the size needed). */
+int psls_restarted(void *buf, size_t cap, size_t *len);
 /* Makes the process's writes to the parallel files it maps writable durable: a persistent
  * checkpoint of them, on both disk copies, before it returns (the last psls_unmap of a
  * writable mapping does the same for its file). */

@@ -199,6 +199,63 @@ pub extern "C" fn psls_unmap(addr: *const c_void) -> c_int {
     })
 }
 
+/// The safe-point call (see `Session::checkpoint`): the epoch taken, 0 when none was, or a
+/// negative error.
+///
+/// # Safety
+/// `state` must point to `len` readable bytes (or be NULL with `len` 0).
+#[no_mangle]
+pub unsafe extern "C" fn psls_checkpoint(state: *const c_void, len: usize) -> c_int {
+    let bytes: &[u8] = if len == 0 {
+        &[]
+    } else if state.is_null() {
+        return fail(PSLS_EINVAL, "state is NULL".into());
+    } else {
+        // SAFETY: the caller passes `len` readable bytes at `state` (non-NULL, checked).
+        unsafe { std::slice::from_raw_parts(state as *const u8, len) }
+    };
+    with_session(|s| {
+        s.checkpoint(bytes)
+            .map_or_else(from, |c| c.epoch.min(c_int::MAX as u64) as c_int)
+    })
+}
+
+/// Whether this rank restarted from a checkpoint: 1 and its saved state in `buf` (its length
+/// in `*len`), 0 on a fresh start, or a negative error (`PSLS_EINVAL` if `cap` is too small:
+/// `*len` then says how much is needed).
+///
+/// # Safety
+/// `buf` must point to `cap` writable bytes (or be NULL with `cap` 0), `len` to a `size_t`.
+#[no_mangle]
+pub unsafe extern "C" fn psls_restarted(buf: *mut c_void, cap: usize, len: *mut usize) -> c_int {
+    if len.is_null() {
+        return fail(PSLS_EINVAL, "len is NULL".into());
+    }
+    with_session(|s| match s.restart_state() {
+        Err(e) => from(e),
+        Ok(None) => {
+            // SAFETY: `len` points to a writable size_t (non-NULL, checked).
+            unsafe { *len = 0 };
+            0
+        }
+        Ok(Some((_, state))) => {
+            // SAFETY: as above.
+            unsafe { *len = state.len() };
+            if state.len() > cap || (buf.is_null() && !state.is_empty()) {
+                return fail(
+                    PSLS_EINVAL,
+                    format!("the saved state is {} bytes; the buffer holds {cap}", state.len()),
+                );
+            }
+            if !state.is_empty() {
+                // SAFETY: `buf` holds `cap` >= state.len() writable bytes, not overlapping ours.
+                unsafe { std::ptr::copy_nonoverlapping(state.as_ptr(), buf as *mut u8, state.len()) };
+            }
+            1
+        }
+    })
+}
+
 /// Makes the process's writes to the files it maps writable durable (see `Session::sync`).
 #[no_mangle]
 pub extern "C" fn psls_sync() -> c_int {

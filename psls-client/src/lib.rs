@@ -6,7 +6,7 @@ pub mod capi;
 pub mod cluster;
 pub mod session;
 
-pub use session::{Mapping, ReadOnlyMapping, Session};
+pub use session::{Checkpoint, Mapping, ReadOnlyMapping, Session};
 
 use psls_ipc::proto::{self, ClusterStatus, FileInfo, FrameError, Request, Response, ScrubReport, Stripe, CHUNK};
 use psls_ipc::ErrorKind;
@@ -131,6 +131,7 @@ impl Client {
     /// Runs a job (`psls run`): calls `output(rank, is_stderr, bytes)` as output arrives;
     /// returns the job's status and a one-line summary.
     #[allow(clippy::too_many_arguments)]
+    #[allow(clippy::too_many_arguments)]
     pub fn run(
         &mut self,
         program: &str,
@@ -139,22 +140,34 @@ impl Client {
         per_node: Option<u32>,
         env: Vec<(String, String)>,
         cwd: &str,
+        checkpoint: psls_ipc::proto::CkptOptions,
+        started: impl Fn(&str),
         mut output: impl FnMut(u32, bool, &[u8]),
     ) -> Result<(i32, String), ClientError> {
-        self.send(&Request::Run {
+        self.send(&Request::RunJob {
             program: program.into(),
             args: args.to_vec(),
             ranks,
             per_node,
             env,
             cwd: cwd.into(),
+            checkpoint,
         })?;
         loop {
             match self.recv()? {
+                Response::JobStarted { job } => started(&job),
                 Response::RankOutput { rank, err, data } => output(rank, err, &data),
                 Response::JobDone { code, message } => return Ok((code, message)),
                 r => return Err(unexpected(r)),
             }
+        }
+    }
+
+    /// `psls checkpoint JOB` (`halt`: `psls halt JOB`).
+    pub fn force_checkpoint(&mut self, job: &str, halt: bool) -> Result<(), ClientError> {
+        match self.call(&Request::ForceCheckpoint { job: job.into(), halt })? {
+            Response::Ok => Ok(()),
+            r => Err(unexpected(r)),
         }
     }
 

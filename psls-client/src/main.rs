@@ -76,10 +76,22 @@ enum Cmd {
         /// Place this many consecutive ranks per node (default: round robin).
         #[arg(long)]
         per_node: Option<u32>,
+        /// A safe-point call (psls_checkpoint) takes a persistent checkpoint when this many
+        /// seconds passed since the job's last one (0: every call).
+        #[arg(long, default_value_t = 0)]
+        checkpoint_interval: u64,
+        /// A safe-point call fails when not every rank made it within this many seconds.
+        #[arg(long, default_value_t = 60)]
+        checkpoint_timeout: u64,
         /// The program and its arguments.
         #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
         command: Vec<String>,
     },
+    /// Take a persistent checkpoint of a running job at its next safe-point call.
+    Checkpoint { job: String },
+    /// Take a persistent checkpoint of a running job at its next safe-point call, then stop
+    /// it (it can be resumed from that checkpoint).
+    Halt { job: String },
     /// The main job: bring up a local 4-node cluster, import a file, lose a node, export the
     /// file intact, show status.
     Demo {
@@ -147,7 +159,13 @@ fn home(cli: &Cli) -> PathBuf {
 }
 
 /// `psls run`: relays the ranks' output, prefixed, and returns the job's status.
-fn run_job(cli: &Cli, n: u32, per_node: Option<u32>, command: &[String]) -> Result<i32> {
+fn run_job(
+    cli: &Cli,
+    n: u32,
+    per_node: Option<u32>,
+    checkpoint: psls_ipc::proto::CkptOptions,
+    command: &[String],
+) -> Result<i32> {
     let dir = home(cli);
     let cwd = std::env::current_dir().context("current folder")?;
     let mut program = command.first().cloned().context("no program given")?;
@@ -173,6 +191,12 @@ fn run_job(cli: &Cli, n: u32, per_node: Option<u32>, command: &[String]) -> Resu
         per_node,
         env,
         &cwd.display().to_string(),
+        checkpoint,
+        |job| {
+            if std::env::var_os("PSLS_QUIET").is_none() {
+                eprintln!("psls: job {job} started");
+            }
+        },
         |rank, err, data| {
             let buf = partial.entry((rank, err)).or_default();
             buf.extend_from_slice(data);
@@ -188,7 +212,7 @@ fn run_job(cli: &Cli, n: u32, per_node: Option<u32>, command: &[String]) -> Resu
         }
     }
     let _ = std::io::stdout().flush();
-    if code != 0 {
+    if code != 0 || message.contains("halted") {
         eprintln!("psls: {message}");
     }
     Ok(code)
@@ -196,8 +220,19 @@ fn run_job(cli: &Cli, n: u32, per_node: Option<u32>, command: &[String]) -> Resu
 
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
-    if let Cmd::Run { n, per_node, command } = &cli.cmd {
-        return match run_job(&cli, *n, *per_node, command) {
+    if let Cmd::Run {
+        n,
+        per_node,
+        checkpoint_interval,
+        checkpoint_timeout,
+        command,
+    } = &cli.cmd
+    {
+        let ckpt = psls_ipc::proto::CkptOptions {
+            interval_s: *checkpoint_interval,
+            timeout_s: (*checkpoint_timeout).max(1),
+        };
+        return match run_job(&cli, *n, *per_node, ckpt, command) {
             Ok(code) => std::process::ExitCode::from(code.clamp(0, 255) as u8),
             Err(e) => {
                 eprintln!("psls: error: {e:#}");
@@ -415,6 +450,14 @@ fn run(cli: &Cli) -> Result<()> {
             if r.unrepairable > 0 {
                 bail!("{} copies could not be repaired", r.unrepairable);
             }
+        }
+        Cmd::Checkpoint { job } => {
+            cluster::connect(&dir, node)?.force_checkpoint(job, false)?;
+            println!("job {job} takes a checkpoint at its next safe-point call");
+        }
+        Cmd::Halt { job } => {
+            cluster::connect(&dir, node)?.force_checkpoint(job, true)?;
+            println!("job {job} takes a checkpoint at its next safe-point call, then stops");
         }
         Cmd::Demo { size_mb } => demo(&dir, *size_mb)?,
         Cmd::Run { .. } => unreachable!("handled in main"),

@@ -215,6 +215,23 @@ impl Drop for Session {
     }
 }
 
+/// What a safe-point call did ([`Session::checkpoint`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Checkpoint {
+    /// The checkpoint taken (its number in the job), 0 when none was.
+    pub epoch: u64,
+    /// The job halts (`psls halt`): its ranks are being stopped; it can be resumed from
+    /// `epoch`.
+    pub halt: bool,
+}
+
+impl Checkpoint {
+    /// Whether this call took a checkpoint.
+    pub fn taken(&self) -> bool {
+        self.epoch > 0
+    }
+}
+
 /// A process's session with its node daemon.
 pub struct Session {
     conn: Mutex<Conn>,
@@ -285,6 +302,46 @@ impl Session {
     pub fn node_stats(&self) -> Result<(String, Vec<(String, u64)>), ClientError> {
         match self.call(&Request::SvmStats, None)? {
             (Response::SvmStats { node, counters }, _) => Ok((node, counters)),
+            (other, _) => Err(daemon_error(other)),
+        }
+    }
+
+    /// The safe-point call (the shape of SCR's and VeloC's): every rank of the job calls it at
+    /// the same point of its main loop with its private state (loop counters and the like, at
+    /// most 1 MiB). Once every rank has called, the coordinator decides for all of them: take
+    /// a persistent checkpoint of the files the job maps writable and of the ranks' states
+    /// (the interval of `psls run --checkpoint-interval` elapsed, or `psls checkpoint` /
+    /// `psls halt` asked), or nothing. After a halt the job's ranks are stopped.
+    /// A process outside `psls run` is a job of one rank.
+    pub fn checkpoint(&self, state: &[u8]) -> Result<Checkpoint, ClientError> {
+        if state.len() > proto::MAX_CKPT_STATE {
+            return Err(ClientError::Invalid(format!(
+                "a rank's checkpoint state is at most {} bytes; this one is {}",
+                proto::MAX_CKPT_STATE,
+                state.len()
+            )));
+        }
+        let req = Request::Checkpoint { state: state.to_vec() };
+        match self.call(&req, None)? {
+            (Response::Checkpointed { epoch, halt }, _) => Ok(Checkpoint { epoch, halt }),
+            (other, _) => Err(daemon_error(other)),
+        }
+    }
+
+    /// The checkpoint this rank restarts from, and the state it saved there; `None` on a fresh
+    /// start. A restarted rank runs the same code as a fresh one and asks this first.
+    pub fn restart_state(&self) -> Result<Option<(u64, Vec<u8>)>, ClientError> {
+        let Some(epoch) = std::env::var("PSLS_RESTART_EPOCH")
+            .ok()
+            .and_then(|v| v.parse::<u64>().ok())
+        else {
+            return Ok(None);
+        };
+        if epoch == 0 {
+            return Ok(None);
+        }
+        match self.call(&Request::RestartState { epoch }, None)? {
+            (Response::RestartState { epoch, state }, _) => Ok(Some((epoch, state))),
             (other, _) => Err(daemon_error(other)),
         }
     }

@@ -23,6 +23,8 @@ use std::io::{self, Read, Write};
 pub const MAX_FRAME: usize = 4 * 1024 * 1024 + 4096;
 /// Upper bound of one datagram on a sync channel.
 pub const MAX_SYNC_MSG: usize = 8 * 1024;
+/// The largest private state a rank saves with a checkpoint (`Session::checkpoint`).
+pub const MAX_CKPT_STATE: usize = 1 << 20;
 /// Data chunk size used by the CLI for import and by the daemon for export.
 pub const CHUNK: usize = 1024 * 1024;
 
@@ -103,9 +105,6 @@ pub enum Request {
     Unmap {
         base: u64,
     },
-    /// Makes the caller's writes to the parallel files it maps writable durable (a persistent
-    /// checkpoint of them); answered by `Synced`.
-    Sync,
     /// Waits until `count` ranks of the caller's job have called the barrier `name`.
     Barrier {
         job: String,
@@ -148,6 +147,48 @@ pub enum Request {
     /// Makes the socket passed with this frame (SCM_RIGHTS; one end of a `SOCK_SEQPACKET`
     /// pair) the caller process's sync channel: its barrier and lock calls go there.
     SyncChannel,
+    /// Makes the caller's writes to the parallel files it maps writable durable (a persistent
+    /// checkpoint of them); answered by `Synced`.
+    Sync,
+    /// The caller's safe-point call (`Session::checkpoint`) with its private state (at most
+    /// 1 MiB); answered by `Checkpointed` once every rank of its job called and the
+    /// coordinator's decision was carried out. A process outside `psls run` is a job of one.
+    Checkpoint {
+        #[serde(with = "serde_bytes")]
+        state: Vec<u8>,
+    },
+    /// The state the caller saved at checkpoint `epoch` (a restarted rank asks); answered by
+    /// `RestartState`.
+    RestartState {
+        epoch: u64,
+    },
+    /// `psls checkpoint JOB` (or, with `halt`, `psls halt JOB`): a checkpoint at the job's
+    /// next safe-point call (then the job stops).
+    ForceCheckpoint {
+        job: String,
+        halt: bool,
+    },
+    /// `psls run` with checkpoint options.
+    RunJob {
+        program: String,
+        args: Vec<String>,
+        ranks: u32,
+        per_node: Option<u32>,
+        env: Vec<(String, String)>,
+        cwd: String,
+        checkpoint: CkptOptions,
+    },
+}
+
+/// A job's checkpoint options (`psls run`).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CkptOptions {
+    /// A safe-point call takes a checkpoint when this many seconds passed since the last one
+    /// (0: every call).
+    pub interval_s: u64,
+    /// A safe-point call fails when not every rank made it within this many seconds
+    /// (0: the default, 60).
+    pub timeout_s: u64,
 }
 
 /// Class of an error, so that callers can react without parsing text.
@@ -250,12 +291,6 @@ pub struct ScrubReport {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Response {
     Ok,
-    /// Answer to `Sync`: the checkpoint committed as `epoch` (0: nothing was mapped
-    /// writable), writing `pages` pages.
-    Synced {
-        epoch: u64,
-        pages: u64,
-    },
     Error {
         kind: ErrorKind,
         message: String,
@@ -305,6 +340,28 @@ pub enum Response {
     JobDone {
         code: i32,
         message: String,
+    },
+    /// Answer to `Sync`: the checkpoint committed as `epoch` (0: nothing was mapped
+    /// writable), writing `pages` pages.
+    Synced {
+        epoch: u64,
+        pages: u64,
+    },
+    /// Answer to `Checkpoint`: the epoch taken (0: none, the interval has not elapsed);
+    /// `halt`: the job stops now (`psls halt`), resumable from it.
+    Checkpointed {
+        epoch: u64,
+        halt: bool,
+    },
+    /// First answer to `RunJob`: the job's id (for `psls checkpoint`, `psls halt`).
+    JobStarted {
+        job: String,
+    },
+    /// Answer to `RestartState`.
+    RestartState {
+        epoch: u64,
+        #[serde(with = "serde_bytes")]
+        state: Vec<u8>,
     },
 }
 

@@ -176,14 +176,19 @@ impl Daemon {
             req @ (PeerReq::Spawn { .. }
             | PeerReq::RankOutput { .. }
             | PeerReq::RankExit { .. }
-            | PeerReq::KillJob { .. }) => crate::launcher::serve(&node, &self.jobs, req),
+            | PeerReq::KillJob { .. }
+            | PeerReq::JobHalted { .. }
+            | PeerReq::JobFiles { .. }) => crate::launcher::serve(&node, &self.jobs, req),
             PeerReq::Echo => {
                 out_payload = payload;
                 Ok(PeerResp::Ok)
             }
-            PeerReq::JobEnded { job } => Ok(PeerResp::Dropped {
-                files: self.svm.end_job(&node, &job),
-            }),
+            PeerReq::JobEnded { job } => {
+                self.ckpt.forget_job(&job);
+                Ok(PeerResp::Dropped {
+                    files: self.svm.end_job(&node, &job),
+                })
+            }
             PeerReq::ForgetFiles { files } => {
                 if files.len() > crate::launcher::MAX_JOB_SEGMENTS {
                     Err(OpError::new(ErrorKind::Invalid, "too many segments to forget at once"))
@@ -216,6 +221,32 @@ impl Daemon {
                 "link pings and checkpoint messages go over the message link",
             )),
             PeerReq::CkptRun { job, files } => self.ckpt.serve_run(job, files).await,
+            PeerReq::CkptArrive {
+                job,
+                rank,
+                size,
+                interval_ms,
+                timeout_ms,
+                files,
+                uid,
+                gid,
+                launcher,
+            } => {
+                let call = crate::ckpt::SafeCall {
+                    job,
+                    rank,
+                    size,
+                    interval_ms,
+                    timeout_ms,
+                    files,
+                    uid,
+                    gid,
+                    launcher,
+                };
+                self.ckpt.serve_arrive(&from, call).await
+            }
+            PeerReq::CkptForce { job, halt, uid } => self.ckpt.serve_force(&job, halt, uid),
+            PeerReq::CkptEnd { job } => Ok(self.ckpt.serve_end(&job)),
         };
         match r {
             Ok(resp) => (resp, out_payload),

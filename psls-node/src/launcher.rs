@@ -27,12 +27,25 @@ pub const MAX_RANKS: u32 = 4096;
 const OUTPUT_CHUNK: usize = 64 * 1024;
 /// Status of a rank lost with its node.
 pub const LOST_STATUS: i32 = 255;
+/// How long a safe-point call waits for every rank by default.
+pub const DEFAULT_CALL_TIMEOUT_MS: u64 = 60_000;
 
 /// What the launcher tells the CLI.
 #[derive(Debug)]
 pub enum JobEvent {
-    Output { rank: u32, err: bool, data: Vec<u8> },
-    Exit { rank: u32, code: i32 },
+    Output {
+        rank: u32,
+        err: bool,
+        data: Vec<u8>,
+    },
+    Exit {
+        rank: u32,
+        code: i32,
+    },
+    /// The job halted after checkpoint `epoch` (`psls halt`): its ranks are being stopped.
+    Halted {
+        epoch: u64,
+    },
 }
 
 /// Per node: the launcher's event channels and the local rank processes.
@@ -42,6 +55,33 @@ pub struct Jobs {
     launched: Mutex<HashMap<String, tokio::sync::mpsc::UnboundedSender<JobEvent>>>,
     /// Rank processes running here, per job.
     local: Mutex<HashMap<String, Vec<u32>>>,
+    /// Rank processes running here: pid → the job and the rank.
+    procs: Mutex<HashMap<u32, (JobSpec, u32)>>,
+    /// Parallel files the ranks running here mapped writable, per job (its last checkpoint
+    /// covers them).
+    written: Mutex<HashMap<String, std::collections::BTreeSet<psls_svm::FileId>>>,
+}
+
+impl Jobs {
+    /// The job and rank of process `pid`, if it is a rank running here.
+    pub fn rank_of(&self, pid: u32) -> Option<(JobSpec, u32)> {
+        lock(&self.procs).get(&pid).cloned()
+    }
+
+    /// A rank of `job` here mapped parallel file `file` writable.
+    pub fn note_written(&self, job: &str, file: psls_svm::FileId) {
+        lock(&self.written).entry(job.to_string()).or_default().insert(file);
+    }
+
+    /// The files `job`'s ranks here mapped writable (forgotten with `forget`).
+    pub fn written(&self, job: &str, forget: bool) -> Vec<psls_svm::FileId> {
+        let mut w = lock(&self.written);
+        let files = w.get(job).map(|s| s.iter().copied().collect()).unwrap_or_default();
+        if forget {
+            w.remove(job);
+        }
+        files
+    }
 }
 
 static NEXT_JOB: AtomicU64 = AtomicU64::new(1);
@@ -88,6 +128,7 @@ pub async fn launch(
     cwd: String,
     uid: u32,
     gid: u32,
+    checkpoint: psls_ipc::proto::CkptOptions,
 ) -> Result<(String, tokio::sync::mpsc::UnboundedReceiver<JobEvent>), OpError> {
     let st = node.meta_state();
     let live: Vec<u32> = node
@@ -113,6 +154,12 @@ pub async fn launch(
         cwd,
         uid,
         gid,
+        checkpoint_interval_ms: checkpoint.interval_s.saturating_mul(1000),
+        checkpoint_timeout_ms: if checkpoint.timeout_s == 0 {
+            DEFAULT_CALL_TIMEOUT_MS
+        } else {
+            checkpoint.timeout_s.saturating_mul(1000)
+        },
     };
     let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
     lock(&jobs.launched).insert(job.clone(), tx.clone());
@@ -222,6 +269,29 @@ pub fn finished(node: &Arc<Node>, jobs: &Arc<Jobs>, job: &str) {
     });
 }
 
+/// The parallel files `job`'s ranks mapped writable, over every live node.
+pub async fn job_files(node: &Arc<Node>, job: &str, forget: bool) -> Vec<psls_svm::FileId> {
+    let st = node.meta_state();
+    let mut files = Vec::new();
+    for (_, phys) in node.logical_map(&st) {
+        if !node.is_live(&phys) {
+            continue;
+        }
+        let req = PeerReq::JobFiles {
+            job: job.to_string(),
+            forget,
+        };
+        match node.call_ok(&phys, req).await {
+            Ok(PeerResp::JobFiles { files: f }) => files.extend(f),
+            Ok(_) => {}
+            Err(e) => tracing::warn!(node = %phys, job, error = %e, "could not learn the job's files"),
+        }
+    }
+    files.sort_unstable();
+    files.dedup();
+    files
+}
+
 /// A rank's output or exit arrived at the launcher.
 pub fn event(jobs: &Jobs, job: &str, ev: JobEvent) -> Result<(), OpError> {
     match lock(&jobs.launched).get(job) {
@@ -278,9 +348,12 @@ pub fn spawn_local(node: &Arc<Node>, jobs: &Arc<Jobs>, spec: JobSpec, ranks: Vec
         })?;
         if let Some(pid) = child.id() {
             lock(&jobs.local).entry(spec.job.clone()).or_default().push(pid);
+            lock(&jobs.procs).insert(pid, (spec.clone(), rank));
         }
         let (out, err) = (child.stdout.take(), child.stderr.take());
         let (node, jobs, spec) = (node.clone(), jobs.clone(), spec.clone());
+        // Known before the wait: a reaped child has no id any more.
+        let child_pid = child.id();
         tokio::spawn(async move {
             let relay = |stream: Option<Box<dyn tokio::io::AsyncRead + Send + Unpin>>, is_err: bool| {
                 let (node, spec) = (node.clone(), spec.clone());
@@ -312,10 +385,11 @@ pub fn spawn_local(node: &Arc<Node>, jobs: &Arc<Jobs>, spec: JobSpec, ranks: Vec
                 }
                 Err(_) => LOST_STATUS,
             };
-            if let Some(pids) = lock(&jobs.local).get_mut(&spec.job) {
-                if let Some(pid) = child.id() {
+            if let Some(pid) = child_pid {
+                if let Some(pids) = lock(&jobs.local).get_mut(&spec.job) {
                     pids.retain(|p| *p != pid);
                 }
+                lock(&jobs.procs).remove(&pid);
             }
             let req = PeerReq::RankExit {
                 job: spec.job.clone(),
@@ -344,6 +418,10 @@ pub fn serve(node: &Arc<Node>, jobs: &Arc<Jobs>, req: PeerReq) -> Result<PeerRes
             kill_local(jobs, &job);
             Ok(PeerResp::Ok)
         }
+        PeerReq::JobHalted { job, epoch } => event(jobs, &job, JobEvent::Halted { epoch }).map(|()| PeerResp::Ok),
+        PeerReq::JobFiles { job, forget } => Ok(PeerResp::JobFiles {
+            files: jobs.written(&job, forget),
+        }),
         _ => Err(OpError::new(ErrorKind::Internal, "not a launcher request")),
     }
 }

@@ -44,6 +44,10 @@ pub struct JobSpec {
     pub cwd: String,
     pub uid: u32,
     pub gid: u32,
+    /// Safe-point calls take a checkpoint this often (0: every call).
+    pub checkpoint_interval_ms: u64,
+    /// A safe-point call not made by every rank within this fails.
+    pub checkpoint_timeout_ms: u64,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -161,6 +165,44 @@ pub enum PeerReq {
         job: String,
         files: Vec<FileId>,
     },
+    /// To the coordinator: rank `rank` of `job` (of `size` ranks) made its safe-point call
+    /// (answered with `SafeDone` once every rank did and the decision was carried out).
+    CkptArrive {
+        job: String,
+        rank: u32,
+        size: u32,
+        interval_ms: u64,
+        timeout_ms: u64,
+        /// The files the rank maps writable.
+        files: Vec<FileId>,
+        /// The job's owner (its checkpoint area is theirs).
+        uid: u32,
+        gid: u32,
+        /// The job's launcher (told when a halt stops the job).
+        launcher: String,
+    },
+    /// To the coordinator: a checkpoint at `job`'s next safe-point call (`halt`: then stop).
+    CkptForce {
+        job: String,
+        halt: bool,
+        /// Who asks (the job's owner or root).
+        uid: u32,
+    },
+    /// To the coordinator: `job` is over; forget its safe-point calls.
+    CkptEnd {
+        job: String,
+    },
+    /// To a job's launcher: the job halted after checkpoint `epoch`; stop its ranks.
+    JobHalted {
+        job: String,
+        epoch: u64,
+    },
+    /// The parallel files `job`'s ranks on this node mapped writable (`forget`: then forget
+    /// them); answered with `JobFiles`.
+    JobFiles {
+        job: String,
+        forget: bool,
+    },
     /// To the coordinator: rank `who` waits at barrier `key` of `count` ranks (answered when it
     /// opens).
     BarrierArrive {
@@ -265,6 +307,15 @@ pub enum PeerResp {
         epoch: u64,
         pages: u64,
         bytes: u64,
+    },
+    /// Answer to `JobFiles`.
+    JobFiles {
+        files: Vec<FileId>,
+    },
+    /// Answer to `CkptArrive`: the epoch taken (0: none); `halt`: the job stops.
+    SafeDone {
+        epoch: u64,
+        halt: bool,
     },
     /// Answer to `MetaSubmit`: the coordinator changed while the operation was under way; it
     /// may or may not have been committed.

@@ -1,6 +1,7 @@
 //! Persistent checkpoints with real daemons: what a process writes through a mapping reaches
 //! both disk copies at its last unmap or its `sync`, and only then; exports and new mappings
-//! after a restart of every daemon read it back.
+//! after a restart of every daemon read it back. The ranks' safe-point call: one decision for
+//! all ranks, intervals, `psls checkpoint`, `psls halt`, and bad calls.
 
 use psls_tests::*;
 const PROBE: &str = env!("CARGO_BIN_EXE_svm-probe");
@@ -66,4 +67,133 @@ fn sync_makes_writes_durable_and_later_writes_stay_off_the_disks() {
     assert_same(&c.export("s", &[]), &want, "export after a restart");
     probe(&c, "n1", &["check", "s", "32", "7", "20"]);
     probe(&c, "n3", &["check", "s", "32", "3", "5"]);
+}
+
+fn words0(data: &[u8], pages: usize) -> Vec<u64> {
+    (0..pages)
+        .map(|p| u64::from_le_bytes(data[p * 4096..p * 4096 + 8].try_into().expect("8 bytes")))
+        .collect()
+}
+
+#[test]
+fn every_safe_point_call_takes_one_checkpoint_for_all_ranks_and_the_area_goes_with_the_job() {
+    let c = Cluster::start(4, 0);
+    // 5 steps, interval 0: every call is a checkpoint, the same epoch on every rank.
+    let out = c.ok(&["run", "-n", "4", "--", PROBE, "steps", "st", "4", "5", "99", "100", "0"]);
+    for r in 0..4 {
+        for step in 0..5 {
+            assert!(
+                out.contains(&format!("[{r}] step {step} epoch {}\n", step + 1)),
+                "{out}"
+            );
+        }
+        assert!(out.contains(&format!("[{r}] done 15")), "{out}");
+    }
+    // The last step's writes came after the last call: the job's last checkpoint at its end
+    // made them durable; its checkpoint area went with it.
+    assert_eq!(words0(&c.export("st", &[]), 4), vec![15; 4]);
+    assert!(!c.ok(&["ls"]).contains(".psls-ckpt"));
+    // The C example's safe-point calls (through the C ABI) are tested with it (svm.rs).
+}
+
+#[test]
+fn an_interval_skips_calls_psls_checkpoint_forces_one_and_psls_halt_stops_the_job() {
+    let c = Cluster::start(4, 0);
+    let mut run = c
+        .cmd(&[
+            "run",
+            "-n",
+            "2",
+            "--checkpoint-interval",
+            "3600",
+            "--",
+            PROBE,
+            "steps",
+            "iv",
+            "4",
+            "400",
+            "99",
+            "100",
+            "50",
+        ])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("psls run");
+    // The job's id comes first on stderr.
+    let mut err = std::io::BufReader::new(run.stderr.take().expect("stderr"));
+    let mut line = String::new();
+    std::io::BufRead::read_line(&mut err, &mut line).expect("read");
+    let job = line
+        .strip_prefix("psls: job ")
+        .and_then(|l| l.strip_suffix(" started\n"))
+        .unwrap_or_else(|| panic!("no job id: {line}"))
+        .to_string();
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    let said = c.ok(&["checkpoint", &job]);
+    assert!(said.contains("next safe-point call"), "{said}");
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    c.ok(&["halt", &job]);
+    let o = run.wait_with_output().expect("psls run ends");
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut err, &mut rest).expect("read");
+    let out = String::from_utf8_lossy(&o.stdout).to_string();
+    assert!(o.status.success(), "{out}{rest}");
+    // Calls skipped until the forced one (epoch 1, on both ranks at the same step), then the
+    // halt's (epoch 2); the job stopped before its 400 steps.
+    let at = |r: u32, e: u32| {
+        out.lines().find_map(|l| {
+            l.strip_prefix(&format!("[{r}] step "))
+                .and_then(|l| l.strip_suffix(&format!(" epoch {e}")))
+                .map(str::to_string)
+        })
+    };
+    assert!(at(0, 1).is_some() && at(0, 1) == at(1, 1), "{out}");
+    assert!(!out.contains("done"), "{out}");
+    assert!(rest.contains(&format!("job {job} halted after checkpoint 2")), "{rest}");
+    // The halted job keeps its checkpoint area (it can be resumed).
+    assert!(c.ok(&["ls"]).contains(&format!(".psls-ckpt.{job}")));
+    // An unknown job is a clear error.
+    let e = c.fails(&["checkpoint", "no-such-job"]);
+    assert!(e.contains("no-such-job has made no checkpoint call"), "{e}");
+}
+
+#[test]
+fn bad_safe_point_calls_get_clear_errors_and_take_no_checkpoint() {
+    let c = Cluster::start(4, 0);
+    // Rank 1 never calls: the others' calls fail after the timeout, naming it.
+    let o = c.run(&[
+        "run",
+        "-n",
+        "3",
+        "--checkpoint-timeout",
+        "2",
+        "--",
+        PROBE,
+        "steps",
+        "sk",
+        "4",
+        "3",
+        "1",
+        "100",
+        "0",
+    ]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(!o.status.success());
+    assert!(
+        out.contains("only 2 of 3 ranks called checkpoint within 2000 ms (missing: rank 1); no checkpoint was taken"),
+        "{out}"
+    );
+    assert!(!out.contains(" epoch "), "{out}");
+    // A state over 1 MiB is refused before it leaves the process.
+    let o = c.run(&[
+        "run", "-n", "2", "--", PROBE, "steps", "big", "4", "2", "99", "2000000", "0",
+    ]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        out.contains("checkpoint state is at most 1048576 bytes; this one is 2000000"),
+        "{out}"
+    );
+    // Nothing was committed for either job.
+    assert!(!c.ok(&["ls"]).contains(".psls-ckpt"), "no checkpoint area was written");
 }

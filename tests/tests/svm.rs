@@ -437,6 +437,13 @@ fn the_c_example_counts_exactly_through_the_c_abi() {
         .expect("run the C compiler");
     assert!(o.status.success(), "cc: {}", String::from_utf8_lossy(&o.stderr));
     let out = c.ok(&["run", "-n", "4", "--", exe.to_str().unwrap(), "120"]);
+    // Safe-point calls at iterations 0, 40 and 80, each a checkpoint (interval 0).
+    for (epoch, i) in [(1, 0), (2, 40), (3, 80)] {
+        assert!(
+            out.contains(&format!("[0] checkpoint {epoch} at iteration {i}")),
+            "{out}"
+        );
+    }
     for r in 0..4 {
         assert!(
             out.contains(&format!("[{r}] rank {r} of 4: counter 480 (expected 480)")),

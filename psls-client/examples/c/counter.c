@@ -1,5 +1,7 @@
 /* Example: N ranks each add 1 to a shared counter M times under a lock, then check N*M (also
- * through a read-only mapping).
+ * through a read-only mapping). Every 40 iterations the ranks call the safe-point
+ * psls_checkpoint with their loop counter as private state; a rank restarted from a
+ * checkpoint (psls_restarted) goes on from the counter it saved there.
  * Usage: psls run -n 4 -- ./counter [M]   (exit status 0 when the count is exact). */
 #include <stdio.h>
 #include <stdlib.h>
@@ -21,9 +23,22 @@ int main(int argc, char **argv) {
     int rank = psls_rank(), size = psls_size();
     CHECK(psls_map("c-counter", 4096, 1, &addr));
     volatile long *counter = (volatile long *)addr;
-    if (rank == 0) *counter = 0;
-    CHECK(psls_barrier());
-    for (long i = 0; i < m; i++) {
+    long start = 0;
+    size_t len = 0;
+    int restarted = psls_restarted(&start, sizeof start, &len);
+    CHECK(restarted);
+    if (restarted) {
+        printf("rank %d restarted at iteration %ld\n", rank, start);
+    } else {
+        if (rank == 0) *counter = 0;
+        CHECK(psls_barrier());
+    }
+    for (long i = start; i < m; i++) {
+        if (i % 40 == 0) {
+            int epoch = psls_checkpoint(&i, sizeof i);
+            CHECK(epoch);
+            if (rank == 0 && epoch > 0) printf("checkpoint %d at iteration %ld\n", epoch, i);
+        }
         CHECK(psls_lock(1));
         *counter = *counter + 1;
         CHECK(psls_unlock(1));

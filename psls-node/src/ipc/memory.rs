@@ -42,6 +42,12 @@ pub(super) async fn handle(c: &mut Conn, req: Request, mut fds: Vec<OwnedFd>) ->
                 if let Response::Mapped { file, writable, .. } = resp {
                     // Writable once granted on this connection, whatever came after.
                     *c.granted.entry(file).or_insert(false) |= writable;
+                    // A rank's parallel file: the job's last checkpoint covers it.
+                    if let (true, Some(pid)) = (writable && !volatile, pid) {
+                        if let Some((spec, _)) = d.jobs.rank_of(pid as u32) {
+                            d.jobs.note_written(&spec.job, psls_svm::FileId(file));
+                        }
+                    }
                 }
                 send_with_fd(&mut c.w, &resp, std::os::fd::AsFd::as_fd(&memfd)).await?;
                 return Ok(Flow::Sent);
@@ -81,6 +87,8 @@ pub(super) async fn handle(c: &mut Conn, req: Request, mut fds: Vec<OwnedFd>) ->
         Request::Unmap { base } => match pid {
             Some(pid) => match d.svm.unregister(pid, base) {
                 Ok(None) => Response::Ok,
+                // A rank's: the job's checkpoints (its last at its end) make it durable.
+                Ok(Some(_)) if d.jobs.rank_of(pid as u32).is_some() => Response::Ok,
                 // The process's last writable mapping of a parallel file: its writes become
                 // durable before the answer.
                 Ok(Some(file)) => match d.ckpt.checkpoint(&process_job(&d, pid), vec![file]).await {

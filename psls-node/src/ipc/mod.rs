@@ -110,7 +110,11 @@ async fn client(d: Arc<Daemon>, stream: UnixStream) -> anyhow::Result<()> {
             | Request::Barrier { .. }
             | Request::Lock { .. }
             | Request::Unlock { .. }
-            | Request::Run { .. } => ranks::handle(&mut c, req, fds).await?,
+            | Request::Run { .. }
+            | Request::RunJob { .. }
+            | Request::Checkpoint { .. }
+            | Request::RestartState { .. }
+            | Request::ForceCheckpoint { .. } => ranks::handle(&mut c, req, fds).await?,
             Request::Status
             | Request::Scrub
             | Request::NodeReplace { .. }

@@ -62,7 +62,17 @@ pub(super) async fn handle(c: &mut Conn, req: Request, mut fds: Vec<OwnedFd>) ->
             cwd,
         } => {
             let launched = crate::launcher::launch(
-                &node, &d.jobs, ranks, per_node, program, args, env, cwd, caller.uid, caller.gid,
+                &node,
+                &d.jobs,
+                ranks,
+                per_node,
+                program,
+                args,
+                env,
+                cwd,
+                caller.uid,
+                caller.gid,
+                Default::default(),
             )
             .await;
             match launched {
@@ -70,9 +80,81 @@ pub(super) async fn handle(c: &mut Conn, req: Request, mut fds: Vec<OwnedFd>) ->
                 Err(e) => err(e),
             }
         }
+        Request::RunJob {
+            program,
+            args,
+            ranks,
+            per_node,
+            env,
+            cwd,
+            checkpoint,
+        } => {
+            let launched = crate::launcher::launch(
+                &node, &d.jobs, ranks, per_node, program, args, env, cwd, caller.uid, caller.gid, checkpoint,
+            )
+            .await;
+            match launched {
+                Ok((job, rx)) => {
+                    send(&mut c.w, &Response::JobStarted { job: job.clone() }).await?;
+                    return Ok(Flow::Job { job, ranks, rx });
+                }
+                Err(e) => err(e),
+            }
+        }
+        Request::Checkpoint { state } => match pid {
+            None => err(OpError::new(ErrorKind::Invalid, "no peer pid")),
+            Some(pid) => {
+                let call = safe_call(&d, caller, pid);
+                match d.ckpt.safe_point(call, state).await {
+                    Ok((epoch, halt)) => Response::Checkpointed { epoch, halt },
+                    Err(e) => err(e),
+                }
+            }
+        },
+        Request::RestartState { epoch } => match pid {
+            None => err(OpError::new(ErrorKind::Invalid, "no peer pid")),
+            Some(pid) => {
+                let call = safe_call(&d, caller, pid);
+                match d.ckpt.restart_state(&call.job, call.rank, epoch).await {
+                    Ok(state) => Response::RestartState { epoch, state },
+                    Err(e) => err(e),
+                }
+            }
+        },
+        Request::ForceCheckpoint { job, halt } => ok_or_err(d.ckpt.force(&job, halt, caller.uid).await),
         other => misrouted(&other),
     };
     Ok(Flow::Reply(resp))
+}
+
+/// Who makes a safe-point call: a rank of a job running here (its job, rank and options from
+/// the launcher, whatever the process says), or a process outside `psls run` (a job of one).
+fn safe_call(d: &Daemon, caller: crate::pfs::Caller, pid: i32) -> crate::ckpt::SafeCall {
+    let files = d.svm.writable_files(pid);
+    match d.jobs.rank_of(pid as u32) {
+        Some((spec, rank)) => crate::ckpt::SafeCall {
+            job: spec.job,
+            rank,
+            size: spec.size,
+            interval_ms: spec.checkpoint_interval_ms,
+            timeout_ms: spec.checkpoint_timeout_ms,
+            files,
+            uid: spec.uid,
+            gid: spec.gid,
+            launcher: spec.launcher,
+        },
+        None => crate::ckpt::SafeCall {
+            job: super::memory::process_job(d, pid),
+            rank: 0,
+            size: 1,
+            interval_ms: 0,
+            timeout_ms: crate::launcher::DEFAULT_CALL_TIMEOUT_MS,
+            files,
+            uid: caller.uid,
+            gid: caller.gid,
+            launcher: d.node.name().to_string(),
+        },
+    }
 }
 
 /// Relays a job's output to the CLI and ends with its status; kills the job if the CLI goes.
@@ -88,6 +170,7 @@ pub(super) async fn run_job(
     use crate::launcher::JobEvent;
     let mut exited: std::collections::BTreeMap<u32, i32> = std::collections::BTreeMap::new();
     let mut failed: Option<(u32, i32)> = None;
+    let mut halted: Option<u64> = None;
     let mut byte = [0u8; 1];
     while (exited.len() as u32) < ranks {
         let ev = tokio::select! {
@@ -104,6 +187,12 @@ pub(super) async fn run_job(
             JobEvent::Output { rank, err, data } => {
                 send(&mut w, &Response::RankOutput { rank, err, data }).await?;
             }
+            JobEvent::Halted { epoch } => {
+                halted = Some(epoch);
+                tracing::info!(node = %node.name(), job, epoch, "job halted: stopping its ranks");
+                let (node, job) = (node.clone(), job.to_string());
+                tokio::spawn(async move { crate::launcher::kill_everywhere(&node, &job).await });
+            }
             JobEvent::Exit { rank, code } => {
                 if rank >= ranks || exited.contains_key(&rank) {
                     continue;
@@ -117,7 +206,33 @@ pub(super) async fn run_job(
             }
         }
     }
+    if failed.is_none() && halted.is_none() {
+        // Every rank exited 0: a last checkpoint makes the job's writes durable before the
+        // answer, and its checkpoint area goes.
+        let files = crate::launcher::job_files(node, job, true).await;
+        let last = if files.is_empty() {
+            Ok(())
+        } else {
+            d.ckpt.checkpoint(job, files).await.map(|_| ())
+        };
+        d.ckpt.end_job(job).await;
+        crate::launcher::finished(node, &d.jobs, job);
+        let (code, message) = match last {
+            Ok(()) => (0, format!("all {ranks} ranks exited with status 0")),
+            Err(e) => (
+                1,
+                format!("all {ranks} ranks exited with status 0, but the job's last checkpoint failed: {e}"),
+            ),
+        };
+        send(&mut w, &Response::JobDone { code, message }).await?;
+        return Ok(());
+    }
     crate::launcher::finished(node, &d.jobs, job);
+    if let Some(epoch) = halted {
+        let message = format!("job {job} halted after checkpoint {epoch}; it can be resumed from it");
+        send(&mut w, &Response::JobDone { code: 0, message }).await?;
+        return Ok(());
+    }
     let (code, message) = match failed {
         None => (0, format!("all {ranks} ranks exited with status 0")),
         Some((rank, crate::launcher::LOST_STATUS)) => (

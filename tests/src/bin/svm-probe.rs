@@ -180,6 +180,55 @@ fn main() {
         std::process::exit(1)
     });
     let w: &mut [u64] = m.as_mut_slice();
+    if mode == "steps" {
+        // `steps NAME PAGES STEPS SKIP STATE_BYTES SLEEP_MS` (under `psls run`): a main loop
+        // with a safe-point call at its top (state: the step, padded to STATE_BYTES); each
+        // step adds step + 1 to word 0 of the rank's page. Rank SKIP (if < size) never calls
+        // checkpoint. Prints `step S epoch E` for every checkpoint taken and `done SUM`.
+        let steps: u64 = arg(4).parse().expect("STEPS");
+        let skip: u32 = arg(5).parse().expect("SKIP");
+        let state_bytes: usize = arg(6).parse().expect("STATE_BYTES");
+        let sleep_ms: u64 = arg(7).parse().expect("SLEEP_MS");
+        let rank = s.rank();
+        let mut first = 0u64;
+        match s.restart_state() {
+            Ok(Some((epoch, state))) => {
+                first = u64::from_le_bytes(state[..8].try_into().expect("8 bytes"));
+                println!("restarted from epoch {epoch} at step {first}");
+            }
+            Ok(None) => {}
+            Err(e) => {
+                eprintln!("restart_state: {e}");
+                std::process::exit(3)
+            }
+        }
+        let me = rank as usize * words_per_page % w.len();
+        for step in first..steps {
+            if rank != skip {
+                let mut state = step.to_le_bytes().to_vec();
+                state.resize(state_bytes.max(8), 0xA5);
+                match s.checkpoint(&state) {
+                    Ok(c) if c.taken() => {
+                        println!("step {step} epoch {}{}", c.epoch, if c.halt { " halt" } else { "" })
+                    }
+                    Ok(_) => {}
+                    Err(e) => {
+                        println!("checkpoint error: {e}");
+                        use std::io::Write;
+                        let _ = std::io::stdout().flush();
+                        std::process::exit(3)
+                    }
+                }
+            }
+            // SAFETY: plain volatile loads and stores of this rank's own word.
+            unsafe { std::ptr::write_volatile(&mut w[me], std::ptr::read_volatile(&w[me]) + step + 1) };
+            std::thread::sleep(Duration::from_millis(sleep_ms));
+        }
+        // SAFETY: as above.
+        println!("done {}", unsafe { std::ptr::read_volatile(&w[me]) });
+        drop(m);
+        std::process::exit(0)
+    }
     if mode == "fillsync" {
         // `fillsync NAME PAGES SEED SEED2 FROM`: fills every page with SEED's pattern, syncs
         // (prints the pages written), writes SEED2's pattern over pages FROM.. and exits at

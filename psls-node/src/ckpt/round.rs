@@ -37,7 +37,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 /// How long a round may wait for every participant's pages.
-const ROUND_TIMEOUT_MS: u64 = 10 * 60 * 1000;
+pub(super) const ROUND_TIMEOUT_MS: u64 = 10 * 60 * 1000;
 
 /// Most page-write batches in flight from one participant.
 const WRITES_IN_FLIGHT: usize = 8;
@@ -63,7 +63,7 @@ type RoundCallers = (Vec<FileId>, Vec<Waiter>);
 
 /// See the module documentation.
 pub struct CkptShell {
-    node: Arc<Node>,
+    pub(super) node: Arc<Node>,
     svm: Arc<SvmShell>,
     coord: Mutex<Coordinator>,
     part: Mutex<Participant>,
@@ -76,10 +76,19 @@ pub struct CkptShell {
     /// Messages to this node itself, delivered by the drive loop.
     own: Mutex<VecDeque<Msg>>,
     /// Messages arrive on the link thread: tasks are spawned here.
-    runtime: tokio::runtime::Handle,
+    pub(super) runtime: tokio::runtime::Handle,
+    /// At the coordinator: the ranks' safe-point calls.
+    pub(super) safe: Mutex<psls_ckpt::SafePoints>,
+    /// At the coordinator: the ranks waiting for their call's outcome, by (job, rank).
+    pub(super) safe_waiters: Mutex<HashMap<(String, u32), super::safepoint::SafeWaiter>>,
+    /// On a rank's node: the private state of each local rank's call in progress, by (job,
+    /// rank); written with the job's checkpoint.
+    pub(super) states: Mutex<HashMap<(String, u32), Vec<u8>>>,
+    /// At the coordinator: each job in safe-point calls, its owner (uid, gid) and launcher.
+    pub(super) owners: Mutex<HashMap<String, (u32, u32, String)>>,
 }
 
-fn unavailable(why: impl Into<String>) -> OpError {
+pub(super) fn unavailable(why: impl Into<String>) -> OpError {
     OpError::new(ErrorKind::Unavailable, why)
 }
 
@@ -95,33 +104,50 @@ impl CkptShell {
             rounds: Mutex::new(HashMap::new()),
             started: Mutex::new(HashMap::new()),
             own: Mutex::new(VecDeque::new()),
+            safe: Mutex::new(psls_ckpt::SafePoints::new()),
+            safe_waiters: Mutex::new(HashMap::new()),
+            states: Mutex::new(HashMap::new()),
+            owners: Mutex::new(HashMap::new()),
         }
     }
 
     /// Takes a persistent checkpoint of `job` over `files` (through the coordinator); returns
-    /// once it committed. A coordinator change mid-way is retried a few times.
+    /// once it committed.
     pub async fn checkpoint(self: &Arc<Self>, job: &str, files: Vec<FileId>) -> Result<Done, OpError> {
         psls_pfs::jobs::validate_job(job).map_err(OpError::from)?;
         if files.len() > MAX_CKPT_FILES {
             return Err(OpError::new(ErrorKind::Invalid, "too many files in one checkpoint"));
         }
+        let req = PeerReq::CkptRun {
+            job: job.to_string(),
+            files,
+        };
+        match self
+            .call_coordinator(req, Duration::from_millis(ROUND_TIMEOUT_MS + 5000))
+            .await?
+        {
+            PeerResp::CkptDone { epoch, pages, bytes } => Ok(Done { epoch, pages, bytes }),
+            other => Err(OpError::new(
+                ErrorKind::Internal,
+                format!("unexpected answer {other:?}"),
+            )),
+        }
+    }
+
+    /// Sends `req` to the coordinator and returns its answer; a coordinator change mid-way is
+    /// retried a few times.
+    pub(super) async fn call_coordinator(&self, req: PeerReq, timeout: Duration) -> Result<PeerResp, OpError> {
         let mut last = unavailable("no coordinator is reachable");
         for _ in 0..3 {
             let Some((_, coordinator)) = self.node.coordinator_now() else {
                 tokio::time::sleep(Duration::from_millis(200)).await;
                 continue;
             };
-            let req = PeerReq::CkptRun {
-                job: job.to_string(),
-                files: files.clone(),
-            };
-            let timeout = Duration::from_millis(ROUND_TIMEOUT_MS + 5000);
             match self
                 .node
-                .call_data(&coordinator, req, bytes::Bytes::new(), timeout)
+                .call_data(&coordinator, req.clone(), bytes::Bytes::new(), timeout)
                 .await
             {
-                Ok((PeerResp::CkptDone { epoch, pages, bytes }, _)) => return Ok(Done { epoch, pages, bytes }),
                 Ok((PeerResp::NotCoordinator, _)) => {
                     last = unavailable(format!("{coordinator} is no longer the coordinator"))
                 }
@@ -129,12 +155,7 @@ impl CkptShell {
                     return Err(OpError::new(kind, message))
                 }
                 Ok((PeerResp::Error { kind, message }, _)) => last = OpError::new(kind, message),
-                Ok((other, _)) => {
-                    return Err(OpError::new(
-                        ErrorKind::Internal,
-                        format!("unexpected answer {other:?}"),
-                    ))
-                }
+                Ok((resp, _)) => return Ok(resp),
                 Err(e) => last = unavailable(format!("{coordinator}: {e}")),
             }
             tokio::time::sleep(Duration::from_millis(200)).await;
@@ -142,12 +163,28 @@ impl CkptShell {
         Err(last)
     }
 
+    /// Whether this node is the coordinator now.
+    pub(super) fn coordinating(&self) -> bool {
+        self.node.coordinator_now().is_some_and(|(_, c)| c == self.node.name())
+    }
+
     /// At the coordinator: runs a round of `job` over `files` and answers when it is over.
     pub async fn serve_run(self: &Arc<Self>, job: String, files: Vec<FileId>) -> Result<PeerResp, OpError> {
-        let node = &self.node;
-        if node.coordinator_now().is_none_or(|(_, c)| c != node.name()) {
+        if !self.coordinating() {
             return Ok(PeerResp::NotCoordinator);
         }
+        let done = self.run_round(job, files).await?;
+        Ok(PeerResp::CkptDone {
+            epoch: done.epoch,
+            pages: done.pages,
+            bytes: done.bytes,
+        })
+    }
+
+    /// At the coordinator: runs a round of `job` over `files` (after any round of the job or
+    /// over one of the files in progress); returns once it committed.
+    pub(super) async fn run_round(self: &Arc<Self>, job: String, files: Vec<FileId>) -> Result<Done, OpError> {
+        let node = &self.node;
         psls_pfs::jobs::validate_job(&job).map_err(OpError::from)?;
         if files.len() > MAX_CKPT_FILES {
             return Err(OpError::new(ErrorKind::Invalid, "too many files in one checkpoint"));
@@ -185,14 +222,17 @@ impl CkptShell {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
         self.drive();
-        let done = rx
-            .await
-            .map_err(|_| unavailable("the checkpoint's coordinator stopped"))??;
-        Ok(PeerResp::CkptDone {
-            epoch: done.epoch,
-            pages: done.pages,
-            bytes: done.bytes,
-        })
+        rx.await
+            .map_err(|_| unavailable("the checkpoint's coordinator stopped"))?
+    }
+
+    /// `job` ended: this node forgets it (its participant's epochs, pages taken for it, and,
+    /// at the coordinator, its epochs started).
+    pub fn forget_job(&self, job: &str) {
+        self.part.locked().end(job);
+        self.taken.locked().retain(|(j, _), _| j != job);
+        self.started.locked().remove(job);
+        self.states.locked().retain(|(j, _), _| j != job);
     }
 
     /// A checkpoint message from peer `from` (on the link thread).
@@ -235,6 +275,15 @@ impl CkptShell {
             }
             c.retry();
         }
+        {
+            let mut safe = self.safe.locked();
+            safe.tick(node.now_ms());
+            for (l, p) in &map {
+                if !node.is_live(p) {
+                    safe.node_down(NodeId(*l));
+                }
+            }
+        }
         let coordinator = node.coordinator_now().map(|(l, _)| NodeId(l));
         self.part.locked().coordinator_changed(coordinator);
         self.drive();
@@ -242,7 +291,7 @@ impl CkptShell {
 
     /// Runs both state machines' actions (and this node's messages to itself) until none is
     /// left.
-    fn drive(self: &Arc<Self>) {
+    pub(super) fn drive(self: &Arc<Self>) {
         for _ in 0..1_000_000 {
             let own = self.own.locked().pop_front();
             if let Some(msg) = own {
@@ -260,6 +309,11 @@ impl CkptShell {
             let p = self.part.locked().poll_action();
             if let Some(a) = p {
                 self.part_action(a);
+                continue;
+            }
+            let s = self.safe.locked().poll_action();
+            if let Some(a) = s {
+                self.safe_action(a);
                 continue;
             }
             return;
@@ -405,7 +459,12 @@ impl CkptShell {
     ) -> Result<(Vec<FileRuns>, u64), OpError> {
         let node = &self.node;
         let st = node.meta_reached(seq).await?;
-        let taken = self.svm.take_dirty(files).map_err(|e| OpError::new(ErrorKind::Io, e))?;
+        let mut taken = self.svm.take_dirty(files).map_err(|e| OpError::new(ErrorKind::Io, e))?;
+        // The ranks' states of this job saved here go into its checkpoint area.
+        let area = super::states::state_file_name(job);
+        if let Some(f) = st.files.get(&area).filter(|f| files.contains(&f.id)) {
+            taken.extend(self.state_pages(job, epoch, f.id));
+        }
         self.taken.locked().insert(
             (job.to_string(), epoch),
             taken.iter().map(|t| (t.file, t.indices.clone())).collect(),

@@ -1,0 +1,338 @@
+//! The safe-point call (`Session::checkpoint`, `psls_checkpoint`), at the coordinator: every
+//! rank of a job calls it at the same point of its main loop; once all have, the coordinator
+//! decides once, for all of them, whether this call takes a checkpoint — when the job's
+//! interval has elapsed since its last checkpoint (or its start), when an operator asked for
+//! one (`psls checkpoint`) or for a halt (`psls halt`: a checkpoint, then the job stops) — or
+//! does nothing.
+//!
+//! Invariants: a decision covers exactly the ranks `0..size` of one call, each once; a call
+//! that not every rank makes within the timeout fails for the ranks that made it (the job's
+//! checkpoints are untouched); a forced checkpoint is taken at the next call, and cleared only
+//! when one commits; the tables are bounded ([`crate::MAX_ROUNDS`] jobs, `size` ranks each).
+
+use psls_svm::{FileId, NodeId};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+
+/// What a call does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Decision {
+    /// Take a checkpoint; with `halt`, the job stops once it committed.
+    Take { halt: bool },
+    /// Nothing: the interval has not elapsed.
+    Skip,
+}
+
+/// What the shell must do.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum SafeAction {
+    /// Every rank of `job` called: do `decision` over `files` (every file the ranks map
+    /// writable), then answer the ranks (`ranks`: each rank's node) with [`SafePoints::done`].
+    Decided {
+        job: String,
+        decision: Decision,
+        files: Vec<FileId>,
+        ranks: Vec<(u32, NodeId)>,
+    },
+    /// Not every rank called within the timeout: fail these ranks' calls.
+    TimedOut {
+        job: String,
+        ranks: Vec<(u32, NodeId)>,
+        why: String,
+    },
+}
+
+/// Why an arrival is refused.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ArriveError {
+    /// The rank number or the job's size does not fit the calls in progress.
+    Invalid(String),
+    /// This rank's previous call is still being decided.
+    Again,
+    /// Too many jobs at once.
+    Full,
+}
+
+#[derive(Debug)]
+struct Job {
+    size: u32,
+    interval_ms: u64,
+    timeout_ms: u64,
+    /// The last commit (or the job's first call here).
+    last_ms: u64,
+    force: bool,
+    halt: bool,
+    arrived: BTreeMap<u32, NodeId>,
+    files: BTreeSet<FileId>,
+    first_ms: u64,
+    /// A decision is being carried out: arrivals wait for `done`.
+    deciding: bool,
+}
+
+/// See the module documentation.
+#[derive(Debug, Default)]
+pub struct SafePoints {
+    jobs: BTreeMap<String, Job>,
+    actions: VecDeque<SafeAction>,
+}
+
+impl SafePoints {
+    pub fn new() -> SafePoints {
+        SafePoints::default()
+    }
+
+    pub fn poll_action(&mut self) -> Option<SafeAction> {
+        self.actions.pop_front()
+    }
+
+    /// Rank `rank` of `job` (of `size` ranks; checkpoint interval `interval_ms`; a call not
+    /// made by every rank within `timeout_ms` fails), on `node`, calls, mapping `files`
+    /// writable.
+    #[allow(clippy::too_many_arguments)]
+    pub fn arrive(
+        &mut self,
+        now_ms: u64,
+        job: &str,
+        rank: u32,
+        size: u32,
+        (interval_ms, timeout_ms): (u64, u64),
+        node: NodeId,
+        files: &[FileId],
+    ) -> Result<(), ArriveError> {
+        if size == 0 || rank >= size {
+            return Err(ArriveError::Invalid(format!("rank {rank} of a job of {size}")));
+        }
+        if !self.jobs.contains_key(job) && self.jobs.len() >= crate::MAX_ROUNDS {
+            return Err(ArriveError::Full);
+        }
+        let j = self.jobs.entry(job.to_string()).or_insert_with(|| Job {
+            size,
+            interval_ms,
+            timeout_ms,
+            last_ms: now_ms,
+            force: false,
+            halt: false,
+            arrived: BTreeMap::new(),
+            files: BTreeSet::new(),
+            first_ms: now_ms,
+            deciding: false,
+        });
+        if j.size != size {
+            return Err(ArriveError::Invalid(format!(
+                "rank {rank} says the job has {size} ranks; it has {}",
+                j.size
+            )));
+        }
+        if j.deciding || j.arrived.contains_key(&rank) {
+            return Err(ArriveError::Again);
+        }
+        if j.arrived.is_empty() {
+            j.first_ms = now_ms;
+        }
+        j.interval_ms = interval_ms;
+        j.timeout_ms = timeout_ms;
+        j.arrived.insert(rank, node);
+        j.files.extend(files.iter().copied());
+        if j.arrived.len() as u32 == j.size {
+            let decision = if j.halt {
+                Decision::Take { halt: true }
+            } else if j.force || now_ms.saturating_sub(j.last_ms) >= j.interval_ms {
+                Decision::Take { halt: false }
+            } else {
+                Decision::Skip
+            };
+            j.deciding = true;
+            self.actions.push_back(SafeAction::Decided {
+                job: job.to_string(),
+                decision,
+                files: j.files.iter().copied().collect(),
+                ranks: j.arrived.iter().map(|(r, n)| (*r, *n)).collect(),
+            });
+        }
+        Ok(())
+    }
+
+    /// The decision of `job`'s call was carried out (`committed`: a checkpoint committed).
+    /// The next call starts.
+    pub fn done(&mut self, now_ms: u64, job: &str, committed: bool) {
+        let Some(j) = self.jobs.get_mut(job) else { return };
+        if committed {
+            j.last_ms = now_ms;
+            j.force = false;
+        }
+        j.deciding = false;
+        j.arrived.clear();
+        j.files.clear();
+    }
+
+    /// An operator asks for a checkpoint at `job`'s next call (`halt`: then stop the job).
+    pub fn force(&mut self, job: &str, halt: bool) -> Result<(), ArriveError> {
+        let Some(j) = self.jobs.get_mut(job) else {
+            return Err(ArriveError::Invalid(format!(
+                "job {job} has made no checkpoint call yet (or is not running)"
+            )));
+        };
+        j.force = true;
+        j.halt |= halt;
+        Ok(())
+    }
+
+    /// Calls waiting longer than the timeout fail.
+    pub fn tick(&mut self, now_ms: u64) {
+        let late: Vec<String> = self
+            .jobs
+            .iter()
+            .filter(|(_, j)| !j.deciding && !j.arrived.is_empty() && now_ms.saturating_sub(j.first_ms) > j.timeout_ms)
+            .map(|(k, _)| k.clone())
+            .collect();
+        for job in late {
+            let Some(j) = self.jobs.get_mut(&job) else { continue };
+            let ranks: Vec<(u32, NodeId)> = j.arrived.iter().map(|(r, n)| (*r, *n)).collect();
+            let missing: Vec<String> = (0..j.size)
+                .filter(|r| !j.arrived.contains_key(r))
+                .take(8)
+                .map(|r| r.to_string())
+                .collect();
+            let why = format!(
+                "only {} of {} ranks called checkpoint within {} ms (missing: rank {}{}); no checkpoint was taken",
+                ranks.len(),
+                j.size,
+                j.timeout_ms,
+                missing.join(", "),
+                if (j.size as usize - ranks.len()) > missing.len() {
+                    ", ..."
+                } else {
+                    ""
+                }
+            );
+            j.arrived.clear();
+            j.files.clear();
+            self.actions.push_back(SafeAction::TimedOut { job, ranks, why });
+        }
+    }
+
+    /// Rank `rank`'s node went: the calls in progress cannot complete.
+    pub fn node_down(&mut self, n: NodeId) {
+        let hit: Vec<String> = self
+            .jobs
+            .iter()
+            .filter(|(_, j)| !j.deciding && j.arrived.values().any(|x| *x == n))
+            .map(|(k, _)| k.clone())
+            .collect();
+        for job in hit {
+            let Some(j) = self.jobs.get_mut(&job) else { continue };
+            let ranks: Vec<(u32, NodeId)> = j
+                .arrived
+                .iter()
+                .filter(|(_, x)| **x != n)
+                .map(|(r, x)| (*r, *x))
+                .collect();
+            j.arrived.clear();
+            j.files.clear();
+            self.actions.push_back(SafeAction::TimedOut {
+                job,
+                ranks,
+                why: format!("{n} went down during the checkpoint call"),
+            });
+        }
+    }
+
+    /// The job is over: forget it.
+    pub fn end(&mut self, job: &str) {
+        self.jobs.remove(job);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn drain(s: &mut SafePoints) -> Vec<SafeAction> {
+        std::iter::from_fn(|| s.poll_action()).collect()
+    }
+
+    #[test]
+    fn decides_once_every_rank_called_by_interval_force_and_halt() {
+        let mut s = SafePoints::new();
+        let f = [FileId(1)];
+        // Interval 0: every call takes one.
+        let t = (0, 1000);
+        s.arrive(0, "j", 1, 2, t, NodeId(1), &f).unwrap();
+        assert!(drain(&mut s).is_empty());
+        assert_eq!(s.arrive(0, "j", 1, 2, t, NodeId(1), &f), Err(ArriveError::Again));
+        assert!(matches!(
+            s.arrive(0, "j", 2, 2, t, NodeId(1), &f),
+            Err(ArriveError::Invalid(_))
+        ));
+        assert!(matches!(
+            s.arrive(0, "j", 0, 3, t, NodeId(1), &f),
+            Err(ArriveError::Invalid(_))
+        ));
+        s.arrive(5, "j", 0, 2, t, NodeId(0), &[FileId(2)]).unwrap();
+        match &drain(&mut s)[..] {
+            [SafeAction::Decided {
+                decision: Decision::Take { halt: false },
+                files,
+                ranks,
+                ..
+            }] => {
+                assert_eq!(files, &vec![FileId(1), FileId(2)]);
+                assert_eq!(ranks, &vec![(0, NodeId(0)), (1, NodeId(1))]);
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(
+            s.arrive(6, "j", 0, 2, t, NodeId(0), &f),
+            Err(ArriveError::Again),
+            "still deciding"
+        );
+        s.done(10, "j", true);
+        // Interval 100 ms: skipped until it elapsed since the last commit, unless forced.
+        let call = |s: &mut SafePoints, now: u64| {
+            s.arrive(now, "j", 0, 2, (100, 1000), NodeId(0), &f).unwrap();
+            s.arrive(now, "j", 1, 2, (100, 1000), NodeId(1), &f).unwrap();
+            match &drain(s)[..] {
+                [SafeAction::Decided { decision, .. }] => *decision,
+                other => panic!("{other:?}"),
+            }
+        };
+        assert_eq!(call(&mut s, 50), Decision::Skip);
+        s.done(50, "j", false);
+        assert_eq!(call(&mut s, 110), Decision::Take { halt: false });
+        s.done(110, "j", true);
+        s.force("j", false).unwrap();
+        assert_eq!(call(&mut s, 120), Decision::Take { halt: false });
+        s.done(120, "j", false);
+        assert_eq!(
+            call(&mut s, 130),
+            Decision::Take { halt: false },
+            "a forced one stays asked until it commits"
+        );
+        s.done(130, "j", true);
+        assert_eq!(call(&mut s, 140), Decision::Skip);
+        s.done(140, "j", false);
+        s.force("j", true).unwrap();
+        assert_eq!(call(&mut s, 150), Decision::Take { halt: true });
+        assert!(s.force("nope", false).is_err());
+    }
+
+    #[test]
+    fn a_call_not_every_rank_makes_times_out_and_a_lost_node_fails_it() {
+        let mut s = SafePoints::new();
+        s.arrive(0, "j", 0, 3, (0, 1000), NodeId(0), &[]).unwrap();
+        s.arrive(10, "j", 2, 3, (0, 1000), NodeId(2), &[]).unwrap();
+        s.tick(1000);
+        assert!(drain(&mut s).is_empty());
+        s.tick(1001);
+        match &drain(&mut s)[..] {
+            [SafeAction::TimedOut { ranks, why, .. }] => {
+                assert_eq!(ranks.len(), 2);
+                assert!(why.contains("only 2 of 3") && why.contains("missing: rank 1"), "{why}");
+            }
+            other => panic!("{other:?}"),
+        }
+        // The next call starts afresh.
+        s.arrive(2000, "j", 1, 3, (0, 1000), NodeId(1), &[]).unwrap();
+        s.node_down(NodeId(1));
+        assert!(matches!(&drain(&mut s)[..], [SafeAction::TimedOut { ranks, .. }] if ranks.is_empty()));
+    }
+}

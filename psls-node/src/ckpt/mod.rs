@@ -1,0 +1,17 @@
+//! Checkpoints in the daemon: the shell of `psls_ckpt`'s state machines.
+//!
+//! - `round`: [`CkptShell`], persistent checkpoint rounds — the coordinator's side (begin,
+//!   prepare, commit record, decide) and every node's participant (take the dirty pages, write
+//!   them to both copies, report);
+//! - `safepoint`: the ranks' collective safe-point call (`Session::checkpoint`) at the
+//!   coordinator and on the ranks' nodes, operators' requests (`psls checkpoint`, `psls
+//!   halt`), and the ranks' private states;
+//! - `states`: the on-disk layout of the ranks' states in a job's checkpoint area.
+
+mod round;
+mod safepoint;
+mod states;
+
+pub use round::{CkptShell, Done, MAX_CKPT_FILES};
+pub use safepoint::SafeCall;
+pub use states::{state_file_name, MAX_STATE_BYTES};

@@ -1,0 +1,351 @@
+//! The ranks' safe-point call (`Session::checkpoint`) in the daemon.
+//!
+//! On a rank's node ([`CkptShell::safe_point`]): the rank's private state is kept here, and
+//! the call goes to the coordinator. At the coordinator ([`CkptShell::serve_arrive`]): the
+//! calls are collected (`psls_ckpt::SafePoints`); once every rank of the job made its call,
+//! the decision is carried out — a checkpoint round over the files the ranks map writable and
+//! the job's checkpoint area (its ranks' states), or nothing — and every rank is answered. A
+//! halt (`psls halt`) ends with the job's launcher stopping the ranks.
+//!
+//! Invariants: a rank's state is written only in a round of its own job, at that round's
+//! epoch; each waiting rank is answered exactly once (a decision, a timeout, or the
+//! coordinator's end).
+
+use super::round::{unavailable, CkptShell};
+use super::states::{self, MAX_STATE_BYTES};
+use crate::failstop::Locked;
+use crate::op::OpError;
+use crate::peer::{PeerReq, PeerResp};
+use crate::svm::Taken;
+use psls_ckpt::safepoint::ArriveError;
+use psls_ckpt::{Decision, SafeAction};
+use psls_ipc::ErrorKind;
+use psls_svm::{FileId, NodeId, PAGE_SIZE};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// A rank waiting at the coordinator for its call's outcome: the epoch taken (0: none) and
+/// whether the job halts.
+pub(super) type SafeWaiter = tokio::sync::oneshot::Sender<Result<(u64, bool), OpError>>;
+
+/// One rank's safe-point call.
+#[derive(Clone, Debug)]
+pub struct SafeCall {
+    pub job: String,
+    pub rank: u32,
+    pub size: u32,
+    pub interval_ms: u64,
+    pub timeout_ms: u64,
+    pub files: Vec<FileId>,
+    pub uid: u32,
+    pub gid: u32,
+    pub launcher: String,
+}
+
+impl CkptShell {
+    /// On a rank's node: makes the rank's call with its `state`; returns the epoch taken (0:
+    /// none) and whether the job halts.
+    pub async fn safe_point(self: &Arc<Self>, call: SafeCall, state: Vec<u8>) -> Result<(u64, bool), OpError> {
+        if state.len() > MAX_STATE_BYTES {
+            return Err(OpError::new(
+                ErrorKind::Invalid,
+                format!(
+                    "a rank's checkpoint state is at most {MAX_STATE_BYTES} bytes; this one is {}",
+                    state.len()
+                ),
+            ));
+        }
+        psls_pfs::jobs::validate_job(&call.job).map_err(OpError::from)?;
+        let key = (call.job.clone(), call.rank);
+        self.states.locked().insert(key.clone(), state);
+        let req = PeerReq::CkptArrive {
+            job: call.job,
+            rank: call.rank,
+            size: call.size,
+            interval_ms: call.interval_ms,
+            timeout_ms: call.timeout_ms,
+            files: call.files,
+            uid: call.uid,
+            gid: call.gid,
+            launcher: call.launcher,
+        };
+        let timeout = Duration::from_millis(call.timeout_ms + super::round::ROUND_TIMEOUT_MS + 5000);
+        let r = self.call_coordinator(req, timeout).await;
+        // The state went into the checkpoint, or the call is over without one.
+        self.states.locked().remove(&key);
+        match r? {
+            PeerResp::SafeDone { epoch, halt } => Ok((epoch, halt)),
+            other => Err(OpError::new(
+                ErrorKind::Internal,
+                format!("unexpected answer {other:?}"),
+            )),
+        }
+    }
+
+    /// The pages of `job`'s ranks' states kept here, for checkpoint `epoch` (in area `file`).
+    pub(super) fn state_pages(&self, job: &str, epoch: u64, file: FileId) -> Vec<Taken> {
+        self.states
+            .locked()
+            .iter()
+            .filter(|((j, _), _)| j == job)
+            .map(|((_, rank), state)| {
+                let (first, data) = states::encode(*rank, epoch, state);
+                let n = (data.len() / PAGE_SIZE) as u64;
+                Taken {
+                    file,
+                    indices: (first..first + n).collect(),
+                    data,
+                }
+            })
+            .collect()
+    }
+
+    /// At the coordinator: rank `call.rank` of `call.job`, on `from`, made its call; answered
+    /// once the job's decision was carried out.
+    pub async fn serve_arrive(self: &Arc<Self>, from: &str, call: SafeCall) -> Result<PeerResp, OpError> {
+        if !self.coordinating() {
+            return Ok(PeerResp::NotCoordinator);
+        }
+        let node = &self.node;
+        let st = node.meta_state();
+        let Some(l) = node
+            .logical_map(&st)
+            .into_iter()
+            .find(|(_, p)| p == from)
+            .map(|(l, _)| NodeId(l))
+        else {
+            return Err(OpError::new(ErrorKind::Invalid, format!("{from} holds no logical id")));
+        };
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let key = (call.job.clone(), call.rank);
+        {
+            let mut waiters = self.safe_waiters.locked();
+            if waiters.contains_key(&key) {
+                return Err(OpError::new(
+                    ErrorKind::Invalid,
+                    format!("rank {} of job {} is already in a checkpoint call", call.rank, call.job),
+                ));
+            }
+            let r = self.safe.locked().arrive(
+                node.now_ms(),
+                &call.job,
+                call.rank,
+                call.size,
+                (call.interval_ms, call.timeout_ms),
+                l,
+                &call.files,
+            );
+            match r {
+                Ok(()) => {}
+                Err(ArriveError::Invalid(m)) => return Err(OpError::new(ErrorKind::Invalid, m)),
+                Err(ArriveError::Again) => {
+                    return Err(OpError::new(
+                        ErrorKind::Invalid,
+                        format!("rank {} of job {} called checkpoint twice", call.rank, call.job),
+                    ))
+                }
+                Err(ArriveError::Full) => return Err(unavailable("too many jobs in checkpoint calls")),
+            }
+            waiters.insert(key, tx);
+        }
+        self.owners
+            .locked()
+            .insert(call.job.clone(), (call.uid, call.gid, call.launcher.clone()));
+        self.drive();
+        let (epoch, halt) = rx
+            .await
+            .map_err(|_| unavailable("the coordinator stopped during the call"))??;
+        Ok(PeerResp::SafeDone { epoch, halt })
+    }
+
+    fn answer(&self, job: &str, ranks: &[(u32, NodeId)], r: Result<(u64, bool), OpError>) {
+        let mut waiters = self.safe_waiters.locked();
+        for (rank, _) in ranks {
+            if let Some(w) = waiters.remove(&(job.to_string(), *rank)) {
+                let _ = w.send(r.clone());
+            }
+        }
+    }
+
+    pub(super) fn safe_action(self: &Arc<Self>, a: SafeAction) {
+        match a {
+            SafeAction::Decided {
+                job,
+                decision: Decision::Skip,
+                ranks,
+                ..
+            } => {
+                self.safe.locked().done(self.node.now_ms(), &job, false);
+                self.answer(&job, &ranks, Ok((0, false)));
+            }
+            SafeAction::Decided {
+                job,
+                decision: Decision::Take { halt },
+                files,
+                ranks,
+            } => {
+                let me = self.clone();
+                self.runtime.spawn(async move {
+                    let r = me.take(&job, files, ranks.len() as u32).await;
+                    me.safe.locked().done(me.node.now_ms(), &job, r.is_ok());
+                    if let (Ok(epoch), true) = (&r, halt) {
+                        me.halt(&job, *epoch).await;
+                    }
+                    me.answer(&job, &ranks, r.map(|epoch| (epoch, halt)));
+                    me.drive();
+                });
+            }
+            SafeAction::TimedOut { job, ranks, why } => {
+                tracing::warn!(node = %self.node.name(), job, why, "checkpoint call failed");
+                self.answer(&job, &ranks, Err(OpError::new(ErrorKind::Invalid, why)));
+            }
+        }
+    }
+
+    /// Takes `job`'s checkpoint over `files` and its checkpoint area (created at its first).
+    async fn take(self: &Arc<Self>, job: &str, mut files: Vec<FileId>, size: u32) -> Result<u64, OpError> {
+        let node = &self.node;
+        let area = states::state_file_name(job);
+        let (uid, gid, _) = self.owners.locked().get(job).cloned().unwrap_or_default();
+        let want = states::state_file_size(size);
+        let existing = node.meta_state().files.get(&area).cloned();
+        let id = match existing {
+            Some(f) if f.size == want => f.id,
+            Some(f) => {
+                return Err(OpError::new(
+                    ErrorKind::Invalid,
+                    format!(
+                        "job {job}'s checkpoint area is for {} ranks, not {size}",
+                        f.size / (want / size as u64)
+                    ),
+                ))
+            }
+            None => {
+                let caller = crate::pfs::Caller { uid, gid };
+                match crate::pfs::create(node, caller, &area, want, 0o600).await {
+                    Ok(_) => {}
+                    Err(e) if e.kind == ErrorKind::Exists => {}
+                    Err(e) => return Err(e),
+                }
+                crate::pfs::lookup_file(node, &area)?.id
+            }
+        };
+        files.push(id);
+        files.sort();
+        files.dedup();
+        let done = self.run_round(job.to_string(), files).await?;
+        Ok(done.epoch)
+    }
+
+    /// A halted job: its launcher stops the ranks.
+    async fn halt(&self, job: &str, epoch: u64) {
+        let launcher = self.owners.locked().get(job).map(|o| o.2.clone()).unwrap_or_default();
+        let req = PeerReq::JobHalted {
+            job: job.to_string(),
+            epoch,
+        };
+        if let Err(e) = self.node.call_ok(&launcher, req).await {
+            tracing::warn!(node = %self.node.name(), job, launcher, error = %e, "could not tell the launcher the job halted");
+        }
+        tracing::info!(node = %self.node.name(), job, epoch, "job halted after its checkpoint");
+    }
+
+    /// `psls checkpoint JOB` / `psls halt JOB`, from any node, by user `uid`.
+    pub async fn force(self: &Arc<Self>, job: &str, halt: bool, uid: u32) -> Result<(), OpError> {
+        psls_pfs::jobs::validate_job(job).map_err(OpError::from)?;
+        let req = PeerReq::CkptForce {
+            job: job.to_string(),
+            halt,
+            uid,
+        };
+        self.call_coordinator(req, self.node.request_timeout).await.map(|_| ())
+    }
+
+    /// At the coordinator.
+    pub fn serve_force(&self, job: &str, halt: bool, uid: u32) -> Result<PeerResp, OpError> {
+        if !self.coordinating() {
+            return Ok(PeerResp::NotCoordinator);
+        }
+        if let Some((owner, _, _)) = self.owners.locked().get(job) {
+            if uid != 0 && uid != *owner {
+                return Err(OpError::new(
+                    ErrorKind::Permission,
+                    format!("job {job} belongs to uid {owner}: only it or root may checkpoint or halt it"),
+                ));
+            }
+        }
+        match self.safe.locked().force(job, halt) {
+            Ok(()) => Ok(PeerResp::Ok),
+            Err(ArriveError::Invalid(m)) => Err(OpError::new(ErrorKind::NotFound, m)),
+            Err(_) => Err(unavailable("try again")),
+        }
+    }
+
+    /// `job` is over for good: its checkpoint area and record go.
+    pub async fn end_job(self: &Arc<Self>, job: &str) {
+        let node = &self.node;
+        let area = states::state_file_name(job);
+        if node.meta_state().files.contains_key(&area) {
+            let root = crate::pfs::Caller { uid: 0, gid: 0 };
+            if let Err(e) = crate::pfs::remove(node, root, &area).await {
+                tracing::warn!(node = %node.name(), job, error = %e, "could not remove the job's checkpoint area");
+            }
+        }
+        if node.meta_state().jobs.contains_key(job) {
+            if let Err(e) = node
+                .submit(psls_pfs::meta::MetaOp::EndJob { job: job.to_string() })
+                .await
+            {
+                tracing::warn!(node = %node.name(), job, error = %e, "could not drop the job's checkpoint record");
+            }
+        }
+        // The coordinator forgets its calls (a new coordinator never knew them).
+        let _ = self
+            .call_coordinator(PeerReq::CkptEnd { job: job.to_string() }, node.request_timeout)
+            .await;
+    }
+
+    /// At the coordinator: `job` is over.
+    pub fn serve_end(&self, job: &str) -> PeerResp {
+        self.safe.locked().end(job);
+        self.owners.locked().remove(job);
+        PeerResp::Ok
+    }
+
+    /// The state rank `rank` of `job` saved at checkpoint `epoch`.
+    pub async fn restart_state(self: &Arc<Self>, job: &str, rank: u32, epoch: u64) -> Result<Vec<u8>, OpError> {
+        let node = &self.node;
+        let st = node.meta_state();
+        let committed = st.jobs.get(job).map_or(0, |r| r.epoch);
+        if epoch == 0 || committed != epoch {
+            return Err(OpError::new(
+                ErrorKind::NotFound,
+                format!("job {job} has no checkpoint {epoch} (its last is {committed})"),
+            ));
+        }
+        let f = crate::pfs::lookup_file(node, &states::state_file_name(job))?;
+        let first = rank as u64 * states::SLOT_PAGES;
+        if first + states::SLOT_PAGES > f.pages() {
+            return Err(OpError::new(
+                ErrorKind::Invalid,
+                format!("job {job} has no rank {rank}"),
+            ));
+        }
+        let head = crate::pfs::read_page(node, &f, first).await?;
+        let (at, len) = states::header(rank, &head).map_err(|m| OpError::new(ErrorKind::Io, m))?;
+        if at != epoch {
+            return Err(OpError::new(
+                ErrorKind::Io,
+                format!("rank {rank}'s state belongs to checkpoint {at}, not {epoch}"),
+            ));
+        }
+        let mut state = Vec::with_capacity(len);
+        for k in 0..len.div_ceil(PAGE_SIZE) as u64 {
+            let page = crate::pfs::read_page(node, &f, first + 1 + k).await?;
+            let want = (len - state.len()).min(PAGE_SIZE);
+            state.extend_from_slice(&page[..want]);
+        }
+        states::check(rank, &head, &state).map_err(|m| OpError::new(ErrorKind::Io, m))?;
+        Ok(state)
+    }
+}
