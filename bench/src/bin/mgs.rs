@@ -8,6 +8,11 @@
 //! first touch of every page included), their ratio, fault counts per node, bytes moved, and a
 //! checksum of Q (bit-identical whatever the number of ranks: every vector sees the same
 //! operations in the same order).
+//!
+//! With `--checkpoint-every K` every rank makes the safe-point call (`Session::checkpoint`) at
+//! the top of every K-th step with the step number as its state; a rank restarted from a
+//! checkpoint (`Session::restart_state`) goes on from that step, so a run that survived
+//! failures ends with the same checksum as one that did not.
 
 use anyhow::{bail, Context, Result};
 use psls_client::Session;
@@ -18,6 +23,7 @@ struct Args {
     dim: usize,
     file: Option<String>,
     no_baseline: bool,
+    checkpoint_every: usize,
 }
 
 fn args() -> Result<Args> {
@@ -26,6 +32,7 @@ fn args() -> Result<Args> {
         dim: 1024,
         file: None,
         no_baseline: false,
+        checkpoint_every: 0,
     };
     let mut it = std::env::args().skip(1);
     while let Some(k) = it.next() {
@@ -35,7 +42,10 @@ fn args() -> Result<Args> {
             "--dim" => a.dim = v()?.parse().context("--dim")?,
             "--file" => a.file = Some(v()?),
             "--no-baseline" => a.no_baseline = true,
-            _ => bail!("unknown argument {k} (use --vectors N, --dim N, --file NAME, --no-baseline)"),
+            "--checkpoint-every" => a.checkpoint_every = v()?.parse().context("--checkpoint-every")?,
+            _ => bail!(
+                "unknown argument {k} (use --vectors N, --dim N, --file NAME, --no-baseline, --checkpoint-every K)"
+            ),
         }
     }
     if a.vectors == 0 || a.dim == 0 || a.vectors > a.dim {
@@ -94,17 +104,31 @@ impl Vectors {
     }
 }
 
-/// Rank `rank` of `size`: initialize its vectors, then orthonormalize all of them in place.
-fn kernel(v: Vectors, n: usize, rank: usize, size: usize, barrier: &dyn Fn() -> Result<()>) -> Result<()> {
-    for i in (rank..n).step_by(size) {
-        // SAFETY: vector i is this rank's.
-        let x = unsafe { v.get_mut(i) };
-        for (k, e) in x.iter_mut().enumerate() {
-            *e = initial(i, k);
+/// The safe-point call at the top of step `i`, if any.
+type SafePoint<'a> = &'a dyn Fn(usize) -> Result<()>;
+
+/// Rank `rank` of `size`: initialize its vectors (unless restarting at step `start` > 0), then
+/// orthonormalize all of them in place, calling `safe_point` at the top of every step.
+fn kernel(
+    v: Vectors,
+    n: usize,
+    (rank, size): (usize, usize),
+    start: usize,
+    barrier: &dyn Fn() -> Result<()>,
+    safe_point: SafePoint<'_>,
+) -> Result<()> {
+    if start == 0 {
+        for i in (rank..n).step_by(size) {
+            // SAFETY: vector i is this rank's.
+            let x = unsafe { v.get_mut(i) };
+            for (k, e) in x.iter_mut().enumerate() {
+                *e = initial(i, k);
+            }
         }
+        barrier()?;
     }
-    barrier()?;
-    for i in 0..n {
+    for i in start..n {
+        safe_point(i)?;
         if i % size == rank {
             // SAFETY: vector i is this rank's; others read it only after the barrier below.
             let q = unsafe { v.get_mut(i) };
@@ -165,10 +189,11 @@ fn baseline(n: usize, dim: usize, threads: usize) -> Result<(f64, f64, u64)> {
             .map(|r| {
                 let bar = &bar;
                 sc.spawn(move || {
-                    kernel(v, n, r, threads, &|| {
+                    let wait = || {
                         bar.wait();
                         Ok(())
-                    })
+                    };
+                    kernel(v, n, (r, threads), 0, &wait, &|_| Ok(()))
                 })
             })
             .collect();
@@ -228,7 +253,30 @@ fn main() -> Result<()> {
         );
         barrier()
     };
-    kernel(v, a.vectors, rank, size, &counted)?;
+    // A restarted rank goes on from the step of the checkpoint it restarts from.
+    let start = match s.restart_state().context("restart state")? {
+        Some((epoch, state)) => {
+            let step = state
+                .get(..8)
+                .map(|b| u64::from_le_bytes(b.try_into().unwrap_or([0; 8])) as usize)
+                .context("a restart state of fewer than 8 bytes")?;
+            eprintln!("rank {rank}: restarted from checkpoint {epoch} at step {step}");
+            step
+        }
+        None => 0,
+    };
+    let every = a.checkpoint_every;
+    let checkpoints = std::sync::atomic::AtomicU64::new(0);
+    let safe_point = |i: usize| -> Result<()> {
+        if every > 0 && i > start && i % every == 0 {
+            let c = s.checkpoint(&(i as u64).to_le_bytes()).context("checkpoint")?;
+            if c.taken() {
+                checkpoints.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+        }
+        Ok(())
+    };
+    kernel(v, a.vectors, (rank, size), start, &counted, &safe_point)?;
     barrier()?;
     let secs = t.elapsed().as_secs_f64();
     let barrier_s = barrier_ns.load(std::sync::atomic::Ordering::Relaxed) as f64 / 1e9;
@@ -311,6 +359,9 @@ fn main() -> Result<()> {
                 "dim": a.dim,
                 "ranks": size,
                 "time_s": secs,
+                "checkpoint_every": every,
+                "checkpoints": checkpoints.load(std::sync::atomic::Ordering::Relaxed),
+                "restarted_at_step": start,
                 "rank0_barrier_wait_s": barrier_s,
                 "init_s": init_ns.load(std::sync::atomic::Ordering::Relaxed) as f64 / 1e9,
                 "baseline_threads": size,
