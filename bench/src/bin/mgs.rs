@@ -268,7 +268,7 @@ fn main() -> Result<()> {
     let every = a.checkpoint_every;
     let checkpoints = std::sync::atomic::AtomicU64::new(0);
     let safe_point = |i: usize| -> Result<()> {
-        if every > 0 && i > start && i % every == 0 {
+        if every > 0 && i > start && i.is_multiple_of(every) {
             let c = s.checkpoint(&(i as u64).to_le_bytes()).context("checkpoint")?;
             if c.taken() {
                 checkpoints.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
