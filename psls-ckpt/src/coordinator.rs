@@ -308,6 +308,19 @@ impl Coordinator {
         }
     }
 
+    /// `job` rolls back: a round of it that has not asked for its commit record aborts (one
+    /// that has finishes by its record). Returns whether a round is still deciding.
+    pub fn abort_job(&mut self, job: &str) -> bool {
+        match self.rounds.get(job).map(|r| r.phase) {
+            Some(Phase::Beginning | Phase::Collecting) => {
+                self.abort(job, "the job rolls back".into());
+                false
+            }
+            Some(_) => true,
+            None => false,
+        }
+    }
+
     /// Rounds not all prepared after the timeout abort.
     pub fn tick(&mut self, now_ms: u64) {
         let late: Vec<String> = self

@@ -142,6 +142,7 @@ impl Client {
         cwd: &str,
         checkpoint: psls_ipc::proto::CkptOptions,
         started: impl Fn(&str),
+        note: impl Fn(&str),
         mut output: impl FnMut(u32, bool, &[u8]),
     ) -> Result<(i32, String), ClientError> {
         self.send(&Request::RunJob {
@@ -156,6 +157,7 @@ impl Client {
         loop {
             match self.recv()? {
                 Response::JobStarted { job } => started(&job),
+                Response::JobNote { message } => note(&message),
                 Response::RankOutput { rank, err, data } => output(rank, err, &data),
                 Response::JobDone { code, message } => return Ok((code, message)),
                 r => return Err(unexpected(r)),

@@ -83,6 +83,13 @@ enum Cmd {
         /// A safe-point call fails when not every rank made it within this many seconds.
         #[arg(long, default_value_t = 60)]
         checkpoint_timeout: u64,
+        /// After a node failure the job is rolled back to its last checkpoint and restarted,
+        /// at most this many times.
+        #[arg(long, default_value_t = 3)]
+        max_restarts: u32,
+        /// How long a rollback waits for a failed node to come back, in seconds.
+        #[arg(long, default_value_t = 60)]
+        respawn_timeout: u64,
         /// The program and its arguments.
         #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
         command: Vec<String>,
@@ -197,6 +204,7 @@ fn run_job(
                 eprintln!("psls: job {job} started");
             }
         },
+        |message| eprintln!("psls: {message}"),
         |rank, err, data| {
             let buf = partial.entry((rank, err)).or_default();
             buf.extend_from_slice(data);
@@ -225,12 +233,16 @@ fn main() -> std::process::ExitCode {
         per_node,
         checkpoint_interval,
         checkpoint_timeout,
+        max_restarts,
+        respawn_timeout,
         command,
     } = &cli.cmd
     {
         let ckpt = psls_ipc::proto::CkptOptions {
             interval_s: *checkpoint_interval,
             timeout_s: (*checkpoint_timeout).max(1),
+            max_restarts: *max_restarts,
+            respawn_timeout_s: (*respawn_timeout).max(1),
         };
         return match run_job(&cli, *n, *per_node, ckpt, command) {
             Ok(code) => std::process::ExitCode::from(code.clamp(0, 255) as u8),

@@ -189,6 +189,10 @@ pub struct CkptOptions {
     /// A safe-point call fails when not every rank made it within this many seconds
     /// (0: the default, 60).
     pub timeout_s: u64,
+    /// How many times the job may be rolled back and restarted after a node failure.
+    pub max_restarts: u32,
+    /// How long a rollback waits for a failed node to come back, in seconds (0: 60).
+    pub respawn_timeout_s: u64,
 }
 
 /// Class of an error, so that callers can react without parsing text.
@@ -352,6 +356,10 @@ pub enum Response {
     Checkpointed {
         epoch: u64,
         halt: bool,
+    },
+    /// What happened to a running job (a rollback and restart after a failure).
+    JobNote {
+        message: String,
     },
     /// First answer to `RunJob`: the job's id (for `psls checkpoint`, `psls halt`).
     JobStarted {

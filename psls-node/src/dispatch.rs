@@ -247,6 +247,44 @@ impl Daemon {
             }
             PeerReq::CkptForce { job, halt, uid } => self.ckpt.serve_force(&job, halt, uid),
             PeerReq::CkptEnd { job } => Ok(self.ckpt.serve_end(&job)),
+            PeerReq::CkptRollback { job } => self.ckpt.serve_rollback(&job).await,
+            PeerReq::RollbackDrop { job, files } => {
+                if files.len() > crate::launcher::MAX_JOB_SEGMENTS {
+                    Err(OpError::new(ErrorKind::Invalid, "too many files in one rollback"))
+                } else {
+                    crate::launcher::kill_local(&self.jobs, &job);
+                    self.ckpt.rollback_local(&job);
+                    Ok(PeerResp::Dropped {
+                        files: self.svm.drop_for_rollback(&node, &job, &files),
+                    })
+                }
+            }
+            PeerReq::RollbackServe { files } => {
+                if files.len() > 2 * crate::launcher::MAX_JOB_SEGMENTS {
+                    Err(OpError::new(ErrorKind::Invalid, "too many files in one rollback"))
+                } else {
+                    // The restarted ranks will need every node: this one must see them all up
+                    // (with their current incarnations) before it says it is ready.
+                    let deadline = std::time::Instant::now() + node.request_timeout;
+                    let all_up = || {
+                        let st = node.meta_state();
+                        node.logical_map(&st).values().all(|p| node.is_live(p))
+                    };
+                    while !all_up() && std::time::Instant::now() < deadline {
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                    }
+                    self.svm.sync_peers(&node);
+                    self.svm.serve_rebuilt(&node, &files);
+                    if all_up() {
+                        Ok(PeerResp::Ok)
+                    } else {
+                        Err(OpError::new(
+                            ErrorKind::Unavailable,
+                            format!("{} does not see every node up", node.name()),
+                        ))
+                    }
+                }
+            }
         };
         match r {
             Ok(resp) => (resp, out_payload),

@@ -4,6 +4,9 @@
 //! (round robin, or `per_node` consecutive ranks per node), asks each node's daemon to start
 //! its ranks (so this works when nodes are separate machines), relays every rank's output to
 //! the CLI, and ends the job with the first failing rank's status after stopping the others.
+//! After a node failure the job is rolled back and its ranks started again (`crate::recovery`
+//! does the rollback; `spawn_all` the new start, whose number `attempt` every exit carries, so
+//! the exits of the ranks stopped for the rollback are told from the new ones').
 //!
 //! Invariants: a rank's output reaches the launcher before its exit (both are sent in order,
 //! each acknowledged); once a rank fails or its node goes down, every other rank of the job is
@@ -18,7 +21,6 @@ use psls_ipc::ErrorKind;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 use tokio::io::AsyncReadExt;
 
 /// Most ranks in one job.
@@ -29,6 +31,8 @@ const OUTPUT_CHUNK: usize = 64 * 1024;
 pub const LOST_STATUS: i32 = 255;
 /// How long a safe-point call waits for every rank by default.
 pub const DEFAULT_CALL_TIMEOUT_MS: u64 = 60_000;
+/// How long a rollback waits for a failed node by default.
+pub const DEFAULT_RESPAWN_TIMEOUT_MS: u64 = 60_000;
 
 /// What the launcher tells the CLI.
 #[derive(Debug)]
@@ -38,9 +42,11 @@ pub enum JobEvent {
         err: bool,
         data: Vec<u8>,
     },
+    /// A rank of start `attempt` ended.
     Exit {
         rank: u32,
         code: i32,
+        attempt: u32,
     },
     /// The job halted after checkpoint `epoch` (`psls halt`): its ranks are being stopped.
     Halted {
@@ -114,8 +120,11 @@ pub fn place(ranks: u32, nodes: &[u32], per_node: Option<u32>) -> Result<Vec<u32
     }
 }
 
-/// Starts a job from this node; its events come out of the returned channel, which ends
-/// (after every rank's `Exit`) when the job is over.
+/// Ranks per logical node.
+pub type Owners = BTreeMap<u32, Vec<u32>>;
+
+/// Starts a job from this node; its events come out of the returned channel (every rank's
+/// `Exit` of each start). Returns the job's spec and where its ranks run.
 #[allow(clippy::too_many_arguments)]
 pub async fn launch(
     node: &Arc<Node>,
@@ -129,21 +138,14 @@ pub async fn launch(
     uid: u32,
     gid: u32,
     checkpoint: psls_ipc::proto::CkptOptions,
-) -> Result<(String, tokio::sync::mpsc::UnboundedReceiver<JobEvent>), OpError> {
-    let st = node.meta_state();
-    let live: Vec<u32> = node
-        .logical_map(&st)
-        .into_iter()
-        .filter(|(_, p)| node.is_live(p))
-        .map(|(l, _)| l)
-        .collect();
-    let placement = place(ranks, &live, per_node).map_err(|m| OpError::new(ErrorKind::Invalid, m))?;
+) -> Result<(JobSpec, Owners, tokio::sync::mpsc::UnboundedReceiver<JobEvent>), OpError> {
     let job = format!(
         "{}-{}-{}",
         node.name(),
         node.incarnation,
         NEXT_JOB.fetch_add(1, Ordering::Relaxed)
     );
+    let secs = |s: u64, default_ms: u64| if s == 0 { default_ms } else { s.saturating_mul(1000) };
     let spec = JobSpec {
         job: job.clone(),
         launcher: node.name().to_string(),
@@ -155,19 +157,41 @@ pub async fn launch(
         uid,
         gid,
         checkpoint_interval_ms: checkpoint.interval_s.saturating_mul(1000),
-        checkpoint_timeout_ms: if checkpoint.timeout_s == 0 {
-            DEFAULT_CALL_TIMEOUT_MS
-        } else {
-            checkpoint.timeout_s.saturating_mul(1000)
-        },
+        checkpoint_timeout_ms: secs(checkpoint.timeout_s, DEFAULT_CALL_TIMEOUT_MS),
+        max_restarts: checkpoint.max_restarts,
+        respawn_timeout_ms: secs(checkpoint.respawn_timeout_s, DEFAULT_RESPAWN_TIMEOUT_MS),
+        attempt: 0,
+        restart_epoch: 0,
     };
     let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-    lock(&jobs.launched).insert(job.clone(), tx.clone());
-    let mut by_node: BTreeMap<u32, Vec<u32>> = BTreeMap::new();
+    lock(&jobs.launched).insert(job.clone(), tx);
+    match spawn_all(node, &spec, per_node).await {
+        Ok(owners) => {
+            tracing::info!(node = %node.name(), %job, ranks, nodes = owners.len(), "job started");
+            Ok((spec, owners, rx))
+        }
+        Err(e) => {
+            lock(&jobs.launched).remove(&job);
+            Err(e)
+        }
+    }
+}
+
+/// Places `spec`'s ranks on the live nodes and starts them (a restart: the same way, with
+/// `spec.attempt` and `spec.restart_epoch`); on a failure, stops what started.
+pub async fn spawn_all(node: &Arc<Node>, spec: &JobSpec, per_node: Option<u32>) -> Result<Owners, OpError> {
+    let st = node.meta_state();
+    let live: Vec<u32> = node
+        .logical_map(&st)
+        .into_iter()
+        .filter(|(_, p)| node.is_live(p))
+        .map(|(l, _)| l)
+        .collect();
+    let placement = place(spec.size, &live, per_node).map_err(|m| OpError::new(ErrorKind::Invalid, m))?;
+    let mut by_node: Owners = BTreeMap::new();
     for (r, l) in placement.iter().enumerate() {
         by_node.entry(*l).or_default().push(r as u32);
     }
-    // Start every node's ranks; on a failure, stop what started.
     let mut started: Vec<String> = Vec::new();
     for (l, rs) in &by_node {
         let phys = node.physical_of(&st, psls_svm::NodeId(*l));
@@ -175,49 +199,15 @@ pub async fn launch(
             spec: spec.clone(),
             ranks: rs.clone(),
         };
-        match node.call_ok(&phys, req).await {
-            Ok(_) => started.push(phys),
-            Err(e) => {
-                for p in started {
-                    let _ = node.call(&p, PeerReq::KillJob { job: job.clone() }).await;
-                }
-                lock(&jobs.launched).remove(&job);
-                return Err(OpError::new(e.kind, format!("starting ranks on {phys}: {}", e.message)));
+        if let Err(e) = node.call_ok(&phys, req).await {
+            for p in started {
+                let _ = node.call(&p, PeerReq::KillJob { job: spec.job.clone() }).await;
             }
+            return Err(OpError::new(e.kind, format!("starting ranks on {phys}: {}", e.message)));
         }
+        started.push(phys);
     }
-    tracing::info!(node = %node.name(), %job, ranks, nodes = by_node.len(), "job started");
-    // Watch the nodes running ranks: one that goes down takes its ranks with it.
-    let watch_node = node.clone();
-    let watch_jobs = jobs.clone();
-    let watch_job = job.clone();
-    let owners: Vec<(String, Vec<u32>)> = by_node
-        .iter()
-        .map(|(l, rs)| (watch_node.physical_of(&st, psls_svm::NodeId(*l)), rs.clone()))
-        .collect();
-    tokio::spawn(async move {
-        let mut t = tokio::time::interval(Duration::from_millis(watch_node.cfg.cluster.heartbeat_interval_ms));
-        loop {
-            t.tick().await;
-            let Some(tx) = lock(&watch_jobs.launched).get(&watch_job).cloned() else {
-                return;
-            };
-            for (phys, rs) in &owners {
-                if !watch_node.is_live(phys) {
-                    for &rank in rs {
-                        let _ = tx.send(JobEvent::Exit {
-                            rank,
-                            code: LOST_STATUS,
-                        });
-                    }
-                }
-            }
-            if owners.iter().any(|(p, _)| !watch_node.is_live(p)) {
-                return;
-            }
-        }
-    });
-    Ok((job, rx))
+    Ok(by_node)
 }
 
 /// Stops every rank of `job` on every node.
@@ -331,6 +321,7 @@ pub fn spawn_local(node: &Arc<Node>, jobs: &Arc<Jobs>, spec: JobSpec, ranks: Vec
             .env("PSLS_JOB", &spec.job)
             .env("PSLS_SOCKET", &socket)
             .env("PSLS_NODE", node.name())
+            .env("PSLS_RESTART_EPOCH", spec.restart_epoch.to_string())
             .current_dir(&spec.cwd)
             .stdin(std::process::Stdio::null())
             .stdout(std::process::Stdio::piped())
@@ -395,6 +386,7 @@ pub fn spawn_local(node: &Arc<Node>, jobs: &Arc<Jobs>, spec: JobSpec, ranks: Vec
                 job: spec.job.clone(),
                 rank,
                 code,
+                attempt: spec.attempt,
             };
             if let Err(e) = node.call(&spec.launcher, req).await {
                 tracing::warn!(node = %node.name(), job = %spec.job, rank, error = %e, "could not report a rank's exit");
@@ -411,9 +403,12 @@ pub fn serve(node: &Arc<Node>, jobs: &Arc<Jobs>, req: PeerReq) -> Result<PeerRes
         PeerReq::RankOutput { job, rank, err, data } => {
             event(jobs, &job, JobEvent::Output { rank, err, data }).map(|()| PeerResp::Ok)
         }
-        PeerReq::RankExit { job, rank, code } => {
-            event(jobs, &job, JobEvent::Exit { rank, code }).map(|()| PeerResp::Ok)
-        }
+        PeerReq::RankExit {
+            job,
+            rank,
+            code,
+            attempt,
+        } => event(jobs, &job, JobEvent::Exit { rank, code, attempt }).map(|()| PeerResp::Ok),
         PeerReq::KillJob { job } => {
             kill_local(jobs, &job);
             Ok(PeerResp::Ok)

@@ -20,6 +20,7 @@ pub mod node;
 pub mod op;
 pub mod peer;
 pub mod pfs;
+pub mod recovery;
 pub mod replication;
 pub mod svm;
 pub mod sync;

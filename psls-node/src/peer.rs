@@ -48,6 +48,14 @@ pub struct JobSpec {
     pub checkpoint_interval_ms: u64,
     /// A safe-point call not made by every rank within this fails.
     pub checkpoint_timeout_ms: u64,
+    /// How many times the job may be rolled back and restarted after a failure.
+    pub max_restarts: u32,
+    /// How long a rollback waits for a failed node to come back.
+    pub respawn_timeout_ms: u64,
+    /// Which start of the job this is (0: the first; each restart after a failure adds one).
+    pub attempt: u32,
+    /// The checkpoint the ranks restart from (0: a fresh start).
+    pub restart_epoch: u64,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -249,11 +257,29 @@ pub enum PeerReq {
         #[serde(with = "serde_bytes")]
         data: Vec<u8>,
     },
-    /// To a job's launcher: a rank ended with `code` (128 + signal if killed).
+    /// To a job's launcher: a rank of start `attempt` ended with `code` (128 + signal if
+    /// killed).
     RankExit {
         job: String,
         rank: u32,
         code: i32,
+        attempt: u32,
+    },
+    /// Rollback of `job`: stop its ranks here and drop every copy of `files` and of the job's
+    /// volatile segments (answered with `Dropped`: the volatile segments' ids).
+    RollbackDrop {
+        job: String,
+        files: Vec<FileId>,
+    },
+    /// After every node dropped them: these files' directories are rebuilt (a restarted node
+    /// serves their pages again).
+    RollbackServe {
+        files: Vec<FileId>,
+    },
+    /// To the coordinator: `job` rolls back; fence every epoch begun and answer with the
+    /// committed one (`Restart`).
+    CkptRollback {
+        job: String,
     },
     /// Kill this node's ranks of `job`.
     KillJob {
@@ -311,6 +337,10 @@ pub enum PeerResp {
     /// Answer to `JobFiles`.
     JobFiles {
         files: Vec<FileId>,
+    },
+    /// Answer to `CkptRollback`: the checkpoint the job restarts from (0: its start).
+    Restart {
+        epoch: u64,
     },
     /// Answer to `CkptArrive`: the epoch taken (0: none); `halt`: the job stops.
     SafeDone {

@@ -175,13 +175,13 @@ pub(crate) fn apply_checkpoint(
     Ok(())
 }
 
-/// Fences epoch `epoch` of `job`: refused if it committed.
+/// Fences epoch `epoch` of `job` (and every lower one not committed). An epoch at or below
+/// the committed one is decided already: nothing changes (the caller reads [`decided`]).
 pub(crate) fn apply_fence(next: &mut MetaState, job: &str, epoch: u64) -> Result<(), MetaError> {
     validate_job(job)?;
     let rec = next.jobs.entry(job.to_string()).or_default();
-    if rec.epoch == epoch && epoch > 0 {
-        return Err(MetaError::Invalid(format!("checkpoint {epoch} of job {job} committed")));
+    if epoch > rec.epoch {
+        rec.fenced = rec.fenced.max(epoch);
     }
-    rec.fenced = rec.fenced.max(epoch);
     Ok(())
 }

@@ -211,7 +211,7 @@ pub enum MetaOp {
         at_unix_ms: u64,
         bytes: u64,
     },
-    /// Checkpoint `epoch` of `job` will never commit (refused if it did).
+    /// Checkpoint `epoch` of `job` will never commit (nothing changes if it did).
     FenceCheckpoint {
         job: String,
         epoch: u64,
@@ -865,7 +865,7 @@ mod tests {
         ] {
             assert!(s.clone().apply(&bad).is_err(), "{bad:?}");
         }
-        // A fenced epoch never commits; a committed one cannot be fenced.
+        // A fenced epoch never commits; fencing a committed one changes nothing.
         s.apply(&MetaOp::FenceCheckpoint {
             job: "j".into(),
             epoch: 2,
@@ -873,13 +873,15 @@ mod tests {
         .unwrap();
         assert_eq!(crate::jobs::decided(&s, "j", 2), Some(false));
         assert!(s.clone().apply(&ck(2, 3, vec![(0, 1)])).is_err());
-        assert!(s
-            .clone()
-            .apply(&MetaOp::FenceCheckpoint {
-                job: "j".into(),
-                epoch: 1
-            })
-            .is_err());
+        // Fencing a committed epoch changes nothing: it stays committed.
+        let mut t = s.clone();
+        t.apply(&MetaOp::FenceCheckpoint {
+            job: "j".into(),
+            epoch: 1,
+        })
+        .unwrap();
+        assert_eq!(crate::jobs::decided(&t, "j", 1), Some(true));
+        assert_eq!(t.jobs["j"].fenced, s.jobs["j"].fenced);
         assert!(
             s.clone().apply(&begin(2)).is_err(),
             "a fenced epoch does not begin again"

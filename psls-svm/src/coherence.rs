@@ -50,7 +50,7 @@
 
 use crate::ids::{FileId, Incarnation, NodeId, PageId};
 use serde::{Deserialize, Serialize};
-use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::fmt;
 
 /// At most this many local faults wait on one page (clients are bounded by the shell too).
@@ -394,6 +394,9 @@ pub struct Svm {
     /// incarnation, so it cannot tell where their latest versions are. It refuses requests for
     /// them until a rollback rebuilds the directory.
     recovering: bool,
+    /// While recovering: files whose directory a rollback rebuilt (every node forgot them, so
+    /// "no copy anywhere" is true): their pages are served.
+    rebuilt: HashSet<FileId>,
 }
 
 /// Returns a protocol error unless `cond` holds.
@@ -431,6 +434,7 @@ impl Svm {
             next_seq: 0,
             stats: Stats::default(),
             recovering: false,
+            rebuilt: HashSet::new(),
         }
     }
 
@@ -452,6 +456,7 @@ impl Svm {
     /// empty directory is true again, and the pages managed here are served as usual.
     pub fn end_recovery(&mut self) {
         self.recovering = false;
+        self.rebuilt.clear();
     }
 
     pub fn me(&self) -> NodeId {
@@ -590,6 +595,14 @@ impl Svm {
         self.local.retain(|p, _| p.file != file);
         self.dir.retain(|p, _| p.file != file);
         before - self.local.len() - self.dir.len()
+    }
+
+    /// A rollback made every node forget `file` (after [`Svm::forget_file`] everywhere): its
+    /// directory is empty and true, so a recovering node serves its pages again.
+    pub fn directory_rebuilt(&mut self, file: FileId) {
+        if self.recovering {
+            self.rebuilt.insert(file);
+        }
     }
 
     /// The client behind `waiter` is gone: forget its waiting faults.
@@ -1195,7 +1208,7 @@ impl Svm {
         // `Done` and this request can cross; the request then waits in the queue.)
         let dup = d.busy.iter().any(|b| b.txn == txn) || d.queue.iter().any(|(t, _)| t.node == from);
         ensure!(!dup, from, page, "a second request while one is in progress");
-        if d.lost || self.recovering {
+        if d.lost || (self.recovering && !self.rebuilt.contains(&page.file)) {
             let error = if d.lost {
                 FaultError::PageLost
             } else {

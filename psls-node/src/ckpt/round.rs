@@ -226,6 +226,24 @@ impl CkptShell {
             .map_err(|_| unavailable("the checkpoint's coordinator stopped"))?
     }
 
+    /// At the coordinator: `job`'s round aborts unless it is deciding (then: true).
+    pub(super) fn coord_abort_job(&self, job: &str) -> bool {
+        self.coord.locked().abort_job(job)
+    }
+
+    /// At the coordinator: the highest epoch of `job` it started.
+    pub(super) fn started_epoch(&self, job: &str) -> u64 {
+        self.started.locked().get(job).copied().unwrap_or(0)
+    }
+
+    /// `job` rolls back here: what this node's participant took or holds for it goes (its
+    /// pages are dropped); a `Prepare` must still be above every epoch seen.
+    pub fn rollback_local(&self, job: &str) {
+        self.part.locked().forget(job);
+        self.taken.locked().retain(|(j, _), _| j != job);
+        self.states.locked().retain(|(j, _), _| j != job);
+    }
+
     /// `job` ended: this node forgets it (its participant's epochs, pages taken for it, and,
     /// at the coordinator, its epochs started).
     pub fn forget_job(&self, job: &str) {

@@ -312,6 +312,63 @@ impl CkptShell {
         PeerResp::Ok
     }
 
+    /// `job` rolls back (from its launcher): fences every epoch begun and returns the one the
+    /// job restarts from (0: its start).
+    pub async fn rollback_fence(self: &Arc<Self>, job: &str) -> Result<u64, OpError> {
+        let req = PeerReq::CkptRollback { job: job.to_string() };
+        match self.call_coordinator(req, self.node.request_timeout * 4).await? {
+            PeerResp::Restart { epoch } => Ok(epoch),
+            other => Err(OpError::new(
+                ErrorKind::Internal,
+                format!("unexpected answer {other:?}"),
+            )),
+        }
+    }
+
+    /// At the coordinator: a round of `job` in progress aborts (or, if it is deciding, ends
+    /// by its record), its safe-point calls fail, and every epoch begun is fenced: what is
+    /// committed then is what the job restarts from.
+    pub async fn serve_rollback(self: &Arc<Self>, job: &str) -> Result<PeerResp, OpError> {
+        if !self.coordinating() {
+            return Ok(PeerResp::NotCoordinator);
+        }
+        let node = &self.node;
+        let deadline = std::time::Instant::now() + node.request_timeout * 3;
+        loop {
+            let deciding = self.coord_abort_job(job);
+            self.drive();
+            if !deciding {
+                break;
+            }
+            if std::time::Instant::now() >= deadline {
+                return Err(unavailable(format!("job {job}'s checkpoint is still deciding")));
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        // Calls of the ranks stopped for the rollback are over.
+        self.safe.locked().end(job);
+        let waiting: Vec<(u32, NodeId)> = self
+            .safe_waiters
+            .locked()
+            .keys()
+            .filter(|(j, _)| j == job)
+            .map(|(_, r)| (*r, NodeId(0)))
+            .collect();
+        self.answer(job, &waiting, Err(unavailable(format!("job {job} rolls back"))));
+        let st = node.meta_state();
+        let epoch = psls_pfs::jobs::floor(&st, job).max(self.started_epoch(job));
+        if epoch > 0 {
+            node.submit(psls_pfs::meta::MetaOp::FenceCheckpoint {
+                job: job.to_string(),
+                epoch,
+            })
+            .await?;
+        }
+        let committed = node.meta_state().jobs.get(job).map_or(0, |r| r.epoch);
+        tracing::warn!(node = %node.name(), job, fenced = epoch, committed, "job rolls back");
+        Ok(PeerResp::Restart { epoch: committed })
+    }
+
     /// The state rank `rank` of `job` saved at checkpoint `epoch`.
     pub async fn restart_state(self: &Arc<Self>, job: &str, rank: u32, epoch: u64) -> Result<Vec<u8>, OpError> {
         let node = &self.node;

@@ -36,8 +36,9 @@ pub(crate) enum Flow {
     Lifeline(i32),
     /// The connection follows a job it launched until its end.
     Job {
-        job: String,
-        ranks: u32,
+        spec: crate::launcher::JobSpec,
+        per_node: Option<u32>,
+        owners: crate::launcher::Owners,
         rx: tokio::sync::mpsc::UnboundedReceiver<crate::launcher::JobEvent>,
     },
 }

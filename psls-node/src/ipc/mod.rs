@@ -126,7 +126,12 @@ async fn client(d: Arc<Daemon>, stream: UnixStream) -> anyhow::Result<()> {
             Flow::Sent => {}
             Flow::Close => return Ok(()),
             Flow::Lifeline(pid) => return memory::lifeline(&c.d, pid, c.r, c.w).await,
-            Flow::Job { job, ranks, rx } => return ranks::run_job(&c.d, &job, ranks, rx, c.r, c.w).await,
+            Flow::Job {
+                spec,
+                per_node,
+                owners,
+                rx,
+            } => return ranks::run_job(&c.d, spec, per_node, owners, rx, c.r, c.w).await,
         }
     }
 }

@@ -76,7 +76,14 @@ pub(super) async fn handle(c: &mut Conn, req: Request, mut fds: Vec<OwnedFd>) ->
             )
             .await;
             match launched {
-                Ok((job, rx)) => return Ok(Flow::Job { job, ranks, rx }),
+                Ok((spec, owners, rx)) => {
+                    return Ok(Flow::Job {
+                        spec,
+                        per_node,
+                        owners,
+                        rx,
+                    })
+                }
                 Err(e) => err(e),
             }
         }
@@ -94,9 +101,14 @@ pub(super) async fn handle(c: &mut Conn, req: Request, mut fds: Vec<OwnedFd>) ->
             )
             .await;
             match launched {
-                Ok((job, rx)) => {
-                    send(&mut c.w, &Response::JobStarted { job: job.clone() }).await?;
-                    return Ok(Flow::Job { job, ranks, rx });
+                Ok((spec, owners, rx)) => {
+                    send(&mut c.w, &Response::JobStarted { job: spec.job.clone() }).await?;
+                    return Ok(Flow::Job {
+                        spec,
+                        per_node,
+                        owners,
+                        rx,
+                    });
                 }
                 Err(e) => err(e),
             }
@@ -157,24 +169,114 @@ fn safe_call(d: &Daemon, caller: crate::pfs::Caller, pid: i32) -> crate::ckpt::S
     }
 }
 
+/// The incarnation of each node running ranks.
+fn incarnations(node: &crate::node::Node, owners: &crate::launcher::Owners) -> std::collections::BTreeMap<String, u64> {
+    let st = node.meta_state();
+    owners
+        .keys()
+        .map(|l| node.physical_of(&st, psls_svm::NodeId(*l)))
+        .map(|p| {
+            let inc = node.heartbeat_of(&p).map_or(0, |h| h.incarnation);
+            (p, inc)
+        })
+        .collect()
+}
+
+/// The nodes running ranks that went down or restarted since `incs` was taken.
+fn failed_nodes(
+    node: &crate::node::Node,
+    owners: &crate::launcher::Owners,
+    incs: &std::collections::BTreeMap<String, u64>,
+) -> Vec<String> {
+    let st = node.meta_state();
+    owners
+        .keys()
+        .map(|l| node.physical_of(&st, psls_svm::NodeId(*l)))
+        .filter(|p| {
+            !node.is_live(p) || node.heartbeat_of(p).map_or(0, |h| h.incarnation) != incs.get(p).copied().unwrap_or(0)
+        })
+        .collect()
+}
+
 /// Relays a job's output to the CLI and ends with its status; kills the job if the CLI goes.
+/// A node with ranks that goes down rolls the job back and starts its ranks again (at most
+/// `max_restarts` times).
 pub(super) async fn run_job(
     d: &Arc<Daemon>,
-    job: &str,
-    ranks: u32,
+    mut spec: crate::launcher::JobSpec,
+    per_node: Option<u32>,
+    mut owners: crate::launcher::Owners,
     mut rx: tokio::sync::mpsc::UnboundedReceiver<crate::launcher::JobEvent>,
     mut r: OwnedReadHalf,
     mut w: OwnedWriteHalf,
 ) -> anyhow::Result<()> {
     let node = &d.node;
+    let job = spec.job.clone();
+    let job = job.as_str();
+    let ranks = spec.size;
     use crate::launcher::JobEvent;
     let mut exited: std::collections::BTreeMap<u32, i32> = std::collections::BTreeMap::new();
     let mut failed: Option<(u32, i32)> = None;
     let mut halted: Option<u64> = None;
+    let mut lost: Option<String> = None;
     let mut byte = [0u8; 1];
-    while (exited.len() as u32) < ranks {
+    let interval_ms = node.cfg.cluster.heartbeat_interval_ms;
+    let mut tick = tokio::time::interval(std::time::Duration::from_millis(interval_ms));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // The incarnation of every node running ranks: a node that went down, or came back as
+    // another incarnation (its memory lost), fails the job's start.
+    let mut incs = incarnations(node, &owners);
+    // A rank that failed may have failed because a node did (a fault on a page whose manager
+    // restarted, say): its failure is judged once the failure detector had time to tell.
+    let grace = std::time::Duration::from_millis(node.cfg.cluster.heartbeat_timeout_ms + 2 * interval_ms);
+    let mut pending: Option<((u32, i32), std::time::Instant)> = None;
+    while lost.is_none() && ((exited.len() as u32) < ranks || pending.is_some()) {
         let ev = tokio::select! {
             ev = rx.recv() => ev,
+            _ = tick.tick() => {
+                let gone = failed_nodes(node, &owners, &incs);
+                if gone.is_empty() || failed.is_some() || halted.is_some() {
+                    if let Some((rc, since)) = pending {
+                        if since.elapsed() >= grace {
+                            pending = None;
+                            failed = Some(rc);
+                            crate::launcher::kill_everywhere(node, job).await;
+                        }
+                    }
+                    continue;
+                }
+                pending = None;
+                let why = format!("{} went down", gone.join(", "));
+                if spec.attempt >= spec.max_restarts {
+                    lost = Some(format!(
+                        "{why}; the job was restarted {} times already (--max-restarts {})",
+                        spec.attempt, spec.max_restarts
+                    ));
+                    crate::launcher::kill_everywhere(node, job).await;
+                    continue;
+                }
+                let note = format!("{why}: rolling job {job} back to its last checkpoint");
+                send(&mut w, &Response::JobNote { message: note }).await?;
+                match crate::recovery::roll_back(node, &d.ckpt, &spec).await {
+                    Ok(epoch) => {
+                        spec.attempt += 1;
+                        spec.restart_epoch = epoch;
+                        match crate::launcher::spawn_all(node, &spec, per_node).await {
+                            Ok(o) => {
+                                owners = o;
+                                incs = incarnations(node, &owners);
+                                exited.clear();
+                                let from = if epoch == 0 { "its start".to_string() } else { format!("checkpoint {epoch}") };
+                                let message = format!("job {job} restarted from {from} (restart {} of at most {})", spec.attempt, spec.max_restarts);
+                                send(&mut w, &Response::JobNote { message }).await?;
+                            }
+                            Err(e) => lost = Some(format!("{why}; restarting the ranks failed: {e}")),
+                        }
+                    }
+                    Err(e) => lost = Some(format!("{why}; the rollback failed: {e}")),
+                }
+                continue;
+            }
             _ = r.read(&mut byte) => {
                 tracing::info!(node = %node.name(), job, "the CLI went away: stopping the job");
                 crate::launcher::kill_everywhere(node, job).await;
@@ -193,18 +295,30 @@ pub(super) async fn run_job(
                 let (node, job) = (node.clone(), job.to_string());
                 tokio::spawn(async move { crate::launcher::kill_everywhere(&node, &job).await });
             }
-            JobEvent::Exit { rank, code } => {
-                if rank >= ranks || exited.contains_key(&rank) {
+            JobEvent::Exit { rank, code, attempt } => {
+                // Exits of the ranks stopped for a rollback are not the job's.
+                if attempt != spec.attempt || rank >= ranks || exited.contains_key(&rank) {
                     continue;
                 }
                 exited.insert(rank, code);
-                if code != 0 && failed.is_none() {
-                    failed = Some((rank, code));
-                    let (node, job) = (node.clone(), job.to_string());
-                    tokio::spawn(async move { crate::launcher::kill_everywhere(&node, &job).await });
+                if code != 0 && failed.is_none() && pending.is_none() && halted.is_none() {
+                    pending = Some(((rank, code), std::time::Instant::now()));
                 }
             }
         }
+    }
+    if let Some(why) = lost {
+        crate::launcher::finished(node, &d.jobs, job);
+        let message = format!("job {job} failed: {why}");
+        send(
+            &mut w,
+            &Response::JobDone {
+                code: crate::launcher::LOST_STATUS,
+                message,
+            },
+        )
+        .await?;
+        return Ok(());
     }
     if failed.is_none() && halted.is_none() {
         // Every rank exited 0: a last checkpoint makes the job's writes durable before the
@@ -235,10 +349,6 @@ pub(super) async fn run_job(
     }
     let (code, message) = match failed {
         None => (0, format!("all {ranks} ranks exited with status 0")),
-        Some((rank, crate::launcher::LOST_STATUS)) => (
-            crate::launcher::LOST_STATUS,
-            format!("rank {rank} was lost (its node went down or it could not report); the other ranks were stopped"),
-        ),
         Some((rank, code)) => (
             code,
             format!("rank {rank} exited with status {code}; the other ranks were stopped"),

@@ -24,6 +24,7 @@
 
 mod dirty;
 mod fault;
+mod rollback;
 mod shell;
 mod state;
 
