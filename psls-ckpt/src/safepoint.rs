@@ -55,6 +55,8 @@ pub enum ArriveError {
 #[derive(Debug)]
 struct Job {
     size: u32,
+    /// Which start of the job the calls belong to (a restart after a rollback is a new one).
+    attempt: u32,
     interval_ms: u64,
     timeout_ms: u64,
     /// The last commit (or the job's first call here).
@@ -84,15 +86,16 @@ impl SafePoints {
         self.actions.pop_front()
     }
 
-    /// Rank `rank` of `job` (of `size` ranks; checkpoint interval `interval_ms`; a call not
-    /// made by every rank within `timeout_ms` fails), on `node`, calls, mapping `files`
-    /// writable.
+    /// Rank `rank` of start `attempt` of `job` (of `size` ranks; checkpoint interval
+    /// `interval_ms`; a call not made by every rank within `timeout_ms` fails), on `node`,
+    /// calls, mapping `files` writable. A call of a later start replaces the calls of earlier
+    /// ones (their ranks were stopped); a call of an earlier start is refused.
     #[allow(clippy::too_many_arguments)]
     pub fn arrive(
         &mut self,
         now_ms: u64,
         job: &str,
-        rank: u32,
+        (rank, attempt): (u32, u32),
         size: u32,
         (interval_ms, timeout_ms): (u64, u64),
         node: NodeId,
@@ -106,6 +109,7 @@ impl SafePoints {
         }
         let j = self.jobs.entry(job.to_string()).or_insert_with(|| Job {
             size,
+            attempt,
             interval_ms,
             timeout_ms,
             last_ms: now_ms,
@@ -116,6 +120,18 @@ impl SafePoints {
             first_ms: now_ms,
             deciding: false,
         });
+        if attempt < j.attempt {
+            return Err(ArriveError::Invalid(format!(
+                "rank {rank}'s call belongs to start {attempt} of the job; it is at start {}",
+                j.attempt
+            )));
+        }
+        if attempt > j.attempt {
+            j.attempt = attempt;
+            j.arrived.clear();
+            j.files.clear();
+            j.deciding = false;
+        }
         if j.size != size {
             return Err(ArriveError::Invalid(format!(
                 "rank {rank} says the job has {size} ranks; it has {}",
@@ -256,18 +272,18 @@ mod tests {
         let f = [FileId(1)];
         // Interval 0: every call takes one.
         let t = (0, 1000);
-        s.arrive(0, "j", 1, 2, t, NodeId(1), &f).unwrap();
+        s.arrive(0, "j", (1, 0), 2, t, NodeId(1), &f).unwrap();
         assert!(drain(&mut s).is_empty());
-        assert_eq!(s.arrive(0, "j", 1, 2, t, NodeId(1), &f), Err(ArriveError::Again));
+        assert_eq!(s.arrive(0, "j", (1, 0), 2, t, NodeId(1), &f), Err(ArriveError::Again));
         assert!(matches!(
-            s.arrive(0, "j", 2, 2, t, NodeId(1), &f),
+            s.arrive(0, "j", (2, 0), 2, t, NodeId(1), &f),
             Err(ArriveError::Invalid(_))
         ));
         assert!(matches!(
-            s.arrive(0, "j", 0, 3, t, NodeId(1), &f),
+            s.arrive(0, "j", (0, 0), 3, t, NodeId(1), &f),
             Err(ArriveError::Invalid(_))
         ));
-        s.arrive(5, "j", 0, 2, t, NodeId(0), &[FileId(2)]).unwrap();
+        s.arrive(5, "j", (0, 0), 2, t, NodeId(0), &[FileId(2)]).unwrap();
         match &drain(&mut s)[..] {
             [SafeAction::Decided {
                 decision: Decision::Take { halt: false },
@@ -281,15 +297,15 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert_eq!(
-            s.arrive(6, "j", 0, 2, t, NodeId(0), &f),
+            s.arrive(6, "j", (0, 0), 2, t, NodeId(0), &f),
             Err(ArriveError::Again),
             "still deciding"
         );
         s.done(10, "j", true);
         // Interval 100 ms: skipped until it elapsed since the last commit, unless forced.
         let call = |s: &mut SafePoints, now: u64| {
-            s.arrive(now, "j", 0, 2, (100, 1000), NodeId(0), &f).unwrap();
-            s.arrive(now, "j", 1, 2, (100, 1000), NodeId(1), &f).unwrap();
+            s.arrive(now, "j", (0, 0), 2, (100, 1000), NodeId(0), &f).unwrap();
+            s.arrive(now, "j", (1, 0), 2, (100, 1000), NodeId(1), &f).unwrap();
             match &drain(s)[..] {
                 [SafeAction::Decided { decision, .. }] => *decision,
                 other => panic!("{other:?}"),
@@ -318,8 +334,8 @@ mod tests {
     #[test]
     fn a_call_not_every_rank_makes_times_out_and_a_lost_node_fails_it() {
         let mut s = SafePoints::new();
-        s.arrive(0, "j", 0, 3, (0, 1000), NodeId(0), &[]).unwrap();
-        s.arrive(10, "j", 2, 3, (0, 1000), NodeId(2), &[]).unwrap();
+        s.arrive(0, "j", (0, 0), 3, (0, 1000), NodeId(0), &[]).unwrap();
+        s.arrive(10, "j", (2, 0), 3, (0, 1000), NodeId(2), &[]).unwrap();
         s.tick(1000);
         assert!(drain(&mut s).is_empty());
         s.tick(1001);
@@ -330,8 +346,19 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
+        // A restarted job's calls replace the calls of the stopped start; those are refused.
+        s.arrive(1500, "j", (0, 0), 3, (0, 1000), NodeId(0), &[]).unwrap();
+        s.arrive(1500, "j", (0, 1), 3, (0, 1000), NodeId(0), &[]).unwrap();
+        assert!(matches!(
+            s.arrive(1500, "j", (1, 0), 3, (0, 1000), NodeId(1), &[]),
+            Err(ArriveError::Invalid(_))
+        ));
+        s.arrive(1500, "j", (1, 1), 3, (0, 1000), NodeId(1), &[]).unwrap();
+        s.arrive(1500, "j", (2, 1), 3, (0, 1000), NodeId(2), &[]).unwrap();
+        assert!(matches!(&drain(&mut s)[..], [SafeAction::Decided { ranks, .. }] if ranks.len() == 3));
+        s.done(1500, "j", true);
         // The next call starts afresh.
-        s.arrive(2000, "j", 1, 3, (0, 1000), NodeId(1), &[]).unwrap();
+        s.arrive(2000, "j", (1, 1), 3, (0, 1000), NodeId(1), &[]).unwrap();
         s.node_down(NodeId(1));
         assert!(matches!(&drain(&mut s)[..], [SafeAction::TimedOut { ranks, .. }] if ranks.is_empty()));
     }

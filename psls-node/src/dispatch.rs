@@ -224,6 +224,7 @@ impl Daemon {
             PeerReq::CkptArrive {
                 job,
                 rank,
+                attempt,
                 size,
                 interval_ms,
                 timeout_ms,
@@ -235,6 +236,7 @@ impl Daemon {
                 let call = crate::ckpt::SafeCall {
                     job,
                     rank,
+                    attempt,
                     size,
                     interval_ms,
                     timeout_ms,

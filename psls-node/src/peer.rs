@@ -178,6 +178,8 @@ pub enum PeerReq {
     CkptArrive {
         job: String,
         rank: u32,
+        /// Which start of the job the rank belongs to.
+        attempt: u32,
         size: u32,
         interval_ms: u64,
         timeout_ms: u64,

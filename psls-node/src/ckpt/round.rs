@@ -80,10 +80,10 @@ pub struct CkptShell {
     /// At the coordinator: the ranks' safe-point calls.
     pub(super) safe: Mutex<psls_ckpt::SafePoints>,
     /// At the coordinator: the ranks waiting for their call's outcome, by (job, rank).
-    pub(super) safe_waiters: Mutex<HashMap<(String, u32), super::safepoint::SafeWaiter>>,
+    pub(super) safe_waiters: Mutex<HashMap<(String, u32), (u32, super::safepoint::SafeWaiter)>>,
     /// On a rank's node: the private state of each local rank's call in progress, by (job,
     /// rank); written with the job's checkpoint.
-    pub(super) states: Mutex<HashMap<(String, u32), Vec<u8>>>,
+    pub(super) states: Mutex<HashMap<(String, u32), (u32, Vec<u8>)>>,
     /// At the coordinator: each job in safe-point calls, its owner (uid, gid) and launcher.
     pub(super) owners: Mutex<HashMap<String, (u32, u32, String)>>,
 }
@@ -151,10 +151,8 @@ impl CkptShell {
                 Ok((PeerResp::NotCoordinator, _)) => {
                     last = unavailable(format!("{coordinator} is no longer the coordinator"))
                 }
-                Ok((PeerResp::Error { kind, message }, _)) if kind != ErrorKind::Unavailable => {
-                    return Err(OpError::new(kind, message))
-                }
-                Ok((PeerResp::Error { kind, message }, _)) => last = OpError::new(kind, message),
+                // An answer is final (a retry could repeat what the coordinator did).
+                Ok((PeerResp::Error { kind, message }, _)) => return Err(OpError::new(kind, message)),
                 Ok((resp, _)) => return Ok(resp),
                 Err(e) => last = unavailable(format!("{coordinator}: {e}")),
             }

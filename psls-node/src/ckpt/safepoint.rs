@@ -33,6 +33,8 @@ pub(super) type SafeWaiter = tokio::sync::oneshot::Sender<Result<(u64, bool), Op
 pub struct SafeCall {
     pub job: String,
     pub rank: u32,
+    /// Which start of the job (0, then one more per restart after a rollback).
+    pub attempt: u32,
     pub size: u32,
     pub interval_ms: u64,
     pub timeout_ms: u64,
@@ -57,10 +59,12 @@ impl CkptShell {
         }
         psls_pfs::jobs::validate_job(&call.job).map_err(OpError::from)?;
         let key = (call.job.clone(), call.rank);
-        self.states.locked().insert(key.clone(), state);
+        self.states.locked().insert(key.clone(), (call.attempt, state));
+        let attempt = call.attempt;
         let req = PeerReq::CkptArrive {
             job: call.job,
             rank: call.rank,
+            attempt: call.attempt,
             size: call.size,
             interval_ms: call.interval_ms,
             timeout_ms: call.timeout_ms,
@@ -71,8 +75,14 @@ impl CkptShell {
         };
         let timeout = Duration::from_millis(call.timeout_ms + super::round::ROUND_TIMEOUT_MS + 5000);
         let r = self.call_coordinator(req, timeout).await;
-        // The state went into the checkpoint, or the call is over without one.
-        self.states.locked().remove(&key);
+        // The state went into the checkpoint, or the call is over without one (a restarted
+        // rank's newer call keeps its own).
+        {
+            let mut states = self.states.locked();
+            if states.get(&key).is_some_and(|(a, _)| *a == attempt) {
+                states.remove(&key);
+            }
+        }
         match r? {
             PeerResp::SafeDone { epoch, halt } => Ok((epoch, halt)),
             other => Err(OpError::new(
@@ -88,7 +98,7 @@ impl CkptShell {
             .locked()
             .iter()
             .filter(|((j, _), _)| j == job)
-            .map(|((_, rank), state)| {
+            .map(|((_, rank), (_, state))| {
                 let (first, data) = states::encode(*rank, epoch, state);
                 let n = (data.len() / PAGE_SIZE) as u64;
                 Taken {
@@ -120,7 +130,7 @@ impl CkptShell {
         let key = (call.job.clone(), call.rank);
         {
             let mut waiters = self.safe_waiters.locked();
-            if waiters.contains_key(&key) {
+            if waiters.get(&key).is_some_and(|(a, _)| *a >= call.attempt) {
                 return Err(OpError::new(
                     ErrorKind::Invalid,
                     format!("rank {} of job {} is already in a checkpoint call", call.rank, call.job),
@@ -129,7 +139,7 @@ impl CkptShell {
             let r = self.safe.locked().arrive(
                 node.now_ms(),
                 &call.job,
-                call.rank,
+                (call.rank, call.attempt),
                 call.size,
                 (call.interval_ms, call.timeout_ms),
                 l,
@@ -146,7 +156,10 @@ impl CkptShell {
                 }
                 Err(ArriveError::Full) => return Err(unavailable("too many jobs in checkpoint calls")),
             }
-            waiters.insert(key, tx);
+            // A call of the job's stopped start, still waiting, is over.
+            if let Some((_, old)) = waiters.insert(key, (call.attempt, tx)) {
+                let _ = old.send(Err(unavailable(format!("job {} restarted", call.job))));
+            }
         }
         self.owners
             .locked()
@@ -161,7 +174,7 @@ impl CkptShell {
     fn answer(&self, job: &str, ranks: &[(u32, NodeId)], r: Result<(u64, bool), OpError>) {
         let mut waiters = self.safe_waiters.locked();
         for (rank, _) in ranks {
-            if let Some(w) = waiters.remove(&(job.to_string(), *rank)) {
+            if let Some((_, w)) = waiters.remove(&(job.to_string(), *rank)) {
                 let _ = w.send(r.clone());
             }
         }

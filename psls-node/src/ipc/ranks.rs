@@ -147,6 +147,7 @@ fn safe_call(d: &Daemon, caller: crate::pfs::Caller, pid: i32) -> crate::ckpt::S
         Some((spec, rank)) => crate::ckpt::SafeCall {
             job: spec.job,
             rank,
+            attempt: spec.attempt,
             size: spec.size,
             interval_ms: spec.checkpoint_interval_ms,
             timeout_ms: spec.checkpoint_timeout_ms,
@@ -158,6 +159,7 @@ fn safe_call(d: &Daemon, caller: crate::pfs::Caller, pid: i32) -> crate::ckpt::S
         None => crate::ckpt::SafeCall {
             job: super::memory::process_job(d, pid),
             rank: 0,
+            attempt: 0,
             size: 1,
             interval_ms: 0,
             timeout_ms: crate::launcher::DEFAULT_CALL_TIMEOUT_MS,
