@@ -58,6 +58,9 @@ type Waiter = tokio::sync::oneshot::Sender<Result<Done, OpError>>;
 /// Pages taken from files, per file.
 type TakenPages = Vec<(FileId, Vec<u64>)>;
 
+/// A rank's private state, with the start of the job it belongs to.
+pub(super) type RankState = (u32, Vec<u8>);
+
 /// A round's files and the callers waiting for it.
 type RoundCallers = (Vec<FileId>, Vec<Waiter>);
 
@@ -83,7 +86,7 @@ pub struct CkptShell {
     pub(super) safe_waiters: Mutex<HashMap<(String, u32), (u32, super::safepoint::SafeWaiter)>>,
     /// On a rank's node: the private state of each local rank's call in progress, by (job,
     /// rank); written with the job's checkpoint.
-    pub(super) states: Mutex<HashMap<(String, u32), (u32, Vec<u8>)>>,
+    pub(super) states: Mutex<HashMap<(String, u32), RankState>>,
     /// At the coordinator: each job in safe-point calls, its owner (uid, gid) and launcher.
     pub(super) owners: Mutex<HashMap<String, (u32, u32, String)>>,
 }
