@@ -245,6 +245,7 @@ impl World {
                     gen: 0,
                     created_unix_ms: 0,
                     written: Default::default(),
+                    writer: None,
                 },
                 replaces: None,
                 placed_at: None,

@@ -165,6 +165,22 @@ impl Client {
         }
     }
 
+    /// `psls jobs`: running and resumable jobs.
+    pub fn jobs(&mut self) -> Result<Vec<psls_ipc::proto::JobInfo>, ClientError> {
+        match self.call(&Request::Jobs)? {
+            Response::Jobs(j) => Ok(j),
+            r => Err(unexpected(r)),
+        }
+    }
+
+    /// `psls jobs rm JOB`.
+    pub fn job_rm(&mut self, job: &str) -> Result<(), ClientError> {
+        match self.call(&Request::JobRm { job: job.into() })? {
+            Response::Ok => Ok(()),
+            r => Err(unexpected(r)),
+        }
+    }
+
     /// `psls checkpoint JOB` (`halt`: `psls halt JOB`).
     pub fn force_checkpoint(&mut self, job: &str, halt: bool) -> Result<(), ClientError> {
         match self.call(&Request::ForceCheckpoint { job: job.into(), halt })? {

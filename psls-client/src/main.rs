@@ -90,9 +90,24 @@ enum Cmd {
         /// How long a rollback waits for a failed node to come back, in seconds.
         #[arg(long, default_value_t = 60)]
         respawn_timeout: u64,
+        /// Start job JOB again from its last checkpoint (after a power cut, a halt, or too
+        /// many failures): its command and options are the ones it was started with.
+        #[arg(long, value_name = "JOB", conflicts_with = "command")]
+        resume: Option<String>,
         /// The program and its arguments.
-        #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
+        #[arg(
+            required_unless_present = "resume",
+            trailing_var_arg = true,
+            allow_hyphen_values = true
+        )]
         command: Vec<String>,
+    },
+    /// Running and resumable jobs: ranks, command, last checkpoint (epoch, time, size).
+    Jobs {
+        #[arg(long)]
+        json: bool,
+        #[command(subcommand)]
+        cmd: Option<JobsCmd>,
     },
     /// Take a persistent checkpoint of a running job at its next safe-point call.
     Checkpoint { job: String },
@@ -138,6 +153,12 @@ enum ClusterCmd {
 }
 
 #[derive(Subcommand)]
+enum JobsCmd {
+    /// Drop a job that is not running: its checkpoint and its checkpoint area.
+    Rm { job: String },
+}
+
+#[derive(Subcommand)]
 enum NodeCmd {
     /// Give a lost node's logical id to a spare and re-mirror its pages.
     Replace {
@@ -175,10 +196,16 @@ fn run_job(
 ) -> Result<i32> {
     let dir = home(cli);
     let cwd = std::env::current_dir().context("current folder")?;
-    let mut program = command.first().cloned().context("no program given")?;
+    // A resumed job runs the command it was started with.
+    let mut program = if checkpoint.resume.is_empty() {
+        command.first().cloned().context("no program given")?
+    } else {
+        String::new()
+    };
     if program.contains('/') && !program.starts_with('/') {
         program = cwd.join(&program).display().to_string();
     }
+    let args: Vec<String> = command.iter().skip(1).cloned().collect();
     let env: Vec<(String, String)> = std::env::vars().collect();
     let mut client = cluster::connect(&dir, cli.node.as_deref())?;
     // Per (rank, stream): the part of a line not printed yet.
@@ -193,7 +220,7 @@ fn run_job(
     };
     let (code, message) = client.run(
         &program,
-        &command[1..],
+        &args,
         n,
         per_node,
         env,
@@ -235,6 +262,7 @@ fn main() -> std::process::ExitCode {
         checkpoint_timeout,
         max_restarts,
         respawn_timeout,
+        resume,
         command,
     } = &cli.cmd
     {
@@ -243,6 +271,7 @@ fn main() -> std::process::ExitCode {
             timeout_s: (*checkpoint_timeout).max(1),
             max_restarts: *max_restarts,
             respawn_timeout_s: (*respawn_timeout).max(1),
+            resume: resume.clone().unwrap_or_default(),
         };
         return match run_job(&cli, *n, *per_node, ckpt, command) {
             Ok(code) => std::process::ExitCode::from(code.clamp(0, 255) as u8),
@@ -463,6 +492,40 @@ fn run(cli: &Cli) -> Result<()> {
                 bail!("{} copies could not be repaired", r.unrepairable);
             }
         }
+        Cmd::Jobs { json, cmd } => match cmd {
+            Some(JobsCmd::Rm { job }) => {
+                cluster::connect(&dir, node)?.job_rm(job)?;
+                println!("job {job} removed");
+            }
+            None => {
+                let list = cluster::connect(&dir, node)?.jobs()?;
+                if *json {
+                    println!("{}", serde_json::to_string_pretty(&list)?);
+                } else {
+                    println!(
+                        "{:<24} {:<10} {:>5} {:>6} {:>21} {:>12}  COMMAND",
+                        "JOB", "STATE", "RANKS", "EPOCH", "CHECKPOINT TIME (UTC)", "SIZE"
+                    );
+                    for j in list {
+                        let when = if j.epoch == 0 {
+                            "-".to_string()
+                        } else {
+                            utc(j.at_unix_ms)
+                        };
+                        println!(
+                            "{:<24} {:<10} {:>5} {:>6} {:>21} {:>12}  {}",
+                            j.job,
+                            j.state,
+                            j.ranks,
+                            j.epoch,
+                            when,
+                            format!("{:.1} MiB", j.bytes as f64 / (1 << 20) as f64),
+                            j.command
+                        );
+                    }
+                }
+            }
+        },
         Cmd::Checkpoint { job } => {
             cluster::connect(&dir, node)?.force_checkpoint(job, false)?;
             println!("job {job} takes a checkpoint at its next safe-point call");
@@ -601,4 +664,26 @@ fn demo(dir: &Path, size_mb: u64) -> Result<()> {
         dir.display()
     );
     Ok(())
+}
+
+/// `YYYY-MM-DD hh:mm:ss` (UTC) of a time in ms since the Unix epoch.
+fn utc(ms: u64) -> String {
+    let secs = ms / 1000;
+    let (days, rem) = ((secs / 86_400) as i64, secs % 86_400);
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!(
+        "{y:04}-{m:02}-{d:02} {:02}:{:02}:{:02}",
+        rem / 3600,
+        rem / 60 % 60,
+        rem % 60
+    )
 }

@@ -168,6 +168,12 @@ pub enum Request {
         job: String,
         halt: bool,
     },
+    /// `psls jobs`: running and resumable jobs; answered by `Jobs`.
+    Jobs,
+    /// `psls jobs rm JOB`: drop a job that is not running (its checkpoint area and record).
+    JobRm {
+        job: String,
+    },
     /// `psls run` with checkpoint options.
     RunJob {
         program: String,
@@ -193,6 +199,24 @@ pub struct CkptOptions {
     pub max_restarts: u32,
     /// How long a rollback waits for a failed node to come back, in seconds (0: 60).
     pub respawn_timeout_s: u64,
+    /// `psls run --resume JOB`: start job JOB again from its last checkpoint (its command and
+    /// options come from its record; the other fields are ignored).
+    pub resume: String,
+}
+
+/// A job, as `psls jobs` shows it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JobInfo {
+    pub job: String,
+    /// `running`, or `resumable` (it has a checkpoint and no launcher runs it).
+    pub state: String,
+    pub ranks: u32,
+    pub command: String,
+    pub uid: u32,
+    /// Its last committed checkpoint (0: none), when, and the bytes it wrote (one copy).
+    pub epoch: u64,
+    pub at_unix_ms: u64,
+    pub bytes: u64,
 }
 
 /// Class of an error, so that callers can react without parsing text.
@@ -357,6 +381,8 @@ pub enum Response {
         epoch: u64,
         halt: bool,
     },
+    /// Answer to `Jobs`.
+    Jobs(Vec<JobInfo>),
     /// What happened to a running job (a rollback and restart after a failure).
     JobNote {
         message: String,

@@ -178,7 +178,8 @@ impl Daemon {
             | PeerReq::RankExit { .. }
             | PeerReq::KillJob { .. }
             | PeerReq::JobHalted { .. }
-            | PeerReq::JobFiles { .. }) => crate::launcher::serve(&node, &self.jobs, req),
+            | PeerReq::JobFiles { .. }
+            | PeerReq::JobLaunched { .. }) => crate::launcher::serve(&node, &self.jobs, req),
             PeerReq::Echo => {
                 out_payload = payload;
                 Ok(PeerResp::Ok)

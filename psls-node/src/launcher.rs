@@ -18,6 +18,7 @@ use crate::op::OpError;
 pub use crate::peer::JobSpec;
 use crate::peer::{PeerReq, PeerResp};
 use psls_ipc::ErrorKind;
+use psls_pfs::meta::MetaOp;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -163,8 +164,18 @@ pub async fn launch(
         attempt: 0,
         restart_epoch: 0,
     };
-    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-    lock(&jobs.launched).insert(job.clone(), tx);
+    let rx = register(jobs, &job);
+    // The job's record keeps what it runs (for `psls jobs` and `psls run --resume`).
+    if let Err(e) = node
+        .submit(MetaOp::StartJob {
+            job: job.clone(),
+            spec: summary(&spec, per_node, 1),
+        })
+        .await
+    {
+        lock(&jobs.launched).remove(&job);
+        return Err(e);
+    }
     match spawn_all(node, &spec, per_node).await {
         Ok(owners) => {
             tracing::info!(node = %node.name(), %job, ranks, nodes = owners.len(), "job started");
@@ -175,6 +186,48 @@ pub async fn launch(
             Err(e)
         }
     }
+}
+
+/// This node follows `job`: its events come out of the returned channel.
+pub fn register(jobs: &Jobs, job: &str) -> tokio::sync::mpsc::UnboundedReceiver<JobEvent> {
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    lock(&jobs.launched).insert(job.to_string(), tx);
+    rx
+}
+
+/// What a job's record keeps of `spec`.
+pub fn summary(spec: &JobSpec, per_node: Option<u32>, starts: u32) -> psls_pfs::jobs::JobSummary {
+    psls_pfs::jobs::JobSummary {
+        program: spec.program.clone(),
+        args: spec.args.clone(),
+        ranks: spec.size,
+        per_node,
+        cwd: spec.cwd.clone(),
+        uid: spec.uid,
+        gid: spec.gid,
+        checkpoint_interval_ms: spec.checkpoint_interval_ms,
+        checkpoint_timeout_ms: spec.checkpoint_timeout_ms,
+        max_restarts: spec.max_restarts,
+        respawn_timeout_ms: spec.respawn_timeout_ms,
+        launcher: spec.launcher.clone(),
+        started_unix_ms: crate::pfs::unix_ms(),
+        starts,
+    }
+}
+
+/// Whether some live node launched `job` and follows it.
+pub async fn is_running(node: &Arc<Node>, job: &str) -> bool {
+    let st = node.meta_state();
+    for (_, phys) in node.logical_map(&st) {
+        if !node.is_live(&phys) {
+            continue;
+        }
+        let req = PeerReq::JobLaunched { job: job.to_string() };
+        if let Ok(PeerResp::Running { running: true }) = node.call_ok(&phys, req).await {
+            return true;
+        }
+    }
+    false
 }
 
 /// Places `spec`'s ranks on the live nodes and starts them (a restart: the same way, with
@@ -414,6 +467,9 @@ pub fn serve(node: &Arc<Node>, jobs: &Arc<Jobs>, req: PeerReq) -> Result<PeerRes
             Ok(PeerResp::Ok)
         }
         PeerReq::JobHalted { job, epoch } => event(jobs, &job, JobEvent::Halted { epoch }).map(|()| PeerResp::Ok),
+        PeerReq::JobLaunched { job } => Ok(PeerResp::Running {
+            running: lock(&jobs.launched).contains_key(&job),
+        }),
         PeerReq::JobFiles { job, forget } => Ok(PeerResp::JobFiles {
             files: jobs.written(&job, forget),
         }),

@@ -207,6 +207,10 @@ pub enum PeerReq {
         job: String,
         epoch: u64,
     },
+    /// Whether this node launched `job` and follows it (answered with `Running`).
+    JobLaunched {
+        job: String,
+    },
     /// The parallel files `job`'s ranks on this node mapped writable (`forget`: then forget
     /// them); answered with `JobFiles`.
     JobFiles {
@@ -339,6 +343,10 @@ pub enum PeerResp {
     /// Answer to `JobFiles`.
     JobFiles {
         files: Vec<FileId>,
+    },
+    /// Answer to `JobLaunched`.
+    Running {
+        running: bool,
     },
     /// Answer to `CkptRollback`: the checkpoint the job restarts from (0: its start).
     Restart {

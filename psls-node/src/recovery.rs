@@ -80,3 +80,92 @@ pub async fn roll_back(node: &Arc<Node>, ckpt: &Arc<CkptShell>, spec: &JobSpec) 
     tracing::warn!(node = %node.name(), job, epoch, files = files.len(), "job rolled back");
     Ok(epoch)
 }
+
+/// `psls run --resume JOB` by `caller` (uid, gid) with the environment `env`: starts `job`
+/// again from its last committed checkpoint, on this node as its launcher. Returns the new
+/// start's spec, where its ranks run, the per-node placement option and its events.
+#[allow(clippy::type_complexity)]
+pub async fn resume(
+    node: &Arc<Node>,
+    jobs: &Arc<crate::launcher::Jobs>,
+    ckpt: &Arc<CkptShell>,
+    job: &str,
+    env: Vec<(String, String)>,
+    caller: (u32, u32),
+) -> Result<
+    (
+        JobSpec,
+        crate::launcher::Owners,
+        Option<u32>,
+        tokio::sync::mpsc::UnboundedReceiver<crate::launcher::JobEvent>,
+    ),
+    OpError,
+> {
+    let st = node.meta_state();
+    let Some(rec) = st.jobs.get(job) else {
+        return Err(OpError::new(
+            ErrorKind::NotFound,
+            format!("no job {job} to resume (psls jobs lists the resumable ones)"),
+        ));
+    };
+    let Some(sum) = rec.spec.clone() else {
+        return Err(OpError::new(
+            ErrorKind::Invalid,
+            format!("job {job} was not started by psls run"),
+        ));
+    };
+    if rec.epoch == 0 {
+        return Err(OpError::new(
+            ErrorKind::Invalid,
+            format!("job {job} has no checkpoint to resume from"),
+        ));
+    }
+    if caller.0 != 0 && caller.0 != sum.uid {
+        return Err(OpError::new(
+            ErrorKind::Permission,
+            format!("job {job} belongs to uid {}: only it or root may resume it", sum.uid),
+        ));
+    }
+    if crate::launcher::is_running(node, job).await {
+        return Err(OpError::new(ErrorKind::Exists, format!("job {job} is running")));
+    }
+    let mut spec = JobSpec {
+        job: job.to_string(),
+        launcher: node.name().to_string(),
+        size: sum.ranks,
+        program: sum.program.clone(),
+        args: sum.args.clone(),
+        env,
+        cwd: sum.cwd.clone(),
+        uid: sum.uid,
+        gid: sum.gid,
+        checkpoint_interval_ms: sum.checkpoint_interval_ms,
+        checkpoint_timeout_ms: sum.checkpoint_timeout_ms,
+        max_restarts: sum.max_restarts,
+        respawn_timeout_ms: sum.respawn_timeout_ms,
+        // Exits of an earlier start are not this one's.
+        attempt: sum.starts.max(1),
+        restart_epoch: 0,
+    };
+    let rx = crate::launcher::register(jobs, job);
+    let started = async {
+        spec.restart_epoch = roll_back(node, ckpt, &spec).await?;
+        let op = psls_pfs::meta::MetaOp::StartJob {
+            job: job.to_string(),
+            spec: crate::launcher::summary(&spec, sum.per_node, sum.starts + 1),
+        };
+        node.submit(op).await?;
+        crate::launcher::spawn_all(node, &spec, sum.per_node).await
+    }
+    .await;
+    match started {
+        Ok(owners) => {
+            tracing::warn!(node = %node.name(), job, epoch = spec.restart_epoch, "job resumed");
+            Ok((spec, owners, sum.per_node, rx))
+        }
+        Err(e) => {
+            crate::launcher::finished(node, jobs, job);
+            Err(e)
+        }
+    }
+}

@@ -52,6 +52,46 @@ pub struct JobCkpt {
     /// The epoch begun last, and the generation it was given.
     pub started: u64,
     pub started_gen: u64,
+    /// What the job runs (a `psls run` job; `None` for a process outside one): what
+    /// `psls run --resume` starts again and `psls jobs` shows.
+    pub spec: Option<JobSummary>,
+}
+
+/// A `psls run` job, as its record keeps it (the environment comes from whoever resumes it).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JobSummary {
+    pub program: String,
+    pub args: Vec<String>,
+    pub ranks: u32,
+    pub per_node: Option<u32>,
+    pub cwd: String,
+    pub uid: u32,
+    pub gid: u32,
+    pub checkpoint_interval_ms: u64,
+    pub checkpoint_timeout_ms: u64,
+    pub max_restarts: u32,
+    pub respawn_timeout_ms: u64,
+    /// The node whose daemon launched it last, and when (ms since the Unix epoch).
+    pub launcher: String,
+    pub started_unix_ms: u64,
+    /// How many times it was started (the first start, restarts, resumes).
+    pub starts: u32,
+}
+
+/// Largest summary a record keeps (program, arguments, folder).
+pub const MAX_SUMMARY_BYTES: usize = 64 * 1024;
+
+/// Records (or updates) `job`'s summary as it starts.
+pub(crate) fn apply_start(next: &mut MetaState, job: &str, spec: &JobSummary) -> Result<(), MetaError> {
+    validate_job(job)?;
+    let size = spec.program.len() + spec.cwd.len() + spec.args.iter().map(|a| a.len() + 1).sum::<usize>();
+    if size > MAX_SUMMARY_BYTES {
+        return Err(MetaError::Invalid(format!(
+            "the job's command and folder take {size} bytes; at most {MAX_SUMMARY_BYTES}"
+        )));
+    }
+    next.jobs.entry(job.to_string()).or_default().spec = Some(spec.clone());
+    Ok(())
 }
 
 /// The pages of one file a checkpoint wrote: runs `(start, end)`, end exclusive.

@@ -62,6 +62,8 @@ pub struct FileMeta {
     pub created_unix_ms: u64,
     /// Generations of the pages persistent checkpoints wrote since.
     pub written: PageGens,
+    /// The job that maps the file writable (at most one at a time; readers are free).
+    pub writer: Option<(String, u32)>,
 }
 
 impl FileMeta {
@@ -75,6 +77,10 @@ impl FileMeta {
     /// The highest generation of any page (a new version must be above it).
     pub fn top_gen(&self) -> u64 {
         self.gen.max(self.written.max_gen())
+    }
+    /// Whether job `job` maps the file writable.
+    pub fn written_by(&self, job: &str) -> bool {
+        self.writer.as_ref().is_some_and(|(w, _)| w == job)
     }
     /// Whether every page is still all zero (nothing was ever written).
     pub fn never_written(&self) -> bool {
@@ -107,6 +113,7 @@ impl From<FileMetaV2> for FileMeta {
             gen: f.gen,
             created_unix_ms: f.created_unix_ms,
             written: PageGens::default(),
+            writer: None,
         }
     }
 }
@@ -216,8 +223,23 @@ pub enum MetaOp {
         job: String,
         epoch: u64,
     },
-    /// Job `job` is over: its checkpoint record goes.
+    /// Job `job` is over: its checkpoint record goes, and it writes no file any more.
     EndJob {
+        job: String,
+    },
+    /// `psls run` job `job` starts (or restarts): its record keeps what it runs.
+    StartJob {
+        job: String,
+        spec: crate::jobs::JobSummary,
+    },
+    /// A process of job `job` maps file `file` writable (refused if another job does).
+    ClaimWriter {
+        file: FileId,
+        job: String,
+    },
+    /// A process of job `job` no longer maps file `file` writable.
+    ReleaseWriter {
+        file: FileId,
         job: String,
     },
 }
@@ -283,7 +305,10 @@ impl MetaOp {
             MetaOp::BeginCheckpoint { job, epoch } => crate::jobs::floor(st, job) >= *epoch,
             MetaOp::Checkpoint { job, epoch, .. } => st.jobs.get(job).is_some_and(|r| r.epoch >= *epoch),
             MetaOp::FenceCheckpoint { job, epoch } => crate::jobs::decided(st, job, *epoch).is_some(),
-            MetaOp::EndJob { job } => !st.jobs.contains_key(job),
+            MetaOp::EndJob { job } => !st.jobs.contains_key(job) && st.files.values().all(|f| !f.written_by(job)),
+            // Counted claims: a resubmission cannot tell whether it was applied.
+            MetaOp::ClaimWriter { .. } | MetaOp::ReleaseWriter { .. } => false,
+            MetaOp::StartJob { job, spec } => st.jobs.get(job).and_then(|r| r.spec.as_ref()) == Some(spec),
         }
     }
 }
@@ -407,6 +432,34 @@ impl MetaState {
             MetaOp::FenceCheckpoint { job, epoch } => crate::jobs::apply_fence(&mut next, job, *epoch)?,
             MetaOp::EndJob { job } => {
                 next.jobs.remove(job);
+                for f in next.files.values_mut().filter(|f| f.written_by(job)) {
+                    f.writer = None;
+                }
+            }
+            MetaOp::StartJob { job, spec } => crate::jobs::apply_start(&mut next, job, spec)?,
+            MetaOp::ClaimWriter { file, job } => {
+                crate::jobs::validate_job(job)?;
+                let Some(f) = next.files.values_mut().find(|f| f.id == *file) else {
+                    return Err(MetaError::Invalid(format!("no file with id {file}")));
+                };
+                match &mut f.writer {
+                    Some((w, _)) if w != job => {
+                        return Err(MetaError::Invalid(format!(
+                            "'{}' is mapped writable by job {w}: one job writes a file at a time (map it read-only, or wait for that job to end)",
+                            f.name
+                        )))
+                    }
+                    Some((_, n)) => *n = n.saturating_add(1),
+                    None => f.writer = Some((job.clone(), 1)),
+                }
+            }
+            MetaOp::ReleaseWriter { file, job } => {
+                if let Some(f) = next.files.values_mut().find(|f| f.id == *file && f.written_by(job)) {
+                    match &mut f.writer {
+                        Some((_, n)) if *n > 1 => *n -= 1,
+                        _ => f.writer = None,
+                    }
+                }
             }
         }
         next.seq += 1;
@@ -630,6 +683,7 @@ mod tests {
             gen: 1,
             created_unix_ms: 0,
             written: PageGens::default(),
+            writer: None,
         }
     }
 
@@ -903,8 +957,30 @@ mod tests {
         s.apply(&begin(4)).unwrap();
         assert!(s.clone().apply(&ck(4, 5, vec![(0, 1)])).is_err());
         assert_eq!(MetaState::decode(&s.encode()).unwrap(), s);
+        // One writer job per file: a second is refused until the first releases or ends.
+        let claim = |job: &str| MetaOp::ClaimWriter {
+            file: FileId(7),
+            job: job.into(),
+        };
+        let release = |job: &str| MetaOp::ReleaseWriter {
+            file: FileId(7),
+            job: job.into(),
+        };
+        s.apply(&claim("j")).unwrap();
+        s.apply(&claim("j")).unwrap();
+        let e = s.clone().apply(&claim("k")).unwrap_err();
+        assert!(e.to_string().contains("mapped writable by job j"), "{e}");
+        s.apply(&release("k")).unwrap();
+        assert!(s.files["a"].written_by("j"), "only the writer releases");
+        s.apply(&release("j")).unwrap();
+        assert!(s.files["a"].written_by("j"), "two processes claimed it; one released");
+        let mut t = s.clone();
+        t.apply(&release("j")).unwrap();
+        assert_eq!(t.files["a"].writer, None, "the last release frees it");
         s.apply(&MetaOp::EndJob { job: "j".into() }).unwrap();
         assert!(s.jobs.is_empty());
+        assert_eq!(s.files["a"].writer, None, "a job's end releases its files");
+        s.apply(&claim("k")).unwrap();
     }
 
     #[test]

@@ -238,8 +238,11 @@ impl Cluster {
     /// A client process `bin` that talks to the daemon of `node`.
     pub fn client(&self, node: &str, bin: &str) -> Command {
         let mut cmd = Command::new(bin);
+        // The tests' client processes form one job (they share files, barriers and locks):
+        // one writer job per file holds between them and other jobs.
         cmd.env("PSLS_HOME", &self.dir)
             .env("PSLS_NODE", node)
+            .env("PSLS_JOB", "tests")
             .env_remove("PSLS_SOCKET");
         cmd
     }

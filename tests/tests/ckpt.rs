@@ -197,3 +197,57 @@ fn bad_safe_point_calls_get_clear_errors_and_take_no_checkpoint() {
     // Nothing was committed for either job.
     assert!(!c.ok(&["ls"]).contains(".psls-ckpt"), "no checkpoint area was written");
 }
+
+#[test]
+fn a_file_is_written_by_one_job_at_a_time() {
+    let c = Cluster::start(4, 0);
+    let marker = c.path("release");
+    let mut holder = c
+        .client("n1", PROBE)
+        .env("PSLS_JOB", "first")
+        .args(["hold", "w1", "4", marker.to_str().expect("path")])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("holder");
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(holder.stdout.as_mut().expect("stdout")),
+        &mut line,
+    )
+    .expect("read");
+    assert_eq!(line.trim(), "mapped");
+    // Another job may not map it writable, on any node (reading is free: svm.rs maps
+    // read-only next to writers).
+    for node in ["n1", "n3"] {
+        let o = c
+            .client(node, PROBE)
+            .env("PSLS_JOB", "second")
+            .args(["map", "w1", "4096", "0"])
+            .output()
+            .expect("probe");
+        let out = String::from_utf8_lossy(&o.stdout);
+        assert!(!o.status.success(), "{out}");
+        assert!(
+            out.contains("'w1' is mapped writable by job ext:0:first: one job writes a file at a time"),
+            "{out}"
+        );
+    }
+    // A process of the same job may.
+    let o = c
+        .client("n2", PROBE)
+        .env("PSLS_JOB", "first")
+        .args(["map", "w1", "4096", "0"])
+        .output()
+        .expect("probe");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stdout));
+    // Once the holder is gone, the other job may.
+    std::fs::write(&marker, b"").expect("marker");
+    assert!(holder.wait().expect("holder").success());
+    let o = c
+        .client("n3", PROBE)
+        .env("PSLS_JOB", "second")
+        .args(["map", "w1", "4096", "0"])
+        .output()
+        .expect("probe");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stdout));
+}

@@ -641,11 +641,17 @@ fn a_second_session_in_a_process_works_and_ending_it_ends_nothing_else() {
             rx.try_recv().is_err(),
             "ending the other session ended the waiting call"
         );
-        // A second rank (another process) arrives: both go on.
-        let o = wait_within(
-            spawn(&c, "n1", &["count", "two-sessions", "1", "0", "2"]),
-            Duration::from_secs(30),
-        );
+        // A second rank (another process, of the same job as this one: none) arrives: both
+        // go on.
+        let probe = c
+            .client("n1", PROBE)
+            .env_remove("PSLS_JOB")
+            .args(["count", "two-sessions", "1", "0", "2"])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("spawn probe");
+        let o = wait_within(probe, Duration::from_secs(30));
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
         let r = rx.recv_timeout(Duration::from_secs(10)).expect("the waiting call hung");
         assert_eq!(r, Ok(()));

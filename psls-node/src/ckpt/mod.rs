@@ -6,12 +6,15 @@
 //! - `safepoint`: the ranks' collective safe-point call (`Session::checkpoint`) at the
 //!   coordinator and on the ranks' nodes, operators' requests (`psls checkpoint`, `psls
 //!   halt`), and the ranks' private states;
-//! - `states`: the on-disk layout of the ranks' states in a job's checkpoint area.
+//! - `states`: the on-disk layout of the ranks' states in a job's checkpoint area;
+//! - `writers`: one writer job per file (claims in the metadata), and which job a process is.
 
 mod round;
 mod safepoint;
 mod states;
+mod writers;
 
 pub use round::{CkptShell, Done, MAX_CKPT_FILES};
 pub use safepoint::SafeCall;
 pub use states::{state_file_name, MAX_STATE_BYTES};
+pub use writers::ext_job;

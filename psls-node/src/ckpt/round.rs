@@ -89,6 +89,8 @@ pub struct CkptShell {
     pub(super) states: Mutex<HashMap<(String, u32), RankState>>,
     /// At the coordinator: each job in safe-point calls, its owner (uid, gid) and launcher.
     pub(super) owners: Mutex<HashMap<String, (u32, u32, String)>>,
+    /// Local processes: their job and the files they claimed as its writer.
+    pub(super) claims: Mutex<HashMap<i32, (String, std::collections::BTreeSet<FileId>)>>,
 }
 
 pub(super) fn unavailable(why: impl Into<String>) -> OpError {
@@ -111,6 +113,7 @@ impl CkptShell {
             safe_waiters: Mutex::new(HashMap::new()),
             states: Mutex::new(HashMap::new()),
             owners: Mutex::new(HashMap::new()),
+            claims: Mutex::new(HashMap::new()),
         }
     }
 

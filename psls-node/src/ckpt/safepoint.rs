@@ -304,7 +304,8 @@ impl CkptShell {
                 tracing::warn!(node = %node.name(), job, error = %e, "could not remove the job's checkpoint area");
             }
         }
-        if node.meta_state().jobs.contains_key(job) {
+        let st = node.meta_state();
+        if st.jobs.contains_key(job) || st.files.values().any(|f| f.written_by(job)) {
             if let Err(e) = node
                 .submit(psls_pfs::meta::MetaOp::EndJob { job: job.to_string() })
                 .await

@@ -27,32 +27,35 @@ pub(super) async fn handle(c: &mut Conn, req: Request, mut fds: Vec<OwnedFd>) ->
             writable,
             volatile,
             job,
-        } => match map(
-            &d,
-            caller,
-            &name,
-            size,
-            create,
-            writable,
-            volatile.then_some(job.as_str()),
-        )
-        .await
-        {
-            Ok((resp, memfd)) => {
-                if let Response::Mapped { file, writable, .. } = resp {
-                    // Writable once granted on this connection, whatever came after.
-                    *c.granted.entry(file).or_insert(false) |= writable;
-                    // A rank's parallel file: the job's last checkpoint covers it.
-                    if let (true, Some(pid)) = (writable && !volatile, pid) {
-                        if let Some((spec, _)) = d.jobs.rank_of(pid as u32) {
-                            d.jobs.note_written(&spec.job, psls_svm::FileId(file));
+        } => match join(&d, caller, pid, &job, volatile) {
+            Err(e) => err(e),
+            Ok(()) => match map(
+                &d,
+                (caller, pid),
+                &name,
+                size,
+                create,
+                writable,
+                volatile.then_some(job.as_str()),
+            )
+            .await
+            {
+                Ok((resp, memfd)) => {
+                    if let Response::Mapped { file, writable, .. } = resp {
+                        // Writable once granted on this connection, whatever came after.
+                        *c.granted.entry(file).or_insert(false) |= writable;
+                        // A rank's parallel file: the job's last checkpoint covers it.
+                        if let (true, Some(pid)) = (writable && !volatile, pid) {
+                            if let Some((spec, _)) = d.jobs.rank_of(pid as u32) {
+                                d.jobs.note_written(&spec.job, psls_svm::FileId(file));
+                            }
                         }
                     }
+                    send_with_fd(&mut c.w, &resp, std::os::fd::AsFd::as_fd(&memfd)).await?;
+                    return Ok(Flow::Sent);
                 }
-                send_with_fd(&mut c.w, &resp, std::os::fd::AsFd::as_fd(&memfd)).await?;
-                return Ok(Flow::Sent);
-            }
-            Err(e) => err(e),
+                Err(e) => err(e),
+            },
         },
         Request::Register {
             file,
@@ -91,13 +94,22 @@ pub(super) async fn handle(c: &mut Conn, req: Request, mut fds: Vec<OwnedFd>) ->
                 Ok(Some(_)) if d.jobs.rank_of(pid as u32).is_some() => Response::Ok,
                 // The process's last writable mapping of a parallel file: its writes become
                 // durable before the answer.
-                Ok(Some(file)) => match d.ckpt.checkpoint(&process_job(&d, pid), vec![file]).await {
-                    Ok(_) => Response::Ok,
-                    Err(e) => err(OpError::new(
-                        e.kind,
-                        format!("unmapped, but the writes are not durable: {}", e.message),
-                    )),
-                },
+                Ok(Some(file)) => {
+                    let job = job_of(&d, pid);
+                    match d.ckpt.checkpoint(&job, vec![file]).await {
+                        Ok(_) => {
+                            // It writes the file no more: another job may.
+                            match d.ckpt.release(pid, file).await {
+                                Ok(()) => Response::Ok,
+                                Err(e) => err(e),
+                            }
+                        }
+                        Err(e) => err(OpError::new(
+                            e.kind,
+                            format!("unmapped, but the writes are not durable: {}", e.message),
+                        )),
+                    }
+                }
                 Err(e) => err(e),
             },
             None => err(OpError::new(ErrorKind::Invalid, "no peer pid")),
@@ -108,7 +120,7 @@ pub(super) async fn handle(c: &mut Conn, req: Request, mut fds: Vec<OwnedFd>) ->
                 if files.is_empty() {
                     Response::Synced { epoch: 0, pages: 0 }
                 } else {
-                    match d.ckpt.checkpoint(&process_job(&d, pid), files).await {
+                    match d.ckpt.checkpoint(&job_of(&d, pid), files).await {
                         Ok(done) => Response::Synced {
                             epoch: done.epoch,
                             pages: done.pages,
@@ -184,9 +196,11 @@ pub(super) async fn lifeline(
     if let Err(e) = crate::sync::gone(&d.sync, crate::sync::who(node, pid)) {
         tracing::warn!(node = %node.name(), pid, error = %e, "could not release a dead client's locks");
     }
-    // Its checkpoint record, if it took checkpoints, goes too.
+    // Its writer claims, and its checkpoint record if it took checkpoints, go too.
+    d.ckpt.release_all(pid).await;
     let job = process_job(d, pid);
-    if node.meta_state().jobs.contains_key(&job) {
+    let st = node.meta_state();
+    if st.jobs.contains_key(&job) || st.files.values().any(|f| f.written_by(&job)) {
         if let Err(e) = node.submit(psls_pfs::meta::MetaOp::EndJob { job: job.clone() }).await {
             tracing::warn!(node = %node.name(), job, error = %e, "could not drop an ended process's checkpoint record");
         }
@@ -197,6 +211,24 @@ pub(super) async fn lifeline(
 /// The checkpoint job of a process that maps files outside `psls run`: the process itself.
 pub(super) fn process_job(d: &Daemon, pid: i32) -> String {
     format!("proc:{}:{pid}", d.node.name())
+}
+
+/// A process outside `psls run` that names a job (`PSLS_JOB`) joins it at its first mapping.
+fn join(d: &Daemon, caller: Caller, pid: Option<i32>, job: &str, volatile: bool) -> Result<(), OpError> {
+    let Some(pid) = pid else { return Ok(()) };
+    if job.is_empty() || volatile || d.jobs.rank_of(pid as u32).is_some() {
+        return Ok(());
+    }
+    d.ckpt.join(pid, &crate::ckpt::ext_job(caller.uid, job)?);
+    Ok(())
+}
+
+/// The job of process `pid`: its `psls run` job, the `PSLS_JOB` it joined, or itself.
+pub(super) fn job_of(d: &Daemon, pid: i32) -> String {
+    match d.jobs.rank_of(pid as u32) {
+        Some((spec, _)) => spec.job,
+        None => d.ckpt.ext_job_of(pid).unwrap_or_else(|| process_job(d, pid)),
+    }
 }
 
 /// A stable id for a volatile segment: from its owner, job and name (high bit set, so it
@@ -219,7 +251,7 @@ fn volatile_id(uid: u32, job: &str, name: &str) -> psls_svm::FileId {
 /// `Map`: checks the caller's rights, creates the file if asked, opens the node's segment.
 async fn map(
     d: &Arc<Daemon>,
-    caller: Caller,
+    (caller, pid): (Caller, Option<i32>),
     name: &str,
     size: u64,
     create: bool,
@@ -270,6 +302,9 @@ async fn map(
         caller.check_read(&f)?;
         if writable {
             caller.check_write(&f)?;
+            // One job writes a file at a time (readers are free).
+            let pid = pid.unwrap_or(0);
+            d.ckpt.claim(pid, &job_of(d, pid), f.id).await?;
         }
         if size > f.size {
             return Err(OpError::new(

@@ -112,6 +112,8 @@ async fn client(d: Arc<Daemon>, stream: UnixStream) -> anyhow::Result<()> {
             | Request::Unlock { .. }
             | Request::Run { .. }
             | Request::RunJob { .. }
+            | Request::Jobs
+            | Request::JobRm { .. }
             | Request::Checkpoint { .. }
             | Request::RestartState { .. }
             | Request::ForceCheckpoint { .. } => ranks::handle(&mut c, req, fds).await?,

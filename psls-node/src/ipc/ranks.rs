@@ -87,6 +87,28 @@ pub(super) async fn handle(c: &mut Conn, req: Request, mut fds: Vec<OwnedFd>) ->
                 Err(e) => err(e),
             }
         }
+        Request::RunJob { env, checkpoint, .. } if !checkpoint.resume.is_empty() => {
+            let job = checkpoint.resume;
+            match crate::recovery::resume(&node, &d.jobs, &d.ckpt, &job, env, (caller.uid, caller.gid)).await {
+                Ok((spec, owners, per_node, rx)) => {
+                    send(&mut c.w, &Response::JobStarted { job: spec.job.clone() }).await?;
+                    let message = format!("job {job} resumed from checkpoint {}", spec.restart_epoch);
+                    send(&mut c.w, &Response::JobNote { message }).await?;
+                    return Ok(Flow::Job {
+                        spec,
+                        per_node,
+                        owners,
+                        rx,
+                    });
+                }
+                Err(e) => err(e),
+            }
+        }
+        Request::Jobs => match jobs(&d).await {
+            Ok(list) => Response::Jobs(list),
+            Err(e) => err(e),
+        },
+        Request::JobRm { job } => ok_or_err(job_rm(&d, caller, &job).await),
         Request::RunJob {
             program,
             args,
@@ -139,6 +161,58 @@ pub(super) async fn handle(c: &mut Conn, req: Request, mut fds: Vec<OwnedFd>) ->
     Ok(Flow::Reply(resp))
 }
 
+/// `psls jobs`: every job with a record (a `psls run` job), running or resumable.
+async fn jobs(d: &Arc<Daemon>) -> Result<Vec<psls_ipc::proto::JobInfo>, OpError> {
+    let st = d.node.meta_state();
+    let mut out = Vec::new();
+    for (job, rec) in &st.jobs {
+        let Some(sum) = &rec.spec else { continue };
+        let running = crate::launcher::is_running(&d.node, job).await;
+        if !running && rec.epoch == 0 {
+            continue; // ended without a checkpoint: its record is on its way out
+        }
+        let mut command = sum.program.clone();
+        for a in &sum.args {
+            command.push(' ');
+            command.push_str(a);
+        }
+        out.push(psls_ipc::proto::JobInfo {
+            job: job.clone(),
+            state: if running { "running" } else { "resumable" }.into(),
+            ranks: sum.ranks,
+            command,
+            uid: sum.uid,
+            epoch: rec.epoch,
+            at_unix_ms: rec.at_unix_ms,
+            bytes: rec.bytes,
+        });
+    }
+    Ok(out)
+}
+
+/// `psls jobs rm JOB`: drops a job that is not running (its owner or root).
+async fn job_rm(d: &Arc<Daemon>, caller: crate::pfs::Caller, job: &str) -> Result<(), OpError> {
+    let st = d.node.meta_state();
+    let Some(rec) = st.jobs.get(job) else {
+        return Err(OpError::new(ErrorKind::NotFound, format!("no job {job}")));
+    };
+    let owner = rec.spec.as_ref().map_or(caller.uid, |s| s.uid);
+    if caller.uid != 0 && caller.uid != owner {
+        return Err(OpError::new(
+            ErrorKind::Permission,
+            format!("job {job} belongs to uid {owner}: only it or root may remove it"),
+        ));
+    }
+    if crate::launcher::is_running(&d.node, job).await {
+        return Err(OpError::new(
+            ErrorKind::Invalid,
+            format!("job {job} is running (psls halt {job} stops it)"),
+        ));
+    }
+    d.ckpt.end_job(job).await;
+    Ok(())
+}
+
 /// Who makes a safe-point call: a rank of a job running here (its job, rank and options from
 /// the launcher, whatever the process says), or a process outside `psls run` (a job of one).
 fn safe_call(d: &Daemon, caller: crate::pfs::Caller, pid: i32) -> crate::ckpt::SafeCall {
@@ -157,7 +231,7 @@ fn safe_call(d: &Daemon, caller: crate::pfs::Caller, pid: i32) -> crate::ckpt::S
             launcher: spec.launcher,
         },
         None => crate::ckpt::SafeCall {
-            job: super::memory::process_job(d, pid),
+            job: super::memory::job_of(d, pid),
             rank: 0,
             attempt: 0,
             size: 1,
@@ -308,6 +382,12 @@ pub(super) async fn run_job(
                 }
             }
         }
+    }
+    // A job that ended without a committed checkpoint cannot be resumed: its record, area
+    // and writer claims go; one with a checkpoint keeps them (until `psls jobs rm`).
+    let resumable = node.meta_state().jobs.get(job).is_some_and(|r| r.epoch > 0);
+    if !resumable && (lost.is_some() || failed.is_some()) {
+        d.ckpt.end_job(job).await;
     }
     if let Some(why) = lost {
         crate::launcher::finished(node, &d.jobs, job);

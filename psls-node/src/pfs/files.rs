@@ -178,6 +178,7 @@ pub async fn create(node: &Arc<Node>, caller: Caller, name: &str, size: u64, mod
         gen: 0,
         created_unix_ms: now_ms(),
         written: Default::default(),
+        writer: None,
     };
     node.submit(MetaOp::CommitFile {
         meta: meta.clone(),
@@ -339,6 +340,7 @@ impl Importer {
                 gen: 1,
                 created_unix_ms,
                 written: Default::default(),
+                writer: None,
             },
             replaces,
             received: 0,

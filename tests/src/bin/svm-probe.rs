@@ -229,6 +229,19 @@ fn main() {
         drop(m);
         std::process::exit(0)
     }
+    if mode == "hold" {
+        // `hold NAME PAGES MARKER`: keeps the file mapped writable until file MARKER exists.
+        println!("mapped");
+        use std::io::Write;
+        let _ = std::io::stdout().flush();
+        let marker = arg(4);
+        let t = Instant::now();
+        while !std::path::Path::new(&marker).exists() && t.elapsed() < Duration::from_secs(60) {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        drop(m);
+        std::process::exit(0)
+    }
     if mode == "fillsync" {
         // `fillsync NAME PAGES SEED SEED2 FROM`: fills every page with SEED's pattern, syncs
         // (prints the pages written), writes SEED2's pattern over pages FROM.. and exits at
