@@ -71,8 +71,8 @@ enum Cmd {
     /// the rank; the exit status is the first failing rank's.
     Run {
         /// Number of ranks.
-        #[arg(short = 'n', long = "ranks")]
-        n: u32,
+        #[arg(short = 'n', long = "ranks", required_unless_present = "resume")]
+        n: Option<u32>,
         /// Place this many consecutive ranks per node (default: round robin).
         #[arg(long)]
         per_node: Option<u32>,
@@ -273,7 +273,7 @@ fn main() -> std::process::ExitCode {
             respawn_timeout_s: (*respawn_timeout).max(1),
             resume: resume.clone().unwrap_or_default(),
         };
-        return match run_job(&cli, *n, *per_node, ckpt, command) {
+        return match run_job(&cli, n.unwrap_or(0), *per_node, ckpt, command) {
             Ok(code) => std::process::ExitCode::from(code.clamp(0, 255) as u8),
             Err(e) => {
                 eprintln!("psls: error: {e:#}");

@@ -49,11 +49,9 @@ fn start_mgs(c: &Cluster, launcher: &str) -> Child {
 /// Waits for the job; returns its checksum and what it said on stderr.
 fn finish(mut ch: Child, what: &str) -> (String, String) {
     let mut err = String::new();
-    ch.stderr
-        .take()
-        .expect("stderr")
-        .read_to_string(&mut err)
-        .expect("read");
+    if let Some(mut e) = ch.stderr.take() {
+        e.read_to_string(&mut err).expect("read");
+    }
     let o = ch.wait_with_output().expect("wait");
     let out = String::from_utf8_lossy(&o.stdout).to_string();
     assert!(o.status.success(), "{what}: job failed ({}):\n{out}\n{err}", o.status);
@@ -102,4 +100,67 @@ fn mgs_survives_kill_9_of_any_node_at_random_moments_with_the_checksum_of_an_unf
         rolled_back * 2 >= kills,
         "only {rolled_back} of {kills} kills rolled a job back"
     );
+}
+
+/// The job id `psls run` prints first on stderr.
+fn job_id(ch: &mut Child) -> (String, std::io::BufReader<std::process::ChildStderr>) {
+    let mut err = std::io::BufReader::new(ch.stderr.take().expect("stderr"));
+    let mut line = String::new();
+    std::io::BufRead::read_line(&mut err, &mut line).expect("read");
+    let job = line
+        .strip_prefix("psls: job ")
+        .and_then(|l| l.strip_suffix(" started\n"))
+        .unwrap_or_else(|| panic!("no job id: {line}"))
+        .to_string();
+    (job, err)
+}
+
+#[test]
+fn after_a_power_cut_during_a_job_psls_run_resume_finishes_it_with_the_unfailed_checksum() {
+    let mut c = Cluster::init(4, 0, |_| {});
+    // Every daemon on the fault disk: killing them all loses every write not fsync'd.
+    c.env.push(("PSLS_FAULT_DISK".into(), "1".into()));
+    c.ok(&["cluster", "up"]);
+    let (want, _) = finish(start_mgs(&c, "n0"), "the unfailed run");
+    for delay_ms in [700, 1600] {
+        let mut run = start_mgs(&c, "n1");
+        let (job, _err) = job_id(&mut run);
+        std::thread::sleep(Duration::from_millis(delay_ms));
+        c.kill_all();
+        let o = run.wait_with_output().expect("psls run");
+        assert!(!o.status.success(), "the job cannot finish without its daemons");
+        c.ok(&["cluster", "up"]);
+        // The job is listed as resumable, from a checkpoint.
+        let list: serde_json::Value = serde_json::from_str(&c.ok(&["jobs", "--json"])).expect("json");
+        let entry = list
+            .as_array()
+            .and_then(|a| a.iter().find(|j| j["job"] == job.as_str()))
+            .unwrap_or_else(|| panic!("{job} not listed: {list}"));
+        assert_eq!(entry["state"], "resumable", "{entry}");
+        assert!(entry["epoch"].as_u64().unwrap_or(0) > 0, "{entry}");
+        let text = c.ok(&["jobs"]);
+        assert!(text.contains(&job) && text.contains("resumable"), "{text}");
+        // Resumed (from another node): it ends with the checksum of the run that never failed,
+        // and is gone from the list.
+        let mut resumed = c
+            .cmd(&["--node", "n2", "run", "--resume", &job])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("psls run --resume");
+        let (again, mut rest) = job_id(&mut resumed);
+        assert_eq!(again, job);
+        let (got, _) = finish(resumed, &format!("resume after a power cut at {delay_ms} ms"));
+        let mut err = String::new();
+        rest.read_to_string(&mut err).expect("read");
+        assert!(err.contains(&format!("job {job} resumed from checkpoint")), "{err}");
+        assert_eq!(got, want, "{err}");
+        let list = c.ok(&["jobs"]);
+        assert!(!list.contains(&job), "{list}");
+    }
+    // Bad input: resuming an unknown or finished job, removing one that does not exist.
+    let e = c.fails(&["run", "--resume", "no-such-job"]);
+    assert!(e.contains("no job no-such-job to resume"), "{e}");
+    let e = c.fails(&["jobs", "rm", "no-such-job"]);
+    assert!(e.contains("no job no-such-job"), "{e}");
 }
