@@ -223,6 +223,8 @@ pub struct Checkpoint {
     /// The job halts (`psls halt`): its ranks are being stopped; it can be resumed from
     /// `epoch`.
     pub halt: bool,
+    /// Pages the checkpoint wrote (one copy; every copy goes to two disks).
+    pub pages: u64,
 }
 
 impl Checkpoint {
@@ -323,7 +325,7 @@ impl Session {
         }
         let req = Request::Checkpoint { state: state.to_vec() };
         match self.call(&req, None)? {
-            (Response::Checkpointed { epoch, halt }, _) => Ok(Checkpoint { epoch, halt }),
+            (Response::Checkpointed { epoch, halt, pages }, _) => Ok(Checkpoint { epoch, halt, pages }),
             (other, _) => Err(daemon_error(other)),
         }
     }

@@ -380,6 +380,8 @@ pub enum Response {
     Checkpointed {
         epoch: u64,
         halt: bool,
+        /// Pages the checkpoint wrote (one copy).
+        pages: u64,
     },
     /// Answer to `Jobs`.
     Jobs(Vec<JobInfo>),

@@ -356,6 +356,8 @@ pub enum PeerResp {
     SafeDone {
         epoch: u64,
         halt: bool,
+        /// Pages the checkpoint wrote (one copy).
+        pages: u64,
     },
     /// Answer to `MetaSubmit`: the coordinator changed while the operation was under way; it
     /// may or may not have been committed.

@@ -122,9 +122,18 @@ fn after_a_power_cut_during_a_job_psls_run_resume_finishes_it_with_the_unfailed_
     c.env.push(("PSLS_FAULT_DISK".into(), "1".into()));
     c.ok(&["cluster", "up"]);
     let (want, _) = finish(start_mgs(&c, "n0"), "the unfailed run");
-    for delay_ms in [700, 1600] {
+    for delay_ms in [0, 300, 700] {
         let mut run = start_mgs(&c, "n1");
         let (job, _err) = job_id(&mut run);
+        // Once the job has a checkpoint (a cut before it leaves nothing to resume), some time
+        // later — in a step, or in a checkpoint's writes.
+        wait_for(Duration::from_secs(60), "the job's first checkpoint", || {
+            let list: serde_json::Value = serde_json::from_str(&c.ok(&["jobs", "--json"])).unwrap_or_default();
+            list.as_array().is_some_and(|a| {
+                a.iter()
+                    .any(|j| j["job"] == job.as_str() && j["epoch"].as_u64().unwrap_or(0) > 0)
+            })
+        });
         std::thread::sleep(Duration::from_millis(delay_ms));
         c.kill_all();
         let o = run.wait_with_output().expect("psls run");

@@ -267,11 +267,16 @@ fn main() -> Result<()> {
     };
     let every = a.checkpoint_every;
     let checkpoints = std::sync::atomic::AtomicU64::new(0);
+    let checkpoint_pages = std::sync::atomic::AtomicU64::new(0);
+    let checkpoint_ns = std::sync::atomic::AtomicU64::new(0);
     let safe_point = |i: usize| -> Result<()> {
         if every > 0 && i > start && i.is_multiple_of(every) {
+            let t = Instant::now();
             let c = s.checkpoint(&(i as u64).to_le_bytes()).context("checkpoint")?;
             if c.taken() {
                 checkpoints.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                checkpoint_pages.fetch_add(c.pages, std::sync::atomic::Ordering::Relaxed);
+                checkpoint_ns.fetch_add(t.elapsed().as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
             }
         }
         Ok(())
@@ -361,6 +366,8 @@ fn main() -> Result<()> {
                 "time_s": secs,
                 "checkpoint_every": every,
                 "checkpoints": checkpoints.load(std::sync::atomic::Ordering::Relaxed),
+                "checkpoint_bytes": checkpoint_pages.load(std::sync::atomic::Ordering::Relaxed) * 4096,
+                "checkpoint_pause_s": checkpoint_ns.load(std::sync::atomic::Ordering::Relaxed) as f64 / 1e9,
                 "restarted_at_step": start,
                 "rank0_barrier_wait_s": barrier_s,
                 "init_s": init_ns.load(std::sync::atomic::Ordering::Relaxed) as f64 / 1e9,

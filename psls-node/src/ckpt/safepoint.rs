@@ -26,7 +26,11 @@ use std::time::Duration;
 
 /// A rank waiting at the coordinator for its call's outcome: the epoch taken (0: none) and
 /// whether the job halts.
-pub(super) type SafeWaiter = tokio::sync::oneshot::Sender<Result<(u64, bool), OpError>>;
+pub(super) type SafeWaiter = tokio::sync::oneshot::Sender<Result<SafeOutcome, OpError>>;
+
+/// What a safe-point call did: the epoch taken (0: none), whether the job halts, and the pages
+/// the checkpoint wrote (one copy).
+pub type SafeOutcome = (u64, bool, u64);
 
 /// One rank's safe-point call.
 #[derive(Clone, Debug)]
@@ -47,7 +51,7 @@ pub struct SafeCall {
 impl CkptShell {
     /// On a rank's node: makes the rank's call with its `state`; returns the epoch taken (0:
     /// none) and whether the job halts.
-    pub async fn safe_point(self: &Arc<Self>, call: SafeCall, state: Vec<u8>) -> Result<(u64, bool), OpError> {
+    pub async fn safe_point(self: &Arc<Self>, call: SafeCall, state: Vec<u8>) -> Result<SafeOutcome, OpError> {
         if state.len() > MAX_STATE_BYTES {
             return Err(OpError::new(
                 ErrorKind::Invalid,
@@ -84,7 +88,7 @@ impl CkptShell {
             }
         }
         match r? {
-            PeerResp::SafeDone { epoch, halt } => Ok((epoch, halt)),
+            PeerResp::SafeDone { epoch, halt, pages } => Ok((epoch, halt, pages)),
             other => Err(OpError::new(
                 ErrorKind::Internal,
                 format!("unexpected answer {other:?}"),
@@ -165,13 +169,13 @@ impl CkptShell {
             .locked()
             .insert(call.job.clone(), (call.uid, call.gid, call.launcher.clone()));
         self.drive();
-        let (epoch, halt) = rx
+        let (epoch, halt, pages) = rx
             .await
             .map_err(|_| unavailable("the coordinator stopped during the call"))??;
-        Ok(PeerResp::SafeDone { epoch, halt })
+        Ok(PeerResp::SafeDone { epoch, halt, pages })
     }
 
-    fn answer(&self, job: &str, ranks: &[(u32, NodeId)], r: Result<(u64, bool), OpError>) {
+    fn answer(&self, job: &str, ranks: &[(u32, NodeId)], r: Result<SafeOutcome, OpError>) {
         let mut waiters = self.safe_waiters.locked();
         for (rank, _) in ranks {
             if let Some((_, w)) = waiters.remove(&(job.to_string(), *rank)) {
@@ -189,7 +193,7 @@ impl CkptShell {
                 ..
             } => {
                 self.safe.locked().done(self.node.now_ms(), &job, false);
-                self.answer(&job, &ranks, Ok((0, false)));
+                self.answer(&job, &ranks, Ok((0, false, 0)));
             }
             SafeAction::Decided {
                 job,
@@ -201,10 +205,10 @@ impl CkptShell {
                 self.runtime.spawn(async move {
                     let r = me.take(&job, files, ranks.len() as u32).await;
                     me.safe.locked().done(me.node.now_ms(), &job, r.is_ok());
-                    if let (Ok(epoch), true) = (&r, halt) {
-                        me.halt(&job, *epoch).await;
+                    if let (Ok(done), true) = (&r, halt) {
+                        me.halt(&job, done.epoch).await;
                     }
-                    me.answer(&job, &ranks, r.map(|epoch| (epoch, halt)));
+                    me.answer(&job, &ranks, r.map(|done| (done.epoch, halt, done.pages)));
                     me.drive();
                 });
             }
@@ -216,7 +220,12 @@ impl CkptShell {
     }
 
     /// Takes `job`'s checkpoint over `files` and its checkpoint area (created at its first).
-    async fn take(self: &Arc<Self>, job: &str, mut files: Vec<FileId>, size: u32) -> Result<u64, OpError> {
+    async fn take(
+        self: &Arc<Self>,
+        job: &str,
+        mut files: Vec<FileId>,
+        size: u32,
+    ) -> Result<super::round::Done, OpError> {
         let node = &self.node;
         let area = states::state_file_name(job);
         let (uid, gid, _) = self.owners.locked().get(job).cloned().unwrap_or_default();
@@ -246,8 +255,7 @@ impl CkptShell {
         files.push(id);
         files.sort();
         files.dedup();
-        let done = self.run_round(job.to_string(), files).await?;
-        Ok(done.epoch)
+        self.run_round(job.to_string(), files).await
     }
 
     /// A halted job: its launcher stops the ranks.

@@ -140,7 +140,7 @@ pub(super) async fn handle(c: &mut Conn, req: Request, mut fds: Vec<OwnedFd>) ->
             Some(pid) => {
                 let call = safe_call(&d, caller, pid);
                 match d.ckpt.safe_point(call, state).await {
-                    Ok((epoch, halt)) => Response::Checkpointed { epoch, halt },
+                    Ok((epoch, halt, pages)) => Response::Checkpointed { epoch, halt, pages },
                     Err(e) => err(e),
                 }
             }
