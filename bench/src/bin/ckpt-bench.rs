@@ -193,8 +193,7 @@ fn run(a: &Args, bin: &Path, raw: &Path, cdir: &Path) -> Result<()> {
                 bail!("checksums differ between runs: {checksum} / {}", r.checksum);
             }
             time[k].push(r.time_s);
-            if r.checkpoints > 0 {
-                let bytes = r.bytes / r.checkpoints;
+            if let Some(bytes) = r.bytes.checked_div(r.checkpoints) {
                 let raw_s = raw_writes(raw, bytes, r.checkpoints)?;
                 ratio[k].push(raw_s / r.pause_s);
                 let n = r.checkpoints as f64;
