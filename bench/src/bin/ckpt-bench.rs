@@ -144,6 +144,9 @@ fn recovery(bin: &Path, cdir: &Path, vectors: usize, delay: Duration) -> Result<
     while let Ok((at, line)) = rx.recv_timeout(Duration::from_secs(120)) {
         said.push_str(&line);
         said.push('\n');
+        if std::env::var_os("CKPT_BENCH_TRACE").is_some() {
+            eprintln!("{:+.3} s: {line}", at.duration_since(killed).as_secs_f64());
+        }
         if line.contains("restarted from") {
             restarted = Some(at.duration_since(killed).as_secs_f64());
             break;
