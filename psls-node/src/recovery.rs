@@ -1,6 +1,8 @@
 //! A job's rollback after a node failure (DESIGN §8), run by the job's launcher: the job's
-//! ranks are stopped everywhere; once every logical node is live again (the failed one back
-//! with an empty memory), the coordinator fences every epoch the job began, and what is
+//! ranks are stopped everywhere; once every logical node is live again — the failed one back
+//! with an empty memory, or, when it is not back within the job's respawn timeout, a free
+//! spare in its place (it takes the logical id and re-creates every page copy the lost node
+//! held, from the other copies) — the coordinator fences every epoch the job began, and what is
 //! committed then is the checkpoint the job restarts from; every node drops every copy of the
 //! job's files and volatile segments (so each page is next loaded from that checkpoint), and
 //! once all did, their directories are rebuilt (a restarted node serves their pages again).
@@ -19,30 +21,55 @@ use psls_ipc::ErrorKind;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+/// How long a rollback waits, past the respawn timeout, for a spare to re-create its copies.
+const REBUILD_TIMEOUT_MS: u64 = 10 * 60 * 1000;
+
 /// Rolls `spec`'s job back; returns the checkpoint it restarts from (0: its start).
 pub async fn roll_back(node: &Arc<Node>, ckpt: &Arc<CkptShell>, spec: &JobSpec) -> Result<u64, OpError> {
     let job = spec.job.as_str();
     kill_everywhere(node, job).await;
-    // Every logical node live again.
+    // Every logical node live again (a spare in the place of one that does not come back),
+    // and none still re-creating its copies.
     let deadline = Instant::now() + Duration::from_millis(spec.respawn_timeout_ms);
+    let rebuild_deadline = deadline + Duration::from_millis(REBUILD_TIMEOUT_MS);
     loop {
         let st = node.meta_state();
-        let down: Vec<String> = node
+        let down: Vec<(u32, String)> = node
             .logical_map(&st)
-            .into_values()
-            .filter(|p| !node.is_live(p))
+            .into_iter()
+            .filter(|(_, p)| !node.is_live(p))
             .collect();
-        if down.is_empty() {
+        if down.is_empty() && st.rebuilding.is_empty() {
             break;
         }
-        if Instant::now() >= deadline {
+        let now = Instant::now();
+        if !down.is_empty() && now >= deadline {
+            let (logical, lost) = &down[0];
+            let map = node.logical_map(&st);
+            let spare = node
+                .cfg
+                .spares
+                .iter()
+                .map(|s| s.name.clone())
+                .find(|s| !map.values().any(|p| p == s) && node.is_live(s));
+            let Some(spare) = spare else {
+                return Err(OpError::new(
+                    ErrorKind::Unavailable,
+                    format!(
+                        "{} did not come back within {} s and no spare is free",
+                        down.iter().map(|d| d.1.as_str()).collect::<Vec<_>>().join(", "),
+                        spec.respawn_timeout_ms / 1000
+                    ),
+                ));
+            };
+            tracing::warn!(node = %node.name(), job = %spec.job, logical, lost = %lost, %spare, "node not back: a spare takes its place");
+            crate::pfs::replace(node, *logical, &spare).await?;
+            continue;
+        }
+        if now >= rebuild_deadline {
             return Err(OpError::new(
                 ErrorKind::Unavailable,
-                format!(
-                    "{} did not come back within {} s",
-                    down.join(", "),
-                    spec.respawn_timeout_ms / 1000
-                ),
+                "a spare's copies were not re-created in time",
             ));
         }
         tokio::time::sleep(Duration::from_millis(100)).await;

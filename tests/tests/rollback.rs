@@ -26,6 +26,11 @@ fn mgs() -> String {
 }
 
 fn start_mgs(c: &Cluster, launcher: &str) -> Child {
+    start_mgs_waiting(c, launcher, "30")
+}
+
+/// MGS whose rollbacks wait `respawn_s` seconds for a failed node before taking a spare.
+fn start_mgs_waiting(c: &Cluster, launcher: &str, respawn_s: &str) -> Child {
     let mgs = mgs();
     let mut args = vec![
         "--node",
@@ -34,7 +39,7 @@ fn start_mgs(c: &Cluster, launcher: &str) -> Child {
         "-n",
         "4",
         "--respawn-timeout",
-        "30",
+        respawn_s,
         "--",
         mgs.as_str(),
     ];
@@ -172,4 +177,30 @@ fn after_a_power_cut_during_a_job_psls_run_resume_finishes_it_with_the_unfailed_
     assert!(e.contains("no job no-such-job to resume"), "{e}");
     let e = c.fails(&["jobs", "rm", "no-such-job"]);
     assert!(e.contains("no job no-such-job"), "{e}");
+}
+
+#[test]
+fn a_node_lost_with_its_disk_is_replaced_by_the_spare_and_the_job_finishes_with_the_unfailed_checksum() {
+    let c = Cluster::start(4, 1);
+    let (want, _) = finish(start_mgs(&c, "n0"), "the unfailed run");
+    let mut run = start_mgs_waiting(&c, "n0", "2");
+    let (job, mut err) = job_id(&mut run);
+    wait_for(Duration::from_secs(60), "the job's first checkpoint", || {
+        let list: serde_json::Value = serde_json::from_str(&c.ok(&["jobs", "--json"])).unwrap_or_default();
+        list.as_array().is_some_and(|a| {
+            a.iter()
+                .any(|j| j["job"] == job.as_str() && j["epoch"].as_u64().unwrap_or(0) > 0)
+        })
+    });
+    // n2 and its disk are gone for good: after 2 s the spare takes logical id 2, re-creates
+    // its copies, and the job goes on from its last checkpoint.
+    c.destroy("n2");
+    let (got, _) = finish(run, "after the loss of n2");
+    let mut said = String::new();
+    err.read_to_string(&mut said).expect("read");
+    assert!(said.contains("restarted from checkpoint"), "{said}");
+    assert_eq!(got, want, "{said}");
+    let st = c.status();
+    let s0 = st.nodes.iter().find(|n| n.name == "s0").expect("s0");
+    assert_eq!(s0.logical, Some(2), "{st:?}");
 }

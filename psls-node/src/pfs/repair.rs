@@ -165,7 +165,7 @@ pub async fn rebuild(node: &Arc<Node>, l: NodeId) -> Result<(), OpError> {
         .map(|f| {
             [Role::Primary, Role::Mirror]
                 .iter()
-                .map(|&r| p.held_count(l, f.id, f.pages(), r))
+                .map(|&r| p.held(l, f.id, f.pages(), r).filter(|&i| f.page_gen(i) > 0).count() as u64)
                 .sum::<u64>()
         })
         .sum();
@@ -180,7 +180,11 @@ pub async fn rebuild(node: &Arc<Node>, l: NodeId) -> Result<(), OpError> {
     for f in &files {
         for role in [Role::Primary, Role::Mirror] {
             let src_role = role.other();
-            let held: Vec<u64> = p.held(l, f.id, f.pages(), role).collect();
+            // Pages never written (generation 0: zeros) have no copy to re-create.
+            let held: Vec<u64> = p
+                .held(l, f.id, f.pages(), role)
+                .filter(|&i| f.page_gen(i) > 0)
+                .collect();
             for chunk in held.chunks(BATCH_PAGES) {
                 let src = p.holder(f.id, chunk[0], src_role);
                 let (ok, bad) = read_from(node, &st, f, src_role, src, chunk.to_vec())
