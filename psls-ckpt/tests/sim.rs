@@ -28,7 +28,7 @@
 mod common;
 
 use psls_ckpt::{CoordAction, Coordinator, Msg, Outcome, PartAction, Participant};
-use psls_pfs::jobs::{self, FileRuns};
+use psls_pfs::jobs::FileRuns;
 use psls_pfs::meta::{FileMeta, MetaOp, MetaState};
 use psls_pfs::{Placement, Role};
 use psls_svm::rng::SplitMix64;
@@ -403,7 +403,7 @@ impl World {
             return;
         }
         let ci = c.0 as usize;
-        let epoch = jobs::floor(&self.meta, JOB).max(self.nodes[ci].started) + 1;
+        let epoch = self.meta.job_floor(JOB).max(self.nodes[ci].started) + 1;
         let all: BTreeSet<NodeId> = (0..self.nodes.len()).map(|i| NodeId(i as u32)).collect();
         let files = self.file_ids();
         let now = self.now_ms;
@@ -491,7 +491,7 @@ impl World {
                 self.log(|| format!("round {epoch} over at {i}: {outcome:?}"));
                 if let Outcome::Committed { .. } = outcome {
                     assert_eq!(
-                        jobs::decided(&self.meta, JOB, epoch),
+                        self.meta.job_decided(JOB, epoch),
                         Some(true),
                         "round {epoch} finished as committed without its record"
                     );
@@ -659,7 +659,7 @@ impl World {
             }
             Task::Commit(epoch) => self.nodes[by].coord.committed(JOB, epoch, r.map_err(|e| e.to_string())),
             Task::Fence(epoch) => {
-                let d = jobs::decided(&self.meta, JOB, epoch).ok_or_else(|| "undecided".to_string());
+                let d = self.meta.job_decided(JOB, epoch).ok_or_else(|| "undecided".to_string());
                 self.nodes[by].coord.fenced(JOB, epoch, d);
             }
         }
@@ -742,7 +742,7 @@ impl World {
         if self.nodes[ci].coord.busy(JOB) {
             return;
         }
-        let epoch = jobs::floor(&self.meta, JOB).max(self.nodes[ci].started);
+        let epoch = self.meta.job_floor(JOB).max(self.nodes[ci].started);
         self.rollback = Some(true);
         self.fences += 1;
         self.submit(

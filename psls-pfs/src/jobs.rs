@@ -10,7 +10,7 @@
 //!
 //! A checkpoint begins with [`crate::meta::MetaOp::BeginCheckpoint`]: its epoch must be above
 //! every epoch of the job begun, committed or fenced before, and it gets a generation from the
-//! cluster-wide counter (`MetaState::next_gen`), above every page generation of every file.
+//! cluster-wide counter (`crate::meta::MetaState::next_gen`), above every page generation of every file.
 //! So no two checkpoints ever write the same generation, and a write of an abandoned
 //! checkpoint that arrives late can be told from a newer one's (the page store refuses to put
 //! an older generation over a newer one).
@@ -23,9 +23,10 @@
 //! existing files, pages inside them, with the node map its pages were placed with.
 
 use crate::error::MetaError;
-use crate::meta::MetaState;
+use crate::file::FileMeta;
 use psls_svm::FileId;
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
 
 /// Longest job name in bytes.
 pub const MAX_JOB_LEN: usize = 128;
@@ -82,7 +83,7 @@ pub struct JobSummary {
 pub const MAX_SUMMARY_BYTES: usize = 64 * 1024;
 
 /// Records (or updates) `job`'s summary as it starts.
-pub(crate) fn apply_start(next: &mut MetaState, job: &str, spec: &JobSummary) -> Result<(), MetaError> {
+pub(crate) fn apply_start(next: &mut Parts<'_>, job: &str, spec: &JobSummary) -> Result<(), MetaError> {
     validate_job(job)?;
     let size = spec.program.len() + spec.cwd.len() + spec.args.iter().map(|a| a.len() + 1).sum::<usize>();
     if size > MAX_SUMMARY_BYTES {
@@ -111,23 +112,32 @@ pub fn validate_job(job: &str) -> Result<(), MetaError> {
     Ok(())
 }
 
-/// The epoch the next checkpoint of `job` must be above (begun, committed or fenced).
-pub fn floor(st: &MetaState, job: &str) -> u64 {
-    st.jobs.get(job).map_or(0, |r| r.epoch.max(r.fenced).max(r.started))
+/// The parts of the namespace the checkpoint records change.
+pub(crate) struct Parts<'a> {
+    pub jobs: &'a mut BTreeMap<String, JobCkpt>,
+    pub files: &'a mut BTreeMap<String, FileMeta>,
+    pub map_version: u64,
+    pub next_gen: &'a mut u64,
+}
+
+/// The epoch the next checkpoint of `job` must be above (begun, committed or fenced), from
+/// the jobs' records.
+pub fn floor(jobs: &BTreeMap<String, JobCkpt>, job: &str) -> u64 {
+    jobs.get(job).map_or(0, |r| r.epoch.max(r.fenced).max(r.started))
 }
 
 /// Begins checkpoint `epoch` of `job`: gives it the next generation.
-pub(crate) fn apply_begin(next: &mut MetaState, job: &str, epoch: u64) -> Result<(), MetaError> {
+pub(crate) fn apply_begin(next: &mut Parts<'_>, job: &str, epoch: u64) -> Result<(), MetaError> {
     validate_job(job)?;
-    let f = floor(next, job);
+    let f = floor(next.jobs, job);
     if epoch <= f {
         return Err(MetaError::Invalid(format!(
             "checkpoint {epoch} of job {job} is stale (the job is at {f})"
         )));
     }
     let top = next.files.values().map(|m| m.top_gen()).max().unwrap_or(0);
-    let gen = next.next_gen.max(top + 1).max(2);
-    next.next_gen = gen + 1;
+    let gen = (*next.next_gen).max(top + 1).max(2);
+    *next.next_gen = gen + 1;
     let rec = next.jobs.entry(job.to_string()).or_default();
     rec.started = epoch;
     rec.started_gen = gen;
@@ -136,8 +146,8 @@ pub(crate) fn apply_begin(next: &mut MetaState, job: &str, epoch: u64) -> Result
 
 /// Whether epoch `epoch` of `job` committed: `Some(true)` committed, `Some(false)` never will
 /// (fenced, or a later epoch committed instead), `None` undecided.
-pub fn decided(st: &MetaState, job: &str, epoch: u64) -> Option<bool> {
-    let r = st.jobs.get(job)?;
+pub fn decided(jobs: &BTreeMap<String, JobCkpt>, job: &str, epoch: u64) -> Option<bool> {
+    let r = jobs.get(job)?;
     if r.epoch == epoch {
         Some(true)
     } else if r.epoch > epoch || r.fenced >= epoch {
@@ -150,7 +160,7 @@ pub fn decided(st: &MetaState, job: &str, epoch: u64) -> Option<bool> {
 /// Applies a checkpoint commit record to `next` (see the module invariants).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn apply_checkpoint(
-    next: &mut MetaState,
+    next: &mut Parts<'_>,
     job: &str,
     epoch: u64,
     gen: u64,
@@ -217,7 +227,7 @@ pub(crate) fn apply_checkpoint(
 
 /// Fences epoch `epoch` of `job` (and every lower one not committed). An epoch at or below
 /// the committed one is decided already: nothing changes (the caller reads [`decided`]).
-pub(crate) fn apply_fence(next: &mut MetaState, job: &str, epoch: u64) -> Result<(), MetaError> {
+pub(crate) fn apply_fence(next: &mut Parts<'_>, job: &str, epoch: u64) -> Result<(), MetaError> {
     validate_job(job)?;
     let rec = next.jobs.entry(job.to_string()).or_default();
     if epoch > rec.epoch {

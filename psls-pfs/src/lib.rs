@@ -19,6 +19,7 @@ pub mod buf;
 pub mod disk;
 pub mod error;
 pub mod fault;
+pub mod file;
 pub mod gens;
 pub mod jobs;
 pub mod meta;

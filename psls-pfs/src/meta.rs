@@ -20,10 +20,15 @@
 
 use crate::disk::{Disk, DiskFile};
 use crate::error::MetaError;
+pub use crate::file::FileMeta;
+use crate::file::FileMetaV2;
+#[cfg(test)]
 use crate::gens::PageGens;
 use crate::jobs::{FileRuns, JobCkpt};
 use psls_cluster::meta::{Accepted, Durable, Epoch, Replicated};
-use psls_svm::{FileId, PAGE_SIZE};
+use psls_svm::FileId;
+#[cfg(test)]
+use psls_svm::PAGE_SIZE;
 use redb::{ReadableDatabase, TableDefinition};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -45,78 +50,6 @@ pub const MAX_NAME_LEN: usize = 255;
 
 /// Largest file: 4 PiB.
 pub const MAX_FILE_SIZE: u64 = 1 << 52;
-
-/// One parallel file.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct FileMeta {
-    pub id: FileId,
-    pub name: String,
-    pub size: u64,
-    pub uid: u32,
-    pub gid: u32,
-    /// Permission bits (0o777 mask).
-    pub mode: u32,
-    /// Base generation: of every page no checkpoint wrote (set by the import; 0 means "all
-    /// zero, never written").
-    pub gen: u64,
-    pub created_unix_ms: u64,
-    /// Generations of the pages persistent checkpoints wrote since.
-    pub written: PageGens,
-    /// The job that maps the file writable (at most one at a time; readers are free).
-    pub writer: Option<(String, u32)>,
-}
-
-impl FileMeta {
-    pub fn pages(&self) -> u64 {
-        self.size.div_ceil(PAGE_SIZE as u64)
-    }
-    /// The generation of page `index`'s committed version (0: never written, all zero).
-    pub fn page_gen(&self, index: u64) -> u64 {
-        self.written.get(index).unwrap_or(self.gen)
-    }
-    /// The highest generation of any page (a new version must be above it).
-    pub fn top_gen(&self) -> u64 {
-        self.gen.max(self.written.max_gen())
-    }
-    /// Whether job `job` maps the file writable.
-    pub fn written_by(&self, job: &str) -> bool {
-        self.writer.as_ref().is_some_and(|(w, _)| w == job)
-    }
-    /// Whether every page is still all zero (nothing was ever written).
-    pub fn never_written(&self) -> bool {
-        self.gen == 0 && self.written.runs() == 0
-    }
-}
-
-/// Format 2 of [`FileMeta`] (before `written`).
-#[derive(Deserialize)]
-struct FileMetaV2 {
-    id: FileId,
-    name: String,
-    size: u64,
-    uid: u32,
-    gid: u32,
-    mode: u32,
-    gen: u64,
-    created_unix_ms: u64,
-}
-
-impl From<FileMetaV2> for FileMeta {
-    fn from(f: FileMetaV2) -> FileMeta {
-        FileMeta {
-            id: f.id,
-            name: f.name,
-            size: f.size,
-            uid: f.uid,
-            gid: f.gid,
-            mode: f.mode,
-            gen: f.gen,
-            created_unix_ms: f.created_unix_ms,
-            written: PageGens::default(),
-            writer: None,
-        }
-    }
-}
 
 /// A logical node whose copies are being re-created on a new physical node.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -302,9 +235,9 @@ impl MetaOp {
                 st.logical.get(logical) == Some(physical)
                     && st.rebuilding.get(logical).is_none_or(|r| &r.physical != physical)
             }
-            MetaOp::BeginCheckpoint { job, epoch } => crate::jobs::floor(st, job) >= *epoch,
+            MetaOp::BeginCheckpoint { job, epoch } => st.job_floor(job) >= *epoch,
             MetaOp::Checkpoint { job, epoch, .. } => st.jobs.get(job).is_some_and(|r| r.epoch >= *epoch),
-            MetaOp::FenceCheckpoint { job, epoch } => crate::jobs::decided(st, job, *epoch).is_some(),
+            MetaOp::FenceCheckpoint { job, epoch } => st.job_decided(job, *epoch).is_some(),
             MetaOp::EndJob { job } => !st.jobs.contains_key(job) && st.files.values().all(|f| !f.written_by(job)),
             // Counted claims: a resubmission cannot tell whether it was applied.
             MetaOp::ClaimWriter { .. } | MetaOp::ReleaseWriter { .. } => false,
@@ -427,16 +360,25 @@ impl MetaState {
                 files,
                 at_unix_ms,
                 bytes,
-            } => crate::jobs::apply_checkpoint(&mut next, job, *epoch, *gen, *placed_at, files, *at_unix_ms, *bytes)?,
-            MetaOp::BeginCheckpoint { job, epoch } => crate::jobs::apply_begin(&mut next, job, *epoch)?,
-            MetaOp::FenceCheckpoint { job, epoch } => crate::jobs::apply_fence(&mut next, job, *epoch)?,
+            } => crate::jobs::apply_checkpoint(
+                &mut next.parts(),
+                job,
+                *epoch,
+                *gen,
+                *placed_at,
+                files,
+                *at_unix_ms,
+                *bytes,
+            )?,
+            MetaOp::BeginCheckpoint { job, epoch } => crate::jobs::apply_begin(&mut next.parts(), job, *epoch)?,
+            MetaOp::FenceCheckpoint { job, epoch } => crate::jobs::apply_fence(&mut next.parts(), job, *epoch)?,
             MetaOp::EndJob { job } => {
                 next.jobs.remove(job);
                 for f in next.files.values_mut().filter(|f| f.written_by(job)) {
                     f.writer = None;
                 }
             }
-            MetaOp::StartJob { job, spec } => crate::jobs::apply_start(&mut next, job, spec)?,
+            MetaOp::StartJob { job, spec } => crate::jobs::apply_start(&mut next.parts(), job, spec)?,
             MetaOp::ClaimWriter { file, job } => {
                 crate::jobs::validate_job(job)?;
                 let Some(f) = next.files.values_mut().find(|f| f.id == *file) else {
@@ -510,6 +452,26 @@ impl MetaState {
             }
             v => Err(MetaError::Corrupt(format!("unknown metadata format version {v}"))),
         }
+    }
+
+    /// What the checkpoint records change (`crate::jobs`).
+    fn parts(&mut self) -> crate::jobs::Parts<'_> {
+        crate::jobs::Parts {
+            jobs: &mut self.jobs,
+            files: &mut self.files,
+            map_version: self.map_version,
+            next_gen: &mut self.next_gen,
+        }
+    }
+
+    /// The epoch `job`'s next checkpoint must be above ([`crate::jobs::floor`]).
+    pub fn job_floor(&self, job: &str) -> u64 {
+        crate::jobs::floor(&self.jobs, job)
+    }
+
+    /// Whether epoch `epoch` of `job` committed ([`crate::jobs::decided`]).
+    pub fn job_decided(&self, job: &str, epoch: u64) -> Option<bool> {
+        crate::jobs::decided(&self.jobs, job, epoch)
     }
 
     /// The generation of logical id `logical`'s current physical node: 0 for its initial node,
@@ -894,7 +856,7 @@ mod tests {
             bytes: 4096,
         };
         let begin = |epoch: u64| MetaOp::BeginCheckpoint { job: "j".into(), epoch };
-        assert_eq!(crate::jobs::decided(&s, "j", 1), None);
+        assert_eq!(s.job_decided("j", 1), None);
         assert!(s.clone().apply(&ck(1, 2, vec![(2, 4)])).is_err(), "not begun");
         s.apply(&begin(1)).unwrap();
         assert_eq!(s.jobs["j"].started_gen, 2, "above the file's generation 1");
@@ -906,7 +868,7 @@ mod tests {
             (fm.page_gen(1), fm.page_gen(2), fm.page_gen(3), fm.page_gen(4)),
             (1, 2, 2, 1)
         );
-        assert_eq!(crate::jobs::decided(&s, "j", 1), Some(true));
+        assert_eq!(s.job_decided("j", 1), Some(true));
         assert!(ck(1, 2, vec![]).reflected_in(&s));
         // Stale epochs, epochs not begun, pages outside the file: refused.
         s.apply(&begin(2)).unwrap();
@@ -925,7 +887,7 @@ mod tests {
             epoch: 2,
         })
         .unwrap();
-        assert_eq!(crate::jobs::decided(&s, "j", 2), Some(false));
+        assert_eq!(s.job_decided("j", 2), Some(false));
         assert!(s.clone().apply(&ck(2, 3, vec![(0, 1)])).is_err());
         // Fencing a committed epoch changes nothing: it stays committed.
         let mut t = s.clone();
@@ -934,7 +896,7 @@ mod tests {
             epoch: 1,
         })
         .unwrap();
-        assert_eq!(crate::jobs::decided(&t, "j", 1), Some(true));
+        assert_eq!(t.job_decided("j", 1), Some(true));
         assert_eq!(t.jobs["j"].fenced, s.jobs["j"].fenced);
         assert!(
             s.clone().apply(&begin(2)).is_err(),
@@ -947,7 +909,7 @@ mod tests {
             (fm.page_gen(2), fm.page_gen(3), fm.page_gen(4), fm.top_gen()),
             (2, 4, 4, 4)
         );
-        assert_eq!(crate::jobs::floor(&s, "j"), 3);
+        assert_eq!(s.job_floor("j"), 3);
         // A replaced node between placement and commit: refused.
         s.apply(&MetaOp::Replace {
             logical: 1,

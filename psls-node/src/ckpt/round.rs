@@ -58,6 +58,13 @@ type Waiter = tokio::sync::oneshot::Sender<Result<Done, OpError>>;
 /// Pages taken from files, per file.
 type TakenPages = Vec<(FileId, Vec<u64>)>;
 
+/// What a safe-point call did: the epoch taken (0: none), whether the job halts, and the pages
+/// the checkpoint wrote (one copy).
+pub type SafeOutcome = (u64, bool, u64);
+
+/// A rank waiting at the coordinator for its call's outcome.
+pub(super) type SafeWaiter = tokio::sync::oneshot::Sender<Result<SafeOutcome, OpError>>;
+
 /// A rank's private state, with the start of the job it belongs to.
 pub(super) type RankState = (u32, Vec<u8>);
 
@@ -83,7 +90,7 @@ pub struct CkptShell {
     /// At the coordinator: the ranks' safe-point calls.
     pub(super) safe: Mutex<psls_ckpt::SafePoints>,
     /// At the coordinator: the ranks waiting for their call's outcome, by (job, rank).
-    pub(super) safe_waiters: Mutex<HashMap<(String, u32), (u32, super::safepoint::SafeWaiter)>>,
+    pub(super) safe_waiters: Mutex<HashMap<(String, u32), (u32, SafeWaiter)>>,
     /// On a rank's node: the private state of each local rank's call in progress, by (job,
     /// rank); written with the job's checkpoint.
     pub(super) states: Mutex<HashMap<(String, u32), RankState>>,
@@ -208,7 +215,7 @@ impl CkptShell {
                         return Err(OpError::new(ErrorKind::NotFound, format!("no file with id {id}")));
                     }
                     let mut started = self.started.locked();
-                    let epoch = psls_pfs::jobs::floor(&st, &job).max(started.get(&job).copied().unwrap_or(0)) + 1;
+                    let epoch = st.job_floor(&job).max(started.get(&job).copied().unwrap_or(0)) + 1;
                     let participants: BTreeSet<NodeId> = node.logical_map(&st).keys().map(|l| NodeId(*l)).collect();
                     self.coord
                         .locked()
@@ -411,7 +418,7 @@ impl CkptShell {
                     };
                     let r = me.node.submit(op).await;
                     let st = me.node.meta_state();
-                    let r = match psls_pfs::jobs::decided(&st, &job, epoch) {
+                    let r = match st.job_decided(&job, epoch) {
                         Some(commit) => Ok(commit),
                         None => Err(r.err().map(|e| e.message).unwrap_or_else(|| "undecided".into())),
                     };

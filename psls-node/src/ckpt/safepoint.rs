@@ -11,7 +11,7 @@
 //! epoch; each waiting rank is answered exactly once (a decision, a timeout, or the
 //! coordinator's end).
 
-use super::round::{unavailable, CkptShell};
+use super::round::{unavailable, CkptShell, SafeOutcome};
 use super::states::{self, MAX_STATE_BYTES};
 use crate::failstop::Locked;
 use crate::op::OpError;
@@ -23,14 +23,6 @@ use psls_ipc::ErrorKind;
 use psls_svm::{FileId, NodeId, PAGE_SIZE};
 use std::sync::Arc;
 use std::time::Duration;
-
-/// A rank waiting at the coordinator for its call's outcome: the epoch taken (0: none) and
-/// whether the job halts.
-pub(super) type SafeWaiter = tokio::sync::oneshot::Sender<Result<SafeOutcome, OpError>>;
-
-/// What a safe-point call did: the epoch taken (0: none), whether the job halts, and the pages
-/// the checkpoint wrote (one copy).
-pub type SafeOutcome = (u64, bool, u64);
 
 /// One rank's safe-point call.
 #[derive(Clone, Debug)]
@@ -378,7 +370,7 @@ impl CkptShell {
             .collect();
         self.answer(job, &waiting, Err(unavailable(format!("job {job} rolls back"))));
         let st = node.meta_state();
-        let epoch = psls_pfs::jobs::floor(&st, job).max(self.started_epoch(job));
+        let epoch = st.job_floor(job).max(self.started_epoch(job));
         if epoch > 0 {
             node.submit(psls_pfs::meta::MetaOp::FenceCheckpoint {
                 job: job.to_string(),
