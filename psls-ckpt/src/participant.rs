@@ -137,38 +137,28 @@ impl Participant {
     }
 
     fn prepare(&mut self, msg: Msg) {
-        let Msg::Prepare {
-            job,
-            epoch,
-            gen,
-            seq,
-            files,
-            committed,
-        } = msg
-        else {
-            return;
-        };
-
-        if self.seen.get(&job).is_some_and(|&s| epoch <= s) {
+        let (job, epoch) = (msg.job(), msg.epoch());
+        if self.seen.get(job).is_some_and(|&s| epoch <= s) {
             return;
         }
-        if !self.seen.contains_key(&job) && self.seen.len() >= crate::MAX_ROUNDS {
+        if !self.seen.contains_key(job) && self.seen.len() >= crate::MAX_ROUNDS {
             return; // too many jobs at once: this one's round times out at the coordinator
         }
-        self.seen.insert(job.clone(), epoch);
-        self.begin(Msg::Prepare {
-            job,
-            epoch,
-            gen,
-            seq,
-            files,
-            committed,
-        });
+        self.seen.insert(job.to_string(), epoch);
+        self.begin(msg);
     }
 
     /// Starts the write of a `Prepare` that passed the checks (now, or once the write before
     /// it is over).
     fn begin(&mut self, msg: Msg) {
+        if let Some(State::Writing { epoch: e, next }) = self.jobs.get_mut(msg.job()) {
+            if msg.epoch() > *e {
+                // The coordinator moved on; this write's round is dead. Start the new one when
+                // it is over.
+                *next = Some(Box::new(msg));
+            }
+            return;
+        }
         let Msg::Prepare {
             job,
             epoch,
@@ -180,43 +170,19 @@ impl Participant {
         else {
             return;
         };
-        match self.jobs.get_mut(&job) {
-            Some(State::Writing { epoch: e, next }) => {
-                if epoch > *e {
-                    // The coordinator moved on; this write's round is dead. Start the new one
-                    // when it is over.
-                    *next = Some(Box::new(Msg::Prepare {
-                        job,
-                        epoch,
-                        gen,
-                        seq,
-                        files,
-                        committed,
-                    }));
-                }
+        if let Some(&State::Prepared { epoch: e }) = self.jobs.get(&job) {
+            if epoch <= e {
                 return;
             }
-            Some(State::Prepared { epoch: e }) => {
-                let e = *e;
-                if epoch <= e {
-                    return;
-                }
-                // A new round means the coordinator settled ours: committed if it is the
-                // job's last committed epoch; otherwise (aborted, or unknown) dirty again.
-                self.jobs.remove(&job);
-                self.actions.push_back(if committed == e {
-                    PartAction::Clean {
-                        job: job.clone(),
-                        epoch: e,
-                    }
-                } else {
-                    PartAction::Restore {
-                        job: job.clone(),
-                        epoch: e,
-                    }
-                });
-            }
-            None => {}
+            // A new round means the coordinator settled ours: committed if it is the job's
+            // last committed epoch; otherwise (aborted, or unknown) dirty again.
+            self.jobs.remove(&job);
+            let job = job.clone();
+            self.actions.push_back(if committed == e {
+                PartAction::Clean { job, epoch: e }
+            } else {
+                PartAction::Restore { job, epoch: e }
+            });
         }
         self.jobs.insert(job.clone(), State::Writing { epoch, next: None });
         self.actions.push_back(PartAction::Write {

@@ -222,32 +222,7 @@ impl Daemon {
                 "link pings and checkpoint messages go over the message link",
             )),
             PeerReq::CkptRun { job, files } => self.ckpt.serve_run(job, files).await,
-            PeerReq::CkptArrive {
-                job,
-                rank,
-                attempt,
-                size,
-                interval_ms,
-                timeout_ms,
-                files,
-                uid,
-                gid,
-                launcher,
-            } => {
-                let call = crate::ckpt::SafeCall {
-                    job,
-                    rank,
-                    attempt,
-                    size,
-                    interval_ms,
-                    timeout_ms,
-                    files,
-                    uid,
-                    gid,
-                    launcher,
-                };
-                self.ckpt.serve_arrive(&from, call).await
-            }
+            PeerReq::CkptArrive(call) => self.ckpt.serve_arrive(&from, call).await,
             PeerReq::CkptForce { job, halt, uid } => self.ckpt.serve_force(&job, halt, uid),
             PeerReq::CkptEnd { job } => Ok(self.ckpt.serve_end(&job)),
             PeerReq::CkptRollback { job } => self.ckpt.serve_rollback(&job).await,

@@ -58,6 +58,26 @@ pub struct JobSpec {
     pub restart_epoch: u64,
 }
 
+/// One rank's safe-point call.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct SafeCall {
+    pub job: String,
+    pub rank: u32,
+    /// Which start of the job (0, then one more per restart after a rollback).
+    pub attempt: u32,
+    /// Ranks in the job.
+    pub size: u32,
+    pub interval_ms: u64,
+    pub timeout_ms: u64,
+    /// The files the rank maps writable.
+    pub files: Vec<FileId>,
+    /// The job's owner (its checkpoint area is theirs).
+    pub uid: u32,
+    pub gid: u32,
+    /// The job's launcher (told when a halt stops the job).
+    pub launcher: String,
+}
+
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Heartbeat {
     pub incarnation: u64,
@@ -173,24 +193,9 @@ pub enum PeerReq {
         job: String,
         files: Vec<FileId>,
     },
-    /// To the coordinator: rank `rank` of `job` (of `size` ranks) made its safe-point call
-    /// (answered with `SafeDone` once every rank did and the decision was carried out).
-    CkptArrive {
-        job: String,
-        rank: u32,
-        /// Which start of the job the rank belongs to.
-        attempt: u32,
-        size: u32,
-        interval_ms: u64,
-        timeout_ms: u64,
-        /// The files the rank maps writable.
-        files: Vec<FileId>,
-        /// The job's owner (its checkpoint area is theirs).
-        uid: u32,
-        gid: u32,
-        /// The job's launcher (told when a halt stops the job).
-        launcher: String,
-    },
+    /// To the coordinator: a rank made its safe-point call (answered with `SafeDone` once
+    /// every rank of its job did and the decision was carried out).
+    CkptArrive(SafeCall),
     /// To the coordinator: a checkpoint at `job`'s next safe-point call (`halt`: then stop).
     CkptForce {
         job: String,

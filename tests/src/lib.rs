@@ -247,6 +247,19 @@ impl Cluster {
         cmd
     }
 
+    /// Runs client `bin ARGS` on `node`, which must succeed; returns its stdout.
+    pub fn client_ok(&self, node: &str, bin: &str, args: &[&str]) -> String {
+        let o = self.client(node, bin).args(args).output().expect("run client");
+        let out = String::from_utf8_lossy(&o.stdout).to_string();
+        assert!(
+            o.status.success(),
+            "{bin} {args:?} on {node} failed ({}): {out}{}",
+            o.status,
+            String::from_utf8_lossy(&o.stderr)
+        );
+        out
+    }
+
     /// Whether any daemon's log contains `text`.
     pub fn logs_contain(&self, text: &str) -> bool {
         self.config().all().any(|n| self.log(&n.name).contains(text))
@@ -367,4 +380,17 @@ pub fn assert_same(got: &[u8], want: &[u8], what: &str) {
             want.len()
         );
     }
+}
+
+/// The job id a `psls run` child prints first on stderr, and the rest of its stderr.
+pub fn job_id(ch: &mut std::process::Child) -> (String, std::io::BufReader<std::process::ChildStderr>) {
+    let mut err = std::io::BufReader::new(ch.stderr.take().expect("stderr piped"));
+    let mut line = String::new();
+    std::io::BufRead::read_line(&mut err, &mut line).expect("read stderr");
+    let job = line
+        .strip_prefix("psls: job ")
+        .and_then(|l| l.strip_suffix(" started\n"))
+        .unwrap_or_else(|| panic!("no job id: {line}"))
+        .to_string();
+    (job, err)
 }

@@ -7,15 +7,7 @@ use psls_tests::*;
 const PROBE: &str = env!("CARGO_BIN_EXE_svm-probe");
 
 fn probe(c: &Cluster, node: &str, args: &[&str]) -> String {
-    let o = c.client(node, PROBE).args(args).output().expect("run probe");
-    let out = String::from_utf8_lossy(&o.stdout).to_string();
-    assert!(
-        o.status.success(),
-        "probe {args:?} on {node} failed ({}): {out}{}",
-        o.status,
-        String::from_utf8_lossy(&o.stderr)
-    );
-    out
+    c.client_ok(node, PROBE, args)
 }
 
 /// The bytes svm-probe's `fill` writes: word k of page p is `mix64(seed ^ p << 20 ^ k)`.
@@ -120,15 +112,7 @@ fn an_interval_skips_calls_psls_checkpoint_forces_one_and_psls_halt_stops_the_jo
         .stderr(std::process::Stdio::piped())
         .spawn()
         .expect("psls run");
-    // The job's id comes first on stderr.
-    let mut err = std::io::BufReader::new(run.stderr.take().expect("stderr"));
-    let mut line = String::new();
-    std::io::BufRead::read_line(&mut err, &mut line).expect("read");
-    let job = line
-        .strip_prefix("psls: job ")
-        .and_then(|l| l.strip_suffix(" started\n"))
-        .unwrap_or_else(|| panic!("no job id: {line}"))
-        .to_string();
+    let (job, mut err) = job_id(&mut run);
     std::thread::sleep(std::time::Duration::from_millis(500));
     let said = c.ok(&["checkpoint", &job]);
     assert!(said.contains("next safe-point call"), "{said}");

@@ -107,19 +107,6 @@ fn mgs_survives_kill_9_of_any_node_at_random_moments_with_the_checksum_of_an_unf
     );
 }
 
-/// The job id `psls run` prints first on stderr.
-fn job_id(ch: &mut Child) -> (String, std::io::BufReader<std::process::ChildStderr>) {
-    let mut err = std::io::BufReader::new(ch.stderr.take().expect("stderr"));
-    let mut line = String::new();
-    std::io::BufRead::read_line(&mut err, &mut line).expect("read");
-    let job = line
-        .strip_prefix("psls: job ")
-        .and_then(|l| l.strip_suffix(" started\n"))
-        .unwrap_or_else(|| panic!("no job id: {line}"))
-        .to_string();
-    (job, err)
-}
-
 #[test]
 fn after_a_power_cut_during_a_job_psls_run_resume_finishes_it_with_the_unfailed_checksum() {
     let mut c = Cluster::init(4, 0, |_| {});

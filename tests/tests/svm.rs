@@ -7,15 +7,7 @@ use std::time::{Duration, Instant};
 const PROBE: &str = env!("CARGO_BIN_EXE_svm-probe");
 
 fn run_ok(c: &Cluster, node: &str, args: &[&str]) -> String {
-    let o = c.client(node, PROBE).args(args).output().expect("run probe");
-    let out = String::from_utf8_lossy(&o.stdout).to_string();
-    assert!(
-        o.status.success(),
-        "probe {args:?} on {node} failed ({}): {out}{}",
-        o.status,
-        String::from_utf8_lossy(&o.stderr)
-    );
-    out
+    c.client_ok(node, PROBE, args)
 }
 
 fn spawn(c: &Cluster, node: &str, args: &[&str]) -> Child {

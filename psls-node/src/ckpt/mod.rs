@@ -14,7 +14,7 @@ mod safepoint;
 mod states;
 mod writers;
 
+pub use crate::peer::SafeCall;
 pub use round::{CkptShell, Done, MAX_CKPT_FILES};
-pub use safepoint::SafeCall;
 pub use states::{state_file_name, MAX_STATE_BYTES};
 pub use writers::ext_job;

@@ -15,7 +15,7 @@ use super::round::{unavailable, CkptShell, SafeOutcome};
 use super::states::{self, MAX_STATE_BYTES};
 use crate::failstop::Locked;
 use crate::op::OpError;
-use crate::peer::{PeerReq, PeerResp};
+use crate::peer::{PeerReq, PeerResp, SafeCall};
 use crate::svm::Taken;
 use psls_ckpt::safepoint::ArriveError;
 use psls_ckpt::{Decision, SafeAction};
@@ -23,22 +23,6 @@ use psls_ipc::ErrorKind;
 use psls_svm::{FileId, NodeId, PAGE_SIZE};
 use std::sync::Arc;
 use std::time::Duration;
-
-/// One rank's safe-point call.
-#[derive(Clone, Debug)]
-pub struct SafeCall {
-    pub job: String,
-    pub rank: u32,
-    /// Which start of the job (0, then one more per restart after a rollback).
-    pub attempt: u32,
-    pub size: u32,
-    pub interval_ms: u64,
-    pub timeout_ms: u64,
-    pub files: Vec<FileId>,
-    pub uid: u32,
-    pub gid: u32,
-    pub launcher: String,
-}
 
 impl CkptShell {
     /// On a rank's node: makes the rank's call with its `state`; returns the epoch taken (0:
@@ -57,19 +41,8 @@ impl CkptShell {
         let key = (call.job.clone(), call.rank);
         self.states.locked().insert(key.clone(), (call.attempt, state));
         let attempt = call.attempt;
-        let req = PeerReq::CkptArrive {
-            job: call.job,
-            rank: call.rank,
-            attempt: call.attempt,
-            size: call.size,
-            interval_ms: call.interval_ms,
-            timeout_ms: call.timeout_ms,
-            files: call.files,
-            uid: call.uid,
-            gid: call.gid,
-            launcher: call.launcher,
-        };
         let timeout = Duration::from_millis(call.timeout_ms + super::round::ROUND_TIMEOUT_MS + 5000);
+        let req = PeerReq::CkptArrive(call);
         let r = self.call_coordinator(req, timeout).await;
         // The state went into the checkpoint, or the call is over without one (a restarted
         // rank's newer call keeps its own).

@@ -61,31 +61,17 @@ pub(super) async fn handle(c: &mut Conn, req: Request, mut fds: Vec<OwnedFd>) ->
             env,
             cwd,
         } => {
-            let launched = crate::launcher::launch(
-                &node,
-                &d.jobs,
-                ranks,
-                per_node,
+            // An older client's `psls run`: no checkpoint options, no job id announced.
+            let req = Request::RunJob {
                 program,
                 args,
+                ranks,
+                per_node,
                 env,
                 cwd,
-                caller.uid,
-                caller.gid,
-                Default::default(),
-            )
-            .await;
-            match launched {
-                Ok((spec, owners, rx)) => {
-                    return Ok(Flow::Job {
-                        spec,
-                        per_node,
-                        owners,
-                        rx,
-                    })
-                }
-                Err(e) => err(e),
-            }
+                checkpoint: Default::default(),
+            };
+            return start_job(c, req, false).await;
         }
         Request::RunJob { env, checkpoint, .. } if !checkpoint.resume.is_empty() => {
             let job = checkpoint.resume;
@@ -109,32 +95,7 @@ pub(super) async fn handle(c: &mut Conn, req: Request, mut fds: Vec<OwnedFd>) ->
             Err(e) => err(e),
         },
         Request::JobRm { job } => ok_or_err(job_rm(&d, caller, &job).await),
-        Request::RunJob {
-            program,
-            args,
-            ranks,
-            per_node,
-            env,
-            cwd,
-            checkpoint,
-        } => {
-            let launched = crate::launcher::launch(
-                &node, &d.jobs, ranks, per_node, program, args, env, cwd, caller.uid, caller.gid, checkpoint,
-            )
-            .await;
-            match launched {
-                Ok((spec, owners, rx)) => {
-                    send(&mut c.w, &Response::JobStarted { job: spec.job.clone() }).await?;
-                    return Ok(Flow::Job {
-                        spec,
-                        per_node,
-                        owners,
-                        rx,
-                    });
-                }
-                Err(e) => err(e),
-            }
-        }
+        req @ Request::RunJob { .. } => return start_job(c, req, true).await,
         Request::Checkpoint { state } => match pid {
             None => err(OpError::new(ErrorKind::Invalid, "no peer pid")),
             Some(pid) => {
@@ -159,6 +120,42 @@ pub(super) async fn handle(c: &mut Conn, req: Request, mut fds: Vec<OwnedFd>) ->
         other => misrouted(&other),
     };
     Ok(Flow::Reply(resp))
+}
+
+/// Launches the job of a `RunJob` request (`announce`: its id goes to the CLI first); the
+/// connection then follows it.
+async fn start_job(c: &mut Conn, req: Request, announce: bool) -> std::io::Result<Flow> {
+    let Request::RunJob {
+        program,
+        args,
+        ranks,
+        per_node,
+        env,
+        cwd,
+        checkpoint,
+    } = req
+    else {
+        return Ok(Flow::Reply(misrouted(&req)));
+    };
+    let (d, caller) = (c.d.clone(), c.caller);
+    let launched = crate::launcher::launch(
+        &d.node, &d.jobs, ranks, per_node, program, args, env, cwd, caller.uid, caller.gid, checkpoint,
+    )
+    .await;
+    match launched {
+        Ok((spec, owners, rx)) => {
+            if announce {
+                send(&mut c.w, &Response::JobStarted { job: spec.job.clone() }).await?;
+            }
+            Ok(Flow::Job {
+                spec,
+                per_node,
+                owners,
+                rx,
+            })
+        }
+        Err(e) => Ok(Flow::Reply(err(e))),
+    }
 }
 
 /// `psls jobs`: every job with a record (a `psls run` job), running or resumable.

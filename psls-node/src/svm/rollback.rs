@@ -10,8 +10,7 @@
 use super::state::*;
 use crate::failstop::Locked;
 use crate::node::Node;
-use psls_svm::coherence::WaiterId;
-use psls_svm::{FileId, PAGE_SIZE};
+use psls_svm::FileId;
 
 impl SvmShell {
     /// Drops every copy here of `files` and of `job`'s volatile segments; returns the volatile
@@ -19,36 +18,13 @@ impl SvmShell {
     /// rolled back).
     pub fn drop_for_rollback(&self, node: &Node, job: &str, files: &[FileId]) -> Vec<FileId> {
         let mut g = self.inner.locked();
-        let volatile: Vec<FileId> = g
-            .segs
-            .iter()
-            .filter(|(_, s)| matches!(&s.backing, Backing::Volatile { job: Some(j) } if j == job))
-            .map(|(id, _)| *id)
-            .collect();
+        let volatile = g.job_segments(job);
         let mut ended: Vec<(i32, String)> = Vec::new();
         for id in files.iter().chain(volatile.iter()) {
             if let Some(seg) = g.segs.get_mut(id) {
-                let len = (seg.pages * PAGE_SIZE as u64) as i64;
-                let punch =
-                    nix::fcntl::FallocateFlags::FALLOC_FL_PUNCH_HOLE | nix::fcntl::FallocateFlags::FALLOC_FL_KEEP_SIZE;
-                if let Err(e) = nix::fcntl::fallocate(&seg.memfd, punch, 0, len) {
-                    // Fail closed: a page that cannot be dropped must not stay readable.
-                    tracing::error!(node = %node.name(), file = %id, error = %e, "emptying a segment for a rollback failed; stopping");
-                    std::process::abort();
-                }
-                seg.dirty = Dirty::new(seg.pages);
+                seg.empty(node.name(), *id, "a rollback");
                 let message = format!("'{}' was rolled back to the last checkpoint of job {job}", seg.name);
-                let waiting: Vec<WaiterId> = g
-                    .waiters
-                    .iter()
-                    .filter(|(_, w)| w.map.file == *id)
-                    .map(|(k, _)| *k)
-                    .collect();
-                for w in waiting {
-                    if let Some(w) = g.waiters.remove(&w) {
-                        ended.push((w.map.pid, message.clone()));
-                    }
-                }
+                ended.extend(g.fail_waiters(*id, &message));
             }
             if let Some(svm) = g.svm.as_mut() {
                 svm.forget_file(*id);
@@ -56,11 +32,7 @@ impl SvmShell {
         }
         drop(g);
         for (pid, message) in ended {
-            if let Some(lines) = self.lifelines.locked().get(&pid) {
-                for (_, tx) in lines {
-                    let _ = tx.send(message.clone());
-                }
-            }
+            self.end_client(node, pid, message);
         }
         tracing::info!(node = %node.name(), job, files = files.len(), volatile = volatile.len(), "job's pages dropped for a rollback");
         volatile

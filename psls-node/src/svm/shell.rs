@@ -9,7 +9,7 @@ use crate::node::Node;
 use crate::op::OpError;
 use crate::peer::PeerReq;
 use psls_ipc::ErrorKind;
-use psls_svm::coherence::{Access, Envelope, Receipt, Svm, TxnId, WaiterId};
+use psls_svm::coherence::{Access, Envelope, Receipt, Svm, TxnId};
 use psls_svm::{FileId, Incarnation, NodeId, PageId, PAGE_SIZE};
 use std::collections::HashMap;
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -37,38 +37,17 @@ impl SvmShell {
     /// their pages without holding them ([`SvmShell::forget`]).
     pub fn end_job(&self, node: &Node, job: &str) -> Vec<FileId> {
         let mut g = self.lock();
-        let ids: Vec<FileId> = g
-            .segs
-            .iter()
-            .filter(|(_, s)| matches!(&s.backing, Backing::Volatile { job: Some(j) } if j == job))
-            .map(|(id, _)| *id)
-            .collect();
+        let ids = g.job_segments(job);
         let mut ended: Vec<(i32, String)> = Vec::new();
         for id in &ids {
-            if let Some(seg) = g.segs.remove(id) {
+            if let Some(mut seg) = g.segs.remove(id) {
                 // A process that outlives its job loses the job's segments: their pages are
                 // punched out of the memfd (no stale, incoherent view stays mapped), and its
                 // fault thread keeps running to end it, with a message, at its next fault on
                 // them (or now, if it waits in one).
-                let len = (seg.pages * PAGE_SIZE as u64) as i64;
-                let punch =
-                    nix::fcntl::FallocateFlags::FALLOC_FL_PUNCH_HOLE | nix::fcntl::FallocateFlags::FALLOC_FL_KEEP_SIZE;
-                if let Err(e) = nix::fcntl::fallocate(&seg.memfd, punch, 0, len) {
-                    tracing::error!(node = %node.name(), file = %id, error = %e, "emptying an ended job's segment failed; stopping");
-                    std::process::abort();
-                }
+                seg.empty(node.name(), *id, "its job ended");
                 let message = format!("job {job} ended: its volatile segment '{}' is gone", seg.name);
-                let waiting: Vec<WaiterId> = g
-                    .waiters
-                    .iter()
-                    .filter(|(_, w)| w.map.file == *id)
-                    .map(|(k, _)| *k)
-                    .collect();
-                for w in waiting {
-                    if let Some(w) = g.waiters.remove(&w) {
-                        ended.push((w.map.pid, message.clone()));
-                    }
-                }
+                ended.extend(g.fail_waiters(*id, &message));
                 tracing::info!(node = %node.name(), file = %id, name = %seg.name, job, clients = seg.maps.len(), "volatile segment dropped at job end");
             }
             if let Some(svm) = g.svm.as_mut() {
@@ -117,7 +96,7 @@ impl SvmShell {
 
     /// Tells client process `pid` (through its lifeline) that a fault failed and it must end,
     /// and why.
-    fn end_client(&self, node: &Node, pid: i32, message: String) {
+    pub(super) fn end_client(&self, node: &Node, pid: i32, message: String) {
         tracing::error!(node = %node.name(), pid, %message, "client fault failed");
         if let Some(lines) = self.lifelines.locked().get(&pid) {
             for (_, tx) in lines {

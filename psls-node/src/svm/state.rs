@@ -175,6 +175,47 @@ pub(super) struct Inner {
     pub(super) self_msgs: VecDeque<Envelope>,
 }
 
+impl Segment {
+    /// Punches every page out of the memfd (zapping them in every client) and clears the dirty
+    /// bits. Fails closed: a page that cannot be dropped must not stay readable, so the daemon
+    /// stops (its clients' lifelines tell them).
+    pub(super) fn empty(&mut self, node: &str, file: FileId, why: &str) {
+        let len = (self.pages * PAGE_SIZE as u64) as i64;
+        let punch = nix::fcntl::FallocateFlags::FALLOC_FL_PUNCH_HOLE | nix::fcntl::FallocateFlags::FALLOC_FL_KEEP_SIZE;
+        if let Err(e) = nix::fcntl::fallocate(&self.memfd, punch, 0, len) {
+            tracing::error!(node, %file, error = %e, "emptying a segment ({why}) failed; stopping");
+            std::process::abort();
+        }
+        self.dirty = Dirty::new(self.pages);
+    }
+}
+
+impl Inner {
+    /// The volatile segments of `job` held here.
+    pub(super) fn job_segments(&self, job: &str) -> Vec<FileId> {
+        self.segs
+            .iter()
+            .filter(|(_, s)| matches!(&s.backing, Backing::Volatile { job: Some(j) } if j == job))
+            .map(|(id, _)| *id)
+            .collect()
+    }
+
+    /// Removes the faults waiting on `file`; returns each one's process, with `message`.
+    pub(super) fn fail_waiters(&mut self, file: FileId, message: &str) -> Vec<(i32, String)> {
+        let waiting: Vec<WaiterId> = self
+            .waiters
+            .iter()
+            .filter(|(_, w)| w.map.file == file)
+            .map(|(k, _)| *k)
+            .collect();
+        waiting
+            .into_iter()
+            .filter_map(|w| self.waiters.remove(&w))
+            .map(|w| (w.map.pid, message.to_string()))
+            .collect()
+    }
+}
+
 /// Per client process, its lifelines (one per session), by id.
 pub(super) type Lifelines = HashMap<i32, Vec<(u64, tokio::sync::mpsc::UnboundedSender<String>)>>;
 
