@@ -230,6 +230,7 @@ impl Daemon {
                 if files.len() > crate::launcher::MAX_JOB_SEGMENTS {
                     Err(OpError::new(ErrorKind::Invalid, "too many files in one rollback"))
                 } else {
+                    crate::failpoint::pass_async(node.name(), "rollback.drop").await;
                     crate::launcher::kill_local(&self.jobs, &job);
                     self.ckpt.rollback_local(&job);
                     Ok(PeerResp::Dropped {

@@ -281,7 +281,14 @@ pub const MAX_JOB_SEGMENTS: usize = 4096;
 pub fn finished(node: &Arc<Node>, jobs: &Arc<Jobs>, job: &str) {
     lock(&jobs.launched).remove(job);
     let (node, job) = (node.clone(), job.to_string());
-    tokio::spawn(async move {
+    tokio::spawn(async move { drop_job_segments(&node, &job).await });
+}
+
+/// Every node drops `job`'s volatile segments: first where they are held, then the coherence
+/// state of their managers.
+pub async fn drop_job_segments(node: &Arc<Node>, job: &str) {
+    let job = job.to_string();
+    {
         let st = node.meta_state();
         let live: Vec<String> = node
             .logical_map(&st)
@@ -309,7 +316,7 @@ pub fn finished(node: &Arc<Node>, jobs: &Arc<Jobs>, job: &str) {
                 }
             }
         }
-    });
+    }
 }
 
 /// The parallel files `job`'s ranks mapped writable, over every live node.

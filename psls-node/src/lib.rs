@@ -12,6 +12,7 @@
 pub mod ckpt;
 pub mod daemon;
 pub mod dispatch;
+pub mod failpoint;
 pub mod failstop;
 pub mod ipc;
 pub mod launcher;

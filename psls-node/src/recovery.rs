@@ -24,13 +24,41 @@ use std::time::{Duration, Instant};
 /// How long a rollback waits, past the respawn timeout, for a spare to re-create its copies.
 const REBUILD_TIMEOUT_MS: u64 = 10 * 60 * 1000;
 
-/// Rolls `spec`'s job back; returns the checkpoint it restarts from (0: its start).
+/// Rollback passes tried before giving up: a node (or the coordinator) that fails during a
+/// rollback starts the pass again, once it is back.
+const MAX_ROLLBACK_PASSES: u32 = 8;
+
+/// Rolls `spec`'s job back; returns the checkpoint it restarts from (0: its start). Every
+/// step is idempotent, so a failure during a pass (a node down, the coordinator gone) is met
+/// by another pass, after the nodes are back.
 pub async fn roll_back(node: &Arc<Node>, ckpt: &Arc<CkptShell>, spec: &JobSpec) -> Result<u64, OpError> {
+    let deadline = Instant::now() + Duration::from_millis(spec.respawn_timeout_ms);
+    let mut pass = 1;
+    loop {
+        match roll_back_pass(node, ckpt, spec, deadline).await {
+            Ok(epoch) => return Ok(epoch),
+            Err(e) if e.kind == ErrorKind::Unavailable && pass < MAX_ROLLBACK_PASSES => {
+                tracing::warn!(node = %node.name(), job = %spec.job, pass, error = %e, "rollback interrupted: trying again");
+                pass += 1;
+                // The failure detector has decided by then: the next pass waits for the node.
+                tokio::time::sleep(Duration::from_millis(node.cfg.cluster.heartbeat_timeout_ms)).await;
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// One pass of a rollback; waits for the nodes until `deadline`, then takes spares.
+async fn roll_back_pass(
+    node: &Arc<Node>,
+    ckpt: &Arc<CkptShell>,
+    spec: &JobSpec,
+    deadline: Instant,
+) -> Result<u64, OpError> {
     let job = spec.job.as_str();
     kill_everywhere(node, job).await;
     // Every logical node live again (a spare in the place of one that does not come back),
     // and none still re-creating its copies.
-    let deadline = Instant::now() + Duration::from_millis(spec.respawn_timeout_ms);
     let rebuild_deadline = deadline + Duration::from_millis(REBUILD_TIMEOUT_MS);
     loop {
         let st = node.meta_state();

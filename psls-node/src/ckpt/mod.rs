@@ -6,7 +6,8 @@
 //! - `safepoint`: the ranks' collective safe-point call (`Session::checkpoint`) at the
 //!   coordinator and on the ranks' nodes, operators' requests (`psls checkpoint`, `psls
 //!   halt`), and the ranks' private states;
-//! - `states`: the on-disk layout of the ranks' states in a job's checkpoint area;
+//! - `states`: the on-disk layout of the ranks' states in a job's checkpoint area, and the
+//!   names of the area's files (the states, and one per volatile segment of the job);
 //! - `writers`: one writer job per file (claims in the metadata), and which job a process is.
 
 mod round;
@@ -16,5 +17,5 @@ mod writers;
 
 pub use crate::peer::SafeCall;
 pub use round::{CkptShell, Done, MAX_CKPT_FILES};
-pub use states::{state_file_name, MAX_STATE_BYTES};
+pub use states::{state_file_name, volatile_file_name, MAX_STATE_BYTES};
 pub use writers::ext_job;

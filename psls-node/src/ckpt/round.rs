@@ -405,6 +405,9 @@ impl CkptShell {
                         bytes,
                     };
                     let r = me.node.submit(op).await.map_err(|e| e.message);
+                    if r.is_ok() {
+                        crate::failpoint::pass_async(me.node.name(), "ckpt.committed").await;
+                    }
                     me.coord.locked().committed(&job, epoch, r);
                     me.drive();
                 });
@@ -503,6 +506,9 @@ impl CkptShell {
         let mut inflight = tokio::task::JoinSet::new();
         let mut runs = Vec::new();
         let mut pages = 0u64;
+        // Halfway through the batches (a test's failpoint).
+        let half_pages = taken.iter().map(|t| t.indices.len()).sum::<usize>();
+        let mut sent_pages = 0usize;
         for t in &taken {
             if !st.files.values().any(|f| f.id == t.file) {
                 continue; // removed meanwhile: nothing to keep
@@ -529,6 +535,10 @@ impl CkptShell {
                         while inflight.len() >= WRITES_IN_FLIGHT {
                             reap(&mut inflight, &mut write).await;
                         }
+                        if sent_pages < half_pages && sent_pages + chunk.len() >= half_pages {
+                            crate::failpoint::pass_async(node.name(), "ckpt.write").await;
+                        }
+                        sent_pages += chunk.len();
                         write.sent(&phys);
                         let (node, phys, file) = (node.clone(), phys.clone(), t.file);
                         inflight.spawn(async move {

@@ -169,6 +169,9 @@ impl CkptShell {
                 let me = self.clone();
                 self.runtime.spawn(async move {
                     let r = me.take(&job, files, ranks.len() as u32).await;
+                    if r.is_ok() {
+                        crate::failpoint::pass_async(me.node.name(), "ckpt.answer").await;
+                    }
                     me.safe.locked().done(me.node.now_ms(), &job, r.is_ok());
                     if let (Ok(done), true) = (&r, halt) {
                         me.halt(&job, done.epoch).await;
@@ -270,11 +273,19 @@ impl CkptShell {
     /// `job` is over for good: its checkpoint area and record go.
     pub async fn end_job(self: &Arc<Self>, job: &str) {
         let node = &self.node;
-        let area = states::state_file_name(job);
-        if node.meta_state().files.contains_key(&area) {
-            let root = crate::pfs::Caller { uid: 0, gid: 0 };
-            if let Err(e) = crate::pfs::remove(node, root, &area).await {
-                tracing::warn!(node = %node.name(), job, error = %e, "could not remove the job's checkpoint area");
+        // The ranks' states, and the files keeping the job's volatile segments.
+        let prefix = states::volatile_prefix(job);
+        let area: Vec<String> = node
+            .meta_state()
+            .files
+            .keys()
+            .filter(|n| **n == states::state_file_name(job) || n.starts_with(&prefix))
+            .cloned()
+            .collect();
+        let root = crate::pfs::Caller { uid: 0, gid: 0 };
+        for name in area {
+            if let Err(e) = crate::pfs::remove(node, root, &name).await {
+                tracing::warn!(node = %node.name(), job, file = name, error = %e, "could not remove a file of the job's checkpoint area");
             }
         }
         let st = node.meta_state();
@@ -320,6 +331,7 @@ impl CkptShell {
             return Ok(PeerResp::NotCoordinator);
         }
         let node = &self.node;
+        crate::failpoint::pass_async(node.name(), "rollback.fence").await;
         let deadline = std::time::Instant::now() + node.request_timeout * 3;
         loop {
             let deciding = self.coord_abort_job(job);

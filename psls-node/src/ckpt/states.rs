@@ -35,6 +35,16 @@ pub fn state_file_name(job: &str) -> String {
     format!(".psls-ckpt.{job}")
 }
 
+/// The name of the file in `job`'s checkpoint area that keeps its volatile segment `name`.
+pub fn volatile_file_name(job: &str, name: &str) -> String {
+    format!("{}{name}", volatile_prefix(job))
+}
+
+/// What the names of `job`'s volatile segments' files start with.
+pub fn volatile_prefix(job: &str) -> String {
+    format!(".psls-ckpt.{job}.v.")
+}
+
 /// Its size for a job of `size` ranks.
 pub fn state_file_size(size: u32) -> u64 {
     size as u64 * SLOT_PAGES * PAGE_SIZE as u64

@@ -248,6 +248,52 @@ fn volatile_id(uid: u32, job: &str, name: &str) -> psls_svm::FileId {
     psls_svm::FileId(h | 1 << 63)
 }
 
+/// The file in `job`'s checkpoint area that keeps its volatile segment `name` of `size` bytes
+/// (created by the first rank that maps it, the caller's alone).
+async fn volatile_area(
+    d: &Arc<Daemon>,
+    caller: Caller,
+    job: &str,
+    name: &str,
+    size: u64,
+) -> Result<psls_pfs::meta::FileMeta, OpError> {
+    let node = &d.node;
+    let file = crate::ckpt::volatile_file_name(job, name);
+    if file.len() > psls_pfs::meta::MAX_NAME_LEN {
+        return Err(OpError::new(
+            ErrorKind::Invalid,
+            format!(
+                "volatile segment name '{name}' is too long: with job {job} it must fit in {} bytes",
+                psls_pfs::meta::MAX_NAME_LEN
+            ),
+        ));
+    }
+    let f = match pfs::lookup_file(node, &file) {
+        Ok(f) => f,
+        Err(e) if e.kind == ErrorKind::NotFound => {
+            match pfs::create(node, caller, &file, size, 0o600).await {
+                Ok(_) => {}
+                // Another rank created it first.
+                Err(e) if e.kind == ErrorKind::Exists => {}
+                Err(e) => return Err(e),
+            }
+            pfs::lookup_file(node, &file)?
+        }
+        Err(e) => return Err(e),
+    };
+    caller.check_write(&f)?;
+    if size > f.size {
+        return Err(OpError::new(
+            ErrorKind::Invalid,
+            format!(
+                "cannot map {size} bytes of volatile segment '{name}': job {job} made it {} bytes",
+                f.size
+            ),
+        ));
+    }
+    Ok(f)
+}
+
 /// `Map`: checks the caller's rights, creates the file if asked, opens the node's segment.
 async fn map(
     d: &Arc<Daemon>,
@@ -279,11 +325,27 @@ async fn map(
             return Err(OpError::new(ErrorKind::Invalid, "job id longer than 256 bytes"));
         }
         let job = (!job.is_empty()).then(|| job.to_string());
-        (
-            volatile_id(caller.uid, job.as_deref().unwrap_or(""), name),
-            size,
-            crate::svm::Backing::Volatile { job },
-        )
+        let launched = pid.and_then(|p| d.jobs.rank_of(p as u32)).map(|(spec, _)| spec.job);
+        match job {
+            // A rank's segment of its own `psls run` job is kept in the job's checkpoint area:
+            // its checkpoints save it, a rollback restores it.
+            Some(job) if launched.as_deref() == Some(job.as_str()) => {
+                let f = volatile_area(d, caller, &job, name, size).await?;
+                (
+                    f.id,
+                    f.size,
+                    crate::svm::Backing::Volatile {
+                        job: Some(job),
+                        area: Some(f),
+                    },
+                )
+            }
+            job => (
+                volatile_id(caller.uid, job.as_deref().unwrap_or(""), name),
+                size,
+                crate::svm::Backing::Volatile { job, area: None },
+            ),
+        }
     } else {
         let found = pfs::lookup_file(node, name);
         let f = match found {

@@ -384,6 +384,8 @@ pub(super) async fn run_job(
     // and writer claims go; one with a checkpoint keeps them (until `psls jobs rm`).
     let resumable = node.meta_state().jobs.get(job).is_some_and(|r| r.epoch > 0);
     if !resumable && (lost.is_some() || failed.is_some()) {
+        // The volatile segments go as the job's (then their files in its area).
+        crate::launcher::drop_job_segments(node, job).await;
         d.ckpt.end_job(job).await;
     }
     if let Some(why) = lost {
@@ -408,6 +410,7 @@ pub(super) async fn run_job(
         } else {
             d.ckpt.checkpoint(job, files).await.map(|_| ())
         };
+        crate::launcher::drop_job_segments(node, job).await;
         d.ckpt.end_job(job).await;
         crate::launcher::finished(node, &d.jobs, job);
         let (code, message) = match last {

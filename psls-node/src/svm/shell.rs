@@ -61,13 +61,14 @@ impl SvmShell {
         ids
     }
 
-    /// The parallel files process `pid` maps writable here.
+    /// The parallel files (and checkpointed volatile segments) process `pid` maps writable
+    /// here.
     pub fn writable_files(&self, pid: i32) -> Vec<FileId> {
         let g = self.lock();
         let mut v: Vec<FileId> = g
             .segs
             .iter()
-            .filter(|(_, s)| matches!(s.backing, Backing::Pfs(_)) && s.maps.iter().any(|m| m.pid == pid && m.writable))
+            .filter(|(_, s)| s.backing.kept_in().is_some() && s.maps.iter().any(|m| m.pid == pid && m.writable))
             .map(|(id, _)| *id)
             .collect();
         v.sort();
@@ -493,11 +494,11 @@ impl SvmShell {
                             tracing::warn!(node = %node.name(), peer = %phys, error = %e, "coherence message not sent");
                         }
                     }
-                    Outgoing::Load { page, txn, backing } => match backing {
-                        Backing::Volatile { .. } => zeros.push((page, txn)),
+                    Outgoing::Load { page, txn, backing } => match backing.kept_in().cloned() {
+                        None => zeros.push((page, txn)),
                         // The page's generation now, not when the segment opened: checkpoints
                         // write pages of mapped files.
-                        Backing::Pfs(f) => {
+                        Some(f) => {
                             let f = node.file_by_id(f.id).unwrap_or(f);
                             if f.page_gen(page.index) == 0 {
                                 zeros.push((page, txn));

@@ -23,8 +23,23 @@ pub(super) const UFFDIO_CONTINUE_MODE_WP: u64 = 1 << 1;
 pub enum Backing {
     /// A parallel file: its committed pages in the PFS.
     Pfs(FileMeta),
-    /// A volatile segment: zeros. With a job, it is dropped when the job ends.
-    Volatile { job: Option<String> },
+    /// A volatile segment: zeros until written. With a job, it is dropped when the job ends;
+    /// a `psls run` job's segment is kept in its checkpoint area (`area`, a parallel file
+    /// holding the segment's pages as of the job's last checkpoint, removed with the job).
+    Volatile {
+        job: Option<String>,
+        area: Option<FileMeta>,
+    },
+}
+
+impl Backing {
+    /// The parallel file that holds this segment's checkpointed pages (none: always zeros).
+    pub fn kept_in(&self) -> Option<&FileMeta> {
+        match self {
+            Backing::Pfs(f) | Backing::Volatile { area: Some(f), .. } => Some(f),
+            Backing::Volatile { area: None, .. } => None,
+        }
+    }
 }
 
 pub(super) struct Segment {
@@ -195,7 +210,7 @@ impl Inner {
     pub(super) fn job_segments(&self, job: &str) -> Vec<FileId> {
         self.segs
             .iter()
-            .filter(|(_, s)| matches!(&s.backing, Backing::Volatile { job: Some(j) } if j == job))
+            .filter(|(_, s)| matches!(&s.backing, Backing::Volatile { job: Some(j), .. } if j == job))
             .map(|(id, _)| *id)
             .collect()
     }

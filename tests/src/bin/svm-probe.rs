@@ -185,7 +185,16 @@ fn main() {
         // with a safe-point call at its top (state: the step, padded to STATE_BYTES); each
         // step adds step + 1 to word 0 of the rank's page. Rank SKIP (if < size) never calls
         // checkpoint. Prints `step S epoch E` for every checkpoint taken and `done SUM`.
+        // With an 8th argument `vol`, the step is also added to word 0 of the rank's page of
+        // the job's volatile segment NAME.vol, and `done` prints its sum too.
         let steps: u64 = arg(4).parse().expect("STEPS");
+        let mut vol = (args.get(8).map(String::as_str) == Some("vol")).then(|| {
+            s.create_volatile(&format!("{name}.vol"), (pages * 4096) as u64)
+                .unwrap_or_else(|e| {
+                    eprintln!("create_volatile: {e}");
+                    std::process::exit(1)
+                })
+        });
         let skip: u32 = arg(5).parse().expect("SKIP");
         let state_bytes: usize = arg(6).parse().expect("STATE_BYTES");
         let sleep_ms: u64 = arg(7).parse().expect("SLEEP_MS");
@@ -222,10 +231,23 @@ fn main() {
             }
             // SAFETY: plain volatile loads and stores of this rank's own word.
             unsafe { std::ptr::write_volatile(&mut w[me], std::ptr::read_volatile(&w[me]) + step + 1) };
+            if let Some(v) = vol.as_mut() {
+                let v: &mut [u64] = v.as_mut_slice();
+                // SAFETY: as above, in the volatile segment.
+                unsafe { std::ptr::write_volatile(&mut v[me], std::ptr::read_volatile(&v[me]) + step + 1) };
+            }
             std::thread::sleep(Duration::from_millis(sleep_ms));
         }
         // SAFETY: as above.
-        println!("done {}", unsafe { std::ptr::read_volatile(&w[me]) });
+        let sum = unsafe { std::ptr::read_volatile(&w[me]) };
+        match vol.as_ref() {
+            // SAFETY: as above.
+            Some(v) => println!("done {sum} {}", unsafe {
+                std::ptr::read_volatile(&v.as_slice::<u64>()[me])
+            }),
+            None => println!("done {sum}"),
+        }
+        drop(vol);
         drop(m);
         std::process::exit(0)
     }

@@ -1,0 +1,118 @@
+//! Failpoints: named places in the checkpoint and rollback paths where a test makes this
+//! daemon die (SIGKILL itself: a kill -9 at an exact instant) or stop (pause: the test then
+//! cuts every daemon's power while it waits there).
+//!
+//! Off unless the daemon starts with `PSLS_FAILPOINTS`, a comma-separated list of
+//! `NAME[/NODE][@HIT][:pause]` — the point `NAME`, only on node `NODE`, at its `HIT`-th
+//! passage in this process (1 by default) — and `PSLS_FAILPOINT_DIR`, a directory shared by
+//! every daemon of the cluster: a point fires once per cluster, when it creates the file
+//! `DIR/NAME` (so a daemon restarted with the same environment does not die again), which
+//! holds the node's name. The
+//! test watches that directory to know when a point fired.
+//!
+//! Points: `ckpt.write` (a participant, halfway through writing its pages), `ckpt.committed`
+//! (the coordinator, the commit record durable, before any node hears the decision),
+//! `ckpt.answer` (the coordinator, the checkpoint committed, before the ranks are answered),
+//! `rollback.fence` (the coordinator, asked to fence a job's epochs), `rollback.drop` (a
+//! node, asked to drop a job's pages).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::OnceLock;
+
+/// What a failpoint does when it fires.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fire {
+    /// Nothing: the point is not armed, or not now.
+    No,
+    /// The caller stops where it is (for a long while), so that the test can act.
+    Pause,
+}
+
+struct Point {
+    name: String,
+    node: Option<String>,
+    hit: u64,
+    pause: bool,
+    passed: AtomicU64,
+}
+
+struct Armed {
+    points: Vec<Point>,
+    dir: std::path::PathBuf,
+}
+
+fn armed() -> Option<&'static Armed> {
+    static ARMED: OnceLock<Option<Armed>> = OnceLock::new();
+    ARMED
+        .get_or_init(|| {
+            let spec = std::env::var("PSLS_FAILPOINTS").ok()?;
+            let dir = std::env::var_os("PSLS_FAILPOINT_DIR")?;
+            let points = spec
+                .split(',')
+                .filter(|s| !s.is_empty())
+                .map(|s| {
+                    let (s, pause) = match s.strip_suffix(":pause") {
+                        Some(s) => (s, true),
+                        None => (s, false),
+                    };
+                    let (s, hit) = match s.split_once('@') {
+                        Some((s, n)) => (s, n.parse().unwrap_or(1)),
+                        None => (s, 1),
+                    };
+                    let (name, node) = match s.split_once('/') {
+                        Some((n, node)) => (n.to_string(), Some(node.to_string())),
+                        None => (s.to_string(), None),
+                    };
+                    Point {
+                        name,
+                        node,
+                        hit,
+                        pause,
+                        passed: AtomicU64::new(0),
+                    }
+                })
+                .collect();
+            Some(Armed {
+                points,
+                dir: dir.into(),
+            })
+        })
+        .as_ref()
+}
+
+/// Passes point `name` on node `node`: a killing point that fires does not return.
+pub fn pass(node: &str, name: &str) -> Fire {
+    let Some(a) = armed() else { return Fire::No };
+    for p in &a.points {
+        if p.name != name || p.node.as_deref().is_some_and(|n| n != node) {
+            continue;
+        }
+        if p.passed.fetch_add(1, Ordering::SeqCst) + 1 != p.hit {
+            continue;
+        }
+        let marker = a.dir.join(name);
+        let Ok(mut f) = std::fs::OpenOptions::new().write(true).create_new(true).open(&marker) else {
+            continue; // fired already (in this cluster)
+        };
+        // The marker names the node, for the test.
+        let _ = std::io::Write::write_all(&mut f, node.as_bytes());
+        drop(f);
+        if p.pause {
+            tracing::error!(node, failpoint = name, "failpoint: pausing here");
+            return Fire::Pause;
+        }
+        tracing::error!(node, failpoint = name, "failpoint: killing this daemon");
+        // SIGKILL to itself: no destructor, no flush, like `kill -9`.
+        let _ = nix::sys::signal::raise(nix::sys::signal::Signal::SIGKILL);
+        std::process::abort();
+    }
+    Fire::No
+}
+
+/// [`pass`] in async code: a pausing point sleeps here (a minute: the test cuts the power
+/// meanwhile).
+pub async fn pass_async(node: &str, name: &str) {
+    if pass(node, name) == Fire::Pause {
+        tokio::time::sleep(std::time::Duration::from_secs(60)).await;
+    }
+}

@@ -1,0 +1,186 @@
+//! Kills at the exact instants of a job's checkpoints and rollbacks that matter, made with the
+//! daemons' failpoints (`psls-node/src/failpoint.rs`): a participant halfway through its
+//! checkpoint writes, the coordinator with the commit record durable but no node told, the
+//! coordinator with the checkpoint committed but the ranks not yet answered, the coordinator
+//! asked to fence during a rollback, a node asked to drop the job's pages during a rollback,
+//! and a power cut while a checkpoint's writes are under way. Every time, the job ends with
+//! the sums of a run that never failed — in its parallel file and in its volatile segment, so
+//! neither ever mixes two checkpoints nor loses one.
+
+use psls_tests::*;
+use std::io::Read;
+use std::process::{Child, Stdio};
+use std::time::{Duration, Instant};
+
+const PROBE: &str = env!("CARGO_BIN_EXE_svm-probe");
+const STEPS: u64 = 30;
+const RANKS: u32 = 4;
+
+/// A cluster whose daemons arm `points`; returns it and the failpoint directory.
+fn cluster(points: &str, fault_disk: bool) -> (Cluster, std::path::PathBuf) {
+    let mut c = Cluster::init(4, 0, |_| {});
+    let dir = c.tmp.path().join("failpoints");
+    std::fs::create_dir_all(&dir).expect("failpoint dir");
+    c.env.push(("PSLS_FAILPOINTS".into(), points.into()));
+    c.env.push(("PSLS_FAILPOINT_DIR".into(), dir.display().to_string()));
+    if fault_disk {
+        c.env.push(("PSLS_FAULT_DISK".into(), "1".into()));
+    }
+    c.ok(&["cluster", "up"]);
+    (c, dir)
+}
+
+/// The probe's job: every rank adds its step to a word of the file and of the job's volatile
+/// segment, with a safe-point call (its step as state) at the top of every step.
+fn start(c: &Cluster, launcher: &str) -> Child {
+    let steps = STEPS.to_string();
+    c.cmd(&[
+        "--node", launcher, "run", "-n", "4", "--", PROBE, "steps", "kp", "4", &steps, "99", "64", "40", "vol",
+    ])
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .spawn()
+    .expect("psls run")
+}
+
+/// The failpoints fired so far: (point, node).
+fn fired(dir: &std::path::Path) -> Vec<(String, String)> {
+    let mut v: Vec<(String, String)> = std::fs::read_dir(dir)
+        .expect("failpoint dir")
+        .filter_map(|e| e.ok())
+        .map(|e| {
+            let node = std::fs::read_to_string(e.path()).unwrap_or_default();
+            (e.file_name().to_string_lossy().into_owned(), node)
+        })
+        // A marker is created, then names its node, then the node dies.
+        .filter(|(_, node)| !node.is_empty())
+        .collect();
+    v.sort();
+    v
+}
+
+/// Waits for the job, bringing back up every daemon a failpoint killed (once it is gone) —
+/// those past the first `seen`; returns its stdout and stderr.
+fn run_through(c: &Cluster, mut ch: Child, dir: &std::path::Path, seen: usize) -> (String, String) {
+    let mut err_pipe = ch.stderr.take().expect("stderr");
+    let err = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = err_pipe.read_to_string(&mut s);
+        s
+    });
+    let mut handled = seen;
+    let t = Instant::now();
+    while ch.try_wait().expect("wait").is_none() {
+        assert!(t.elapsed() < Duration::from_secs(240), "the job did not end");
+        let now = fired(dir);
+        if now.len() > handled {
+            for (point, node) in &now[handled..] {
+                if let Some(pid) = psls_client::cluster::running_pid(&c.dir, node) {
+                    assert!(
+                        psls_client::cluster::wait_gone(pid, Duration::from_secs(10)),
+                        "{node} did not die at failpoint {point}"
+                    );
+                }
+            }
+            handled = now.len();
+            let o = c.run(&["cluster", "up"]);
+            // A point that fired while `cluster up` waited for the cluster: handled next.
+            if !o.status.success() && fired(dir).len() == handled {
+                for n in ["n0", "n1", "n2", "n3"] {
+                    let log = c.log(n);
+                    let tail: Vec<&str> = log.lines().rev().take(40).collect();
+                    eprintln!("--- {n}:\n{}", tail.into_iter().rev().collect::<Vec<_>>().join("\n"));
+                }
+                panic!("cluster up failed: {}", String::from_utf8_lossy(&o.stderr));
+            }
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let o = ch.wait_with_output().expect("wait");
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    let err = err.join().expect("stderr reader");
+    assert!(o.status.success(), "job failed ({}):\n{out}\n{err}", o.status);
+    (out, err)
+}
+
+/// Every rank ended with the sums of a run that never failed, in the file and in the
+/// volatile segment.
+fn assert_sums(out: &str, err: &str) {
+    let sum = STEPS * (STEPS + 1) / 2;
+    for r in 0..RANKS {
+        assert!(
+            out.contains(&format!("[{r}] done {sum} {sum}")),
+            "rank {r} did not end with {sum} {sum}:\n{out}\n{err}"
+        );
+    }
+}
+
+#[test]
+fn a_participant_killed_in_its_checkpoint_writes_and_a_node_killed_during_the_rollback() {
+    let (c, dir) = cluster("ckpt.write/n2@3,rollback.drop/n3", false);
+    let (out, err) = run_through(&c, start(&c, "n0"), &dir, 0);
+    assert_eq!(
+        fired(&dir),
+        vec![
+            ("ckpt.write".into(), "n2".into()),
+            ("rollback.drop".into(), "n3".into())
+        ],
+        "{err}"
+    );
+    assert_sums(&out, &err);
+    // (Checkpoint E saves step E - 1.) One rollback, from a checkpoint before the one n2 died in (it never committed), done
+    // in two passes (n3 died in the first).
+    assert_eq!(err.matches("restarted from").count(), 1, "{err}");
+    assert!(err.contains("restarted from checkpoint 2"), "{err}");
+    assert!(out.contains("restarted from epoch 2 at step 1"), "{out}");
+    assert!(c.logs_contain("rollback interrupted: trying again"));
+    // The job's checkpoint area, volatile segment included, went with it.
+    let ls = c.ok(&["ls"]);
+    assert!(!ls.contains(".psls-ckpt"), "{ls}");
+}
+
+#[test]
+fn the_coordinator_killed_after_the_commit_record_before_the_ranks_resume_and_during_a_rollback() {
+    let (c, dir) = cluster("ckpt.committed@3,rollback.fence,ckpt.answer@6", false);
+    // The launcher is not the coordinator (n0, the lowest live logical id).
+    let (out, err) = run_through(&c, start(&c, "n3"), &dir, 0);
+    let points: Vec<String> = fired(&dir).into_iter().map(|(p, _)| p).collect();
+    assert_eq!(points, vec!["ckpt.answer", "ckpt.committed", "rollback.fence"], "{err}");
+    assert_sums(&out, &err);
+    // Checkpoint 3's record was durable when the coordinator died: the job restarts from it,
+    // not from 2. Then once more, from the checkpoint whose ranks were never answered.
+    assert!(err.contains("restarted from checkpoint 3"), "{err}");
+    assert!(out.contains("restarted from epoch 3 at step 2"), "{out}");
+    assert_eq!(err.matches("restarted from").count(), 2, "{err}");
+}
+
+#[test]
+fn a_power_cut_during_a_checkpoints_writes_resumes_from_the_one_before() {
+    let (c, dir) = cluster("ckpt.write/n1@4:pause", true);
+    let mut run = start(&c, "n0");
+    let (job, _rest) = job_id(&mut run);
+    wait_for(Duration::from_secs(60), "n1 in checkpoint 4's writes", || {
+        !fired(&dir).is_empty()
+    });
+    // Some of checkpoint 4's pages are durable on some nodes, n1's half written: the power
+    // goes.
+    c.kill_all();
+    let o = run.wait_with_output().expect("psls run");
+    assert!(!o.status.success(), "the job cannot finish without its daemons");
+    c.ok(&["cluster", "up"]);
+    let list: serde_json::Value = serde_json::from_str(&c.ok(&["jobs", "--json"])).expect("json");
+    let entry = list
+        .as_array()
+        .and_then(|a| a.iter().find(|j| j["job"] == job.as_str()))
+        .unwrap_or_else(|| panic!("{job} not listed: {list}"));
+    assert_eq!(entry["epoch"], 3, "{entry}");
+    let resumed = c
+        .cmd(&["--node", "n2", "run", "--resume", &job])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("psls run --resume");
+    let (out, err) = run_through(&c, resumed, &dir, 1);
+    assert!(out.contains("restarted from epoch 3 at step 2"), "{out}");
+    assert_sums(&out, &err);
+}
