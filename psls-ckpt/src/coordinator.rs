@@ -94,6 +94,41 @@ enum Phase {
     Fencing,
 }
 
+/// What a round in progress does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Step {
+    /// Its epoch's generation is being taken in the metadata.
+    Beginning,
+    /// The participants write their pages to both copies.
+    WritingPages,
+    /// Every participant's pages are durable: the commit record is being written.
+    CommitRecord,
+    /// The commit record's outcome is unknown: fencing to learn it.
+    LearningOutcome,
+}
+
+impl std::fmt::Display for Step {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Step::Beginning => "beginning",
+            Step::WritingPages => "writing pages",
+            Step::CommitRecord => "writing its commit record",
+            Step::LearningOutcome => "learning its commit record's outcome",
+        })
+    }
+}
+
+/// A round in progress, as [`Coordinator::progress`] tells it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Progress {
+    pub epoch: u64,
+    pub step: Step,
+    pub started_ms: u64,
+    /// Participants that have not reported their pages durable yet.
+    pub waiting: Vec<NodeId>,
+    pub participants: usize,
+}
+
 #[derive(Debug)]
 struct Round {
     epoch: u64,
@@ -143,9 +178,21 @@ impl Coordinator {
         self.rounds.contains_key(job)
     }
 
-    /// The epoch of `job`'s round in progress, and how many participants it still waits for.
-    pub fn progress(&self, job: &str) -> Option<(u64, usize)> {
-        self.rounds.get(job).map(|r| (r.epoch, r.waiting.len()))
+    /// `job`'s round in progress: its epoch, what it does, since when, and the participants
+    /// it still waits for (of how many).
+    pub fn progress(&self, job: &str) -> Option<Progress> {
+        self.rounds.get(job).map(|r| Progress {
+            epoch: r.epoch,
+            step: match r.phase {
+                Phase::Beginning => Step::Beginning,
+                Phase::Collecting => Step::WritingPages,
+                Phase::Committing => Step::CommitRecord,
+                Phase::Fencing => Step::LearningOutcome,
+            },
+            started_ms: r.started_ms,
+            waiting: r.waiting.iter().copied().collect(),
+            participants: r.participants.len(),
+        })
     }
 
     /// Starts checkpoint `epoch` of `job` (the shell takes it above the job's floor in the
@@ -499,13 +546,20 @@ mod tests {
         assert!(matches!(drain(&mut c)[..], [CoordAction::Begin { epoch: 1, .. }]));
         c.receive(NodeId(0), prepared(1, vec![(4, 6)]));
         assert!(drain(&mut c).is_empty(), "nothing is collected before the epoch begun");
-        c.begun(0, "j", 1, Ok((5, 10, 0)));
+        assert_eq!(c.progress("j").map(|p| p.step), Some(Step::Beginning));
+        c.begun(7, "j", 1, Ok((5, 10, 0)));
         let a = drain(&mut c);
         assert_eq!(a.len(), 3, "{a:?}");
         c.receive(NodeId(0), prepared(1, vec![(4, 6)]));
         c.receive(NodeId(0), prepared(1, vec![(9, 10)])); // a duplicate counts once
         c.receive(NodeId(1), prepared(0, vec![(0, 1)])); // stale epoch: a doubt, not this round
         c.receive(NodeId(1), prepared(1, vec![(2, 4)]));
+        let p = c.progress("j").expect("in progress");
+        assert_eq!(
+            (p.epoch, p.step, p.started_ms, p.waiting, p.participants),
+            (1, Step::WritingPages, 7, vec![NodeId(2)], 3)
+        );
+        assert_eq!(c.progress("other"), None);
         let a = drain(&mut c);
         assert!(matches!(&a[..], [CoordAction::Fence { epoch: 0, .. }]), "{a:?}");
         c.receive(NodeId(2), prepared(1, vec![(6, 7)]));

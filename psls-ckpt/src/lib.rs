@@ -27,7 +27,7 @@ pub mod msg;
 pub mod participant;
 pub mod safepoint;
 
-pub use coordinator::{CoordAction, Coordinator, Outcome};
+pub use coordinator::{CoordAction, Coordinator, Outcome, Progress, Step};
 pub use msg::Msg;
 pub use participant::{PartAction, Participant};
 pub use safepoint::{Decision, SafeAction, SafePoints};

@@ -522,6 +522,9 @@ fn run(cli: &Cli) -> Result<()> {
                             format!("{:.1} MiB", j.bytes as f64 / (1 << 20) as f64),
                             j.command
                         );
+                        if !j.activity.is_empty() {
+                            println!("{:<24} now: {}", "", j.activity);
+                        }
                     }
                 }
             }

@@ -217,6 +217,9 @@ pub struct JobInfo {
     pub epoch: u64,
     pub at_unix_ms: u64,
     pub bytes: u64,
+    /// What the job goes through now, if anything but running: a checkpoint in progress
+    /// (its step and the nodes it waits for) or a rollback's step, and for how long.
+    pub activity: String,
 }
 
 /// Class of an error, so that callers can react without parsing text.

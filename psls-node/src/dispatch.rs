@@ -225,6 +225,7 @@ impl Daemon {
             PeerReq::CkptArrive(call) => self.ckpt.serve_arrive(&from, call).await,
             PeerReq::CkptForce { job, halt, uid } => self.ckpt.serve_force(&job, halt, uid),
             PeerReq::CkptEnd { job } => Ok(self.ckpt.serve_end(&job)),
+            PeerReq::CkptProgress { job } => Ok(self.ckpt.serve_progress(&job)),
             PeerReq::CkptRollback { job } => self.ckpt.serve_rollback(&job).await,
             PeerReq::RollbackDrop { job, files } => {
                 if files.len() > crate::launcher::MAX_JOB_SEGMENTS {

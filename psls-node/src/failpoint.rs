@@ -3,11 +3,12 @@
 //! cuts every daemon's power while it waits there).
 //!
 //! Off unless the daemon starts with `PSLS_FAILPOINTS`, a comma-separated list of
-//! `NAME[/NODE][@HIT][:pause]` — the point `NAME`, only on node `NODE`, at its `HIT`-th
-//! passage in this process (1 by default) — and `PSLS_FAILPOINT_DIR`, a directory shared by
+//! `NAME[/NODE][@HIT][:pause[=MS]]` — the point `NAME`, only on node `NODE`, at its `HIT`-th
+//! passage in this process (1 by default), killing, or pausing for `MS` milliseconds (a
+//! minute by default) — and `PSLS_FAILPOINT_DIR`, a directory shared by
 //! every daemon of the cluster: a point fires once per cluster, when it creates the file
-//! `DIR/NAME` (so a daemon restarted with the same environment does not die again), which
-//! holds the node's name. The
+//! `DIR/NAME` (`DIR/NAME.NODE` for a point of one node) (so a daemon restarted with the same environment does not die again), which
+//! holds the node's name, and ` paused` after it for a pause. The
 //! test watches that directory to know when a point fired.
 //!
 //! Points: `ckpt.write` (a participant, halfway through writing its pages), `ckpt.committed`
@@ -24,15 +25,16 @@ use std::sync::OnceLock;
 pub enum Fire {
     /// Nothing: the point is not armed, or not now.
     No,
-    /// The caller stops where it is (for a long while), so that the test can act.
-    Pause,
+    /// The caller stops where it is for this long, so that the test can act.
+    Pause(std::time::Duration),
 }
 
 struct Point {
     name: String,
     node: Option<String>,
     hit: u64,
-    pause: bool,
+    /// Pause this long (`None`: kill).
+    pause_ms: Option<u64>,
     passed: AtomicU64,
 }
 
@@ -51,9 +53,12 @@ fn armed() -> Option<&'static Armed> {
                 .split(',')
                 .filter(|s| !s.is_empty())
                 .map(|s| {
-                    let (s, pause) = match s.strip_suffix(":pause") {
-                        Some(s) => (s, true),
-                        None => (s, false),
+                    let (s, pause_ms) = match s.split_once(":pause") {
+                        Some((s, ms)) => (
+                            s,
+                            Some(ms.strip_prefix('=').and_then(|m| m.parse().ok()).unwrap_or(60_000)),
+                        ),
+                        None => (s, None),
                     };
                     let (s, hit) = match s.split_once('@') {
                         Some((s, n)) => (s, n.parse().unwrap_or(1)),
@@ -67,7 +72,7 @@ fn armed() -> Option<&'static Armed> {
                         name,
                         node,
                         hit,
-                        pause,
+                        pause_ms,
                         passed: AtomicU64::new(0),
                     }
                 })
@@ -90,16 +95,23 @@ pub fn pass(node: &str, name: &str) -> Fire {
         if p.passed.fetch_add(1, Ordering::SeqCst) + 1 != p.hit {
             continue;
         }
-        let marker = a.dir.join(name);
+        let marker = a.dir.join(match &p.node {
+            Some(n) => format!("{name}.{n}"),
+            None => name.to_string(),
+        });
         let Ok(mut f) = std::fs::OpenOptions::new().write(true).create_new(true).open(&marker) else {
             continue; // fired already (in this cluster)
         };
         // The marker names the node, for the test.
-        let _ = std::io::Write::write_all(&mut f, node.as_bytes());
+        let text = match p.pause_ms {
+            Some(_) => format!("{node} paused"),
+            None => node.to_string(),
+        };
+        let _ = std::io::Write::write_all(&mut f, text.as_bytes());
         drop(f);
-        if p.pause {
-            tracing::error!(node, failpoint = name, "failpoint: pausing here");
-            return Fire::Pause;
+        if let Some(ms) = p.pause_ms {
+            tracing::error!(node, failpoint = name, ms, "failpoint: pausing here");
+            return Fire::Pause(std::time::Duration::from_millis(ms));
         }
         tracing::error!(node, failpoint = name, "failpoint: killing this daemon");
         // SIGKILL to itself: no destructor, no flush, like `kill -9`.
@@ -109,10 +121,9 @@ pub fn pass(node: &str, name: &str) -> Fire {
     Fire::No
 }
 
-/// [`pass`] in async code: a pausing point sleeps here (a minute: the test cuts the power
-/// meanwhile).
+/// [`pass`] in async code: a pausing point sleeps here.
 pub async fn pass_async(node: &str, name: &str) {
-    if pass(node, name) == Fire::Pause {
-        tokio::time::sleep(std::time::Duration::from_secs(60)).await;
+    if let Fire::Pause(d) = pass(node, name) {
+        tokio::time::sleep(d).await;
     }
 }

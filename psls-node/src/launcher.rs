@@ -67,9 +67,34 @@ pub struct Jobs {
     /// Parallel files the ranks running here mapped writable, per job (its last checkpoint
     /// covers them).
     written: Mutex<HashMap<String, std::collections::BTreeSet<psls_svm::FileId>>>,
+    /// What the launcher does for a job it launched, when it is not just running it (a
+    /// rollback's step), and since when.
+    activity: Mutex<HashMap<String, (String, std::time::Instant)>>,
 }
 
 impl Jobs {
+    /// `job`'s launcher is now doing `what` (`None`: nothing special any more); whether that
+    /// is new (the time counts from the change).
+    pub fn set_activity(&self, job: &str, what: Option<String>) -> bool {
+        let mut a = lock(&self.activity);
+        match what {
+            Some(w) if a.get(job).is_some_and(|(old, _)| *old == w) => false,
+            Some(w) => {
+                a.insert(job.to_string(), (w, std::time::Instant::now()));
+                true
+            }
+            None => a.remove(job).is_some(),
+        }
+    }
+
+    /// What `job`'s launcher does (empty: nothing special), and for how long.
+    pub fn activity(&self, job: &str) -> String {
+        lock(&self.activity)
+            .get(job)
+            .map(|(w, t)| format!("{w} (for {:.1} s)", t.elapsed().as_secs_f64()))
+            .unwrap_or_default()
+    }
+
     /// The job and rank of process `pid`, if it is a rank running here.
     pub fn rank_of(&self, pid: u32) -> Option<(JobSpec, u32)> {
         lock(&self.procs).get(&pid).cloned()
@@ -217,17 +242,27 @@ pub fn summary(spec: &JobSpec, per_node: Option<u32>, starts: u32) -> psls_pfs::
 
 /// Whether some live node launched `job` and follows it.
 pub async fn is_running(node: &Arc<Node>, job: &str) -> bool {
+    running_activity(node, job).await.is_some()
+}
+
+/// Whether a live node launched `job` and runs it (`None`: no), and what that launcher is
+/// doing for it (empty: nothing special).
+pub async fn running_activity(node: &Arc<Node>, job: &str) -> Option<String> {
     let st = node.meta_state();
     for (_, phys) in node.logical_map(&st) {
         if !node.is_live(&phys) {
             continue;
         }
         let req = PeerReq::JobLaunched { job: job.to_string() };
-        if let Ok(PeerResp::Running { running: true }) = node.call_ok(&phys, req).await {
-            return true;
+        if let Ok(PeerResp::Running {
+            running: true,
+            activity,
+        }) = node.call_ok(&phys, req).await
+        {
+            return Some(activity);
         }
     }
-    false
+    None
 }
 
 /// Places `spec`'s ranks on the live nodes and starts them (a restart: the same way, with
@@ -280,6 +315,7 @@ pub const MAX_JOB_SEGMENTS: usize = 4096;
 /// first where they are held, then the coherence state of their managers.
 pub fn finished(node: &Arc<Node>, jobs: &Arc<Jobs>, job: &str) {
     lock(&jobs.launched).remove(job);
+    jobs.set_activity(job, None);
     let (node, job) = (node.clone(), job.to_string());
     tokio::spawn(async move { drop_job_segments(&node, &job).await });
 }
@@ -476,6 +512,7 @@ pub fn serve(node: &Arc<Node>, jobs: &Arc<Jobs>, req: PeerReq) -> Result<PeerRes
         PeerReq::JobHalted { job, epoch } => event(jobs, &job, JobEvent::Halted { epoch }).map(|()| PeerResp::Ok),
         PeerReq::JobLaunched { job } => Ok(PeerResp::Running {
             running: lock(&jobs.launched).contains_key(&job),
+            activity: jobs.activity(&job),
         }),
         PeerReq::JobFiles { job, forget } => Ok(PeerResp::JobFiles {
             files: jobs.written(&job, forget),

@@ -207,6 +207,11 @@ pub enum PeerReq {
     CkptEnd {
         job: String,
     },
+    /// To the coordinator: what `job`'s checkpoint in progress is doing (answered with
+    /// `Activity`).
+    CkptProgress {
+        job: String,
+    },
     /// To a job's launcher: the job halted after checkpoint `epoch`; stop its ranks.
     JobHalted {
         job: String,
@@ -349,9 +354,15 @@ pub enum PeerResp {
     JobFiles {
         files: Vec<FileId>,
     },
-    /// Answer to `JobLaunched`.
+    /// Answer to `JobLaunched`: whether this node runs the job, and what its launcher is
+    /// doing for it (a rollback's step; empty: nothing special).
     Running {
         running: bool,
+        activity: String,
+    },
+    /// Answer to `CkptProgress` (empty: no checkpoint in progress).
+    Activity {
+        text: String,
     },
     /// Answer to `CkptRollback`: the checkpoint the job restarts from (0: its start).
     Restart {

@@ -13,7 +13,7 @@
 //! run can commit later).
 
 use crate::ckpt::{state_file_name, CkptShell};
-use crate::launcher::{kill_everywhere, JobSpec};
+use crate::launcher::{kill_everywhere, JobSpec, Jobs};
 use crate::node::Node;
 use crate::op::OpError;
 use crate::peer::{PeerReq, PeerResp};
@@ -31,11 +31,33 @@ const MAX_ROLLBACK_PASSES: u32 = 8;
 /// Rolls `spec`'s job back; returns the checkpoint it restarts from (0: its start). Every
 /// step is idempotent, so a failure during a pass (a node down, the coordinator gone) is met
 /// by another pass, after the nodes are back.
-pub async fn roll_back(node: &Arc<Node>, ckpt: &Arc<CkptShell>, spec: &JobSpec) -> Result<u64, OpError> {
+/// Its steps show in `psls jobs` (through `jobs`, the launcher's).
+pub async fn roll_back(node: &Arc<Node>, ckpt: &Arc<CkptShell>, jobs: &Jobs, spec: &JobSpec) -> Result<u64, OpError> {
+    let r = roll_back_passes(node, ckpt, jobs, spec).await;
+    jobs.set_activity(&spec.job, None);
+    r
+}
+
+async fn roll_back_passes(
+    node: &Arc<Node>,
+    ckpt: &Arc<CkptShell>,
+    jobs: &Jobs,
+    spec: &JobSpec,
+) -> Result<u64, OpError> {
     let deadline = Instant::now() + Duration::from_millis(spec.respawn_timeout_ms);
     let mut pass = 1;
     loop {
-        match roll_back_pass(node, ckpt, spec, deadline).await {
+        let step = |what: String| {
+            let what = if pass > 1 {
+                format!("{what} (pass {pass})")
+            } else {
+                what
+            };
+            if jobs.set_activity(&spec.job, Some(format!("rolling back: {what}"))) {
+                tracing::info!(node = %node.name(), job = %spec.job, step = %what, "rollback step");
+            }
+        };
+        match roll_back_pass(node, ckpt, spec, deadline, &step).await {
             Ok(epoch) => return Ok(epoch),
             Err(e) if e.kind == ErrorKind::Unavailable && pass < MAX_ROLLBACK_PASSES => {
                 tracing::warn!(node = %node.name(), job = %spec.job, pass, error = %e, "rollback interrupted: trying again");
@@ -54,8 +76,10 @@ async fn roll_back_pass(
     ckpt: &Arc<CkptShell>,
     spec: &JobSpec,
     deadline: Instant,
+    step: &(dyn Fn(String) + Sync),
 ) -> Result<u64, OpError> {
     let job = spec.job.as_str();
+    step("stopping the ranks".into());
     kill_everywhere(node, job).await;
     // Every logical node live again (a spare in the place of one that does not come back),
     // and none still re-creating its copies.
@@ -71,6 +95,16 @@ async fn roll_back_pass(
             break;
         }
         let now = Instant::now();
+        if down.is_empty() {
+            step("a spare re-creates the copies of the node it replaces".into());
+        } else {
+            let names: Vec<&str> = down.iter().map(|d| d.1.as_str()).collect();
+            step(format!(
+                "waiting for {} to come back (a spare takes over after {} s)",
+                names.join(", "),
+                spec.respawn_timeout_ms / 1000
+            ));
+        }
         if !down.is_empty() && now >= deadline {
             let (logical, lost) = &down[0];
             let map = node.logical_map(&st);
@@ -102,7 +136,9 @@ async fn roll_back_pass(
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+    step("fencing the checkpoints begun".into());
     let epoch = ckpt.rollback_fence(job).await?;
+    step(format!("every node drops the pages written since checkpoint {epoch}"));
     let mut files = crate::launcher::job_files(node, job, false).await;
     if let Ok(area) = crate::pfs::lookup_file(node, &state_file_name(job)) {
         files.push(area.id);
@@ -129,6 +165,7 @@ async fn roll_back_pass(
     }
     all.sort_unstable();
     all.dedup();
+    step("directories rebuilt".into());
     for p in &nodes {
         node.call_ok(p, PeerReq::RollbackServe { files: all.clone() }).await?;
     }
@@ -204,7 +241,7 @@ pub async fn resume(
     };
     let rx = crate::launcher::register(jobs, job);
     let started = async {
-        spec.restart_epoch = roll_back(node, ckpt, &spec).await?;
+        spec.restart_epoch = roll_back(node, ckpt, jobs, &spec).await?;
         let op = psls_pfs::meta::MetaOp::StartJob {
             job: job.to_string(),
             spec: crate::launcher::summary(&spec, sum.per_node, sum.starts + 1),

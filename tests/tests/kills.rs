@@ -59,22 +59,29 @@ fn fired(dir: &std::path::Path) -> Vec<(String, String)> {
     v
 }
 
-/// Waits for the job, bringing back up every daemon a failpoint killed (once it is gone) —
-/// those past the first `seen`; returns its stdout and stderr.
-fn run_through(c: &Cluster, mut ch: Child, dir: &std::path::Path, seen: usize) -> (String, String) {
+/// Waits for the job, bringing back up every daemon a failpoint killed (once it is gone) and
+/// calling `on_pause` with every point that paused — those that had not fired when it was
+/// called; returns its stdout and stderr.
+fn run_through(c: &Cluster, mut ch: Child, dir: &std::path::Path, on_pause: &mut dyn FnMut(&str)) -> (String, String) {
     let mut err_pipe = ch.stderr.take().expect("stderr");
     let err = std::thread::spawn(move || {
         let mut s = String::new();
         let _ = err_pipe.read_to_string(&mut s);
         s
     });
-    let mut handled = seen;
+    let mut handled: std::collections::BTreeSet<(String, String)> = fired(dir).into_iter().collect();
     let t = Instant::now();
     while ch.try_wait().expect("wait").is_none() {
         assert!(t.elapsed() < Duration::from_secs(240), "the job did not end");
-        let now = fired(dir);
-        if now.len() > handled {
-            for (point, node) in &now[handled..] {
+        let new: Vec<(String, String)> = fired(dir).into_iter().filter(|p| !handled.contains(p)).collect();
+        if !new.is_empty() {
+            let mut killed = false;
+            for (point, node) in &new {
+                if node.ends_with(" paused") {
+                    on_pause(point);
+                    continue;
+                }
+                killed = true;
                 if let Some(pid) = psls_client::cluster::running_pid(&c.dir, node) {
                     assert!(
                         psls_client::cluster::wait_gone(pid, Duration::from_secs(10)),
@@ -82,10 +89,13 @@ fn run_through(c: &Cluster, mut ch: Child, dir: &std::path::Path, seen: usize) -
                     );
                 }
             }
-            handled = now.len();
+            handled.extend(new);
+            if !killed {
+                continue;
+            }
             let o = c.run(&["cluster", "up"]);
             // A point that fired while `cluster up` waited for the cluster: handled next.
-            if !o.status.success() && fired(dir).len() == handled {
+            if !o.status.success() && fired(dir).len() == handled.len() {
                 for n in ["n0", "n1", "n2", "n3"] {
                     let log = c.log(n);
                     let tail: Vec<&str> = log.lines().rev().take(40).collect();
@@ -118,12 +128,12 @@ fn assert_sums(out: &str, err: &str) {
 #[test]
 fn a_participant_killed_in_its_checkpoint_writes_and_a_node_killed_during_the_rollback() {
     let (c, dir) = cluster("ckpt.write/n2@3,rollback.drop/n3", false);
-    let (out, err) = run_through(&c, start(&c, "n0"), &dir, 0);
+    let (out, err) = run_through(&c, start(&c, "n0"), &dir, &mut |_| {});
     assert_eq!(
         fired(&dir),
         vec![
-            ("ckpt.write".into(), "n2".into()),
-            ("rollback.drop".into(), "n3".into())
+            ("ckpt.write.n2".into(), "n2".into()),
+            ("rollback.drop.n3".into(), "n3".into())
         ],
         "{err}"
     );
@@ -143,7 +153,7 @@ fn a_participant_killed_in_its_checkpoint_writes_and_a_node_killed_during_the_ro
 fn the_coordinator_killed_after_the_commit_record_before_the_ranks_resume_and_during_a_rollback() {
     let (c, dir) = cluster("ckpt.committed@3,rollback.fence,ckpt.answer@6", false);
     // The launcher is not the coordinator (n0, the lowest live logical id).
-    let (out, err) = run_through(&c, start(&c, "n3"), &dir, 0);
+    let (out, err) = run_through(&c, start(&c, "n3"), &dir, &mut |_| {});
     let points: Vec<String> = fired(&dir).into_iter().map(|(p, _)| p).collect();
     assert_eq!(points, vec!["ckpt.answer", "ckpt.committed", "rollback.fence"], "{err}");
     assert_sums(&out, &err);
@@ -180,7 +190,45 @@ fn a_power_cut_during_a_checkpoints_writes_resumes_from_the_one_before() {
         .stderr(Stdio::piped())
         .spawn()
         .expect("psls run --resume");
-    let (out, err) = run_through(&c, resumed, &dir, 1);
+    let (out, err) = run_through(&c, resumed, &dir, &mut |_| {});
     assert!(out.contains("restarted from epoch 3 at step 2"), "{out}");
     assert_sums(&out, &err);
+}
+
+#[test]
+fn a_slow_checkpoint_and_a_slow_rollback_show_their_progress_in_psls_jobs() {
+    // n1 is slow to write checkpoint 2; n3 dies writing checkpoint 5, and n2 is slow to drop
+    // the job's pages in the rollback that follows.
+    let (c, dir) = cluster(
+        "ckpt.write/n1@2:pause=3000,ckpt.write/n3@5,rollback.drop/n2:pause=3000",
+        false,
+    );
+    let mut seen = Vec::new();
+    let (out, err) = run_through(&c, start(&c, "n0"), &dir, &mut |point| {
+        let jobs = c.ok(&["jobs"]);
+        let now = jobs
+            .lines()
+            .find_map(|l| l.trim().strip_prefix("now: "))
+            .unwrap_or_else(|| panic!("{point}: nothing in progress shown:\n{jobs}"))
+            .to_string();
+        match point {
+            "ckpt.write.n1" => {
+                assert!(now.starts_with("checkpoint 2: writing pages (for "), "{now}");
+                let waiting = now.split("waiting for ").nth(1).unwrap_or("");
+                assert!(waiting.split(", ").any(|n| n == "n1"), "{now}");
+            }
+            "rollback.drop.n2" => {
+                assert!(
+                    now.starts_with("rolling back: every node drops the pages written since checkpoint 4 (for "),
+                    "{now}"
+                );
+            }
+            other => panic!("unexpected pause {other}"),
+        }
+        seen.push(point.to_string());
+    });
+    assert_eq!(seen, vec!["ckpt.write.n1", "rollback.drop.n2"], "{err}");
+    assert_sums(&out, &err);
+    // Nothing in progress once the job is over (and it is not listed any more).
+    assert!(!c.ok(&["jobs"]).contains("now:"));
 }

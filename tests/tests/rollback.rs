@@ -69,6 +69,34 @@ fn finish(mut ch: Child, what: &str) -> (String, String) {
     (j["checksum"].as_str().expect("checksum").to_string(), err)
 }
 
+/// Waits until `job` committed a checkpoint.
+fn wait_first_checkpoint(c: &Cluster, job: &str) {
+    wait_for(Duration::from_secs(60), "the job's first checkpoint", || {
+        let list: serde_json::Value = serde_json::from_str(&c.ok(&["jobs", "--json"])).unwrap_or_default();
+        list.as_array().is_some_and(|a| {
+            a.iter()
+                .any(|j| j["job"] == job && j["epoch"].as_u64().unwrap_or(0) > 0)
+        })
+    });
+}
+
+/// `psls run --resume JOB` from `node`: the job's checksum, after checking it said it resumed.
+fn resume(c: &Cluster, node: &str, job: &str, what: &str) -> String {
+    let mut resumed = c
+        .cmd(&["--node", node, "run", "--resume", job])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("psls run --resume");
+    let (again, mut rest) = job_id(&mut resumed);
+    assert_eq!(again, job);
+    let (got, _) = finish(resumed, what);
+    let mut err = String::new();
+    rest.read_to_string(&mut err).expect("read");
+    assert!(err.contains(&format!("job {job} resumed from checkpoint")), "{err}");
+    got
+}
+
 #[test]
 fn mgs_survives_kill_9_of_any_node_at_random_moments_with_the_checksum_of_an_unfailed_run() {
     let c = Cluster::start(4, 0);
@@ -119,13 +147,7 @@ fn after_a_power_cut_during_a_job_psls_run_resume_finishes_it_with_the_unfailed_
         let (job, _err) = job_id(&mut run);
         // Once the job has a checkpoint (a cut before it leaves nothing to resume), some time
         // later — in a step, or in a checkpoint's writes.
-        wait_for(Duration::from_secs(60), "the job's first checkpoint", || {
-            let list: serde_json::Value = serde_json::from_str(&c.ok(&["jobs", "--json"])).unwrap_or_default();
-            list.as_array().is_some_and(|a| {
-                a.iter()
-                    .any(|j| j["job"] == job.as_str() && j["epoch"].as_u64().unwrap_or(0) > 0)
-            })
-        });
+        wait_first_checkpoint(&c, &job);
         std::thread::sleep(Duration::from_millis(delay_ms));
         c.kill_all();
         let o = run.wait_with_output().expect("psls run");
@@ -143,25 +165,33 @@ fn after_a_power_cut_during_a_job_psls_run_resume_finishes_it_with_the_unfailed_
         assert!(text.contains(&job) && text.contains("resumable"), "{text}");
         // Resumed (from another node): it ends with the checksum of the run that never failed,
         // and is gone from the list.
-        let mut resumed = c
-            .cmd(&["--node", "n2", "run", "--resume", &job])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("psls run --resume");
-        let (again, mut rest) = job_id(&mut resumed);
-        assert_eq!(again, job);
-        let (got, _) = finish(resumed, &format!("resume after a power cut at {delay_ms} ms"));
-        let mut err = String::new();
-        rest.read_to_string(&mut err).expect("read");
-        assert!(err.contains(&format!("job {job} resumed from checkpoint")), "{err}");
-        assert_eq!(got, want, "{err}");
+        let got = resume(&c, "n2", &job, &format!("resume after a power cut at {delay_ms} ms"));
+        assert_eq!(got, want);
         let list = c.ok(&["jobs"]);
         assert!(!list.contains(&job), "{list}");
     }
+    // `psls halt` mid-job: a last checkpoint, and the job stops cleanly; resumed, it ends with
+    // the same checksum.
+    let mut run = start_mgs(&c, "n3");
+    let (job, mut rest) = job_id(&mut run);
+    wait_first_checkpoint(&c, &job);
+    c.ok(&["halt", &job]);
+    let o = run.wait_with_output().expect("psls run");
+    let mut err = String::new();
+    rest.read_to_string(&mut err).expect("read");
+    assert!(o.status.success(), "a halted job ends cleanly: {err}");
+    assert!(err.contains(&format!("job {job} halted after checkpoint")), "{err}");
+    assert!(
+        !String::from_utf8_lossy(&o.stdout).contains("\"bench\":\"mgs\""),
+        "halted before its end"
+    );
+    assert!(c.ok(&["jobs"]).contains("resumable"));
+    assert_eq!(resume(&c, "n0", &job, "resume after a halt"), want);
     // Bad input: resuming an unknown or finished job, removing one that does not exist.
     let e = c.fails(&["run", "--resume", "no-such-job"]);
     assert!(e.contains("no job no-such-job to resume"), "{e}");
+    let e = c.fails(&["run", "--resume", &job]);
+    assert!(e.contains(&format!("no job {job} to resume")), "a finished job: {e}");
     let e = c.fails(&["jobs", "rm", "no-such-job"]);
     assert!(e.contains("no job no-such-job"), "{e}");
 }
@@ -172,13 +202,7 @@ fn a_node_lost_with_its_disk_is_replaced_by_the_spare_and_the_job_finishes_with_
     let (want, _) = finish(start_mgs(&c, "n0"), "the unfailed run");
     let mut run = start_mgs_waiting(&c, "n0", "2");
     let (job, mut err) = job_id(&mut run);
-    wait_for(Duration::from_secs(60), "the job's first checkpoint", || {
-        let list: serde_json::Value = serde_json::from_str(&c.ok(&["jobs", "--json"])).unwrap_or_default();
-        list.as_array().is_some_and(|a| {
-            a.iter()
-                .any(|j| j["job"] == job.as_str() && j["epoch"].as_u64().unwrap_or(0) > 0)
-        })
-    });
+    wait_first_checkpoint(&c, &job);
     // n2 and its disk are gone for good: after 2 s the spare takes logical id 2, re-creates
     // its copies, and the job goes on from its last checkpoint.
     c.destroy("n2");

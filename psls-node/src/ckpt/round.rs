@@ -242,6 +242,11 @@ impl CkptShell {
         self.coord.locked().abort_job(job)
     }
 
+    /// At the coordinator: `job`'s round in progress.
+    pub(super) fn coord_progress(&self, job: &str) -> Option<psls_ckpt::Progress> {
+        self.coord.locked().progress(job)
+    }
+
     /// At the coordinator: the highest epoch of `job` it started.
     pub(super) fn started_epoch(&self, job: &str) -> u64 {
         self.started.locked().get(job).copied().unwrap_or(0)

@@ -303,6 +303,38 @@ impl CkptShell {
             .await;
     }
 
+    /// What `job`'s checkpoint in progress is doing, from the coordinator (empty: none, or
+    /// no coordinator answered).
+    pub async fn progress(self: &Arc<Self>, job: &str) -> String {
+        let req = PeerReq::CkptProgress { job: job.to_string() };
+        match self.call_coordinator(req, self.node.request_timeout).await {
+            Ok(PeerResp::Activity { text }) => text,
+            _ => String::new(),
+        }
+    }
+
+    /// At the coordinator: [`CkptShell::progress`].
+    pub fn serve_progress(&self, job: &str) -> PeerResp {
+        if !self.coordinating() {
+            return PeerResp::NotCoordinator;
+        }
+        let Some(p) = self.coord_progress(job) else {
+            return PeerResp::Activity { text: String::new() };
+        };
+        let waiting: Vec<String> = p.waiting.iter().map(|l| self.node.physical_now(*l)).collect();
+        let secs = self.node.now_ms().saturating_sub(p.started_ms) as f64 / 1000.0;
+        let mut text = format!("checkpoint {}: {} (for {secs:.1} s)", p.epoch, p.step);
+        if p.step == psls_ckpt::Step::WritingPages {
+            text.push_str(&format!(
+                "; {} of {} nodes durable, waiting for {}",
+                p.participants - p.waiting.len(),
+                p.participants,
+                waiting.join(", ")
+            ));
+        }
+        PeerResp::Activity { text }
+    }
+
     /// At the coordinator: `job` is over.
     pub fn serve_end(&self, job: &str) -> PeerResp {
         self.safe.locked().end(job);

@@ -164,7 +164,8 @@ async fn jobs(d: &Arc<Daemon>) -> Result<Vec<psls_ipc::proto::JobInfo>, OpError>
     let mut out = Vec::new();
     for (job, rec) in &st.jobs {
         let Some(sum) = &rec.spec else { continue };
-        let running = crate::launcher::is_running(&d.node, job).await;
+        let launcher = crate::launcher::running_activity(&d.node, job).await;
+        let running = launcher.is_some();
         if !running && rec.epoch == 0 {
             continue; // ended without a checkpoint: its record is on its way out
         }
@@ -182,6 +183,12 @@ async fn jobs(d: &Arc<Daemon>) -> Result<Vec<psls_ipc::proto::JobInfo>, OpError>
             epoch: rec.epoch,
             at_unix_ms: rec.at_unix_ms,
             bytes: rec.bytes,
+            activity: match launcher {
+                // A rollback's step, else a checkpoint in progress.
+                Some(a) if a.is_empty() => d.ckpt.progress(job).await,
+                Some(a) => a,
+                None => String::new(),
+            },
         });
     }
     Ok(out)
@@ -330,7 +337,7 @@ pub(super) async fn run_job(
                 }
                 let note = format!("{why}: rolling job {job} back to its last checkpoint");
                 send(&mut w, &Response::JobNote { message: note }).await?;
-                match crate::recovery::roll_back(node, &d.ckpt, &spec).await {
+                match crate::recovery::roll_back(node, &d.ckpt, &d.jobs, &spec).await {
                     Ok(epoch) => {
                         spec.attempt += 1;
                         spec.restart_epoch = epoch;
