@@ -69,6 +69,11 @@ impl Write {
         self.actions.pop_front()
     }
 
+    /// The next action for the shell, left in place.
+    pub fn peek_action(&self) -> Option<&WriteAction> {
+        self.actions.front()
+    }
+
     /// Whether it is over (committed or aborted).
     pub fn is_over(&self) -> bool {
         self.phase == Phase::Over

@@ -57,6 +57,8 @@ pub struct Node {
     disk_used: AtomicU64,
     disk_free: AtomicU64,
     pub shutdown: tokio::sync::Notify,
+    /// Told each time committed metadata is installed here (for [`Node::meta_reached`]).
+    meta_installed: tokio::sync::Notify,
     /// The daemon's request handler, for the requests a node sends itself (set at start-up).
     local: OnceLock<Arc<dyn Handler>>,
     /// What shared memory adds to every heartbeat (set at start-up).
@@ -100,6 +102,7 @@ impl Node {
             disk_used: AtomicU64::new(0),
             disk_free: AtomicU64::new(0),
             shutdown: tokio::sync::Notify::new(),
+            meta_installed: tokio::sync::Notify::new(),
             local: OnceLock::new(),
             beat: OnceLock::new(),
             link_pings: Mutex::new(HashMap::new()),
@@ -522,21 +525,26 @@ impl Node {
             .collect()
     }
 
-    /// Waits (a bounded time) until this node's committed metadata has reached `seq`.
+    /// Waits (a bounded time) until this node's committed metadata has reached `seq`: woken
+    /// by each install (a checkpoint's page writes wait here for its epoch's metadata, so
+    /// polling cost them milliseconds each), and looking again now and then regardless.
     pub async fn meta_reached(&self, seq: u64) -> Result<MetaState, OpError> {
         let deadline = Instant::now() + self.request_timeout;
         loop {
+            // Registered before looking, so an install in between is not missed.
+            let installed = self.meta_installed.notified();
             let st = self.meta_state();
             if st.seq >= seq {
                 return Ok(st);
             }
-            if Instant::now() >= deadline {
+            let now = Instant::now();
+            if now >= deadline {
                 return Err(OpError::new(
                     ErrorKind::Unavailable,
                     format!("{}: metadata at {} has not reached {seq}", self.me.name, st.seq),
                 ));
             }
-            tokio::time::sleep(Duration::from_millis(5)).await;
+            let _ = tokio::time::timeout((deadline - now).min(Duration::from_millis(20)), installed).await;
         }
     }
 
@@ -564,7 +572,9 @@ impl Node {
             WriteGen::New { gen, seq } => {
                 // The slot to spare is the committed version's, as this node's metadata says
                 // (never the writer's word for it).
+                let t = Instant::now();
                 let st = self.meta_reached(seq).await?;
+                let wait_us = t.elapsed().as_micros() as u64;
                 let f = st.files.values().find(|f| f.id == file);
                 let refs = self.refs(&indices, |_, i| f.map_or(0, |f| f.page_gen(i)));
                 if let Some(r) = refs.iter().find(|r| r.gen >= gen) {
@@ -576,7 +586,10 @@ impl Node {
                         ),
                     ));
                 }
+                let pages = refs.len();
+                let t = Instant::now();
                 blocking(move || store.write_batch(file, role, gen, &refs, &data)).await??;
+                tracing::debug!(node = %self.me.name, %file, pages, wait_us, write_us = t.elapsed().as_micros() as u64, "checkpoint pages stored");
             }
             WriteGen::Same { gens } => {
                 if gens.len() != indices.len() {
@@ -724,6 +737,9 @@ impl crate::replication::Host for Node {
     }
     fn meta(&self) -> &Arc<Mutex<MetaStore>> {
         &self.meta
+    }
+    fn installed(&self) {
+        self.meta_installed.notify_waiters();
     }
     fn replication(&self) -> &crate::replication::Replication {
         &self.replication

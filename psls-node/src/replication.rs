@@ -64,6 +64,8 @@ pub trait Host: Send + Sync + 'static {
     fn is_live(&self, peer: &str) -> bool;
     /// The metadata store (committed state and vote).
     fn meta(&self) -> &Arc<Mutex<MetaStore>>;
+    /// Committed metadata was installed in [`Host::meta`].
+    fn installed(&self);
     /// The replication messages' own door in (this node's [`Replication`]).
     fn replication(&self) -> &Replication;
     /// Posts a one-way message to `peer` on the message link.
@@ -184,6 +186,7 @@ async fn carry_out<H: Host>(node: &Arc<H>, voters: &[String], a: Action<MetaStat
             if let Err(e) = r.map_err(|e| e.to_string()).and_then(|r| r.map_err(|e| e.to_string())) {
                 panic!("cannot record committed metadata (seq {seq}): {e}");
             }
+            node.installed();
             tracing::debug!(node = %node.name(), seq, "metadata committed");
         }
         Action::Send { to, msg } => {

@@ -96,6 +96,9 @@ impl std::fmt::Debug for ReadOutcome {
     }
 }
 
+/// Files flushed at once by one [`PageStore::sync`] (a bound on the threads it starts).
+const MAX_PARALLEL_SYNCS: usize = 16;
+
 #[derive(Debug)]
 struct SlotFiles {
     hdr: Arc<dyn DiskFile>,
@@ -421,13 +424,31 @@ impl PageStore {
         self.check()?;
         let dirty: Vec<(FileId, Role)> = self.dirty.lock().unwrap_or_else(|e| e.into_inner()).drain().collect();
         let result = (|| {
+            let mut files: Vec<(Arc<dyn DiskFile>, &'static str)> = Vec::new();
             for (file, role) in &dirty {
                 if let Some(f) = self.slot_files(*file, *role, false)? {
                     for d in &f.data {
-                        d.sync().map_err(|e| StoreError::io("fsync data", e))?;
+                        files.push((d.clone(), "fsync data"));
                     }
-                    f.hdr.sync().map_err(|e| StoreError::io("fsync headers", e))?;
+                    files.push((f.hdr.clone(), "fsync headers"));
                 }
+            }
+            // Side by side: the file system joins concurrent flushes into one journal commit,
+            // where one after the other each waits for its own device flush.
+            for group in files.chunks(MAX_PARALLEL_SYNCS) {
+                std::thread::scope(|s| {
+                    let running: Vec<_> = group
+                        .iter()
+                        .map(|(f, what)| s.spawn(move || f.sync().map_err(|e| StoreError::io(*what, e))))
+                        .collect();
+                    running
+                        .into_iter()
+                        .map(|h| {
+                            h.join()
+                                .unwrap_or_else(|_| Err(StoreError::io("fsync", std::io::Error::other("panicked"))))
+                        })
+                        .collect::<Result<Vec<()>, StoreError>>()
+                })?;
             }
             if self.dir_dirty.swap(false, Ordering::SeqCst) {
                 self.disk.sync_dir().map_err(|e| StoreError::io("fsync directory", e))?;

@@ -9,7 +9,9 @@
 //! and restarted; the time from the kill to the launcher restarting every rank, against the
 //! failure-detection timeout + 1 s + the job's file bytes / the raw write bandwidth.
 //!
-//! Usage: ckpt-bench [--rounds 3] [--vectors 1024] [--dir DIR]
+//! Usage: ckpt-bench [--rounds 3] [--vectors 1024] [--dir DIR] [--keep]
+//! (`--keep` keeps the cluster folder: with `PSLS_LOG=info,psls_node::ckpt=debug` its logs
+//! time every checkpoint's steps.)
 //! Needs `psls`, `psls-node` and `mgs` next to this binary (`cargo build --release --workspace --bins`).
 
 use anyhow::{bail, Context, Result};
@@ -24,6 +26,8 @@ struct Args {
     rounds: usize,
     vectors: usize,
     dir: Option<PathBuf>,
+    /// Keep the cluster folder (its daemons' logs time every checkpoint's steps).
+    keep: bool,
 }
 
 fn args() -> Result<Args> {
@@ -31,15 +35,20 @@ fn args() -> Result<Args> {
         rounds: 3,
         vectors: 1024,
         dir: None,
+        keep: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(k) = it.next() {
+        if k == "--keep" {
+            a.keep = true;
+            continue;
+        }
         let mut v = || it.next().with_context(|| format!("{k} needs a value"));
         match k.as_str() {
             "--rounds" => a.rounds = v()?.parse().context("--rounds")?,
             "--vectors" => a.vectors = v()?.parse().context("--vectors")?,
             "--dir" => a.dir = Some(PathBuf::from(v()?)),
-            _ => bail!("unknown argument {k} (use --rounds N, --vectors N, --dir DIR)"),
+            _ => bail!("unknown argument {k} (use --rounds N, --vectors N, --dir DIR, --keep)"),
         }
     }
     if a.rounds == 0 || a.vectors < 50 {
@@ -177,6 +186,10 @@ fn main() -> Result<()> {
     psls_client::cluster::up(&cdir, Duration::from_secs(60), true)?;
     let result = run(&a, &bin, &raw, &cdir);
     let _ = psls_client::cluster::down(&cdir);
+    if a.keep {
+        let kept = tmp.keep();
+        eprintln!("kept {}", kept.display());
+    }
     result
 }
 

@@ -373,6 +373,7 @@ impl CkptShell {
             CoordAction::Begin { job, epoch } => {
                 let me = self.clone();
                 self.runtime.spawn(async move {
+                    let t = std::time::Instant::now();
                     let r = me
                         .node
                         .submit(MetaOp::BeginCheckpoint {
@@ -386,6 +387,7 @@ impl CkptShell {
                         (Ok(()), _) => Err("the metadata does not show the epoch begun".to_string()),
                         (Err(e), _) => Err(e.message),
                     };
+                    tracing::debug!(node = %me.node.name(), job, epoch, begin_ms = t.elapsed().as_millis() as u64, "checkpoint begun");
                     me.coord.locked().begun(me.node.now_ms(), &job, epoch, r);
                     me.drive();
                 });
@@ -409,7 +411,9 @@ impl CkptShell {
                         at_unix_ms: crate::pfs::unix_ms(),
                         bytes,
                     };
+                    let t = std::time::Instant::now();
                     let r = me.node.submit(op).await.map_err(|e| e.message);
+                    tracing::debug!(node = %me.node.name(), job, epoch, record_ms = t.elapsed().as_millis() as u64, "checkpoint commit record written");
                     if r.is_ok() {
                         crate::failpoint::pass_async(me.node.name(), "ckpt.committed").await;
                     }
@@ -495,6 +499,7 @@ impl CkptShell {
         files: &[FileId],
     ) -> Result<(Vec<FileRuns>, u64), OpError> {
         let node = &self.node;
+        let t0 = std::time::Instant::now();
         let st = node.meta_reached(seq).await?;
         let mut taken = self.svm.take_dirty(files).map_err(|e| OpError::new(ErrorKind::Io, e))?;
         // The ranks' states of this job saved here go into its checkpoint area.
@@ -506,6 +511,7 @@ impl CkptShell {
             (job.to_string(), epoch),
             taken.iter().map(|t| (t.file, t.indices.clone())).collect(),
         );
+        let take_ms = t0.elapsed().as_millis() as u64;
         let p = node.placement;
         let mut write = Write::new();
         let mut inflight = tokio::task::JoinSet::new();
@@ -559,16 +565,38 @@ impl CkptShell {
         while !inflight.is_empty() {
             reap(&mut inflight, &mut write).await;
         }
+        let store_ms = t0.elapsed().as_millis() as u64 - take_ms;
         write.finish();
         loop {
             let Some(a) = write.poll_action() else {
                 return Err(OpError::new(ErrorKind::Internal, "checkpoint write stalled"));
             };
             match a {
-                WriteAction::Sync { node: phys } => match crate::pfs::sync_on(node, &phys).await {
-                    Ok(incarnation) => write.synced(&phys, incarnation),
-                    Err(e) => write.sync_failed(&phys, &e.message),
-                },
+                // Every node written to syncs at once (the syncs come together, after the
+                // last store).
+                WriteAction::Sync { node: first } => {
+                    let mut syncs = tokio::task::JoinSet::new();
+                    let mut next = Some(first);
+                    while let Some(phys) = next.take() {
+                        let node = node.clone();
+                        syncs.spawn(async move {
+                            let r = crate::pfs::sync_on(&node, &phys).await;
+                            (phys, r)
+                        });
+                        if let Some(WriteAction::Sync { .. }) = write.peek_action() {
+                            if let Some(WriteAction::Sync { node: phys }) = write.poll_action() {
+                                next = Some(phys);
+                            }
+                        }
+                    }
+                    while let Some(done) = syncs.join_next().await {
+                        match done {
+                            Ok((phys, Ok(incarnation))) => write.synced(&phys, incarnation),
+                            Ok((phys, Err(e))) => write.sync_failed(&phys, &e.message),
+                            Err(e) => write.abort(format!("a sync task failed: {e}")),
+                        }
+                    }
+                }
                 // Durable on both copies: the coordinator's commit record is what commits.
                 WriteAction::Commit => write.committed(Ok(())),
                 WriteAction::Abort { .. } => {}
@@ -576,7 +604,9 @@ impl CkptShell {
                 WriteAction::Done(Err(why)) => return Err(unavailable(why)),
             }
         }
-        tracing::info!(node = %node.name(), job, epoch, gen, pages, "checkpoint pages durable");
+        // Where the time went: taking the pages, storing both copies, syncing the disks.
+        let sync_ms = t0.elapsed().as_millis() as u64 - take_ms - store_ms;
+        tracing::info!(node = %node.name(), job, epoch, gen, pages, take_ms, store_ms, sync_ms, "checkpoint pages durable");
         Ok((runs, pages * PAGE_SIZE as u64))
     }
 }
