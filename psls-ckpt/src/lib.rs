@@ -11,6 +11,11 @@
 //!   (one write at a time per job), report, and mark them clean or dirty again on the decision.
 //! - [`safepoint::SafePoints`]: the ranks' collective safe-point call, at the coordinator:
 //!   once every rank of a job called, one decision for all (take a checkpoint, or nothing).
+//! - [`pages::PageTable`]: page categories (active, readable recovery, pure recovery,
+//!   pre-recovery; dirty, modified) of a job's copies across the nodes, frame counters per
+//!   category, and whether a memory checkpoint fits.
+//! - [`cleaning::Policy`]: which copies stay in memory after a cleaner checkpoint (no
+//!   cleaning, total, P1, P2, P3, LRU down to a threshold).
 //! - [`msg::Msg`]: what they send each other. Every message names the job and the epoch; a
 //!   message of another epoch than the one in progress, or from a node that is not the
 //!   coordinator, is dropped.
@@ -22,8 +27,10 @@
 
 #![forbid(unsafe_code)]
 
+pub mod cleaning;
 pub mod coordinator;
 pub mod msg;
+pub mod pages;
 pub mod participant;
 pub mod safepoint;
 
