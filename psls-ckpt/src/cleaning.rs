@@ -168,6 +168,7 @@ mod tests {
             node: NodeId(node),
             category,
             last_use,
+            version: 0,
         }
     }
 

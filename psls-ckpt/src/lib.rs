@@ -14,6 +14,9 @@
 //! - [`pages::PageTable`]: page categories (active, readable recovery, pure recovery,
 //!   pre-recovery; dirty, modified) of a job's copies across the nodes, frame counters per
 //!   category, and whether a memory checkpoint fits.
+//! - [`memory`]: the memory level's page transitions on a page table — copy-on-write of
+//!   recovery copies, a memory checkpoint's two phases and abort, a cleaner checkpoint, the
+//!   rollback after node failures — and a seeded model run holding them to DESIGN §9.
 //! - [`cleaning::Policy`]: which copies stay in memory after a cleaner checkpoint (no
 //!   cleaning, total, P1, P2, P3, LRU down to a threshold).
 //! - [`msg::Msg`]: what they send each other. Every message names the job and the epoch; a
@@ -29,6 +32,7 @@
 
 pub mod cleaning;
 pub mod coordinator;
+pub mod memory;
 pub mod msg;
 pub mod pages;
 pub mod participant;

@@ -13,7 +13,8 @@
 //! Invariants ([`PageTable::check`]): a writable active copy is the page's only active copy
 //! (single writer); pure recovery copies exist only for a page modified since the last
 //! checkpoint (they are its old contents); a page has at most two copies of each recovery
-//! category, on distinct nodes. (A clean page may keep readable recovery copies: after a
+//! category, on distinct nodes; its readable copies (every one but pure recovery) hold one
+//! version, and its pure recovery copies one version. (A clean page may keep readable recovery copies: after a
 //! cleaner checkpoint they equal its disk copies, and a policy may keep them in memory.)
 
 use psls_svm::{NodeId, PageId};
@@ -39,6 +40,8 @@ pub struct Frame {
     pub category: Category,
     /// When the computation last used this copy (a counter: larger is more recent).
     pub last_use: u64,
+    /// Which version of the page it holds (for checks; the daemon's frames hold bytes).
+    pub version: u64,
 }
 
 /// A page's copies and state.
@@ -144,6 +147,21 @@ impl PageTable {
             if active.iter().any(|f| f.category == Category::Active { writable: true }) && active.len() > 1 {
                 return Err(format!("page {id}: a writable copy and {} active copies", active.len()));
             }
+            let readable: Vec<u64> = p
+                .frames
+                .iter()
+                .filter(|f| f.category != Category::PureRecovery)
+                .map(|f| f.version)
+                .collect();
+            if readable.windows(2).any(|w| w[0] != w[1]) {
+                return Err(format!("page {id}: readable copies of different versions {readable:?}"));
+            }
+            let pure: Vec<u64> = p.of(Category::PureRecovery).map(|f| f.version).collect();
+            if pure.windows(2).any(|w| w[0] != w[1]) {
+                return Err(format!(
+                    "page {id}: pure recovery copies of different versions {pure:?}"
+                ));
+            }
             if !p.modified && p.of(Category::PureRecovery).next().is_some() {
                 return Err(format!(
                     "page {id}: pure recovery copies of a page not written since the checkpoint"
@@ -184,6 +202,7 @@ mod tests {
             node: NodeId(node),
             category,
             last_use: 0,
+            version: 0,
         }
     }
 
