@@ -5,7 +5,7 @@
 //! Off unless the daemon starts with `PSLS_FAILPOINTS`, a comma-separated list of
 //! `NAME[/NODE][@HIT][:pause[=MS]]` — the point `NAME`, only on node `NODE`, at its `HIT`-th
 //! passage in this process (1 by default), killing, or pausing for `MS` milliseconds (a
-//! minute by default) — and `PSLS_FAILPOINT_DIR`, a directory shared by
+//! minute by default) or until the test creates the marker's name + `.release` — and `PSLS_FAILPOINT_DIR`, a directory shared by
 //! every daemon of the cluster: a point fires once per cluster, when it creates the file
 //! `DIR/NAME` (`DIR/NAME.NODE` for a point of one node) (so a daemon restarted with the same environment does not die again), which
 //! holds the node's name, and ` paused` after it for a pause. The
@@ -21,12 +21,16 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
 
 /// What a failpoint does when it fires.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Fire {
     /// Nothing: the point is not armed, or not now.
     No,
-    /// The caller stops where it is for this long, so that the test can act.
-    Pause(std::time::Duration),
+    /// The caller stops where it is, so that the test can act: for at most `max`, and only
+    /// until the test creates the file `release`.
+    Pause {
+        max: std::time::Duration,
+        release: std::path::PathBuf,
+    },
 }
 
 struct Point {
@@ -111,7 +115,12 @@ pub fn pass(node: &str, name: &str) -> Fire {
         drop(f);
         if let Some(ms) = p.pause_ms {
             tracing::error!(node, failpoint = name, ms, "failpoint: pausing here");
-            return Fire::Pause(std::time::Duration::from_millis(ms));
+            let mut release = marker.into_os_string();
+            release.push(".release");
+            return Fire::Pause {
+                max: std::time::Duration::from_millis(ms),
+                release: release.into(),
+            };
         }
         tracing::error!(node, failpoint = name, "failpoint: killing this daemon");
         // SIGKILL to itself: no destructor, no flush, like `kill -9`.
@@ -121,9 +130,12 @@ pub fn pass(node: &str, name: &str) -> Fire {
     Fire::No
 }
 
-/// [`pass`] in async code: a pausing point sleeps here.
+/// [`pass`] in async code: a pausing point waits here.
 pub async fn pass_async(node: &str, name: &str) {
-    if let Fire::Pause(d) = pass(node, name) {
-        tokio::time::sleep(d).await;
+    if let Fire::Pause { max, release } = pass(node, name) {
+        let until = tokio::time::Instant::now() + max;
+        while tokio::time::Instant::now() < until && !release.exists() {
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
     }
 }

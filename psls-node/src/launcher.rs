@@ -95,6 +95,14 @@ impl Jobs {
             .unwrap_or_default()
     }
 
+    /// The spec of `job`, if a rank of it runs here.
+    pub fn local_spec(&self, job: &str) -> Option<JobSpec> {
+        lock(&self.procs)
+            .values()
+            .find(|(s, _)| s.job == job)
+            .map(|(s, _)| s.clone())
+    }
+
     /// The job and rank of process `pid`, if it is a rank running here.
     pub fn rank_of(&self, pid: u32) -> Option<(JobSpec, u32)> {
         lock(&self.procs).get(&pid).cloned()

@@ -44,9 +44,11 @@ async fn roll_back_passes(
     jobs: &Jobs,
     spec: &JobSpec,
 ) -> Result<u64, OpError> {
-    let deadline = Instant::now() + Duration::from_millis(spec.respawn_timeout_ms);
     let mut pass = 1;
     loop {
+        // Each pass gives a node it finds down the whole respawn timeout (one that failed
+        // during an earlier pass too).
+        let deadline = Instant::now() + Duration::from_millis(spec.respawn_timeout_ms);
         let step = |what: String| {
             let what = if pass > 1 {
                 format!("{what} (pass {pass})")
@@ -125,7 +127,14 @@ async fn roll_back_pass(
                 ));
             };
             tracing::warn!(node = %node.name(), job = %spec.job, logical, lost = %lost, %spare, "node not back: a spare takes its place");
-            crate::pfs::replace(node, *logical, &spare).await?;
+            // A refusal may be a race (the node back at that moment, the spare taken): the
+            // next pass looks again.
+            crate::pfs::replace(node, *logical, &spare).await.map_err(|e| {
+                OpError::new(
+                    ErrorKind::Unavailable,
+                    format!("replacing {lost} by {spare}: {}", e.message),
+                )
+            })?;
             continue;
         }
         if now >= rebuild_deadline {

@@ -127,6 +127,10 @@ pub struct PageStore {
     dirty: Mutex<HashSet<(FileId, Role)>>,
     dir_dirty: AtomicBool,
     poisoned: AtomicBool,
+    /// One `sync` at a time: a caller returns only after a flush that started after its
+    /// writes (a second caller finding `dirty` emptied by a flush still running must wait for
+    /// it, and learn if it failed).
+    syncing: Mutex<()>,
 }
 
 fn names(file: FileId, role: Role) -> [String; 3] {
@@ -184,6 +188,7 @@ impl PageStore {
             dirty: Mutex::new(HashSet::new()),
             dir_dirty: AtomicBool::new(false),
             poisoned: AtomicBool::new(false),
+            syncing: Mutex::new(()),
         }
     }
 
@@ -421,6 +426,8 @@ impl PageStore {
 
     /// Makes every earlier write durable. On failure the store is poisoned.
     pub fn sync(&self) -> Result<(), StoreError> {
+        let _one_at_a_time = self.syncing.lock().unwrap_or_else(|e| e.into_inner());
+        // After the lock: a flush that ran meanwhile and failed is known here.
         self.check()?;
         let dirty: Vec<(FileId, Role)> = self.dirty.lock().unwrap_or_else(|e| e.into_inner()).drain().collect();
         let result = (|| {
@@ -437,17 +444,25 @@ impl PageStore {
             // where one after the other each waits for its own device flush.
             for group in files.chunks(MAX_PARALLEL_SYNCS) {
                 std::thread::scope(|s| {
-                    let running: Vec<_> = group
-                        .iter()
-                        .map(|(f, what)| s.spawn(move || f.sync().map_err(|e| StoreError::io(*what, e))))
-                        .collect();
-                    running
-                        .into_iter()
-                        .map(|h| {
+                    let mut results: Vec<Result<(), StoreError>> = Vec::new();
+                    let mut running = Vec::new();
+                    for (f, what) in group {
+                        // A thread that cannot be started: this file is flushed here instead.
+                        match std::thread::Builder::new()
+                            .name("psls-fsync".into())
+                            .spawn_scoped(s, move || f.sync().map_err(|e| StoreError::io(*what, e)))
+                        {
+                            Ok(h) => running.push(h),
+                            Err(_) => results.push(f.sync().map_err(|e| StoreError::io(*what, e))),
+                        }
+                    }
+                    for h in running {
+                        results.push(
                             h.join()
-                                .unwrap_or_else(|_| Err(StoreError::io("fsync", std::io::Error::other("panicked"))))
-                        })
-                        .collect::<Result<Vec<()>, StoreError>>()
+                                .unwrap_or_else(|_| Err(StoreError::io("fsync", std::io::Error::other("panicked")))),
+                        );
+                    }
+                    results.into_iter().collect::<Result<Vec<()>, StoreError>>()
                 })?;
             }
             if self.dir_dirty.swap(false, Ordering::SeqCst) {

@@ -135,7 +135,13 @@ fn an_interval_skips_calls_psls_checkpoint_forces_one_and_psls_halt_stops_the_jo
     assert!(at(0, 1).is_some() && at(0, 1) == at(1, 1), "{out}");
     assert!(!out.contains("done"), "{out}");
     assert!(rest.contains(&format!("job {job} halted after checkpoint 2")), "{rest}");
-    // The halted job keeps its checkpoint area (it can be resumed).
+    // The halted job keeps its checkpoint area (it can be resumed), which is the daemon's:
+    // no user removes it, nor creates a file in an area (or plants one for a future job).
+    assert!(c.ok(&["ls"]).contains(&format!(".psls-ckpt.{job}")));
+    let e = c.fails(&["rm", &format!(".psls-ckpt.{job}")]);
+    assert!(e.contains("reserved for jobs' checkpoint areas"), "{e}");
+    let e = c.fails(&["create", ".psls-ckpt.n9-1-1.v.seg", "--size", "4096"]);
+    assert!(e.contains("reserved for jobs' checkpoint areas"), "{e}");
     assert!(c.ok(&["ls"]).contains(&format!(".psls-ckpt.{job}")));
     // An unknown job is a clear error.
     let e = c.fails(&["checkpoint", "no-such-job"]);

@@ -30,9 +30,24 @@ pub const SLOT_PAGES: u64 = 1 + (MAX_STATE_BYTES / PAGE_SIZE) as u64;
 const MAGIC: [u8; 4] = *b"PSRS";
 const VERSION: u16 = 1;
 
+/// What the names of checkpoint areas' files start with: reserved for the daemon (a user
+/// cannot create, import, map or remove such a file, so nobody can plant one for a job).
+pub const AREA_PREFIX: &str = ".psls-ckpt.";
+
+/// Refuses a user's create, import, map or remove of a name in a checkpoint area.
+pub fn not_reserved(name: &str) -> Result<(), crate::op::OpError> {
+    if name.starts_with(AREA_PREFIX) {
+        return Err(crate::op::OpError::new(
+            psls_ipc::ErrorKind::Permission,
+            format!("names starting with '{AREA_PREFIX}' are reserved for jobs' checkpoint areas"),
+        ));
+    }
+    Ok(())
+}
+
 /// The name of `job`'s checkpoint area file.
 pub fn state_file_name(job: &str) -> String {
-    format!(".psls-ckpt.{job}")
+    format!("{AREA_PREFIX}{job}")
 }
 
 /// The name of the file in `job`'s checkpoint area that keeps its volatile segment `name`.
@@ -42,7 +57,7 @@ pub fn volatile_file_name(job: &str, name: &str) -> String {
 
 /// What the names of `job`'s volatile segments' files start with.
 pub fn volatile_prefix(job: &str) -> String {
-    format!(".psls-ckpt.{job}.v.")
+    format!("{AREA_PREFIX}{job}.v.")
 }
 
 /// Its size for a job of `size` ranks.

@@ -17,6 +17,22 @@ use tokio::net::unix::OwnedReadHalf;
 pub(super) async fn handle(c: &mut Conn, req: Request, mut fds: Vec<OwnedFd>) -> std::io::Result<Flow> {
     let (d, caller) = (c.d.clone(), c.caller);
     let node = d.node.clone();
+    // Checkpoint areas are the daemon's.
+    if let Request::Create { name, .. }
+    | Request::ImportBegin { name, .. }
+    | Request::ImportFd { name, .. }
+    | Request::Rm { name } = &req
+    {
+        if let Err(e) = crate::ckpt::not_reserved(name) {
+            send(&mut c.w, &err(e)).await?;
+            // An import's data may follow: close rather than misread it.
+            return Ok(if matches!(req, Request::ImportBegin { .. }) {
+                Flow::Close
+            } else {
+                Flow::Sent
+            });
+        }
+    }
     let resp = match req {
         Request::Create { name, size, mode } => match pfs::create(&node, caller, &name, size, mode).await {
             Ok(f) => Response::Files(vec![f]),

@@ -281,6 +281,16 @@ async fn volatile_area(
         }
         Err(e) => return Err(e),
     };
+    // Only this daemon creates area files (the prefix is reserved), as the job's user.
+    if f.uid != caller.uid {
+        return Err(OpError::new(
+            ErrorKind::Permission,
+            format!(
+                "job {job}'s file for volatile segment '{name}' belongs to uid {}",
+                f.uid
+            ),
+        ));
+    }
     caller.check_write(&f)?;
     if size > f.size {
         return Err(OpError::new(
@@ -325,11 +335,16 @@ async fn map(
             return Err(OpError::new(ErrorKind::Invalid, "job id longer than 256 bytes"));
         }
         let job = (!job.is_empty()).then(|| job.to_string());
-        let launched = pid.and_then(|p| d.jobs.rank_of(p as u32)).map(|(spec, _)| spec.job);
+        // A `psls run` job with a rank here, of the caller's user: the rank itself, or a
+        // process it started (which names the job by the `PSLS_JOB` it inherited).
+        let launched = job
+            .as_deref()
+            .and_then(|j| d.jobs.local_spec(j))
+            .is_some_and(|spec| spec.uid == caller.uid);
         match job {
-            // A rank's segment of its own `psls run` job is kept in the job's checkpoint area:
-            // its checkpoints save it, a rollback restores it.
-            Some(job) if launched.as_deref() == Some(job.as_str()) => {
+            // A segment of a `psls run` job is kept in the job's checkpoint area: its
+            // checkpoints save it, a rollback restores it.
+            Some(job) if launched => {
                 let f = volatile_area(d, caller, &job, name, size).await?;
                 (
                     f.id,
@@ -347,6 +362,7 @@ async fn map(
             ),
         }
     } else {
+        crate::ckpt::not_reserved(name)?;
         let found = pfs::lookup_file(node, name);
         let f = match found {
             Ok(f) => f,
