@@ -154,23 +154,7 @@ impl Policy {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use psls_svm::{FileId, PageId};
-
-    fn page(i: u64) -> PageId {
-        PageId {
-            file: FileId(1),
-            index: i,
-        }
-    }
-
-    fn f(node: u32, category: Category, last_use: u64) -> Frame {
-        Frame {
-            node: NodeId(node),
-            category,
-            last_use,
-            version: 0,
-        }
-    }
+    use crate::pages::test_support::{frame as f, page};
 
     const RO: Category = Category::Active { writable: false };
     const RW: Category = Category::Active { writable: true };

@@ -330,19 +330,12 @@ impl PageTable {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::pages::test_support::page;
     use psls_svm::rng::SplitMix64;
-    use psls_svm::FileId;
     use std::collections::BTreeMap;
 
     const NODES: u32 = 4;
     const PAGES: u64 = 8;
-
-    fn page(i: u64) -> PageId {
-        PageId {
-            file: FileId(1),
-            index: i,
-        }
-    }
 
     /// The model: what each page's last checkpoint and the disks hold.
     struct Model {

@@ -185,26 +185,34 @@ impl PageTable {
     }
 }
 
+/// Pages and frames for the tests of this crate's modules.
 #[cfg(test)]
-mod tests {
+pub(crate) mod test_support {
     use super::*;
-    use psls_svm::FileId;
 
-    fn page(i: u64) -> PageId {
+    /// Page `i` of file 1.
+    pub fn page(i: u64) -> PageId {
         PageId {
-            file: FileId(1),
+            file: psls_svm::FileId(1),
             index: i,
         }
     }
 
-    fn frame(node: u32, category: Category) -> Frame {
+    /// A copy on `node`, holding version 0.
+    pub fn frame(node: u32, category: Category, last_use: u64) -> Frame {
         Frame {
             node: NodeId(node),
             category,
-            last_use: 0,
+            last_use,
             version: 0,
         }
     }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::test_support::{frame, page};
+    use super::*;
 
     const RO: Category = Category::Active { writable: false };
     const RW: Category = Category::Active { writable: true };
@@ -218,9 +226,9 @@ mod tests {
                 dirty: true,
                 modified: true,
                 frames: vec![
-                    frame(0, RW),
-                    frame(0, Category::PureRecovery),
-                    frame(1, Category::PureRecovery),
+                    frame(0, RW, 0),
+                    frame(0, Category::PureRecovery, 0),
+                    frame(1, Category::PureRecovery, 0),
                 ],
             },
         );
@@ -230,8 +238,8 @@ mod tests {
                 dirty: true,
                 modified: false,
                 frames: vec![
-                    frame(0, Category::ReadableRecovery),
-                    frame(1, Category::ReadableRecovery),
+                    frame(0, Category::ReadableRecovery, 0),
+                    frame(1, Category::ReadableRecovery, 0),
                 ],
             },
         );
@@ -240,7 +248,7 @@ mod tests {
             Page {
                 dirty: false,
                 modified: false,
-                frames: vec![frame(1, RO)],
+                frames: vec![frame(1, RO, 0)],
             },
         );
         t.check().unwrap();
@@ -267,14 +275,14 @@ mod tests {
         );
 
         let mut bad = t.clone();
-        bad.pages.get_mut(&page(0)).unwrap().frames.push(frame(1, RO));
+        bad.pages.get_mut(&page(0)).unwrap().frames.push(frame(1, RO, 0));
         assert!(bad.check().unwrap_err().contains("writable"));
         let mut bad = t.clone();
         bad.pages
             .get_mut(&page(1))
             .unwrap()
             .frames
-            .push(frame(2, Category::PureRecovery));
+            .push(frame(2, Category::PureRecovery, 0));
         assert!(bad.check().unwrap_err().contains("pure recovery"));
         let mut bad = t;
         bad.pages.get_mut(&page(1)).unwrap().frames[1].node = NodeId(0);

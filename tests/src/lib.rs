@@ -179,6 +179,24 @@ impl Cluster {
         std::fs::remove_dir_all(cfg.data_dir(entry)).expect("wipe data dir");
     }
 
+    /// A power cut under a running `psls run` (`run`): every daemon killed at once, the job
+    /// fails with them, and the cluster comes back up.
+    pub fn power_cut_during(&self, run: std::process::Child) {
+        self.kill_all();
+        let o = run.wait_with_output().expect("psls run");
+        assert!(!o.status.success(), "the job cannot finish without its daemons");
+        self.ok(&["cluster", "up"]);
+    }
+
+    /// `job`'s entry in `psls jobs --json` (it must be listed).
+    pub fn job_entry(&self, job: &str) -> serde_json::Value {
+        let list: serde_json::Value = serde_json::from_str(&self.ok(&["jobs", "--json"])).expect("json");
+        list.as_array()
+            .and_then(|a| a.iter().find(|j| j["job"] == job))
+            .cloned()
+            .unwrap_or_else(|| panic!("{job} not listed: {list}"))
+    }
+
     /// kill -9 of every daemon at once (a power cut when the daemons use the fault disk).
     pub fn kill_all(&self) {
         let cfg = self.config();

@@ -176,15 +176,8 @@ fn a_power_cut_during_a_checkpoints_writes_resumes_from_the_one_before() {
     });
     // Some of checkpoint 4's pages are durable on some nodes, n1's half written: the power
     // goes.
-    c.kill_all();
-    let o = run.wait_with_output().expect("psls run");
-    assert!(!o.status.success(), "the job cannot finish without its daemons");
-    c.ok(&["cluster", "up"]);
-    let list: serde_json::Value = serde_json::from_str(&c.ok(&["jobs", "--json"])).expect("json");
-    let entry = list
-        .as_array()
-        .and_then(|a| a.iter().find(|j| j["job"] == job.as_str()))
-        .unwrap_or_else(|| panic!("{job} not listed: {list}"));
+    c.power_cut_during(run);
+    let entry = c.job_entry(&job);
     assert_eq!(entry["epoch"], 3, "{entry}");
     let resumed = c
         .cmd(&["--node", "n2", "run", "--resume", &job])

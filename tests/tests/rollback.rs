@@ -149,16 +149,9 @@ fn after_a_power_cut_during_a_job_psls_run_resume_finishes_it_with_the_unfailed_
         // later — in a step, or in a checkpoint's writes.
         wait_first_checkpoint(&c, &job);
         std::thread::sleep(Duration::from_millis(delay_ms));
-        c.kill_all();
-        let o = run.wait_with_output().expect("psls run");
-        assert!(!o.status.success(), "the job cannot finish without its daemons");
-        c.ok(&["cluster", "up"]);
+        c.power_cut_during(run);
         // The job is listed as resumable, from a checkpoint.
-        let list: serde_json::Value = serde_json::from_str(&c.ok(&["jobs", "--json"])).expect("json");
-        let entry = list
-            .as_array()
-            .and_then(|a| a.iter().find(|j| j["job"] == job.as_str()))
-            .unwrap_or_else(|| panic!("{job} not listed: {list}"));
+        let entry = c.job_entry(&job);
         assert_eq!(entry["state"], "resumable", "{entry}");
         assert!(entry["epoch"].as_u64().unwrap_or(0) > 0, "{entry}");
         let text = c.ok(&["jobs"]);
