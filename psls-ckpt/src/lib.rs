@@ -16,7 +16,8 @@
 //!   category, and whether a memory checkpoint fits.
 //! - [`memory`]: the memory level's page transitions on a page table — copy-on-write of
 //!   recovery copies, a memory checkpoint's two phases and abort, a cleaner checkpoint, the
-//!   rollback after node failures — and a seeded model run holding them to DESIGN §9.
+//!   rollback after node failures — held to DESIGN §9 by a seeded model run
+//!   (`tests/memory_sim.rs`).
 //! - [`cleaning::Policy`]: which copies stay in memory after a cleaner checkpoint (no
 //!   cleaning, total, P1, P2, P3, LRU down to a threshold).
 //! - [`msg::Msg`]: what they send each other. Every message names the job and the epoch; a
