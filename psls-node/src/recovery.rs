@@ -18,6 +18,7 @@ use crate::node::Node;
 use crate::op::OpError;
 use crate::peer::{PeerReq, PeerResp};
 use psls_ipc::ErrorKind;
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -45,10 +46,10 @@ async fn roll_back_passes(
     spec: &JobSpec,
 ) -> Result<u64, OpError> {
     let mut pass = 1;
+    // When each node was first seen down (across passes): it gets the respawn timeout from
+    // then, whichever pass finds it down.
+    let mut down_since: HashMap<String, Instant> = HashMap::new();
     loop {
-        // Each pass gives a node it finds down the whole respawn timeout (one that failed
-        // during an earlier pass too).
-        let deadline = Instant::now() + Duration::from_millis(spec.respawn_timeout_ms);
         let step = |what: String| {
             let what = if pass > 1 {
                 format!("{what} (pass {pass})")
@@ -59,7 +60,7 @@ async fn roll_back_passes(
                 tracing::info!(node = %node.name(), job = %spec.job, step = %what, "rollback step");
             }
         };
-        match roll_back_pass(node, ckpt, spec, deadline, &step).await {
+        match roll_back_pass(node, ckpt, spec, &mut down_since, &step).await {
             Ok(epoch) => return Ok(epoch),
             Err(e) if e.kind == ErrorKind::Unavailable && pass < MAX_ROLLBACK_PASSES => {
                 tracing::warn!(node = %node.name(), job = %spec.job, pass, error = %e, "rollback interrupted: trying again");
@@ -72,12 +73,13 @@ async fn roll_back_passes(
     }
 }
 
-/// One pass of a rollback; waits for the nodes until `deadline`, then takes spares.
+/// One pass of a rollback; waits for each node down the respawn timeout from when it was
+/// first seen down (`down_since`), then takes a spare in its place.
 async fn roll_back_pass(
     node: &Arc<Node>,
     ckpt: &Arc<CkptShell>,
     spec: &JobSpec,
-    deadline: Instant,
+    down_since: &mut HashMap<String, Instant>,
     step: &(dyn Fn(String) + Sync),
 ) -> Result<u64, OpError> {
     let job = spec.job.as_str();
@@ -85,7 +87,8 @@ async fn roll_back_pass(
     kill_everywhere(node, job).await;
     // Every logical node live again (a spare in the place of one that does not come back),
     // and none still re-creating its copies.
-    let rebuild_deadline = deadline + Duration::from_millis(REBUILD_TIMEOUT_MS);
+    let respawn = Duration::from_millis(spec.respawn_timeout_ms);
+    let rebuild_deadline = Instant::now() + respawn + Duration::from_millis(REBUILD_TIMEOUT_MS);
     loop {
         let st = node.meta_state();
         let down: Vec<(u32, String)> = node
@@ -93,10 +96,20 @@ async fn roll_back_pass(
             .into_iter()
             .filter(|(_, p)| !node.is_live(p))
             .collect();
+        let now = Instant::now();
+        down_since.retain(|p, _| down.iter().any(|d| d.1 == *p));
+        for (_, p) in &down {
+            down_since.entry(p.clone()).or_insert(now);
+        }
         if down.is_empty() && st.rebuilding.is_empty() {
             break;
         }
-        let now = Instant::now();
+        // The longest down: its respawn timeout is over when `deadline` is past.
+        let deadline = down
+            .iter()
+            .filter_map(|(_, p)| down_since.get(p))
+            .min()
+            .map_or(now, |since| *since + respawn);
         if down.is_empty() {
             step("a spare re-creates the copies of the node it replaces".into());
         } else {
@@ -108,7 +121,13 @@ async fn roll_back_pass(
             ));
         }
         if !down.is_empty() && now >= deadline {
-            let (logical, lost) = &down[0];
+            // The one down longest.
+            let Some((logical, lost)) = down
+                .iter()
+                .min_by_key(|(_, p)| down_since.get(p).copied().unwrap_or(now))
+            else {
+                continue;
+            };
             let map = node.logical_map(&st);
             let spare = node
                 .cfg

@@ -200,11 +200,18 @@ async fn job_rm(d: &Arc<Daemon>, caller: crate::pfs::Caller, job: &str) -> Resul
     let Some(rec) = st.jobs.get(job) else {
         return Err(OpError::new(ErrorKind::NotFound, format!("no job {job}")));
     };
-    let owner = rec.spec.as_ref().map_or(caller.uid, |s| s.uid);
-    if caller.uid != 0 && caller.uid != owner {
+    // A `psls run` job's user is in its record; a job a process joined (`ext:UID:NAME`)
+    // names it; any other (a process's own) only root removes.
+    let owner = rec.spec.as_ref().map(|s| s.uid).or_else(|| {
+        job.strip_prefix("ext:")
+            .and_then(|rest| rest.split_once(':'))
+            .and_then(|(uid, _)| uid.parse::<u32>().ok())
+    });
+    if caller.uid != 0 && Some(caller.uid) != owner {
+        let whose = owner.map_or("another process".to_string(), |o| format!("uid {o}"));
         return Err(OpError::new(
             ErrorKind::Permission,
-            format!("job {job} belongs to uid {owner}: only it or root may remove it"),
+            format!("job {job} belongs to {whose}: only it or root may remove it"),
         ));
     }
     if crate::launcher::is_running(&d.node, job).await {
