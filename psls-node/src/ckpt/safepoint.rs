@@ -212,12 +212,7 @@ impl CkptShell {
             }
             None => {
                 let caller = crate::pfs::Caller { uid, gid };
-                match crate::pfs::create(node, caller, &area, want, 0o600).await {
-                    Ok(_) => {}
-                    Err(e) if e.kind == ErrorKind::Exists => {}
-                    Err(e) => return Err(e),
-                }
-                crate::pfs::lookup_file(node, &area)?.id
+                crate::pfs::lookup_or_create(node, caller, &area, want, 0o600).await?.id
             }
         };
         files.push(id);

@@ -268,19 +268,7 @@ async fn volatile_area(
             ),
         ));
     }
-    let f = match pfs::lookup_file(node, &file) {
-        Ok(f) => f,
-        Err(e) if e.kind == ErrorKind::NotFound => {
-            match pfs::create(node, caller, &file, size, 0o600).await {
-                Ok(_) => {}
-                // Another rank created it first.
-                Err(e) if e.kind == ErrorKind::Exists => {}
-                Err(e) => return Err(e),
-            }
-            pfs::lookup_file(node, &file)?
-        }
-        Err(e) => return Err(e),
-    };
+    let f = pfs::lookup_or_create(node, caller, &file, size, 0o600).await?;
     // Only this daemon creates area files (the prefix is reserved), as the job's user.
     if f.uid != caller.uid {
         return Err(OpError::new(
@@ -363,19 +351,10 @@ async fn map(
         }
     } else {
         crate::ckpt::not_reserved(name)?;
-        let found = pfs::lookup_file(node, name);
-        let f = match found {
-            Ok(f) => f,
-            Err(e) if e.kind == ErrorKind::NotFound && create => {
-                match pfs::create(node, caller, name, size, 0o644).await {
-                    Ok(_) => {}
-                    // Another rank created it first.
-                    Err(e) if e.kind == ErrorKind::Exists => {}
-                    Err(e) => return Err(e),
-                }
-                pfs::lookup_file(node, name)?
-            }
-            Err(e) => return Err(e),
+        let f = if create {
+            pfs::lookup_or_create(node, caller, name, size, 0o644).await?
+        } else {
+            pfs::lookup_file(node, name)?
         };
         caller.check_read(&f)?;
         if writable {

@@ -597,6 +597,28 @@ pub async fn remove(node: &Arc<Node>, caller: Caller, name: &str) -> Result<(), 
     Ok(())
 }
 
+/// The file named `name`, created (`size` bytes, `mode`, owned by `caller`) if there is none;
+/// a concurrent creator (another rank) winning the race is no error.
+pub async fn lookup_or_create(
+    node: &Arc<Node>,
+    caller: Caller,
+    name: &str,
+    size: u64,
+    mode: u32,
+) -> Result<FileMeta, OpError> {
+    match lookup_file(node, name) {
+        Err(e) if e.kind == ErrorKind::NotFound => {
+            match create(node, caller, name, size, mode).await {
+                Ok(_) => {}
+                Err(e) if e.kind == ErrorKind::Exists => {}
+                Err(e) => return Err(e),
+            }
+            lookup_file(node, name)
+        }
+        found => found,
+    }
+}
+
 /// The committed file named `name`.
 pub fn lookup_file(node: &Node, name: &str) -> Result<FileMeta, OpError> {
     lookup(&node.meta_state(), name)

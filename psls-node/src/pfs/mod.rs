@@ -20,8 +20,8 @@ mod read;
 mod repair;
 
 pub use files::{
-    check_all_serving, create, info, list, lookup_file, now_ms as unix_ms, remove, stat, sync_on, write_to_phys,
-    Caller, Importer,
+    check_all_serving, create, info, list, lookup_file, lookup_or_create, now_ms as unix_ms, remove, stat, sync_on,
+    write_to_phys, Caller, Importer,
 };
 pub use read::{export_stream, read_page, ExportChunks, Pages};
 pub use repair::{maybe_auto_replace, maybe_rebuild, rebuild, replace, scrub};
