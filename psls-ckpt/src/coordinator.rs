@@ -1,10 +1,20 @@
-//! The coordinator's side of a persistent checkpoint (two-phase, DESIGN §7).
+//! The coordinator's side of a checkpoint round (two-phase, DESIGN §7), memory or persistent.
 //!
-//! A round (one per job at a time): `start` asks the shell to begin the epoch in the metadata
+//! A memory round (one per job at a time): `start` sends `Prepare` (level memory) to every
+//! participant → each answers `Prepared` once its pages have pre-recovery copies on their two
+//! holders → with every answer in, `Decide{commit: true}` to everyone and
+//! [`CoordAction::Finished`]. No metadata and no disk: the decision lives in the
+//! participants' memories. A coordinator that dies before every participant heard it leaves
+//! the epoch in doubt on some; the job rolls back then (the coordinator was a node of it),
+//! and the rollback settles the epoch by the highest one any survivor committed.
+//!
+//! A persistent round: `start` asks the shell to begin the epoch in the metadata
 //! ([`CoordAction::Begin`]: it gets its generation there, never given to another checkpoint)
 //! → `begun` sends `Prepare` to every participant (every live logical node: any of them may
 //! hold dirty pages of the job's files and every page has copies on two of them) → each answers `Prepared` (its pages are durable on both copies) or
-//! `Refused` → with every answer in, [`CoordAction::Commit`]: the shell writes the commit
+//! `Refused` → with every answer in, `Flush` to every participant (each writes the job's
+//! recovery copies it holds that are newer than the disks and that this round did not
+//! overwrite) → each answers `Flushed` → [`CoordAction::Commit`]: the shell writes the commit
 //! record (one metadata operation for every file of the job) and reports with `committed` →
 //! `Decide` to every participant, and [`CoordAction::Finished`].
 //!
@@ -24,7 +34,7 @@
 //! finishes exactly once; the tables are bounded ([`crate::MAX_ROUNDS`],
 //! [`crate::MAX_IN_DOUBT`]).
 
-use crate::msg::Msg;
+use crate::msg::{Level, Msg};
 use psls_pfs::jobs::FileRuns;
 use psls_svm::{FileId, NodeId};
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
@@ -32,8 +42,9 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 /// How a round ended.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Outcome {
-    /// The checkpoint committed: `pages` pages (one copy; `bytes` bytes) were written.
-    Committed { pages: u64, bytes: u64 },
+    /// The checkpoint committed at `level`: `pages` pages (one copy; `bytes` bytes) were
+    /// kept.
+    Committed { level: Level, pages: u64, bytes: u64 },
     /// It did not; the previous checkpoint stands.
     Aborted(String),
 }
@@ -89,6 +100,8 @@ pub enum StartError {
 enum Phase {
     Beginning,
     Collecting,
+    /// A persistent round's participants write their recovery copies to the disks.
+    Flushing,
     Committing,
     /// The commit record's outcome is unknown: fencing to learn it.
     Fencing,
@@ -99,8 +112,11 @@ enum Phase {
 pub enum Step {
     /// Its epoch's generation is being taken in the metadata.
     Beginning,
-    /// The participants write their pages to both copies.
+    /// The participants write their pages to both copies (or, in a memory round, to their
+    /// holders' memories).
     WritingPages,
+    /// The participants write their recovery copies newer than the disks to the disks.
+    FlushingRecoveryCopies,
     /// Every participant's pages are durable: the commit record is being written.
     CommitRecord,
     /// The commit record's outcome is unknown: fencing to learn it.
@@ -112,6 +128,7 @@ impl std::fmt::Display for Step {
         f.write_str(match self {
             Step::Beginning => "beginning",
             Step::WritingPages => "writing pages",
+            Step::FlushingRecoveryCopies => "writing recovery copies to the disks",
             Step::CommitRecord => "writing its commit record",
             Step::LearningOutcome => "learning its commit record's outcome",
         })
@@ -122,6 +139,7 @@ impl std::fmt::Display for Step {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Progress {
     pub epoch: u64,
+    pub level: Level,
     pub step: Step,
     pub started_ms: u64,
     /// Participants that have not reported their pages durable yet.
@@ -132,7 +150,9 @@ pub struct Progress {
 #[derive(Debug)]
 struct Round {
     epoch: u64,
+    level: Level,
     gen: u64,
+    seq: u64,
     files: Vec<FileId>,
     participants: BTreeSet<NodeId>,
     waiting: BTreeSet<NodeId>,
@@ -155,6 +175,9 @@ pub struct Coordinator {
     timeout_ms: u64,
     rounds: BTreeMap<String, Round>,
     doubts: BTreeMap<(String, u64), Doubt>,
+    /// Per job, the highest epoch a participant reported seeing in a refusal (bounded by
+    /// [`crate::MAX_ROUNDS`]).
+    seen: BTreeMap<String, u64>,
     actions: VecDeque<CoordAction>,
 }
 
@@ -165,6 +188,7 @@ impl Coordinator {
             timeout_ms,
             rounds: BTreeMap::new(),
             doubts: BTreeMap::new(),
+            seen: BTreeMap::new(),
             actions: VecDeque::new(),
         }
     }
@@ -183,9 +207,11 @@ impl Coordinator {
     pub fn progress(&self, job: &str) -> Option<Progress> {
         self.rounds.get(job).map(|r| Progress {
             epoch: r.epoch,
+            level: r.level,
             step: match r.phase {
                 Phase::Beginning => Step::Beginning,
                 Phase::Collecting => Step::WritingPages,
+                Phase::Flushing => Step::FlushingRecoveryCopies,
                 Phase::Committing => Step::CommitRecord,
                 Phase::Fencing => Step::LearningOutcome,
             },
@@ -195,15 +221,20 @@ impl Coordinator {
         })
     }
 
-    /// Starts checkpoint `epoch` of `job` (the shell takes it above the job's floor in the
-    /// metadata, [`psls_pfs::jobs::floor`]) over `files`, with every node of `participants`.
+    /// Starts checkpoint `epoch` of `job` at `level` (the shell takes it above the job's floor
+    /// in the metadata, [`psls_pfs::jobs::floor`], and every epoch it started) over `files`,
+    /// with every node of `participants`. `committed` is the job's last committed epoch the
+    /// shell knows (a memory round's `Prepare` carries it; a persistent one's the metadata's).
+    #[allow(clippy::too_many_arguments)]
     pub fn start(
         &mut self,
         now_ms: u64,
         job: &str,
         epoch: u64,
+        level: Level,
         files: Vec<FileId>,
         participants: BTreeSet<NodeId>,
+        committed: u64,
     ) -> Result<(), StartError> {
         if self.rounds.contains_key(job) {
             return Err(StartError::Busy);
@@ -217,15 +248,13 @@ impl Coordinator {
                 participants.len()
             )));
         }
-        self.actions.push_back(CoordAction::Begin {
-            job: job.to_string(),
-            epoch,
-        });
         self.rounds.insert(
             job.to_string(),
             Round {
                 epoch,
+                level,
                 gen: 0,
+                seq: 0,
                 files,
                 waiting: participants.clone(),
                 participants,
@@ -235,7 +264,38 @@ impl Coordinator {
                 phase: Phase::Beginning,
             },
         );
+        match level {
+            Level::Persistent => self.actions.push_back(CoordAction::Begin {
+                job: job.to_string(),
+                epoch,
+            }),
+            // Nothing to begin in the metadata: prepare at once.
+            Level::Memory => self.prepare(now_ms, job, 0, 0, committed),
+        }
         Ok(())
+    }
+
+    /// Sends the round's `Prepare` to every participant.
+    fn prepare(&mut self, now_ms: u64, job: &str, gen: u64, seq: u64, committed: u64) {
+        let Some(r) = self.rounds.get_mut(job) else { return };
+        r.gen = gen;
+        r.seq = seq;
+        r.phase = Phase::Collecting;
+        r.started_ms = now_ms;
+        for &to in &r.participants {
+            self.actions.push_back(CoordAction::Send {
+                to,
+                msg: Msg::Prepare {
+                    job: job.to_string(),
+                    epoch: r.epoch,
+                    level: r.level,
+                    gen,
+                    seq,
+                    files: r.files.clone(),
+                    committed,
+                },
+            });
+        }
     }
 
     /// The metadata began `epoch` (`Ok`: its generation, the metadata sequence number that
@@ -254,22 +314,7 @@ impl Coordinator {
                 return;
             }
         };
-        r.gen = gen;
-        r.phase = Phase::Collecting;
-        r.started_ms = now_ms;
-        for &to in &r.participants {
-            self.actions.push_back(CoordAction::Send {
-                to,
-                msg: Msg::Prepare {
-                    job: job.to_string(),
-                    epoch,
-                    gen,
-                    seq,
-                    files: r.files.clone(),
-                    committed,
-                },
-            });
-        }
+        self.prepare(now_ms, job, gen, seq, committed);
     }
 
     /// A message from participant `from`.
@@ -277,9 +322,48 @@ impl Coordinator {
         let (job, epoch) = (msg.job().to_string(), msg.epoch());
         let current = self.rounds.get(&job).map(|r| r.epoch);
         match msg {
-            Msg::Prepared { written, bytes, .. } if current == Some(epoch) => {
+            Msg::Prepared {
+                written, bytes, level, ..
+            } if current == Some(epoch) => {
                 let Some(r) = self.rounds.get_mut(&job) else { return };
-                if r.phase != Phase::Collecting || !r.waiting.remove(&from) {
+                // A level other than the round's: a late answer to a round of the same epoch
+                // that a coordinator before this one began.
+                if r.phase != Phase::Collecting || r.level != level || !r.waiting.remove(&from) {
+                    return;
+                }
+                for fr in written {
+                    r.written.entry(fr.file).or_default().extend(fr.runs);
+                }
+                r.bytes += bytes;
+                if !r.waiting.is_empty() {
+                    return;
+                }
+                match r.level {
+                    // Two recovery copies of every page in memory: that is the commit.
+                    Level::Memory => {
+                        let r = self.rounds.remove(&job).expect("present");
+                        self.finish_committed(&job, r);
+                    }
+                    Level::Persistent => {
+                        r.phase = Phase::Flushing;
+                        r.waiting = r.participants.clone();
+                        for &to in &r.participants {
+                            self.actions.push_back(CoordAction::Send {
+                                to,
+                                msg: Msg::Flush {
+                                    job: job.clone(),
+                                    epoch,
+                                    gen: r.gen,
+                                    seq: r.seq,
+                                },
+                            });
+                        }
+                    }
+                }
+            }
+            Msg::Flushed { written, bytes, .. } if current == Some(epoch) => {
+                let Some(r) = self.rounds.get_mut(&job) else { return };
+                if r.phase != Phase::Flushing || !r.waiting.remove(&from) {
                     return;
                 }
                 for fr in written {
@@ -305,13 +389,28 @@ impl Coordinator {
                     });
                 }
             }
-            Msg::Refused { why, .. }
-                if current == Some(epoch) && self.rounds.get(&job).is_some_and(|r| r.phase == Phase::Collecting) =>
+            Msg::Refused { why, seen, .. }
+                if current == Some(epoch)
+                    && self
+                        .rounds
+                        .get(&job)
+                        .is_some_and(|r| matches!(r.phase, Phase::Collecting | Phase::Flushing)) =>
             {
-                self.abort(&job, format!("{from} could not write its pages: {why}"));
+                if seen >= epoch && (self.seen.contains_key(&job) || self.seen.len() < crate::MAX_ROUNDS) {
+                    let s = self.seen.entry(job.clone()).or_default();
+                    *s = (*s).max(seen);
+                }
+                self.abort(&job, format!("{from} could not keep its pages: {why}"));
             }
-            // A participant holds an epoch no round here is deciding: settle it by the record.
-            Msg::Prepared { .. } | Msg::InDoubt { .. } if current != Some(epoch) => {
+            // A participant holds a persistent epoch no round here is deciding: settle it by
+            // the record. (A memory epoch has no record: the job's rollback settles it.)
+            Msg::Prepared {
+                level: Level::Persistent,
+                ..
+            }
+            | Msg::InDoubt { .. }
+                if current != Some(epoch) =>
+            {
                 self.doubt(&job, epoch, from);
             }
             // Stale (another epoch), or not for a coordinator.
@@ -341,7 +440,9 @@ impl Coordinator {
         let hit: Vec<String> = self
             .rounds
             .iter()
-            .filter(|(_, r)| matches!(r.phase, Phase::Beginning | Phase::Collecting) && r.participants.contains(&n))
+            .filter(|(_, r)| {
+                matches!(r.phase, Phase::Beginning | Phase::Collecting | Phase::Flushing) && r.participants.contains(&n)
+            })
             .map(|(j, _)| j.clone())
             .collect();
         for job in hit {
@@ -359,7 +460,7 @@ impl Coordinator {
     /// that has finishes by its record). Returns whether a round is still deciding.
     pub fn abort_job(&mut self, job: &str) -> bool {
         match self.rounds.get(job).map(|r| r.phase) {
-            Some(Phase::Beginning | Phase::Collecting) => {
+            Some(Phase::Beginning | Phase::Collecting | Phase::Flushing) => {
                 self.abort(job, "the job rolls back".into());
                 false
             }
@@ -373,7 +474,10 @@ impl Coordinator {
         let late: Vec<String> = self
             .rounds
             .iter()
-            .filter(|(_, r)| r.phase == Phase::Collecting && now_ms.saturating_sub(r.started_ms) > self.timeout_ms)
+            .filter(|(_, r)| {
+                matches!(r.phase, Phase::Collecting | Phase::Flushing)
+                    && now_ms.saturating_sub(r.started_ms) > self.timeout_ms
+            })
             .map(|(j, _)| j.clone())
             .collect();
         for job in late {
@@ -393,6 +497,32 @@ impl Coordinator {
             epoch: r.epoch,
             outcome: Outcome::Aborted(why),
         });
+    }
+
+    /// `r` committed: everyone is told, and the round is over.
+    fn finish_committed(&mut self, job: &str, r: Round) {
+        let pages = pages_of(&r.written);
+        self.decide(job, r.epoch, true, &r.participants);
+        self.actions.push_back(CoordAction::Finished {
+            job: job.to_string(),
+            epoch: r.epoch,
+            outcome: Outcome::Committed {
+                level: r.level,
+                pages,
+                bytes: r.bytes,
+            },
+        });
+    }
+
+    /// The highest epoch of `job` a participant said it had seen when it refused a `Prepare`
+    /// (the shell starts the next round above it).
+    pub fn seen(&self, job: &str) -> u64 {
+        self.seen.get(job).copied().unwrap_or(0)
+    }
+
+    /// `job` ended: what is remembered of it goes.
+    pub fn forget(&mut self, job: &str) {
+        self.seen.remove(job);
     }
 
     fn decide(&mut self, job: &str, epoch: u64, commit: bool, to: &BTreeSet<NodeId>) {
@@ -418,13 +548,7 @@ impl Coordinator {
         match result {
             Ok(()) => {
                 let r = self.rounds.remove(job).expect("present");
-                let pages = r.written.values().flat_map(|v| v.iter()).map(|(s, e)| e - s).sum();
-                self.decide(job, epoch, true, &r.participants);
-                self.actions.push_back(CoordAction::Finished {
-                    job: job.to_string(),
-                    epoch,
-                    outcome: Outcome::Committed { pages, bytes: r.bytes },
-                });
+                self.finish_committed(job, r);
             }
             Err(_) => {
                 r.phase = Phase::Fencing;
@@ -452,10 +576,14 @@ impl Coordinator {
                     .is_some_and(|r| r.epoch == epoch && r.phase == Phase::Fencing)
                 {
                     let r = self.rounds.remove(job).expect("present");
-                    let pages = r.written.values().flat_map(|v| v.iter()).map(|(s, e)| e - s).sum();
+                    let pages = pages_of(&r.written);
                     self.decide(job, epoch, commit, &r.participants);
                     let outcome = if commit {
-                        Outcome::Committed { pages, bytes: r.bytes }
+                        Outcome::Committed {
+                            level: r.level,
+                            pages,
+                            bytes: r.bytes,
+                        }
                     } else {
                         Outcome::Aborted("the commit record could not be written".into())
                     };
@@ -503,6 +631,14 @@ impl Coordinator {
     }
 }
 
+/// Pages in `written`, each counted once.
+fn pages_of(written: &BTreeMap<FileId, Vec<(u64, u64)>>) -> u64 {
+    written
+        .values()
+        .map(|runs| merge(runs).iter().map(|(s, e)| e - s).sum::<u64>())
+        .sum()
+}
+
 /// Sorts and merges page runs.
 fn merge(runs: &[(u64, u64)]) -> Vec<(u64, u64)> {
     let mut v: Vec<(u64, u64)> = runs.iter().copied().filter(|(s, e)| s < e).collect();
@@ -533,16 +669,30 @@ mod tests {
         Msg::Prepared {
             job: "j".into(),
             epoch,
+            level: Level::Persistent,
             written: vec![FileRuns { file: FileId(1), runs }],
             bytes: 4096,
+        }
+    }
+
+    fn flushed(epoch: u64, runs: Vec<(u64, u64)>) -> Msg {
+        Msg::Flushed {
+            job: "j".into(),
+            epoch,
+            written: vec![FileRuns { file: FileId(1), runs }],
+            bytes: 0,
         }
     }
 
     #[test]
     fn commits_after_every_participant_prepared_and_then_decides() {
         let mut c = Coordinator::new(1000);
-        c.start(0, "j", 1, vec![FileId(1)], nodes(3)).unwrap();
-        assert_eq!(c.start(0, "j", 2, vec![], nodes(3)), Err(StartError::Busy));
+        c.start(0, "j", 1, Level::Persistent, vec![FileId(1)], nodes(3), 0)
+            .unwrap();
+        assert_eq!(
+            c.start(0, "j", 2, Level::Persistent, vec![], nodes(3), 0),
+            Err(StartError::Busy)
+        );
         assert!(matches!(drain(&mut c)[..], [CoordAction::Begin { epoch: 1, .. }]));
         c.receive(NodeId(0), prepared(1, vec![(4, 6)]));
         assert!(drain(&mut c).is_empty(), "nothing is collected before the epoch begun");
@@ -564,6 +714,31 @@ mod tests {
         assert!(matches!(&a[..], [CoordAction::Fence { epoch: 0, .. }]), "{a:?}");
         c.receive(NodeId(2), prepared(1, vec![(6, 7)]));
         let a = drain(&mut c);
+        assert_eq!(
+            a.iter()
+                .filter(|x| matches!(
+                    x,
+                    CoordAction::Send {
+                        msg: Msg::Flush {
+                            epoch: 1,
+                            gen: 5,
+                            seq: 10,
+                            ..
+                        },
+                        ..
+                    }
+                ))
+                .count(),
+            3,
+            "every participant flushes its recovery copies: {a:?}"
+        );
+        assert_eq!(c.progress("j").map(|p| p.step), Some(Step::FlushingRecoveryCopies));
+        c.receive(NodeId(0), flushed(1, vec![(20, 21)]));
+        c.receive(NodeId(0), flushed(1, vec![(30, 31)])); // a duplicate counts once
+        c.receive(NodeId(1), flushed(1, vec![]));
+        assert!(drain(&mut c).is_empty());
+        c.receive(NodeId(2), flushed(1, vec![(20, 21)])); // the other holder of page 20
+        let a = drain(&mut c);
         match &a[..] {
             [CoordAction::Commit {
                 epoch: 1,
@@ -572,7 +747,7 @@ mod tests {
                 bytes,
                 ..
             }] => {
-                assert_eq!(files[0].runs, vec![(2, 7)]);
+                assert_eq!(files[0].runs, vec![(2, 7), (20, 21)]);
                 assert_eq!(*bytes, 3 * 4096);
             }
             other => panic!("{other:?}"),
@@ -596,7 +771,7 @@ mod tests {
         assert!(matches!(
             a.last(),
             Some(CoordAction::Finished {
-                outcome: Outcome::Committed { pages: 5, .. },
+                outcome: Outcome::Committed { pages: 6, .. },
                 ..
             })
         ));
@@ -607,7 +782,7 @@ mod tests {
     fn refusals_downs_and_timeouts_abort_before_the_record_and_a_failed_record_is_fenced() {
         let mut c = Coordinator::new(1000);
         let go = |c: &mut Coordinator, epoch: u64, n: u32| {
-            c.start(0, "j", epoch, vec![], nodes(n)).unwrap();
+            c.start(0, "j", epoch, Level::Persistent, vec![], nodes(n), 0).unwrap();
             c.begun(0, "j", epoch, Ok((5, 10, 0)));
             drain(c);
         };
@@ -618,6 +793,7 @@ mod tests {
                 job: "j".into(),
                 epoch: 1,
                 why: "disk".into(),
+                seen: 0,
             },
         );
         let a = drain(&mut c);
@@ -660,6 +836,8 @@ mod tests {
         go(&mut c, 4, 1);
         c.receive(NodeId(0), prepared(4, vec![]));
         drain(&mut c);
+        c.receive(NodeId(0), flushed(4, vec![]));
+        drain(&mut c);
         c.committed("j", 4, Err("quorum lost".into()));
         assert!(matches!(drain(&mut c)[..], [CoordAction::Fence { epoch: 4, .. }]));
         c.fenced("j", 4, Err("still no quorum".into()));
@@ -685,6 +863,94 @@ mod tests {
                 ..
             })
         ));
+    }
+
+    #[test]
+    fn a_memory_round_touches_no_metadata_and_commits_on_the_last_prepared() {
+        let mut c = Coordinator::new(1000);
+        c.start(3, "j", 5, Level::Memory, vec![FileId(1)], nodes(2), 4).unwrap();
+        let a = drain(&mut c);
+        assert_eq!(a.len(), 2, "{a:?}");
+        assert!(a.iter().all(|x| matches!(
+            x,
+            CoordAction::Send {
+                msg: Msg::Prepare {
+                    epoch: 5,
+                    level: Level::Memory,
+                    gen: 0,
+                    seq: 0,
+                    committed: 4,
+                    ..
+                },
+                ..
+            }
+        )));
+        let p = c.progress("j").expect("in progress");
+        assert_eq!((p.level, p.step, p.started_ms), (Level::Memory, Step::WritingPages, 3));
+        let mem = |epoch, runs| Msg::Prepared {
+            job: "j".into(),
+            epoch,
+            level: Level::Memory,
+            written: vec![FileRuns { file: FileId(1), runs }],
+            bytes: 4096,
+        };
+        c.receive(NodeId(0), mem(5, vec![(0, 1)]));
+        assert!(drain(&mut c).is_empty());
+        c.receive(NodeId(1), mem(5, vec![(1, 2)]));
+        let a = drain(&mut c);
+        assert!(
+            !a.iter().any(|x| matches!(
+                x,
+                CoordAction::Begin { .. } | CoordAction::Commit { .. } | CoordAction::Fence { .. }
+            )),
+            "{a:?}"
+        );
+        assert_eq!(
+            a.iter()
+                .filter(|x| matches!(
+                    x,
+                    CoordAction::Send {
+                        msg: Msg::Decide {
+                            epoch: 5,
+                            commit: true,
+                            ..
+                        },
+                        ..
+                    }
+                ))
+                .count(),
+            2
+        );
+        assert!(matches!(
+            a.last(),
+            Some(CoordAction::Finished {
+                outcome: Outcome::Committed {
+                    level: Level::Memory,
+                    pages: 2,
+                    bytes: 8192
+                },
+                ..
+            })
+        ));
+        // A memory epoch reported with no round here is not fenced: the rollback settles it.
+        c.receive(NodeId(1), mem(6, vec![]));
+        assert!(drain(&mut c).is_empty());
+        // A participant that saw a later epoch refuses; the next round starts above it.
+        c.start(3, "j", 6, Level::Memory, vec![], nodes(2), 5).unwrap();
+        drain(&mut c);
+        c.receive(
+            NodeId(0),
+            Msg::Refused {
+                job: "j".into(),
+                epoch: 6,
+                why: "stale".into(),
+                seen: 9,
+            },
+        );
+        assert!(!c.busy("j"));
+        assert_eq!(c.seen("j"), 9);
+        c.forget("j");
+        assert_eq!(c.seen("j"), 0);
     }
 
     #[test]

@@ -18,6 +18,9 @@
 //!   recovery copies, a memory checkpoint's two phases and abort, a cleaner checkpoint, the
 //!   rollback after node failures — held to DESIGN §9 by a seeded model run
 //!   (`tests/memory_sim.rs`).
+//! - [`frames::FrameTable`]: a node's memory-checkpoint recovery copies (pre-recovery,
+//!   committed, saved to the disks or not), and [`frames::rollback_target`], the memory level
+//!   of a rollback.
 //! - [`cleaning::Policy`]: which copies stay in memory after a cleaner checkpoint (no
 //!   cleaning, total, P1, P2, P3, LRU down to a threshold).
 //! - [`msg::Msg`]: what they send each other. Every message names the job and the epoch; a
@@ -33,6 +36,7 @@
 
 pub mod cleaning;
 pub mod coordinator;
+pub mod frames;
 pub mod memory;
 pub mod msg;
 pub mod pages;

@@ -1,34 +1,108 @@
 //! Checkpoint messages between the coordinator and the participants. Each names its job and
-//! its epoch (the checkpoint's number within the job).
+//! its epoch (the checkpoint's number within the job), and [`Level`], the two kinds of
+//! checkpoint.
 
 use psls_pfs::jobs::FileRuns;
 use psls_svm::FileId;
 use serde::{Deserialize, Serialize};
 
+/// Where a checkpoint keeps the pages it takes (DESIGN §7).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum Level {
+    /// Two recovery copies in two nodes' memories (the pages' home and mirror nodes); no disk
+    /// is touched, and the commit is the coordinator's decision, with no record.
+    Memory,
+    /// The cleaner: the pages, and every recovery copy newer than the disks, written to both
+    /// disk copies, then a commit record.
+    Persistent,
+}
+
+impl std::fmt::Display for Level {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Level::Memory => "memory",
+            Level::Persistent => "persistent",
+        })
+    }
+}
+
+/// Which level a job's safe points take (`psls run --level`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Choice {
+    /// Memory checkpoints, and the cleaner when the persistent interval elapsed, on a halt, or
+    /// when a memory checkpoint might not fit.
+    #[default]
+    Auto,
+    /// Memory checkpoints only (the cleaner still when one would not fit, or on a halt).
+    Memory,
+    /// Persistent checkpoints only.
+    Persistent,
+}
+
+impl std::str::FromStr for Choice {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Choice, String> {
+        match s {
+            "" | "auto" => Ok(Choice::Auto),
+            "memory" => Ok(Choice::Memory),
+            "persistent" => Ok(Choice::Persistent),
+            other => Err(format!(
+                "checkpoint level '{other}': expected auto, memory or persistent"
+            )),
+        }
+    }
+}
+
 /// A checkpoint message.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Msg {
-    /// Coordinator → participant: write every dirty page of `files` you hold, to both copies
-    /// at generation `gen`, durably, once your metadata has reached sequence `seq`.
-    /// `committed` is the job's last committed epoch in the coordinator's metadata (it settles
-    /// an earlier epoch the participant still holds in doubt).
+    /// Coordinator → participant: take every dirty page of `files` you hold and keep it at
+    /// `level`: as pre-recovery copies in the memories of its two holders, or written to both
+    /// disk copies at generation `gen`, durably, once your metadata has reached sequence `seq`
+    /// (both 0 for a memory checkpoint). `committed` is the job's last committed epoch the
+    /// coordinator knows (it settles an earlier epoch the participant still holds in doubt).
     Prepare {
         job: String,
         epoch: u64,
+        level: Level,
         gen: u64,
         seq: u64,
         files: Vec<FileId>,
         committed: u64,
     },
-    /// Participant → coordinator: every page taken for `epoch` is durable on both copies.
+    /// Participant → coordinator: every page taken for `epoch` is kept at its level (for a
+    /// persistent one: durable on both copies).
     Prepared {
+        job: String,
+        epoch: u64,
+        level: Level,
+        written: Vec<FileRuns>,
+        bytes: u64,
+    },
+    /// Coordinator → participant, in a persistent checkpoint once every participant
+    /// prepared: write the job's recovery copies held here that are newer than the disks and
+    /// were not overwritten by this checkpoint to this node's disk at `gen`, durably.
+    Flush {
+        job: String,
+        epoch: u64,
+        gen: u64,
+        seq: u64,
+    },
+    /// Participant → coordinator: the recovery copies are durable (the runs written here).
+    Flushed {
         job: String,
         epoch: u64,
         written: Vec<FileRuns>,
         bytes: u64,
     },
-    /// Participant → coordinator: the pages could not be written.
-    Refused { job: String, epoch: u64, why: String },
+    /// Participant → coordinator: the pages could not be kept. `seen` is the highest epoch of
+    /// the job seen here when the `Prepare` was not above it (0 otherwise).
+    Refused {
+        job: String,
+        epoch: u64,
+        why: String,
+        seen: u64,
+    },
     /// Coordinator → participant: the epoch committed (the pages taken are clean) or not
     /// (they are dirty again).
     Decide { job: String, epoch: u64, commit: bool },
@@ -41,6 +115,8 @@ impl Msg {
         match self {
             Msg::Prepare { job, .. }
             | Msg::Prepared { job, .. }
+            | Msg::Flush { job, .. }
+            | Msg::Flushed { job, .. }
             | Msg::Refused { job, .. }
             | Msg::Decide { job, .. }
             | Msg::InDoubt { job, .. } => job,
@@ -50,6 +126,8 @@ impl Msg {
         match self {
             Msg::Prepare { epoch, .. }
             | Msg::Prepared { epoch, .. }
+            | Msg::Flush { epoch, .. }
+            | Msg::Flushed { epoch, .. }
             | Msg::Refused { epoch, .. }
             | Msg::Decide { epoch, .. }
             | Msg::InDoubt { epoch, .. } => *epoch,

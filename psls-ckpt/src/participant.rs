@@ -1,10 +1,13 @@
-//! One node's side of a persistent checkpoint.
+//! One node's side of a checkpoint round, memory or persistent.
 //!
 //! On `Prepare` the shell takes the job's dirty pages it holds (they stop counting as dirty,
-//! and the taken set is kept per epoch), writes them to both copies at the checkpoint's
-//! generation and makes them durable ([`PartAction::Write`]), then reports with `written`.
-//! On the decision the taken pages are clean ([`PartAction::Clean`]) or dirty again
-//! ([`PartAction::Restore`]).
+//! and the taken set is kept per epoch) and keeps them at the round's level
+//! ([`PartAction::Write`]): as pre-recovery copies in the memories of each page's two holders,
+//! or written to both disk copies at the checkpoint's generation, durably; then it reports
+//! with `written`. In a persistent round the coordinator then asks every participant to
+//! write its recovery copies newer than the disks ([`PartAction::Flush`], reported with
+//! `flushed`). On the decision the taken pages are clean ([`PartAction::Clean`]) or dirty
+//! again ([`PartAction::Restore`]).
 //!
 //! Invariants:
 //! - at most one write per job at a time: a `Prepare` that arrives while an earlier epoch is
@@ -16,9 +19,12 @@
 //! - messages from a node other than the coordinator, or of an epoch not in progress here,
 //!   are dropped; so is a `Prepare` not above every epoch of the job seen here (a late one
 //!   would take pages that belong to the round in progress, which would then commit without
-//!   them).
+//!   them): it is refused, naming the highest epoch seen, so that a new coordinator that
+//!   does not know the memory epochs of its predecessor starts the next round above them;
+//! - only a persistent epoch is reported in doubt to a new coordinator (its commit record
+//!   decides); a memory epoch in doubt is settled by the job's rollback.
 
-use crate::msg::Msg;
+use crate::msg::{Level, Msg};
 use psls_pfs::jobs::FileRuns;
 use psls_svm::{FileId, NodeId};
 use std::collections::{BTreeMap, VecDeque};
@@ -32,32 +38,53 @@ pub enum PartAction {
     Write {
         job: String,
         epoch: u64,
+        level: Level,
         gen: u64,
         seq: u64,
         files: Vec<FileId>,
+        /// The job's last committed epoch, as the `Prepare` said (a holder that missed the
+        /// decision of an earlier memory epoch settles it by this).
+        committed: u64,
+    },
+    /// Write the job's recovery copies held here that are newer than the disks and that this
+    /// persistent round did not overwrite, to this node's disk at `gen` (metadata at `seq`),
+    /// durably, and call [`Participant::flushed`].
+    Flush {
+        job: String,
+        epoch: u64,
+        gen: u64,
+        seq: u64,
     },
     Send {
         to: NodeId,
         msg: Msg,
     },
-    /// Epoch `epoch` committed: its taken pages are clean.
+    /// Epoch `epoch` committed: its taken pages are clean (and, at the memory level, the
+    /// pre-recovery copies are the checkpoint's recovery copies).
     Clean {
         job: String,
         epoch: u64,
+        level: Level,
     },
-    /// Epoch `epoch` did not commit: its taken pages are dirty again.
+    /// Epoch `epoch` did not commit: its taken pages are dirty again (and its pre-recovery
+    /// copies go).
     Restore {
         job: String,
         epoch: u64,
+        level: Level,
     },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum State {
     /// The shell writes the epoch's pages; a newer `Prepare` may wait behind it.
-    Writing { epoch: u64, next: Option<Box<Msg>> },
-    /// Durable here; waiting for the decision.
-    Prepared { epoch: u64 },
+    Writing {
+        epoch: u64,
+        level: Level,
+        next: Option<Box<Msg>>,
+    },
+    /// Kept at its level here; waiting for the decision (a persistent round flushes first).
+    Prepared { epoch: u64, level: Level, flushing: bool },
 }
 
 /// See the module documentation.
@@ -90,10 +117,22 @@ impl Participant {
         self.actions.pop_front()
     }
 
+    /// The level of `job`'s round written or prepared here, if any.
+    fn level_of(&self, job: &str) -> Option<Level> {
+        self.jobs.get(job).map(|s| match s {
+            State::Writing { level, .. } | State::Prepared { level, .. } => *level,
+        })
+    }
+
+    /// The highest epoch of `job` prepared here (0: none).
+    pub fn seen(&self, job: &str) -> u64 {
+        self.seen.get(job).copied().unwrap_or(0)
+    }
+
     /// The epoch of `job` written or prepared here, if any.
     pub fn in_progress(&self, job: &str) -> Option<u64> {
         self.jobs.get(job).map(|s| match s {
-            State::Writing { epoch, .. } | State::Prepared { epoch } => *epoch,
+            State::Writing { epoch, .. } | State::Prepared { epoch, .. } => *epoch,
         })
     }
 
@@ -105,7 +144,12 @@ impl Participant {
         self.coordinator = c;
         let Some(to) = c else { return };
         for (job, s) in &self.jobs {
-            if let State::Prepared { epoch } = s {
+            if let State::Prepared {
+                epoch,
+                level: Level::Persistent,
+                ..
+            } = s
+            {
                 self.actions.push_back(PartAction::Send {
                     to,
                     msg: Msg::InDoubt {
@@ -123,23 +167,65 @@ impl Participant {
             return;
         }
         match msg {
-            Msg::Prepare { .. } => self.prepare(msg),
-            Msg::Decide { job, epoch, commit } if self.jobs.get(&job) == Some(&State::Prepared { epoch }) => {
+            Msg::Prepare { .. } => self.prepare(from, msg),
+            Msg::Decide { job, epoch, commit } => {
+                let Some(&State::Prepared { epoch: e, level, .. }) = self.jobs.get(&job) else {
+                    return;
+                };
+                if e != epoch {
+                    return;
+                }
                 self.jobs.remove(&job);
                 self.actions.push_back(if commit {
-                    PartAction::Clean { job, epoch }
+                    PartAction::Clean { job, epoch, level }
                 } else {
-                    PartAction::Restore { job, epoch }
+                    PartAction::Restore { job, epoch, level }
                 });
+            }
+            Msg::Flush { job, epoch, gen, seq } => {
+                let Some(State::Prepared {
+                    epoch: e,
+                    level: Level::Persistent,
+                    flushing,
+                }) = self.jobs.get_mut(&job)
+                else {
+                    return;
+                };
+                if *e != epoch || *flushing {
+                    return;
+                }
+                *flushing = true;
+                self.actions.push_back(PartAction::Flush { job, epoch, gen, seq });
             }
             _ => {}
         }
     }
 
-    fn prepare(&mut self, msg: Msg) {
+    fn prepare(&mut self, from: NodeId, msg: Msg) {
         let (job, epoch) = (msg.job(), msg.epoch());
-        if self.seen.get(job).is_some_and(|&s| epoch <= s) {
-            return;
+        let level = match &msg {
+            Msg::Prepare { level, .. } => *level,
+            _ => return,
+        };
+        if let Some(&s) = self.seen.get(job) {
+            // The same epoch again is a duplicate only from the same round (a coordinator that
+            // restarted may reuse the epoch of a memory round nobody else saw begin).
+            let same_round = self.in_progress(job) == Some(epoch) && self.level_of(job) == Some(level);
+            if epoch < s || (epoch == s && !same_round) {
+                self.actions.push_back(PartAction::Send {
+                    to: from,
+                    msg: Msg::Refused {
+                        job: job.to_string(),
+                        epoch,
+                        why: format!("epoch {epoch} is not above epoch {s}, seen here"),
+                        seen: s,
+                    },
+                });
+                return;
+            }
+            if epoch == s {
+                return; // a duplicate of the round in progress
+            }
         }
         if !self.seen.contains_key(job) && self.seen.len() >= crate::MAX_ROUNDS {
             return; // too many jobs at once: this one's round times out at the coordinator
@@ -151,7 +237,7 @@ impl Participant {
     /// Starts the write of a `Prepare` that passed the checks (now, or once the write before
     /// it is over).
     fn begin(&mut self, msg: Msg) {
-        if let Some(State::Writing { epoch: e, next }) = self.jobs.get_mut(msg.job()) {
+        if let Some(State::Writing { epoch: e, next, .. }) = self.jobs.get_mut(msg.job()) {
             if msg.epoch() > *e {
                 // The coordinator moved on; this write's round is dead. Start the new one when
                 // it is over.
@@ -162,6 +248,7 @@ impl Participant {
         let Msg::Prepare {
             job,
             epoch,
+            level,
             gen,
             seq,
             files,
@@ -170,7 +257,7 @@ impl Participant {
         else {
             return;
         };
-        if let Some(&State::Prepared { epoch: e }) = self.jobs.get(&job) {
+        if let Some(&State::Prepared { epoch: e, level: l, .. }) = self.jobs.get(&job) {
             if epoch <= e {
                 return;
             }
@@ -179,26 +266,43 @@ impl Participant {
             self.jobs.remove(&job);
             let job = job.clone();
             self.actions.push_back(if committed == e {
-                PartAction::Clean { job, epoch: e }
+                PartAction::Clean {
+                    job,
+                    epoch: e,
+                    level: l,
+                }
             } else {
-                PartAction::Restore { job, epoch: e }
+                PartAction::Restore {
+                    job,
+                    epoch: e,
+                    level: l,
+                }
             });
         }
-        self.jobs.insert(job.clone(), State::Writing { epoch, next: None });
+        self.jobs.insert(
+            job.clone(),
+            State::Writing {
+                epoch,
+                level,
+                next: None,
+            },
+        );
         self.actions.push_back(PartAction::Write {
             job,
             epoch,
+            level,
             gen,
             seq,
             files,
+            committed,
         });
     }
 
     /// The shell's write of `epoch` is over: durable (`Ok`: the runs written and their bytes)
     /// or failed.
     pub fn written(&mut self, job: &str, epoch: u64, result: Result<(Vec<FileRuns>, u64), String>) {
-        let next = match self.jobs.get_mut(job) {
-            Some(State::Writing { epoch: e, next }) if *e == epoch => next.take(),
+        let (next, level) = match self.jobs.get_mut(job) {
+            Some(State::Writing { epoch: e, level, next }) if *e == epoch => (next.take(), *level),
             _ => return,
         };
         if let Some(next) = next {
@@ -207,6 +311,7 @@ impl Participant {
             self.actions.push_back(PartAction::Restore {
                 job: job.to_string(),
                 epoch,
+                level,
             });
             self.begin(*next);
             return;
@@ -217,17 +322,26 @@ impl Participant {
             self.actions.push_back(PartAction::Restore {
                 job: job.to_string(),
                 epoch,
+                level,
             });
             return;
         };
         match result {
             Ok((written, bytes)) => {
-                self.jobs.insert(job.to_string(), State::Prepared { epoch });
+                self.jobs.insert(
+                    job.to_string(),
+                    State::Prepared {
+                        epoch,
+                        level,
+                        flushing: false,
+                    },
+                );
                 self.actions.push_back(PartAction::Send {
                     to,
                     msg: Msg::Prepared {
                         job: job.to_string(),
                         epoch,
+                        level,
                         written,
                         bytes,
                     },
@@ -238,6 +352,7 @@ impl Participant {
                 self.actions.push_back(PartAction::Restore {
                     job: job.to_string(),
                     epoch,
+                    level,
                 });
                 self.actions.push_back(PartAction::Send {
                     to,
@@ -245,10 +360,40 @@ impl Participant {
                         job: job.to_string(),
                         epoch,
                         why,
+                        seen: 0,
                     },
                 });
             }
         }
+    }
+
+    /// The shell's flush of `epoch` is over: durable (`Ok`: the runs written and their bytes)
+    /// or failed (the round aborts; the decision restores the pages).
+    pub fn flushed(&mut self, job: &str, epoch: u64, result: Result<(Vec<FileRuns>, u64), String>) {
+        match self.jobs.get(job) {
+            Some(State::Prepared {
+                epoch: e,
+                flushing: true,
+                ..
+            }) if *e == epoch => {}
+            _ => return,
+        }
+        let Some(to) = self.coordinator else { return };
+        let msg = match result {
+            Ok((written, bytes)) => Msg::Flushed {
+                job: job.to_string(),
+                epoch,
+                written,
+                bytes,
+            },
+            Err(why) => Msg::Refused {
+                job: job.to_string(),
+                epoch,
+                why,
+                seen: 0,
+            },
+        };
+        self.actions.push_back(PartAction::Send { to, msg });
     }
 
     /// The job rolled back here: whatever was taken is dropped with its pages by the shell;
@@ -272,6 +417,7 @@ mod tests {
         Msg::Prepare {
             job: "j".into(),
             epoch,
+            level: Level::Persistent,
             gen: epoch + 10,
             seq: 1,
             files: vec![FileId(1)],

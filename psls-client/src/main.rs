@@ -90,6 +90,15 @@ enum Cmd {
         /// How long a rollback waits for a failed node to come back, in seconds.
         #[arg(long, default_value_t = 60)]
         respawn_timeout: u64,
+        /// Which level a safe point's checkpoint takes: auto (memory checkpoints, and the
+        /// cleaner when the persistent interval elapsed or memory runs short), memory or
+        /// persistent.
+        #[arg(long, default_value = "auto", value_parser = ["auto", "memory", "persistent"])]
+        level: String,
+        /// With --level auto, take a persistent checkpoint when this many seconds passed since
+        /// the job's last one (default: the cluster's, 60).
+        #[arg(long, default_value_t = 0)]
+        persistent_interval: u64,
         /// Start job JOB again from its last checkpoint (after a power cut, a halt, or too
         /// many failures): its command and options are the ones it was started with.
         #[arg(long, value_name = "JOB", conflicts_with = "command")]
@@ -262,6 +271,8 @@ fn main() -> std::process::ExitCode {
         checkpoint_timeout,
         max_restarts,
         respawn_timeout,
+        level,
+        persistent_interval,
         resume,
         command,
     } = &cli.cmd
@@ -271,6 +282,8 @@ fn main() -> std::process::ExitCode {
             timeout_s: (*checkpoint_timeout).max(1),
             max_restarts: *max_restarts,
             respawn_timeout_s: (*respawn_timeout).max(1),
+            level: level.clone(),
+            persistent_interval_s: *persistent_interval,
             resume: resume.clone().unwrap_or_default(),
         };
         return match run_job(&cli, n.unwrap_or(0), *per_node, ckpt, command) {
@@ -503,8 +516,8 @@ fn run(cli: &Cli) -> Result<()> {
                     println!("{}", serde_json::to_string_pretty(&list)?);
                 } else {
                     println!(
-                        "{:<24} {:<10} {:>5} {:>6} {:>21} {:>12}  COMMAND",
-                        "JOB", "STATE", "RANKS", "EPOCH", "CHECKPOINT TIME (UTC)", "SIZE"
+                        "{:<24} {:<10} {:>5} {:>6} {:<10} {:>21} {:>12} {:>10} {:>6}  COMMAND",
+                        "JOB", "STATE", "RANKS", "EPOCH", "LEVEL", "CHECKPOINT TIME (UTC)", "SIZE", "PAUSE", "DISK"
                     );
                     for j in list {
                         let when = if j.epoch == 0 {
@@ -512,14 +525,22 @@ fn run(cli: &Cli) -> Result<()> {
                         } else {
                             utc(j.at_unix_ms)
                         };
+                        let pause = if j.pause_us == 0 {
+                            "-".to_string()
+                        } else {
+                            format!("{:.1} ms", j.pause_us as f64 / 1000.0)
+                        };
                         println!(
-                            "{:<24} {:<10} {:>5} {:>6} {:>21} {:>12}  {}",
+                            "{:<24} {:<10} {:>5} {:>6} {:<10} {:>21} {:>12} {:>10} {:>6}  {}",
                             j.job,
                             j.state,
                             j.ranks,
                             j.epoch,
+                            if j.level.is_empty() { "-" } else { &j.level },
                             when,
                             format!("{:.1} MiB", j.bytes as f64 / (1 << 20) as f64),
+                            pause,
+                            j.persistent_epoch,
                             j.command
                         );
                         if !j.activity.is_empty() {

@@ -52,6 +52,10 @@ pub struct ClusterSection {
     pub request_timeout_ms: u64,
     #[serde(default = "default_cert_dir")]
     pub cert_dir: PathBuf,
+    /// A job's safe points take a persistent (cleaner) checkpoint when this many seconds
+    /// passed since its last one (`psls run --persistent-interval` overrides).
+    #[serde(default = "default_persistent_interval")]
+    pub persistent_interval_s: u64,
 }
 
 fn default_name() -> String {
@@ -69,6 +73,9 @@ fn default_request_timeout() -> u64 {
 fn default_cert_dir() -> PathBuf {
     "certs".into()
 }
+fn default_persistent_interval() -> u64 {
+    60
+}
 
 impl Default for ClusterSection {
     fn default() -> Self {
@@ -78,6 +85,7 @@ impl Default for ClusterSection {
             heartbeat_timeout_ms: default_hb_timeout(),
             replace_after_ms: 0,
             request_timeout_ms: default_request_timeout(),
+            persistent_interval_s: default_persistent_interval(),
             cert_dir: default_cert_dir(),
         }
     }

@@ -199,6 +199,11 @@ pub struct CkptOptions {
     pub max_restarts: u32,
     /// How long a rollback waits for a failed node to come back, in seconds (0: 60).
     pub respawn_timeout_s: u64,
+    /// Which level safe points take: `auto` (or empty), `memory` or `persistent`.
+    pub level: String,
+    /// With `auto`, a safe point takes the cleaner when this many seconds passed since the
+    /// job's last persistent checkpoint (0: the cluster's default).
+    pub persistent_interval_s: u64,
     /// `psls run --resume JOB`: start job JOB again from its last checkpoint (its command and
     /// options come from its record; the other fields are ignored).
     pub resume: String,
@@ -213,10 +218,16 @@ pub struct JobInfo {
     pub ranks: u32,
     pub command: String,
     pub uid: u32,
-    /// Its last committed checkpoint (0: none), when, and the bytes it wrote (one copy).
+    /// Its last committed checkpoint (0: none), when, and the bytes it kept (one copy).
     pub epoch: u64,
     pub at_unix_ms: u64,
     pub bytes: u64,
+    /// That checkpoint's level (`memory` or `persistent`) and, when its coordinator saw it
+    /// commit, its pause (from its start to its commit; 0: unknown).
+    pub level: String,
+    pub pause_us: u64,
+    /// The last persistent checkpoint (what a power cut returns to).
+    pub persistent_epoch: u64,
     /// What the job goes through now, if anything but running: a checkpoint in progress
     /// (its step and the nodes it waits for) or a rollback's step, and for how long.
     pub activity: String,

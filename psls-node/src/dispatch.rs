@@ -56,7 +56,12 @@ impl Daemon {
         });
         let beat: crate::node::SvmBeat = Arc::new(move |nodes| {
             let (view, fenced) = svm.view(nodes);
-            (svm.segments(), view, fenced)
+            crate::node::SvmFigures {
+                segments: svm.segments(),
+                view,
+                fenced,
+                dirty_pages: svm.dirty_pages(),
+            }
         });
         d.node.wire(d.clone(), beat);
         d
@@ -143,6 +148,13 @@ impl Daemon {
                 out_payload = data;
                 PeerResp::Pages(states)
             }),
+            PeerReq::Frames(req) => match self.ckpt.serve_frames(req, payload).await {
+                Ok((resp, data)) => {
+                    out_payload = data;
+                    Ok(resp)
+                }
+                Err(e) => Err(e),
+            },
             PeerReq::RemoveFile { file } => {
                 let store = node.store.clone();
                 blocking(move || store.remove_file(file))
@@ -226,7 +238,7 @@ impl Daemon {
             PeerReq::CkptForce { job, halt, uid } => self.ckpt.serve_force(&job, halt, uid),
             PeerReq::CkptEnd { job } => Ok(self.ckpt.serve_end(&job)),
             PeerReq::CkptProgress { job } => Ok(self.ckpt.serve_progress(&job)),
-            PeerReq::CkptRollback { job } => self.ckpt.serve_rollback(&job).await,
+            PeerReq::CkptRollback { job, at_least } => self.ckpt.serve_rollback(&job, at_least).await,
             PeerReq::RollbackDrop { job, files } => {
                 if files.len() > crate::launcher::MAX_JOB_SEGMENTS {
                     Err(OpError::new(ErrorKind::Invalid, "too many files in one rollback"))

@@ -180,6 +180,10 @@ pub async fn launch(
         NEXT_JOB.fetch_add(1, Ordering::Relaxed)
     );
     let secs = |s: u64, default_ms: u64| if s == 0 { default_ms } else { s.saturating_mul(1000) };
+    let level: psls_ckpt::msg::Choice = checkpoint
+        .level
+        .parse()
+        .map_err(|e: String| OpError::new(ErrorKind::Invalid, e))?;
     let spec = JobSpec {
         job: job.clone(),
         launcher: node.name().to_string(),
@@ -194,6 +198,11 @@ pub async fn launch(
         checkpoint_timeout_ms: secs(checkpoint.timeout_s, DEFAULT_CALL_TIMEOUT_MS),
         max_restarts: checkpoint.max_restarts,
         respawn_timeout_ms: secs(checkpoint.respawn_timeout_s, DEFAULT_RESPAWN_TIMEOUT_MS),
+        level,
+        persistent_interval_ms: secs(
+            checkpoint.persistent_interval_s,
+            node.cfg.cluster.persistent_interval_s.saturating_mul(1000),
+        ),
         attempt: 0,
         restart_epoch: 0,
     };

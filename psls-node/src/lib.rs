@@ -14,6 +14,7 @@ pub mod daemon;
 pub mod dispatch;
 pub mod failpoint;
 pub mod failstop;
+pub mod frames;
 pub mod ipc;
 pub mod launcher;
 pub mod link;

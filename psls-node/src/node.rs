@@ -30,7 +30,16 @@ use std::time::{Duration, Instant};
 
 /// What shared memory adds to a heartbeat, given the number of logical nodes: segments held,
 /// the incarnation known of every logical node, and those seen back while holding state.
-pub type SvmBeat = Arc<dyn Fn(usize) -> (u64, Vec<u64>, Vec<u64>) + Send + Sync>;
+pub type SvmBeat = Arc<dyn Fn(usize) -> SvmFigures + Send + Sync>;
+
+/// What shared memory adds to a heartbeat (see [`Heartbeat`]).
+#[derive(Default)]
+pub struct SvmFigures {
+    pub segments: u64,
+    pub view: Vec<u64>,
+    pub fenced: Vec<u64>,
+    pub dirty_pages: u64,
+}
 
 /// The node's core: configuration, identity, the page store and the metadata replica,
 /// membership, the transport, and requests to peers. Every subsystem (shared memory, the
@@ -41,6 +50,8 @@ pub struct Node {
     pub me: NodeEntry,
     pub incarnation: u64,
     pub store: Arc<PageStore>,
+    /// Memory checkpoints' recovery copies held here.
+    pub frames: crate::frames::RecoveryArea,
     pub meta: Arc<Mutex<MetaStore>>,
     /// The failure detector (time: milliseconds since `started`).
     members: Mutex<Membership<Heartbeat>>,
@@ -83,12 +94,15 @@ impl Node {
         let members = Membership::new(peers, cfg.cluster.heartbeat_timeout_ms, 0);
         let voters = cfg.all().map(|n| n.name.clone()).collect();
         let placement = Placement::new(cfg.nodes.len() as u32).expect("validated config has >= 2 nodes");
+        let capacity_frames = me.memory_mb * (1024 * 1024 / PAGE_SIZE as u64);
         Node {
             request_timeout: Duration::from_millis(cfg.cluster.request_timeout_ms),
             cfg,
             me,
             incarnation,
             store,
+            // The node's memory capacity, in frames, is what recovery copies may use.
+            frames: crate::frames::RecoveryArea::new(capacity_frames),
             meta: Arc::new(Mutex::new(meta)),
             members: Mutex::new(members),
             started: now,
@@ -296,10 +310,10 @@ impl Node {
     pub(crate) fn heartbeat(&self) -> Heartbeat {
         let st = self.meta_state();
         let rebuilding = self.my_logical(&st).is_some_and(|l| st.rebuilding.contains_key(&l.0));
-        let (svm_segments, svm_view, svm_fenced) = self
+        let svm = self
             .beat
             .get()
-            .map_or((0, Vec::new(), Vec::new()), |b| b(self.cfg.nodes.len()));
+            .map_or_else(SvmFigures::default, |b| b(self.cfg.nodes.len()));
         Heartbeat {
             incarnation: self.incarnation,
             pid: std::process::id(),
@@ -314,9 +328,12 @@ impl Node {
                     self.rebuild_total.load(Ordering::Relaxed),
                 )
             }),
-            svm_segments,
-            svm_view,
-            svm_fenced,
+            svm_segments: svm.segments,
+            svm_view: svm.view,
+            svm_fenced: svm.fenced,
+            frames: self.frames.counts(),
+            frame_capacity: self.frames.capacity_frames(),
+            dirty_pages: svm.dirty_pages,
         }
     }
 
@@ -494,7 +511,12 @@ impl Node {
 
     // ---- local page store requests ----
 
-    fn check_holder(&self, file: FileId, role: Role, indices: impl Iterator<Item = u64>) -> Result<(), OpError> {
+    pub(crate) fn check_holder(
+        &self,
+        file: FileId,
+        role: Role,
+        indices: impl Iterator<Item = u64>,
+    ) -> Result<(), OpError> {
         let st = self.meta_state();
         let Some(me) = self.my_logical(&st) else {
             return Err(OpError::new(
@@ -588,6 +610,9 @@ impl Node {
                 }
                 let pages = refs.len();
                 let t = Instant::now();
+                // A recovery copy of these pages held here is older: a cleaner round at `gen`
+                // must not write it over them.
+                self.frames.supersede(file, &indices, gen);
                 blocking(move || store.write_batch(file, role, gen, &refs, &data)).await??;
                 tracing::debug!(node = %self.me.name, %file, pages, wait_us, write_us = t.elapsed().as_micros() as u64, "checkpoint pages stored");
             }

@@ -52,10 +52,26 @@ pub struct JobSpec {
     pub max_restarts: u32,
     /// How long a rollback waits for a failed node to come back.
     pub respawn_timeout_ms: u64,
+    /// Which level safe points take, and how often the cleaner comes with `Auto`.
+    pub level: psls_ckpt::msg::Choice,
+    pub persistent_interval_ms: u64,
     /// Which start of the job this is (0: the first; each restart after a failure adds one).
     pub attempt: u32,
     /// The checkpoint the ranks restart from (0: a fresh start).
     pub restart_epoch: u64,
+}
+
+/// A job's last checkpoint, as its coordinator saw it commit.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LastCkpt {
+    pub epoch: u64,
+    /// `memory` or `persistent`.
+    pub level: String,
+    pub pages: u64,
+    pub bytes: u64,
+    /// From the round's start to its commit.
+    pub pause_us: u64,
+    pub at_unix_ms: u64,
 }
 
 /// One rank's safe-point call.
@@ -69,6 +85,8 @@ pub struct SafeCall {
     pub size: u32,
     pub interval_ms: u64,
     pub timeout_ms: u64,
+    pub level: psls_ckpt::msg::Choice,
+    pub persistent_interval_ms: u64,
     /// The files the rank maps writable.
     pub files: Vec<FileId>,
     /// The job's owner (its checkpoint area is theirs).
@@ -96,6 +114,13 @@ pub struct Heartbeat {
     /// Per logical node, the incarnation this node saw it come back as while it held
     /// coherence state (0: none): that incarnation must start fenced.
     pub svm_fenced: Vec<u64>,
+    /// The recovery area's frames, by category (memory checkpoints).
+    pub frames: crate::frames::FrameCounts,
+    /// The recovery area's capacity, in frames.
+    pub frame_capacity: u64,
+    /// Pages held here modified since the last checkpoint took them (a memory checkpoint
+    /// needs a frame for each on two nodes).
+    pub dirty_pages: u64,
 }
 
 /// State of one page of a `ReadPages` answer; its bytes are in the payload at `i * 4096`
@@ -133,6 +158,48 @@ pub enum WriteGen {
     /// A rewrite of each page's committed version in place (a repair, a rebuild): page `i` at
     /// generation `gens[i]`.
     Same { gens: Vec<u64> },
+}
+
+/// Requests on a node's recovery area (`crate::frames`).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub enum FramesReq {
+    /// Keep pre-recovery copies of `indices` of `file` for memory epoch `epoch` of `job`
+    /// (payload: the pages, page i at `i * 4096`).
+    Store {
+        job: String,
+        epoch: u64,
+        /// The job's last committed epoch when the round began: a pre-recovery copy of an
+        /// earlier epoch whose decision has not arrived here yet is settled by it.
+        committed: u64,
+        file: FileId,
+        role: Role,
+        indices: Vec<u64>,
+    },
+    /// The committed recovery copy of a page, if held (answered with `Frame`).
+    Read { file: FileId, index: u64 },
+    /// The job's memory-checkpoint state here (answered with `MemState`).
+    State { job: String },
+    /// A rollback of `job` to memory epoch `target` (0: its persistent checkpoint), every
+    /// epoch up to `fenced` fenced; with a memory epoch, loads of `files` look for recovery
+    /// copies first.
+    Settle {
+        job: String,
+        target: u64,
+        fenced: u64,
+        files: Vec<FileId>,
+    },
+    /// Send every recovery copy of `job` held here whose other holder is one of the logical
+    /// ids `lost` (restarted or replaced) to that holder (answered with `Recreated`).
+    Recreate { job: String, lost: Vec<u32> },
+    /// Recovery copies re-created from the other holder (payload: their pages, in order).
+    Install {
+        job: String,
+        committed: u64,
+        file: FileId,
+        role: Role,
+        /// Per page: index, epoch, saved.
+        pages: Vec<(u64, u64, bool)>,
+    },
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -187,6 +254,8 @@ pub enum PeerReq {
     Svm(psls_svm::coherence::Envelope),
     /// A checkpoint protocol message (one-way, on the message link).
     Ckpt(psls_ckpt::Msg),
+    /// Memory checkpoints' recovery copies (this node is the pages' `role` holder).
+    Frames(FramesReq),
     /// To the coordinator: take a persistent checkpoint of `job` over `files` now (answered
     /// with `CkptDone` once it committed, or an error).
     CkptRun {
@@ -292,10 +361,12 @@ pub enum PeerReq {
     RollbackServe {
         files: Vec<FileId>,
     },
-    /// To the coordinator: `job` rolls back; fence every epoch begun and answer with the
-    /// committed one (`Restart`).
+    /// To the coordinator: `job` rolls back; fence every epoch begun, and at least
+    /// `at_least` (the highest epoch a node saw: a memory epoch of an earlier coordinator),
+    /// and answer with the committed one (`Restart`).
     CkptRollback {
         job: String,
+        at_least: u64,
     },
     /// Kill this node's ranks of `job`.
     KillJob {
@@ -344,6 +415,24 @@ pub enum PeerResp {
         count: u64,
     },
     NotCoordinator,
+    /// Answer to `Frames(Read)`: the page's bytes are the payload when `found`.
+    Frame {
+        found: bool,
+    },
+    /// Answer to `Frames(State)`: the last memory epoch committed here, the one held as
+    /// pre-recovery copies, and the highest epoch this node's participant saw.
+    MemState {
+        committed: u64,
+        pre: Option<u64>,
+        /// The highest epoch of the job this node's participant saw.
+        seen: u64,
+        /// The job's files whose loads look for recovery copies here.
+        files: Vec<FileId>,
+    },
+    /// Answer to `Frames(Recreate)`: the copies sent.
+    Recreated {
+        pages: u64,
+    },
     /// Answer to `CkptRun`: the checkpoint committed as `epoch`, writing `pages` pages.
     CkptDone {
         epoch: u64,
@@ -360,13 +449,17 @@ pub enum PeerResp {
         running: bool,
         activity: String,
     },
-    /// Answer to `CkptProgress` (empty: no checkpoint in progress).
+    /// Answer to `CkptProgress` (empty: no checkpoint in progress), with the job's last
+    /// checkpoint this coordinator committed.
     Activity {
         text: String,
+        last: Option<LastCkpt>,
     },
     /// Answer to `CkptRollback`: the checkpoint the job restarts from (0: its start).
     Restart {
         epoch: u64,
+        /// Every epoch up to this one is fenced.
+        fenced: u64,
     },
     /// Answer to `CkptArrive`: the epoch taken (0: none); `halt`: the job stops.
     SafeDone {

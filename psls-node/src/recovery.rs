@@ -165,7 +165,16 @@ async fn roll_back_pass(
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     step("fencing the checkpoints begun".into());
-    let epoch = ckpt.rollback_fence(job).await?;
+    // Above every epoch a node saw: memory epochs leave no record.
+    let seen = memory_states(node, job)
+        .await?
+        .iter()
+        .map(|s| s.seen)
+        .max()
+        .unwrap_or(0);
+    let (persistent, fenced) = ckpt.rollback_fence(job, seen).await?;
+    step("settling the memory checkpoint".into());
+    let epoch = settle_memory(node, job, persistent, fenced).await?;
     step(format!("every node drops the pages written since checkpoint {epoch}"));
     let mut files = crate::launcher::job_files(node, job, false).await;
     if let Ok(area) = crate::pfs::lookup_file(node, &state_file_name(job)) {
@@ -199,6 +208,91 @@ async fn roll_back_pass(
     }
     tracing::warn!(node = %node.name(), job, epoch, files = files.len(), "job rolled back");
     Ok(epoch)
+}
+
+/// A node's memory-checkpoint state of a job (`FramesReq::State`).
+struct MemState {
+    logical: u32,
+    committed: u64,
+    pre: Option<u64>,
+    seen: u64,
+    files: Vec<psls_svm::FileId>,
+}
+
+/// Every logical node's memory-checkpoint state of `job`.
+async fn memory_states(node: &Arc<Node>, job: &str) -> Result<Vec<MemState>, OpError> {
+    let st = node.meta_state();
+    let mut out = Vec::new();
+    for (l, p) in node.logical_map(&st) {
+        let req = PeerReq::Frames(crate::peer::FramesReq::State { job: job.to_string() });
+        match node.call_ok(&p, req).await? {
+            PeerResp::MemState {
+                committed,
+                pre,
+                seen,
+                files,
+            } => out.push(MemState {
+                logical: l,
+                committed,
+                pre,
+                seen,
+                files,
+            }),
+            other => {
+                return Err(OpError::new(
+                    ErrorKind::Internal,
+                    format!("{p}: unexpected answer {other:?}"),
+                ))
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The memory level of a rollback (DESIGN §8, `psls_ckpt::frames::rollback_target`): the
+/// job restarts from the last memory checkpoint a node committed, if it is newer than the
+/// persistent one (`persistent`) and no page lost both recovery copies; every node settles its
+/// recovery copies to it, and the copies a restarted or replaced node held are re-created from
+/// the other holder, so the next failure is tolerated at once. Returns the epoch the job
+/// restarts from.
+async fn settle_memory(node: &Arc<Node>, job: &str, persistent: u64, fenced: u64) -> Result<u64, OpError> {
+    use crate::peer::FramesReq;
+    let states = memory_states(node, job).await?;
+    let mut files: Vec<psls_svm::FileId> = states.iter().flat_map(|s| s.files.iter().copied()).collect();
+    files.sort_unstable();
+    files.dedup();
+    let table: Vec<(u32, u64, Option<u64>)> = states.iter().map(|s| (s.logical, s.committed, s.pre)).collect();
+    let nodes = states.len() as u32;
+    let (target, lost) = psls_ckpt::frames::rollback_target(&table, persistent, nodes);
+    let newest = table.iter().map(|s| s.1).max().unwrap_or(0);
+    if target == 0 && newest > persistent {
+        tracing::warn!(node = %node.name(), job, memory = newest, persistent, ?lost, "both recovery copies of some pages are lost: back to the persistent checkpoint");
+    }
+    let st = node.meta_state();
+    let map = node.logical_map(&st);
+    for p in map.values() {
+        let req = PeerReq::Frames(FramesReq::Settle {
+            job: job.to_string(),
+            target,
+            fenced,
+            files: files.clone(),
+        });
+        node.call_ok(p, req).await?;
+    }
+    if target > 0 && !lost.is_empty() {
+        let mut recreated = 0;
+        for p in map.values() {
+            let req = PeerReq::Frames(FramesReq::Recreate {
+                job: job.to_string(),
+                lost: lost.clone(),
+            });
+            if let PeerResp::Recreated { pages } = node.call_ok(p, req).await? {
+                recreated += pages;
+            }
+        }
+        tracing::info!(node = %node.name(), job, memory = target, ?lost, recreated, "recovery copies re-created");
+    }
+    Ok(target.max(persistent))
 }
 
 /// `psls run --resume JOB` by `caller` (uid, gid) with the environment `env`: starts `job`
@@ -263,6 +357,9 @@ pub async fn resume(
         checkpoint_timeout_ms: sum.checkpoint_timeout_ms,
         max_restarts: sum.max_restarts,
         respawn_timeout_ms: sum.respawn_timeout_ms,
+        // The record does not keep them: a resumed job takes the defaults.
+        level: psls_ckpt::msg::Choice::Auto,
+        persistent_interval_ms: node.cfg.cluster.persistent_interval_s.saturating_mul(1000),
         // Exits of an earlier start are not this one's.
         attempt: sum.starts.max(1),
         restart_epoch: 0,

@@ -76,7 +76,17 @@ fn every_safe_point_call_takes_one_checkpoint_for_all_ranks_and_the_area_goes_wi
         for step in 0..5 {
             assert!(
                 out.contains(&format!("[{r}] step {step} epoch {}\n", step + 1)),
-                "{out}"
+                "{out}\n{}",
+                ["n0", "n1", "n2", "n3"]
+                    .iter()
+                    .flat_map(|n| c
+                        .log(n)
+                        .lines()
+                        .filter(|l| l.contains("WARN") || l.contains("memory"))
+                        .map(|l| l.to_string())
+                        .collect::<Vec<_>>())
+                    .collect::<Vec<_>>()
+                    .join("\n")
             );
         }
         assert!(out.contains(&format!("[{r}] done 15")), "{out}");

@@ -31,11 +31,28 @@ fn cluster(points: &str, fault_disk: bool) -> (Cluster, std::path::PathBuf) {
 }
 
 /// The probe's job: every rank adds its step to a word of the file and of the job's volatile
-/// segment, with a safe-point call (its step as state) at the top of every step.
+/// segment, with a safe-point call (its step as state) at the top of every step; persistent
+/// checkpoints (the failpoints are in their writes and commit record).
 fn start(c: &Cluster, launcher: &str) -> Child {
     let steps = STEPS.to_string();
     c.cmd(&[
-        "--node", launcher, "run", "-n", "4", "--", PROBE, "steps", "kp", "4", &steps, "99", "64", "40", "vol",
+        "--node",
+        launcher,
+        "run",
+        "-n",
+        "4",
+        "--level",
+        "persistent",
+        "--",
+        PROBE,
+        "steps",
+        "kp",
+        "4",
+        &steps,
+        "99",
+        "64",
+        "40",
+        "vol",
     ])
     .stdout(Stdio::piped())
     .stderr(Stdio::piped())
@@ -208,7 +225,7 @@ fn a_slow_checkpoint_and_a_slow_rollback_show_their_progress_in_psls_jobs() {
             .to_string();
         match point {
             "ckpt.write.n1" => {
-                assert!(now.starts_with("checkpoint 2: writing pages (for "), "{now}");
+                assert!(now.starts_with("persistent checkpoint 2: writing pages (for "), "{now}");
                 let waiting = now.split("waiting for ").nth(1).unwrap_or("");
                 assert!(waiting.split(", ").any(|n| n == "n1"), "{now}");
             }

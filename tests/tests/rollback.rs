@@ -57,6 +57,17 @@ fn finish(mut ch: Child, what: &str) -> (String, String) {
     if let Some(mut e) = ch.stderr.take() {
         e.read_to_string(&mut err).expect("read");
     }
+    finished(ch, err, what)
+}
+
+/// [`finish`] for a job whose stderr is read from `rest` (after its id, `job_id`).
+fn finish_rest(ch: Child, mut rest: impl Read, what: &str) -> (String, String) {
+    let mut err = String::new();
+    rest.read_to_string(&mut err).expect("read");
+    finished(ch, err, what)
+}
+
+fn finished(ch: Child, err: String, what: &str) -> (String, String) {
     let o = ch.wait_with_output().expect("wait");
     let out = String::from_utf8_lossy(&o.stdout).to_string();
     assert!(o.status.success(), "{what}: job failed ({}):\n{out}\n{err}", o.status);
@@ -69,13 +80,13 @@ fn finish(mut ch: Child, what: &str) -> (String, String) {
     (j["checksum"].as_str().expect("checksum").to_string(), err)
 }
 
-/// Waits until `job` committed a checkpoint.
+/// Waits until `job` committed a checkpoint (its first is persistent).
 fn wait_first_checkpoint(c: &Cluster, job: &str) {
     wait_for(Duration::from_secs(60), "the job's first checkpoint", || {
         let list: serde_json::Value = serde_json::from_str(&c.ok(&["jobs", "--json"])).unwrap_or_default();
         list.as_array().is_some_and(|a| {
             a.iter()
-                .any(|j| j["job"] == job && j["epoch"].as_u64().unwrap_or(0) > 0)
+                .any(|j| j["job"] == job && j["persistent_epoch"].as_u64().unwrap_or(0) > 0)
         })
     });
 }
@@ -115,20 +126,26 @@ fn mgs_survives_kill_9_of_any_node_at_random_moments_with_the_checksum_of_an_unf
         let victim = rng.below(4);
         let launcher = format!("n{}", (victim + 1 + rng.below(3)) % 4);
         let victim = format!("n{victim}");
-        let delay_ms = 200 + rng.below(2200);
-        let what = format!("kill {k} (PSLS_SIM_SEED={seed}): {victim} after {delay_ms} ms, launcher {launcher}");
-        let job = start_mgs(&c, &launcher);
+        let delay_ms = rng.below(800);
+        let what = format!(
+            "kill {k} (PSLS_SIM_SEED={seed}): {victim} {delay_ms} ms after the first checkpoint, launcher {launcher}"
+        );
+        let mut job = start_mgs(&c, &launcher);
+        // While the job runs: a node that restarts between jobs is another story (noted in
+        // ARCHITECTURE: its pages stay fenced while others hold idle segments).
+        let (id, rest) = job_id(&mut job);
+        wait_first_checkpoint(&c, &id);
         std::thread::sleep(Duration::from_millis(delay_ms));
         c.kill(&victim);
         std::thread::sleep(Duration::from_millis(500 + rng.below(1500)));
         c.ok(&["cluster", "up"]);
-        let (got, err) = finish(job, &what);
+        let (got, err) = finish_rest(job, rest, &what);
         assert_eq!(got, want, "{what}: checksum differs from the unfailed run's\n{err}");
         if err.contains("restarted from") {
             rolled_back += 1;
         }
     }
-    // Most kills land while the job runs (it takes longer than the longest delay).
+    // Most kills land while the job runs (the rest of it takes longer than most delays).
     assert!(
         rolled_back * 2 >= kills,
         "only {rolled_back} of {kills} kills rolled a job back"

@@ -10,6 +10,7 @@
 //!   names of the area's files (the states, and one per volatile segment of the job);
 //! - `writers`: one writer job per file (claims in the metadata), and which job a process is.
 
+mod memory;
 mod round;
 mod safepoint;
 mod states;

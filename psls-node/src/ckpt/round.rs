@@ -25,6 +25,7 @@ use crate::node::Node;
 use crate::op::OpError;
 use crate::peer::{PeerReq, PeerResp, WriteGen, BATCH_PAGES};
 use crate::svm::SvmShell;
+use psls_ckpt::msg::Level;
 use psls_ckpt::{CoordAction, Coordinator, Msg, Outcome, PartAction, Participant};
 use psls_cluster::write::{Write, WriteAction};
 use psls_ipc::ErrorKind;
@@ -68,17 +69,17 @@ pub(super) type SafeWaiter = tokio::sync::oneshot::Sender<Result<SafeOutcome, Op
 /// A rank's private state, with the start of the job it belongs to.
 pub(super) type RankState = (u32, Vec<u8>);
 
-/// A round's files and the callers waiting for it.
-type RoundCallers = (Vec<FileId>, Vec<Waiter>);
+/// A round's files, the callers waiting for it, and when it started.
+type RoundCallers = (Vec<FileId>, Vec<Waiter>, std::time::Instant);
 
 /// See the module documentation.
 pub struct CkptShell {
     pub(super) node: Arc<Node>,
-    svm: Arc<SvmShell>,
+    pub(super) svm: Arc<SvmShell>,
     coord: Mutex<Coordinator>,
     part: Mutex<Participant>,
     /// Pages taken by this node for (job, epoch), until the decision.
-    taken: Mutex<HashMap<(String, u64), TakenPages>>,
+    pub(super) taken: Mutex<HashMap<(String, u64), TakenPages>>,
     /// At the coordinator: callers of each job's round in progress, and its files.
     rounds: Mutex<HashMap<String, RoundCallers>>,
     /// At the coordinator: the highest epoch it started per job (never started twice).
@@ -98,6 +99,16 @@ pub struct CkptShell {
     pub(super) owners: Mutex<HashMap<String, (u32, u32, String)>>,
     /// Local processes: their job and the files they claimed as its writer.
     pub(super) claims: Mutex<HashMap<i32, (String, std::collections::BTreeSet<FileId>)>>,
+    /// A participant's persistent rounds in progress: their generation, by (job, epoch).
+    gens: Mutex<HashMap<(String, u64), u64>>,
+    /// At the coordinator: per job, its last committed memory epoch, and when its last
+    /// persistent checkpoint committed (or it first called).
+    pub(super) mem_committed: Mutex<HashMap<String, u64>>,
+    pub(super) last_persistent_ms: Mutex<HashMap<String, u64>>,
+    /// At the coordinator: per job, the level its safe points take and its persistent interval.
+    pub(super) choices: Mutex<HashMap<String, (psls_ckpt::msg::Choice, u64)>>,
+    /// At the coordinator: each job's last checkpoint committed here (for `psls jobs`).
+    pub(super) last_ckpt: Mutex<HashMap<String, crate::peer::LastCkpt>>,
 }
 
 pub(super) fn unavailable(why: impl Into<String>) -> OpError {
@@ -121,6 +132,11 @@ impl CkptShell {
             states: Mutex::new(HashMap::new()),
             owners: Mutex::new(HashMap::new()),
             claims: Mutex::new(HashMap::new()),
+            gens: Mutex::new(HashMap::new()),
+            mem_committed: Mutex::new(HashMap::new()),
+            last_persistent_ms: Mutex::new(HashMap::new()),
+            choices: Mutex::new(HashMap::new()),
+            last_ckpt: Mutex::new(HashMap::new()),
         }
     }
 
@@ -184,7 +200,7 @@ impl CkptShell {
         if !self.coordinating() {
             return Ok(PeerResp::NotCoordinator);
         }
-        let done = self.run_round(job, files).await?;
+        let done = self.run_round(job, files, Level::Persistent).await?;
         Ok(PeerResp::CkptDone {
             epoch: done.epoch,
             pages: done.pages,
@@ -194,7 +210,7 @@ impl CkptShell {
 
     /// At the coordinator: runs a round of `job` over `files` (after any round of the job or
     /// over one of the files in progress); returns once it committed.
-    pub(super) async fn run_round(self: &Arc<Self>, job: String, files: Vec<FileId>) -> Result<Done, OpError> {
+    async fn run_round_once(self: &Arc<Self>, job: String, files: Vec<FileId>, level: Level) -> Result<Done, OpError> {
         let node = &self.node;
         psls_pfs::jobs::validate_job(&job).map_err(OpError::from)?;
         if files.len() > MAX_CKPT_FILES {
@@ -206,8 +222,8 @@ impl CkptShell {
         loop {
             {
                 let mut rounds = self.rounds.locked();
-                let clash =
-                    rounds.get(&job).is_some() || rounds.values().any(|(fs, _)| fs.iter().any(|f| files.contains(f)));
+                let clash = rounds.get(&job).is_some()
+                    || rounds.values().any(|(fs, _, _)| fs.iter().any(|f| files.contains(f)));
                 if !clash {
                     let st = node.meta_state();
                     crate::pfs::check_all_serving(node, &st)?;
@@ -215,15 +231,29 @@ impl CkptShell {
                         return Err(OpError::new(ErrorKind::NotFound, format!("no file with id {id}")));
                     }
                     let mut started = self.started.locked();
-                    let epoch = st.job_floor(&job).max(started.get(&job).copied().unwrap_or(0)) + 1;
+                    let mut coord = self.coord.locked();
+                    let epoch = st
+                        .job_floor(&job)
+                        .max(started.get(&job).copied().unwrap_or(0))
+                        .max(coord.seen(&job))
+                        + 1;
                     let participants: BTreeSet<NodeId> = node.logical_map(&st).keys().map(|l| NodeId(*l)).collect();
-                    self.coord
-                        .locked()
-                        .start(node.now_ms(), &job, epoch, files.clone(), participants)
+                    let committed = self.known_committed(&job, &st);
+                    coord
+                        .start(
+                            node.now_ms(),
+                            &job,
+                            epoch,
+                            level,
+                            files.clone(),
+                            participants,
+                            committed,
+                        )
                         .map_err(|e| unavailable(format!("checkpoint of {job} not started: {e:?}")))?;
+                    drop(coord);
                     started.insert(job.clone(), epoch);
-                    rounds.insert(job.clone(), (files.clone(), vec![tx]));
-                    tracing::info!(node = %node.name(), job, epoch, files = files.len(), "checkpoint started");
+                    rounds.insert(job.clone(), (files.clone(), vec![tx], std::time::Instant::now()));
+                    tracing::info!(node = %node.name(), job, epoch, %level, files = files.len(), "checkpoint started");
                     break;
                 }
             }
@@ -235,6 +265,36 @@ impl CkptShell {
         self.drive();
         rx.await
             .map_err(|_| unavailable("the checkpoint's coordinator stopped"))?
+    }
+
+    /// [`CkptShell::run_round_once`], once more if a participant had seen a later epoch of
+    /// the job (a memory epoch of an earlier coordinator): the next round starts above it.
+    pub(super) async fn run_round(
+        self: &Arc<Self>,
+        job: String,
+        files: Vec<FileId>,
+        level: Level,
+    ) -> Result<Done, OpError> {
+        let before = self.coord.locked().seen(&job);
+        match self.run_round_once(job.clone(), files.clone(), level).await {
+            Err(e) if self.coord.locked().seen(&job) > before => {
+                tracing::info!(node = %self.node.name(), job, error = %e, "checkpoint epoch was stale; again above it");
+                self.run_round_once(job, files, level).await
+            }
+            r => r,
+        }
+    }
+
+    /// The highest epoch of `job` this node's participant saw.
+    pub(super) fn part_seen(&self, job: &str) -> u64 {
+        self.part.locked().seen(job)
+    }
+
+    /// At the coordinator: the job's last committed epoch it knows (its commit record, or a
+    /// later memory checkpoint committed here).
+    fn known_committed(&self, job: &str, st: &psls_pfs::meta::MetaState) -> u64 {
+        let record = st.jobs.get(job).map_or(0, |r| r.epoch);
+        record.max(self.mem_committed.locked().get(job).copied().unwrap_or(0))
     }
 
     /// At the coordinator: `job`'s round aborts unless it is deciding (then: true).
@@ -267,6 +327,13 @@ impl CkptShell {
         self.taken.locked().retain(|(j, _), _| j != job);
         self.started.locked().remove(job);
         self.states.locked().retain(|(j, _), _| j != job);
+        self.gens.locked().retain(|(j, _), _| j != job);
+        self.coord.locked().forget(job);
+        self.mem_committed.locked().remove(job);
+        self.last_persistent_ms.locked().remove(job);
+        self.choices.locked().remove(job);
+        self.last_ckpt.locked().remove(job);
+        self.node.frames.end_job(job);
     }
 
     /// A checkpoint message from peer `from` (on the link thread).
@@ -288,8 +355,31 @@ impl CkptShell {
 
     fn receive(&self, from: NodeId, msg: Msg) {
         match msg {
-            Msg::Prepare { .. } | Msg::Decide { .. } => self.part.locked().receive(from, msg),
-            Msg::Prepared { .. } | Msg::Refused { .. } | Msg::InDoubt { .. } => self.coord.locked().receive(from, msg),
+            Msg::Prepare { .. } | Msg::Decide { .. } | Msg::Flush { .. } => {
+                if let Msg::Prepare {
+                    job,
+                    epoch,
+                    level,
+                    files,
+                    committed,
+                    ..
+                } = &msg
+                {
+                    if Some(from) == self.node.coordinator_now().map(|(l, _)| NodeId(l)) {
+                        // A new round of the job: a memory epoch whose decision this node
+                        // missed is settled by the last committed one the coordinator names;
+                        // from now on loads of these files look for recovery copies first.
+                        self.node.frames.settle_pre(job, *committed, *epoch);
+                        if *level == Level::Memory {
+                            self.node.frames.mark_memory(job, files);
+                        }
+                    }
+                }
+                self.part.locked().receive(from, msg)
+            }
+            Msg::Prepared { .. } | Msg::Flushed { .. } | Msg::Refused { .. } | Msg::InDoubt { .. } => {
+                self.coord.locked().receive(from, msg)
+            }
         }
     }
 
@@ -383,7 +473,9 @@ impl CkptShell {
                         .await;
                     let st = me.node.meta_state();
                     let r = match (r, st.jobs.get(&job)) {
-                        (Ok(()), Some(rec)) if rec.started == epoch => Ok((rec.started_gen, st.seq, rec.epoch)),
+                        (Ok(()), Some(rec)) if rec.started == epoch => {
+                            Ok((rec.started_gen, st.seq, me.known_committed(&job, &st)))
+                        }
                         (Ok(()), _) => Err("the metadata does not show the epoch begun".to_string()),
                         (Err(e), _) => Err(e.message),
                     };
@@ -439,10 +531,33 @@ impl CkptShell {
                 });
             }
             CoordAction::Finished { job, epoch, outcome } => {
-                let waiters = self.rounds.locked().remove(&job).map(|(_, w)| w).unwrap_or_default();
+                let (waiters, started) = match self.rounds.locked().remove(&job) {
+                    Some((_, w, t)) => (w, Some(t)),
+                    None => (Vec::new(), None),
+                };
                 let r = match outcome {
-                    Outcome::Committed { pages, bytes } => {
-                        tracing::info!(node = %self.node.name(), job, epoch, pages, bytes, "checkpoint committed");
+                    Outcome::Committed { level, pages, bytes } => {
+                        let pause_us = started.map_or(0, |t| t.elapsed().as_micros() as u64);
+                        self.last_ckpt.locked().insert(
+                            job.clone(),
+                            crate::peer::LastCkpt {
+                                epoch,
+                                level: level.to_string(),
+                                pages,
+                                bytes,
+                                pause_us,
+                                at_unix_ms: crate::pfs::unix_ms(),
+                            },
+                        );
+                        match level {
+                            Level::Memory => {
+                                self.mem_committed.locked().insert(job.clone(), epoch);
+                            }
+                            Level::Persistent => {
+                                self.last_persistent_ms.locked().insert(job.clone(), self.node.now_ms());
+                            }
+                        }
+                        tracing::info!(node = %self.node.name(), job, epoch, %level, pages, bytes, "checkpoint committed");
                         Ok(Done { epoch, pages, bytes })
                     }
                     Outcome::Aborted(why) => {
@@ -463,13 +578,21 @@ impl CkptShell {
             PartAction::Write {
                 job,
                 epoch,
+                level,
                 gen,
                 seq,
                 files,
+                committed,
             } => {
                 let me = self.clone();
+                if level == Level::Persistent {
+                    self.gens.locked().insert((job.clone(), epoch), gen);
+                }
                 self.runtime.spawn(async move {
-                    let r = me.write(&job, epoch, gen, seq, &files).await;
+                    let r = match level {
+                        Level::Memory => me.write_memory(&job, epoch, committed, &files).await,
+                        Level::Persistent => me.write(&job, epoch, gen, seq, &files).await,
+                    };
                     if let Err(e) = &r {
                         tracing::warn!(node = %me.node.name(), job, epoch, error = %e, "checkpoint pages not written");
                     }
@@ -477,10 +600,43 @@ impl CkptShell {
                     me.drive();
                 });
             }
-            PartAction::Clean { job, epoch } => {
+            PartAction::Flush { job, epoch, gen, seq } => {
+                let me = self.clone();
+                self.runtime.spawn(async move {
+                    let t = std::time::Instant::now();
+                    let r = me.flush(&job, gen, seq).await;
+                    match &r {
+                        Ok((runs, bytes)) => {
+                            tracing::info!(node = %me.node.name(), job, epoch, files = runs.len(), bytes, flush_ms = t.elapsed().as_millis() as u64, "recovery copies flushed")
+                        }
+                        Err(e) => {
+                            tracing::warn!(node = %me.node.name(), job, epoch, error = %e, "recovery copies not flushed")
+                        }
+                    }
+                    me.part.locked().flushed(&job, epoch, r.map_err(|e| e.message));
+                    me.drive();
+                });
+            }
+            PartAction::Clean { job, epoch, level } => {
+                match level {
+                    Level::Memory => self.node.frames.commit(&job, epoch),
+                    Level::Persistent => {
+                        if let Some(gen) = self.gens.locked().remove(&(job.clone(), epoch)) {
+                            self.node.frames.persistent_committed(&job, gen, true);
+                        }
+                    }
+                }
                 self.taken.locked().remove(&(job, epoch));
             }
-            PartAction::Restore { job, epoch } => {
+            PartAction::Restore { job, epoch, level } => {
+                match level {
+                    Level::Memory => self.node.frames.abort(&job, epoch),
+                    Level::Persistent => {
+                        if let Some(gen) = self.gens.locked().remove(&(job.clone(), epoch)) {
+                            self.node.frames.persistent_aborted(&job, gen);
+                        }
+                    }
+                }
                 if let Some(pages) = self.taken.locked().remove(&(job, epoch)) {
                     self.svm.restore_dirty(&pages);
                 }
@@ -501,16 +657,7 @@ impl CkptShell {
         let node = &self.node;
         let t0 = std::time::Instant::now();
         let st = node.meta_reached(seq).await?;
-        let mut taken = self.svm.take_dirty(files).map_err(|e| OpError::new(ErrorKind::Io, e))?;
-        // The ranks' states of this job saved here go into its checkpoint area.
-        let area = super::states::state_file_name(job);
-        if let Some(f) = st.files.get(&area).filter(|f| files.contains(&f.id)) {
-            taken.extend(self.state_pages(job, epoch, f.id));
-        }
-        self.taken.locked().insert(
-            (job.to_string(), epoch),
-            taken.iter().map(|t| (t.file, t.indices.clone())).collect(),
-        );
+        let taken = self.take_for(job, epoch, files, &st)?;
         let take_ms = t0.elapsed().as_millis() as u64;
         let p = node.placement;
         let mut write = Write::new();
@@ -521,9 +668,6 @@ impl CkptShell {
         let half_pages = taken.iter().map(|t| t.indices.len()).sum::<usize>();
         let mut sent_pages = 0usize;
         for t in &taken {
-            if !st.files.values().any(|f| f.id == t.file) {
-                continue; // removed meanwhile: nothing to keep
-            }
             runs.push(FileRuns {
                 file: t.file,
                 runs: runs_of(&t.indices),
@@ -621,7 +765,7 @@ async fn reap(inflight: &mut tokio::task::JoinSet<(String, Result<u64, OpError>)
 }
 
 /// Sorted page indices as runs `(start, end)`.
-fn runs_of(indices: &[u64]) -> Vec<(u64, u64)> {
+pub(super) fn runs_of(indices: &[u64]) -> Vec<(u64, u64)> {
     let mut out: Vec<(u64, u64)> = Vec::new();
     for &i in indices {
         match out.last_mut() {

@@ -17,6 +17,7 @@ use crate::failstop::Locked;
 use crate::op::OpError;
 use crate::peer::{PeerReq, PeerResp, SafeCall};
 use crate::svm::Taken;
+use psls_ckpt::msg::{Choice, Level};
 use psls_ckpt::safepoint::ArriveError;
 use psls_ckpt::{Decision, SafeAction};
 use psls_ipc::ErrorKind;
@@ -133,6 +134,9 @@ impl CkptShell {
         self.owners
             .locked()
             .insert(call.job.clone(), (call.uid, call.gid, call.launcher.clone()));
+        self.choices
+            .locked()
+            .insert(call.job.clone(), (call.level, call.persistent_interval_ms));
         self.drive();
         let (epoch, halt, pages) = rx
             .await
@@ -168,7 +172,7 @@ impl CkptShell {
             } => {
                 let me = self.clone();
                 self.runtime.spawn(async move {
-                    let r = me.take(&job, files, ranks.len() as u32).await;
+                    let r = me.take(&job, files, ranks.len() as u32, halt).await;
                     if r.is_ok() {
                         crate::failpoint::pass_async(me.node.name(), "ckpt.answer").await;
                     }
@@ -193,6 +197,7 @@ impl CkptShell {
         job: &str,
         mut files: Vec<FileId>,
         size: u32,
+        halt: bool,
     ) -> Result<super::round::Done, OpError> {
         let node = &self.node;
         let area = states::state_file_name(job);
@@ -218,7 +223,59 @@ impl CkptShell {
         files.push(id);
         files.sort();
         files.dedup();
-        self.run_round(job.to_string(), files).await
+        let level = self.choose_level(job, halt);
+        let r = self.run_round(job.to_string(), files.clone(), level).await;
+        match (level, r) {
+            // A memory checkpoint that could not be kept (no room on a holder, most often):
+            // the cleaner takes over at once, so the job goes on.
+            (Level::Memory, Err(e)) => {
+                tracing::info!(node = %node.name(), job, error = %e, "memory checkpoint failed; taking a persistent one");
+                self.run_round(job.to_string(), files, Level::Persistent).await
+            }
+            (_, r) => r,
+        }
+    }
+
+    /// The level of `job`'s checkpoint at this safe point (DESIGN §7): the cleaner on a halt,
+    /// when pinned, for the job's first checkpoint here and when the persistent interval
+    /// elapsed (`auto`: a power cut then never loses a whole run), or when a memory
+    /// checkpoint might not fit; memory otherwise.
+    fn choose_level(&self, job: &str, halt: bool) -> Level {
+        let node = &self.node;
+        let now = node.now_ms();
+        let (choice, interval_ms) = self.choices.locked().get(job).copied().unwrap_or_default();
+        let last = self.last_persistent_ms.locked().get(job).copied();
+        if halt || choice == Choice::Persistent {
+            return Level::Persistent;
+        }
+        if !self.memory_fits() {
+            tracing::info!(node = %node.name(), job, "a memory checkpoint might not fit: taking the cleaner");
+            return Level::Persistent;
+        }
+        if choice == Choice::Auto && last.is_none_or(|last| now.saturating_sub(last) >= interval_ms) {
+            return Level::Persistent;
+        }
+        Level::Memory
+    }
+
+    /// Whether a memory checkpoint surely fits, by the nodes' last heartbeats: every dirty
+    /// page of the cluster gets a frame on two nodes, at most one on any node, so each node
+    /// needs room for all of them beside the frames it holds (the old copies stay until the
+    /// commit).
+    fn memory_fits(&self) -> bool {
+        let node = &self.node;
+        let st = node.meta_state();
+        let beats: Vec<crate::peer::Heartbeat> = node
+            .logical_map(&st)
+            .values()
+            .filter_map(|p| node.heartbeat_of(p))
+            .collect();
+        let dirty: u64 = beats.iter().map(|h| h.dirty_pages).sum();
+        // The ranks' states: at most a slot of pages per rank.
+        let states = self.states.locked().len() as u64 * 257;
+        beats
+            .iter()
+            .all(|h| h.frames.frames() + dirty + states <= h.frame_capacity)
     }
 
     /// A halted job: its launcher stops the ranks.
@@ -300,11 +357,11 @@ impl CkptShell {
 
     /// What `job`'s checkpoint in progress is doing, from the coordinator (empty: none, or
     /// no coordinator answered).
-    pub async fn progress(self: &Arc<Self>, job: &str) -> String {
+    pub async fn progress(self: &Arc<Self>, job: &str) -> (String, Option<crate::peer::LastCkpt>) {
         let req = PeerReq::CkptProgress { job: job.to_string() };
         match self.call_coordinator(req, self.node.request_timeout).await {
-            Ok(PeerResp::Activity { text }) => text,
-            _ => String::new(),
+            Ok(PeerResp::Activity { text, last }) => (text, last),
+            _ => (String::new(), None),
         }
     }
 
@@ -313,12 +370,16 @@ impl CkptShell {
         if !self.coordinating() {
             return PeerResp::NotCoordinator;
         }
+        let last = self.last_ckpt.locked().get(job).cloned();
         let Some(p) = self.coord_progress(job) else {
-            return PeerResp::Activity { text: String::new() };
+            return PeerResp::Activity {
+                text: String::new(),
+                last,
+            };
         };
         let waiting: Vec<String> = p.waiting.iter().map(|l| self.node.physical_now(*l)).collect();
         let secs = self.node.now_ms().saturating_sub(p.started_ms) as f64 / 1000.0;
-        let mut text = format!("checkpoint {}: {} (for {secs:.1} s)", p.epoch, p.step);
+        let mut text = format!("{} checkpoint {}: {} (for {secs:.1} s)", p.level, p.epoch, p.step);
         if p.step == psls_ckpt::Step::WritingPages {
             text.push_str(&format!(
                 "; {} of {} nodes durable, waiting for {}",
@@ -327,7 +388,7 @@ impl CkptShell {
                 waiting.join(", ")
             ));
         }
-        PeerResp::Activity { text }
+        PeerResp::Activity { text, last }
     }
 
     /// At the coordinator: `job` is over.
@@ -339,10 +400,13 @@ impl CkptShell {
 
     /// `job` rolls back (from its launcher): fences every epoch begun and returns the one the
     /// job restarts from (0: its start).
-    pub async fn rollback_fence(self: &Arc<Self>, job: &str) -> Result<u64, OpError> {
-        let req = PeerReq::CkptRollback { job: job.to_string() };
+    pub async fn rollback_fence(self: &Arc<Self>, job: &str, at_least: u64) -> Result<(u64, u64), OpError> {
+        let req = PeerReq::CkptRollback {
+            job: job.to_string(),
+            at_least,
+        };
         match self.call_coordinator(req, self.node.request_timeout * 4).await? {
-            PeerResp::Restart { epoch } => Ok(epoch),
+            PeerResp::Restart { epoch, fenced } => Ok((epoch, fenced)),
             other => Err(OpError::new(
                 ErrorKind::Internal,
                 format!("unexpected answer {other:?}"),
@@ -353,7 +417,7 @@ impl CkptShell {
     /// At the coordinator: a round of `job` in progress aborts (or, if it is deciding, ends
     /// by its record), its safe-point calls fail, and every epoch begun is fenced: what is
     /// committed then is what the job restarts from.
-    pub async fn serve_rollback(self: &Arc<Self>, job: &str) -> Result<PeerResp, OpError> {
+    pub async fn serve_rollback(self: &Arc<Self>, job: &str, at_least: u64) -> Result<PeerResp, OpError> {
         if !self.coordinating() {
             return Ok(PeerResp::NotCoordinator);
         }
@@ -371,8 +435,10 @@ impl CkptShell {
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
-        // Calls of the ranks stopped for the rollback are over.
+        // Calls of the ranks stopped for the rollback are over; the rollback settles the
+        // memory epochs.
         self.safe.locked().end(job);
+        self.mem_committed.locked().remove(job);
         let waiting: Vec<(u32, NodeId)> = self
             .safe_waiters
             .locked()
@@ -382,7 +448,7 @@ impl CkptShell {
             .collect();
         self.answer(job, &waiting, Err(unavailable(format!("job {job} rolls back"))));
         let st = node.meta_state();
-        let epoch = st.job_floor(job).max(self.started_epoch(job));
+        let epoch = st.job_floor(job).max(self.started_epoch(job)).max(at_least);
         if epoch > 0 {
             node.submit(psls_pfs::meta::MetaOp::FenceCheckpoint {
                 job: job.to_string(),
@@ -392,7 +458,10 @@ impl CkptShell {
         }
         let committed = node.meta_state().jobs.get(job).map_or(0, |r| r.epoch);
         tracing::warn!(node = %node.name(), job, fenced = epoch, committed, "job rolls back");
-        Ok(PeerResp::Restart { epoch: committed })
+        Ok(PeerResp::Restart {
+            epoch: committed,
+            fenced: epoch,
+        })
     }
 
     /// The state rank `rank` of `job` saved at checkpoint `epoch`.
@@ -400,7 +469,9 @@ impl CkptShell {
         let node = &self.node;
         let st = node.meta_state();
         let committed = st.jobs.get(job).map_or(0, |r| r.epoch);
-        if epoch == 0 || committed != epoch {
+        // Or a memory checkpoint, as this node's rollback settled it.
+        let memory = node.frames.job(job).committed;
+        if epoch == 0 || (committed != epoch && memory != epoch) {
             return Err(OpError::new(
                 ErrorKind::NotFound,
                 format!("job {job} has no checkpoint {epoch} (its last is {committed})"),

@@ -174,7 +174,13 @@ async fn jobs(d: &Arc<Daemon>) -> Result<Vec<psls_ipc::proto::JobInfo>, OpError>
             command.push(' ');
             command.push_str(a);
         }
-        out.push(psls_ipc::proto::JobInfo {
+        let (activity, last) = match launcher {
+            // A rollback's step, else a checkpoint in progress.
+            Some(a) if a.is_empty() => d.ckpt.progress(job).await,
+            Some(a) => (a, None),
+            None => (String::new(), None),
+        };
+        let mut info = psls_ipc::proto::JobInfo {
             job: job.clone(),
             state: if running { "running" } else { "resumable" }.into(),
             ranks: sum.ranks,
@@ -183,13 +189,24 @@ async fn jobs(d: &Arc<Daemon>) -> Result<Vec<psls_ipc::proto::JobInfo>, OpError>
             epoch: rec.epoch,
             at_unix_ms: rec.at_unix_ms,
             bytes: rec.bytes,
-            activity: match launcher {
-                // A rollback's step, else a checkpoint in progress.
-                Some(a) if a.is_empty() => d.ckpt.progress(job).await,
-                Some(a) => a,
-                None => String::new(),
+            level: if rec.epoch > 0 {
+                "persistent".into()
+            } else {
+                String::new()
             },
-        });
+            pause_us: 0,
+            persistent_epoch: rec.epoch,
+            activity,
+        };
+        // A running job's later checkpoints, memory ones too, as its coordinator saw them.
+        if let Some(l) = last.filter(|l| l.epoch >= rec.epoch) {
+            info.epoch = l.epoch;
+            info.at_unix_ms = l.at_unix_ms;
+            info.bytes = l.bytes;
+            info.level = l.level;
+            info.pause_us = l.pause_us;
+        }
+        out.push(info);
     }
     Ok(out)
 }
@@ -236,6 +253,8 @@ fn safe_call(d: &Daemon, caller: crate::pfs::Caller, pid: i32) -> crate::ckpt::S
             size: spec.size,
             interval_ms: spec.checkpoint_interval_ms,
             timeout_ms: spec.checkpoint_timeout_ms,
+            level: spec.level,
+            persistent_interval_ms: spec.persistent_interval_ms,
             files,
             uid: spec.uid,
             gid: spec.gid,
@@ -248,6 +267,9 @@ fn safe_call(d: &Daemon, caller: crate::pfs::Caller, pid: i32) -> crate::ckpt::S
             size: 1,
             interval_ms: 0,
             timeout_ms: crate::launcher::DEFAULT_CALL_TIMEOUT_MS,
+            // A process of its own: every checkpoint it asks for is persistent.
+            level: psls_ckpt::msg::Choice::Persistent,
+            persistent_interval_ms: 0,
             files,
             uid: caller.uid,
             gid: caller.gid,

@@ -5,11 +5,11 @@
 use super::files::*;
 use crate::node::Node;
 use crate::op::OpError;
-use crate::peer::{PageState, PeerReq, PeerResp, WriteGen};
+use crate::peer::{FramesReq, PageState, PeerReq, PeerResp, WriteGen};
 use psls_ipc::ErrorKind;
 use psls_pfs::meta::{FileMeta, MetaState};
 use psls_pfs::Role;
-use psls_svm::{NodeId, PAGE_SIZE};
+use psls_svm::{FileId, NodeId, PAGE_SIZE};
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 
@@ -233,13 +233,24 @@ pub(super) async fn read_chunk(node: Arc<Node>, f: FileMeta, first: u64, count: 
         .collect()
 }
 
-/// Reads the committed page `index` of `f` (mirror fallback and repair as for an export).
+/// Reads page `index` of `f` as of the job's last checkpoint: its memory checkpoint's
+/// recovery copy when its file took memory checkpoints and one is held, else the committed
+/// page on the disks (mirror fallback and repair as for an export).
 pub async fn read_page(node: &Arc<Node>, f: &FileMeta, index: u64) -> Result<bytes::Bytes, OpError> {
     if index >= f.pages() {
         return Err(OpError::new(
             ErrorKind::Invalid,
             format!("page {index} is beyond the end of '{}'", f.name),
         ));
+    }
+    // A memory checkpoint's recovery copy is newer than the disks'.
+    if node.frames.in_memory(f.id) {
+        if let Some(d) = read_recovery_copy(node, f.id, index).await? {
+            return Ok(d);
+        }
+    }
+    if f.page_gen(index) == 0 {
+        return Ok(bytes::Bytes::from_static(&[0u8; PAGE_SIZE]));
     }
     let mut pages = read_chunk(node.clone(), f.clone(), index, 1).await?;
     pages
@@ -294,4 +305,50 @@ pub fn export_stream(node: &Arc<Node>, caller: Caller, name: &str) -> Result<(Fi
         }
     });
     Ok((f, rx))
+}
+
+/// Reads the committed recovery copy of page `index` of `file` from one of its holders:
+/// `Ok(None)` when neither holds one (the disks' checkpoint is the page's).
+async fn read_recovery_copy(
+    node: &Arc<crate::node::Node>,
+    file: FileId,
+    index: u64,
+) -> Result<Option<bytes::Bytes>, OpError> {
+    let st = node.meta_state();
+    let mut last_err = None;
+    let mut absent = false;
+    for role in [Role::Primary, Role::Mirror] {
+        let l = node.placement.holder(file, index, role);
+        let phys = node.physical_of(&st, l);
+        if phys != node.name() && !node.is_live(&phys) {
+            continue;
+        }
+        match node
+            .call_data_ok(
+                &phys,
+                PeerReq::Frames(FramesReq::Read { file, index }),
+                bytes::Bytes::new(),
+            )
+            .await
+        {
+            Ok((PeerResp::Frame { found: true }, d)) if d.len() == PAGE_SIZE => return Ok(Some(d)),
+            // The other holder may have one the first lost (a restart not yet repaired).
+            Ok((PeerResp::Frame { found: false }, _)) => absent = true,
+            Ok((other, _)) => {
+                last_err = Some(OpError::new(
+                    ErrorKind::Internal,
+                    format!("{phys}: unexpected answer {other:?}"),
+                ))
+            }
+            Err(e) => last_err = Some(e),
+        }
+    }
+    match (absent, last_err) {
+        (true, _) => Ok(None),
+        (false, Some(e)) => Err(e),
+        (false, None) => Err(OpError::new(
+            ErrorKind::Unavailable,
+            format!("neither holder of page {index} of {file} is up"),
+        )),
+    }
 }

@@ -500,7 +500,8 @@ impl SvmShell {
                         // write pages of mapped files.
                         Some(f) => {
                             let f = node.file_by_id(f.id).unwrap_or(f);
-                            if f.page_gen(page.index) == 0 {
+                            let memory = node.frames.in_memory(f.id);
+                            if f.page_gen(page.index) == 0 && !memory {
                                 zeros.push((page, txn));
                                 continue;
                             }

@@ -1,0 +1,667 @@
+//! A node's table of memory-checkpoint recovery copies (DESIGN §6), pure: the daemon keeps
+//! one behind a lock (`psls-node`'s recovery area, with page bytes), the checkpoint simulator
+//! one per simulated node (with a value per page).
+//!
+//! A page of a memory checkpoint has its two recovery copies on the page's two PFS holders
+//! (home and mirror, the same logical ids as its disk copies), so whoever must find them —
+//! a page load after a rollback, the re-creation of a lost copy, the cleaner — knows where
+//! without asking anyone, and the loss of both is the loss of two neighbouring logical ids.
+//! Per page a table keeps at most two frames: `cur`, the copy of the last committed memory
+//! checkpoint that wrote it (readable recovery while the page is unchanged since, pure
+//! recovery once written again), and `pre`, the copy of the round in progress
+//! (pre-recovery), which becomes `cur` on the commit and goes on an abort.
+//!
+//! A frame is `saved` once a cleaner checkpoint wrote it to the disks; the cleaner writes the
+//! unsaved ones ([`FrameTable::to_flush`]) except those the same round wrote from a newer
+//! dirty copy ([`FrameTable::supersede`], marked by the page writes of the round's
+//! participants).
+//!
+//! [`rollback_target`] is the memory level of a rollback: which epoch the job returns to, and
+//! which nodes lost their copies.
+//!
+//! Invariants: at most one `cur` and one `pre` per page; a `pre` never serves a read; the
+//! frame count never exceeds the capacity (a store that would is refused before anything is
+//! stored); every frame names the job it belongs to, and goes with it; the tables are bounded
+//! ([`MAX_JOBS`], [`MAX_MEMORY_FILES`]).
+
+use psls_pfs::Role;
+use psls_svm::FileId;
+use std::collections::{BTreeMap, HashMap};
+
+/// Why a store of recovery copies is refused.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum FrameError {
+    /// The frames would exceed the capacity.
+    NoRoom { need: u64, used: u64, capacity: u64 },
+    /// The request does not fit the table's state (another job's file, an old epoch).
+    Invalid(String),
+}
+
+impl std::fmt::Display for FrameError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            FrameError::NoRoom { need, used, capacity } => {
+                write!(
+                    f,
+                    "no room for {need} recovery copies: {used} of {capacity} frames in use"
+                )
+            }
+            FrameError::Invalid(why) => f.write_str(why),
+        }
+    }
+}
+
+/// Jobs with memory state in one table, at most.
+pub const MAX_JOBS: usize = 4096;
+
+/// Files marked as taking memory checkpoints, at most.
+pub const MAX_MEMORY_FILES: usize = 1 << 18;
+
+/// One recovery copy of a page.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Frame<D> {
+    /// The memory checkpoint that took it.
+    pub epoch: u64,
+    /// Which of the page's two holders this node is.
+    pub role: Role,
+    pub data: D,
+    /// Equal to the page's copy on the disks.
+    pub saved: bool,
+    /// The generation of a cleaner round that wrote a newer version of the page here (0:
+    /// none).
+    pub superseded_gen: u64,
+}
+
+#[derive(Debug)]
+struct Slots<D> {
+    cur: Option<Frame<D>>,
+    pre: Option<Frame<D>>,
+}
+
+impl<D> Default for Slots<D> {
+    fn default() -> Self {
+        Slots { cur: None, pre: None }
+    }
+}
+
+#[derive(Debug)]
+struct FileFrames<D> {
+    job: String,
+    pages: BTreeMap<u64, Slots<D>>,
+}
+
+/// A job's memory-checkpoint state in a table.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct JobMem {
+    /// The last memory epoch committed here.
+    pub committed: u64,
+    /// The memory epoch whose pre-recovery copies are held here, if any.
+    pub pre: Option<u64>,
+    /// Stores of epochs up to this one are refused: their rounds are over (a later round
+    /// began, or a rollback fenced them), and a late store must not become part of another
+    /// checkpoint.
+    pub floor: u64,
+}
+
+/// Frame counts by category, over every job.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct FrameCounts {
+    /// Copies of the last memory checkpoint (readable or pure recovery).
+    pub recovery: u64,
+    /// Copies of a memory checkpoint being taken.
+    pub pre_recovery: u64,
+    /// Of `recovery`, those newer than the disks.
+    pub unsaved: u64,
+}
+
+impl FrameCounts {
+    pub fn frames(&self) -> u64 {
+        self.recovery + self.pre_recovery
+    }
+}
+
+/// Pages of one file and role: their indices and data.
+pub type Run<D> = (FileId, Role, Vec<u64>, Vec<D>);
+
+/// See the module documentation.
+#[derive(Debug)]
+pub struct FrameTable<D> {
+    files: HashMap<FileId, FileFrames<D>>,
+    jobs: HashMap<String, JobMem>,
+    frames: u64,
+    capacity: u64,
+    /// Files of jobs that took memory checkpoints (on every node: loads of their pages look
+    /// for recovery copies first), with their job.
+    memory_files: HashMap<FileId, String>,
+}
+
+impl<D: Clone> FrameTable<D> {
+    /// A table holding at most `capacity` frames.
+    pub fn new(capacity: u64) -> FrameTable<D> {
+        FrameTable {
+            files: HashMap::new(),
+            jobs: HashMap::new(),
+            frames: 0,
+            capacity,
+            memory_files: HashMap::new(),
+        }
+    }
+
+    pub fn capacity(&self) -> u64 {
+        self.capacity
+    }
+
+    /// Frames in use.
+    pub fn frames(&self) -> u64 {
+        self.frames
+    }
+
+    fn file_of(&mut self, job: &str, file: FileId) -> Result<&mut FileFrames<D>, FrameError> {
+        if !self.jobs.contains_key(job) && self.jobs.len() >= MAX_JOBS {
+            return Err(FrameError::Invalid("too many jobs hold recovery copies here".into()));
+        }
+        let ff = self.files.entry(file).or_insert_with(|| FileFrames {
+            job: job.to_string(),
+            pages: BTreeMap::new(),
+        });
+        if ff.job != job {
+            return Err(FrameError::Invalid(format!(
+                "{file} has recovery copies of job {}",
+                ff.job
+            )));
+        }
+        Ok(ff)
+    }
+
+    /// Stores pre-recovery copies of `indices` of `file` (their data in order) for memory
+    /// epoch `epoch` of `job`, whose last committed epoch was `committed` when the round
+    /// began: a pre-recovery copy of an earlier epoch is settled by it first (its decision may
+    /// still be on its way). Refused as a whole when the frames would not fit, when the file's
+    /// frames belong to another job, or for an epoch not above the one committed here.
+    #[allow(clippy::too_many_arguments)]
+    pub fn store_pre(
+        &mut self,
+        job: &str,
+        epoch: u64,
+        committed: u64,
+        file: FileId,
+        role: Role,
+        indices: &[u64],
+        data: Vec<D>,
+    ) -> Result<(), FrameError> {
+        if data.len() != indices.len() {
+            return Err(FrameError::Invalid("one page of data per index is needed".into()));
+        }
+        self.settle_pre(job, committed, epoch);
+        let jm = self.jobs.get(job).copied().unwrap_or_default();
+        if epoch <= jm.committed || epoch <= jm.floor || jm.pre.is_some_and(|p| p != epoch) {
+            return Err(FrameError::Invalid(format!(
+                "recovery copies of epoch {epoch} of {job}: epoch {} is held here",
+                jm.pre.unwrap_or(jm.committed.max(jm.floor))
+            )));
+        }
+        let (used, capacity) = (self.frames, self.capacity);
+        let ff = self.file_of(job, file)?;
+        let need = indices
+            .iter()
+            .filter(|i| ff.pages.get(i).is_none_or(|s| s.pre.is_none()))
+            .count() as u64;
+        if used + need > capacity {
+            return Err(FrameError::NoRoom { need, used, capacity });
+        }
+        for (&i, d) in indices.iter().zip(data) {
+            ff.pages.entry(i).or_default().pre = Some(Frame {
+                epoch,
+                role,
+                data: d,
+                saved: false,
+                superseded_gen: 0,
+            });
+        }
+        self.frames += need;
+        self.jobs.entry(job.to_string()).or_default().pre = Some(epoch);
+        Ok(())
+    }
+
+    /// Memory epoch `epoch` of `job` committed: its pre-recovery copies are the recovery copies
+    /// (those they replace, pure recovery of the previous checkpoint, go). A pre-recovery copy
+    /// of an earlier epoch still here is a late store of a round that is over: it goes.
+    pub fn commit(&mut self, job: &str, epoch: u64) {
+        if !self.jobs.contains_key(job) && self.jobs.len() >= MAX_JOBS {
+            return;
+        }
+        let jm = self.jobs.entry(job.to_string()).or_default();
+        if jm.committed >= epoch {
+            return;
+        }
+        jm.committed = epoch;
+        jm.floor = jm.floor.max(epoch);
+        if jm.pre.is_some_and(|p| p <= epoch) {
+            jm.pre = None;
+        }
+        for ff in self.files.values_mut().filter(|f| f.job == job) {
+            for s in ff.pages.values_mut() {
+                match s.pre.as_ref().map(|p| p.epoch) {
+                    Some(e) if e == epoch => {
+                        if s.cur.is_some() {
+                            self.frames -= 1;
+                        }
+                        s.cur = s.pre.take();
+                    }
+                    Some(e) if e < epoch => {
+                        s.pre = None;
+                        self.frames -= 1;
+                    }
+                    _ => {}
+                }
+            }
+        }
+        self.prune();
+    }
+
+    /// Memory epoch `epoch` of `job` did not commit: its pre-recovery copies go (not those
+    /// of a later round, which may already be arriving).
+    pub fn abort(&mut self, job: &str, epoch: u64) {
+        self.drop_pre(job, |e| e == epoch);
+    }
+
+    /// Drops the pre-recovery copies of `job` of the epochs `which` names.
+    fn drop_pre(&mut self, job: &str, which: impl Fn(u64) -> bool) {
+        if let Some(jm) = self.jobs.get_mut(job) {
+            if jm.pre.is_some_and(&which) {
+                jm.pre = None;
+            }
+        }
+        for ff in self.files.values_mut().filter(|f| f.job == job) {
+            for s in ff.pages.values_mut() {
+                if s.pre.as_ref().is_some_and(|p| which(p.epoch)) {
+                    s.pre = None;
+                    self.frames -= 1;
+                }
+            }
+        }
+        self.prune();
+    }
+
+    /// A round of `job` at `epoch` whose coordinator says `committed` is the last committed
+    /// epoch: a pre-recovery copy of an earlier epoch held here is committed if that is it,
+    /// and goes otherwise.
+    pub fn settle_pre(&mut self, job: &str, committed: u64, epoch: u64) {
+        if let Some(p) = self.job(job).pre.filter(|&p| p < epoch) {
+            if p == committed {
+                self.commit(job, p);
+            } else {
+                self.abort(job, p);
+            }
+        }
+        // Earlier rounds are over: a late store of one is refused.
+        if let Some(jm) = self.jobs.get_mut(job) {
+            jm.floor = jm.floor.max(epoch.saturating_sub(1));
+        } else if self.jobs.len() < MAX_JOBS {
+            self.jobs.insert(
+                job.to_string(),
+                JobMem {
+                    floor: epoch.saturating_sub(1),
+                    ..JobMem::default()
+                },
+            );
+        }
+    }
+
+    /// The job's state here.
+    pub fn job(&self, job: &str) -> JobMem {
+        self.jobs.get(job).copied().unwrap_or_default()
+    }
+
+    /// The committed recovery copy of page `index` of `file`, if held here.
+    pub fn read(&self, file: FileId, index: u64) -> Option<&D> {
+        self.files.get(&file)?.pages.get(&index)?.cur.as_ref().map(|f| &f.data)
+    }
+
+    /// The pre-recovery copy of page `index` of `file`, if held here (for checks).
+    pub fn read_pre(&self, file: FileId, index: u64) -> Option<&Frame<D>> {
+        self.files.get(&file)?.pages.get(&index)?.pre.as_ref()
+    }
+
+    /// A cleaner round at generation `gen` wrote newer versions of `indices` of `file` here
+    /// (found by the simulator: a mark kept per round, not overwritten by an older one):
+    /// their recovery copies are not to be flushed by it — the committed one, and a
+    /// pre-recovery one of the memory round before whose decision has not arrived here yet
+    /// (it comes before the round's flush, and the mark goes with it).
+    pub fn supersede(&mut self, file: FileId, indices: &[u64], gen: u64) {
+        let Some(ff) = self.files.get_mut(&file) else { return };
+        for i in indices {
+            let Some(s) = ff.pages.get_mut(i) else { continue };
+            // The newest round's mark stays: a late write of an abandoned round must not
+            // take it away.
+            for f in [s.cur.as_mut(), s.pre.as_mut()].into_iter().flatten() {
+                f.superseded_gen = f.superseded_gen.max(gen);
+            }
+        }
+    }
+
+    /// The recovery copies of `job` a cleaner round at `gen` writes to this node's disk, per
+    /// (file, role).
+    pub fn to_flush(&self, job: &str, gen: u64) -> Vec<Run<D>> {
+        let mut out: BTreeMap<(FileId, bool), Run<D>> = BTreeMap::new();
+        for (file, ff) in self.files.iter().filter(|(_, f)| f.job == job) {
+            for (i, s) in &ff.pages {
+                let Some(f) = &s.cur else { continue };
+                if f.saved || f.superseded_gen == gen {
+                    continue;
+                }
+                let e = out
+                    .entry((*file, f.role == Role::Mirror))
+                    .or_insert_with(|| (*file, f.role, Vec::new(), Vec::new()));
+                e.2.push(*i);
+                e.3.push(f.data.clone());
+            }
+        }
+        out.into_values().collect()
+    }
+
+    /// The cleaner round at `gen` of `job` committed: the copies it flushed are on the disks,
+    /// those it superseded are stale and go; `keep` says whether the job keeps its recovery
+    /// copies in memory at all (a cleaning policy that drops them all: no).
+    pub fn persistent_committed(&mut self, job: &str, gen: u64, keep: bool) {
+        for ff in self.files.values_mut().filter(|f| f.job == job) {
+            for s in ff.pages.values_mut() {
+                if let Some(f) = s.cur.as_mut() {
+                    if !keep || f.superseded_gen == gen {
+                        s.cur = None;
+                        self.frames -= 1;
+                    } else {
+                        f.saved = true;
+                        f.superseded_gen = 0;
+                    }
+                }
+            }
+        }
+        self.prune();
+    }
+
+    /// The cleaner round at `gen` of `job` did not commit: nothing it marked counts.
+    pub fn persistent_aborted(&mut self, job: &str, gen: u64) {
+        for ff in self.files.values_mut().filter(|f| f.job == job) {
+            for s in ff.pages.values_mut() {
+                if let Some(f) = s.cur.as_mut().filter(|f| f.superseded_gen == gen) {
+                    f.superseded_gen = 0;
+                }
+            }
+        }
+    }
+
+    /// Every committed recovery copy of `job` held here: (file, page, frame).
+    pub fn committed_frames(&self, job: &str) -> Vec<(FileId, u64, Frame<D>)> {
+        let mut out = Vec::new();
+        for (file, ff) in self.files.iter().filter(|(_, f)| f.job == job) {
+            for (i, s) in &ff.pages {
+                if let Some(f) = &s.cur {
+                    out.push((*file, *i, f.clone()));
+                }
+            }
+        }
+        out
+    }
+
+    /// Installs recovery copies re-created from the other holder (a rollback), the job's
+    /// memory epoch being `committed`. Refused as a whole when they do not fit.
+    pub fn install(
+        &mut self,
+        job: &str,
+        committed: u64,
+        file: FileId,
+        pages: Vec<(u64, Frame<D>)>,
+    ) -> Result<(), FrameError> {
+        let (used, capacity) = (self.frames, self.capacity);
+        let ff = self.file_of(job, file)?;
+        let need = pages
+            .iter()
+            .filter(|(i, _)| ff.pages.get(i).is_none_or(|s| s.cur.is_none()))
+            .count() as u64;
+        if used + need > capacity {
+            return Err(FrameError::NoRoom { need, used, capacity });
+        }
+        for (i, f) in pages {
+            ff.pages.entry(i).or_default().cur = Some(f);
+        }
+        self.frames += need;
+        let jm = self.jobs.entry(job.to_string()).or_default();
+        jm.committed = jm.committed.max(committed);
+        Ok(())
+    }
+
+    /// A rollback of `job` to memory epoch `target` (0: the persistent checkpoint), with every
+    /// epoch up to `fenced` fenced: a pre-recovery copy of `target` is committed, later ones
+    /// go, and no store of a fenced epoch is taken any more; with `target` 0 every copy that
+    /// may differ from the disks goes too — unsaved, or marked by a cleaner round (which may
+    /// have committed without this node hearing it).
+    pub fn settle(&mut self, job: &str, target: u64, fenced: u64) {
+        if target > 0 && self.job(job).pre == Some(target) {
+            self.commit(job, target);
+        }
+        self.drop_pre(job, |e| e > target);
+        for ff in self.files.values_mut().filter(|f| f.job == job) {
+            for s in ff.pages.values_mut() {
+                let stale = s.cur.as_ref().is_some_and(|f| {
+                    if target == 0 {
+                        !f.saved || f.superseded_gen != 0
+                    } else {
+                        f.epoch > target
+                    }
+                });
+                if stale {
+                    s.cur = None;
+                    self.frames -= 1;
+                }
+                if let Some(f) = s.cur.as_mut() {
+                    f.superseded_gen = 0;
+                }
+            }
+        }
+        self.prune();
+        if self.jobs.contains_key(job) || self.jobs.len() < MAX_JOBS {
+            let jm = self.jobs.entry(job.to_string()).or_default();
+            jm.committed = target;
+            jm.floor = jm.floor.max(fenced).max(target);
+        }
+    }
+
+    /// A memory round of `job` over `files` begins: loads of their pages look for recovery
+    /// copies first from now on, until the job ends.
+    pub fn mark_memory(&mut self, job: &str, files: &[FileId]) {
+        for f in files {
+            if self.memory_files.len() >= MAX_MEMORY_FILES && !self.memory_files.contains_key(f) {
+                return; // bounded: a later round marks it again
+            }
+            self.memory_files.insert(*f, job.to_string());
+        }
+    }
+
+    /// The files of `job` whose loads look for recovery copies.
+    pub fn memory_files(&self, job: &str) -> Vec<FileId> {
+        let mut v: Vec<FileId> = self
+            .memory_files
+            .iter()
+            .filter(|(_, j)| *j == job)
+            .map(|(f, _)| *f)
+            .collect();
+        v.sort_unstable();
+        v
+    }
+
+    /// Whether loads of `file`'s pages must look for recovery copies.
+    pub fn in_memory(&self, file: FileId) -> bool {
+        self.memory_files.contains_key(&file)
+    }
+
+    /// Whether `file` has recovery copies here.
+    pub fn holds(&self, file: FileId) -> bool {
+        self.files.contains_key(&file)
+    }
+
+    /// `job` is over: everything of it goes.
+    pub fn end_job(&mut self, job: &str) {
+        self.memory_files.retain(|_, j| j != job);
+        self.jobs.remove(job);
+        let frames = &mut self.frames;
+        self.files.retain(|_, ff| {
+            if ff.job == job {
+                *frames -= ff
+                    .pages
+                    .values()
+                    .map(|s| s.cur.is_some() as u64 + s.pre.is_some() as u64)
+                    .sum::<u64>();
+                false
+            } else {
+                true
+            }
+        });
+    }
+
+    pub fn counts(&self) -> FrameCounts {
+        let mut c = FrameCounts::default();
+        for ff in self.files.values() {
+            for s in ff.pages.values() {
+                if let Some(f) = &s.cur {
+                    c.recovery += 1;
+                    c.unsaved += !f.saved as u64;
+                }
+                c.pre_recovery += s.pre.is_some() as u64;
+            }
+        }
+        assert_eq!(c.frames(), self.frames, "the frame count drifted");
+        c
+    }
+
+    fn prune(&mut self) {
+        for ff in self.files.values_mut() {
+            ff.pages.retain(|_, s| s.cur.is_some() || s.pre.is_some());
+        }
+        self.files.retain(|_, f| !f.pages.is_empty());
+    }
+}
+
+/// The memory level of a rollback (DESIGN §8). `states`: per live logical node, its last
+/// committed memory epoch and the epoch of the pre-recovery copies it holds; `persistent`:
+/// the job's last persistent checkpoint; `nodes`: how many logical nodes. Returns the memory
+/// epoch to return to (0: the persistent checkpoint) and the nodes that lost their copies
+/// (every live node heard every memory commit, or holds its pre-recovery copies; one that
+/// did neither restarted, or is a spare in a lost node's place). When two neighbouring
+/// logical ids both lost theirs, the pages they held as home and mirror have no copy left:
+/// back to the persistent checkpoint.
+pub fn rollback_target(states: &[(u32, u64, Option<u64>)], persistent: u64, nodes: u32) -> (u64, Vec<u32>) {
+    let newest = states.iter().map(|s| s.1).max().unwrap_or(0);
+    let lost: Vec<u32> = states
+        .iter()
+        .filter(|(_, c, pre)| *c < newest && *pre != Some(newest))
+        .map(|s| s.0)
+        .collect();
+    if newest <= persistent || nodes == 0 {
+        return (0, lost);
+    }
+    if lost.iter().any(|l| lost.contains(&((l + 1) % nodes))) {
+        return (0, lost);
+    }
+    (newest, lost)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pre_commit_abort_flush_and_settle() {
+        let mut a: FrameTable<u8> = FrameTable::new(4);
+        let f = FileId(7);
+        a.store_pre("j", 1, 0, f, Role::Primary, &[0, 1], vec![1, 2]).unwrap();
+        assert_eq!(a.read(f, 0), None, "a pre-recovery copy serves no read");
+        assert_eq!(a.counts().pre_recovery, 2);
+        a.commit("j", 1);
+        assert_eq!(a.read(f, 1), Some(&2));
+        assert_eq!(
+            a.job("j"),
+            JobMem {
+                committed: 1,
+                pre: None,
+                floor: 1
+            }
+        );
+        // Epoch 2 rewrites page 0: the old copy stays until the commit.
+        a.store_pre("j", 2, 1, f, Role::Primary, &[0], vec![3]).unwrap();
+        assert_eq!(a.frames(), 3);
+        let err = a.store_pre("j", 2, 1, f, Role::Primary, &[2, 3], vec![0, 0]);
+        assert_eq!(
+            err,
+            Err(FrameError::NoRoom {
+                need: 2,
+                used: 3,
+                capacity: 4
+            })
+        );
+        assert_eq!(a.frames(), 3, "a refusal stores nothing");
+        assert!(a.store_pre("other", 1, 0, f, Role::Primary, &[9], vec![0]).is_err());
+        a.abort("j", 2);
+        assert_eq!((a.frames(), a.read(f, 0)), (2, Some(&1)));
+        // Epoch 3's store arrives before epoch 2's decision: settled by what the round says.
+        a.store_pre("j", 3, 1, f, Role::Primary, &[0], vec![4]).unwrap();
+        a.store_pre("j", 4, 3, f, Role::Primary, &[1], vec![5]).unwrap();
+        assert_eq!(
+            (a.read(f, 0), a.job("j").committed),
+            (Some(&4), 3),
+            "3 committed by 4's store"
+        );
+        a.abort("j", 4);
+        assert_eq!((a.frames(), a.read(f, 1)), (2, Some(&2)));
+        // A cleaner at generation 9 wrote page 1 from a newer copy; page 0 is flushed.
+        a.supersede(f, &[1], 9);
+        let fl = a.to_flush("j", 9);
+        assert_eq!(fl, vec![(f, Role::Primary, vec![0], vec![4])]);
+        a.persistent_aborted("j", 9);
+        assert_eq!(a.to_flush("j", 10)[0].2, vec![0, 1]);
+        a.supersede(f, &[1], 11);
+        a.persistent_committed("j", 11, true);
+        assert_eq!((a.frames(), a.counts().unsaved), (1, 0));
+        assert!(a.to_flush("j", 12).is_empty());
+        // A rollback to the persistent checkpoint keeps saved copies, drops the rest.
+        a.store_pre("j", 5, 3, f, Role::Primary, &[2], vec![5]).unwrap();
+        a.commit("j", 5);
+        a.store_pre("j", 6, 5, f, Role::Primary, &[3], vec![6]).unwrap();
+        a.settle("j", 5, 6);
+        assert_eq!(a.frames(), 2, "the pre-recovery copy of 6 went");
+        a.settle("j", 0, 6);
+        assert_eq!(a.frames(), 1);
+        assert_eq!(a.read(f, 0), Some(&4));
+        // A late store of a fenced epoch is refused.
+        assert!(a.store_pre("j", 6, 0, f, Role::Primary, &[9], vec![1]).is_err());
+        a.mark_memory("j", &[f]);
+        assert!(a.in_memory(f));
+        a.end_job("j");
+        assert_eq!(a.frames(), 0);
+        assert!(!a.holds(f) && !a.in_memory(f));
+    }
+
+    #[test]
+    fn a_rollback_commits_a_pre_recovery_copy_of_its_target() {
+        let mut a: FrameTable<u8> = FrameTable::new(8);
+        let f = FileId(1);
+        a.store_pre("j", 2, 0, f, Role::Mirror, &[5], vec![9]).unwrap();
+        a.settle("j", 2, 2);
+        assert_eq!(a.read(f, 5), Some(&9));
+        assert_eq!(a.job("j").committed, 2);
+    }
+
+    #[test]
+    fn the_rollback_target_is_the_newest_memory_epoch_unless_two_neighbours_lost_theirs() {
+        // Node 1 restarted (nothing), node 2 missed the decision of 5 but holds its copies.
+        let s = [(0, 5, None), (1, 0, None), (2, 4, Some(5)), (3, 5, None)];
+        assert_eq!(rollback_target(&s, 3, 4), (5, vec![1]));
+        // Older than the persistent checkpoint: that one.
+        assert_eq!(rollback_target(&s, 5, 4).0, 0);
+        // Nodes 3 and 0 are neighbours (3 + 1 = 0 mod 4): pages homed on 3 lost both copies.
+        let s = [(0, 0, None), (1, 5, None), (2, 5, None), (3, 0, None)];
+        assert_eq!(rollback_target(&s, 3, 4), (0, vec![0, 3]));
+        let s = [(0, 0, None), (1, 5, None), (2, 0, None), (3, 5, None)];
+        assert_eq!(rollback_target(&s, 3, 4), (5, vec![0, 2]));
+    }
+}

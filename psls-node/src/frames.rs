@@ -1,0 +1,141 @@
+//! The node's recovery area: the memory checkpoints' page copies this node holds (DESIGN §6),
+//! outside every client-visible memfd, at most the node's memory capacity in frames. The
+//! table and its rules are `psls_ckpt::frames::FrameTable` (pure, shared with the checkpoint
+//! simulator); this is its lock, its page bytes and its errors as the daemon reports them.
+
+use crate::failstop::Locked;
+use crate::op::OpError;
+use psls_ckpt::frames::{FrameError, FrameTable, Run};
+use psls_ipc::proto::ErrorKind;
+use psls_pfs::Role;
+use psls_svm::{FileId, PAGE_SIZE};
+use std::sync::Mutex;
+
+pub use psls_ckpt::frames::{FrameCounts, JobMem};
+
+/// A recovery copy with its page's bytes.
+pub type Frame = psls_ckpt::frames::Frame<bytes::Bytes>;
+
+/// See the module documentation.
+pub struct RecoveryArea {
+    table: Mutex<FrameTable<bytes::Bytes>>,
+}
+
+fn op_error(e: FrameError) -> OpError {
+    let kind = match e {
+        FrameError::NoRoom { .. } => ErrorKind::Unavailable,
+        FrameError::Invalid(_) => ErrorKind::Invalid,
+    };
+    OpError::new(kind, e.to_string())
+}
+
+impl RecoveryArea {
+    pub fn new(capacity_frames: u64) -> RecoveryArea {
+        RecoveryArea {
+            table: Mutex::new(FrameTable::new(capacity_frames)),
+        }
+    }
+
+    pub fn capacity_frames(&self) -> u64 {
+        self.table.locked().capacity()
+    }
+
+    /// Stores pre-recovery copies of `indices` of `file`, their bytes in `data` in order (see
+    /// `FrameTable::store_pre`). Each page is copied out of `data`: a frame never keeps a
+    /// transport buffer alive.
+    #[allow(clippy::too_many_arguments)]
+    pub fn store_pre(
+        &self,
+        job: &str,
+        epoch: u64,
+        committed: u64,
+        file: FileId,
+        role: Role,
+        indices: &[u64],
+        data: &[u8],
+    ) -> Result<(), OpError> {
+        if data.len() != indices.len() * PAGE_SIZE {
+            return Err(OpError::new(
+                ErrorKind::Invalid,
+                "one page of bytes per index is needed",
+            ));
+        }
+        let pages = data.chunks(PAGE_SIZE).map(bytes::Bytes::copy_from_slice).collect();
+        self.table
+            .locked()
+            .store_pre(job, epoch, committed, file, role, indices, pages)
+            .map_err(op_error)
+    }
+
+    pub fn commit(&self, job: &str, epoch: u64) {
+        self.table.locked().commit(job, epoch)
+    }
+
+    pub fn abort(&self, job: &str, epoch: u64) {
+        self.table.locked().abort(job, epoch)
+    }
+
+    pub fn settle_pre(&self, job: &str, committed: u64, epoch: u64) {
+        self.table.locked().settle_pre(job, committed, epoch)
+    }
+
+    pub fn job(&self, job: &str) -> JobMem {
+        self.table.locked().job(job)
+    }
+
+    /// The committed recovery copy of page `index` of `file`, if held here.
+    pub fn read(&self, file: FileId, index: u64) -> Option<bytes::Bytes> {
+        self.table.locked().read(file, index).cloned()
+    }
+
+    pub fn supersede(&self, file: FileId, indices: &[u64], gen: u64) {
+        self.table.locked().supersede(file, indices, gen)
+    }
+
+    pub fn to_flush(&self, job: &str, gen: u64) -> Vec<Run<bytes::Bytes>> {
+        self.table.locked().to_flush(job, gen)
+    }
+
+    pub fn persistent_committed(&self, job: &str, gen: u64, keep: bool) {
+        self.table.locked().persistent_committed(job, gen, keep)
+    }
+
+    pub fn persistent_aborted(&self, job: &str, gen: u64) {
+        self.table.locked().persistent_aborted(job, gen)
+    }
+
+    pub fn committed_frames(&self, job: &str) -> Vec<(FileId, u64, Frame)> {
+        self.table.locked().committed_frames(job)
+    }
+
+    pub fn install(&self, job: &str, committed: u64, file: FileId, pages: Vec<(u64, Frame)>) -> Result<(), OpError> {
+        self.table
+            .locked()
+            .install(job, committed, file, pages)
+            .map_err(op_error)
+    }
+
+    pub fn settle(&self, job: &str, target: u64, fenced: u64) {
+        self.table.locked().settle(job, target, fenced)
+    }
+
+    pub fn mark_memory(&self, job: &str, files: &[FileId]) {
+        self.table.locked().mark_memory(job, files)
+    }
+
+    pub fn memory_files(&self, job: &str) -> Vec<FileId> {
+        self.table.locked().memory_files(job)
+    }
+
+    pub fn in_memory(&self, file: FileId) -> bool {
+        self.table.locked().in_memory(file)
+    }
+
+    pub fn end_job(&self, job: &str) {
+        self.table.locked().end_job(job)
+    }
+
+    pub fn counts(&self) -> FrameCounts {
+        self.table.locked().counts()
+    }
+}
