@@ -32,3 +32,39 @@ mod tests {
         assert!(super::json_f64(f64::NAN).is_null());
     }
 }
+
+/// Runs MGS `vectors`×`vectors` as a 4-rank job on the cluster in `cdir`, from node `node`,
+/// with a safe point every `every` vectors (0: none) and `extra` `psls run` options; returns
+/// its result line (checked: `ok`). `bin` holds `psls` and `mgs`.
+pub fn run_mgs(
+    bin: &std::path::Path,
+    cdir: &std::path::Path,
+    node: &str,
+    vectors: usize,
+    every: usize,
+    extra: &[&str],
+) -> anyhow::Result<serde_json::Value> {
+    use anyhow::{bail, Context};
+    let mut c = std::process::Command::new(bin.join("psls"));
+    c.arg("--dir").arg(cdir).args(["--node", node, "run", "-n", "4"]);
+    c.args(extra).arg("--").arg(bin.join("mgs"));
+    let v = vectors.to_string();
+    c.args(["--vectors", &v, "--dim", &v, "--no-baseline"]);
+    if every > 0 {
+        c.args(["--checkpoint-every", &every.to_string()]);
+    }
+    let o = c.output().context("running psls run")?;
+    let out = String::from_utf8_lossy(&o.stdout);
+    if !o.status.success() {
+        bail!("mgs failed: {out}{}", String::from_utf8_lossy(&o.stderr));
+    }
+    let line = out
+        .lines()
+        .find(|l| l.contains("\"bench\":\"mgs\""))
+        .with_context(|| format!("no MGS result in:\n{out}"))?;
+    let j: serde_json::Value = serde_json::from_str(line.trim_start_matches("[0] "))?;
+    if j["ok"] != true {
+        bail!("MGS result check failed: {line}");
+    }
+    Ok(j)
+}

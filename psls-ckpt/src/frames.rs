@@ -112,6 +112,8 @@ pub struct FrameCounts {
     pub pre_recovery: u64,
     /// Of `recovery`, those newer than the disks.
     pub unsaved: u64,
+    /// The most frames in use at once since the table was made.
+    pub peak: u64,
 }
 
 impl FrameCounts {
@@ -129,6 +131,8 @@ pub struct FrameTable<D> {
     files: HashMap<FileId, FileFrames<D>>,
     jobs: HashMap<String, JobMem>,
     frames: u64,
+    /// The most frames in use at once.
+    peak: u64,
     capacity: u64,
     /// Files of jobs that took memory checkpoints (on every node: loads of their pages look
     /// for recovery copies first), with their job.
@@ -142,6 +146,7 @@ impl<D: Clone> FrameTable<D> {
             files: HashMap::new(),
             jobs: HashMap::new(),
             frames: 0,
+            peak: 0,
             capacity,
             memory_files: HashMap::new(),
         }
@@ -219,6 +224,7 @@ impl<D: Clone> FrameTable<D> {
             });
         }
         self.frames += need;
+        self.peak = self.peak.max(self.frames);
         self.jobs.entry(job.to_string()).or_default().pre = Some(epoch);
         Ok(())
     }
@@ -426,6 +432,7 @@ impl<D: Clone> FrameTable<D> {
             ff.pages.entry(i).or_default().cur = Some(f);
         }
         self.frames += need;
+        self.peak = self.peak.max(self.frames);
         let jm = self.jobs.entry(job.to_string()).or_default();
         jm.committed = jm.committed.max(committed);
         Ok(())
@@ -531,6 +538,7 @@ impl<D: Clone> FrameTable<D> {
             }
         }
         assert_eq!(c.frames(), self.frames, "the frame count drifted");
+        c.peak = self.peak;
         c
     }
 

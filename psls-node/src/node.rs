@@ -65,6 +65,9 @@ pub struct Node {
     pub(crate) rebuild_running: AtomicBool,
     pub rebuild_done: AtomicU64,
     pub rebuild_total: AtomicU64,
+    /// Pages written to this node's page store, and its fsyncs (for the "no disk I/O during a
+    /// memory checkpoint" figures).
+    pub store_page_writes: AtomicU64,
     disk_used: AtomicU64,
     disk_free: AtomicU64,
     pub shutdown: tokio::sync::Notify,
@@ -113,6 +116,7 @@ impl Node {
             rebuild_running: AtomicBool::new(false),
             rebuild_done: AtomicU64::new(0),
             rebuild_total: AtomicU64::new(0),
+            store_page_writes: AtomicU64::new(0),
             disk_used: AtomicU64::new(0),
             disk_free: AtomicU64::new(0),
             shutdown: tokio::sync::Notify::new(),
@@ -614,6 +618,7 @@ impl Node {
                 // must not write it over them.
                 self.frames.supersede(file, &indices, gen);
                 blocking(move || store.write_batch(file, role, gen, &refs, &data)).await??;
+                self.store_page_writes.fetch_add(pages as u64, Ordering::Relaxed);
                 tracing::debug!(node = %self.me.name, %file, pages, wait_us, write_us = t.elapsed().as_micros() as u64, "checkpoint pages stored");
             }
             WriteGen::Same { gens } => {

@@ -39,6 +39,19 @@ impl From<SyncError> for OpError {
     }
 }
 
+/// The job part of a barrier's or lock's name: a rank of a `psls run` job (`start`: its job
+/// and which start of it) naming its own job meets only the ranks of the same start. After a
+/// rollback the ranks start again under the same job name; an arrival of a rank of the
+/// stopped start still on its way to the coordinator must not count in a barrier of the new
+/// one (it did, and a barrier opened one rank short, each rank then a step apart: the next
+/// safe point never gathered them all).
+pub fn scope(job: &str, start: &Option<(String, u32)>) -> String {
+    match start {
+        Some((j, attempt)) if j == job => format!("{job}#{attempt}"),
+        _ => job.to_string(),
+    }
+}
+
 /// Who a client process is, cluster-wide.
 pub fn who(node: &Node, pid: i32) -> String {
     format!("{}/{pid}", node.name())

@@ -40,6 +40,9 @@ pub struct Channel {
     fd: OwnedFd,
     pid: i32,
     uid: u32,
+    /// The `psls run` job the process is a rank of, and which start of it (see
+    /// [`crate::sync::scope`]).
+    start: Option<(String, u32)>,
     /// A call is under way: its answer is still to be written.
     busy: AtomicBool,
 }
@@ -102,8 +105,9 @@ impl Channels {
         self.map.locked()
     }
 
-    /// Registers the channel end `fd` for process `pid` of user `uid`.
-    pub fn add(&self, fd: OwnedFd, pid: i32, uid: u32) -> Result<(), OpError> {
+    /// Registers the channel end `fd` for process `pid` of user `uid` (a rank of `start`:
+    /// job and start, if it is one).
+    pub fn add(&self, fd: OwnedFd, pid: i32, uid: u32, start: Option<(String, u32)>) -> Result<(), OpError> {
         use nix::sys::socket::{getsockopt, sockopt, SockType};
         let invalid = |m: &str| OpError::new(ErrorKind::Invalid, m.to_string());
         match getsockopt(&fd, sockopt::SockType) {
@@ -140,6 +144,7 @@ impl Channels {
                 fd,
                 pid,
                 uid,
+                start,
                 busy: AtomicBool::new(false),
             }),
         );
@@ -249,18 +254,18 @@ impl Channels {
         let who = crate::sync::who(node, ch.pid);
         let peer_req = match req {
             Request::Barrier { job, name, count } => crate::peer::PeerReq::BarrierArrive {
-                key: crate::sync::key(ch.uid, &job, &name),
+                key: crate::sync::key(ch.uid, &crate::sync::scope(&job, &ch.start), &name),
                 count,
                 who,
                 call: 0,
             },
             Request::Lock { job, id } => crate::peer::PeerReq::LockAcquire {
-                key: crate::sync::key(ch.uid, &job, &id.to_string()),
+                key: crate::sync::key(ch.uid, &crate::sync::scope(&job, &ch.start), &id.to_string()),
                 who,
                 call: 0,
             },
             Request::Unlock { job, id } => crate::peer::PeerReq::LockRelease {
-                key: crate::sync::key(ch.uid, &job, &id.to_string()),
+                key: crate::sync::key(ch.uid, &crate::sync::scope(&job, &ch.start), &id.to_string()),
                 who,
                 call: 0,
             },

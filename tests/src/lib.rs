@@ -417,3 +417,58 @@ pub fn job_id(ch: &mut std::process::Child) -> (String, std::io::BufReader<std::
         .to_string();
     (job, err)
 }
+
+// ---- MGS jobs (`psls run ... mgs`) ----
+
+/// The MGS benchmark's binary.
+pub fn mgs_bin() -> String {
+    bin_dir().join("mgs").display().to_string()
+}
+
+/// Waits for an MGS job; returns its checksum and what it said on stderr.
+pub fn finish(ch: std::process::Child, what: &str) -> (String, String) {
+    let (j, err) = finish_json(ch, what);
+    (j["checksum"].as_str().expect("checksum").to_string(), err)
+}
+
+/// [`finish`], with MGS's whole result line.
+pub fn finish_json(mut ch: std::process::Child, what: &str) -> (serde_json::Value, String) {
+    use std::io::Read;
+    let mut err = String::new();
+    if let Some(mut e) = ch.stderr.take() {
+        e.read_to_string(&mut err).expect("read");
+    }
+    finished(ch, err, what)
+}
+
+/// [`finish`] for a job whose stderr is read from `rest` (after its id, `job_id`).
+pub fn finish_rest(ch: std::process::Child, mut rest: impl std::io::Read, what: &str) -> (String, String) {
+    let mut err = String::new();
+    rest.read_to_string(&mut err).expect("read");
+    let (j, err) = finished(ch, err, what);
+    (j["checksum"].as_str().expect("checksum").to_string(), err)
+}
+
+fn finished(ch: std::process::Child, err: String, what: &str) -> (serde_json::Value, String) {
+    let o = ch.wait_with_output().expect("wait");
+    let out = String::from_utf8_lossy(&o.stdout).to_string();
+    assert!(o.status.success(), "{what}: job failed ({}):\n{out}\n{err}", o.status);
+    let line = out
+        .lines()
+        .find(|l| l.contains("\"bench\":\"mgs\""))
+        .unwrap_or_else(|| panic!("{what}: no result line:\n{out}\n{err}"));
+    let j: serde_json::Value = serde_json::from_str(line.trim_start_matches("[0] ")).expect("json");
+    assert_eq!(j["ok"], true, "{what}: {line}");
+    (j, err)
+}
+
+/// Waits until `job` committed a checkpoint (its first is persistent).
+pub fn wait_first_checkpoint(c: &Cluster, job: &str) {
+    wait_for(Duration::from_secs(60), "the job's first checkpoint", || {
+        let list: serde_json::Value = serde_json::from_str(&c.ok(&["jobs", "--json"])).unwrap_or_default();
+        list.as_array().is_some_and(|a| {
+            a.iter()
+                .any(|j| j["job"] == job && j["persistent_epoch"].as_u64().unwrap_or(0) > 0)
+        })
+    });
+}

@@ -21,17 +21,13 @@ const ARGS: [&str; 7] = [
     "50",
 ];
 
-fn mgs() -> String {
-    psls_tests::bin_dir().join("mgs").display().to_string()
-}
-
 fn start_mgs(c: &Cluster, launcher: &str) -> Child {
     start_mgs_waiting(c, launcher, "30")
 }
 
 /// MGS whose rollbacks wait `respawn_s` seconds for a failed node before taking a spare.
 fn start_mgs_waiting(c: &Cluster, launcher: &str, respawn_s: &str) -> Child {
-    let mgs = mgs();
+    let mgs = mgs_bin();
     let mut args = vec![
         "--node",
         launcher,
@@ -49,46 +45,6 @@ fn start_mgs_waiting(c: &Cluster, launcher: &str, respawn_s: &str) -> Child {
         .stderr(Stdio::piped())
         .spawn()
         .expect("psls run")
-}
-
-/// Waits for the job; returns its checksum and what it said on stderr.
-fn finish(mut ch: Child, what: &str) -> (String, String) {
-    let mut err = String::new();
-    if let Some(mut e) = ch.stderr.take() {
-        e.read_to_string(&mut err).expect("read");
-    }
-    finished(ch, err, what)
-}
-
-/// [`finish`] for a job whose stderr is read from `rest` (after its id, `job_id`).
-fn finish_rest(ch: Child, mut rest: impl Read, what: &str) -> (String, String) {
-    let mut err = String::new();
-    rest.read_to_string(&mut err).expect("read");
-    finished(ch, err, what)
-}
-
-fn finished(ch: Child, err: String, what: &str) -> (String, String) {
-    let o = ch.wait_with_output().expect("wait");
-    let out = String::from_utf8_lossy(&o.stdout).to_string();
-    assert!(o.status.success(), "{what}: job failed ({}):\n{out}\n{err}", o.status);
-    let line = out
-        .lines()
-        .find(|l| l.contains("\"bench\":\"mgs\""))
-        .unwrap_or_else(|| panic!("{what}: no result line:\n{out}\n{err}"));
-    let j: serde_json::Value = serde_json::from_str(line.trim_start_matches("[0] ")).expect("json");
-    assert_eq!(j["ok"], true, "{what}: {line}");
-    (j["checksum"].as_str().expect("checksum").to_string(), err)
-}
-
-/// Waits until `job` committed a checkpoint (its first is persistent).
-fn wait_first_checkpoint(c: &Cluster, job: &str) {
-    wait_for(Duration::from_secs(60), "the job's first checkpoint", || {
-        let list: serde_json::Value = serde_json::from_str(&c.ok(&["jobs", "--json"])).unwrap_or_default();
-        list.as_array().is_some_and(|a| {
-            a.iter()
-                .any(|j| j["job"] == job && j["persistent_epoch"].as_u64().unwrap_or(0) > 0)
-        })
-    });
 }
 
 /// `psls run --resume JOB` from `node`: the job's checksum, after checking it said it resumed.

@@ -68,7 +68,10 @@ struct Run {
 
 fn mgs_cmd(bin: &Path, cdir: &Path, node: &str, vectors: usize, every: usize) -> Command {
     let mut c = Command::new(bin.join("psls"));
-    c.arg("--dir").arg(cdir).args(["--node", node, "run", "-n", "4", "--"]);
+    // Persistent checkpoints only (a job's default takes memory ones between them).
+    c.arg("--dir")
+        .arg(cdir)
+        .args(["--node", node, "run", "-n", "4", "--level", "persistent", "--"]);
     c.arg(bin.join("mgs"));
     let v = vectors.to_string();
     c.args(["--vectors", &v, "--dim", &v, "--no-baseline"]);

@@ -299,6 +299,8 @@ fn main() -> Result<()> {
             "joined_reads",
             "posted_messages",
             "link_datagrams",
+            "store_page_writes",
+            "frames_peak",
         ];
         let base = rank * SLOT;
         if base + SLOT <= slots.len() {
@@ -309,7 +311,13 @@ fn main() -> Result<()> {
                 .unwrap_or(u64::MAX);
             slots[base] = node_no + 1;
             for (k, key) in keys.iter().enumerate() {
-                slots[base + 1 + k] = after.1.get(*key).unwrap_or(&0) - before.1.get(*key).unwrap_or(&0);
+                let now = *after.1.get(*key).unwrap_or(&0);
+                // The peak is a level, not a count: as it stands after the run.
+                slots[base + 1 + k] = if *key == "frames_peak" {
+                    now
+                } else {
+                    now - before.1.get(*key).unwrap_or(&0)
+                };
             }
         }
     }
@@ -321,6 +329,7 @@ fn main() -> Result<()> {
         let mut pages_moved = 0u64;
         let mut posted = 0u64;
         let mut datagrams = 0u64;
+        let mut disk_pages = 0u64;
         for r in 0..size.min(slots.len() / SLOT) {
             let b = r * SLOT;
             if slots[b] == 0 {
@@ -332,6 +341,7 @@ fn main() -> Result<()> {
                 continue;
             }
             pages_moved += slots[b + 4];
+            disk_pages += slots[b + 10];
             posted += slots[b + 8];
             datagrams += slots[b + 9];
             per_node.insert(
@@ -346,6 +356,8 @@ fn main() -> Result<()> {
                     "joined_reads": slots[b + 7],
                     "posted_messages": slots[b + 8],
                     "link_datagrams": slots[b + 9],
+                    "store_page_writes": slots[b + 10],
+                    "frames_peak": slots[b + 11],
                 }),
             );
         }
@@ -383,6 +395,7 @@ fn main() -> Result<()> {
                 "messages": posted,
                 "messages_per_step": posted as f64 / a.vectors as f64,
                 "datagrams": datagrams,
+                "disk_pages_written": disk_pages,
             })
         );
         if !ok {

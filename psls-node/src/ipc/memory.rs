@@ -133,6 +133,7 @@ pub(super) async fn handle(c: &mut Conn, req: Request, mut fds: Vec<OwnedFd>) ->
         },
         Request::SvmStats => {
             let st = d.svm.stats();
+            let frames = node.frames.counts();
             Response::SvmStats {
                 node: node.name().to_string(),
                 counters: vec![
@@ -150,6 +151,14 @@ pub(super) async fn handle(c: &mut Conn, req: Request, mut fds: Vec<OwnedFd>) ->
                     ("link_datagrams".into(), node.net.link.datagrams()),
                     ("sync_channels".into(), d.channels.len() as u64),
                     ("sync_waits".into(), d.sync.waits() as u64),
+                    (
+                        "store_page_writes".into(),
+                        node.store_page_writes.load(std::sync::atomic::Ordering::Relaxed),
+                    ),
+                    ("frames_recovery".into(), frames.recovery),
+                    ("frames_pre_recovery".into(), frames.pre_recovery),
+                    ("frames_unsaved".into(), frames.unsaved),
+                    ("frames_peak".into(), frames.peak),
                 ],
             }
         }

@@ -23,12 +23,13 @@ pub(super) async fn handle(c: &mut Conn, req: Request, mut fds: Vec<OwnedFd>) ->
                 ErrorKind::Invalid,
                 format!("a sync channel needs exactly one descriptor (the socket), got {n}"),
             )),
-            (Some(pid), _) => match d.channels.add(fds.remove(0), pid, caller.uid) {
+            (Some(pid), _) => match d.channels.add(fds.remove(0), pid, caller.uid, start_of(&d, pid)) {
                 Ok(()) => Response::Ok,
                 Err(e) => err(e),
             },
         },
         Request::Barrier { job, name, count } => {
+            let job = crate::sync::scope(&job, &start_of(&d, pid.unwrap_or(0)));
             let req = crate::peer::PeerReq::BarrierArrive {
                 key: crate::sync::key(caller.uid, &job, &name),
                 count,
@@ -38,6 +39,7 @@ pub(super) async fn handle(c: &mut Conn, req: Request, mut fds: Vec<OwnedFd>) ->
             ok_or_err(crate::sync::call(&d.sync, req).await)
         }
         Request::Lock { job, id } => {
+            let job = crate::sync::scope(&job, &start_of(&d, pid.unwrap_or(0)));
             let req = crate::peer::PeerReq::LockAcquire {
                 key: crate::sync::key(caller.uid, &job, &id.to_string()),
                 who: crate::sync::who(&node, pid.unwrap_or(0)),
@@ -46,6 +48,7 @@ pub(super) async fn handle(c: &mut Conn, req: Request, mut fds: Vec<OwnedFd>) ->
             ok_or_err(crate::sync::call(&d.sync, req).await)
         }
         Request::Unlock { job, id } => {
+            let job = crate::sync::scope(&job, &start_of(&d, pid.unwrap_or(0)));
             let req = crate::peer::PeerReq::LockRelease {
                 key: crate::sync::key(caller.uid, &job, &id.to_string()),
                 who: crate::sync::who(&node, pid.unwrap_or(0)),
@@ -156,6 +159,11 @@ async fn start_job(c: &mut Conn, req: Request, announce: bool) -> std::io::Resul
         }
         Err(e) => Ok(Flow::Reply(err(e))),
     }
+}
+
+/// The `psls run` job process `pid` is a rank of, and which start of it.
+fn start_of(d: &Daemon, pid: i32) -> Option<(String, u32)> {
+    d.jobs.rank_of(pid as u32).map(|(spec, _)| (spec.job, spec.attempt))
 }
 
 /// `psls jobs`: every job with a record (a `psls run` job), running or resumable.

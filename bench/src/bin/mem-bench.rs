@@ -1,0 +1,226 @@
+//! The cost of memory checkpoints against persistent ones on MGS (issue 14's benchmark, the
+//! paper's Figure 5), in one run on a local 4-node cluster: MGS `--vectors`×`--vectors` with
+//! 4 ranks without checkpoints, then with a checkpoint every K vectors for each K of `--ks`
+//! (default 50 and 250), pinned to the memory level and to the persistent level; rounds
+//! interleaved, so machine load drifts hit every configuration alike, and every time a ratio
+//! against the run without checkpoints of the same round. Per configuration: the run time, its
+//! ratio, the checkpoints and the pages they kept, the pause per checkpoint (rank 0's time in
+//! its safe-point calls) against the target 1 ms + 2 µs per page, the pages the daemons wrote
+//! to their disks during the run, and the recovery frames at the peak; per K, how many times
+//! cheaper a memory checkpoint is than a persistent one (their overheads' ratio). Writes the
+//! figures as CSV (`--csv FILE`, default `mem-bench.csv`) and a JSON line.
+//!
+//! Usage: mem-bench [--rounds 3] [--vectors 1024] [--ks 50,250] [--csv FILE] [--dir DIR]
+//! Needs `psls`, `psls-node` and `mgs` next to this binary (`cargo build --release --workspace --bins`).
+
+use anyhow::{bail, Context, Result};
+use psls_bench::{median, run_mgs};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+struct Args {
+    rounds: usize,
+    vectors: usize,
+    ks: Vec<usize>,
+    csv: PathBuf,
+    dir: Option<PathBuf>,
+}
+
+fn args() -> Result<Args> {
+    let mut a = Args {
+        rounds: 3,
+        vectors: 1024,
+        ks: vec![50, 250],
+        csv: PathBuf::from("mem-bench.csv"),
+        dir: None,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(k) = it.next() {
+        let mut v = || it.next().with_context(|| format!("{k} needs a value"));
+        match k.as_str() {
+            "--rounds" => a.rounds = v()?.parse().context("--rounds")?,
+            "--vectors" => a.vectors = v()?.parse().context("--vectors")?,
+            "--ks" => {
+                a.ks = v()?
+                    .split(',')
+                    .map(|x| x.trim().parse::<usize>())
+                    .collect::<Result<_, _>>()
+                    .context("--ks: numbers separated by commas")?
+            }
+            "--csv" => a.csv = PathBuf::from(v()?),
+            "--dir" => a.dir = Some(PathBuf::from(v()?)),
+            _ => bail!("unknown argument {k} (use --rounds N, --vectors N, --ks K,K.., --csv FILE, --dir DIR)"),
+        }
+    }
+    if a.rounds == 0 || a.vectors < 50 || a.ks.is_empty() || a.ks.contains(&0) {
+        bail!("--rounds must be > 0, --vectors >= 50, and every K > 0");
+    }
+    Ok(a)
+}
+
+/// One configuration: a level and a K (level "none": no checkpoints).
+#[derive(Clone)]
+struct Config {
+    level: &'static str,
+    k: usize,
+}
+
+/// What the runs of one configuration measured.
+#[derive(Default, Clone)]
+struct Figures {
+    time_s: Vec<f64>,
+    ratio: Vec<f64>,
+    checkpoints: Vec<f64>,
+    pages_per_ckpt: Vec<f64>,
+    pause_ms: Vec<f64>,
+    disk_pages: Vec<f64>,
+    frames_peak: Vec<f64>,
+}
+
+fn main() -> Result<()> {
+    let a = args()?;
+    let bin = std::env::current_exe()?.parent().context("no folder")?.to_path_buf();
+    for b in ["psls", "psls-node", "mgs"] {
+        if !bin.join(b).exists() {
+            bail!("{b} not found next to mem-bench: run `cargo build --release --workspace --bins` first");
+        }
+    }
+    let tmp = tempfile::Builder::new()
+        .prefix("mem-bench")
+        .tempdir_in(a.dir.clone().unwrap_or_else(std::env::temp_dir))?;
+    let cdir = tmp.path().join("cluster");
+    let port = 34000 + (std::process::id() % 2000) as u16 * 8;
+    psls_client::cluster::init(&cdir, 4, 0, 1024, port, false)?;
+    psls_client::cluster::up(&cdir, Duration::from_secs(60), true)?;
+    let result = run(&a, &bin, &cdir);
+    let _ = psls_client::cluster::down(&cdir);
+    result
+}
+
+fn run(a: &Args, bin: &Path, cdir: &Path) -> Result<()> {
+    let mut configs = vec![Config { level: "none", k: 0 }];
+    for &k in &a.ks {
+        for level in ["memory", "persistent"] {
+            configs.push(Config { level, k });
+        }
+    }
+    let mut figs: Vec<Figures> = vec![Figures::default(); configs.len()];
+    let mut checksum = String::new();
+    for round in 0..a.rounds {
+        let mut base = f64::NAN;
+        for (c, cfg) in configs.iter().enumerate() {
+            let extra: Vec<&str> = match cfg.level {
+                "none" => Vec::new(),
+                level => vec!["--level", level],
+            };
+            let j = run_mgs(bin, cdir, "n0", a.vectors, cfg.k, &extra)?;
+            let sum = j["checksum"].as_str().unwrap_or_default().to_string();
+            if checksum.is_empty() {
+                checksum = sum;
+            } else if checksum != sum {
+                bail!("checksums differ between runs: {checksum} / {sum}");
+            }
+            let t = j["time_s"].as_f64().unwrap_or(f64::NAN);
+            if cfg.level == "none" {
+                base = t;
+            }
+            let n = j["checkpoints"].as_f64().unwrap_or(0.0);
+            let f = &mut figs[c];
+            f.time_s.push(t);
+            f.ratio.push(t / base);
+            f.checkpoints.push(n);
+            if n > 0.0 {
+                f.pages_per_ckpt
+                    .push(j["checkpoint_bytes"].as_f64().unwrap_or(0.0) / 4096.0 / n);
+                f.pause_ms
+                    .push(1e3 * j["checkpoint_pause_s"].as_f64().unwrap_or(0.0) / n);
+            }
+            f.disk_pages.push(j["disk_pages_written"].as_f64().unwrap_or(0.0));
+            let peak = j["faults_per_node"]
+                .as_object()
+                .map(|m| m.values().filter_map(|n| n["frames_peak"].as_f64()).fold(0.0, f64::max))
+                .unwrap_or(0.0);
+            f.frames_peak.push(peak);
+            eprintln!(
+                "round {} {} K={}: {t:.3} s (x{:.3}), {n} checkpoints, pause {:.2} ms each, {} disk pages, frames peak {peak}",
+                round + 1,
+                cfg.level,
+                cfg.k,
+                t / base,
+                f.pause_ms.last().copied().unwrap_or(0.0),
+                j["disk_pages_written"]
+            );
+        }
+    }
+    let med = |v: &[f64]| {
+        if v.is_empty() {
+            f64::NAN
+        } else {
+            median(&mut v.to_vec())
+        }
+    };
+    let mut csv = String::from(
+        "level,k,time_s,ratio,checkpoints,pages_per_checkpoint,pause_ms,pause_target_ms,disk_pages_written,frames_peak_per_node\n",
+    );
+    println!(
+        "MGS {v}x{v}, 4 ranks on a local 4-node cluster, median of {} rounds (ratios against the run without checkpoints of the same round)",
+        a.rounds,
+        v = a.vectors
+    );
+    let mut rows = Vec::new();
+    for (c, cfg) in configs.iter().enumerate() {
+        let f = &figs[c];
+        let (t, r, pages, pause) = (med(&f.time_s), med(&f.ratio), med(&f.pages_per_ckpt), med(&f.pause_ms));
+        let target = 1.0 + 0.002 * pages;
+        let (disk, peak) = (med(&f.disk_pages), med(&f.frames_peak));
+        csv.push_str(&format!(
+            "{},{},{t:.4},{r:.4},{},{pages:.0},{pause:.3},{target:.3},{disk:.0},{peak:.0}\n",
+            cfg.level,
+            cfg.k,
+            med(&f.checkpoints)
+        ));
+        if cfg.level == "none" {
+            println!("  no checkpoints: {t:.3} s");
+        } else {
+            println!(
+                "  {:<10} K = {:3}: {t:.3} s (x{r:.3}); {pages:.0} pages per checkpoint, pause {pause:.2} ms (target {target:.2} ms); {disk:.0} pages written to disks; frames at the peak {peak:.0} per node",
+                cfg.level, cfg.k
+            );
+        }
+        rows.push(serde_json::json!({
+            "level": cfg.level, "k": cfg.k, "time_s": t, "ratio": r, "pages_per_checkpoint": pages,
+            "pause_ms": pause, "pause_target_ms": target, "disk_pages_written": disk, "frames_peak": peak,
+        }));
+    }
+    // How many times cheaper a memory checkpoint is than a persistent one: per round, the
+    // overheads (time above the run without checkpoints) divided, per checkpoint pauses too.
+    for &k in &a.ks {
+        let at = |level: &str| {
+            configs
+                .iter()
+                .position(|c| c.level == level && c.k == k)
+                .expect("configured")
+        };
+        let (m, p) = (&figs[at("memory")], &figs[at("persistent")]);
+        let overhead: Vec<f64> = p
+            .ratio
+            .iter()
+            .zip(&m.ratio)
+            .map(|(p, m)| (p - 1.0) / (m - 1.0))
+            .collect();
+        let pause: Vec<f64> = p.pause_ms.iter().zip(&m.pause_ms).map(|(p, m)| p / m).collect();
+        println!(
+            "  K = {k:3}: a memory checkpoint costs 1/{:.1} of a persistent one's overhead, its pause 1/{:.1} (target: at least 10x cheaper)",
+            med(&overhead),
+            med(&pause)
+        );
+    }
+    std::fs::write(&a.csv, csv).with_context(|| format!("writing {}", a.csv.display()))?;
+    println!(
+        "{}",
+        serde_json::json!({"bench": "mem", "vectors": a.vectors, "rounds": a.rounds, "rows": rows, "checksum": checksum, "csv": a.csv})
+    );
+    let _ = std::io::stdout().flush();
+    Ok(())
+}

@@ -1,0 +1,186 @@
+//! Memory checkpoints with real daemons (DESIGN §7–§8): MGS keeps its checkpoints in the nodes'
+//! memories and writes nothing to the disks while it runs; a failure rolls it back to the
+//! newest memory checkpoint, or to the persistent one when both recovery copies of some pages
+//! are gone (two neighbouring nodes at once); a lost node's place is taken by the spare, which
+//! receives fresh recovery copies so that a second failure right after is survived; a memory
+//! too small for a memory checkpoint hands every checkpoint to the cleaner. Each job ends with
+//! the checksum of a run that never failed.
+
+use psls_tests::*;
+use std::process::{Child, Stdio};
+use std::time::Duration;
+
+/// MGS 1024×1024 on 4 ranks from `launcher`, a safe point every 50 vectors, with `extra`
+/// `psls run` options.
+fn start(c: &Cluster, launcher: &str, extra: &[&str]) -> Child {
+    let mgs = mgs_bin();
+    let mut args = vec!["--node", launcher, "run", "-n", "4", "--respawn-timeout", "2"];
+    args.extend(extra);
+    args.extend([
+        "--",
+        mgs.as_str(),
+        "--vectors",
+        "1024",
+        "--dim",
+        "1024",
+        "--no-baseline",
+        "--checkpoint-every",
+        "50",
+    ]);
+    c.cmd(&args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("psls run")
+}
+
+/// `job`'s entry in `psls jobs --json`, if listed.
+fn entry(c: &Cluster, job: &str) -> Option<serde_json::Value> {
+    let list: serde_json::Value = serde_json::from_str(&c.ok(&["jobs", "--json"])).unwrap_or_default();
+    list.as_array()?.iter().find(|j| j["job"] == job).cloned()
+}
+
+/// Waits until `job` committed a memory checkpoint after a persistent one; returns the
+/// memory epoch and the persistent one.
+fn wait_memory_checkpoint(c: &Cluster, job: &str) -> (u64, u64) {
+    let mut got = (0, 0);
+    wait_for(
+        Duration::from_secs(60),
+        "a memory checkpoint after a persistent one",
+        || {
+            let Some(e) = entry(c, job) else { return false };
+            let (epoch, persistent) = (
+                e["epoch"].as_u64().unwrap_or(0),
+                e["persistent_epoch"].as_u64().unwrap_or(0),
+            );
+            got = (epoch, persistent);
+            e["level"] == "memory" && persistent > 0 && epoch > persistent
+        },
+    );
+    got
+}
+
+/// The epoch a job's stderr says it restarted from (the last one said).
+fn restarted_from(err: &str) -> u64 {
+    err.lines()
+        .rev()
+        .filter_map(|l| l.split("restarted from checkpoint ").nth(1))
+        .find_map(|rest| rest.split_whitespace().next()?.parse().ok())
+        .unwrap_or_else(|| panic!("never restarted:\n{err}"))
+}
+
+#[test]
+fn memory_checkpoints_write_nothing_to_the_disks_and_persistent_ones_do() {
+    let c = Cluster::start(4, 0);
+    let (persistent, _) = finish_json(start(&c, "n0", &["--level", "persistent"]), "persistent checkpoints");
+    let (memory, _) = finish_json(start(&c, "n1", &["--level", "memory"]), "memory checkpoints");
+    assert_eq!(memory["checksum"], persistent["checksum"]);
+    // One checkpoint per 50 vectors, and the ranks' states, kept at each level.
+    for j in [&memory, &persistent] {
+        assert_eq!(j["checkpoints"], 20, "{j}");
+        assert!(j["checkpoint_bytes"].as_u64().unwrap_or(0) > 0, "{j}");
+    }
+    // Counted by the daemons from the first safe point to the last: not one page written to
+    // a disk at the memory level; at the persistent level both copies of every page taken.
+    assert_eq!(memory["disk_pages_written"], 0, "{memory}");
+    let written = persistent["disk_pages_written"].as_u64().unwrap_or(0);
+    assert!(written > 2 * 2048, "{persistent}");
+    // The recovery copies took frames on every node (two per page checkpointed in memory).
+    for n in ["n0", "n1", "n2", "n3"] {
+        assert!(
+            memory["faults_per_node"][n]["frames_peak"].as_u64().unwrap_or(0) > 0,
+            "{memory}"
+        );
+    }
+}
+
+#[test]
+fn a_kill_rolls_back_to_the_memory_checkpoint_and_two_neighbours_killed_to_the_persistent_one() {
+    let c = Cluster::start(4, 0);
+    let (want, _) = finish(start(&c, "n0", &[]), "the unfailed run");
+    // n1 and n3 are no neighbours: every page keeps one recovery copy, re-created on the
+    // other when they are back; the job restarts from its memory checkpoint.
+    for (victims, neighbours) in [(["n1", "n3"], false), (["n1", "n2"], true)] {
+        let mut run = start(&c, "n0", &[]);
+        let (job, rest) = job_id(&mut run);
+        let (memory, persistent) = wait_memory_checkpoint(&c, &job);
+        for v in victims {
+            c.kill(v);
+        }
+        std::thread::sleep(Duration::from_millis(300));
+        c.ok(&["cluster", "up"]);
+        let what = format!("{victims:?} killed after memory checkpoint {memory}");
+        let (got, err) = finish_rest(run, rest, &what);
+        assert_eq!(got, want, "{what}\n{err}");
+        let from = restarted_from(&err);
+        if neighbours {
+            // n1 and n2 held both copies of the pages homed on n1: only the disks are left.
+            assert!(
+                from >= persistent && from < memory,
+                "{what}: restarted from {from}\n{err}"
+            );
+            assert!(c.logs_contain("both recovery copies of some pages are lost"));
+        } else {
+            assert!(from >= memory, "{what}: restarted from {from}\n{err}");
+            assert!(c.logs_contain("recovery copies re-created"));
+        }
+    }
+}
+
+#[test]
+fn a_lost_node_is_replaced_by_the_spare_with_fresh_recovery_copies_and_a_second_failure_is_survived() {
+    use std::io::BufRead;
+    let c = Cluster::start(4, 1);
+    let (want, _) = finish(start(&c, "n0", &[]), "the unfailed run");
+    let mut run = start(&c, "n0", &[]);
+    let (job, mut rest) = job_id(&mut run);
+    let (memory, _) = wait_memory_checkpoint(&c, &job);
+    // n2 and its disk are gone for good: after 2 s the spare takes logical id 2 and receives
+    // the recovery copies n2 held.
+    c.destroy("n2");
+    let mut err = String::new();
+    let mut line = String::new();
+    while !line.contains("restarted from checkpoint") {
+        line.clear();
+        assert!(rest.read_line(&mut line).expect("stderr") > 0, "the job ended:\n{err}");
+        err.push_str(&line);
+    }
+    assert!(c.status().nodes.iter().any(|n| n.name == "s0" && n.logical == Some(2)));
+    assert!(restarted_from(&err) >= memory, "{err}");
+    // At once n3 dies — the spare's neighbour: the pages homed on 2 have their other copy on
+    // 3, so the spare must hold the copies n2 had for this to roll back in memory.
+    c.kill("n3");
+    std::thread::sleep(Duration::from_millis(300));
+    c.ok(&["cluster", "up"]);
+    let (got, more) = finish_rest(run, rest, "n2 lost, then n3 killed");
+    err.push_str(&more);
+    assert_eq!(got, want, "{err}");
+    let rollbacks = err
+        .lines()
+        .filter(|l| l.starts_with("psls: job ") && l.contains(" restarted from checkpoint "))
+        .count();
+    assert_eq!(rollbacks, 2, "{err}");
+    assert!(
+        restarted_from(&err) >= memory,
+        "the second rollback used memory copies:\n{err}"
+    );
+    assert!(!c.logs_contain("both recovery copies of some pages are lost"));
+}
+
+#[test]
+fn with_too_little_memory_for_a_memory_checkpoint_the_cleaner_takes_every_one() {
+    // 1 MiB of frames per node: one memory checkpoint of MGS needs about 4 MiB.
+    let c = Cluster::init(4, 0, |cfg| {
+        for n in cfg.nodes.iter_mut() {
+            n.memory_mb = 1;
+        }
+    });
+    c.ok(&["cluster", "up"]);
+    let (j, _) = finish_json(start(&c, "n0", &[]), "with 1 MiB per node");
+    assert_eq!(j["checkpoints"], 20, "{j}");
+    assert!(j["disk_pages_written"].as_u64().unwrap_or(0) > 0, "{j}");
+    assert!(c.logs_contain("a memory checkpoint might not fit: taking the cleaner"));
+    // Pinned to memory, a checkpoint that does not fit goes to the cleaner too.
+    let (j, _) = finish_json(start(&c, "n1", &["--level", "memory"]), "memory pinned, 1 MiB per node");
+    assert_eq!(j["checkpoints"], 20, "{j}");
+}
