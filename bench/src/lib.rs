@@ -21,18 +21,6 @@ pub fn json_f64(x: f64) -> serde_json::Value {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn median_picks_middle() {
-        assert_eq!(super::median(&mut [3.0, 1.0, 2.0]), 2.0);
-        assert_eq!(super::random_bytes(16, 1), super::random_bytes(16, 1));
-        assert_ne!(super::random_bytes(16, 1), super::random_bytes(16, 2));
-        assert_eq!(super::json_f64(1.5), serde_json::json!(1.5));
-        assert!(super::json_f64(f64::NAN).is_null());
-    }
-}
-
 /// Runs MGS `vectors`×`vectors` as a 4-rank job on the cluster in `cdir`, from node `node`,
 /// with a safe point every `every` vectors (0: none) and `extra` `psls run` options; returns
 /// its result line (checked: `ok`). `bin` holds `psls` and `mgs`.
@@ -67,4 +55,16 @@ pub fn run_mgs(
         bail!("MGS result check failed: {line}");
     }
     Ok(j)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn median_picks_middle() {
+        assert_eq!(super::median(&mut [3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(super::random_bytes(16, 1), super::random_bytes(16, 1));
+        assert_ne!(super::random_bytes(16, 1), super::random_bytes(16, 2));
+        assert_eq!(super::json_f64(1.5), serde_json::json!(1.5));
+        assert!(super::json_f64(f64::NAN).is_null());
+    }
 }
