@@ -29,7 +29,7 @@ use psls_svm::NodeId;
 use std::collections::BTreeMap;
 
 /// A cleaning policy (chosen in the cluster config, overridable per job).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum Policy {
     NoCleaning,
     Total,

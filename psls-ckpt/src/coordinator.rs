@@ -151,6 +151,7 @@ pub struct Progress {
 struct Round {
     epoch: u64,
     level: Level,
+    cleaning: crate::cleaning::Policy,
     gen: u64,
     seq: u64,
     files: Vec<FileId>,
@@ -224,14 +225,15 @@ impl Coordinator {
     /// Starts checkpoint `epoch` of `job` at `level` (the shell takes it above the job's floor
     /// in the metadata, [`psls_pfs::jobs::floor`], and every epoch it started) over `files`,
     /// with every node of `participants`. `committed` is the job's last committed epoch the
-    /// shell knows (a memory round's `Prepare` carries it; a persistent one's the metadata's).
+    /// shell knows (a memory round's `Prepare` carries it; a persistent one's the metadata's);
+    /// `cleaning`, the job's cleaning policy, goes with the `Prepare`.
     #[allow(clippy::too_many_arguments)]
     pub fn start(
         &mut self,
         now_ms: u64,
         job: &str,
         epoch: u64,
-        level: Level,
+        (level, cleaning): (Level, crate::cleaning::Policy),
         files: Vec<FileId>,
         participants: BTreeSet<NodeId>,
         committed: u64,
@@ -253,6 +255,7 @@ impl Coordinator {
             Round {
                 epoch,
                 level,
+                cleaning,
                 gen: 0,
                 seq: 0,
                 files,
@@ -293,6 +296,7 @@ impl Coordinator {
                     seq,
                     files: r.files.clone(),
                     committed,
+                    cleaning: r.cleaning,
                 },
             });
         }
@@ -656,6 +660,7 @@ fn merge(runs: &[(u64, u64)]) -> Vec<(u64, u64)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cleaning::Policy;
 
     fn nodes(n: u32) -> BTreeSet<NodeId> {
         (0..n).map(NodeId).collect()
@@ -687,10 +692,10 @@ mod tests {
     #[test]
     fn commits_after_every_participant_prepared_and_then_decides() {
         let mut c = Coordinator::new(1000);
-        c.start(0, "j", 1, Level::Persistent, vec![FileId(1)], nodes(3), 0)
+        c.start(0, "j", 1, (Level::Persistent, Policy::P1), vec![FileId(1)], nodes(3), 0)
             .unwrap();
         assert_eq!(
-            c.start(0, "j", 2, Level::Persistent, vec![], nodes(3), 0),
+            c.start(0, "j", 2, (Level::Persistent, Policy::P1), vec![], nodes(3), 0),
             Err(StartError::Busy)
         );
         assert!(matches!(drain(&mut c)[..], [CoordAction::Begin { epoch: 1, .. }]));
@@ -782,7 +787,8 @@ mod tests {
     fn refusals_downs_and_timeouts_abort_before_the_record_and_a_failed_record_is_fenced() {
         let mut c = Coordinator::new(1000);
         let go = |c: &mut Coordinator, epoch: u64, n: u32| {
-            c.start(0, "j", epoch, Level::Persistent, vec![], nodes(n), 0).unwrap();
+            c.start(0, "j", epoch, (Level::Persistent, Policy::P1), vec![], nodes(n), 0)
+                .unwrap();
             c.begun(0, "j", epoch, Ok((5, 10, 0)));
             drain(c);
         };
@@ -868,7 +874,8 @@ mod tests {
     #[test]
     fn a_memory_round_touches_no_metadata_and_commits_on_the_last_prepared() {
         let mut c = Coordinator::new(1000);
-        c.start(3, "j", 5, Level::Memory, vec![FileId(1)], nodes(2), 4).unwrap();
+        c.start(3, "j", 5, (Level::Memory, Policy::P1), vec![FileId(1)], nodes(2), 4)
+            .unwrap();
         let a = drain(&mut c);
         assert_eq!(a.len(), 2, "{a:?}");
         assert!(a.iter().all(|x| matches!(
@@ -936,7 +943,8 @@ mod tests {
         c.receive(NodeId(1), mem(6, vec![]));
         assert!(drain(&mut c).is_empty());
         // A participant that saw a later epoch refuses; the next round starts above it.
-        c.start(3, "j", 6, Level::Memory, vec![], nodes(2), 5).unwrap();
+        c.start(3, "j", 6, (Level::Memory, Policy::P1), vec![], nodes(2), 5)
+            .unwrap();
         drain(&mut c);
         c.receive(
             NodeId(0),

@@ -16,6 +16,13 @@
 //! dirty copy ([`FrameTable::supersede`], marked by the page writes of the round's
 //! participants).
 //!
+//! After a cleaner checkpoint commits, the job's cleaning policy (DESIGN §7, on recovery
+//! copies: the daemon does not evict active copies) says what stays: the recovery copies of
+//! pages checkpointed in memory before (kept by none, P1, P3 and LRU; dropped by total and
+//! P2), and a copy of each page the cleaner wrote from a newer dirty copy, which a holder
+//! keeps aside while the round runs (`keep_written`) and which P1 and P2 keep as its two
+//! readable recovery copies; LRU then drops the oldest until the node holds its threshold.
+//!
 //! [`rollback_target`] is the memory level of a rollback: which epoch the job returns to, and
 //! which nodes lost their copies.
 //!
@@ -24,6 +31,7 @@
 //! stored); every frame names the job it belongs to, and goes with it; the tables are bounded
 //! ([`MAX_JOBS`], [`MAX_MEMORY_FILES`]).
 
+use crate::cleaning::Policy;
 use psls_pfs::Role;
 use psls_svm::FileId;
 use std::collections::{BTreeMap, HashMap};
@@ -43,13 +51,17 @@ impl std::fmt::Display for FrameError {
             FrameError::NoRoom { need, used, capacity } => {
                 write!(
                     f,
-                    "no room for {need} recovery copies: {used} of {capacity} frames in use"
+                    "{NO_ROOM} {need} recovery copies: {used} of {capacity} frames in use"
                 )
             }
             FrameError::Invalid(why) => f.write_str(why),
         }
     }
 }
+
+/// How a refusal for lack of room starts (the daemon's coordinator tells it from others: only
+/// then does the cleaner take over from a memory checkpoint that failed).
+pub const NO_ROOM: &str = "no room for";
 
 /// Jobs with memory state in one table, at most.
 pub const MAX_JOBS: usize = 4096;
@@ -76,11 +88,24 @@ pub struct Frame<D> {
 struct Slots<D> {
     cur: Option<Frame<D>>,
     pre: Option<Frame<D>>,
+    /// What a cleaner round at this generation wrote to this node's disk (kept aside for a
+    /// policy that keeps the pages it wrote in memory).
+    written: Option<(u64, Frame<D>)>,
 }
 
 impl<D> Default for Slots<D> {
     fn default() -> Self {
-        Slots { cur: None, pre: None }
+        Slots {
+            cur: None,
+            pre: None,
+            written: None,
+        }
+    }
+}
+
+impl<D> Slots<D> {
+    fn count(&self) -> u64 {
+        self.cur.is_some() as u64 + self.pre.is_some() as u64 + self.written.is_some() as u64
     }
 }
 
@@ -137,6 +162,8 @@ pub struct FrameTable<D> {
     /// Files of jobs that took memory checkpoints (on every node: loads of their pages look
     /// for recovery copies first), with their job.
     memory_files: HashMap<FileId, String>,
+    /// Each job's cleaning policy, as its rounds' `Prepare` said.
+    policies: HashMap<String, Policy>,
 }
 
 impl<D: Clone> FrameTable<D> {
@@ -149,6 +176,7 @@ impl<D: Clone> FrameTable<D> {
             peak: 0,
             capacity,
             memory_files: HashMap::new(),
+            policies: HashMap::new(),
         }
     }
 
@@ -366,14 +394,80 @@ impl<D: Clone> FrameTable<D> {
         out.into_values().collect()
     }
 
+    /// `job`'s cleaning policy (from its rounds' `Prepare`).
+    pub fn set_policy(&mut self, job: &str, policy: Policy) {
+        if self.policies.contains_key(job) || self.policies.len() < MAX_JOBS {
+            self.policies.insert(job.to_string(), policy);
+        }
+    }
+
+    /// The policy of the job `file` belongs to, if known here.
+    fn policy_of_file(&self, file: FileId) -> Option<Policy> {
+        let job = self
+            .memory_files
+            .get(&file)
+            .or_else(|| self.files.get(&file).map(|f| &f.job))?;
+        self.policies.get(job).copied()
+    }
+
+    /// Whether this node should keep aside what a cleaner writes of `file` here (its job's
+    /// policy keeps the pages a cleaner wrote: P1, P2).
+    pub fn wants_written(&self, file: FileId) -> bool {
+        matches!(self.policy_of_file(file), Some(Policy::P1 | Policy::P2))
+    }
+
+    /// A cleaner round at `gen` wrote `indices` of `file` (`data`, in order) to this node's
+    /// disk as its `role` holder: kept aside if the job's policy keeps them and they fit (an
+    /// optimization: nothing depends on it), until the round's decision.
+    pub fn keep_written(&mut self, file: FileId, role: Role, indices: &[u64], gen: u64, data: Vec<D>) {
+        if !self.wants_written(file) || indices.len() != data.len() {
+            return;
+        }
+        let Some(job) = self
+            .memory_files
+            .get(&file)
+            .cloned()
+            .or_else(|| self.files.get(&file).map(|f| f.job.clone()))
+        else {
+            return;
+        };
+        let (used, capacity) = (self.frames, self.capacity);
+        let Ok(ff) = self.file_of(&job, file) else { return };
+        let need = indices
+            .iter()
+            .filter(|i| ff.pages.get(i).is_none_or(|s| s.written.is_none()))
+            .count() as u64;
+        if used + need > capacity {
+            return;
+        }
+        for (&i, d) in indices.iter().zip(data) {
+            let frame = Frame {
+                epoch: 0,
+                role,
+                data: d,
+                saved: true,
+                superseded_gen: 0,
+            };
+            ff.pages.entry(i).or_default().written = Some((gen, frame));
+        }
+        self.frames += need;
+        self.peak = self.peak.max(self.frames);
+    }
+
     /// The cleaner round at `gen` of `job` committed: the copies it flushed are on the disks,
-    /// those it superseded are stale and go; `keep` says whether the job keeps its recovery
-    /// copies in memory at all (a cleaning policy that drops them all: no).
-    pub fn persistent_committed(&mut self, job: &str, gen: u64, keep: bool) {
+    /// those it superseded are stale and go; then the job's cleaning policy says which stay
+    /// (see the module documentation).
+    pub fn persistent_committed(&mut self, job: &str, gen: u64) {
+        let policy = self.policies.get(job).copied().unwrap_or(Policy::NoCleaning);
+        let keep_before = matches!(
+            policy,
+            Policy::NoCleaning | Policy::P1 | Policy::P3 | Policy::Lru { .. }
+        );
+        let keep_written = matches!(policy, Policy::P1 | Policy::P2);
         for ff in self.files.values_mut().filter(|f| f.job == job) {
             for s in ff.pages.values_mut() {
                 if let Some(f) = s.cur.as_mut() {
-                    if !keep || f.superseded_gen == gen {
+                    if !keep_before || f.superseded_gen == gen {
                         s.cur = None;
                         self.frames -= 1;
                     } else {
@@ -381,20 +475,64 @@ impl<D: Clone> FrameTable<D> {
                         f.superseded_gen = 0;
                     }
                 }
+                if let Some((g, w)) = s.written.take() {
+                    if keep_written && g == gen {
+                        if s.cur.is_none() {
+                            s.cur = Some(w);
+                        } else {
+                            // Its page was rewritten by this round: the written copy is the
+                            // newer one.
+                            s.cur = Some(w);
+                            self.frames -= 1;
+                        }
+                    } else {
+                        self.frames -= 1;
+                    }
+                }
+            }
+        }
+        if let Policy::Lru { frames: limit } = policy {
+            // The oldest recovery copies of the job go until the node holds the threshold
+            // (copies newer than the disks are never dropped: here every one is saved).
+            let mut old: Vec<(u64, FileId, u64)> = self
+                .files
+                .iter()
+                .filter(|(_, f)| f.job == job)
+                .flat_map(|(file, ff)| {
+                    ff.pages
+                        .iter()
+                        .filter_map(|(i, s)| s.cur.as_ref().filter(|f| f.saved).map(|f| (f.epoch, *file, *i)))
+                })
+                .collect();
+            old.sort_unstable();
+            for (_, file, i) in old {
+                if self.frames <= limit {
+                    break;
+                }
+                if let Some(s) = self.files.get_mut(&file).and_then(|ff| ff.pages.get_mut(&i)) {
+                    s.cur = None;
+                    self.frames -= 1;
+                }
             }
         }
         self.prune();
     }
 
-    /// The cleaner round at `gen` of `job` did not commit: nothing it marked counts.
+    /// The cleaner round at `gen` of `job` did not commit: nothing it marked or kept aside
+    /// counts.
     pub fn persistent_aborted(&mut self, job: &str, gen: u64) {
         for ff in self.files.values_mut().filter(|f| f.job == job) {
             for s in ff.pages.values_mut() {
                 if let Some(f) = s.cur.as_mut().filter(|f| f.superseded_gen == gen) {
                     f.superseded_gen = 0;
                 }
+                if s.written.as_ref().is_some_and(|(g, _)| *g <= gen) {
+                    s.written = None;
+                    self.frames -= 1;
+                }
             }
         }
+        self.prune();
     }
 
     /// Every committed recovery copy of `job` held here: (file, page, frame).
@@ -464,6 +602,10 @@ impl<D: Clone> FrameTable<D> {
                 if let Some(f) = s.cur.as_mut() {
                     f.superseded_gen = 0;
                 }
+                // A cleaner in progress is over.
+                if s.written.take().is_some() {
+                    self.frames -= 1;
+                }
             }
         }
         self.prune();
@@ -511,14 +653,11 @@ impl<D: Clone> FrameTable<D> {
     pub fn end_job(&mut self, job: &str) {
         self.memory_files.retain(|_, j| j != job);
         self.jobs.remove(job);
+        self.policies.remove(job);
         let frames = &mut self.frames;
         self.files.retain(|_, ff| {
             if ff.job == job {
-                *frames -= ff
-                    .pages
-                    .values()
-                    .map(|s| s.cur.is_some() as u64 + s.pre.is_some() as u64)
-                    .sum::<u64>();
+                *frames -= ff.pages.values().map(Slots::count).sum::<u64>();
                 false
             } else {
                 true
@@ -534,7 +673,8 @@ impl<D: Clone> FrameTable<D> {
                     c.recovery += 1;
                     c.unsaved += !f.saved as u64;
                 }
-                c.pre_recovery += s.pre.is_some() as u64;
+                // A copy a cleaner wrote, kept aside until its decision, is one in the making.
+                c.pre_recovery += s.pre.is_some() as u64 + s.written.is_some() as u64;
             }
         }
         assert_eq!(c.frames(), self.frames, "the frame count drifted");
@@ -544,7 +684,7 @@ impl<D: Clone> FrameTable<D> {
 
     fn prune(&mut self) {
         for ff in self.files.values_mut() {
-            ff.pages.retain(|_, s| s.cur.is_some() || s.pre.is_some());
+            ff.pages.retain(|_, s| s.count() > 0);
         }
         self.files.retain(|_, f| !f.pages.is_empty());
     }
@@ -628,7 +768,7 @@ mod tests {
         a.persistent_aborted("j", 9);
         assert_eq!(a.to_flush("j", 10)[0].2, vec![0, 1]);
         a.supersede(f, &[1], 11);
-        a.persistent_committed("j", 11, true);
+        a.persistent_committed("j", 11);
         assert_eq!((a.frames(), a.counts().unsaved), (1, 0));
         assert!(a.to_flush("j", 12).is_empty());
         // A rollback to the persistent checkpoint keeps saved copies, drops the rest.
@@ -647,6 +787,44 @@ mod tests {
         a.end_job("j");
         assert_eq!(a.frames(), 0);
         assert!(!a.holds(f) && !a.in_memory(f));
+    }
+
+    #[test]
+    fn each_cleaning_policy_keeps_exactly_its_recovery_copies() {
+        let f = FileId(3);
+        // Page 0 was checkpointed in memory and not written since (the cleaner flushes it),
+        // page 1 too but written since (the cleaner writes the newer copy), page 2 was only
+        // written (the cleaner writes it); all as this node's primary copies.
+        let run = |policy: Policy| {
+            let mut a: FrameTable<u8> = FrameTable::new(16);
+            a.set_policy("j", policy);
+            a.mark_memory("j", &[f]);
+            a.store_pre("j", 3, 2, f, Role::Primary, &[0, 1], vec![10, 11]).unwrap();
+            a.commit("j", 3);
+            a.supersede(f, &[1, 2], 9);
+            a.keep_written(f, Role::Primary, &[1, 2], 9, vec![21, 22]);
+            assert_eq!(a.to_flush("j", 9), vec![(f, Role::Primary, vec![0], vec![10])]);
+            a.persistent_committed("j", 9);
+            let kept: Vec<(u64, u8)> = (0..3).filter_map(|i| a.read(f, i).map(|d| (i, *d))).collect();
+            assert_eq!(a.counts().frames(), kept.len() as u64, "{policy}: nothing else held");
+            assert_eq!(a.counts().unsaved, 0, "{policy}: every copy kept is on the disks");
+            kept
+        };
+        assert_eq!(run(Policy::NoCleaning), vec![(0, 10)]);
+        assert_eq!(run(Policy::Total), vec![]);
+        assert_eq!(run(Policy::P1), vec![(0, 10), (1, 21), (2, 22)]);
+        assert_eq!(run(Policy::P2), vec![(1, 21), (2, 22)]);
+        assert_eq!(run(Policy::P3), vec![(0, 10)]);
+        assert_eq!(run(Policy::Lru { frames: 0 }), vec![]);
+        assert_eq!(run(Policy::Lru { frames: 1 }), vec![(0, 10)]);
+        // An aborted cleaner keeps nothing aside.
+        let mut a: FrameTable<u8> = FrameTable::new(16);
+        a.set_policy("j", Policy::P1);
+        a.mark_memory("j", &[f]);
+        a.keep_written(f, Role::Mirror, &[5], 4, vec![1]);
+        assert_eq!(a.counts().pre_recovery, 1);
+        a.persistent_aborted("j", 4);
+        assert_eq!(a.frames(), 0);
     }
 
     #[test]

@@ -69,6 +69,8 @@ pub enum Msg {
         seq: u64,
         files: Vec<FileId>,
         committed: u64,
+        /// The job's cleaning policy: what stays in memory after a cleaner.
+        cleaning: crate::cleaning::Policy,
     },
     /// Participant → coordinator: every page taken for `epoch` is kept at its level (for a
     /// persistent one: durable on both copies).

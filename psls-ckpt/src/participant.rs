@@ -253,6 +253,7 @@ impl Participant {
             seq,
             files,
             committed,
+            ..
         } = msg
         else {
             return;
@@ -422,6 +423,7 @@ mod tests {
             seq: 1,
             files: vec![FileId(1)],
             committed,
+            cleaning: crate::cleaning::Policy::P1,
         }
     }
 

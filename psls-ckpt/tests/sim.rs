@@ -37,6 +37,7 @@
 
 mod common;
 
+use psls_ckpt::cleaning::Policy;
 use psls_ckpt::frames::{rollback_target, FrameTable};
 use psls_ckpt::msg::Level;
 use psls_ckpt::{CoordAction, Coordinator, Msg, Outcome, PartAction, Participant};
@@ -253,8 +254,8 @@ struct World {
     trace: bool,
     /// Frames a node may hold.
     frame_capacity: u64,
-    /// The cleaning policy: keep the recovery copies after a cleaner checkpoint, or drop them.
-    keep_frames: bool,
+    /// The job's cleaning policy: which recovery copies stay after a cleaner checkpoint.
+    cleaning: Policy,
     /// Generations the metadata began: the only ones a disk write may carry.
     begun_gens: BTreeSet<u64>,
     /// The epoch the last rollback fenced.
@@ -269,7 +270,14 @@ impl World {
         let files = vec![(FileId(11), 4 + rng.below(12)), (FileId(12), 1 + rng.below(6))];
         // Sometimes too small for a round that rewrites many pages.
         let frame_capacity = if rng.chance(300) { 2 + rng.below(8) } else { 64 };
-        let keep_frames = rng.chance(500);
+        let cleaning = [
+            Policy::NoCleaning,
+            Policy::Total,
+            Policy::P1,
+            Policy::P2,
+            Policy::P3,
+            Policy::Lru { frames: 4 },
+        ][rng.below(6) as usize];
         let mut meta = MetaState::default();
         for (id, pages) in &files {
             meta.apply(&MetaOp::CommitFile {
@@ -317,7 +325,7 @@ impl World {
             memory_rollbacks: 0,
             trace: std::env::var("PSLS_SIM_TRACE").is_ok(),
             frame_capacity,
-            keep_frames,
+            cleaning,
             begun_gens: BTreeSet::new(),
             fenced: 0,
         }
@@ -477,7 +485,7 @@ impl World {
         let committed = self.committed_epoch().max(self.nodes[ci].mem_committed);
         if self.nodes[ci]
             .coord
-            .start(now, JOB, epoch, level, files, all, committed)
+            .start(now, JOB, epoch, (level, self.cleaning), files, all, committed)
             .is_ok()
         {
             self.nodes[ci].started = epoch;
@@ -621,13 +629,12 @@ impl World {
             }
             PartAction::Flush { epoch, gen, .. } => self.flush(i, epoch, gen),
             PartAction::Clean { epoch, level, .. } => {
-                let keep = self.keep_frames;
                 let node = &mut self.nodes[i];
                 match level {
                     Level::Memory => node.frames.commit(JOB, epoch),
                     Level::Persistent => {
                         if let Some(gen) = node.gens.remove(&epoch) {
-                            node.frames.persistent_committed(JOB, gen, keep);
+                            node.frames.persistent_committed(JOB, gen);
                         }
                     }
                 }
@@ -707,6 +714,8 @@ impl World {
                             failed = Some(e);
                             continue;
                         }
+                        // Kept aside for a policy that keeps what a cleaner wrote.
+                        self.nodes[h].frames.keep_written(p.0, role, &[p.1], w.gen, vec![val]);
                         targets.insert(NodeId(h as u32), self.nodes[h].inc);
                     }
                 }
@@ -782,11 +791,24 @@ impl World {
             return;
         }
         self.log(|| format!("{} -> {}: {:?}", e.from, e.to, e.msg));
-        if let Msg::Prepare { epoch, committed, .. } = &e.msg {
+        if let Msg::Prepare {
+            epoch,
+            committed,
+            cleaning,
+            files,
+            level,
+            ..
+        } = &e.msg
+        {
             // A round from the coordinator settles a memory epoch whose decision this node
-            // missed (the daemon's `CkptShell::receive`).
+            // missed, and says the job's policy (the daemon's `CkptShell::receive`).
             if Some(e.from) == self.coordinator() {
-                self.nodes[to].frames.settle_pre(JOB, *committed, *epoch);
+                let frames = &mut self.nodes[to].frames;
+                frames.settle_pre(JOB, *committed, *epoch);
+                frames.set_policy(JOB, *cleaning);
+                if *level == Level::Memory {
+                    frames.mark_memory(JOB, files);
+                }
             }
         }
         match e.msg {

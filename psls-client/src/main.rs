@@ -99,6 +99,10 @@ enum Cmd {
         /// the job's last one (default: the cluster's, 60).
         #[arg(long, default_value_t = 0)]
         persistent_interval: u64,
+        /// What stays in memory after a persistent checkpoint: none, total, p1, p2, p3 or
+        /// lru:FRAMES (default: the cluster's, p1).
+        #[arg(long, default_value = "")]
+        cleaning: String,
         /// Start job JOB again from its last checkpoint (after a power cut, a halt, or too
         /// many failures): its command and options are the ones it was started with.
         #[arg(long, value_name = "JOB", conflicts_with = "command")]
@@ -273,6 +277,7 @@ fn main() -> std::process::ExitCode {
         respawn_timeout,
         level,
         persistent_interval,
+        cleaning,
         resume,
         command,
     } = &cli.cmd
@@ -284,6 +289,7 @@ fn main() -> std::process::ExitCode {
             respawn_timeout_s: (*respawn_timeout).max(1),
             level: level.clone(),
             persistent_interval_s: *persistent_interval,
+            cleaning: cleaning.clone(),
             resume: resume.clone().unwrap_or_default(),
         };
         return match run_job(&cli, n.unwrap_or(0), *per_node, ckpt, command) {
@@ -341,6 +347,12 @@ fn print_status(s: &ClusterStatus) {
             mib(n.disk_used_bytes),
             mib(n.disk_free_bytes)
         );
+        if n.recovery_frames + n.pre_recovery_frames + n.dirty_pages > 0 {
+            println!(
+                "       frames: {} recovery ({} newer than the disks), {} pre-recovery, of {}; {} dirty pages",
+                n.recovery_frames, n.unsaved_frames, n.pre_recovery_frames, n.frame_capacity, n.dirty_pages
+            );
+        }
         if let Some((done, total)) = n.rebuild {
             let pct = if total == 0 {
                 100.0

@@ -56,6 +56,11 @@ pub struct ClusterSection {
     /// passed since its last one (`psls run --persistent-interval` overrides).
     #[serde(default = "default_persistent_interval")]
     pub persistent_interval_s: u64,
+    /// What stays in memory after a cleaner checkpoint (DESIGN §7): `none`, `total`, `p1`,
+    /// `p2`, `p3` or `lru:FRAMES` (`psls run --cleaning` overrides); checked when a daemon
+    /// starts.
+    #[serde(default = "default_cleaning")]
+    pub cleaning: String,
 }
 
 fn default_name() -> String {
@@ -76,6 +81,9 @@ fn default_cert_dir() -> PathBuf {
 fn default_persistent_interval() -> u64 {
     60
 }
+fn default_cleaning() -> String {
+    "p1".into()
+}
 
 impl Default for ClusterSection {
     fn default() -> Self {
@@ -86,6 +94,7 @@ impl Default for ClusterSection {
             replace_after_ms: 0,
             request_timeout_ms: default_request_timeout(),
             persistent_interval_s: default_persistent_interval(),
+            cleaning: default_cleaning(),
             cert_dir: default_cert_dir(),
         }
     }

@@ -204,6 +204,9 @@ pub struct CkptOptions {
     /// With `auto`, a safe point takes the cleaner when this many seconds passed since the
     /// job's last persistent checkpoint (0: the cluster's default).
     pub persistent_interval_s: u64,
+    /// What stays in memory after a cleaner: `none`, `total`, `p1`, `p2`, `p3` or `lru:FRAMES`
+    /// (empty: the cluster's `cleaning`).
+    pub cleaning: String,
     /// `psls run --resume JOB`: start job JOB again from its last checkpoint (its command and
     /// options come from its record; the other fields are ignored).
     pub resume: String,
@@ -285,6 +288,19 @@ pub struct NodeStatus {
     pub coordinator: bool,
     /// Pages copied / pages to copy while this node rebuilds its copies.
     pub rebuild: Option<(u64, u64)>,
+    /// Memory checkpoints' frames in the node's recovery area, by category: readable or pure
+    /// recovery (of them, newer than the disks), pre-recovery; its capacity; and the pages
+    /// held here modified since the last checkpoint (active, dirty).
+    #[serde(default)]
+    pub recovery_frames: u64,
+    #[serde(default)]
+    pub unsaved_frames: u64,
+    #[serde(default)]
+    pub pre_recovery_frames: u64,
+    #[serde(default)]
+    pub frame_capacity: u64,
+    #[serde(default)]
+    pub dirty_pages: u64,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -76,6 +76,9 @@ pub async fn run(config: &Path, name: &str) -> Result<()> {
     let Some(me) = cfg.entry(name).cloned() else {
         bail!("node '{name}' is not in {}", config.display());
     };
+    if let Err(e) = cfg.cluster.cleaning.parse::<psls_ckpt::cleaning::Policy>() {
+        bail!("{}: cluster.cleaning: {e}", config.display());
+    }
     let dir = cfg.data_dir(&me);
     if !dir.is_dir() {
         bail!(

@@ -15,7 +15,9 @@
 //! (the coordinator, the commit record durable, before any node hears the decision),
 //! `ckpt.answer` (the coordinator, the checkpoint committed, before the ranks are answered),
 //! `rollback.fence` (the coordinator, asked to fence a job's epochs), `rollback.drop` (a
-//! node, asked to drop a job's pages).
+//! node, asked to drop a job's pages), `ckpt.mem.write` (a participant, halfway through
+//! sending its pages to their holders' recovery areas: phase 1 of a memory checkpoint),
+//! `ckpt.mem.commit` (a node told a memory checkpoint committed, before its phase 2).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;

@@ -96,8 +96,23 @@ impl RecoveryArea {
         self.table.locked().to_flush(job, gen)
     }
 
-    pub fn persistent_committed(&self, job: &str, gen: u64, keep: bool) {
-        self.table.locked().persistent_committed(job, gen, keep)
+    pub fn persistent_committed(&self, job: &str, gen: u64) {
+        self.table.locked().persistent_committed(job, gen)
+    }
+
+    pub fn set_policy(&self, job: &str, policy: psls_ckpt::cleaning::Policy) {
+        self.table.locked().set_policy(job, policy)
+    }
+
+    /// What a cleaner round at `gen` wrote of `file` here (`data`: the pages in order), kept
+    /// aside when the job's policy keeps it (copied only then).
+    pub fn keep_written(&self, file: FileId, role: Role, indices: &[u64], gen: u64, data: &[u8]) {
+        let mut t = self.table.locked();
+        if !t.wants_written(file) || data.len() != indices.len() * PAGE_SIZE {
+            return;
+        }
+        let pages = data.chunks(PAGE_SIZE).map(bytes::Bytes::copy_from_slice).collect();
+        t.keep_written(file, role, indices, gen, pages)
     }
 
     pub fn persistent_aborted(&self, job: &str, gen: u64) {

@@ -184,6 +184,12 @@ pub async fn launch(
         .level
         .parse()
         .map_err(|e: String| OpError::new(ErrorKind::Invalid, e))?;
+    let cleaning = match checkpoint.cleaning.as_str() {
+        "" => node.default_cleaning(),
+        p => p
+            .parse::<psls_ckpt::cleaning::Policy>()
+            .map_err(|e| OpError::new(ErrorKind::Invalid, e))?,
+    };
     let spec = JobSpec {
         job: job.clone(),
         launcher: node.name().to_string(),
@@ -203,6 +209,7 @@ pub async fn launch(
             checkpoint.persistent_interval_s,
             node.cfg.cluster.persistent_interval_s.saturating_mul(1000),
         ),
+        cleaning,
         attempt: 0,
         restart_epoch: 0,
     };

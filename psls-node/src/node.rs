@@ -132,6 +132,15 @@ impl Node {
         &self.me.name
     }
 
+    /// The cluster's cleaning policy (checked when the daemon started).
+    pub fn default_cleaning(&self) -> psls_ckpt::cleaning::Policy {
+        self.cfg
+            .cluster
+            .cleaning
+            .parse()
+            .unwrap_or(psls_ckpt::cleaning::Policy::P1)
+    }
+
     /// Wires the daemon's request handler (for requests to this node itself) and what shared
     /// memory adds to heartbeats. Called once, at start-up.
     pub fn wire(&self, local: Arc<dyn Handler>, beat: SvmBeat) {
@@ -617,8 +626,11 @@ impl Node {
                 // A recovery copy of these pages held here is older: a cleaner round at `gen`
                 // must not write it over them.
                 self.frames.supersede(file, &indices, gen);
+                let kept = data.clone();
                 blocking(move || store.write_batch(file, role, gen, &refs, &data)).await??;
                 self.store_page_writes.fetch_add(pages as u64, Ordering::Relaxed);
+                // A cleaning policy may keep what a cleaner wrote as recovery copies.
+                self.frames.keep_written(file, role, &indices, gen, &kept);
                 tracing::debug!(node = %self.me.name, %file, pages, wait_us, write_us = t.elapsed().as_micros() as u64, "checkpoint pages stored");
             }
             WriteGen::Same { gens } => {

@@ -52,9 +52,11 @@ pub struct JobSpec {
     pub max_restarts: u32,
     /// How long a rollback waits for a failed node to come back.
     pub respawn_timeout_ms: u64,
-    /// Which level safe points take, and how often the cleaner comes with `Auto`.
+    /// Which level safe points take, how often the cleaner comes with `Auto`, and what stays
+    /// in memory after it.
     pub level: psls_ckpt::msg::Choice,
     pub persistent_interval_ms: u64,
+    pub cleaning: psls_ckpt::cleaning::Policy,
     /// Which start of the job this is (0: the first; each restart after a failure adds one).
     pub attempt: u32,
     /// The checkpoint the ranks restart from (0: a fresh start).
@@ -87,6 +89,7 @@ pub struct SafeCall {
     pub timeout_ms: u64,
     pub level: psls_ckpt::msg::Choice,
     pub persistent_interval_ms: u64,
+    pub cleaning: psls_ckpt::cleaning::Policy,
     /// The files the rank maps writable.
     pub files: Vec<FileId>,
     /// The job's owner (its checkpoint area is theirs).

@@ -34,25 +34,15 @@ fn cluster(points: &str, fault_disk: bool) -> (Cluster, std::path::PathBuf) {
 /// segment, with a safe-point call (its step as state) at the top of every step; persistent
 /// checkpoints (the failpoints are in their writes and commit record).
 fn start(c: &Cluster, launcher: &str) -> Child {
+    start_at(c, launcher, "persistent")
+}
+
+/// [`start`] with checkpoints at `level`.
+fn start_at(c: &Cluster, launcher: &str, level: &str) -> Child {
     let steps = STEPS.to_string();
     c.cmd(&[
-        "--node",
-        launcher,
-        "run",
-        "-n",
-        "4",
-        "--level",
-        "persistent",
-        "--",
-        PROBE,
-        "steps",
-        "kp",
-        "4",
-        &steps,
-        "99",
-        "64",
-        "40",
-        "vol",
+        "--node", launcher, "run", "-n", "4", "--level", level, "--", PROBE, "steps", "kp", "4", &steps, "99", "64",
+        "40", "vol",
     ])
     .stdout(Stdio::piped())
     .stderr(Stdio::piped())
@@ -241,4 +231,41 @@ fn a_slow_checkpoint_and_a_slow_rollback_show_their_progress_in_psls_jobs() {
     });
     assert_eq!(seen, vec!["ckpt.write.n1", "rollback.drop.n2"], "{err}");
     assert_sums(&out, &err);
+}
+
+#[test]
+fn memory_checkpoints_killed_in_phase_1_and_in_phase_2_and_their_coordinator_after_the_decision() {
+    // n2 dies halfway through sending checkpoint 3's pages to their holders (phase 1: 3 never
+    // commits); then n1 dies told that a later checkpoint committed, before its phase 2 (the
+    // others committed it: it is restored from their copies); then the coordinator dies with a
+    // checkpoint decided, before the ranks were answered.
+    let (c, dir) = cluster("ckpt.mem.write/n2@3,ckpt.mem.commit/n1@5,ckpt.answer@9", false);
+    let (out, err) = run_through(&c, start_at(&c, "n3", "memory"), &dir, &mut |_| {});
+    let points: Vec<String> = fired(&dir).into_iter().map(|(p, _)| p).collect();
+    assert_eq!(
+        points,
+        vec!["ckpt.answer", "ckpt.mem.commit.n1", "ckpt.mem.write.n2"],
+        "{err}"
+    );
+    assert_sums(&out, &err);
+    let from: Vec<u64> = err
+        .lines()
+        .filter(|l| l.starts_with("psls: job "))
+        .filter_map(|l| {
+            l.split("restarted from checkpoint ")
+                .nth(1)?
+                .split(' ')
+                .next()?
+                .parse()
+                .ok()
+        })
+        .collect();
+    assert_eq!(from.len(), 3, "{err}");
+    // Phase 1 of 3 failed: back to 2.
+    assert_eq!(from[0], 2, "{err}");
+    // Every later rollback went to a checkpoint after the one before.
+    assert!(from[1] > from[0] && from[2] > from[1], "{from:?}\n{err}");
+    // No persistent checkpoint: every rollback was in memory (recovery copies re-created).
+    assert!(c.logs_contain("recovery copies re-created"));
+    assert!(!c.logs_contain("both recovery copies of some pages are lost"));
 }

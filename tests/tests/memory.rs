@@ -104,6 +104,14 @@ fn a_kill_rolls_back_to_the_memory_checkpoint_and_two_neighbours_killed_to_the_p
         let mut run = start(&c, "n0", &[]);
         let (job, rest) = job_id(&mut run);
         let (memory, persistent) = wait_memory_checkpoint(&c, &job);
+        // The recovery copies show in the nodes' counters (heartbeats, `psls cluster status`).
+        let frames: u64 = c
+            .status()
+            .nodes
+            .iter()
+            .map(|n| n.recovery_frames + n.pre_recovery_frames)
+            .sum();
+        assert!(frames > 0, "{:?}", c.status());
         for v in victims {
             c.kill(v);
         }
@@ -183,4 +191,30 @@ fn with_too_little_memory_for_a_memory_checkpoint_the_cleaner_takes_every_one() 
     // Pinned to memory, a checkpoint that does not fit goes to the cleaner too.
     let (j, _) = finish_json(start(&c, "n1", &["--level", "memory"]), "memory pinned, 1 MiB per node");
     assert_eq!(j["checkpoints"], 20, "{j}");
+}
+
+#[test]
+fn mgs_completes_under_every_cleaning_policy_with_a_failure_after_a_cleaner() {
+    let c = Cluster::start(4, 0);
+    let (want, _) = finish(start(&c, "n0", &["--level", "persistent"]), "the unfailed run");
+    for policy in ["none", "total", "p1", "p2", "p3", "lru:300"] {
+        // A cleaner every second or so, memory checkpoints between.
+        let mut run = start(&c, "n1", &["--cleaning", policy, "--persistent-interval", "1"]);
+        let (job, rest) = job_id(&mut run);
+        let what = format!("cleaning {policy}");
+        // After a cleaner that followed memory checkpoints (the policy then acted), n3 dies.
+        wait_for(Duration::from_secs(60), "a cleaner after memory checkpoints", || {
+            entry(&c, &job).is_some_and(|e| e["level"] == "memory" && e["persistent_epoch"].as_u64().unwrap_or(0) > 1)
+        });
+        c.kill("n3");
+        std::thread::sleep(Duration::from_millis(300));
+        c.ok(&["cluster", "up"]);
+        let (got, err) = finish_rest(run, rest, &what);
+        assert_eq!(got, want, "{what}\n{err}");
+        assert!(err.contains("restarted from checkpoint"), "{what}\n{err}");
+    }
+    // A policy that is not one is a clear error, and no job starts.
+    let o = c.run(&["run", "-n", "1", "--cleaning", "p4", "--", "true"]);
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("unknown cleaning policy 'p4'"));
 }

@@ -44,6 +44,9 @@ impl CkptShell {
         let mut inflight = tokio::task::JoinSet::new();
         let mut runs = Vec::new();
         let mut pages = 0u64;
+        // Halfway through the batches (a test's failpoint).
+        let half_pages = taken.iter().map(|t| t.indices.len()).sum::<usize>();
+        let mut sent_pages = 0usize;
         for t in &taken {
             runs.push(FileRuns {
                 file: t.file,
@@ -66,6 +69,10 @@ impl CkptShell {
                         while inflight.len() >= STORES_IN_FLIGHT {
                             reap(&mut inflight).await?;
                         }
+                        if sent_pages < half_pages && sent_pages + chunk.len() >= half_pages {
+                            crate::failpoint::pass_async(node.name(), "ckpt.mem.write").await;
+                        }
+                        sent_pages += chunk.len();
                         let req = PeerReq::Frames(FramesReq::Store {
                             job: job.to_string(),
                             epoch,

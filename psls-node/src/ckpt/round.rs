@@ -106,7 +106,7 @@ pub struct CkptShell {
     pub(super) mem_committed: Mutex<HashMap<String, u64>>,
     pub(super) last_persistent_ms: Mutex<HashMap<String, u64>>,
     /// At the coordinator: per job, the level its safe points take and its persistent interval.
-    pub(super) choices: Mutex<HashMap<String, (psls_ckpt::msg::Choice, u64)>>,
+    pub(super) choices: Mutex<HashMap<String, (psls_ckpt::msg::Choice, u64, psls_ckpt::cleaning::Policy)>>,
     /// At the coordinator: each job's last checkpoint committed here (for `psls jobs`).
     pub(super) last_ckpt: Mutex<HashMap<String, crate::peer::LastCkpt>>,
 }
@@ -239,12 +239,13 @@ impl CkptShell {
                         + 1;
                     let participants: BTreeSet<NodeId> = node.logical_map(&st).keys().map(|l| NodeId(*l)).collect();
                     let committed = self.known_committed(&job, &st);
+                    let cleaning = self.cleaning_of(&job);
                     coord
                         .start(
                             node.now_ms(),
                             &job,
                             epoch,
-                            level,
+                            (level, cleaning),
                             files.clone(),
                             participants,
                             committed,
@@ -288,6 +289,16 @@ impl CkptShell {
     /// The highest epoch of `job` this node's participant saw.
     pub(super) fn part_seen(&self, job: &str) -> u64 {
         self.part.locked().seen(job)
+    }
+
+    /// At the coordinator: `job`'s cleaning policy (its ranks' calls said it; else the
+    /// cluster's).
+    fn cleaning_of(&self, job: &str) -> psls_ckpt::cleaning::Policy {
+        self.choices
+            .locked()
+            .get(job)
+            .map(|c| c.2)
+            .unwrap_or_else(|| self.node.default_cleaning())
     }
 
     /// At the coordinator: the job's last committed epoch it knows (its commit record, or a
@@ -362,10 +373,12 @@ impl CkptShell {
                     level,
                     files,
                     committed,
+                    cleaning,
                     ..
                 } = &msg
                 {
                     if Some(from) == self.node.coordinator_now().map(|(l, _)| NodeId(l)) {
+                        self.node.frames.set_policy(job, *cleaning);
                         // A new round of the job: a memory epoch whose decision this node
                         // missed is settled by the last committed one the coordinator names;
                         // from now on loads of these files look for recovery copies first.
@@ -619,10 +632,15 @@ impl CkptShell {
             }
             PartAction::Clean { job, epoch, level } => {
                 match level {
-                    Level::Memory => self.node.frames.commit(&job, epoch),
+                    Level::Memory => {
+                        // Told the checkpoint committed, before phase 2 (a test's failpoint:
+                        // a kill here must restore this epoch, from the other nodes' copies).
+                        crate::failpoint::pass(self.node.name(), "ckpt.mem.commit");
+                        self.node.frames.commit(&job, epoch)
+                    }
                     Level::Persistent => {
                         if let Some(gen) = self.gens.locked().remove(&(job.clone(), epoch)) {
-                            self.node.frames.persistent_committed(&job, gen, true);
+                            self.node.frames.persistent_committed(&job, gen);
                         }
                     }
                 }

@@ -134,9 +134,10 @@ impl CkptShell {
         self.owners
             .locked()
             .insert(call.job.clone(), (call.uid, call.gid, call.launcher.clone()));
-        self.choices
-            .locked()
-            .insert(call.job.clone(), (call.level, call.persistent_interval_ms));
+        self.choices.locked().insert(
+            call.job.clone(),
+            (call.level, call.persistent_interval_ms, call.cleaning),
+        );
         self.drive();
         let (epoch, halt, pages) = rx
             .await
@@ -226,9 +227,11 @@ impl CkptShell {
         let level = self.choose_level(job, halt);
         let r = self.run_round(job.to_string(), files.clone(), level).await;
         match (level, r) {
-            // A memory checkpoint that could not be kept (no room on a holder, most often):
-            // the cleaner takes over at once, so the job goes on.
-            (Level::Memory, Err(e)) => {
+            // A memory checkpoint that did not fit on a holder: the cleaner takes over at once,
+            // so the job goes on. Not after any other failure: a node that died meanwhile took
+            // its pages and ranks' states with it, and a persistent round now would commit a
+            // checkpoint without them (the rollback that follows restores the last one).
+            (Level::Memory, Err(e)) if e.message.contains(psls_ckpt::frames::NO_ROOM) => {
                 tracing::info!(node = %node.name(), job, error = %e, "memory checkpoint failed; taking a persistent one");
                 self.run_round(job.to_string(), files, Level::Persistent).await
             }
@@ -243,7 +246,7 @@ impl CkptShell {
     fn choose_level(&self, job: &str, halt: bool) -> Level {
         let node = &self.node;
         let now = node.now_ms();
-        let (choice, interval_ms) = self.choices.locked().get(job).copied().unwrap_or_default();
+        let (choice, interval_ms) = self.choices.locked().get(job).map(|c| (c.0, c.1)).unwrap_or_default();
         let last = self.last_persistent_ms.locked().get(job).copied();
         if halt || choice == Choice::Persistent {
             return Level::Persistent;

@@ -140,6 +140,11 @@ pub fn status(node: &Node) -> ClusterStatus {
                 rebuild: logical
                     .filter(|l| st.rebuilding.get(l).is_some_and(|r| r.physical == n.name))
                     .map(|_| hb.as_ref().and_then(|h| h.rebuild).unwrap_or((0, 0))),
+                recovery_frames: hb.as_ref().map_or(0, |h| h.frames.recovery),
+                unsaved_frames: hb.as_ref().map_or(0, |h| h.frames.unsaved),
+                pre_recovery_frames: hb.as_ref().map_or(0, |h| h.frames.pre_recovery),
+                frame_capacity: hb.as_ref().map_or(0, |h| h.frame_capacity),
+                dirty_pages: hb.as_ref().map_or(0, |h| h.dirty_pages),
             }
         })
         .collect();
