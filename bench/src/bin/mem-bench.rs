@@ -10,7 +10,14 @@
 //! cheaper a memory checkpoint is than a persistent one (their overheads' ratio). Writes the
 //! figures as CSV (`--csv FILE`, default `mem-bench.csv`) and a JSON line.
 //!
-//! Usage: mem-bench [--rounds 3] [--vectors 1024] [--ks 50,250] [--csv FILE] [--dir DIR]
+//! With `--policies P,P,..` it measures the paper's Figure 6 instead: each cleaning policy with
+//! `auto` checkpoints (a cleaner every `--persistent-interval` seconds, 1 by default, and
+//! whenever memory runs short) on a cluster whose nodes have `--memory-mb` MiB (10 by
+//! default: one MGS memory checkpoint fits, two do not), the policy deciding how much memory
+//! the recovery copies keep after a cleaner, so whether the next checkpoint fits in memory.
+//!
+//! Usage: mem-bench [--rounds 3] [--vectors 1024] [--ks 50,250] [--csv FILE] [--dir DIR] [--keep]
+//!                  [--policies none,total,p1,p2,p3,lru:1000 [--memory-mb 10] [--persistent-interval 1]]
 //! Needs `psls`, `psls-node` and `mgs` next to this binary (`cargo build --release --workspace --bins`).
 
 use anyhow::{bail, Context, Result};
@@ -20,6 +27,12 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 struct Args {
+    /// Keep the cluster folder (its daemons' logs time every checkpoint's steps).
+    keep: bool,
+    /// Figure 6: these cleaning policies, on nodes of `memory_mb`.
+    policies: Vec<String>,
+    memory_mb: u64,
+    persistent_interval_s: u64,
     rounds: usize,
     vectors: usize,
     ks: Vec<usize>,
@@ -29,6 +42,10 @@ struct Args {
 
 fn args() -> Result<Args> {
     let mut a = Args {
+        keep: false,
+        policies: Vec::new(),
+        memory_mb: 10,
+        persistent_interval_s: 1,
         rounds: 3,
         vectors: 1024,
         ks: vec![50, 250],
@@ -37,6 +54,10 @@ fn args() -> Result<Args> {
     };
     let mut it = std::env::args().skip(1);
     while let Some(k) = it.next() {
+        if k == "--keep" {
+            a.keep = true;
+            continue;
+        }
         let mut v = || it.next().with_context(|| format!("{k} needs a value"));
         match k.as_str() {
             "--rounds" => a.rounds = v()?.parse().context("--rounds")?,
@@ -49,8 +70,11 @@ fn args() -> Result<Args> {
                     .context("--ks: numbers separated by commas")?
             }
             "--csv" => a.csv = PathBuf::from(v()?),
+            "--policies" => a.policies = v()?.split(',').map(|p| p.trim().to_string()).collect(),
+            "--memory-mb" => a.memory_mb = v()?.parse().context("--memory-mb")?,
+            "--persistent-interval" => a.persistent_interval_s = v()?.parse().context("--persistent-interval")?,
             "--dir" => a.dir = Some(PathBuf::from(v()?)),
-            _ => bail!("unknown argument {k} (use --rounds N, --vectors N, --ks K,K.., --csv FILE, --dir DIR)"),
+            _ => bail!("unknown argument {k} (use --rounds N, --vectors N, --ks K,K.., --csv FILE, --dir DIR, --keep)"),
         }
     }
     if a.rounds == 0 || a.vectors < 50 || a.ks.is_empty() || a.ks.contains(&0) {
@@ -59,11 +83,13 @@ fn args() -> Result<Args> {
     Ok(a)
 }
 
-/// One configuration: a level and a K (level "none": no checkpoints).
+/// One configuration: a series (a level or a policy; "none" with K = 0: no checkpoints), a K,
+/// and the `psls run` options it takes.
 #[derive(Clone)]
 struct Config {
-    level: &'static str,
+    level: String,
     k: usize,
+    extra: Vec<String>,
 }
 
 /// What the runs of one configuration measured.
@@ -91,18 +117,45 @@ fn main() -> Result<()> {
         .tempdir_in(a.dir.clone().unwrap_or_else(std::env::temp_dir))?;
     let cdir = tmp.path().join("cluster");
     let port = 34000 + (std::process::id() % 2000) as u16 * 8;
-    psls_client::cluster::init(&cdir, 4, 0, 1024, port, false)?;
+    let memory_mb = if a.policies.is_empty() { 1024 } else { a.memory_mb };
+    psls_client::cluster::init(&cdir, 4, 0, memory_mb, port, false)?;
     psls_client::cluster::up(&cdir, Duration::from_secs(60), true)?;
     let result = run(&a, &bin, &cdir);
     let _ = psls_client::cluster::down(&cdir);
+    if a.keep {
+        eprintln!("kept {}", tmp.keep().display());
+    }
     result
 }
 
 fn run(a: &Args, bin: &Path, cdir: &Path) -> Result<()> {
-    let mut configs = vec![Config { level: "none", k: 0 }];
+    // The run without checkpoints (K = 0; "off", not to be taken for the policy "none").
+    let mut configs = vec![Config {
+        level: "off".into(),
+        k: 0,
+        extra: Vec::new(),
+    }];
     for &k in &a.ks {
-        for level in ["memory", "persistent"] {
-            configs.push(Config { level, k });
+        if a.policies.is_empty() {
+            for level in ["memory", "persistent"] {
+                configs.push(Config {
+                    level: level.into(),
+                    k,
+                    extra: vec!["--level".into(), level.into()],
+                });
+            }
+        }
+        for p in &a.policies {
+            configs.push(Config {
+                level: p.clone(),
+                k,
+                extra: vec![
+                    "--cleaning".into(),
+                    p.clone(),
+                    "--persistent-interval".into(),
+                    a.persistent_interval_s.to_string(),
+                ],
+            });
         }
     }
     let mut figs: Vec<Figures> = vec![Figures::default(); configs.len()];
@@ -110,10 +163,7 @@ fn run(a: &Args, bin: &Path, cdir: &Path) -> Result<()> {
     for round in 0..a.rounds {
         let mut base = f64::NAN;
         for (c, cfg) in configs.iter().enumerate() {
-            let extra: Vec<&str> = match cfg.level {
-                "none" => Vec::new(),
-                level => vec!["--level", level],
-            };
+            let extra: Vec<&str> = cfg.extra.iter().map(String::as_str).collect();
             let j = run_mgs(bin, cdir, "n0", a.vectors, cfg.k, &extra)?;
             let sum = j["checksum"].as_str().unwrap_or_default().to_string();
             if checksum.is_empty() {
@@ -122,7 +172,7 @@ fn run(a: &Args, bin: &Path, cdir: &Path) -> Result<()> {
                 bail!("checksums differ between runs: {checksum} / {sum}");
             }
             let t = j["time_s"].as_f64().unwrap_or(f64::NAN);
-            if cfg.level == "none" {
+            if cfg.k == 0 {
                 base = t;
             }
             let n = j["checkpoints"].as_f64().unwrap_or(0.0);
@@ -160,8 +210,9 @@ fn run(a: &Args, bin: &Path, cdir: &Path) -> Result<()> {
             median(&mut v.to_vec())
         }
     };
-    let mut csv = String::from(
-        "level,k,time_s,ratio,checkpoints,pages_per_checkpoint,pause_ms,pause_target_ms,disk_pages_written,frames_peak_per_node\n",
+    let series = if a.policies.is_empty() { "level" } else { "policy" };
+    let mut csv = format!(
+        "{series},k,time_s,ratio,checkpoints,pages_per_checkpoint,pause_ms,pause_target_ms,disk_pages_written,frames_peak_per_node\n"
     );
     println!(
         "MGS {v}x{v}, 4 ranks on a local 4-node cluster, median of {} rounds (ratios against the run without checkpoints of the same round)",
@@ -180,7 +231,7 @@ fn run(a: &Args, bin: &Path, cdir: &Path) -> Result<()> {
             cfg.k,
             med(&f.checkpoints)
         ));
-        if cfg.level == "none" {
+        if cfg.k == 0 {
             println!("  no checkpoints: {t:.3} s");
         } else {
             println!(
@@ -195,7 +246,7 @@ fn run(a: &Args, bin: &Path, cdir: &Path) -> Result<()> {
     }
     // How many times cheaper a memory checkpoint is than a persistent one: per round, the
     // overheads (time above the run without checkpoints) divided, per checkpoint pauses too.
-    for &k in &a.ks {
+    for &k in a.ks.iter().filter(|_| a.policies.is_empty()) {
         let at = |level: &str| {
             configs
                 .iter()
@@ -210,9 +261,14 @@ fn run(a: &Args, bin: &Path, cdir: &Path) -> Result<()> {
             .map(|(p, m)| (p - 1.0) / (m - 1.0))
             .collect();
         let pause: Vec<f64> = p.pause_ms.iter().zip(&m.pause_ms).map(|(p, m)| p / m).collect();
+        let o = med(&overhead);
+        let cost = if o > 0.0 {
+            format!("1/{o:.1} of a persistent one's overhead")
+        } else {
+            "an overhead below the noise".to_string()
+        };
         println!(
-            "  K = {k:3}: a memory checkpoint costs 1/{:.1} of a persistent one's overhead, its pause 1/{:.1} (target: at least 10x cheaper)",
-            med(&overhead),
+            "  K = {k:3}: a memory checkpoint costs {cost}, its pause 1/{:.1} of a persistent one's (target: at least 10x cheaper)",
             med(&pause)
         );
     }
