@@ -118,7 +118,7 @@ pub struct Heartbeat {
     /// coherence state (0: none): that incarnation must start fenced.
     pub svm_fenced: Vec<u64>,
     /// The recovery area's frames, by category (memory checkpoints).
-    pub frames: crate::frames::FrameCounts,
+    pub frames: psls_ckpt::frames::FrameCounts,
     /// The recovery area's capacity, in frames.
     pub frame_capacity: u64,
     /// Pages held here modified since the last checkpoint took them (a memory checkpoint

@@ -40,55 +40,35 @@ impl CkptShell {
         let st = node.meta_state();
         let taken = self.take_for(job, epoch, files, &st)?;
         let take_us = t0.elapsed().as_micros() as u64;
-        let p = node.placement;
         let mut inflight = tokio::task::JoinSet::new();
-        let mut runs = Vec::new();
-        let mut pages = 0u64;
-        // Halfway through the batches (a test's failpoint).
-        let half_pages = taken.iter().map(|t| t.indices.len()).sum::<usize>();
-        let mut sent_pages = 0usize;
-        for t in &taken {
-            runs.push(FileRuns {
+        let runs: Vec<FileRuns> = taken
+            .iter()
+            .map(|t| FileRuns {
                 file: t.file,
                 runs: runs_of(&t.indices),
-            });
-            pages += t.indices.len() as u64;
-            for role in [Role::Primary, Role::Mirror] {
-                let mut by_node: BTreeMap<NodeId, Vec<usize>> = BTreeMap::new();
-                for (k, &i) in t.indices.iter().enumerate() {
-                    by_node.entry(p.holder(t.file, i, role)).or_default().push(k);
-                }
-                for (l, ks) in by_node {
-                    let phys = node.physical_of(&st, l);
-                    for chunk in ks.chunks(BATCH_PAGES) {
-                        let indices: Vec<u64> = chunk.iter().map(|&k| t.indices[k]).collect();
-                        let mut data = crate::peer::batch_pool().get();
-                        for &k in chunk {
-                            data.extend_from_slice(&t.data[k * PAGE_SIZE..][..PAGE_SIZE]);
-                        }
-                        while inflight.len() >= STORES_IN_FLIGHT {
-                            reap(&mut inflight).await?;
-                        }
-                        if sent_pages < half_pages && sent_pages + chunk.len() >= half_pages {
-                            crate::failpoint::pass_async(node.name(), "ckpt.mem.write").await;
-                        }
-                        sent_pages += chunk.len();
-                        let req = PeerReq::Frames(FramesReq::Store {
-                            job: job.to_string(),
-                            epoch,
-                            committed,
-                            file: t.file,
-                            role,
-                            indices,
-                        });
-                        let (node, phys) = (node.clone(), phys.clone());
-                        inflight.spawn(async move {
-                            let r = node.call_data_ok(&phys, req, bytes::Bytes::from_owner(data)).await;
-                            r.map(|_| ())
-                        });
-                    }
-                }
+            })
+            .collect();
+        let pages: u64 = taken.iter().map(|t| t.indices.len() as u64).sum();
+        let mut halfway = super::batches::Halfway::new(&taken);
+        for b in super::batches::batches(node.placement, &taken) {
+            while inflight.len() >= STORES_IN_FLIGHT {
+                reap(&mut inflight).await?;
             }
+            halfway.next(node.name(), b.indices.len(), "ckpt.mem.write").await;
+            let phys = node.physical_of(&st, b.holder);
+            let req = PeerReq::Frames(FramesReq::Store {
+                job: job.to_string(),
+                epoch,
+                committed,
+                file: b.file,
+                role: b.role,
+                indices: b.indices,
+            });
+            let node = node.clone();
+            inflight.spawn(async move {
+                let r = node.call_data_ok(&phys, req, bytes::Bytes::from_owner(b.data)).await;
+                r.map(|_| ())
+            });
         }
         while !inflight.is_empty() {
             reap(&mut inflight).await?;

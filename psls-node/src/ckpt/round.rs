@@ -23,7 +23,7 @@
 use crate::failstop::Locked;
 use crate::node::Node;
 use crate::op::OpError;
-use crate::peer::{PeerReq, PeerResp, WriteGen, BATCH_PAGES};
+use crate::peer::{PeerReq, PeerResp, WriteGen};
 use crate::svm::SvmShell;
 use psls_ckpt::msg::Level;
 use psls_ckpt::{CoordAction, Coordinator, Msg, Outcome, PartAction, Participant};
@@ -31,7 +31,6 @@ use psls_cluster::write::{Write, WriteAction};
 use psls_ipc::ErrorKind;
 use psls_pfs::jobs::FileRuns;
 use psls_pfs::meta::MetaOp;
-use psls_pfs::Role;
 use psls_svm::{FileId, NodeId, PAGE_SIZE};
 use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -677,52 +676,31 @@ impl CkptShell {
         let st = node.meta_reached(seq).await?;
         let taken = self.take_for(job, epoch, files, &st)?;
         let take_ms = t0.elapsed().as_millis() as u64;
-        let p = node.placement;
         let mut write = Write::new();
         let mut inflight = tokio::task::JoinSet::new();
-        let mut runs = Vec::new();
-        let mut pages = 0u64;
-        // Halfway through the batches (a test's failpoint).
-        let half_pages = taken.iter().map(|t| t.indices.len()).sum::<usize>();
-        let mut sent_pages = 0usize;
-        for t in &taken {
-            runs.push(FileRuns {
+        let runs: Vec<FileRuns> = taken
+            .iter()
+            .map(|t| FileRuns {
                 file: t.file,
                 runs: runs_of(&t.indices),
-            });
-            pages += t.indices.len() as u64;
-            for role in [Role::Primary, Role::Mirror] {
-                // Per holder, batches of its pages.
-                let mut by_node: HashMap<NodeId, Vec<usize>> = HashMap::new();
-                for (k, &i) in t.indices.iter().enumerate() {
-                    by_node.entry(p.holder(t.file, i, role)).or_default().push(k);
-                }
-                for (l, ks) in by_node {
-                    let phys = node.physical_of(&st, l);
-                    for chunk in ks.chunks(BATCH_PAGES) {
-                        let indices: Vec<u64> = chunk.iter().map(|&k| t.indices[k]).collect();
-                        let mut data = crate::peer::batch_pool().get();
-                        for &k in chunk {
-                            data.extend_from_slice(&t.data[k * PAGE_SIZE..][..PAGE_SIZE]);
-                        }
-                        while inflight.len() >= WRITES_IN_FLIGHT {
-                            reap(&mut inflight, &mut write).await;
-                        }
-                        if sent_pages < half_pages && sent_pages + chunk.len() >= half_pages {
-                            crate::failpoint::pass_async(node.name(), "ckpt.write").await;
-                        }
-                        sent_pages += chunk.len();
-                        write.sent(&phys);
-                        let (node, phys, file) = (node.clone(), phys.clone(), t.file);
-                        inflight.spawn(async move {
-                            let data = bytes::Bytes::from_owner(data);
-                            let gen = WriteGen::New { gen, seq };
-                            let r = crate::pfs::write_to_phys(&node, &phys, file, role, gen, indices, data).await;
-                            (phys, r)
-                        });
-                    }
-                }
+            })
+            .collect();
+        let pages: u64 = taken.iter().map(|t| t.indices.len() as u64).sum();
+        let mut halfway = super::batches::Halfway::new(&taken);
+        for b in super::batches::batches(node.placement, &taken) {
+            while inflight.len() >= WRITES_IN_FLIGHT {
+                reap(&mut inflight, &mut write).await;
             }
+            halfway.next(node.name(), b.indices.len(), "ckpt.write").await;
+            let phys = node.physical_of(&st, b.holder);
+            write.sent(&phys);
+            let node = node.clone();
+            inflight.spawn(async move {
+                let data = bytes::Bytes::from_owner(b.data);
+                let gen = WriteGen::New { gen, seq };
+                let r = crate::pfs::write_to_phys(&node, &phys, b.file, b.role, gen, b.indices, data).await;
+                (phys, r)
+            });
         }
         while !inflight.is_empty() {
             reap(&mut inflight, &mut write).await;
