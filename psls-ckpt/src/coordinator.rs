@@ -29,8 +29,16 @@
 //! epochs they prepared and never saw decided (`InDoubt`, or a `Prepared` for no round here):
 //! it fences each once and tells them the outcome (the commit record decides).
 //!
-//! Invariants: `Commit` only after every participant of the round answered `Prepared` for that
-//! epoch; a participant is told `commit: true` only after the record committed; each round
+//! Early release: each participant says `Taken` as soon as it took its pages (copies of their
+//! own, write-protected in the clients); with every participant's in, the shell is told
+//! [`CoordAction::Released`] and lets the job's ranks go on while the pages are kept and the
+//! round decides (a failure before the decision restores the checkpoint before, exactly as
+//! if the ranks had waited; an abort without a failure makes the pages dirty again, so the
+//! next checkpoint takes them).
+//!
+//! Invariants: `Released` only after every participant of the round said `Taken` (or
+//! `Prepared`) for that epoch, at most once per round and before its `Finished`; `Commit` only
+//! after every participant of the round answered `Prepared` for that epoch; a participant is told `commit: true` only after the record committed; each round
 //! finishes exactly once; the tables are bounded ([`crate::MAX_ROUNDS`],
 //! [`crate::MAX_IN_DOUBT`]).
 
@@ -70,6 +78,14 @@ pub enum CoordAction {
         gen: u64,
         files: Vec<FileRuns>,
         bytes: u64,
+    },
+    /// Every participant of `epoch` took its pages (`pages` in all, the ranks' states
+    /// included): the job's ranks may go on while the round keeps the pages and decides.
+    /// Once per round, before its `Finished`, and only in a round still collecting.
+    Released {
+        job: String,
+        epoch: u64,
+        pages: u64,
     },
     /// Make sure `epoch` never commits (`MetaOp::FenceCheckpoint`), then call
     /// [`Coordinator::fenced`] with what the record says.
@@ -145,6 +161,8 @@ pub struct Progress {
     /// Participants that have not reported their pages durable yet.
     pub waiting: Vec<NodeId>,
     pub participants: usize,
+    /// Every participant took its pages: the ranks run on.
+    pub released: bool,
 }
 
 #[derive(Debug)]
@@ -157,6 +175,11 @@ struct Round {
     files: Vec<FileId>,
     participants: BTreeSet<NodeId>,
     waiting: BTreeSet<NodeId>,
+    /// Participants that have not said they took their pages yet.
+    untaken: BTreeSet<NodeId>,
+    taken_pages: u64,
+    released: bool,
+    coord_inc: u64,
     written: BTreeMap<FileId, Vec<(u64, u64)>>,
     bytes: u64,
     started_ms: u64,
@@ -174,6 +197,8 @@ struct Doubt {
 #[derive(Debug)]
 pub struct Coordinator {
     timeout_ms: u64,
+    /// This coordinator's incarnation: its rounds' messages carry it.
+    inc: u64,
     rounds: BTreeMap<String, Round>,
     doubts: BTreeMap<(String, u64), Doubt>,
     /// Per job, the highest epoch a participant reported seeing in a refusal (bounded by
@@ -183,10 +208,13 @@ pub struct Coordinator {
 }
 
 impl Coordinator {
-    /// A coordinator whose rounds abort when not all prepared within `timeout_ms`.
-    pub fn new(timeout_ms: u64) -> Coordinator {
+    /// A coordinator whose rounds abort when not all prepared within `timeout_ms`, on a node
+    /// of incarnation `inc` (each start of the node a new one: the answers to a round of a
+    /// predecessor with the same epoch are not this one's).
+    pub fn new(timeout_ms: u64, inc: u64) -> Coordinator {
         Coordinator {
             timeout_ms,
+            inc,
             rounds: BTreeMap::new(),
             doubts: BTreeMap::new(),
             seen: BTreeMap::new(),
@@ -201,6 +229,11 @@ impl Coordinator {
     /// Whether a round of `job` is in progress.
     pub fn busy(&self, job: &str) -> bool {
         self.rounds.contains_key(job)
+    }
+
+    /// Whether `job`'s round in progress let its ranks go on (every participant took).
+    pub fn released(&self, job: &str) -> bool {
+        self.rounds.get(job).is_some_and(|r| r.released)
     }
 
     /// `job`'s round in progress: its epoch, what it does, since when, and the participants
@@ -219,6 +252,7 @@ impl Coordinator {
             started_ms: r.started_ms,
             waiting: r.waiting.iter().copied().collect(),
             participants: r.participants.len(),
+            released: r.released,
         })
     }
 
@@ -260,6 +294,10 @@ impl Coordinator {
                 seq: 0,
                 files,
                 waiting: participants.clone(),
+                untaken: participants.clone(),
+                taken_pages: 0,
+                released: false,
+                coord_inc: self.inc,
                 participants,
                 written: BTreeMap::new(),
                 bytes: 0,
@@ -297,6 +335,7 @@ impl Coordinator {
                     files: r.files.clone(),
                     committed,
                     cleaning: r.cleaning,
+                    coord_inc: self.inc,
                 },
             });
         }
@@ -325,15 +364,35 @@ impl Coordinator {
     pub fn receive(&mut self, from: NodeId, msg: Msg) {
         let (job, epoch) = (msg.job().to_string(), msg.epoch());
         let current = self.rounds.get(&job).map(|r| r.epoch);
+        // An answer to a round of this epoch that another coordinator incarnation started is
+        // not an answer to this one's.
+        let mine = |inc: u64| inc == self.inc;
         match msg {
+            Msg::Taken { pages, coord_inc, .. } if current == Some(epoch) && mine(coord_inc) => {
+                let Some(r) = self.rounds.get_mut(&job) else { return };
+                if r.phase != Phase::Collecting || !r.untaken.remove(&from) {
+                    return;
+                }
+                r.taken_pages += pages;
+                release_if_all_took(&job, r, &mut self.actions);
+            }
             Msg::Prepared {
-                written, bytes, level, ..
-            } if current == Some(epoch) => {
+                written,
+                bytes,
+                level,
+                coord_inc,
+                ..
+            } if current == Some(epoch) && mine(coord_inc) => {
                 let Some(r) = self.rounds.get_mut(&job) else { return };
                 // A level other than the round's: a late answer to a round of the same epoch
                 // that a coordinator before this one began.
                 if r.phase != Phase::Collecting || r.level != level || !r.waiting.remove(&from) {
                     return;
+                }
+                // Kept means taken (its `Taken` may still be on its way, or lost).
+                if r.untaken.remove(&from) {
+                    r.taken_pages += written.iter().flat_map(|fr| &fr.runs).map(|(a, b)| b - a).sum::<u64>();
+                    release_if_all_took(&job, r, &mut self.actions);
                 }
                 for fr in written {
                     r.written.entry(fr.file).or_default().extend(fr.runs);
@@ -357,6 +416,7 @@ impl Coordinator {
                                 msg: Msg::Flush {
                                     job: job.clone(),
                                     epoch,
+                                    coord_inc: self.inc,
                                     gen: r.gen,
                                     seq: r.seq,
                                 },
@@ -365,7 +425,12 @@ impl Coordinator {
                     }
                 }
             }
-            Msg::Flushed { written, bytes, .. } if current == Some(epoch) => {
+            Msg::Flushed {
+                written,
+                bytes,
+                coord_inc,
+                ..
+            } if current == Some(epoch) && mine(coord_inc) => {
                 let Some(r) = self.rounds.get_mut(&job) else { return };
                 if r.phase != Phase::Flushing || !r.waiting.remove(&from) {
                     return;
@@ -393,12 +458,14 @@ impl Coordinator {
                     });
                 }
             }
-            Msg::Refused { why, seen, .. }
-                if current == Some(epoch)
-                    && self
-                        .rounds
-                        .get(&job)
-                        .is_some_and(|r| matches!(r.phase, Phase::Collecting | Phase::Flushing)) =>
+            Msg::Refused {
+                why, seen, coord_inc, ..
+            } if current == Some(epoch)
+                && mine(coord_inc)
+                && self
+                    .rounds
+                    .get(&job)
+                    .is_some_and(|r| matches!(r.phase, Phase::Collecting | Phase::Flushing)) =>
             {
                 if seen >= epoch && (self.seen.contains_key(&job) || self.seen.len() < crate::MAX_ROUNDS) {
                     let s = self.seen.entry(job.clone()).or_default();
@@ -536,6 +603,7 @@ impl Coordinator {
                 msg: Msg::Decide {
                     job: job.to_string(),
                     epoch,
+                    coord_inc: self.inc,
                     commit,
                 },
             });
@@ -635,6 +703,28 @@ impl Coordinator {
     }
 }
 
+/// `r`'s ranks go on once every participant took its pages (once per round).
+fn release_if_all_took(job: &str, r: &mut Round, actions: &mut VecDeque<CoordAction>) {
+    if r.untaken.is_empty() && !r.released {
+        r.released = true;
+        actions.push_back(CoordAction::Released {
+            job: job.to_string(),
+            epoch: r.epoch,
+            pages: r.taken_pages,
+        });
+        for &to in &r.participants {
+            actions.push_back(CoordAction::Send {
+                to,
+                msg: Msg::Go {
+                    job: job.to_string(),
+                    epoch: r.epoch,
+                    coord_inc: r.coord_inc,
+                },
+            });
+        }
+    }
+}
+
 /// Pages in `written`, each counted once.
 fn pages_of(written: &BTreeMap<FileId, Vec<(u64, u64)>>) -> u64 {
     written
@@ -673,6 +763,7 @@ mod tests {
     fn prepared(epoch: u64, runs: Vec<(u64, u64)>) -> Msg {
         Msg::Prepared {
             job: "j".into(),
+            coord_inc: 0,
             epoch,
             level: Level::Persistent,
             written: vec![FileRuns { file: FileId(1), runs }],
@@ -683,6 +774,7 @@ mod tests {
     fn flushed(epoch: u64, runs: Vec<(u64, u64)>) -> Msg {
         Msg::Flushed {
             job: "j".into(),
+            coord_inc: 0,
             epoch,
             written: vec![FileRuns { file: FileId(1), runs }],
             bytes: 0,
@@ -691,7 +783,7 @@ mod tests {
 
     #[test]
     fn commits_after_every_participant_prepared_and_then_decides() {
-        let mut c = Coordinator::new(1000);
+        let mut c = Coordinator::new(1000, 0);
         c.start(0, "j", 1, (Level::Persistent, Policy::P1), vec![FileId(1)], nodes(3), 0)
             .unwrap();
         assert_eq!(
@@ -785,7 +877,7 @@ mod tests {
 
     #[test]
     fn refusals_downs_and_timeouts_abort_before_the_record_and_a_failed_record_is_fenced() {
-        let mut c = Coordinator::new(1000);
+        let mut c = Coordinator::new(1000, 0);
         let go = |c: &mut Coordinator, epoch: u64, n: u32| {
             c.start(0, "j", epoch, (Level::Persistent, Policy::P1), vec![], nodes(n), 0)
                 .unwrap();
@@ -797,6 +889,7 @@ mod tests {
             NodeId(0),
             Msg::Refused {
                 job: "j".into(),
+                coord_inc: 0,
                 epoch: 1,
                 why: "disk".into(),
                 seen: 0,
@@ -873,7 +966,7 @@ mod tests {
 
     #[test]
     fn a_memory_round_touches_no_metadata_and_commits_on_the_last_prepared() {
-        let mut c = Coordinator::new(1000);
+        let mut c = Coordinator::new(1000, 0);
         c.start(3, "j", 5, (Level::Memory, Policy::P1), vec![FileId(1)], nodes(2), 4)
             .unwrap();
         let a = drain(&mut c);
@@ -896,6 +989,7 @@ mod tests {
         assert_eq!((p.level, p.step, p.started_ms), (Level::Memory, Step::WritingPages, 3));
         let mem = |epoch, runs| Msg::Prepared {
             job: "j".into(),
+            coord_inc: 0,
             epoch,
             level: Level::Memory,
             written: vec![FileRuns { file: FileId(1), runs }],
@@ -950,6 +1044,7 @@ mod tests {
             NodeId(0),
             Msg::Refused {
                 job: "j".into(),
+                coord_inc: 0,
                 epoch: 6,
                 why: "stale".into(),
                 seen: 9,
@@ -963,7 +1058,7 @@ mod tests {
 
     #[test]
     fn doubts_are_fenced_once_and_every_reporter_told() {
-        let mut c = Coordinator::new(1000);
+        let mut c = Coordinator::new(1000, 0);
         c.receive(
             NodeId(1),
             Msg::InDoubt {

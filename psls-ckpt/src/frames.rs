@@ -666,8 +666,19 @@ impl<D: Clone> FrameTable<D> {
     }
 
     pub fn counts(&self) -> FrameCounts {
+        let c = self.counts_where(|_| true);
+        assert_eq!(c.frames(), self.frames, "the frame count drifted");
+        FrameCounts { peak: self.peak, ..c }
+    }
+
+    /// The frames of `job` held here, by category (no peak).
+    pub fn job_counts(&self, job: &str) -> FrameCounts {
+        self.counts_where(|j| j == job)
+    }
+
+    fn counts_where(&self, want: impl Fn(&str) -> bool) -> FrameCounts {
         let mut c = FrameCounts::default();
-        for ff in self.files.values() {
+        for ff in self.files.values().filter(|ff| want(&ff.job)) {
             for s in ff.pages.values() {
                 if let Some(f) = &s.cur {
                     c.recovery += 1;
@@ -677,8 +688,6 @@ impl<D: Clone> FrameTable<D> {
                 c.pre_recovery += s.pre.is_some() as u64 + s.written.is_some() as u64;
             }
         }
-        assert_eq!(c.frames(), self.frames, "the frame count drifted");
-        c.peak = self.peak;
         c
     }
 

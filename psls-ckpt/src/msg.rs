@@ -71,13 +71,32 @@ pub enum Msg {
         committed: u64,
         /// The job's cleaning policy: what stays in memory after a cleaner.
         cleaning: crate::cleaning::Policy,
+        /// The incarnation of the coordinator that started the round: with the epoch, it
+        /// names the round (a restarted coordinator may start a memory epoch its predecessor
+        /// started too; the answers and decisions of the two rounds must not mix).
+        coord_inc: u64,
     },
+    /// Participant → coordinator: the dirty pages of `epoch` (and the ranks' states) are
+    /// taken here — copied out of the memfds, write-protected in the clients — and are now
+    /// being kept at their level; `pages` of them. Once every participant said so, the job's
+    /// ranks may go on (the checkpoint commits in the background).
+    Taken {
+        job: String,
+        epoch: u64,
+        coord_inc: u64,
+        pages: u64,
+    },
+    /// Coordinator → participant: every participant took its pages; keep yours now (held
+    /// back until then, the transfers of the nodes that took first would slow down those
+    /// that had not yet, and the ranks wait for the last one).
+    Go { job: String, epoch: u64, coord_inc: u64 },
     /// Participant → coordinator: every page taken for `epoch` is kept at its level (for a
     /// persistent one: durable on both copies).
     Prepared {
         job: String,
         epoch: u64,
         level: Level,
+        coord_inc: u64,
         written: Vec<FileRuns>,
         bytes: u64,
     },
@@ -87,6 +106,7 @@ pub enum Msg {
     Flush {
         job: String,
         epoch: u64,
+        coord_inc: u64,
         gen: u64,
         seq: u64,
     },
@@ -94,6 +114,7 @@ pub enum Msg {
     Flushed {
         job: String,
         epoch: u64,
+        coord_inc: u64,
         written: Vec<FileRuns>,
         bytes: u64,
     },
@@ -102,12 +123,20 @@ pub enum Msg {
     Refused {
         job: String,
         epoch: u64,
+        coord_inc: u64,
         why: String,
         seen: u64,
     },
     /// Coordinator → participant: the epoch committed (the pages taken are clean) or not
     /// (they are dirty again).
-    Decide { job: String, epoch: u64, commit: bool },
+    Decide {
+        job: String,
+        epoch: u64,
+        /// The round's coordinator incarnation (a fenced persistent epoch's outcome, told by
+        /// any coordinator, is taken whatever it says: the record decides).
+        coord_inc: u64,
+        commit: bool,
+    },
     /// Participant → a new coordinator: `epoch` was prepared here and never decided.
     InDoubt { job: String, epoch: u64 },
 }
@@ -116,6 +145,8 @@ impl Msg {
     pub fn job(&self) -> &str {
         match self {
             Msg::Prepare { job, .. }
+            | Msg::Taken { job, .. }
+            | Msg::Go { job, .. }
             | Msg::Prepared { job, .. }
             | Msg::Flush { job, .. }
             | Msg::Flushed { job, .. }
@@ -127,6 +158,8 @@ impl Msg {
     pub fn epoch(&self) -> u64 {
         match self {
             Msg::Prepare { epoch, .. }
+            | Msg::Taken { epoch, .. }
+            | Msg::Go { epoch, .. }
             | Msg::Prepared { epoch, .. }
             | Msg::Flush { epoch, .. }
             | Msg::Flushed { epoch, .. }

@@ -1,7 +1,8 @@
 //! One node's side of a checkpoint round, memory or persistent.
 //!
 //! On `Prepare` the shell takes the job's dirty pages it holds (they stop counting as dirty,
-//! and the taken set is kept per epoch) and keeps them at the round's level
+//! and the taken set is kept per epoch), says so with `taken` (the coordinator lets the ranks
+//! go on once every participant took), and keeps them at the round's level
 //! ([`PartAction::Write`]): as pre-recovery copies in the memories of each page's two holders,
 //! or written to both disk copies at the checkpoint's generation, durably; then it reports
 //! with `written`. In a persistent round the coordinator then asks every participant to
@@ -59,6 +60,12 @@ pub enum PartAction {
         to: NodeId,
         msg: Msg,
     },
+    /// Every participant of `epoch` took its pages: the shell's write may keep its own now (a
+    /// hint: it goes on after a while without it).
+    Go {
+        job: String,
+        epoch: u64,
+    },
     /// Epoch `epoch` committed: its taken pages are clean (and, at the memory level, the
     /// pre-recovery copies are the checkpoint's recovery copies).
     Clean {
@@ -81,10 +88,16 @@ enum State {
     Writing {
         epoch: u64,
         level: Level,
+        coord_inc: u64,
         next: Option<Box<Msg>>,
     },
     /// Kept at its level here; waiting for the decision (a persistent round flushes first).
-    Prepared { epoch: u64, level: Level, flushing: bool },
+    Prepared {
+        epoch: u64,
+        level: Level,
+        coord_inc: u64,
+        flushing: bool,
+    },
 }
 
 /// See the module documentation.
@@ -121,6 +134,13 @@ impl Participant {
     fn level_of(&self, job: &str) -> Option<Level> {
         self.jobs.get(job).map(|s| match s {
             State::Writing { level, .. } | State::Prepared { level, .. } => *level,
+        })
+    }
+
+    /// The coordinator incarnation of `job`'s round written or prepared here, if any.
+    fn inc_of(&self, job: &str) -> Option<u64> {
+        self.jobs.get(job).map(|s| match s {
+            State::Writing { coord_inc, .. } | State::Prepared { coord_inc, .. } => *coord_inc,
         })
     }
 
@@ -168,11 +188,25 @@ impl Participant {
         }
         match msg {
             Msg::Prepare { .. } => self.prepare(from, msg),
-            Msg::Decide { job, epoch, commit } => {
-                let Some(&State::Prepared { epoch: e, level, .. }) = self.jobs.get(&job) else {
+            Msg::Decide {
+                job,
+                epoch,
+                commit,
+                coord_inc,
+            } => {
+                let Some(&State::Prepared {
+                    epoch: e,
+                    level,
+                    coord_inc: mine,
+                    ..
+                }) = self.jobs.get(&job)
+                else {
                     return;
                 };
-                if e != epoch {
+                // Another round of this epoch (a memory one a restarted coordinator started
+                // again) is not decided by this decision; a persistent epoch is decided by its
+                // record, whoever tells.
+                if e != epoch || (coord_inc != mine && level == Level::Memory) {
                     return;
                 }
                 self.jobs.remove(&job);
@@ -182,16 +216,36 @@ impl Participant {
                     PartAction::Restore { job, epoch, level }
                 });
             }
-            Msg::Flush { job, epoch, gen, seq } => {
+            Msg::Go { job, epoch, coord_inc } => {
+                if let Some(State::Writing {
+                    epoch: e,
+                    coord_inc: mine,
+                    next: None,
+                    ..
+                }) = self.jobs.get(&job)
+                {
+                    if *e == epoch && *mine == coord_inc {
+                        self.actions.push_back(PartAction::Go { job, epoch });
+                    }
+                }
+            }
+            Msg::Flush {
+                job,
+                epoch,
+                gen,
+                seq,
+                coord_inc,
+            } => {
                 let Some(State::Prepared {
                     epoch: e,
                     level: Level::Persistent,
                     flushing,
+                    coord_inc: mine,
                 }) = self.jobs.get_mut(&job)
                 else {
                     return;
                 };
-                if *e != epoch || *flushing {
+                if *e != epoch || *flushing || *mine != coord_inc {
                     return;
                 }
                 *flushing = true;
@@ -203,20 +257,23 @@ impl Participant {
 
     fn prepare(&mut self, from: NodeId, msg: Msg) {
         let (job, epoch) = (msg.job(), msg.epoch());
-        let level = match &msg {
-            Msg::Prepare { level, .. } => *level,
+        let (level, coord_inc) = match &msg {
+            Msg::Prepare { level, coord_inc, .. } => (*level, *coord_inc),
             _ => return,
         };
         if let Some(&s) = self.seen.get(job) {
             // The same epoch again is a duplicate only from the same round (a coordinator that
             // restarted may reuse the epoch of a memory round nobody else saw begin).
-            let same_round = self.in_progress(job) == Some(epoch) && self.level_of(job) == Some(level);
+            let same_round = self.in_progress(job) == Some(epoch)
+                && self.level_of(job) == Some(level)
+                && self.inc_of(job) == Some(coord_inc);
             if epoch < s || (epoch == s && !same_round) {
                 self.actions.push_back(PartAction::Send {
                     to: from,
                     msg: Msg::Refused {
                         job: job.to_string(),
                         epoch,
+                        coord_inc,
                         why: format!("epoch {epoch} is not above epoch {s}, seen here"),
                         seen: s,
                     },
@@ -253,6 +310,7 @@ impl Participant {
             seq,
             files,
             committed,
+            coord_inc,
             ..
         } = msg
         else {
@@ -285,6 +343,7 @@ impl Participant {
             State::Writing {
                 epoch,
                 level,
+                coord_inc,
                 next: None,
             },
         );
@@ -299,11 +358,41 @@ impl Participant {
         });
     }
 
+    /// The shell took `pages` pages of `epoch` (the dirty pages and the ranks' states, now
+    /// copies of their own): the coordinator hears it, so the ranks may go on before the
+    /// pages are kept. Said once per write, and only while this write is still the round's.
+    pub fn taken(&mut self, job: &str, epoch: u64, pages: u64) {
+        let coord_inc = match self.jobs.get(job) {
+            Some(State::Writing {
+                epoch: e,
+                next: None,
+                coord_inc,
+                ..
+            }) if *e == epoch => *coord_inc,
+            _ => return,
+        };
+        let Some(to) = self.coordinator else { return };
+        self.actions.push_back(PartAction::Send {
+            to,
+            msg: Msg::Taken {
+                job: job.to_string(),
+                epoch,
+                coord_inc,
+                pages,
+            },
+        });
+    }
+
     /// The shell's write of `epoch` is over: durable (`Ok`: the runs written and their bytes)
     /// or failed.
     pub fn written(&mut self, job: &str, epoch: u64, result: Result<(Vec<FileRuns>, u64), String>) {
-        let (next, level) = match self.jobs.get_mut(job) {
-            Some(State::Writing { epoch: e, level, next }) if *e == epoch => (next.take(), *level),
+        let (next, level, coord_inc) = match self.jobs.get_mut(job) {
+            Some(State::Writing {
+                epoch: e,
+                level,
+                next,
+                coord_inc,
+            }) if *e == epoch => (next.take(), *level, *coord_inc),
             _ => return,
         };
         if let Some(next) = next {
@@ -334,6 +423,7 @@ impl Participant {
                     State::Prepared {
                         epoch,
                         level,
+                        coord_inc,
                         flushing: false,
                     },
                 );
@@ -343,6 +433,7 @@ impl Participant {
                         job: job.to_string(),
                         epoch,
                         level,
+                        coord_inc,
                         written,
                         bytes,
                     },
@@ -360,6 +451,7 @@ impl Participant {
                     msg: Msg::Refused {
                         job: job.to_string(),
                         epoch,
+                        coord_inc,
                         why,
                         seen: 0,
                     },
@@ -371,25 +463,28 @@ impl Participant {
     /// The shell's flush of `epoch` is over: durable (`Ok`: the runs written and their bytes)
     /// or failed (the round aborts; the decision restores the pages).
     pub fn flushed(&mut self, job: &str, epoch: u64, result: Result<(Vec<FileRuns>, u64), String>) {
-        match self.jobs.get(job) {
+        let coord_inc = match self.jobs.get(job) {
             Some(State::Prepared {
                 epoch: e,
                 flushing: true,
+                coord_inc,
                 ..
-            }) if *e == epoch => {}
+            }) if *e == epoch => *coord_inc,
             _ => return,
-        }
+        };
         let Some(to) = self.coordinator else { return };
         let msg = match result {
             Ok((written, bytes)) => Msg::Flushed {
                 job: job.to_string(),
                 epoch,
+                coord_inc,
                 written,
                 bytes,
             },
             Err(why) => Msg::Refused {
                 job: job.to_string(),
                 epoch,
+                coord_inc,
                 why,
                 seen: 0,
             },
@@ -417,6 +512,7 @@ mod tests {
     fn prepare(epoch: u64, committed: u64) -> Msg {
         Msg::Prepare {
             job: "j".into(),
+            coord_inc: 0,
             epoch,
             level: Level::Persistent,
             gen: epoch + 10,
@@ -467,6 +563,7 @@ mod tests {
             NodeId(0),
             Msg::Decide {
                 job: "j".into(),
+                coord_inc: 0,
                 epoch: 1,
                 commit: true,
             },
@@ -476,6 +573,7 @@ mod tests {
             NodeId(0),
             Msg::Decide {
                 job: "j".into(),
+                coord_inc: 0,
                 epoch: 2,
                 commit: true,
             },

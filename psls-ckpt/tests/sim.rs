@@ -165,6 +165,9 @@ struct Node {
     /// Pages held: value and dirty bit.
     mem: BTreeMap<Page, (u64, bool)>,
     taken: BTreeMap<u64, Vec<Page>>,
+    /// Every epoch this node took pages for since the job last stopped, and how many (the
+    /// taken set above goes at the decision).
+    took: BTreeMap<u64, u64>,
     /// Writes in progress: one per job from the participant, and late ones of rounds a
     /// rollback abandoned (they go on writing, as the daemon's tasks would).
     writes: Vec<WriteJob>,
@@ -186,9 +189,10 @@ impl Node {
             inc: 1,
             disk: Disk::default(),
             part: Participant::new(),
-            coord: Coordinator::new(TIMEOUT_MS),
+            coord: Coordinator::new(TIMEOUT_MS, 1),
             mem: BTreeMap::new(),
             taken: BTreeMap::new(),
+            took: BTreeMap::new(),
             writes: Vec::new(),
             started: 0,
             frames: FrameTable::new(frame_capacity),
@@ -251,6 +255,12 @@ struct World {
     memory_commits: u64,
     /// Rollbacks that returned to a memory checkpoint.
     memory_rollbacks: u64,
+    /// Rounds that let the ranks go on before their decision, and the job's writes made while
+    /// such a round was still deciding.
+    releases: u64,
+    early_writes: u64,
+    /// Pages the persistent checkpoints that finished committed said they kept.
+    persistent_pages: u64,
     trace: bool,
     /// Frames a node may hold.
     frame_capacity: u64,
@@ -323,6 +333,9 @@ impl World {
             commits: 0,
             memory_commits: 0,
             memory_rollbacks: 0,
+            releases: 0,
+            early_writes: 0,
+            persistent_pages: 0,
             trace: std::env::var("PSLS_SIM_TRACE").is_ok(),
             frame_capacity,
             cleaning,
@@ -369,7 +382,11 @@ impl World {
     /// Whether the job's ranks run: not at a safe point in a round, not stopped for a rollback,
     /// and every node up (the ranks of a failed node restart when it is back).
     fn app_runs(&self) -> bool {
-        self.rollback.is_none() && self.nodes.iter().all(|n| n.up && !n.zombie && !n.coord.busy(JOB))
+        self.rollback.is_none()
+            && self
+                .nodes
+                .iter()
+                .all(|n| n.up && !n.zombie && (!n.coord.busy(JOB) || n.coord.released(JOB)))
     }
 
     // ---- the job ----
@@ -389,6 +406,9 @@ impl World {
         }
         self.nodes[n].mem.insert(p, (val, true));
         self.app.insert(p, val);
+        if self.nodes.iter().any(|m| m.coord.busy(JOB)) {
+            self.early_writes += 1;
+        }
         self.log(|| format!("write {p:?} = {val} at {n}"));
     }
 
@@ -567,17 +587,38 @@ impl World {
             CoordAction::Fence { job, epoch } => {
                 self.submit(i, MetaOp::FenceCheckpoint { job, epoch }, Task::Fence(epoch))
             }
+            CoordAction::Released { epoch, pages, .. } => {
+                // The ranks go on (`app_runs`): every node must have taken its pages by now,
+                // so that nothing they write from here on lands in this checkpoint. (A job
+                // stopped for a rollback dropped what it took; its ranks do not run.)
+                for (k, n) in self.nodes.iter().enumerate().filter(|_| self.rollback.is_none()) {
+                    assert!(
+                        n.took.contains_key(&epoch),
+                        "round {epoch} released its ranks before node {k} took its pages"
+                    );
+                }
+                if self.rollback.is_none() {
+                    let took: u64 = self.nodes.iter().map(|n| n.took[&epoch]).sum();
+                    assert_eq!(pages, took, "round {epoch} released with a wrong page count");
+                }
+                self.releases += 1;
+                self.log(|| format!("round {epoch} released its ranks at {i}"));
+            }
             CoordAction::Finished { epoch, outcome, .. } => {
                 self.log(|| format!("round {epoch} over at {i}: {outcome:?}"));
                 match outcome {
                     Outcome::Committed {
                         level: Level::Persistent,
+                        pages,
                         ..
-                    } => assert_eq!(
-                        self.meta.job_decided(JOB, epoch),
-                        Some(true),
-                        "round {epoch} finished as committed without its record"
-                    ),
+                    } => {
+                        assert_eq!(
+                            self.meta.job_decided(JOB, epoch),
+                            Some(true),
+                            "round {epoch} finished as committed without its record"
+                        );
+                        self.persistent_pages += pages;
+                    }
                     Outcome::Committed {
                         level: Level::Memory, ..
                     } => {
@@ -618,6 +659,8 @@ impl World {
                     }
                 }
                 self.nodes[i].taken.insert(epoch, pages.iter().map(|x| x.0).collect());
+                self.nodes[i].took.insert(epoch, pages.len() as u64);
+                self.nodes[i].part.taken(JOB, epoch, pages.len() as u64);
                 self.nodes[i].writes.push(WriteJob {
                     epoch,
                     level,
@@ -627,6 +670,8 @@ impl World {
                     stage: Stage::Taken,
                 });
             }
+            // A hint to start keeping the pages: the simulated writes go at any pace anyway.
+            PartAction::Go { .. } => {}
             PartAction::Flush { epoch, gen, .. } => self.flush(i, epoch, gen),
             PartAction::Clean { epoch, level, .. } => {
                 let node = &mut self.nodes[i];
@@ -925,6 +970,8 @@ impl World {
         }
         self.nodes[i].up = true;
         self.nodes[i].inc += 1;
+        // Its coordinator is a new incarnation too.
+        self.nodes[i].coord = Coordinator::new(TIMEOUT_MS, self.nodes[i].inc);
         self.log(|| format!("restart {i}"));
     }
 
@@ -932,6 +979,7 @@ impl World {
         for m in self.nodes.iter_mut() {
             m.mem.clear();
             m.taken.clear();
+            m.took.clear();
             m.part.forget(JOB);
         }
     }
@@ -1200,30 +1248,37 @@ impl World {
     }
 }
 
-fn run(seed: u64) -> (u64, u64, u64, u64) {
+fn run(seed: u64) -> [u64; 6] {
     let mut w = World::new(seed);
     for _ in 0..STEPS {
         w.step();
     }
     w.calm();
     let writes: u64 = w.nodes.iter().map(|n| n.disk.writes).sum();
-    assert!(writes > 0 || w.commits == 0);
-    (w.commits, w.rollbacks, w.memory_commits, w.memory_rollbacks)
+    // A persistent checkpoint of pages wrote them.
+    assert!(writes > 0 || w.persistent_pages == 0);
+    [
+        w.commits,
+        w.rollbacks,
+        w.memory_commits,
+        w.memory_rollbacks,
+        w.releases,
+        w.early_writes,
+    ]
 }
 
 #[test]
 fn checkpoints_and_rollbacks_keep_exactly_one_checkpoint_on_the_disks() {
-    let (mut commits, mut rollbacks, mut memory_commits, mut memory_rollbacks) = (0, 0, 0, 0);
+    let mut total = [0u64; 6];
     let seeds = common::seeds(10_000);
     let many = seeds.end - seeds.start >= 1000;
     for seed in seeds {
         let r = std::panic::catch_unwind(|| run(seed));
         match r {
-            Ok((c, r, mc, mr)) => {
-                commits += c;
-                rollbacks += r;
-                memory_commits += mc;
-                memory_rollbacks += mr;
+            Ok(counts) => {
+                for (t, c) in total.iter_mut().zip(counts) {
+                    *t += c;
+                }
             }
             Err(e) => {
                 eprintln!(
@@ -1233,11 +1288,12 @@ fn checkpoints_and_rollbacks_keep_exactly_one_checkpoint_on_the_disks() {
             }
         }
     }
+    let [commits, rollbacks, memory_commits, memory_rollbacks, releases, early_writes] = total;
     println!(
-        "{commits} persistent and {memory_commits} memory checkpoints committed, {rollbacks} rollbacks ({memory_rollbacks} to a memory checkpoint)"
+        "{commits} persistent and {memory_commits} memory checkpoints committed, {rollbacks} rollbacks ({memory_rollbacks} to a memory checkpoint); {releases} rounds let the ranks go on before their decision, {early_writes} writes made meanwhile"
     );
     // Every kind of step happened (a single seed need not have them all).
     if many {
-        assert!(commits > 0 && rollbacks > 0 && memory_commits > 0 && memory_rollbacks > 0);
+        assert!(total.iter().all(|&c| c > 0), "{total:?}");
     }
 }

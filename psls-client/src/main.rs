@@ -528,8 +528,18 @@ fn run(cli: &Cli) -> Result<()> {
                     println!("{}", serde_json::to_string_pretty(&list)?);
                 } else {
                     println!(
-                        "{:<24} {:<10} {:>5} {:>6} {:<10} {:>21} {:>12} {:>10} {:>6}  COMMAND",
-                        "JOB", "STATE", "RANKS", "EPOCH", "LEVEL", "CHECKPOINT TIME (UTC)", "SIZE", "PAUSE", "DISK"
+                        "{:<24} {:<10} {:>5} {:>6} {:<10} {:>21} {:>12} {:>10} {:>10} {:>6} {:>17}  COMMAND",
+                        "JOB",
+                        "STATE",
+                        "RANKS",
+                        "EPOCH",
+                        "LEVEL",
+                        "CHECKPOINT TIME (UTC)",
+                        "SIZE",
+                        "PAUSE",
+                        "COMMIT",
+                        "DISK",
+                        "FRAMES R/U/P"
                     );
                     for j in list {
                         let when = if j.epoch == 0 {
@@ -537,13 +547,22 @@ fn run(cli: &Cli) -> Result<()> {
                         } else {
                             utc(j.at_unix_ms)
                         };
-                        let pause = if j.pause_us == 0 {
-                            "-".to_string()
+                        let ms = |us: u64| {
+                            if us == 0 {
+                                "-".to_string()
+                            } else {
+                                format!("{:.1} ms", us as f64 / 1000.0)
+                            }
+                        };
+                        // Recovery copies over the live nodes: of the last memory checkpoint,
+                        // of them newer than the disks, and being taken.
+                        let frames = if j.state == "running" {
+                            format!("{}/{}/{}", j.recovery_frames, j.unsaved_frames, j.pre_recovery_frames)
                         } else {
-                            format!("{:.1} ms", j.pause_us as f64 / 1000.0)
+                            "-".to_string()
                         };
                         println!(
-                            "{:<24} {:<10} {:>5} {:>6} {:<10} {:>21} {:>12} {:>10} {:>6}  {}",
+                            "{:<24} {:<10} {:>5} {:>6} {:<10} {:>21} {:>12} {:>10} {:>10} {:>6} {:>17}  {}",
                             j.job,
                             j.state,
                             j.ranks,
@@ -551,8 +570,10 @@ fn run(cli: &Cli) -> Result<()> {
                             if j.level.is_empty() { "-" } else { &j.level },
                             when,
                             format!("{:.1} MiB", j.bytes as f64 / (1 << 20) as f64),
-                            pause,
+                            ms(j.pause_us),
+                            ms(j.commit_us),
                             j.persistent_epoch,
+                            frames,
                             j.command
                         );
                         if !j.activity.is_empty() {

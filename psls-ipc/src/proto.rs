@@ -226,9 +226,16 @@ pub struct JobInfo {
     pub at_unix_ms: u64,
     pub bytes: u64,
     /// That checkpoint's level (`memory` or `persistent`) and, when its coordinator saw it
-    /// commit, its pause (from its start to its commit; 0: unknown).
+    /// commit, its pause (from its start until the ranks went on: every node had taken its
+    /// pages; 0: unknown) and its time to commit (from its start).
     pub level: String,
     pub pause_us: u64,
+    pub commit_us: u64,
+    /// A running job's recovery copies, over every live node: of its last memory checkpoint
+    /// (of which `unsaved_frames` newer than the disks), and of one being taken.
+    pub recovery_frames: u64,
+    pub unsaved_frames: u64,
+    pub pre_recovery_frames: u64,
     /// The last persistent checkpoint (what a power cut returns to).
     pub persistent_epoch: u64,
     /// What the job goes through now, if anything but running: a checkpoint in progress

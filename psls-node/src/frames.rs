@@ -153,4 +153,9 @@ impl RecoveryArea {
     pub fn counts(&self) -> FrameCounts {
         self.table.locked().counts()
     }
+
+    /// `job`'s frames here, by category.
+    pub fn job_counts(&self, job: &str) -> FrameCounts {
+        self.table.locked().job_counts(job)
+    }
 }

@@ -71,8 +71,11 @@ pub struct LastCkpt {
     pub level: String,
     pub pages: u64,
     pub bytes: u64,
-    /// From the round's start to its commit.
+    /// From the round's start until the ranks went on (every participant took its pages; a
+    /// round not from a safe point: until its commit).
     pub pause_us: u64,
+    /// From the round's start to its commit.
+    pub commit_us: u64,
     pub at_unix_ms: u64,
 }
 
@@ -431,6 +434,8 @@ pub enum PeerResp {
         seen: u64,
         /// The job's files whose loads look for recovery copies here.
         files: Vec<FileId>,
+        /// The job's frames here, by category.
+        counts: psls_ckpt::frames::FrameCounts,
     },
     /// Answer to `Frames(Recreate)`: the copies sent.
     Recreated {

@@ -231,6 +231,7 @@ async fn memory_states(node: &Arc<Node>, job: &str) -> Result<Vec<MemState>, OpE
                 pre,
                 seen,
                 files,
+                ..
             } => out.push(MemState {
                 logical: l,
                 committed,

@@ -40,6 +40,8 @@ impl CkptShell {
         let st = node.meta_state();
         let taken = self.take_for(job, epoch, files, &st)?;
         let take_us = t0.elapsed().as_micros() as u64;
+        self.took(job, epoch, &taken).await;
+        let go_us = t0.elapsed().as_micros() as u64 - take_us;
         let mut inflight = tokio::task::JoinSet::new();
         let runs: Vec<FileRuns> = taken
             .iter()
@@ -73,7 +75,8 @@ impl CkptShell {
         while !inflight.is_empty() {
             reap(&mut inflight).await?;
         }
-        tracing::info!(node = %node.name(), job, epoch, pages, take_us, store_us = t0.elapsed().as_micros() as u64 - take_us, "memory checkpoint pages kept");
+        let store_us = t0.elapsed().as_micros() as u64 - take_us - go_us;
+        tracing::info!(node = %node.name(), job, epoch, pages, take_us, go_us, store_us, "memory checkpoint pages kept");
         Ok((runs, pages * PAGE_SIZE as u64))
     }
 
@@ -185,6 +188,7 @@ impl CkptShell {
                         pre: m.pre,
                         seen: self.part_seen(&job),
                         files: node.frames.memory_files(&job),
+                        counts: node.frames.job_counts(&job),
                     },
                     none,
                 ))

@@ -39,6 +39,10 @@ use std::time::Duration;
 /// How long a round may wait for every participant's pages.
 pub(super) const ROUND_TIMEOUT_MS: u64 = 10 * 60 * 1000;
 
+/// How long a participant that took its pages waits for the coordinator's word that every
+/// participant did (`Go`) before it keeps them anyway (a hint: only the pause depends on it).
+const GO_WAIT_MS: u64 = 1000;
+
 /// Most page-write batches in flight from one participant.
 const WRITES_IN_FLIGHT: usize = 8;
 
@@ -68,8 +72,46 @@ pub(super) type SafeWaiter = tokio::sync::oneshot::Sender<Result<SafeOutcome, Op
 /// A rank's private state, with the start of the job it belongs to.
 pub(super) type RankState = (u32, Vec<u8>);
 
-/// A round's files, the callers waiting for it, and when it started.
-type RoundCallers = (Vec<FileId>, Vec<Waiter>, std::time::Instant);
+/// A round in progress at the coordinator: its files, the callers waiting for its outcome,
+/// when it started, the safe point's hook to answer the ranks early, and when it did.
+struct RoundCallers {
+    files: Vec<FileId>,
+    waiters: Vec<Waiter>,
+    started: std::time::Instant,
+    release: Option<Arc<Release>>,
+    released_us: Option<u64>,
+}
+
+/// A safe point's hook on its round: fired (once) with the epoch and the pages taken when
+/// every participant took its pages, so the ranks go on while the round keeps the pages and
+/// decides. Not fired if the round failed first.
+pub(super) struct Release {
+    tx: Mutex<Option<tokio::sync::oneshot::Sender<(u64, u64)>>>,
+    fired: std::sync::atomic::AtomicBool,
+}
+
+impl Release {
+    pub(super) fn new() -> (Arc<Release>, tokio::sync::oneshot::Receiver<(u64, u64)>) {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let r = Release {
+            tx: Mutex::new(Some(tx)),
+            fired: std::sync::atomic::AtomicBool::new(false),
+        };
+        (Arc::new(r), rx)
+    }
+
+    /// Whether the ranks were let go.
+    pub(super) fn fired(&self) -> bool {
+        self.fired.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    fn fire(&self, epoch: u64, pages: u64) {
+        if let Some(tx) = self.tx.locked().take() {
+            self.fired.store(true, std::sync::atomic::Ordering::SeqCst);
+            let _ = tx.send((epoch, pages));
+        }
+    }
+}
 
 /// See the module documentation.
 pub struct CkptShell {
@@ -108,6 +150,14 @@ pub struct CkptShell {
     pub(super) choices: Mutex<HashMap<String, (psls_ckpt::msg::Choice, u64, psls_ckpt::cleaning::Policy)>>,
     /// At the coordinator: each job's last checkpoint committed here (for `psls jobs`).
     pub(super) last_ckpt: Mutex<HashMap<String, crate::peer::LastCkpt>>,
+    /// At the coordinator: a round is over (a round waiting for its files or job goes on).
+    round_over: tokio::sync::Notify,
+    /// A participant's writes waiting for `Go`, by (job, epoch) (a `Go` before the wait leaves
+    /// its permit).
+    goes: Mutex<HashMap<(String, u64), Arc<tokio::sync::Notify>>>,
+    /// At the coordinator: jobs whose last memory round let the ranks go and then did not fit
+    /// on a holder: their next checkpoint is the cleaner.
+    pub(super) cleaner_next: Mutex<std::collections::HashSet<String>>,
 }
 
 pub(super) fn unavailable(why: impl Into<String>) -> OpError {
@@ -118,9 +168,9 @@ impl CkptShell {
     pub fn new(node: Arc<Node>, svm: Arc<SvmShell>, runtime: tokio::runtime::Handle) -> CkptShell {
         CkptShell {
             runtime,
+            coord: Mutex::new(Coordinator::new(ROUND_TIMEOUT_MS, node.incarnation)),
             node,
             svm,
-            coord: Mutex::new(Coordinator::new(ROUND_TIMEOUT_MS)),
             part: Mutex::new(Participant::new()),
             taken: Mutex::new(HashMap::new()),
             rounds: Mutex::new(HashMap::new()),
@@ -136,6 +186,9 @@ impl CkptShell {
             last_persistent_ms: Mutex::new(HashMap::new()),
             choices: Mutex::new(HashMap::new()),
             last_ckpt: Mutex::new(HashMap::new()),
+            round_over: tokio::sync::Notify::new(),
+            goes: Mutex::new(HashMap::new()),
+            cleaner_next: Mutex::new(std::collections::HashSet::new()),
         }
     }
 
@@ -199,7 +252,7 @@ impl CkptShell {
         if !self.coordinating() {
             return Ok(PeerResp::NotCoordinator);
         }
-        let done = self.run_round(job, files, Level::Persistent).await?;
+        let done = self.run_round(job, files, Level::Persistent, None).await?;
         Ok(PeerResp::CkptDone {
             epoch: done.epoch,
             pages: done.pages,
@@ -207,9 +260,41 @@ impl CkptShell {
         })
     }
 
+    /// Whether a round of `job`, or over one of `files`, is in progress here.
+    fn clashes(&self, job: &str, files: &[FileId]) -> bool {
+        let rounds = self.rounds.locked();
+        rounds.contains_key(job) || rounds.values().any(|r| r.files.iter().any(|f| files.contains(f)))
+    }
+
+    /// At the coordinator: waits until no round of `job` or over one of `files` is in
+    /// progress (a safe point's round released its ranks before it decided; the next one
+    /// waits for that decision). Err after the round timeout.
+    pub(super) async fn wait_rounds_over(&self, job: &str, files: &[FileId]) -> Result<(), OpError> {
+        let deadline = tokio::time::Instant::now() + Duration::from_millis(ROUND_TIMEOUT_MS);
+        loop {
+            // Registered before the check: a round ending in between still wakes us.
+            let over = self.round_over.notified();
+            if !self.clashes(job, files) {
+                return Ok(());
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return Err(unavailable("another checkpoint of these files is still running"));
+            }
+            // The notification, or a look again now and then (a round's end elsewhere).
+            let _ = tokio::time::timeout(Duration::from_millis(50), over).await;
+        }
+    }
+
     /// At the coordinator: runs a round of `job` over `files` (after any round of the job or
-    /// over one of the files in progress); returns once it committed.
-    async fn run_round_once(self: &Arc<Self>, job: String, files: Vec<FileId>, level: Level) -> Result<Done, OpError> {
+    /// over one of the files in progress); returns once it committed. `release`, a safe
+    /// point's hook, is fired when every participant took its pages.
+    async fn run_round_once(
+        self: &Arc<Self>,
+        job: String,
+        files: Vec<FileId>,
+        level: Level,
+        release: Option<Arc<Release>>,
+    ) -> Result<Done, OpError> {
         let node = &self.node;
         psls_pfs::jobs::validate_job(&job).map_err(OpError::from)?;
         if files.len() > MAX_CKPT_FILES {
@@ -217,12 +302,12 @@ impl CkptShell {
         }
         let (tx, rx) = tokio::sync::oneshot::channel();
         // Rounds of one job, or over one file, run one after the other.
-        let deadline = std::time::Instant::now() + Duration::from_millis(ROUND_TIMEOUT_MS);
         loop {
+            self.wait_rounds_over(&job, &files).await?;
             {
                 let mut rounds = self.rounds.locked();
-                let clash = rounds.get(&job).is_some()
-                    || rounds.values().any(|(fs, _, _)| fs.iter().any(|f| files.contains(f)));
+                let clash =
+                    rounds.get(&job).is_some() || rounds.values().any(|r| r.files.iter().any(|f| files.contains(f)));
                 if !clash {
                     let st = node.meta_state();
                     crate::pfs::check_all_serving(node, &st)?;
@@ -252,15 +337,20 @@ impl CkptShell {
                         .map_err(|e| unavailable(format!("checkpoint of {job} not started: {e:?}")))?;
                     drop(coord);
                     started.insert(job.clone(), epoch);
-                    rounds.insert(job.clone(), (files.clone(), vec![tx], std::time::Instant::now()));
+                    rounds.insert(
+                        job.clone(),
+                        RoundCallers {
+                            files: files.clone(),
+                            waiters: vec![tx],
+                            started: std::time::Instant::now(),
+                            release: release.clone(),
+                            released_us: None,
+                        },
+                    );
                     tracing::info!(node = %node.name(), job, epoch, %level, files = files.len(), "checkpoint started");
                     break;
                 }
             }
-            if std::time::Instant::now() >= deadline {
-                return Err(unavailable("another checkpoint of these files is still running"));
-            }
-            tokio::time::sleep(Duration::from_millis(5)).await;
         }
         self.drive();
         rx.await
@@ -274,12 +364,17 @@ impl CkptShell {
         job: String,
         files: Vec<FileId>,
         level: Level,
+        release: Option<Arc<Release>>,
     ) -> Result<Done, OpError> {
         let before = self.coord.locked().seen(&job);
-        match self.run_round_once(job.clone(), files.clone(), level).await {
-            Err(e) if self.coord.locked().seen(&job) > before => {
+        match self
+            .run_round_once(job.clone(), files.clone(), level, release.clone())
+            .await
+        {
+            // Not once the ranks went on: the pages taken then are the checkpoint's.
+            Err(e) if self.coord.locked().seen(&job) > before && !release.as_ref().is_some_and(|r| r.fired()) => {
                 tracing::info!(node = %self.node.name(), job, error = %e, "checkpoint epoch was stale; again above it");
-                self.run_round_once(job, files, level).await
+                self.run_round_once(job, files, level, release).await
             }
             r => r,
         }
@@ -343,6 +438,8 @@ impl CkptShell {
         self.last_persistent_ms.locked().remove(job);
         self.choices.locked().remove(job);
         self.last_ckpt.locked().remove(job);
+        self.cleaner_next.locked().remove(job);
+        self.goes.locked().retain(|(j, _), _| j != job);
         self.node.frames.end_job(job);
     }
 
@@ -365,7 +462,7 @@ impl CkptShell {
 
     fn receive(&self, from: NodeId, msg: Msg) {
         match msg {
-            Msg::Prepare { .. } | Msg::Decide { .. } | Msg::Flush { .. } => {
+            Msg::Prepare { .. } | Msg::Go { .. } | Msg::Decide { .. } | Msg::Flush { .. } => {
                 if let Msg::Prepare {
                     job,
                     epoch,
@@ -389,9 +486,11 @@ impl CkptShell {
                 }
                 self.part.locked().receive(from, msg)
             }
-            Msg::Prepared { .. } | Msg::Flushed { .. } | Msg::Refused { .. } | Msg::InDoubt { .. } => {
-                self.coord.locked().receive(from, msg)
-            }
+            Msg::Taken { .. }
+            | Msg::Prepared { .. }
+            | Msg::Flushed { .. }
+            | Msg::Refused { .. }
+            | Msg::InDoubt { .. } => self.coord.locked().receive(from, msg),
         }
     }
 
@@ -542,14 +641,26 @@ impl CkptShell {
                     me.drive();
                 });
             }
+            CoordAction::Released { job, epoch, pages } => {
+                let mut rounds = self.rounds.locked();
+                if let Some(r) = rounds.get_mut(&job) {
+                    r.released_us = Some(r.started.elapsed().as_micros() as u64);
+                    tracing::debug!(node = %self.node.name(), job, epoch, pages, release_us = r.released_us, "every participant took its pages");
+                    if let Some(hook) = &r.release {
+                        hook.fire(epoch, pages);
+                    }
+                }
+            }
             CoordAction::Finished { job, epoch, outcome } => {
-                let (waiters, started) = match self.rounds.locked().remove(&job) {
-                    Some((_, w, t)) => (w, Some(t)),
-                    None => (Vec::new(), None),
+                let round = self.rounds.locked().remove(&job);
+                self.round_over.notify_waiters();
+                let (waiters, started, released_us) = match round {
+                    Some(r) => (r.waiters, Some(r.started), r.released_us),
+                    None => (Vec::new(), None, None),
                 };
                 let r = match outcome {
                     Outcome::Committed { level, pages, bytes } => {
-                        let pause_us = started.map_or(0, |t| t.elapsed().as_micros() as u64);
+                        let commit_us = started.map_or(0, |t| t.elapsed().as_micros() as u64);
                         self.last_ckpt.locked().insert(
                             job.clone(),
                             crate::peer::LastCkpt {
@@ -557,7 +668,8 @@ impl CkptShell {
                                 level: level.to_string(),
                                 pages,
                                 bytes,
-                                pause_us,
+                                pause_us: released_us.unwrap_or(commit_us),
+                                commit_us,
                                 at_unix_ms: crate::pfs::unix_ms(),
                             },
                         );
@@ -612,6 +724,12 @@ impl CkptShell {
                     me.drive();
                 });
             }
+            PartAction::Go { job, epoch } => {
+                // Only for a write still waiting (one that waited long enough went on).
+                if let Some(go) = self.goes.locked().get(&(job, epoch)) {
+                    go.notify_one();
+                }
+            }
             PartAction::Flush { job, epoch, gen, seq } => {
                 let me = self.clone();
                 self.runtime.spawn(async move {
@@ -661,6 +779,20 @@ impl CkptShell {
         }
     }
 
+    /// This participant took `taken` for (`job`, `epoch`): the coordinator hears it (the ranks
+    /// go on once every participant took); returns once every participant did (`Go`), or
+    /// after [`GO_WAIT_MS`]: the transfers that keep the pages then do not compete for the
+    /// CPU with the nodes still taking theirs.
+    pub(super) async fn took(self: &Arc<Self>, job: &str, epoch: u64, taken: &[crate::svm::Taken]) {
+        let pages = taken.iter().map(|t| t.indices.len() as u64).sum();
+        let key = (job.to_string(), epoch);
+        let go = self.goes.locked().entry(key.clone()).or_default().clone();
+        self.part.locked().taken(job, epoch, pages);
+        self.drive();
+        let _ = tokio::time::timeout(Duration::from_millis(GO_WAIT_MS), go.notified()).await;
+        self.goes.locked().remove(&key);
+    }
+
     /// The participant's write: takes the dirty pages of `files` and writes them to both
     /// copies at `gen`, durably; returns the runs written and their bytes.
     async fn write(
@@ -675,6 +807,7 @@ impl CkptShell {
         let t0 = std::time::Instant::now();
         let st = node.meta_reached(seq).await?;
         let taken = self.take_for(job, epoch, files, &st)?;
+        self.took(job, epoch, &taken).await;
         let take_ms = t0.elapsed().as_millis() as u64;
         let mut write = Write::new();
         let mut inflight = tokio::task::JoinSet::new();

@@ -11,7 +11,7 @@
 //! epoch; each waiting rank is answered exactly once (a decision, a timeout, or the
 //! coordinator's end).
 
-use super::round::{unavailable, CkptShell, SafeOutcome};
+use super::round::{unavailable, CkptShell, Release, SafeOutcome};
 use super::states::{self, MAX_STATE_BYTES};
 use crate::failstop::Locked;
 use crate::op::OpError;
@@ -171,9 +171,38 @@ impl CkptShell {
                 files,
                 ranks,
             } => {
+                // The ranks go on once every node took its pages (the round then keeps them
+                // and decides in the background); a halt waits for the commit.
+                let (release, released) = if halt {
+                    (None, None)
+                } else {
+                    let (hook, rx) = Release::new();
+                    (Some(hook), Some(rx))
+                };
+                // Exactly one answer: by the release, if it fired, else at the round's end.
+                if let Some(rx) = released {
+                    let (me, job, ranks) = (self.clone(), job.clone(), ranks.clone());
+                    self.runtime.spawn(async move {
+                        let Ok((epoch, pages)) = rx.await else { return };
+                        crate::failpoint::pass_async(me.node.name(), "ckpt.answer").await;
+                        me.safe.locked().done(me.node.now_ms(), &job, true);
+                        me.answer(&job, &ranks, Ok((epoch, false, pages)));
+                        me.drive();
+                    });
+                }
                 let me = self.clone();
                 self.runtime.spawn(async move {
-                    let r = me.take(&job, files, ranks.len() as u32, halt).await;
+                    let r = me.take(&job, files, ranks.len() as u32, halt, release.clone()).await;
+                    if release.is_some_and(|r| r.fired()) {
+                        // The ranks went on already: a round that failed after that made its
+                        // pages dirty again (the next checkpoint takes them), or a failure
+                        // rolls the job back.
+                        if let Err(e) = &r {
+                            tracing::warn!(node = %me.node.name(), job, error = %e, "a checkpoint whose ranks went on did not commit");
+                        }
+                        me.drive();
+                        return;
+                    }
                     if r.is_ok() {
                         crate::failpoint::pass_async(me.node.name(), "ckpt.answer").await;
                     }
@@ -192,13 +221,15 @@ impl CkptShell {
         }
     }
 
-    /// Takes `job`'s checkpoint over `files` and its checkpoint area (created at its first).
+    /// Takes `job`'s checkpoint over `files` and its checkpoint area (created at its first);
+    /// `release` is fired when every node took its pages (the ranks go on then).
     async fn take(
         self: &Arc<Self>,
         job: &str,
         mut files: Vec<FileId>,
         size: u32,
         halt: bool,
+        release: Option<Arc<Release>>,
     ) -> Result<super::round::Done, OpError> {
         let node = &self.node;
         let area = states::state_file_name(job);
@@ -224,16 +255,29 @@ impl CkptShell {
         files.push(id);
         files.sort();
         files.dedup();
+        // The job's round before this one may still be deciding (its ranks went on): the level
+        // is chosen once it is over, from what it left.
+        self.wait_rounds_over(job, &files).await?;
         let level = self.choose_level(job, halt);
-        let r = self.run_round(job.to_string(), files.clone(), level).await;
+        let r = self
+            .run_round(job.to_string(), files.clone(), level, release.clone())
+            .await;
+        let went_on = release.as_ref().is_some_and(|r| r.fired());
         match (level, r) {
             // A memory checkpoint that did not fit on a holder: the cleaner takes over at once,
             // so the job goes on. Not after any other failure: a node that died meanwhile took
             // its pages and ranks' states with it, and a persistent round now would commit a
-            // checkpoint without them (the rollback that follows restores the last one).
+            // checkpoint without them (the rollback that follows restores the last one). Nor
+            // once the ranks went on: the pages are no longer those of the safe point, so the
+            // job's next safe point takes the cleaner instead.
             (Level::Memory, Err(e)) if e.message.contains(psls_ckpt::frames::NO_ROOM) => {
+                if went_on {
+                    tracing::info!(node = %node.name(), job, error = %e, "memory checkpoint did not fit after its ranks went on; the next one is the cleaner");
+                    self.cleaner_next.locked().insert(job.to_string());
+                    return Err(e);
+                }
                 tracing::info!(node = %node.name(), job, error = %e, "memory checkpoint failed; taking a persistent one");
-                self.run_round(job.to_string(), files, Level::Persistent).await
+                self.run_round(job.to_string(), files, Level::Persistent, release).await
             }
             (_, r) => r,
         }
@@ -248,7 +292,8 @@ impl CkptShell {
         let now = node.now_ms();
         let (choice, interval_ms) = self.choices.locked().get(job).map(|c| (c.0, c.1)).unwrap_or_default();
         let last = self.last_persistent_ms.locked().get(job).copied();
-        if halt || choice == Choice::Persistent {
+        let no_room_before = self.cleaner_next.locked().remove(job);
+        if halt || choice == Choice::Persistent || no_room_before {
             return Level::Persistent;
         }
         if !self.memory_fits() {

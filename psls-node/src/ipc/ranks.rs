@@ -5,6 +5,7 @@
 use super::conn::{err, misrouted, ok_or_err, send, Conn, Flow};
 use crate::dispatch::Daemon;
 use crate::op::OpError;
+use crate::peer::{PeerReq, PeerResp};
 use psls_ipc::proto::{Request, Response};
 use psls_ipc::ErrorKind;
 use std::os::fd::OwnedFd;
@@ -203,6 +204,10 @@ async fn jobs(d: &Arc<Daemon>) -> Result<Vec<psls_ipc::proto::JobInfo>, OpError>
                 String::new()
             },
             pause_us: 0,
+            commit_us: 0,
+            recovery_frames: 0,
+            unsaved_frames: 0,
+            pre_recovery_frames: 0,
             persistent_epoch: rec.epoch,
             activity,
         };
@@ -213,10 +218,40 @@ async fn jobs(d: &Arc<Daemon>) -> Result<Vec<psls_ipc::proto::JobInfo>, OpError>
             info.bytes = l.bytes;
             info.level = l.level;
             info.pause_us = l.pause_us;
+            info.commit_us = l.commit_us;
+        }
+        if running {
+            let c = job_frames(&d.node, job).await;
+            info.recovery_frames = c.recovery;
+            info.unsaved_frames = c.unsaved;
+            info.pre_recovery_frames = c.pre_recovery;
         }
         out.push(info);
     }
     Ok(out)
+}
+
+/// `job`'s recovery frames over every live node, by category (a node that does not answer in
+/// time counts none).
+async fn job_frames(node: &Arc<crate::node::Node>, job: &str) -> crate::frames::FrameCounts {
+    let st = node.meta_state();
+    let mut asks = tokio::task::JoinSet::new();
+    for (_, p) in node.logical_map(&st).into_iter().filter(|(_, p)| node.is_live(p)) {
+        let (node, job) = (node.clone(), job.to_string());
+        asks.spawn(async move {
+            let req = PeerReq::Frames(crate::peer::FramesReq::State { job });
+            node.call_data(&p, req, bytes::Bytes::new(), node.read_timeout()).await
+        });
+    }
+    let mut sum = crate::frames::FrameCounts::default();
+    while let Some(r) = asks.join_next().await {
+        if let Ok(Ok((PeerResp::MemState { counts, .. }, _))) = r {
+            sum.recovery += counts.recovery;
+            sum.unsaved += counts.unsaved;
+            sum.pre_recovery += counts.pre_recovery;
+        }
+    }
+    sum
 }
 
 /// `psls jobs rm JOB`: drops a job that is not running (its owner or root).

@@ -35,21 +35,54 @@ impl SvmShell {
                 continue;
             }
             let mut data = vec![0u8; indices.len() * PAGE_SIZE];
-            for (k, &i) in indices.iter().enumerate() {
-                let page = PageId { file, index: i };
-                if svm.as_ref().and_then(|s| s.access(page)) == Some(Access::Write) {
+            // Run by run of consecutive pages: one write-protection per stretch this node may
+            // write and per client mapping, one read of the memfd (a checkpoint's pages are
+            // mostly long runs: a syscall per page was most of the pause).
+            let writable =
+                |i: u64| svm.as_ref().and_then(|s| s.access(PageId { file, index: i })) == Some(Access::Write);
+            let mut k = 0;
+            while k < indices.len() {
+                let mut e = k + 1;
+                while e < indices.len() && indices[e] == indices[e - 1] + 1 {
+                    e += 1;
+                }
+                let mut a = k;
+                while a < e {
+                    if !writable(indices[a]) {
+                        a += 1;
+                        continue;
+                    }
+                    let mut b = a + 1;
+                    while b < e && writable(indices[b]) {
+                        b += 1;
+                    }
+                    let first = indices[a];
                     for m in seg.maps.iter().filter(|m| m.writable) {
-                        if (i as usize) * PAGE_SIZE < m.len {
-                            if let Err(e) = m.uffd.write_protect(m.addr_of(i) as *mut libc::c_void, PAGE_SIZE) {
-                                tracing::debug!(pid = m.pid, %page, error = %e, "write-protect for a checkpoint (client gone?)");
-                            }
+                        // The pages of the run this mapping covers.
+                        let end = (indices[b - 1] + 1).min(m.len.div_ceil(PAGE_SIZE) as u64);
+                        if end <= first {
+                            continue;
+                        }
+                        let len = (end - first) as usize * PAGE_SIZE;
+                        if let Err(e) = m.uffd.write_protect(m.addr_of(first) as *mut libc::c_void, len) {
+                            tracing::debug!(pid = m.pid, file = %file, first, pages = end - first, error = %e, "write-protect for a checkpoint (client gone?)");
                         }
                     }
+                    a = b;
                 }
+                let first = indices[k];
                 seg.memfd
-                    .read_exact_at(&mut data[k * PAGE_SIZE..][..PAGE_SIZE], i * PAGE_SIZE as u64)
-                    .map_err(|e| format!("reading page {page} for a checkpoint: {e}"))?;
-                seg.dirty.clear(i);
+                    .read_exact_at(&mut data[k * PAGE_SIZE..e * PAGE_SIZE], first * PAGE_SIZE as u64)
+                    .map_err(|err| {
+                        format!(
+                            "reading pages {first}..{} of {file} for a checkpoint: {err}",
+                            indices[e - 1] + 1
+                        )
+                    })?;
+                for &i in &indices[k..e] {
+                    seg.dirty.clear(i);
+                }
+                k = e;
             }
             out.push(Taken { file, indices, data });
         }
