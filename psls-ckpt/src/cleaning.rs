@@ -42,6 +42,21 @@ pub enum Policy {
     },
 }
 
+impl Policy {
+    /// How many of the pages a node held active before a rollback it loads again ahead of the
+    /// restarted ranks (`psls run --prefetch`, paper §3.3: "the same strategies as the ones
+    /// driving the cleaner algorithm variants"): what the policy keeps in memory after a
+    /// cleaner. Total cleaning keeps nothing there, so nothing; LRU keeps at most `frames` per
+    /// node; the others keep a copy of every page that was loaded, so all (`None`).
+    pub fn prefetch_limit(&self) -> Option<u64> {
+        match self {
+            Policy::Total => Some(0),
+            Policy::Lru { frames } => Some(*frames),
+            Policy::NoCleaning | Policy::P1 | Policy::P2 | Policy::P3 => None,
+        }
+    }
+}
+
 /// Every policy with its name, for benchmarks and the help text (`Lru` with a placeholder).
 pub const NAMES: &[&str] = &["none", "total", "p1", "p2", "p3", "lru:FRAMES"];
 
@@ -155,6 +170,15 @@ impl Policy {
 mod tests {
     use super::*;
     use crate::pages::test_support::{frame as f, page};
+
+    #[test]
+    fn prefetch_follows_what_each_policy_keeps_in_memory() {
+        assert_eq!(Policy::Total.prefetch_limit(), Some(0));
+        assert_eq!(Policy::Lru { frames: 300 }.prefetch_limit(), Some(300));
+        for p in [Policy::NoCleaning, Policy::P1, Policy::P2, Policy::P3] {
+            assert_eq!(p.prefetch_limit(), None, "{p}");
+        }
+    }
 
     const RO: Category = Category::Active { writable: false };
     const RW: Category = Category::Active { writable: true };

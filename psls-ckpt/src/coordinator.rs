@@ -177,6 +177,9 @@ struct Round {
     waiting: BTreeSet<NodeId>,
     /// Participants that have not said they took their pages yet.
     untaken: BTreeSet<NodeId>,
+    /// The incarnation each participant with ranks at the safe point had then (`expect`):
+    /// an answer of another one aborts the round.
+    expect: BTreeMap<NodeId, u64>,
     taken_pages: u64,
     released: bool,
     coord_inc: u64,
@@ -295,6 +298,7 @@ impl Coordinator {
                 files,
                 waiting: participants.clone(),
                 untaken: participants.clone(),
+                expect: BTreeMap::new(),
                 taken_pages: 0,
                 released: false,
                 coord_inc: self.inc,
@@ -314,6 +318,24 @@ impl Coordinator {
             Level::Memory => self.prepare(now_ms, job, 0, 0, committed),
         }
         Ok(())
+    }
+
+    /// `job`'s round of `epoch` must hear from each node of `incarnations` (a node whose ranks
+    /// reached the safe point) in that incarnation: one that restarted since lost their pages
+    /// and their states, and a round that committed without them would be the checkpoint a
+    /// rollback returns to. Called right after `start`.
+    pub fn expect(&mut self, job: &str, epoch: u64, incarnations: BTreeMap<NodeId, u64>) {
+        if let Some(r) = self.rounds.get_mut(job).filter(|r| r.epoch == epoch) {
+            r.expect = incarnations;
+        }
+    }
+
+    /// Whether an answer of `from` in incarnation `inc` may count for `job`'s round.
+    fn same_incarnation(&self, job: &str, from: NodeId, inc: u64) -> bool {
+        self.rounds
+            .get(job)
+            .and_then(|r| r.expect.get(&from))
+            .is_none_or(|want| *want == inc)
     }
 
     /// Sends the round's `Prepare` to every participant.
@@ -367,6 +389,25 @@ impl Coordinator {
         // An answer to a round of this epoch that another coordinator incarnation started is
         // not an answer to this one's.
         let mine = |inc: u64| inc == self.inc;
+        // A participant that restarted since its ranks reached the safe point: the round
+        // cannot have its pages.
+        if let Msg::Taken {
+            part_inc, coord_inc, ..
+        }
+        | Msg::Prepared {
+            part_inc, coord_inc, ..
+        } = &msg
+        {
+            let collecting = self.rounds.get(&job).is_some_and(|r| r.phase == Phase::Collecting);
+            if current == Some(epoch) && collecting && mine(*coord_inc) && !self.same_incarnation(&job, from, *part_inc)
+            {
+                self.abort(
+                    &job,
+                    format!("{from} restarted since its ranks reached the safe point (incarnation {part_inc})"),
+                );
+                return;
+            }
+        }
         match msg {
             Msg::Taken { pages, coord_inc, .. } if current == Some(epoch) && mine(coord_inc) => {
                 let Some(r) = self.rounds.get_mut(&job) else { return };
@@ -764,6 +805,7 @@ mod tests {
         Msg::Prepared {
             job: "j".into(),
             coord_inc: 0,
+            part_inc: 0,
             epoch,
             level: Level::Persistent,
             written: vec![FileRuns { file: FileId(1), runs }],
@@ -990,6 +1032,7 @@ mod tests {
         let mem = |epoch, runs| Msg::Prepared {
             job: "j".into(),
             coord_inc: 0,
+            part_inc: 0,
             epoch,
             level: Level::Memory,
             written: vec![FileRuns { file: FileId(1), runs }],
@@ -1054,6 +1097,101 @@ mod tests {
         assert_eq!(c.seen("j"), 9);
         c.forget("j");
         assert_eq!(c.seen("j"), 0);
+    }
+
+    #[test]
+    fn ranks_go_on_once_every_participant_took_and_other_rounds_or_incarnations_do_not_count() {
+        let mut c = Coordinator::new(1000, 7);
+        c.start(0, "j", 3, (Level::Memory, Policy::P1), vec![FileId(1)], nodes(3), 2)
+            .unwrap();
+        c.expect("j", 3, (0..3).map(|n| (NodeId(n), 1)).collect());
+        let a = drain(&mut c);
+        assert!(a.iter().all(|x| matches!(
+            x,
+            CoordAction::Send {
+                msg: Msg::Prepare { coord_inc: 7, .. },
+                ..
+            }
+        )));
+        let taken = |coord_inc, part_inc, pages| Msg::Taken {
+            job: "j".into(),
+            epoch: 3,
+            coord_inc,
+            part_inc,
+            pages,
+        };
+        c.receive(NodeId(0), taken(7, 1, 10));
+        // A predecessor's round of the same epoch: not this one's answer.
+        c.receive(NodeId(1), taken(6, 1, 5));
+        c.receive(NodeId(1), taken(7, 1, 20));
+        c.receive(NodeId(1), taken(7, 1, 20)); // a duplicate counts once
+        assert!(drain(&mut c).is_empty(), "node 2 has not taken");
+        assert!(!c.released("j"));
+        // Kept means taken: a `Prepared` before (or instead of) node 2's `Taken`.
+        c.receive(
+            NodeId(2),
+            Msg::Prepared {
+                job: "j".into(),
+                epoch: 3,
+                level: Level::Memory,
+                coord_inc: 7,
+                part_inc: 1,
+                written: vec![FileRuns {
+                    file: FileId(1),
+                    runs: vec![(0, 4)],
+                }],
+                bytes: 4 * 4096,
+            },
+        );
+        let a = drain(&mut c);
+        assert_eq!(
+            a.first(),
+            Some(&CoordAction::Released {
+                job: "j".into(),
+                epoch: 3,
+                pages: 34
+            }),
+            "{a:?}"
+        );
+        let goes = a
+            .iter()
+            .filter(|x| {
+                matches!(
+                    x,
+                    CoordAction::Send {
+                        msg: Msg::Go {
+                            epoch: 3,
+                            coord_inc: 7,
+                            ..
+                        },
+                        ..
+                    }
+                )
+            })
+            .count();
+        assert_eq!((goes, a.len()), (3, 4), "{a:?}");
+        assert!(c.released("j"));
+        c.receive(NodeId(2), taken(7, 1, 4));
+        assert!(drain(&mut c).is_empty(), "released once");
+        // Node 1 restarted since the safe point: its answer aborts the round.
+        c.receive(
+            NodeId(1),
+            Msg::Prepared {
+                job: "j".into(),
+                epoch: 3,
+                level: Level::Memory,
+                coord_inc: 7,
+                part_inc: 2,
+                written: vec![],
+                bytes: 0,
+            },
+        );
+        let a = drain(&mut c);
+        assert!(
+            matches!(a.last(), Some(CoordAction::Finished { outcome: Outcome::Aborted(why), .. }) if why.contains("restarted")),
+            "{a:?}"
+        );
+        assert!(!c.busy("j"));
     }
 
     #[test]

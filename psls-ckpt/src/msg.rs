@@ -84,6 +84,9 @@ pub enum Msg {
         job: String,
         epoch: u64,
         coord_inc: u64,
+        /// The participant's incarnation (a node that restarted since its ranks reached the
+        /// safe point lost their pages: the round must not commit without them).
+        part_inc: u64,
         pages: u64,
     },
     /// Coordinator → participant: every participant took its pages; keep yours now (held
@@ -97,6 +100,7 @@ pub enum Msg {
         epoch: u64,
         level: Level,
         coord_inc: u64,
+        part_inc: u64,
         written: Vec<FileRuns>,
         bytes: u64,
     },

@@ -103,6 +103,8 @@ enum State {
 /// See the module documentation.
 #[derive(Debug)]
 pub struct Participant {
+    /// This node's incarnation: its `Taken` and `Prepared` carry it.
+    inc: u64,
     coordinator: Option<NodeId>,
     jobs: BTreeMap<String, State>,
     /// The highest epoch prepared here, per job (kept across a rollback, dropped at its end).
@@ -112,13 +114,15 @@ pub struct Participant {
 
 impl Default for Participant {
     fn default() -> Self {
-        Participant::new()
+        Participant::new(0)
     }
 }
 
 impl Participant {
-    pub fn new() -> Participant {
+    /// The participant of a node of incarnation `inc`.
+    pub fn new(inc: u64) -> Participant {
         Participant {
+            inc,
             coordinator: None,
             jobs: BTreeMap::new(),
             seen: BTreeMap::new(),
@@ -378,6 +382,7 @@ impl Participant {
                 job: job.to_string(),
                 epoch,
                 coord_inc,
+                part_inc: self.inc,
                 pages,
             },
         });
@@ -434,6 +439,7 @@ impl Participant {
                         epoch,
                         level,
                         coord_inc,
+                        part_inc: self.inc,
                         written,
                         bytes,
                     },
@@ -529,7 +535,7 @@ mod tests {
 
     #[test]
     fn writes_one_epoch_at_a_time_and_settles_on_the_decision() {
-        let mut p = Participant::new();
+        let mut p = Participant::new(1);
         p.receive(NodeId(0), prepare(1, 0));
         assert!(drain(&mut p).is_empty(), "no coordinator known yet: dropped");
         p.coordinator_changed(Some(NodeId(0)));
@@ -584,7 +590,7 @@ mod tests {
 
     #[test]
     fn doubts_go_to_a_new_coordinator_and_a_later_round_settles_them() {
-        let mut p = Participant::new();
+        let mut p = Participant::new(1);
         p.coordinator_changed(Some(NodeId(0)));
         p.receive(NodeId(0), prepare(3, 2));
         drain(&mut p);

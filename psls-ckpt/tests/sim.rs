@@ -188,7 +188,7 @@ impl Node {
             zombie: false,
             inc: 1,
             disk: Disk::default(),
-            part: Participant::new(),
+            part: Participant::new(1),
             coord: Coordinator::new(TIMEOUT_MS, 1),
             mem: BTreeMap::new(),
             taken: BTreeMap::new(),
@@ -508,6 +508,12 @@ impl World {
             .start(now, JOB, epoch, (level, self.cleaning), files, all, committed)
             .is_ok()
         {
+            // The job's ranks run on every node: each must answer in the incarnation it has
+            // at the safe point.
+            let incs = (0..self.nodes.len())
+                .map(|k| (NodeId(k as u32), self.nodes[k].inc))
+                .collect();
+            self.nodes[ci].coord.expect(JOB, epoch, incs);
             self.nodes[ci].started = epoch;
             let img = self.image();
             assert_eq!(img, self.app, "the memory image differs from the job's writes");
@@ -970,8 +976,9 @@ impl World {
         }
         self.nodes[i].up = true;
         self.nodes[i].inc += 1;
-        // Its coordinator is a new incarnation too.
+        // Its coordinator and participant are a new incarnation too.
         self.nodes[i].coord = Coordinator::new(TIMEOUT_MS, self.nodes[i].inc);
+        self.nodes[i].part = Participant::new(self.nodes[i].inc);
         self.log(|| format!("restart {i}"));
     }
 

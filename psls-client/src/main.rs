@@ -103,6 +103,10 @@ enum Cmd {
         /// lru:FRAMES (default: the cluster's, p1).
         #[arg(long, default_value = "")]
         cleaning: String,
+        /// After a rollback, load again the pages each node held (as many as the cleaning
+        /// policy keeps in memory) before the ranks restart.
+        #[arg(long)]
+        prefetch: bool,
         /// Start job JOB again from its last checkpoint (after a power cut, a halt, or too
         /// many failures): its command and options are the ones it was started with.
         #[arg(long, value_name = "JOB", conflicts_with = "command")]
@@ -278,6 +282,7 @@ fn main() -> std::process::ExitCode {
         level,
         persistent_interval,
         cleaning,
+        prefetch,
         resume,
         command,
     } = &cli.cmd
@@ -290,6 +295,7 @@ fn main() -> std::process::ExitCode {
             level: level.clone(),
             persistent_interval_s: *persistent_interval,
             cleaning: cleaning.clone(),
+            prefetch: *prefetch,
             resume: resume.clone().unwrap_or_default(),
         };
         return match run_job(&cli, n.unwrap_or(0), *per_node, ckpt, command) {

@@ -207,6 +207,8 @@ pub struct CkptOptions {
     /// What stays in memory after a cleaner: `none`, `total`, `p1`, `p2`, `p3` or `lru:FRAMES`
     /// (empty: the cluster's `cleaning`).
     pub cleaning: String,
+    /// After a rollback, load again the pages that were active before the ranks restart.
+    pub prefetch: bool,
     /// `psls run --resume JOB`: start job JOB again from its last checkpoint (its command and
     /// options come from its record; the other fields are ignored).
     pub resume: String,

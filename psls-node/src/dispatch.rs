@@ -251,6 +251,14 @@ impl Daemon {
                     })
                 }
             }
+            PeerReq::RollbackPrefetch { job, limit } => match psls_pfs::jobs::validate_job(&job) {
+                Err(e) => Err(OpError::from(e)),
+                Ok(()) => {
+                    let deadline = std::time::Instant::now() + node.request_timeout / 2;
+                    let pages = self.svm.prefetch_active(&node, &job, limit, deadline).await;
+                    Ok(PeerResp::Prefetched { pages })
+                }
+            },
             PeerReq::RollbackServe { files } => {
                 if files.len() > 2 * crate::launcher::MAX_JOB_SEGMENTS {
                     Err(OpError::new(ErrorKind::Invalid, "too many files in one rollback"))

@@ -210,6 +210,7 @@ pub async fn launch(
             node.cfg.cluster.persistent_interval_s.saturating_mul(1000),
         ),
         cleaning,
+        prefetch: checkpoint.prefetch,
         attempt: 0,
         restart_epoch: 0,
     };

@@ -57,6 +57,9 @@ pub struct JobSpec {
     pub level: psls_ckpt::msg::Choice,
     pub persistent_interval_ms: u64,
     pub cleaning: psls_ckpt::cleaning::Policy,
+    /// After a rollback, the pages each node held active are loaded again before the ranks
+    /// restart (as many as the cleaning policy keeps in memory).
+    pub prefetch: bool,
     /// Which start of the job this is (0: the first; each restart after a failure adds one).
     pub attempt: u32,
     /// The checkpoint the ranks restart from (0: a fresh start).
@@ -100,6 +103,9 @@ pub struct SafeCall {
     pub gid: u32,
     /// The job's launcher (told when a halt stops the job).
     pub launcher: String,
+    /// The incarnation of the rank's node (set by that node): a checkpoint round must hear
+    /// from the same one.
+    pub node_inc: u64,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -367,6 +373,12 @@ pub enum PeerReq {
     RollbackServe {
         files: Vec<FileId>,
     },
+    /// After `RollbackServe` everywhere: load again the pages of `job` held here when they
+    /// were dropped, at most `limit` (answered with `Prefetched`).
+    RollbackPrefetch {
+        job: String,
+        limit: Option<u64>,
+    },
     /// To the coordinator: `job` rolls back; fence every epoch begun, and at least
     /// `at_least` (the highest epoch a node saw: a memory epoch of an earlier coordinator),
     /// and answer with the committed one (`Restart`).
@@ -411,6 +423,10 @@ pub enum PeerResp {
     Scrub {
         checked: u64,
         bad: Vec<BadCopy>,
+    },
+    /// Answer to `RollbackPrefetch`: the pages here now.
+    Prefetched {
+        pages: u64,
     },
     /// Answer to `JobEnded`: the volatile segments dropped.
     Dropped {

@@ -206,8 +206,39 @@ async fn roll_back_pass(
     for p in &nodes {
         node.call_ok(p, PeerReq::RollbackServe { files: all.clone() }).await?;
     }
+    if spec.prefetch {
+        step("loading again the pages that were active".into());
+        let pages = prefetch(node, job, &nodes, spec.cleaning.prefetch_limit()).await;
+        tracing::info!(node = %node.name(), job, epoch, pages, "pages prefetched after the rollback");
+    }
     tracing::warn!(node = %node.name(), job, epoch, files = files.len(), "job rolled back");
     Ok(epoch)
+}
+
+/// `psls run --prefetch`: every node loads again the pages of `job` it held when the rollback
+/// dropped them (at most `limit` each), all at once; returns how many are loaded. A node that
+/// fails to answer only loses its prefetch: its ranks fault the pages in as usual.
+async fn prefetch(node: &Arc<Node>, job: &str, nodes: &[String], limit: Option<u64>) -> u64 {
+    let mut asks = tokio::task::JoinSet::new();
+    for p in nodes {
+        let (node, p, job) = (node.clone(), p.clone(), job.to_string());
+        asks.spawn(async move {
+            let r = node.call_ok(&p, PeerReq::RollbackPrefetch { job, limit }).await;
+            (p, r)
+        });
+    }
+    let mut pages = 0;
+    while let Some(r) = asks.join_next().await {
+        match r {
+            Ok((_, Ok(PeerResp::Prefetched { pages: n }))) => pages += n,
+            Ok((p, Ok(other))) => {
+                tracing::warn!(node = %node.name(), job, peer = %p, answer = ?other, "unexpected answer to a prefetch")
+            }
+            Ok((p, Err(e))) => tracing::warn!(node = %node.name(), job, peer = %p, error = %e, "no prefetch there"),
+            Err(e) => tracing::warn!(node = %node.name(), job, error = %e, "a prefetch task failed"),
+        }
+    }
+    pages
 }
 
 /// A node's memory-checkpoint state of a job (`FramesReq::State`).
@@ -362,6 +393,7 @@ pub async fn resume(
         level: psls_ckpt::msg::Choice::Auto,
         persistent_interval_ms: node.cfg.cluster.persistent_interval_s.saturating_mul(1000),
         cleaning: node.default_cleaning(),
+        prefetch: false,
         // Exits of an earlier start are not this one's.
         attempt: sum.starts.max(1),
         restart_epoch: 0,

@@ -159,7 +159,7 @@ fn a_participant_killed_in_its_checkpoint_writes_and_a_node_killed_during_the_ro
 }
 
 #[test]
-fn the_coordinator_killed_after_the_commit_record_before_the_ranks_resume_and_during_a_rollback() {
+fn the_coordinator_killed_after_a_commit_record_before_answering_the_ranks_and_during_a_rollback() {
     let (c, dir) = cluster("ckpt.committed@3,rollback.fence,ckpt.answer@6", false);
     // The launcher is not the coordinator (n0, the lowest live logical id).
     let (out, err) = run_through(&c, start(&c, "n3"), &dir, &mut |_| {});
@@ -234,11 +234,12 @@ fn a_slow_checkpoint_and_a_slow_rollback_show_their_progress_in_psls_jobs() {
 }
 
 #[test]
-fn memory_checkpoints_killed_in_phase_1_and_in_phase_2_and_their_coordinator_after_the_decision() {
+fn memory_checkpoints_killed_in_phase_1_and_in_phase_2_and_their_coordinator_before_answering_the_ranks() {
     // n2 dies halfway through sending checkpoint 3's pages to their holders (phase 1: 3 never
     // commits); then n1 dies told that a later checkpoint committed, before its phase 2 (the
     // others committed it: it is restored from their copies); then the coordinator dies with a
-    // checkpoint decided, before the ranks were answered.
+    // checkpoint's pages taken everywhere, before the ranks were answered (they go on before
+    // the decision, which then never comes: back to the one before).
     let (c, dir) = cluster("ckpt.mem.write/n2@3,ckpt.mem.commit/n1@5,ckpt.answer@9", false);
     let (out, err) = run_through(&c, start_at(&c, "n3", "memory"), &dir, &mut |_| {});
     let points: Vec<String> = fired(&dir).into_iter().map(|(p, _)| p).collect();

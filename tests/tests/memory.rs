@@ -193,13 +193,37 @@ fn with_too_little_memory_for_a_memory_checkpoint_the_cleaner_takes_every_one() 
     assert_eq!(j["checkpoints"], 20, "{j}");
 }
 
+/// What each node's prefetch after `job`'s rollback asked for and loaded (its log lines).
+fn prefetched(c: &Cluster, job: &str) -> Vec<(u64, u64)> {
+    let field = |l: &str, k: &str| -> u64 {
+        l.split(&format!(" {k}="))
+            .nth(1)
+            .and_then(|r| r.split_whitespace().next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("no {k} in {l}"))
+    };
+    let tag = format!("job=\"{job}\"");
+    ["n0", "n1", "n2", "n3"]
+        .iter()
+        .flat_map(|n| {
+            c.log(n)
+                .lines()
+                .filter(|l| l.contains("active pages prefetched after a rollback") && l.contains(&tag))
+                .map(|l| (field(l, "asked"), field(l, "here")))
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
 #[test]
-fn mgs_completes_under_every_cleaning_policy_with_a_failure_after_a_cleaner() {
+fn mgs_completes_under_every_cleaning_policy_with_a_failure_after_a_cleaner_and_prefetches_by_its_rules() {
     let c = Cluster::start(4, 0);
     let (want, _) = finish(start(&c, "n0", &["--level", "persistent"]), "the unfailed run");
     for policy in ["none", "total", "p1", "p2", "p3", "lru:300"] {
-        // A cleaner every second or so, memory checkpoints between.
-        let mut run = start(&c, "n1", &["--cleaning", policy, "--persistent-interval", "1"]);
+        // A cleaner every second or so, memory checkpoints between; after the rollback the
+        // pages that were active are loaded again before the ranks restart.
+        let args = ["--cleaning", policy, "--persistent-interval", "1", "--prefetch"];
+        let mut run = start(&c, "n1", &args);
         let (job, rest) = job_id(&mut run);
         let what = format!("cleaning {policy}");
         // After a cleaner that followed memory checkpoints (the policy then acted), n3 dies.
@@ -212,6 +236,18 @@ fn mgs_completes_under_every_cleaning_policy_with_a_failure_after_a_cleaner() {
         let (got, err) = finish_rest(run, rest, &what);
         assert_eq!(got, want, "{what}\n{err}");
         assert!(err.contains("restarted from checkpoint"), "{what}\n{err}");
+        // Every node answered the prefetch; the survivors held MGS's vectors, and loaded all
+        // they asked for. Total cleaning keeps nothing in memory: nothing is asked for; LRU
+        // at most its frames per node.
+        let p = prefetched(&c, &job);
+        assert_eq!(p.len(), 4, "{what}: {p:?}");
+        let asked: u64 = p.iter().map(|x| x.0).sum();
+        assert!(p.iter().all(|(a, h)| a == h), "{what}: {p:?}");
+        match policy {
+            "total" => assert_eq!(asked, 0, "{what}: {p:?}"),
+            "lru:300" => assert!(asked > 0 && p.iter().all(|x| x.0 <= 300), "{what}: {p:?}"),
+            _ => assert!(asked > 0, "{what}: {p:?}"),
+        }
     }
     // A policy that is not one is a clear error, and no job starts.
     let o = c.run(&["run", "-n", "1", "--cleaning", "p4", "--", "true"]);

@@ -82,6 +82,23 @@ struct RoundCallers {
     released_us: Option<u64>,
 }
 
+/// A safe point's part in its round (the default for a round a `sync` or an unmap asked for).
+#[derive(Clone, Default)]
+pub(super) struct SafeRound {
+    /// Fired when every participant took its pages: the ranks go on (none for a halt).
+    pub release: Option<Arc<Release>>,
+    /// The incarnation of each node whose ranks reached the safe point: an answer of another
+    /// one aborts the round (`Coordinator::expect`).
+    pub expect: std::collections::BTreeMap<NodeId, u64>,
+}
+
+impl SafeRound {
+    /// Whether the ranks went on.
+    pub(super) fn released(&self) -> bool {
+        self.release.as_ref().is_some_and(|r| r.fired())
+    }
+}
+
 /// A safe point's hook on its round: fired (once) with the epoch and the pages taken when
 /// every participant took its pages, so the ranks go on while the round keeps the pages and
 /// decides. Not fired if the round failed first.
@@ -152,6 +169,9 @@ pub struct CkptShell {
     pub(super) last_ckpt: Mutex<HashMap<String, crate::peer::LastCkpt>>,
     /// At the coordinator: a round is over (a round waiting for its files or job goes on).
     round_over: tokio::sync::Notify,
+    /// At the coordinator: per job, the incarnation of each node whose ranks called, since
+    /// the last decision.
+    pub(super) arrived_incs: Mutex<HashMap<String, std::collections::BTreeMap<NodeId, u64>>>,
     /// A participant's writes waiting for `Go`, by (job, epoch) (a `Go` before the wait leaves
     /// its permit).
     goes: Mutex<HashMap<(String, u64), Arc<tokio::sync::Notify>>>,
@@ -169,9 +189,9 @@ impl CkptShell {
         CkptShell {
             runtime,
             coord: Mutex::new(Coordinator::new(ROUND_TIMEOUT_MS, node.incarnation)),
+            part: Mutex::new(Participant::new(node.incarnation)),
             node,
             svm,
-            part: Mutex::new(Participant::new()),
             taken: Mutex::new(HashMap::new()),
             rounds: Mutex::new(HashMap::new()),
             started: Mutex::new(HashMap::new()),
@@ -188,6 +208,7 @@ impl CkptShell {
             last_ckpt: Mutex::new(HashMap::new()),
             round_over: tokio::sync::Notify::new(),
             goes: Mutex::new(HashMap::new()),
+            arrived_incs: Mutex::new(HashMap::new()),
             cleaner_next: Mutex::new(std::collections::HashSet::new()),
         }
     }
@@ -252,7 +273,9 @@ impl CkptShell {
         if !self.coordinating() {
             return Ok(PeerResp::NotCoordinator);
         }
-        let done = self.run_round(job, files, Level::Persistent, None).await?;
+        let done = self
+            .run_round(job, files, Level::Persistent, SafeRound::default())
+            .await?;
         Ok(PeerResp::CkptDone {
             epoch: done.epoch,
             pages: done.pages,
@@ -287,13 +310,14 @@ impl CkptShell {
 
     /// At the coordinator: runs a round of `job` over `files` (after any round of the job or
     /// over one of the files in progress); returns once it committed. `release`, a safe
-    /// point's hook, is fired when every participant took its pages.
+    /// point's hook, is fired when every participant took its pages; every node of
+    /// `sp.expect` must answer in that incarnation.
     async fn run_round_once(
         self: &Arc<Self>,
         job: String,
         files: Vec<FileId>,
         level: Level,
-        release: Option<Arc<Release>>,
+        sp: SafeRound,
     ) -> Result<Done, OpError> {
         let node = &self.node;
         psls_pfs::jobs::validate_job(&job).map_err(OpError::from)?;
@@ -335,6 +359,7 @@ impl CkptShell {
                             committed,
                         )
                         .map_err(|e| unavailable(format!("checkpoint of {job} not started: {e:?}")))?;
+                    coord.expect(&job, epoch, sp.expect.clone());
                     drop(coord);
                     started.insert(job.clone(), epoch);
                     rounds.insert(
@@ -343,7 +368,7 @@ impl CkptShell {
                             files: files.clone(),
                             waiters: vec![tx],
                             started: std::time::Instant::now(),
-                            release: release.clone(),
+                            release: sp.release.clone(),
                             released_us: None,
                         },
                     );
@@ -364,17 +389,14 @@ impl CkptShell {
         job: String,
         files: Vec<FileId>,
         level: Level,
-        release: Option<Arc<Release>>,
+        sp: SafeRound,
     ) -> Result<Done, OpError> {
         let before = self.coord.locked().seen(&job);
-        match self
-            .run_round_once(job.clone(), files.clone(), level, release.clone())
-            .await
-        {
+        match self.run_round_once(job.clone(), files.clone(), level, sp.clone()).await {
             // Not once the ranks went on: the pages taken then are the checkpoint's.
-            Err(e) if self.coord.locked().seen(&job) > before && !release.as_ref().is_some_and(|r| r.fired()) => {
+            Err(e) if self.coord.locked().seen(&job) > before && !sp.released() => {
                 tracing::info!(node = %self.node.name(), job, error = %e, "checkpoint epoch was stale; again above it");
-                self.run_round_once(job, files, level, release).await
+                self.run_round_once(job, files, level, sp).await
             }
             r => r,
         }
@@ -440,6 +462,8 @@ impl CkptShell {
         self.last_ckpt.locked().remove(job);
         self.cleaner_next.locked().remove(job);
         self.goes.locked().retain(|(j, _), _| j != job);
+        self.arrived_incs.locked().remove(job);
+        self.svm.forget_active(job);
         self.node.frames.end_job(job);
     }
 

@@ -11,7 +11,7 @@
 //! epoch; each waiting rank is answered exactly once (a decision, a timeout, or the
 //! coordinator's end).
 
-use super::round::{unavailable, CkptShell, Release, SafeOutcome};
+use super::round::{unavailable, CkptShell, Release, SafeOutcome, SafeRound};
 use super::states::{self, MAX_STATE_BYTES};
 use crate::failstop::Locked;
 use crate::op::OpError;
@@ -126,6 +126,12 @@ impl CkptShell {
                 }
                 Err(ArriveError::Full) => return Err(unavailable("too many jobs in checkpoint calls")),
             }
+            // Which incarnation of its node each rank's call came from.
+            self.arrived_incs
+                .locked()
+                .entry(call.job.clone())
+                .or_default()
+                .insert(l, call.node_inc);
             // A call of the job's stopped start, still waiting, is over.
             if let Some((_, old)) = waiters.insert(key, (call.attempt, tx)) {
                 let _ = old.send(Err(unavailable(format!("job {} restarted", call.job))));
@@ -163,6 +169,7 @@ impl CkptShell {
                 ..
             } => {
                 self.safe.locked().done(self.node.now_ms(), &job, false);
+                self.arrived_incs.locked().remove(&job);
                 self.answer(&job, &ranks, Ok((0, false, 0)));
             }
             SafeAction::Decided {
@@ -179,6 +186,9 @@ impl CkptShell {
                     let (hook, rx) = Release::new();
                     (Some(hook), Some(rx))
                 };
+                // The nodes of the ranks, as they were when the ranks called.
+                let expect = self.arrived_incs.locked().remove(&job).unwrap_or_default();
+                let sp = SafeRound { release, expect };
                 // Exactly one answer: by the release, if it fired, else at the round's end.
                 if let Some(rx) = released {
                     let (me, job, ranks) = (self.clone(), job.clone(), ranks.clone());
@@ -192,8 +202,8 @@ impl CkptShell {
                 }
                 let me = self.clone();
                 self.runtime.spawn(async move {
-                    let r = me.take(&job, files, ranks.len() as u32, halt, release.clone()).await;
-                    if release.is_some_and(|r| r.fired()) {
+                    let r = me.take(&job, files, ranks.len() as u32, halt, sp.clone()).await;
+                    if sp.released() {
                         // The ranks went on already: a round that failed after that made its
                         // pages dirty again (the next checkpoint takes them), or a failure
                         // rolls the job back.
@@ -216,20 +226,21 @@ impl CkptShell {
             }
             SafeAction::TimedOut { job, ranks, why } => {
                 tracing::warn!(node = %self.node.name(), job, why, "checkpoint call failed");
+                self.arrived_incs.locked().remove(&job);
                 self.answer(&job, &ranks, Err(OpError::new(ErrorKind::Invalid, why)));
             }
         }
     }
 
     /// Takes `job`'s checkpoint over `files` and its checkpoint area (created at its first);
-    /// `release` is fired when every node took its pages (the ranks go on then).
+    /// `sp.release` is fired when every node took its pages (the ranks go on then).
     async fn take(
         self: &Arc<Self>,
         job: &str,
         mut files: Vec<FileId>,
         size: u32,
         halt: bool,
-        release: Option<Arc<Release>>,
+        sp: SafeRound,
     ) -> Result<super::round::Done, OpError> {
         let node = &self.node;
         let area = states::state_file_name(job);
@@ -259,10 +270,8 @@ impl CkptShell {
         // is chosen once it is over, from what it left.
         self.wait_rounds_over(job, &files).await?;
         let level = self.choose_level(job, halt);
-        let r = self
-            .run_round(job.to_string(), files.clone(), level, release.clone())
-            .await;
-        let went_on = release.as_ref().is_some_and(|r| r.fired());
+        let r = self.run_round(job.to_string(), files.clone(), level, sp.clone()).await;
+        let went_on = sp.released();
         match (level, r) {
             // A memory checkpoint that did not fit on a holder: the cleaner takes over at once,
             // so the job goes on. Not after any other failure: a node that died meanwhile took
@@ -277,7 +286,7 @@ impl CkptShell {
                     return Err(e);
                 }
                 tracing::info!(node = %node.name(), job, error = %e, "memory checkpoint failed; taking a persistent one");
-                self.run_round(job.to_string(), files, Level::Persistent, release).await
+                self.run_round(job.to_string(), files, Level::Persistent, sp).await
             }
             (_, r) => r,
         }
@@ -486,6 +495,7 @@ impl CkptShell {
         // Calls of the ranks stopped for the rollback are over; the rollback settles the
         // memory epochs.
         self.safe.locked().end(job);
+        self.arrived_incs.locked().remove(job);
         self.mem_committed.locked().remove(job);
         let waiting: Vec<(u32, NodeId)> = self
             .safe_waiters

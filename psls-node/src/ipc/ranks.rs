@@ -303,6 +303,7 @@ fn safe_call(d: &Daemon, caller: crate::pfs::Caller, pid: i32) -> crate::ckpt::S
             uid: spec.uid,
             gid: spec.gid,
             launcher: spec.launcher,
+            node_inc: d.node.incarnation,
         },
         None => crate::ckpt::SafeCall {
             job: super::memory::job_of(d, pid),
@@ -319,6 +320,7 @@ fn safe_call(d: &Daemon, caller: crate::pfs::Caller, pid: i32) -> crate::ckpt::S
             uid: caller.uid,
             gid: caller.gid,
             launcher: d.node.name().to_string(),
+            node_inc: d.node.incarnation,
         },
     }
 }

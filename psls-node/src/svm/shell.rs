@@ -24,6 +24,7 @@ impl SvmShell {
             lifelines: Mutex::new(HashMap::new()),
             next_lifeline: std::sync::atomic::AtomicU64::new(0),
             runtime,
+            active: Mutex::new(HashMap::new()),
         }
     }
 
@@ -479,7 +480,7 @@ impl SvmShell {
         self.dispatch(node, out);
     }
 
-    fn dispatch(self: &Arc<Self>, node: &Arc<Node>, mut out: Vec<Outgoing>) {
+    pub(super) fn dispatch(self: &Arc<Self>, node: &Arc<Node>, mut out: Vec<Outgoing>) {
         // Pages known to be all zeros (volatile segments, files never written) are installed
         // here, without a trip through the runtime; what that sets off is dispatched in the
         // next round. Each round completes at least one transaction, so this ends.

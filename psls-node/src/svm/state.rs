@@ -241,6 +241,9 @@ pub struct SvmShell {
     pub(super) lifelines: Mutex<Lifelines>,
     pub(super) next_lifeline: std::sync::atomic::AtomicU64,
     pub(super) runtime: tokio::runtime::Handle,
+    /// Per job, the pages of its files this node held when a rollback dropped them (what
+    /// `psls run --prefetch` loads again before the ranks restart).
+    pub(super) active: Mutex<HashMap<String, Vec<psls_svm::PageId>>>,
 }
 
 pub(super) fn errno_of(e: &std::io::Error) -> i32 {
