@@ -48,9 +48,16 @@ fn load(
     Ok((roots, certs, key))
 }
 
-/// The largest UDP payload MTU discovery may probe for (loopback's 64 KiB MTU less the IP and
-/// UDP headers). A path that carries less (1500-byte Ethernet) settles at its own size.
+/// The largest UDP payload a node accepts (loopback's 64 KiB MTU less the IP and UDP headers).
 pub const MAX_UDP_PAYLOAD: u16 = 65_535 - 28;
+
+/// The largest datagram MTU discovery may probe for. quinn sends up to 10 datagrams in one
+/// segmentation-offload (GSO) call, and the kernel takes at most 64 KiB per call: with larger
+/// datagrams every batched send fails (`EMSGSIZE`), the losses look like an MTU black hole, and
+/// the path falls back to 1200-byte packets — each costing about the CPU of a large one (seen
+/// as 12,000-byte sends during checkpoints on loopback). A path that carries less (1500-byte
+/// Ethernet) settles at its own size.
+pub const MAX_DISCOVERED_PAYLOAD: u16 = MAX_UDP_PAYLOAD / 10;
 
 /// QUIC server and client configurations of node `name`.
 pub fn configs(dir: &Path, name: &str) -> Result<(quinn::ServerConfig, quinn::ClientConfig)> {
@@ -82,7 +89,7 @@ pub fn configs(dir: &Path, name: &str) -> Result<(quinn::ServerConfig, quinn::Cl
         .keep_alive_interval(Some(std::time::Duration::from_millis(500)))
         .max_idle_timeout(Some(std::time::Duration::from_secs(10).try_into()?));
     let mut mtu = quinn::MtuDiscoveryConfig::default();
-    mtu.upper_bound(MAX_UDP_PAYLOAD);
+    mtu.upper_bound(MAX_DISCOVERED_PAYLOAD);
     transport.mtu_discovery_config(Some(mtu));
     // Ask peers to acknowledge every 10th packet (or after 5 ms) rather than every other one:
     // most messages here are small and answered at once, so an acknowledgement usually rides
@@ -136,4 +143,64 @@ pub fn peer_name_of(identity: Option<Box<dyn std::any::Any>>) -> Option<String> 
 /// The server name to dial node `name` with.
 pub fn server_name(name: &str) -> String {
     dns_name(name)
+}
+
+#[cfg(test)]
+mod tests {
+    /// Bulk transfers with the cluster's transport settings keep the path's discovered MTU:
+    /// no batched send is refused (`EMSGSIZE`) and no loss burst is taken for an MTU black hole,
+    /// which would leave the path on 1200-byte packets. (With MTU discovery allowed up to 64 KiB,
+    /// this saw black holes and 1200 within the first megabytes.)
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn bulk_transfers_keep_the_discovered_mtu() {
+        let dir = tempfile::tempdir().unwrap();
+        let names = ["a", "b"].map(String::from);
+        psls_ipc::certs::generate(dir.path(), "t", &names).unwrap();
+        let endpoint = |me: &str| {
+            let (server, client) = super::configs(dir.path(), me).unwrap();
+            let mut ecfg = quinn::EndpointConfig::new(super::reset_key(dir.path(), me).unwrap());
+            ecfg.max_udp_payload_size(super::MAX_UDP_PAYLOAD).unwrap();
+            let socket = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+            let runtime = quinn::default_runtime().unwrap();
+            let mut ep = quinn::Endpoint::new(ecfg, Some(server), socket, runtime).unwrap();
+            ep.set_default_client_config(client);
+            ep
+        };
+        let (a, b) = (endpoint("a"), endpoint("b"));
+        let baddr = b.local_addr().unwrap();
+        // b reads every stream to its end and answers with its length.
+        let server = tokio::spawn(async move {
+            let conn = b.accept().await.unwrap().await.unwrap();
+            while let Ok((mut send, mut recv)) = conn.accept_bi().await {
+                tokio::spawn(async move {
+                    let n = recv.read_to_end(4 << 20).await.unwrap().len() as u64;
+                    send.write_all(&n.to_le_bytes()).await.unwrap();
+                    send.finish().unwrap();
+                });
+            }
+        });
+        let conn = a.connect(baddr, &super::server_name("b")).unwrap().await.unwrap();
+        let payload = bytes::Bytes::from(vec![7u8; 1 << 20]);
+        // 64 MiB, 8 streams at a time (as a checkpoint's participant sends).
+        for _ in 0..8 {
+            let mut set = tokio::task::JoinSet::new();
+            for _ in 0..8 {
+                let (conn, payload) = (conn.clone(), payload.clone());
+                set.spawn(async move {
+                    let (mut send, mut recv) = conn.open_bi().await.unwrap();
+                    send.write_chunk(payload).await.unwrap();
+                    send.finish().unwrap();
+                    u64::from_le_bytes(recv.read_to_end(8).await.unwrap().try_into().unwrap())
+                });
+            }
+            while let Some(n) = set.join_next().await {
+                assert_eq!(n.unwrap(), 1 << 20);
+            }
+        }
+        let path = conn.stats().path;
+        assert_eq!(path.black_holes_detected, 0, "{path:?}");
+        assert!(path.current_mtu > 1200, "{path:?}");
+        conn.close(0u32.into(), b"done");
+        server.abort();
+    }
 }
