@@ -223,8 +223,11 @@ pub struct Checkpoint {
     /// The job halts (`psls halt`): its ranks are being stopped; it can be resumed from
     /// `epoch`.
     pub halt: bool,
-    /// Pages the checkpoint wrote (one copy; every copy goes to two disks).
+    /// Pages the checkpoint took (one copy; it keeps two, in memory or on disks).
     pub pages: u64,
+    /// How long the checkpoint stopped the job's ranks: from the last rank's call to their
+    /// answer, as the coordinator saw it (this call also waited for the slowest rank).
+    pub stopped_us: u64,
 }
 
 impl Checkpoint {
@@ -325,7 +328,20 @@ impl Session {
         }
         let req = Request::Checkpoint { state: state.to_vec() };
         match self.call(&req, None)? {
-            (Response::Checkpointed { epoch, halt, pages }, _) => Ok(Checkpoint { epoch, halt, pages }),
+            (
+                Response::Checkpointed {
+                    epoch,
+                    halt,
+                    pages,
+                    stopped_us,
+                },
+                _,
+            ) => Ok(Checkpoint {
+                epoch,
+                halt,
+                pages,
+                stopped_us,
+            }),
             (other, _) => Err(daemon_error(other)),
         }
     }

@@ -419,8 +419,11 @@ pub enum Response {
     Checkpointed {
         epoch: u64,
         halt: bool,
-        /// Pages the checkpoint wrote (one copy).
+        /// Pages the checkpoint took (one copy).
         pages: u64,
+        /// How long it stopped the job's ranks, as its coordinator saw it: from the last
+        /// rank's call to their answer (the caller's own call also waited for the slowest).
+        stopped_us: u64,
     },
     /// Answer to `Jobs`.
     Jobs(Vec<JobInfo>),

@@ -74,8 +74,8 @@ pub struct LastCkpt {
     pub level: String,
     pub pages: u64,
     pub bytes: u64,
-    /// From the round's start until the ranks went on (every participant took its pages; a
-    /// round not from a safe point: until its commit).
+    /// From the last rank's call (a round not from a safe point: the round's start) until
+    /// the ranks went on (every participant took its pages; else: until its commit).
     pub pause_us: u64,
     /// From the round's start to its commit.
     pub commit_us: u64,
@@ -489,8 +489,10 @@ pub enum PeerResp {
     SafeDone {
         epoch: u64,
         halt: bool,
-        /// Pages the checkpoint wrote (one copy).
+        /// Pages the checkpoint took (one copy).
         pages: u64,
+        /// How long it stopped the ranks (from the last rank's call to their answer).
+        stopped_us: u64,
     },
     /// Answer to `MetaSubmit`: the coordinator changed while the operation was under way; it
     /// may or may not have been committed.

@@ -79,6 +79,13 @@ fn memory_checkpoints_write_nothing_to_the_disks_and_persistent_ones_do() {
     for j in [&memory, &persistent] {
         assert_eq!(j["checkpoints"], 20, "{j}");
         assert!(j["checkpoint_bytes"].as_u64().unwrap_or(0) > 0, "{j}");
+        // The ranks' stop, as the coordinator saw it (from the last rank's call to their
+        // answer), is within rank 0's own calls (which began no later and ended no earlier).
+        let (stop, call) = (
+            j["checkpoint_stop_s"].as_f64().unwrap_or(0.0),
+            j["checkpoint_pause_s"].as_f64().unwrap_or(0.0),
+        );
+        assert!(stop > 0.0 && stop <= call, "{j}");
     }
     // Counted by the daemons from the first safe point to the last: not one page written to
     // a disk at the memory level; at the persistent level both copies of every page taken.

@@ -4,8 +4,10 @@
 //! (default 50 and 250), pinned to the memory level and to the persistent level; rounds
 //! interleaved, so machine load drifts hit every configuration alike, and every time a ratio
 //! against the run without checkpoints of the same round. Per configuration: the run time, its
-//! ratio, the checkpoints and the pages they kept, the pause per checkpoint (rank 0's time in
-//! its safe-point calls) against the target 1 ms + 2 µs per page, the pages the daemons wrote
+//! ratio, the checkpoints and the pages they kept, the pause per checkpoint (from the last rank's
+//! call to the ranks' answer, as the coordinator measured it: the ranks go on once every node
+//! took its pages) against the target 1 ms + 2 µs per page, and rank 0's time in its
+//! safe-point calls (which also waits for the slowest rank), the pages the daemons wrote
 //! to their disks during the run, and the recovery frames at the peak; per K, how many times
 //! cheaper a memory checkpoint is than a persistent one (their overheads' ratio). Writes the
 //! figures as CSV (`--csv FILE`, default `mem-bench.csv`) and a JSON line.
@@ -100,6 +102,9 @@ struct Figures {
     checkpoints: Vec<f64>,
     pages_per_ckpt: Vec<f64>,
     pause_ms: Vec<f64>,
+    /// Rank 0's time in its safe-point calls, per checkpoint (it also waits for the slowest
+    /// rank to arrive).
+    call_ms: Vec<f64>,
     disk_pages: Vec<f64>,
     frames_peak: Vec<f64>,
 }
@@ -184,6 +189,8 @@ fn run(a: &Args, bin: &Path, cdir: &Path) -> Result<()> {
                 f.pages_per_ckpt
                     .push(j["checkpoint_bytes"].as_f64().unwrap_or(0.0) / 4096.0 / n);
                 f.pause_ms
+                    .push(1e3 * j["checkpoint_stop_s"].as_f64().unwrap_or(0.0) / n);
+                f.call_ms
                     .push(1e3 * j["checkpoint_pause_s"].as_f64().unwrap_or(0.0) / n);
             }
             f.disk_pages.push(j["disk_pages_written"].as_f64().unwrap_or(0.0));
@@ -212,7 +219,7 @@ fn run(a: &Args, bin: &Path, cdir: &Path) -> Result<()> {
     };
     let series = if a.policies.is_empty() { "level" } else { "policy" };
     let mut csv = format!(
-        "{series},k,time_s,ratio,checkpoints,pages_per_checkpoint,pause_ms,pause_target_ms,disk_pages_written,frames_peak_per_node\n"
+        "{series},k,time_s,ratio,checkpoints,pages_per_checkpoint,pause_ms,pause_target_ms,call_ms,disk_pages_written,frames_peak_per_node\n"
     );
     println!(
         "MGS {v}x{v}, 4 ranks on a local 4-node cluster, median of {} rounds (ratios against the run without checkpoints of the same round)",
@@ -223,10 +230,11 @@ fn run(a: &Args, bin: &Path, cdir: &Path) -> Result<()> {
     for (c, cfg) in configs.iter().enumerate() {
         let f = &figs[c];
         let (t, r, pages, pause) = (med(&f.time_s), med(&f.ratio), med(&f.pages_per_ckpt), med(&f.pause_ms));
+        let call = med(&f.call_ms);
         let target = 1.0 + 0.002 * pages;
         let (disk, peak) = (med(&f.disk_pages), med(&f.frames_peak));
         csv.push_str(&format!(
-            "{},{},{t:.4},{r:.4},{},{pages:.0},{pause:.3},{target:.3},{disk:.0},{peak:.0}\n",
+            "{},{},{t:.4},{r:.4},{},{pages:.0},{pause:.3},{target:.3},{call:.3},{disk:.0},{peak:.0}\n",
             cfg.level,
             cfg.k,
             med(&f.checkpoints)
@@ -235,13 +243,13 @@ fn run(a: &Args, bin: &Path, cdir: &Path) -> Result<()> {
             println!("  no checkpoints: {t:.3} s");
         } else {
             println!(
-                "  {:<10} K = {:3}: {t:.3} s (x{r:.3}); {pages:.0} pages per checkpoint, pause {pause:.2} ms (target {target:.2} ms); {disk:.0} pages written to disks; frames at the peak {peak:.0} per node",
+                "  {:<10} K = {:3}: {t:.3} s (x{r:.3}); {pages:.0} pages per checkpoint, pause {pause:.2} ms (target {target:.2} ms; rank 0's call {call:.2} ms); {disk:.0} pages written to disks; frames at the peak {peak:.0} per node",
                 cfg.level, cfg.k
             );
         }
         rows.push(serde_json::json!({
             "level": cfg.level, "k": cfg.k, "time_s": t, "ratio": r, "pages_per_checkpoint": pages,
-            "pause_ms": pause, "pause_target_ms": target, "disk_pages_written": disk, "frames_peak": peak,
+            "pause_ms": pause, "pause_target_ms": target, "call_ms": call, "disk_pages_written": disk, "frames_peak": peak,
         }));
     }
     // How many times cheaper a memory checkpoint is than a persistent one: per round, the

@@ -269,6 +269,7 @@ fn main() -> Result<()> {
     let checkpoints = std::sync::atomic::AtomicU64::new(0);
     let checkpoint_pages = std::sync::atomic::AtomicU64::new(0);
     let checkpoint_ns = std::sync::atomic::AtomicU64::new(0);
+    let stopped_us = std::sync::atomic::AtomicU64::new(0);
     let safe_point = |i: usize| -> Result<()> {
         if every > 0 && i > start && i.is_multiple_of(every) {
             let t = Instant::now();
@@ -277,6 +278,7 @@ fn main() -> Result<()> {
                 checkpoints.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 checkpoint_pages.fetch_add(c.pages, std::sync::atomic::Ordering::Relaxed);
                 checkpoint_ns.fetch_add(t.elapsed().as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
+                stopped_us.fetch_add(c.stopped_us, std::sync::atomic::Ordering::Relaxed);
             }
         }
         Ok(())
@@ -380,6 +382,7 @@ fn main() -> Result<()> {
                 "checkpoints": checkpoints.load(std::sync::atomic::Ordering::Relaxed),
                 "checkpoint_bytes": checkpoint_pages.load(std::sync::atomic::Ordering::Relaxed) * 4096,
                 "checkpoint_pause_s": checkpoint_ns.load(std::sync::atomic::Ordering::Relaxed) as f64 / 1e9,
+                "checkpoint_stop_s": stopped_us.load(std::sync::atomic::Ordering::Relaxed) as f64 / 1e6,
                 "restarted_at_step": start,
                 "rank0_barrier_wait_s": barrier_s,
                 "init_s": init_ns.load(std::sync::atomic::Ordering::Relaxed) as f64 / 1e9,

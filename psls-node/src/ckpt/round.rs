@@ -62,9 +62,19 @@ type Waiter = tokio::sync::oneshot::Sender<Result<Done, OpError>>;
 /// Pages taken from files, per file.
 type TakenPages = Vec<(FileId, Vec<u64>)>;
 
-/// What a safe-point call did: the epoch taken (0: none), whether the job halts, and the pages
-/// the checkpoint wrote (one copy).
-pub type SafeOutcome = (u64, bool, u64);
+/// What a safe-point call did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SafeOutcome {
+    /// The epoch taken (0: none).
+    pub epoch: u64,
+    /// The job halts (`psls halt`).
+    pub halt: bool,
+    /// The pages the checkpoint took (one copy).
+    pub pages: u64,
+    /// How long the checkpoint stopped the job's ranks, as the coordinator saw it: from the
+    /// last rank's call to the ranks' answer (their own calls also wait for the slowest rank).
+    pub stopped_us: u64,
+}
 
 /// A rank waiting at the coordinator for its call's outcome.
 pub(super) type SafeWaiter = tokio::sync::oneshot::Sender<Result<SafeOutcome, OpError>>;
@@ -79,6 +89,9 @@ struct RoundCallers {
     waiters: Vec<Waiter>,
     started: std::time::Instant,
     release: Option<Arc<Release>>,
+    /// A safe point's round: when its last rank called.
+    decided: Option<std::time::Instant>,
+    /// From that call (or the round's start) until every participant took its pages.
     released_us: Option<u64>,
 }
 
@@ -90,6 +103,8 @@ pub(super) struct SafeRound {
     /// The incarnation of each node whose ranks reached the safe point: an answer of another
     /// one aborts the round (`Coordinator::expect`).
     pub expect: std::collections::BTreeMap<NodeId, u64>,
+    /// When the last rank called: the pause is counted from there.
+    pub decided: Option<std::time::Instant>,
 }
 
 impl SafeRound {
@@ -369,6 +384,7 @@ impl CkptShell {
                             waiters: vec![tx],
                             started: std::time::Instant::now(),
                             release: sp.release.clone(),
+                            decided: sp.decided,
                             released_us: None,
                         },
                     );
@@ -668,7 +684,8 @@ impl CkptShell {
             CoordAction::Released { job, epoch, pages } => {
                 let mut rounds = self.rounds.locked();
                 if let Some(r) = rounds.get_mut(&job) {
-                    r.released_us = Some(r.started.elapsed().as_micros() as u64);
+                    let from = r.decided.unwrap_or(r.started);
+                    r.released_us = Some(from.elapsed().as_micros() as u64);
                     tracing::debug!(node = %self.node.name(), job, epoch, pages, release_us = r.released_us, "every participant took its pages");
                     if let Some(hook) = &r.release {
                         hook.fire(epoch, pages);

@@ -54,7 +54,17 @@ impl CkptShell {
             }
         }
         match r? {
-            PeerResp::SafeDone { epoch, halt, pages } => Ok((epoch, halt, pages)),
+            PeerResp::SafeDone {
+                epoch,
+                halt,
+                pages,
+                stopped_us,
+            } => Ok(SafeOutcome {
+                epoch,
+                halt,
+                pages,
+                stopped_us,
+            }),
             other => Err(OpError::new(
                 ErrorKind::Internal,
                 format!("unexpected answer {other:?}"),
@@ -145,10 +155,15 @@ impl CkptShell {
             (call.level, call.persistent_interval_ms, call.cleaning),
         );
         self.drive();
-        let (epoch, halt, pages) = rx
+        let o = rx
             .await
             .map_err(|_| unavailable("the coordinator stopped during the call"))??;
-        Ok(PeerResp::SafeDone { epoch, halt, pages })
+        Ok(PeerResp::SafeDone {
+            epoch: o.epoch,
+            halt: o.halt,
+            pages: o.pages,
+            stopped_us: o.stopped_us,
+        })
     }
 
     fn answer(&self, job: &str, ranks: &[(u32, NodeId)], r: Result<SafeOutcome, OpError>) {
@@ -170,7 +185,7 @@ impl CkptShell {
             } => {
                 self.safe.locked().done(self.node.now_ms(), &job, false);
                 self.arrived_incs.locked().remove(&job);
-                self.answer(&job, &ranks, Ok((0, false, 0)));
+                self.answer(&job, &ranks, Ok(SafeOutcome::default()));
             }
             SafeAction::Decided {
                 job,
@@ -188,7 +203,12 @@ impl CkptShell {
                 };
                 // The nodes of the ranks, as they were when the ranks called.
                 let expect = self.arrived_incs.locked().remove(&job).unwrap_or_default();
-                let sp = SafeRound { release, expect };
+                let decided = std::time::Instant::now();
+                let sp = SafeRound {
+                    release,
+                    expect,
+                    decided: Some(decided),
+                };
                 // Exactly one answer: by the release, if it fired, else at the round's end.
                 if let Some(rx) = released {
                     let (me, job, ranks) = (self.clone(), job.clone(), ranks.clone());
@@ -196,7 +216,14 @@ impl CkptShell {
                         let Ok((epoch, pages)) = rx.await else { return };
                         crate::failpoint::pass_async(me.node.name(), "ckpt.answer").await;
                         me.safe.locked().done(me.node.now_ms(), &job, true);
-                        me.answer(&job, &ranks, Ok((epoch, false, pages)));
+                        let stopped_us = decided.elapsed().as_micros() as u64;
+                        let o = SafeOutcome {
+                            epoch,
+                            halt: false,
+                            pages,
+                            stopped_us,
+                        };
+                        me.answer(&job, &ranks, Ok(o));
                         me.drive();
                     });
                 }
@@ -220,7 +247,14 @@ impl CkptShell {
                     if let (Ok(done), true) = (&r, halt) {
                         me.halt(&job, done.epoch).await;
                     }
-                    me.answer(&job, &ranks, r.map(|done| (done.epoch, halt, done.pages)));
+                    let stopped_us = decided.elapsed().as_micros() as u64;
+                    let r = r.map(|done| SafeOutcome {
+                        epoch: done.epoch,
+                        halt,
+                        pages: done.pages,
+                        stopped_us,
+                    });
+                    me.answer(&job, &ranks, r);
                     me.drive();
                 });
             }

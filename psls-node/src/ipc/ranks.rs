@@ -105,7 +105,12 @@ pub(super) async fn handle(c: &mut Conn, req: Request, mut fds: Vec<OwnedFd>) ->
             Some(pid) => {
                 let call = safe_call(&d, caller, pid);
                 match d.ckpt.safe_point(call, state).await {
-                    Ok((epoch, halt, pages)) => Response::Checkpointed { epoch, halt, pages },
+                    Ok(o) => Response::Checkpointed {
+                        epoch: o.epoch,
+                        halt: o.halt,
+                        pages: o.pages,
+                        stopped_us: o.stopped_us,
+                    },
                     Err(e) => err(e),
                 }
             }
