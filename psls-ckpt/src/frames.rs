@@ -137,8 +137,11 @@ pub struct FrameCounts {
     pub pre_recovery: u64,
     /// Of `recovery`, those newer than the disks.
     pub unsaved: u64,
-    /// The most frames in use at once since the table was made.
+    /// The most frames in use at once since the table was made, or last held none (the jobs
+    /// before had all ended), and how many of them were recovery and pre-recovery copies then.
     pub peak: u64,
+    pub peak_recovery: u64,
+    pub peak_pre_recovery: u64,
 }
 
 impl FrameCounts {
@@ -156,8 +159,10 @@ pub struct FrameTable<D> {
     files: HashMap<FileId, FileFrames<D>>,
     jobs: HashMap<String, JobMem>,
     frames: u64,
-    /// The most frames in use at once.
+    /// The most frames in use at once (see [`FrameCounts::peak`]), and the recovery and
+    /// pre-recovery copies among them then.
     peak: u64,
+    peak_split: (u64, u64),
     capacity: u64,
     /// Files of jobs that took memory checkpoints (on every node: loads of their pages look
     /// for recovery copies first), with their job.
@@ -174,6 +179,7 @@ impl<D: Clone> FrameTable<D> {
             jobs: HashMap::new(),
             frames: 0,
             peak: 0,
+            peak_split: (0, 0),
             capacity,
             memory_files: HashMap::new(),
             policies: HashMap::new(),
@@ -252,7 +258,7 @@ impl<D: Clone> FrameTable<D> {
             });
         }
         self.frames += need;
-        self.peak = self.peak.max(self.frames);
+        self.note_peak();
         self.jobs.entry(job.to_string()).or_default().pre = Some(epoch);
         Ok(())
     }
@@ -451,7 +457,7 @@ impl<D: Clone> FrameTable<D> {
             ff.pages.entry(i).or_default().written = Some((gen, frame));
         }
         self.frames += need;
-        self.peak = self.peak.max(self.frames);
+        self.note_peak();
     }
 
     /// The cleaner round at `gen` of `job` committed: the copies it flushed are on the disks,
@@ -570,7 +576,7 @@ impl<D: Clone> FrameTable<D> {
             ff.pages.entry(i).or_default().cur = Some(f);
         }
         self.frames += need;
-        self.peak = self.peak.max(self.frames);
+        self.note_peak();
         let jm = self.jobs.entry(job.to_string()).or_default();
         jm.committed = jm.committed.max(committed);
         Ok(())
@@ -649,7 +655,8 @@ impl<D: Clone> FrameTable<D> {
         self.files.contains_key(&file)
     }
 
-    /// `job` is over: everything of it goes.
+    /// `job` is over: everything of it goes (and with the last frame, the peak: the next job's
+    /// peak is its own).
     pub fn end_job(&mut self, job: &str) {
         self.memory_files.retain(|_, j| j != job);
         self.jobs.remove(job);
@@ -663,12 +670,21 @@ impl<D: Clone> FrameTable<D> {
                 true
             }
         });
+        if self.frames == 0 {
+            self.peak = 0;
+            self.peak_split = (0, 0);
+        }
     }
 
     pub fn counts(&self) -> FrameCounts {
         let c = self.counts_where(|_| true);
         assert_eq!(c.frames(), self.frames, "the frame count drifted");
-        FrameCounts { peak: self.peak, ..c }
+        FrameCounts {
+            peak: self.peak,
+            peak_recovery: self.peak_split.0,
+            peak_pre_recovery: self.peak_split.1,
+            ..c
+        }
     }
 
     /// The frames of `job` held here, by category (no peak).
@@ -689,6 +705,16 @@ impl<D: Clone> FrameTable<D> {
             }
         }
         c
+    }
+
+    /// A new peak: remembered with its categories (one pass over the frames, only while the
+    /// count climbs above every earlier one).
+    fn note_peak(&mut self) {
+        if self.frames > self.peak {
+            self.peak = self.frames;
+            let c = self.counts_where(|_| true);
+            self.peak_split = (c.recovery, c.pre_recovery);
+        }
     }
 
     fn prune(&mut self) {
@@ -747,6 +773,11 @@ mod tests {
         // Epoch 2 rewrites page 0: the old copy stays until the commit.
         a.store_pre("j", 2, 1, f, Role::Primary, &[0], vec![3]).unwrap();
         assert_eq!(a.frames(), 3);
+        // The peak, with what it was made of: two recovery copies and one pre-recovery.
+        let c = a.counts();
+        assert_eq!((c.peak, c.peak_recovery, c.peak_pre_recovery), (3, 2, 1));
+        assert_eq!(a.job_counts("j").recovery, 2);
+        assert_eq!(a.job_counts("other"), FrameCounts::default());
         let err = a.store_pre("j", 2, 1, f, Role::Primary, &[2, 3], vec![0, 0]);
         assert_eq!(
             err,
@@ -796,6 +827,8 @@ mod tests {
         a.end_job("j");
         assert_eq!(a.frames(), 0);
         assert!(!a.holds(f) && !a.in_memory(f));
+        // No frame left: the next job's peak is its own.
+        assert_eq!(a.counts().peak, 0);
     }
 
     #[test]

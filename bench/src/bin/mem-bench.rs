@@ -107,6 +107,9 @@ struct Figures {
     call_ms: Vec<f64>,
     disk_pages: Vec<f64>,
     frames_peak: Vec<f64>,
+    /// At that peak (the node with the most frames): recovery and pre-recovery copies.
+    peak_recovery: Vec<f64>,
+    peak_pre_recovery: Vec<f64>,
 }
 
 fn main() -> Result<()> {
@@ -194,11 +197,17 @@ fn run(a: &Args, bin: &Path, cdir: &Path) -> Result<()> {
                     .push(1e3 * j["checkpoint_pause_s"].as_f64().unwrap_or(0.0) / n);
             }
             f.disk_pages.push(j["disk_pages_written"].as_f64().unwrap_or(0.0));
-            let peak = j["faults_per_node"]
-                .as_object()
-                .map(|m| m.values().filter_map(|n| n["frames_peak"].as_f64()).fold(0.0, f64::max))
-                .unwrap_or(0.0);
+            // The node with the most frames at its peak, and what they were then.
+            let top = j["faults_per_node"].as_object().and_then(|m| {
+                m.values()
+                    .max_by_key(|n| n["frames_peak"].as_u64().unwrap_or(0))
+                    .cloned()
+            });
+            let get = |k: &str| top.as_ref().and_then(|n| n[k].as_f64()).unwrap_or(0.0);
+            let peak = get("frames_peak");
             f.frames_peak.push(peak);
+            f.peak_recovery.push(get("frames_peak_recovery"));
+            f.peak_pre_recovery.push(get("frames_peak_pre_recovery"));
             eprintln!(
                 "round {} {} K={}: {t:.3} s (x{:.3}), {n} checkpoints, pause {:.2} ms each, {} disk pages, frames peak {peak}",
                 round + 1,
@@ -219,7 +228,7 @@ fn run(a: &Args, bin: &Path, cdir: &Path) -> Result<()> {
     };
     let series = if a.policies.is_empty() { "level" } else { "policy" };
     let mut csv = format!(
-        "{series},k,time_s,ratio,checkpoints,pages_per_checkpoint,pause_ms,pause_target_ms,call_ms,disk_pages_written,frames_peak_per_node\n"
+        "{series},k,time_s,ratio,checkpoints,pages_per_checkpoint,pause_ms,pause_target_ms,call_ms,disk_pages_written,frames_peak_per_node,frames_peak_recovery,frames_peak_pre_recovery\n"
     );
     println!(
         "MGS {v}x{v}, 4 ranks on a local 4-node cluster, median of {} rounds (ratios against the run without checkpoints of the same round)",
@@ -233,8 +242,9 @@ fn run(a: &Args, bin: &Path, cdir: &Path) -> Result<()> {
         let call = med(&f.call_ms);
         let target = 1.0 + 0.002 * pages;
         let (disk, peak) = (med(&f.disk_pages), med(&f.frames_peak));
+        let (rec, pre) = (med(&f.peak_recovery), med(&f.peak_pre_recovery));
         csv.push_str(&format!(
-            "{},{},{t:.4},{r:.4},{},{pages:.0},{pause:.3},{target:.3},{call:.3},{disk:.0},{peak:.0}\n",
+            "{},{},{t:.4},{r:.4},{},{pages:.0},{pause:.3},{target:.3},{call:.3},{disk:.0},{peak:.0},{rec:.0},{pre:.0}\n",
             cfg.level,
             cfg.k,
             med(&f.checkpoints)
@@ -243,13 +253,13 @@ fn run(a: &Args, bin: &Path, cdir: &Path) -> Result<()> {
             println!("  no checkpoints: {t:.3} s");
         } else {
             println!(
-                "  {:<10} K = {:3}: {t:.3} s (x{r:.3}); {pages:.0} pages per checkpoint, pause {pause:.2} ms (target {target:.2} ms; rank 0's call {call:.2} ms); {disk:.0} pages written to disks; frames at the peak {peak:.0} per node",
+                "  {:<10} K = {:3}: {t:.3} s (x{r:.3}); {pages:.0} pages per checkpoint, pause {pause:.2} ms (target {target:.2} ms; rank 0's call {call:.2} ms); {disk:.0} pages written to disks; frames at the peak {peak:.0} per node ({rec:.0} recovery, {pre:.0} pre-recovery)",
                 cfg.level, cfg.k
             );
         }
         rows.push(serde_json::json!({
             "level": cfg.level, "k": cfg.k, "time_s": t, "ratio": r, "pages_per_checkpoint": pages,
-            "pause_ms": pause, "pause_target_ms": target, "call_ms": call, "disk_pages_written": disk, "frames_peak": peak,
+            "pause_ms": pause, "pause_target_ms": target, "call_ms": call, "disk_pages_written": disk, "frames_peak": peak, "frames_peak_recovery": rec, "frames_peak_pre_recovery": pre,
         }));
     }
     // How many times cheaper a memory checkpoint is than a persistent one: per round, the

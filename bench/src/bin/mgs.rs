@@ -303,6 +303,8 @@ fn main() -> Result<()> {
             "link_datagrams",
             "store_page_writes",
             "frames_peak",
+            "frames_peak_recovery",
+            "frames_peak_pre_recovery",
         ];
         let base = rank * SLOT;
         if base + SLOT <= slots.len() {
@@ -315,7 +317,7 @@ fn main() -> Result<()> {
             for (k, key) in keys.iter().enumerate() {
                 let now = *after.1.get(*key).unwrap_or(&0);
                 // The peak is a level, not a count: as it stands after the run.
-                slots[base + 1 + k] = if *key == "frames_peak" {
+                slots[base + 1 + k] = if key.starts_with("frames_peak") {
                     now
                 } else {
                     now - before.1.get(*key).unwrap_or(&0)
@@ -360,6 +362,8 @@ fn main() -> Result<()> {
                     "link_datagrams": slots[b + 9],
                     "store_page_writes": slots[b + 10],
                     "frames_peak": slots[b + 11],
+                    "frames_peak_recovery": slots[b + 12],
+                    "frames_peak_pre_recovery": slots[b + 13],
                 }),
             );
         }

@@ -159,6 +159,8 @@ pub(super) async fn handle(c: &mut Conn, req: Request, mut fds: Vec<OwnedFd>) ->
                     ("frames_pre_recovery".into(), frames.pre_recovery),
                     ("frames_unsaved".into(), frames.unsaved),
                     ("frames_peak".into(), frames.peak),
+                    ("frames_peak_recovery".into(), frames.peak_recovery),
+                    ("frames_peak_pre_recovery".into(), frames.peak_pre_recovery),
                 ],
             }
         }
