@@ -38,19 +38,14 @@ impl CkptShell {
         let node = &self.node;
         let t0 = std::time::Instant::now();
         let st = node.meta_state();
-        let taken = self.take_for(job, epoch, files, &st)?;
-        let take_us = t0.elapsed().as_micros() as u64;
-        self.took(job, epoch, &taken).await;
-        let go_us = t0.elapsed().as_micros() as u64 - take_us;
+        let super::round::Took {
+            taken,
+            runs,
+            pages,
+            take_us,
+            go_us,
+        } = self.take_and_tell(job, epoch, files, &st).await?;
         let mut inflight = tokio::task::JoinSet::new();
-        let runs: Vec<FileRuns> = taken
-            .iter()
-            .map(|t| FileRuns {
-                file: t.file,
-                runs: runs_of(&t.indices),
-            })
-            .collect();
-        let pages: u64 = taken.iter().map(|t| t.indices.len() as u64).sum();
         let mut halfway = super::batches::Halfway::new(&taken);
         for b in super::batches::batches(node.placement, &taken) {
             while inflight.len() >= STORES_IN_FLIGHT {

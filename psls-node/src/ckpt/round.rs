@@ -95,6 +95,16 @@ struct RoundCallers {
     released_us: Option<u64>,
 }
 
+/// What a participant took for a round ([`CkptShell::take_and_tell`]): the pages, their runs
+/// and count, and how long taking them and waiting for `Go` took.
+pub(super) struct Took {
+    pub taken: Vec<crate::svm::Taken>,
+    pub runs: Vec<FileRuns>,
+    pub pages: u64,
+    pub take_us: u64,
+    pub go_us: u64,
+}
+
 /// A safe point's part in its round (the default for a round a `sync` or an unmap asked for).
 #[derive(Clone, Default)]
 pub(super) struct SafeRound {
@@ -324,7 +334,7 @@ impl CkptShell {
     }
 
     /// At the coordinator: runs a round of `job` over `files` (after any round of the job or
-    /// over one of the files in progress); returns once it committed. `release`, a safe
+    /// over one of the files in progress); returns once it committed. `sp.release`, a safe
     /// point's hook, is fired when every participant took its pages; every node of
     /// `sp.expect` must answer in that incarnation.
     async fn run_round_once(
@@ -820,11 +830,28 @@ impl CkptShell {
         }
     }
 
-    /// This participant took `taken` for (`job`, `epoch`): the coordinator hears it (the ranks
-    /// go on once every participant took); returns once every participant did (`Go`), or
-    /// after [`GO_WAIT_MS`]: the transfers that keep the pages then do not compete for the
-    /// CPU with the nodes still taking theirs.
-    pub(super) async fn took(self: &Arc<Self>, job: &str, epoch: u64, taken: &[crate::svm::Taken]) {
+    /// A participant's first step at both levels: takes its dirty pages of `files` and the
+    /// ranks' states for (`job`, `epoch`) ([`CkptShell::take_for`]), tells the coordinator (the
+    /// ranks go on once every participant took), and returns once every participant did
+    /// (`Go`), or after [`GO_WAIT_MS`]: the transfers that keep the pages then do not compete
+    /// for the CPU with the nodes still taking theirs.
+    pub(super) async fn take_and_tell(
+        self: &Arc<Self>,
+        job: &str,
+        epoch: u64,
+        files: &[FileId],
+        st: &psls_pfs::meta::MetaState,
+    ) -> Result<Took, OpError> {
+        let t0 = std::time::Instant::now();
+        let taken = self.take_for(job, epoch, files, st)?;
+        let take_us = t0.elapsed().as_micros() as u64;
+        let runs = taken
+            .iter()
+            .map(|t| FileRuns {
+                file: t.file,
+                runs: runs_of(&t.indices),
+            })
+            .collect();
         let pages = taken.iter().map(|t| t.indices.len() as u64).sum();
         let key = (job.to_string(), epoch);
         let go = self.goes.locked().entry(key.clone()).or_default().clone();
@@ -832,6 +859,13 @@ impl CkptShell {
         self.drive();
         let _ = tokio::time::timeout(Duration::from_millis(GO_WAIT_MS), go.notified()).await;
         self.goes.locked().remove(&key);
+        Ok(Took {
+            taken,
+            runs,
+            pages,
+            take_us,
+            go_us: t0.elapsed().as_micros() as u64 - take_us,
+        })
     }
 
     /// The participant's write: takes the dirty pages of `files` and writes them to both
@@ -847,19 +881,10 @@ impl CkptShell {
         let node = &self.node;
         let t0 = std::time::Instant::now();
         let st = node.meta_reached(seq).await?;
-        let taken = self.take_for(job, epoch, files, &st)?;
-        self.took(job, epoch, &taken).await;
+        let Took { taken, runs, pages, .. } = self.take_and_tell(job, epoch, files, &st).await?;
         let take_ms = t0.elapsed().as_millis() as u64;
         let mut write = Write::new();
         let mut inflight = tokio::task::JoinSet::new();
-        let runs: Vec<FileRuns> = taken
-            .iter()
-            .map(|t| FileRuns {
-                file: t.file,
-                runs: runs_of(&t.indices),
-            })
-            .collect();
-        let pages: u64 = taken.iter().map(|t| t.indices.len() as u64).sum();
         let mut halfway = super::batches::Halfway::new(&taken);
         for b in super::batches::batches(node.placement, &taken) {
             while inflight.len() >= WRITES_IN_FLIGHT {
