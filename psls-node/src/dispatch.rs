@@ -218,6 +218,22 @@ impl Daemon {
                 self.svm.drop_removed(&node, file);
                 Ok(PeerResp::Ok)
             }
+            PeerReq::FenceAsk {
+                manager,
+                incarnation,
+                file,
+            } => {
+                let manager = psls_svm::NodeId(manager);
+                if node.speaks_for(&from, manager) {
+                    let inc = psls_svm::Incarnation(incarnation);
+                    Ok(PeerResp::Fence(self.svm.fence_answer(manager, inc, file)))
+                } else {
+                    Err(OpError::new(
+                        ErrorKind::Permission,
+                        format!("{from} may not ask as node {manager}"),
+                    ))
+                }
+            }
             PeerReq::Svm(env) => {
                 if node.speaks_for(&from, env.from) {
                     self.svm.on_message(&node, env, payload);

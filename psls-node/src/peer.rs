@@ -262,6 +262,13 @@ pub enum PeerReq {
     DropRemoved {
         file: FileId,
     },
+    /// From logical node `manager`, restarted as `incarnation`: may it serve `file` from the
+    /// disks as if nobody held any of it (`Fence`; see `Svm::fence_answer`)?
+    FenceAsk {
+        manager: u32,
+        incarnation: u64,
+        file: FileId,
+    },
     /// A coherence protocol message (one-way); payload: the page's 4096 bytes for `Data`.
     Svm(psls_svm::coherence::Envelope),
     /// A checkpoint protocol message (one-way, on the message link).
@@ -436,6 +443,8 @@ pub enum PeerResp {
     Mappings {
         count: u64,
     },
+    /// Answer to `FenceAsk`.
+    Fence(psls_svm::coherence::FenceAnswer),
     NotCoordinator,
     /// Answer to `Frames(Read)`: the page's bytes are the payload when `found`.
     Frame {

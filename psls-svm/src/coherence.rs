@@ -57,6 +57,9 @@ use std::fmt;
 pub const MAX_WAITERS_PER_PAGE: usize = 4096;
 /// At most this many actions queued before the shell drains them (a bound, asserted).
 const MAX_ACTIONS: usize = 1 << 20;
+/// Requests a recovering manager holds while it asks whether a file's directory died with its
+/// previous incarnation ([`Action::CheckFence`]); beyond this, it refuses them at once.
+pub const MAX_PARKED_REQUESTS: usize = 1 << 16;
 
 /// The home (manager and PFS primary) node of page `index` of `file` in a cluster of `nodes`:
 /// `(hash(file) + index) mod N` (DESIGN §3). `nodes` must be ≥ 1.
@@ -224,6 +227,24 @@ pub enum Action {
         page: PageId,
         error: FaultError,
     },
+    /// This node restarted while others held shared pages, and a request came for a page of
+    /// `file`, which it does not serve yet: ask every node of [`Svm::fence_askees`] whether it
+    /// held any of `file` when it learnt of this incarnation ([`Svm::fence_answer`]), then call
+    /// [`Svm::fence_checked`]. The file's requests wait until then.
+    CheckFence { file: FileId },
+}
+
+/// A node's answer to a restarted manager asking about one file ([`Svm::fence_answer`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum FenceAnswer {
+    /// It held nothing of the file (no segment, no page, no directory entry) when it learnt of
+    /// the manager's incarnation: what it holds of it now came later.
+    Clean,
+    /// It did: it may hold pages, or have seen versions, that the directory which died with
+    /// the previous incarnation knew of.
+    Held,
+    /// It has not learnt of that incarnation yet and holds some of the file: ask again later.
+    Unknown,
 }
 
 /// What [`Svm::receive`] did with a message.
@@ -394,9 +415,17 @@ pub struct Svm {
     /// incarnation, so it cannot tell where their latest versions are. It refuses requests for
     /// them until a rollback rebuilds the directory.
     recovering: bool,
-    /// While recovering: files whose directory a rollback rebuilt (every node forgot them, so
-    /// "no copy anywhere" is true): their pages are served.
+    /// While recovering: files whose directory is known empty and true — a rollback rebuilt
+    /// it (every node forgot them), or no node held any of their pages managed here when it
+    /// learnt of this incarnation ([`Svm::fence_checked`]): their pages are served.
     rebuilt: HashSet<FileId>,
+    /// While recovering: requests for pages of files being checked ([`Action::CheckFence`]),
+    /// in arrival order.
+    parked: HashMap<FileId, Vec<(PageId, TxnId, Access)>>,
+    /// Per node, the files this node held anything of (pages, directory entries, and the
+    /// segments the shell adds with [`Svm::fence_also`]) when it learnt of that node's latest
+    /// incarnation (what [`Svm::fence_answer`] says).
+    fenced_files: Vec<HashSet<FileId>>,
 }
 
 /// Returns a protocol error unless `cond` holds.
@@ -427,6 +456,8 @@ impl Svm {
             incarnation,
             nodes,
             fenced: vec![Incarnation(0); peers.len()],
+            fenced_files: vec![HashSet::new(); peers.len()],
+            parked: HashMap::new(),
             peers,
             local: HashMap::new(),
             dir: HashMap::new(),
@@ -457,6 +488,99 @@ impl Svm {
     pub fn end_recovery(&mut self) {
         self.recovering = false;
         self.rebuilt.clear();
+        let mut files: Vec<FileId> = self.parked.keys().copied().collect();
+        files.sort();
+        for f in files {
+            self.fence_checked(f, true);
+        }
+    }
+
+    /// Whether this node serves requests for pages of `file` it manages (not recovering, or
+    /// the file's directory is known true).
+    pub fn serves(&self, file: FileId) -> bool {
+        !self.recovering || self.rebuilt.contains(&file)
+    }
+
+    /// The shell held segments of `files` when [`Svm::peer_up`] learnt of node `n`'s current
+    /// incarnation: they count as held for [`Svm::fence_answer`].
+    pub fn fence_also(&mut self, n: NodeId, files: impl IntoIterator<Item = FileId>) {
+        if let Some(f) = self.fenced_files.get_mut(n.0 as usize) {
+            f.extend(files);
+        }
+    }
+
+    /// What this node says to `manager`, restarted as `incarnation`, asking whether it may
+    /// serve `file` from the disks with an empty directory, as if no node held any of it (the
+    /// rule of [`Svm::end_recovery`], for one file). `Held` if this node held anything of
+    /// `file` when it learnt of that incarnation (`holds_segment` and the shell's
+    /// [`Svm::fence_also`] tell of segments), or knows it dead or a later one (the asker is
+    /// dead itself); `Unknown` if it has not learnt of it yet and holds some of `file` now;
+    /// `Clean` otherwise. What this node holds of `file` afterwards came after the old
+    /// incarnation died, so `Clean` stays true.
+    pub fn fence_answer(
+        &self,
+        manager: NodeId,
+        incarnation: Incarnation,
+        file: FileId,
+        holds_segment: bool,
+    ) -> FenceAnswer {
+        let known = self.known_incarnation(manager);
+        if manager == self.me || known > incarnation || (known == incarnation && !self.is_up(manager)) {
+            return FenceAnswer::Held;
+        }
+        if known < incarnation {
+            let holds =
+                holds_segment || self.local.keys().any(|p| p.file == file) || self.dir.keys().any(|p| p.file == file);
+            return if holds {
+                FenceAnswer::Unknown
+            } else {
+                FenceAnswer::Clean
+            };
+        }
+        let held = self
+            .fenced_files
+            .get(manager.0 as usize)
+            .is_some_and(|f| f.contains(&file));
+        if held {
+            FenceAnswer::Held
+        } else {
+            FenceAnswer::Clean
+        }
+    }
+
+    /// The nodes to ask for [`Action::CheckFence`]: every other node this one holds up. (One
+    /// held down is dead to the protocol: its requests are dropped, what it holds is lost.)
+    pub fn fence_askees(&self) -> Vec<NodeId> {
+        (0..self.nodes)
+            .map(NodeId)
+            .filter(|&n| n != self.me && self.is_up(n))
+            .collect()
+    }
+
+    /// The answer to [`Action::CheckFence`] for `file`: `clean` when every node of
+    /// [`Svm::fence_askees`] (taken when asking) said [`FenceAnswer::Clean`]. Its waiting requests go on if so, else they are refused.
+    pub fn fence_checked(&mut self, file: FileId, clean: bool) {
+        let Some(reqs) = self.parked.remove(&file) else { return };
+        if clean && self.recovering {
+            self.rebuilt.insert(file);
+        }
+        for (page, txn, access) in reqs {
+            if self.serves(file) {
+                // Checked when parked; the state has not changed for it since.
+                if let Err(e) = self.on_request(page, txn, access, txn.node) {
+                    debug_assert!(false, "{e}");
+                }
+            } else {
+                self.send(
+                    txn.node,
+                    Msg::Deny {
+                        page,
+                        txn,
+                        error: FaultError::ManagerRestarted,
+                    },
+                );
+            }
+        }
     }
 
     pub fn me(&self) -> NodeId {
@@ -594,6 +718,10 @@ impl Svm {
         let before = self.local.len() + self.dir.len();
         self.local.retain(|p, _| p.file != file);
         self.dir.retain(|p, _| p.file != file);
+        self.parked.remove(&file);
+        for f in &mut self.fenced_files {
+            f.remove(&file);
+        }
         before - self.local.len() - self.dir.len()
     }
 
@@ -801,6 +929,10 @@ impl Svm {
         if p.incarnation.0 != 0 && (!self.local.is_empty() || !self.dir.is_empty()) {
             self.fenced[n.0 as usize] = incarnation;
         }
+        // The files the new incarnation may not serve from the disks as if nobody held them:
+        // those this node holds anything of (the shell adds its segments).
+        let files: HashSet<FileId> = self.local.keys().chain(self.dir.keys()).map(|pg| pg.file).collect();
+        self.fenced_files[n.0 as usize] = files;
         self.peers[n.0 as usize] = Peer { incarnation, up: false };
         if p.up {
             self.node_failed(n);
@@ -832,6 +964,9 @@ impl Svm {
             }
         }
         // As manager.
+        for reqs in self.parked.values_mut() {
+            reqs.retain(|(_, t, _)| t.node != n);
+        }
         let mut pages: Vec<PageId> = self.dir.keys().copied().collect();
         pages.sort();
         for page in pages {
@@ -1206,15 +1341,29 @@ impl Svm {
         let d = self.dir.entry(page).or_default();
         // One request per node at a time. (Its previous transaction may still be busy here: the
         // `Done` and this request can cross; the request then waits in the queue.)
-        let dup = d.busy.iter().any(|b| b.txn == txn) || d.queue.iter().any(|(t, _)| t.node == from);
+        let dup = d.busy.iter().any(|b| b.txn == txn)
+            || d.queue.iter().any(|(t, _)| t.node == from)
+            || self
+                .parked
+                .get(&page.file)
+                .is_some_and(|r| r.iter().any(|(p, t, _)| *p == page && t.node == from));
         ensure!(!dup, from, page, "a second request while one is in progress");
-        if d.lost || (self.recovering && !self.rebuilt.contains(&page.file)) {
-            let error = if d.lost {
-                FaultError::PageLost
-            } else {
-                FaultError::ManagerRestarted
-            };
+        if d.lost {
+            let error = FaultError::PageLost;
             self.send(from, Msg::Deny { page, txn, error });
+            return Ok(());
+        }
+        if !self.serves(page.file) {
+            let waiting: usize = self.parked.values().map(Vec::len).sum();
+            if waiting >= MAX_PARKED_REQUESTS {
+                let error = FaultError::ManagerRestarted;
+                self.send(from, Msg::Deny { page, txn, error });
+                return Ok(());
+            }
+            if self.parked.get(&page.file).is_none_or(Vec::is_empty) {
+                self.push(Action::CheckFence { file: page.file });
+            }
+            self.parked.entry(page.file).or_default().push((page, txn, access));
             return Ok(());
         }
         let bound = self.nodes as usize;

@@ -82,7 +82,9 @@
 //! Why one file of this size: one simulated world (nodes, shell, clients, network) whose
 //! checks after every step read all of it.
 
-use psls_svm::coherence::{Access, Action, Envelope, FaultError, InProgress, Msg, Receipt, Svm, TxnId, WaiterId};
+use psls_svm::coherence::{
+    Access, Action, Envelope, FaultError, FenceAnswer, InProgress, Msg, Receipt, Svm, TxnId, WaiterId,
+};
 use psls_svm::rng::SplitMix64;
 use psls_svm::{FileId, Incarnation, NodeId, PageId};
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -178,6 +180,8 @@ struct Counts {
     cancels: u64,
     job_ends: u64,
     end_recoveries: u64,
+    /// Files a restarted manager served again after asking ([`Svm::fence_checked`]).
+    fences_cleared: u64,
     /// Resolved faults whose page was not in memory any more (the client faulted again).
     woken_unmapped: u64,
     /// Client operations done between two actions of their node's shell.
@@ -217,6 +221,9 @@ struct World {
     /// incarnation before it.
     cause: Cause,
     known_before: Vec<Incarnation>,
+    /// A restarted manager's questions about files it does not serve yet
+    /// ([`Action::CheckFence`]), not answered yet: (node, its incarnation, file).
+    fence_checks: Vec<(usize, Incarnation, FileId)>,
     /// Per mille per step: crashes, link breaks.
     crash_rate: u64,
     break_rate: u64,
@@ -276,6 +283,7 @@ impl World {
             tainted: HashSet::new(),
             cause: Cause::Other,
             known_before: Vec::new(),
+            fence_checks: Vec::new(),
             crash_rate,
             break_rate,
             c: Counts::default(),
@@ -294,6 +302,51 @@ impl World {
                 index: k as u64,
             })
             .collect()
+    }
+
+    /// The current job's files.
+    fn job_files(&self) -> Vec<FileId> {
+        let mut f: Vec<FileId> = self.pages.iter().map(|p| p.file).collect();
+        f.sort();
+        f.dedup();
+        f
+    }
+
+    /// The shell of node `i` (incarnation `inc`) has every other node's answer about `file`
+    /// ([`Svm::fence_answer`]; those it holds up, [`Svm::fence_askees`], a fenced node too
+    /// until it learns of the verdict): the file is served if all say clean, refused if one
+    /// held it; asked again later if one has not learnt of the restart yet.
+    fn answer_fence(&mut self, k: usize) {
+        let (i, inc, file) = self.fence_checks.swap_remove(k);
+        if self.nodes[i].svm.incarnation() != inc {
+            self.log(format!("n{i} incarnation {} died before its check of {file}", inc.0));
+            return;
+        }
+        let files = self.job_files();
+        let mut answers = Vec::new();
+        for j in self.nodes[i].svm.fence_askees().into_iter().map(|n| n.0 as usize) {
+            let seg = self.nodes[j].segs && files.contains(&file);
+            answers.push(self.nodes[j].svm.fence_answer(NodeId(i as u32), inc, file, seg));
+        }
+        self.log(format!("n{i} asked about {file}: {answers:?}"));
+        let held = answers.contains(&FenceAnswer::Held);
+        if !held && answers.contains(&FenceAnswer::Unknown) {
+            self.fence_checks.push((i, inc, file));
+            return;
+        }
+        if !held && self.nodes[i].svm.recovering() && !self.nodes[i].svm.serves(file) {
+            // As `end_recovery`, for this file: nobody alive holds any of it or saw it since
+            // the restart, so its pages managed here start again from disk.
+            self.c.fences_cleared += 1;
+            for p in self.pages.clone() {
+                if p.file == file && self.manager(p) == i {
+                    self.truth.remove(&p);
+                }
+            }
+        }
+        self.begin(i, Cause::Other);
+        self.nodes[i].svm.fence_checked(file, !held);
+        self.run_actions(i);
     }
 
     fn manager(&self, page: PageId) -> usize {
@@ -414,6 +467,13 @@ impl World {
                     self.net.push((to.0 as usize, env, payload));
                 }
                 Action::Load { page, txn } => self.nodes[i].loads.push((page, txn)),
+                Action::CheckFence { file } => {
+                    let inc = self.nodes[i].svm.incarnation();
+                    if !self.nodes[i].svm.recovering() || self.nodes[i].svm.serves(file) {
+                        self.fail(format!("n{i} checks {file} but serves it"));
+                    }
+                    self.fence_checks.push((i, inc, file));
+                }
                 Action::SetAccess { page, access } => {
                     match access {
                         None => {
@@ -696,7 +756,7 @@ impl World {
         let svm = if others_hold {
             Svm::restarted(me, inc, peers)
         } else {
-            self.restart_from_disk(v);
+            self.restart_from_disk(v, false);
             Svm::new(me, inc, peers)
         };
         self.nodes[v] = Node {
@@ -769,7 +829,13 @@ impl World {
         ));
         self.begin(to, Cause::Other);
         if up {
+            let before = self.nodes[to].svm.known_incarnation(NodeId(about as u32));
             self.nodes[to].svm.peer_up(NodeId(about as u32), inc);
+            // As the daemon's `sync_peers`: the segments held when it learnt of the restart.
+            if self.nodes[to].segs && self.nodes[to].svm.known_incarnation(NodeId(about as u32)) != before {
+                let files = self.job_files();
+                self.nodes[to].svm.fence_also(NodeId(about as u32), files);
+            }
         } else {
             self.nodes[to].svm.peer_down(NodeId(about as u32), inc);
         }
@@ -836,9 +902,12 @@ impl World {
     /// them since), so no memory holds them and no live process saw what was written to them
     /// since they were loaded. (Pages managed elsewhere keep their directories: lost stays
     /// lost.)
-    fn restart_from_disk(&mut self, v: usize) {
+    /// With `keep_served`, files it serves already after asking keep their directories (they
+    /// are true); a node that restarts keeps none.
+    fn restart_from_disk(&mut self, v: usize, keep_served: bool) {
         for p in self.pages.clone() {
-            if self.manager(p) == v {
+            let served = self.nodes[v].svm.recovering() && self.nodes[v].svm.serves(p.file);
+            if self.manager(p) == v && !(keep_served && served) {
                 // (A page stays tainted: a dead node's messages about it may still arrive.)
                 self.truth.remove(&p);
             }
@@ -849,7 +918,7 @@ impl World {
     fn end_recovery(&mut self, r: usize) {
         self.log(format!("n{r} ends recovery"));
         self.c.end_recoveries += 1;
-        self.restart_from_disk(r);
+        self.restart_from_disk(r, true);
         self.begin(r, Cause::Other);
         self.nodes[r].svm.end_recovery();
         self.run_actions(r);
@@ -926,7 +995,7 @@ impl World {
                     "n{m} marks {page} lost, but no node that died may have taken its latest version"
                 ));
             }
-            if mgr.zombie || mgr.svm.recovering() {
+            if mgr.zombie || !mgr.svm.serves(page.file) {
                 continue;
             }
             // The directory covers every holder.
@@ -1041,6 +1110,9 @@ impl World {
         if !ends.is_empty() {
             moves.push(13);
         }
+        if !self.fence_checks.is_empty() {
+            moves.push(14);
+        }
         if moves.is_empty() {
             return false;
         }
@@ -1125,6 +1197,10 @@ impl World {
                 self.drop_job(i);
             }
             12 => self.start_job(),
+            14 => {
+                let k = self.rng.below(self.fence_checks.len());
+                self.answer_fence(k);
+            }
             _ => {
                 let r = ends[self.rng.below(ends.len())];
                 self.end_recovery(r);
@@ -1208,6 +1284,7 @@ fn random_schedules_keep_memory_sequentially_consistent() {
         t.cancels += c.cancels;
         t.job_ends += c.job_ends;
         t.end_recoveries += c.end_recoveries;
+        t.fences_cleared += c.fences_cleared;
         t.woken_unmapped += c.woken_unmapped;
         t.interleaved += c.interleaved;
         t.joined += c.joined;
@@ -1249,6 +1326,10 @@ fn random_schedules_keep_memory_sequentially_consistent() {
         assert!(
             t.end_recoveries > 0,
             "no restarted node ended its recovery over {count} seeds"
+        );
+        assert!(
+            t.fences_cleared > 0,
+            "no restarted node served a file again after asking over {count} seeds"
         );
         assert!(t.interleaved > 0, "no client acted between two actions of its shell");
         // Concurrent reads of one page really happen (so their checks above ran).
@@ -1346,6 +1427,7 @@ fn drive_fifo(nodes: &mut [Svm], mem: &mut [Option<u64>]) -> Driven {
             Action::SetAccess { .. } => {}
             Action::Resolve { waiter, .. } => resolved.push((i, waiter)),
             Action::Fail { error, .. } => panic!("fault failed: {error}"),
+            Action::CheckFence { file } => panic!("no node restarted, yet one checks {file}"),
         }
     }
     panic!("actions did not settle");
@@ -1488,4 +1570,121 @@ fn a_node_coming_back_is_fenced_only_by_nodes_holding_state() {
     busy.peer_up(NodeId(2), Incarnation(7));
     busy.peer_up(NodeId(1), Incarnation(1));
     assert_eq!(busy.fenced(NodeId(1)), Incarnation(0));
+}
+
+/// A manager that restarted while another node held pages asks before it serves a file: the
+/// file that node held when it learnt of the restart stays refused (its pages' directory died),
+/// while a file first used after the restart is served at once, with exact answers.
+#[test]
+fn a_restarted_manager_serves_a_file_nobody_held_and_refuses_one_held_before() {
+    let peers = vec![Some(Incarnation(1)); 2];
+    let mut n1 = Svm::new(NodeId(1), Incarnation(1), peers);
+    let pages = |file| {
+        (0..64).map(move |index| PageId {
+            file: FileId(file),
+            index,
+        })
+    };
+    let old = pages(1)
+        .find(|&p| n1.manager(p) == NodeId(0))
+        .expect("a page managed by n0");
+    let new = pages(2)
+        .find(|&p| n1.manager(p) == NodeId(0))
+        .expect("a page managed by n0");
+    // n1 reads a page of file 1 that n0 manages (n0's grant comes from its first incarnation).
+    n1.fault(old, Access::Read, 1);
+    let mut txn = None;
+    while let Some(a) = n1.poll_action() {
+        if let Action::Send { env, .. } = a {
+            if let Msg::Req { txn: t, .. } = env.msg {
+                txn = Some(t);
+            }
+        }
+    }
+    let txn = txn.expect("a request");
+    let grant = Envelope {
+        from: NodeId(0),
+        from_incarnation: Incarnation(1),
+        to_incarnation: Incarnation(1),
+        msg: Msg::Grant {
+            page: old,
+            txn,
+            access: Access::Read,
+            source: psls_svm::coherence::Source::Disk,
+            acks: vec![],
+        },
+    };
+    n1.receive(grant).expect("grant");
+    while let Some(a) = n1.poll_action() {
+        if let Action::Load { page, txn } = a {
+            n1.loaded(page, txn, true);
+        }
+    }
+    assert_eq!(n1.access(old), Some(Access::Read));
+    // Not learnt of the restart yet: unsure about file 1, which it holds; clean about file 2.
+    let (m, inc) = (NodeId(0), Incarnation(2));
+    assert_eq!(n1.fence_answer(m, inc, old.file, false), FenceAnswer::Unknown);
+    assert_eq!(n1.fence_answer(m, inc, new.file, false), FenceAnswer::Clean);
+    assert_eq!(
+        n1.fence_answer(m, inc, new.file, true),
+        FenceAnswer::Unknown,
+        "a segment counts"
+    );
+    n1.peer_up(m, inc);
+    assert_eq!(n1.fence_answer(m, inc, old.file, false), FenceAnswer::Held);
+    assert_eq!(
+        n1.fence_answer(m, inc, new.file, true),
+        FenceAnswer::Clean,
+        "opened since"
+    );
+    assert_eq!(
+        n1.fence_answer(m, Incarnation(1), new.file, false),
+        FenceAnswer::Held,
+        "a dead asker"
+    );
+    // The restarted n0 parks requests for both files, asks once per file, then grants file 2's
+    // page and refuses file 1's.
+    let mut n0 = Svm::restarted(NodeId(0), inc, vec![Some(inc), Some(Incarnation(1))]);
+    assert_eq!(n0.fence_askees(), vec![NodeId(1)]);
+    let req = |page, seq| Envelope {
+        from: NodeId(1),
+        from_incarnation: Incarnation(1),
+        to_incarnation: inc,
+        msg: Msg::Req {
+            page,
+            txn: TxnId {
+                node: NodeId(1),
+                incarnation: Incarnation(1),
+                seq,
+            },
+            access: Access::Write,
+        },
+    };
+    n0.receive(req(old, 10)).expect("req");
+    n0.receive(req(new, 11)).expect("req");
+    let mut checks = Vec::new();
+    while let Some(a) = n0.poll_action() {
+        match a {
+            Action::CheckFence { file } => checks.push(file),
+            other => panic!("nothing but checks while parked: {other:?}"),
+        }
+    }
+    assert_eq!(checks, vec![old.file, new.file]);
+    for file in checks {
+        let answer = n1.fence_answer(NodeId(0), inc, file, file == new.file);
+        n0.fence_checked(file, answer == FenceAnswer::Clean);
+    }
+    let mut replies = Vec::new();
+    while let Some(a) = n0.poll_action() {
+        if let Action::Send { env, .. } = a {
+            replies.push(env.msg);
+        }
+    }
+    assert!(matches!(
+        replies[0],
+        Msg::Deny { page, error: FaultError::ManagerRestarted, .. } if page == old
+    ));
+    assert!(matches!(replies[1], Msg::Grant { page, access: Access::Write, .. } if page == new));
+    assert_eq!(replies.len(), 2, "{replies:?}");
+    assert!(n0.serves(new.file) && !n0.serves(old.file));
 }

@@ -194,7 +194,8 @@ fn read_only_mappings_follow_writes_and_refuse_stores() {
 /// shared memory (whatever the daemons' own counters). While other nodes hold pages from
 /// before, it refuses the pages it now manages (their directory died with the node) with a
 /// clear error, never stale data from disk — also to a node that restarted after the
-/// replacement and so never knew the dead one.
+/// replacement and so never knew the dead one. A file first used after the restarts is
+/// served at once.
 #[test]
 fn a_spare_taking_over_a_manager_refuses_its_lost_pages_and_never_serves_stale_ones() {
     let c = Cluster::start(4, 1);
@@ -226,8 +227,32 @@ fn a_spare_taking_over_a_manager_refuses_its_lost_pages_and_never_serves_stale_o
     assert_eq!(refused, 3 * 4, "refused faults");
     // n0 still has its own copies.
     run_ok(&c, "n0", &["check", "sp", "8", "1"]);
+    // A file first used after the restarts has no directory to lose: the fenced nodes ask the
+    // others, and serve its pages at once, everywhere, while "sp" stays refused.
+    run_ok(&c, "s0", &["fill", "after", "8", "7"]);
+    for n in ["n0", "n1", "n2"] {
+        run_ok(&c, n, &["check", "after", "8", "7"]);
+    }
+    for n in ["n2", "s0"] {
+        assert!(
+            c.log(n).contains("no node held this file before this restart"),
+            "{n} never served a new file"
+        );
+    }
+    let still: usize = (0..8)
+        .filter(|page| {
+            let o = c
+                .client("n1", PROBE)
+                .args(["check", "sp", "8", "1", &page.to_string()])
+                .output()
+                .unwrap();
+            o.status.code() == Some(70) && String::from_utf8_lossy(&o.stderr).contains("restarted")
+        })
+        .count();
+    assert_eq!(still, 4, "pages of the file held before the restarts refused");
     // Once no node holds shared pages any more, the fenced nodes serve theirs again.
     c.ok(&["rm", "sp"]);
+    c.ok(&["rm", "after"]);
     let deadline = Instant::now() + Duration::from_secs(20);
     let lifted = |n: &str| c.log(n).contains("the pages managed here are served again");
     while !(lifted("n2") && lifted("s0")) {

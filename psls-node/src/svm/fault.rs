@@ -234,6 +234,7 @@ pub(super) fn apply(g: &mut Inner, node: &Node, a: Action, out: &mut Vec<Outgoin
             }
             resolve(&w, node_access);
         }
+        Action::CheckFence { file } => out.push(Outgoing::CheckFence { file }),
         Action::Fail { waiter, page, error } => {
             let Some(w) = g.waiters.remove(&waiter) else { return };
             let name = g.segs.get(&page.file).map(|s| s.name.clone()).unwrap_or_default();

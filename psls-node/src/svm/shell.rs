@@ -7,9 +7,9 @@ use super::state::*;
 use crate::failstop::Locked;
 use crate::node::Node;
 use crate::op::OpError;
-use crate::peer::PeerReq;
+use crate::peer::{PeerReq, PeerResp};
 use psls_ipc::ErrorKind;
-use psls_svm::coherence::{Access, Envelope, Receipt, Svm, TxnId};
+use psls_svm::coherence::{Access, Envelope, FenceAnswer, Receipt, Svm, TxnId};
 use psls_svm::{FileId, Incarnation, NodeId, PageId, PAGE_SIZE};
 use std::collections::HashMap;
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -454,12 +454,91 @@ impl SvmShell {
         self.dispatch(node, out);
     }
 
+    /// This node restarted while others held shared pages, and a request came for a page of
+    /// `file` managed here: asks every other node the state machine holds up whether it held
+    /// any of `file` when it learnt of this incarnation. If none did, `file`'s pages are served from the disks as if
+    /// nobody held them (a file first used after the restart: a new job's segments); else its
+    /// requests are refused. A node that has not learnt of the restart yet, or does not
+    /// answer, is asked again, for `FENCE_ASK_LIMIT` at most.
+    async fn check_fence(self: &Arc<Self>, node: &Arc<Node>, file: FileId) {
+        let Some((me, inc)) = self.lock().svm.as_ref().map(|s| (s.me(), s.incarnation())) else {
+            return;
+        };
+        let mut clean = false;
+        let deadline = std::time::Instant::now() + FENCE_ASK_LIMIT;
+        for round in 0u32.. {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            // Every node the state machine holds up, as it holds them now.
+            let Some(askees) = self.lock().svm.as_ref().map(|s| s.fence_askees()) else {
+                return;
+            };
+            let mut asks = tokio::task::JoinSet::new();
+            for l in askees {
+                let (node, p) = (node.clone(), node.physical_now(l));
+                let req = PeerReq::FenceAsk {
+                    manager: me.0,
+                    incarnation: inc.0,
+                    file,
+                };
+                let timeout = node.read_timeout().min(left);
+                asks.spawn(async move { node.call_data(&p, req, bytes::Bytes::new(), timeout).await });
+            }
+            let (mut held, mut unsure) = (false, false);
+            while let Some(r) = asks.join_next().await {
+                match r {
+                    Ok(Ok((PeerResp::Fence(FenceAnswer::Clean), _))) => {}
+                    Ok(Ok((PeerResp::Fence(FenceAnswer::Held), _))) => held = true,
+                    _ => unsure = true,
+                }
+            }
+            tracing::debug!(node = %node.name(), %file, round, held, unsure, "asked whether a file was held before this restart");
+            if held {
+                break;
+            }
+            if !unsure {
+                clean = true;
+                break;
+            }
+            tokio::time::sleep(FENCE_ASK_PAUSE).await;
+        }
+        let mut out = Vec::new();
+        {
+            let mut g = self.lock();
+            let Some(svm) = g.svm.as_mut().filter(|s| s.incarnation() == inc) else {
+                return;
+            };
+            if clean {
+                tracing::info!(node = %node.name(), %file, "no node held this file before this restart: its pages managed here are served");
+            } else {
+                tracing::warn!(node = %node.name(), %file, "this file was held before this restart: its pages managed here stay refused");
+            }
+            svm.fence_checked(file, clean);
+            run(&mut g, node, &mut out);
+        }
+        self.dispatch(node, out);
+    }
+
+    /// What this node says to restarted `manager` asking about `file` (`Svm::fence_answer`).
+    pub fn fence_answer(&self, manager: NodeId, incarnation: Incarnation, file: FileId) -> FenceAnswer {
+        let g = self.lock();
+        let seg = g.segs.contains_key(&file);
+        match g.svm.as_ref() {
+            Some(svm) => svm.fence_answer(manager, incarnation, file, seg),
+            // No coherence state yet: no page of any file was ever here.
+            None => FenceAnswer::Clean,
+        }
+    }
+
     /// Membership changed (or may have): tells the state machine which incarnations are up.
     pub fn sync_peers(self: &Arc<Self>, node: &Arc<Node>) {
         let mut out = Vec::new();
         let nobody_holds = self.lock().svm.as_ref().is_some_and(|s| s.recovering()) && others_hold_nothing(node);
         {
             let mut g = self.lock();
+            let held: Vec<FileId> = g.segs.keys().copied().collect();
             let Some(svm) = g.svm.as_mut() else { return };
             if nobody_holds && svm.recovering() {
                 tracing::info!(node = %node.name(), "no other node holds shared pages any more: the pages managed here are served again");
@@ -470,7 +549,13 @@ impl SvmShell {
                     continue;
                 }
                 if up {
+                    let before = svm.known_incarnation(l);
                     svm.peer_up(l, inc);
+                    if svm.known_incarnation(l) != before {
+                        // What a restarted manager may not serve as if nobody held it: the
+                        // segments held here now (the state machine adds its pages').
+                        svm.fence_also(l, held.iter().copied());
+                    }
                 } else {
                     svm.peer_down(l, inc);
                 }
@@ -515,6 +600,10 @@ impl SvmShell {
                         }
                     },
                     Outgoing::Fatal { pid, message } => self.end_client(node, pid, message),
+                    Outgoing::CheckFence { file } => {
+                        let (node, me) = (node.clone(), self.clone());
+                        self.runtime.spawn(async move { me.check_fence(&node, file).await });
+                    }
                 }
             }
             if zeros.is_empty() {

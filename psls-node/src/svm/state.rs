@@ -13,6 +13,10 @@ use userfaultfd::{FaultKind, Uffd};
 pub(super) const MAX_STEPS: usize = 1 << 20;
 /// Fault events read per `read` on a userfaultfd.
 pub(super) const EVENT_BATCH: usize = 64;
+/// How long a restarted node asks the others about a file before it refuses the file's pages
+/// (`SvmShell::check_fence`), and how long it waits between two rounds.
+pub(super) const FENCE_ASK_LIMIT: std::time::Duration = std::time::Duration::from_secs(5);
+pub(super) const FENCE_ASK_PAUSE: std::time::Duration = std::time::Duration::from_millis(100);
 /// Largest segment a client may map.
 pub const MAX_SEGMENT_BYTES: u64 = 1 << 40;
 
@@ -177,6 +181,10 @@ pub(super) enum Outgoing {
     Fatal {
         pid: i32,
         message: String,
+    },
+    /// Ask the other nodes whether this restarted node may serve `file` (`Action::CheckFence`).
+    CheckFence {
+        file: FileId,
     },
 }
 
