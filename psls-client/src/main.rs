@@ -99,6 +99,10 @@ enum Cmd {
         /// the job's last one (default: the cluster's, 60).
         #[arg(long, default_value_t = 0)]
         persistent_interval: u64,
+        /// With --level auto, also make every N-th checkpoint a persistent one, whatever the
+        /// time (as SCR's flush frequency; 0: by the interval only).
+        #[arg(long, default_value_t = 0, value_name = "N")]
+        persistent_every: u32,
         /// What stays in memory after a persistent checkpoint: none, total, p1, p2, p3 or
         /// lru:FRAMES (default: the cluster's, p1).
         #[arg(long, default_value = "")]
@@ -281,6 +285,7 @@ fn main() -> std::process::ExitCode {
         respawn_timeout,
         level,
         persistent_interval,
+        persistent_every,
         cleaning,
         prefetch,
         resume,
@@ -294,6 +299,7 @@ fn main() -> std::process::ExitCode {
             respawn_timeout_s: (*respawn_timeout).max(1),
             level: level.clone(),
             persistent_interval_s: *persistent_interval,
+            persistent_every: *persistent_every,
             cleaning: cleaning.clone(),
             prefetch: *prefetch,
             resume: resume.clone().unwrap_or_default(),

@@ -204,6 +204,9 @@ pub struct CkptOptions {
     /// With `auto`, a safe point takes the cleaner when this many seconds passed since the
     /// job's last persistent checkpoint (0: the cluster's default).
     pub persistent_interval_s: u64,
+    /// With `auto`, every this many-th checkpoint of the job is a cleaner, whatever the time
+    /// (0: by the interval only).
+    pub persistent_every: u32,
     /// What stays in memory after a cleaner: `none`, `total`, `p1`, `p2`, `p3` or `lru:FRAMES`
     /// (empty: the cluster's `cleaning`).
     pub cleaning: String,

@@ -209,6 +209,7 @@ pub async fn launch(
             checkpoint.persistent_interval_s,
             node.cfg.cluster.persistent_interval_s.saturating_mul(1000),
         ),
+        persistent_every: checkpoint.persistent_every,
         cleaning,
         prefetch: checkpoint.prefetch,
         attempt: 0,

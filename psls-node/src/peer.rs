@@ -56,6 +56,8 @@ pub struct JobSpec {
     /// in memory after it.
     pub level: psls_ckpt::msg::Choice,
     pub persistent_interval_ms: u64,
+    /// With `Auto`, every this many-th checkpoint is a cleaner (0: by the interval only).
+    pub persistent_every: u32,
     pub cleaning: psls_ckpt::cleaning::Policy,
     /// After a rollback, the pages each node held active are loaded again before the ranks
     /// restart (as many as the cleaning policy keeps in memory).
@@ -95,6 +97,8 @@ pub struct SafeCall {
     pub timeout_ms: u64,
     pub level: psls_ckpt::msg::Choice,
     pub persistent_interval_ms: u64,
+    /// With `Auto`, every this many-th checkpoint is a cleaner (0: by the interval only).
+    pub persistent_every: u32,
     pub cleaning: psls_ckpt::cleaning::Policy,
     /// The files the rank maps writable.
     pub files: Vec<FileId>,

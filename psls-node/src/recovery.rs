@@ -392,6 +392,7 @@ pub async fn resume(
         // The record does not keep them: a resumed job takes the defaults.
         level: psls_ckpt::msg::Choice::Auto,
         persistent_interval_ms: node.cfg.cluster.persistent_interval_s.saturating_mul(1000),
+        persistent_every: 0,
         cleaning: node.default_cleaning(),
         prefetch: false,
         // Exits of an earlier start are not this one's.

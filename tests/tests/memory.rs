@@ -227,16 +227,37 @@ fn mgs_completes_under_every_cleaning_policy_with_a_failure_after_a_cleaner_and_
     let c = Cluster::start(4, 0);
     let (want, _) = finish(start(&c, "n0", &["--level", "persistent"]), "the unfailed run");
     for policy in ["none", "total", "p1", "p2", "p3", "lru:300"] {
-        // A cleaner every second or so, memory checkpoints between; after the rollback the
-        // pages that were active are loaded again before the ranks restart.
-        let args = ["--cleaning", policy, "--persistent-interval", "1", "--prefetch"];
+        // A cleaner every fourth checkpoint (whatever the machine's speed), memory checkpoints
+        // between; after the rollback the pages that were active are loaded again before the
+        // ranks restart.
+        let args = ["--cleaning", policy, "--persistent-every", "4", "--prefetch"];
         let mut run = start(&c, "n1", &args);
         let (job, rest) = job_id(&mut run);
         let what = format!("cleaning {policy}");
         // After a cleaner that followed memory checkpoints (the policy then acted), n3 dies.
-        wait_for(Duration::from_secs(60), "a cleaner after memory checkpoints", || {
-            entry(&c, &job).is_some_and(|e| e["level"] == "memory" && e["persistent_epoch"].as_u64().unwrap_or(0) > 1)
-        });
+        let mut seen = None;
+        wait_for(
+            Duration::from_secs(60),
+            &format!("{what}: a cleaner after memory checkpoints"),
+            || {
+                let now = entry(&c, &job);
+                // Listed once, it must stay listed and running until n3 dies.
+                if seen.is_some() && now.as_ref().is_none_or(|e| e["state"] != "running") {
+                    panic!("{what}: the job stopped running: {now:?}, before: {seen:?}");
+                }
+                seen = now;
+                seen.as_ref()
+                    .is_some_and(|e| e["level"] == "memory" && e["persistent_epoch"].as_u64().unwrap_or(0) > 1)
+            },
+        );
+        // Epochs 1, 5, 9, ... are cleaners, the others memory checkpoints.
+        let e = seen.unwrap_or_default();
+        let (epoch, persistent) = (
+            e["epoch"].as_u64().unwrap_or(0),
+            e["persistent_epoch"].as_u64().unwrap_or(0),
+        );
+        assert_eq!(persistent % 4, 1, "{what}: {e}");
+        assert!(epoch > persistent && epoch < persistent + 4, "{what}: {e}");
         c.kill("n3");
         std::thread::sleep(Duration::from_millis(300));
         c.ok(&["cluster", "up"]);

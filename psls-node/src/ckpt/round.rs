@@ -106,6 +106,17 @@ pub(super) struct Took {
 }
 
 /// A safe point's part in its round (the default for a round a `sync` or an unmap asked for).
+/// How a job's safe points choose their level and what stays in memory after a cleaner (its
+/// ranks' calls say it).
+#[derive(Clone, Copy, Debug)]
+pub(super) struct JobChoice {
+    pub(super) level: psls_ckpt::msg::Choice,
+    pub(super) persistent_interval_ms: u64,
+    /// Every this many-th checkpoint is a cleaner (0: by the interval only).
+    pub(super) persistent_every: u32,
+    pub(super) cleaning: psls_ckpt::cleaning::Policy,
+}
+
 #[derive(Clone, Default)]
 pub(super) struct SafeRound {
     /// Fired when every participant took its pages: the ranks go on (none for a halt).
@@ -189,7 +200,9 @@ pub struct CkptShell {
     pub(super) mem_committed: Mutex<HashMap<String, u64>>,
     pub(super) last_persistent_ms: Mutex<HashMap<String, u64>>,
     /// At the coordinator: per job, the level its safe points take and its persistent interval.
-    pub(super) choices: Mutex<HashMap<String, (psls_ckpt::msg::Choice, u64, psls_ckpt::cleaning::Policy)>>,
+    pub(super) choices: Mutex<HashMap<String, JobChoice>>,
+    /// At the coordinator: memory checkpoints committed per job since its last persistent one.
+    pub(super) mem_since_persistent: Mutex<HashMap<String, u32>>,
     /// At the coordinator: each job's last checkpoint committed here (for `psls jobs`).
     pub(super) last_ckpt: Mutex<HashMap<String, crate::peer::LastCkpt>>,
     /// At the coordinator: a round is over (a round waiting for its files or job goes on).
@@ -230,6 +243,7 @@ impl CkptShell {
             mem_committed: Mutex::new(HashMap::new()),
             last_persistent_ms: Mutex::new(HashMap::new()),
             choices: Mutex::new(HashMap::new()),
+            mem_since_persistent: Mutex::new(HashMap::new()),
             last_ckpt: Mutex::new(HashMap::new()),
             round_over: tokio::sync::Notify::new(),
             goes: Mutex::new(HashMap::new()),
@@ -439,7 +453,7 @@ impl CkptShell {
         self.choices
             .locked()
             .get(job)
-            .map(|c| c.2)
+            .map(|c| c.cleaning)
             .unwrap_or_else(|| self.node.default_cleaning())
     }
 
@@ -485,6 +499,7 @@ impl CkptShell {
         self.mem_committed.locked().remove(job);
         self.last_persistent_ms.locked().remove(job);
         self.choices.locked().remove(job);
+        self.mem_since_persistent.locked().remove(job);
         self.last_ckpt.locked().remove(job);
         self.cleaner_next.locked().remove(job);
         self.goes.locked().retain(|(j, _), _| j != job);
@@ -727,9 +742,11 @@ impl CkptShell {
                         match level {
                             Level::Memory => {
                                 self.mem_committed.locked().insert(job.clone(), epoch);
+                                *self.mem_since_persistent.locked().entry(job.clone()).or_default() += 1;
                             }
                             Level::Persistent => {
                                 self.last_persistent_ms.locked().insert(job.clone(), self.node.now_ms());
+                                self.mem_since_persistent.locked().insert(job.clone(), 0);
                             }
                         }
                         tracing::info!(node = %self.node.name(), job, epoch, %level, pages, bytes, "checkpoint committed");

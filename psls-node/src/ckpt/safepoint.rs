@@ -152,7 +152,12 @@ impl CkptShell {
             .insert(call.job.clone(), (call.uid, call.gid, call.launcher.clone()));
         self.choices.locked().insert(
             call.job.clone(),
-            (call.level, call.persistent_interval_ms, call.cleaning),
+            super::round::JobChoice {
+                level: call.level,
+                persistent_interval_ms: call.persistent_interval_ms,
+                persistent_every: call.persistent_every,
+                cleaning: call.cleaning,
+            },
         );
         self.drive();
         let o = rx
@@ -327,13 +332,17 @@ impl CkptShell {
     }
 
     /// The level of `job`'s checkpoint at this safe point (DESIGN §7): the cleaner on a halt,
-    /// when pinned, for the job's first checkpoint here and when the persistent interval
-    /// elapsed (`auto`: a power cut then never loses a whole run), or when a memory
-    /// checkpoint might not fit; memory otherwise.
+    /// when pinned, for the job's first checkpoint here, when the persistent interval elapsed
+    /// or this is the job's every-N-th checkpoint (`auto`: a power cut then never loses a
+    /// whole run), or when a memory checkpoint might not fit; memory otherwise.
     fn choose_level(&self, job: &str, halt: bool) -> Level {
         let node = &self.node;
         let now = node.now_ms();
-        let (choice, interval_ms) = self.choices.locked().get(job).map(|c| (c.0, c.1)).unwrap_or_default();
+        let c = self.choices.locked().get(job).copied();
+        let (choice, interval_ms, every) = c
+            .map(|c| (c.level, c.persistent_interval_ms, c.persistent_every))
+            .unwrap_or_default();
+        let since = self.mem_since_persistent.locked().get(job).copied().unwrap_or(0);
         let last = self.last_persistent_ms.locked().get(job).copied();
         let no_room_before = self.cleaner_next.locked().remove(job);
         if halt || choice == Choice::Persistent || no_room_before {
@@ -344,6 +353,9 @@ impl CkptShell {
             return Level::Persistent;
         }
         if choice == Choice::Auto && last.is_none_or(|last| now.saturating_sub(last) >= interval_ms) {
+            return Level::Persistent;
+        }
+        if choice == Choice::Auto && every > 0 && since.saturating_add(1) >= every {
             return Level::Persistent;
         }
         Level::Memory

@@ -303,6 +303,7 @@ fn safe_call(d: &Daemon, caller: crate::pfs::Caller, pid: i32) -> crate::ckpt::S
             timeout_ms: spec.checkpoint_timeout_ms,
             level: spec.level,
             persistent_interval_ms: spec.persistent_interval_ms,
+            persistent_every: spec.persistent_every,
             cleaning: spec.cleaning,
             files,
             uid: spec.uid,
@@ -320,6 +321,7 @@ fn safe_call(d: &Daemon, caller: crate::pfs::Caller, pid: i32) -> crate::ckpt::S
             // A process of its own: every checkpoint it asks for is persistent.
             level: psls_ckpt::msg::Choice::Persistent,
             persistent_interval_ms: 0,
+            persistent_every: 0,
             cleaning: d.node.default_cleaning(),
             files,
             uid: caller.uid,
