@@ -39,6 +39,16 @@ pub enum Choice {
     Persistent,
 }
 
+impl std::fmt::Display for Choice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Choice::Auto => "auto",
+            Choice::Memory => "memory",
+            Choice::Persistent => "persistent",
+        })
+    }
+}
+
 impl std::str::FromStr for Choice {
     type Err = String;
     fn from_str(s: &str) -> Result<Choice, String> {

@@ -218,9 +218,10 @@ pub async fn launch(
     let rx = register(jobs, &job);
     // The job's record keeps what it runs (for `psls jobs` and `psls run --resume`).
     if let Err(e) = node
-        .submit(MetaOp::StartJob {
+        .submit(MetaOp::StartJobWith {
             job: job.clone(),
-            spec: summary(&spec, per_node, 1),
+            spec: Box::new(summary(&spec, per_node, 1)),
+            options: Box::new(options(&spec)),
         })
         .await
     {
@@ -264,6 +265,37 @@ pub fn summary(spec: &JobSpec, per_node: Option<u32>, starts: u32) -> psls_pfs::
         started_unix_ms: crate::pfs::unix_ms(),
         starts,
     }
+}
+
+/// How `spec` checkpoints, as the job's record keeps it.
+pub fn options(spec: &JobSpec) -> psls_pfs::jobs::JobOptions {
+    psls_pfs::jobs::JobOptions {
+        level: spec.level.to_string(),
+        persistent_interval_ms: spec.persistent_interval_ms,
+        persistent_every: spec.persistent_every,
+        cleaning: spec.cleaning.to_string(),
+        prefetch: spec.prefetch,
+    }
+}
+
+/// Sets `spec`'s checkpoint options to those a job's record kept; a word that does not parse
+/// (a record from a later version) keeps the default, with a warning.
+pub fn restore_options(node: &Node, spec: &mut JobSpec, o: &psls_pfs::jobs::JobOptions) {
+    match o.level.parse() {
+        Ok(level) => spec.level = level,
+        Err(e) => {
+            tracing::warn!(node = %node.name(), job = %spec.job, error = %e, "the job's record names an unknown level: auto")
+        }
+    }
+    match o.cleaning.parse() {
+        Ok(policy) => spec.cleaning = policy,
+        Err(e) => {
+            tracing::warn!(node = %node.name(), job = %spec.job, error = %e, "the job's record names an unknown cleaning policy: the cluster's")
+        }
+    }
+    spec.persistent_interval_ms = o.persistent_interval_ms;
+    spec.persistent_every = o.persistent_every;
+    spec.prefetch = o.prefetch;
 }
 
 /// Whether some live node launched `job` and follows it.

@@ -389,7 +389,7 @@ pub async fn resume(
         checkpoint_timeout_ms: sum.checkpoint_timeout_ms,
         max_restarts: sum.max_restarts,
         respawn_timeout_ms: sum.respawn_timeout_ms,
-        // The record does not keep them: a resumed job takes the defaults.
+        // As the record keeps them (below); a record of an older format: the defaults.
         level: psls_ckpt::msg::Choice::Auto,
         persistent_interval_ms: node.cfg.cluster.persistent_interval_s.saturating_mul(1000),
         persistent_every: 0,
@@ -399,12 +399,16 @@ pub async fn resume(
         attempt: sum.starts.max(1),
         restart_epoch: 0,
     };
+    if let Some(o) = st.job_options.get(job) {
+        crate::launcher::restore_options(node, &mut spec, o);
+    }
     let rx = crate::launcher::register(jobs, job);
     let started = async {
         spec.restart_epoch = roll_back(node, ckpt, jobs, &spec).await?;
-        let op = psls_pfs::meta::MetaOp::StartJob {
+        let op = psls_pfs::meta::MetaOp::StartJobWith {
             job: job.to_string(),
-            spec: crate::launcher::summary(&spec, sum.per_node, sum.starts + 1),
+            spec: Box::new(crate::launcher::summary(&spec, sum.per_node, sum.starts + 1)),
+            options: Box::new(crate::launcher::options(&spec)),
         };
         node.submit(op).await?;
         crate::launcher::spawn_all(node, &spec, sum.per_node).await

@@ -40,7 +40,8 @@ pub type Outcome = Result<u64, ReplError<MetaError>>;
 enum Input {
     Msg {
         from: u32,
-        msg: Msg<MetaState>,
+        /// Boxed: a message may carry a whole state.
+        msg: Box<Msg<MetaState>>,
     },
     Submit {
         op: MetaOp,
@@ -103,7 +104,11 @@ impl Replication {
             );
             return;
         };
-        if self.tx.try_send(Input::Msg { from, msg }).is_err() {
+        let input = Input::Msg {
+            from,
+            msg: Box::new(msg),
+        };
+        if self.tx.try_send(input).is_err() {
             tracing::warn!(peer = from, "replication queue full: message dropped");
         }
     }
@@ -149,7 +154,7 @@ impl Replication {
                 }
                 input = rx.recv() => match input {
                     None => return,
-                    Some(Input::Msg { from, msg }) => replica.receive(from, msg),
+                    Some(Input::Msg { from, msg }) => replica.receive(from, *msg),
                     Some(Input::Submit { op, reply }) => replica.submit(reply, op),
                     Some(Input::PeerSeq { from, seq }) => replica.peer_seq(from, seq),
                 },

@@ -82,6 +82,41 @@ pub struct JobSummary {
 /// Largest summary a record keeps (program, arguments, folder).
 pub const MAX_SUMMARY_BYTES: usize = 64 * 1024;
 
+/// How a `psls run` job checkpoints, as its record keeps it for `psls run --resume` (kept
+/// beside the record, [`crate::meta::MetaState::job_options`]). The daemon parses the words.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JobOptions {
+    /// `auto`, `memory` or `persistent`.
+    pub level: String,
+    pub persistent_interval_ms: u64,
+    /// Every this many-th checkpoint is a cleaner (0: by the interval only).
+    pub persistent_every: u32,
+    /// The cleaning policy (`p1`, `lru:N`, ...).
+    pub cleaning: String,
+    pub prefetch: bool,
+}
+
+/// Longest level or cleaning policy word a record keeps.
+pub const MAX_OPTION_LEN: usize = 64;
+
+/// Records (or updates) `job`'s summary and checkpoint options as it starts.
+pub(crate) fn apply_start_with(
+    next: &mut Parts<'_>,
+    options_of: &mut BTreeMap<String, JobOptions>,
+    job: &str,
+    spec: &JobSummary,
+    options: &JobOptions,
+) -> Result<(), MetaError> {
+    if options.level.len() > MAX_OPTION_LEN || options.cleaning.len() > MAX_OPTION_LEN {
+        return Err(MetaError::Invalid(format!(
+            "a job's level and cleaning policy take at most {MAX_OPTION_LEN} bytes each"
+        )));
+    }
+    apply_start(next, job, spec)?;
+    options_of.insert(job.to_string(), options.clone());
+    Ok(())
+}
+
 /// Records (or updates) `job`'s summary as it starts.
 pub(crate) fn apply_start(next: &mut Parts<'_>, job: &str, spec: &JobSummary) -> Result<(), MetaError> {
     validate_job(job)?;

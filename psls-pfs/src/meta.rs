@@ -10,7 +10,9 @@
 //! On-disk record (redb table `meta`, key `"state"`): `[format version u16 LE][postcard state]`.
 //! Format 2 added `assigned`; a format-1 record is read as having every logical id on its
 //! initial node. Format 3 added per-page generations (`FileMeta::written`) and the jobs'
-//! checkpoint records (`jobs`); older records read with none. The replication vote (table
+//! checkpoint records (`jobs`); older records read with none. Format 4 added the jobs'
+//! checkpoint options (`job_options`); older records read with none (a resumed job then
+//! takes the defaults). The replication vote (table
 //! `vote`, key `"vote"`, written in its own transaction): `[format version u16 LE = 2][postcard
 //! (promised epoch, accepted operation)]` (format 1, whose operations carry format-2 files,
 //! still reads); a store without one has promised nothing and accepted nothing.
@@ -37,7 +39,7 @@ use std::sync::Arc;
 
 const META_TABLE: TableDefinition<&str, &[u8]> = TableDefinition::new("meta");
 const STATE_KEY: &str = "state";
-const STATE_FORMAT: u16 = 3;
+const STATE_FORMAT: u16 = 4;
 const VOTE_TABLE: TableDefinition<&str, &[u8]> = TableDefinition::new("vote");
 const VOTE_KEY: &str = "vote";
 const VOTE_FORMAT: u16 = 2;
@@ -77,6 +79,22 @@ pub struct MetaState {
     pub jobs: BTreeMap<String, JobCkpt>,
     /// The generation the next checkpoint gets (cluster-wide, only grows).
     pub next_gen: u64,
+    /// How each `psls run` job checkpoints (its level, cleaner interval and policy), kept as
+    /// long as its record for `psls run --resume`.
+    pub job_options: BTreeMap<String, crate::jobs::JobOptions>,
+}
+
+/// Format 3 of [`MetaState`] (before `job_options`).
+#[derive(Deserialize)]
+struct MetaStateV3 {
+    seq: u64,
+    files: BTreeMap<String, FileMeta>,
+    logical: BTreeMap<u32, String>,
+    map_version: u64,
+    rebuilding: BTreeMap<u32, Rebuild>,
+    assigned: BTreeMap<u32, u64>,
+    jobs: BTreeMap<String, JobCkpt>,
+    next_gen: u64,
 }
 
 /// Format 1 of [`MetaState`] (before `assigned`).
@@ -175,6 +193,13 @@ pub enum MetaOp {
         file: FileId,
         job: String,
     },
+    /// `psls run` job `job` starts (or restarts): its record keeps what it runs and how it
+    /// checkpoints. (After `StartJob`, so that votes of format 2 still read.)
+    StartJobWith {
+        job: String,
+        spec: Box<crate::jobs::JobSummary>,
+        options: Box<crate::jobs::JobOptions>,
+    },
 }
 
 /// Format 1 of the operation in a vote record (files of format 2).
@@ -242,6 +267,10 @@ impl MetaOp {
             // Counted claims: a resubmission cannot tell whether it was applied.
             MetaOp::ClaimWriter { .. } | MetaOp::ReleaseWriter { .. } => false,
             MetaOp::StartJob { job, spec } => st.jobs.get(job).and_then(|r| r.spec.as_ref()) == Some(spec),
+            MetaOp::StartJobWith { job, spec, options } => {
+                st.jobs.get(job).and_then(|r| r.spec.as_ref()) == Some(&**spec)
+                    && st.job_options.get(job) == Some(&**options)
+            }
         }
     }
 }
@@ -374,11 +403,18 @@ impl MetaState {
             MetaOp::FenceCheckpoint { job, epoch } => crate::jobs::apply_fence(&mut next.parts(), job, *epoch)?,
             MetaOp::EndJob { job } => {
                 next.jobs.remove(job);
+                next.job_options.remove(job);
                 for f in next.files.values_mut().filter(|f| f.written_by(job)) {
                     f.writer = None;
                 }
             }
             MetaOp::StartJob { job, spec } => crate::jobs::apply_start(&mut next.parts(), job, spec)?,
+            MetaOp::StartJobWith { job, spec, options } => {
+                let mut options_of = std::mem::take(&mut next.job_options);
+                let r = crate::jobs::apply_start_with(&mut next.parts(), &mut options_of, job, spec, options);
+                next.job_options = options_of;
+                r?
+            }
             MetaOp::ClaimWriter { file, job } => {
                 crate::jobs::validate_job(job)?;
                 let Some(f) = next.files.values_mut().find(|f| f.id == *file) else {
@@ -424,6 +460,20 @@ impl MetaState {
         let corrupt = |e: postcard::Error| MetaError::Corrupt(e.to_string());
         match v {
             STATE_FORMAT => postcard::from_bytes(&bytes[2..]).map_err(corrupt),
+            3 => {
+                let old: MetaStateV3 = postcard::from_bytes(&bytes[2..]).map_err(corrupt)?;
+                Ok(MetaState {
+                    seq: old.seq,
+                    files: old.files,
+                    logical: old.logical,
+                    map_version: old.map_version,
+                    rebuilding: old.rebuilding,
+                    assigned: old.assigned,
+                    jobs: old.jobs,
+                    next_gen: old.next_gen,
+                    job_options: BTreeMap::new(),
+                })
+            }
             2 => {
                 let old: MetaStateV2 = postcard::from_bytes(&bytes[2..]).map_err(corrupt)?;
                 Ok(MetaState {
@@ -435,6 +485,7 @@ impl MetaState {
                     assigned: old.assigned,
                     jobs: BTreeMap::new(),
                     next_gen: 0,
+                    job_options: BTreeMap::new(),
                 })
             }
             1 => {
@@ -448,6 +499,7 @@ impl MetaState {
                     assigned: BTreeMap::new(),
                     jobs: BTreeMap::new(),
                     next_gen: 0,
+                    job_options: BTreeMap::new(),
                 })
             }
             v => Err(MetaError::Corrupt(format!("unknown metadata format version {v}"))),
@@ -989,6 +1041,81 @@ mod tests {
             Some(MetaOp::CommitFile { meta, .. }) => assert_eq!((meta.id, meta.gen), (FileId(3), 4)),
             other => panic!("{other:?}"),
         }
+    }
+
+    /// A job's checkpoint options live with its record: set as it starts, gone at its end,
+    /// bounded; a format-3 state (before them) still reads, with none.
+    #[test]
+    fn job_options_follow_the_job_record_and_format_3_states_still_read() {
+        let mut s = MetaState::default();
+        let spec = crate::jobs::JobSummary {
+            program: "mgs".into(),
+            ranks: 4,
+            ..Default::default()
+        };
+        let options = crate::jobs::JobOptions {
+            level: "memory".into(),
+            persistent_interval_ms: 5000,
+            persistent_every: 4,
+            cleaning: "lru:300".into(),
+            prefetch: true,
+        };
+        let start = MetaOp::StartJobWith {
+            job: "j".into(),
+            spec: Box::new(spec.clone()),
+            options: Box::new(options.clone()),
+        };
+        assert!(!start.reflected_in(&s));
+        s.apply(&start).unwrap();
+        assert!(start.reflected_in(&s));
+        assert_eq!(s.job_options["j"], options);
+        assert_eq!(s.jobs["j"].spec.as_ref(), Some(&spec));
+        assert_eq!(MetaState::decode(&s.encode()).unwrap(), s);
+        let long = MetaOp::StartJobWith {
+            job: "k".into(),
+            spec: Box::new(spec.clone()),
+            options: Box::new(crate::jobs::JobOptions {
+                cleaning: "x".repeat(crate::jobs::MAX_OPTION_LEN + 1),
+                ..options.clone()
+            }),
+        };
+        let before = s.clone();
+        assert!(s.apply(&long).is_err());
+        assert_eq!(s, before, "a refused start changes nothing");
+        // Format 3: the same fields, without the options.
+        #[derive(Serialize)]
+        struct S3<'a>(
+            u64,
+            &'a BTreeMap<String, FileMeta>,
+            &'a BTreeMap<u32, String>,
+            u64,
+            &'a BTreeMap<u32, Rebuild>,
+            &'a BTreeMap<u32, u64>,
+            &'a BTreeMap<String, JobCkpt>,
+            u64,
+        );
+        let mut v3 = 3u16.to_le_bytes().to_vec();
+        v3.extend(
+            postcard::to_stdvec(&S3(
+                s.seq,
+                &s.files,
+                &s.logical,
+                s.map_version,
+                &s.rebuilding,
+                &s.assigned,
+                &s.jobs,
+                s.next_gen,
+            ))
+            .unwrap(),
+        );
+        let old = MetaState::decode(&v3).unwrap();
+        assert_eq!(old.jobs, s.jobs);
+        assert!(old.job_options.is_empty());
+        s.apply(&MetaOp::EndJob { job: "j".into() }).unwrap();
+        assert!(
+            s.jobs.is_empty() && s.job_options.is_empty(),
+            "the end of a job drops both"
+        );
     }
 
     #[test]

@@ -25,20 +25,43 @@ fn start_mgs(c: &Cluster, launcher: &str) -> Child {
     start_mgs_waiting(c, launcher, "30")
 }
 
+/// The levels of `job`'s committed checkpoints, in epoch order, from its coordinators' logs.
+fn committed_levels(c: &Cluster, job: &str) -> Vec<(u64, String)> {
+    let tag = format!("job=\"{job}\"");
+    let mut v: Vec<(u64, String)> = ["n0", "n1", "n2", "n3"]
+        .iter()
+        .flat_map(|n| {
+            c.log(n)
+                .lines()
+                .filter(|l| l.contains("checkpoint committed") && l.contains(&tag))
+                .map(|l| {
+                    let field = |k: &str| {
+                        l.split(&format!(" {k}="))
+                            .nth(1)
+                            .and_then(|r| r.split_whitespace().next())
+                            .unwrap_or_default()
+                            .to_string()
+                    };
+                    (field("epoch").parse().unwrap_or(0), field("level"))
+                })
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    v.sort();
+    v
+}
+
 /// MGS whose rollbacks wait `respawn_s` seconds for a failed node before taking a spare.
 fn start_mgs_waiting(c: &Cluster, launcher: &str, respawn_s: &str) -> Child {
+    start_mgs_with(c, launcher, &["--respawn-timeout", respawn_s])
+}
+
+/// MGS with `extra` `psls run` options.
+fn start_mgs_with(c: &Cluster, launcher: &str, extra: &[&str]) -> Child {
     let mgs = mgs_bin();
-    let mut args = vec![
-        "--node",
-        launcher,
-        "run",
-        "-n",
-        "4",
-        "--respawn-timeout",
-        respawn_s,
-        "--",
-        mgs.as_str(),
-    ];
+    let mut args = vec!["--node", launcher, "run", "-n", "4"];
+    args.extend(extra);
+    args.extend(["--", mgs.as_str()]);
     args.extend(ARGS);
     c.cmd(&args)
         .stdout(Stdio::piped())
@@ -137,8 +160,9 @@ fn after_a_power_cut_during_a_job_psls_run_resume_finishes_it_with_the_unfailed_
         assert!(!list.contains(&job), "{list}");
     }
     // `psls halt` mid-job: a last checkpoint, and the job stops cleanly; resumed, it ends with
-    // the same checksum.
-    let mut run = start_mgs(&c, "n3");
+    // the same checksum, and checkpoints as it was told to at its start (the record keeps its
+    // options: here persistent checkpoints only, where the default would take memory ones).
+    let mut run = start_mgs_with(&c, "n3", &["--level", "persistent", "--cleaning", "total"]);
     let (job, mut rest) = job_id(&mut run);
     wait_first_checkpoint(&c, &job);
     c.ok(&["halt", &job]);
@@ -152,7 +176,11 @@ fn after_a_power_cut_during_a_job_psls_run_resume_finishes_it_with_the_unfailed_
         "halted before its end"
     );
     assert!(c.ok(&["jobs"]).contains("resumable"));
+    let before = committed_levels(&c, &job).len();
     assert_eq!(resume(&c, "n0", &job, "resume after a halt"), want);
+    let levels = committed_levels(&c, &job);
+    assert!(levels.len() >= before + 2, "{levels:?}");
+    assert!(levels.iter().all(|(_, l)| l == "persistent"), "{levels:?}");
     // Bad input: resuming an unknown or finished job, removing one that does not exist.
     let e = c.fails(&["run", "--resume", "no-such-job"]);
     assert!(e.contains("no job no-such-job to resume"), "{e}");
