@@ -228,7 +228,7 @@ pub enum Action {
         error: FaultError,
     },
     /// This node restarted while others held shared pages, and a request came for a page of
-    /// `file`, which it does not serve yet: ask every node of [`Svm::fence_askees`] whether it
+    /// `file`, which it does not serve yet: ask every other node ([`Svm::fence_askees`]) whether it
     /// held any of `file` when it learnt of this incarnation ([`Svm::fence_answer`]), then call
     /// [`Svm::fence_checked`]. The file's requests wait until then.
     CheckFence { file: FileId },
@@ -422,9 +422,9 @@ pub struct Svm {
     /// While recovering: requests for pages of files being checked ([`Action::CheckFence`]),
     /// in arrival order.
     parked: HashMap<FileId, Vec<(PageId, TxnId, Access)>>,
-    /// Per node, the files this node held anything of (pages, directory entries, and the
-    /// segments the shell adds with [`Svm::fence_also`]) when it learnt of that node's latest
-    /// incarnation (what [`Svm::fence_answer`] says).
+    /// Per node, the files this node held pages or directory entries of when it learnt of
+    /// that node's latest incarnation (what [`Svm::fence_answer`] says; the shell tells of
+    /// its segments).
     fenced_files: Vec<HashSet<FileId>>,
 }
 
@@ -501,36 +501,31 @@ impl Svm {
         !self.recovering || self.rebuilt.contains(&file)
     }
 
-    /// The shell held segments of `files` when [`Svm::peer_up`] learnt of node `n`'s current
-    /// incarnation: they count as held for [`Svm::fence_answer`].
-    pub fn fence_also(&mut self, n: NodeId, files: impl IntoIterator<Item = FileId>) {
-        if let Some(f) = self.fenced_files.get_mut(n.0 as usize) {
-            f.extend(files);
-        }
-    }
-
     /// What this node says to `manager`, restarted as `incarnation`, asking whether it may
     /// serve `file` from the disks with an empty directory, as if no node held any of it (the
-    /// rule of [`Svm::end_recovery`], for one file). `Held` if this node held anything of
-    /// `file` when it learnt of that incarnation (`holds_segment` and the shell's
-    /// [`Svm::fence_also`] tell of segments), or knows it dead or a later one (the asker is
-    /// dead itself); `Unknown` if it has not learnt of it yet and holds some of `file` now;
-    /// `Clean` otherwise. What this node holds of `file` afterwards came after the old
-    /// incarnation died, so `Clean` stays true.
+    /// rule of [`Svm::end_recovery`], for one file). `segment`: the shell holds a segment of
+    /// `file`, opened when this node knew `manager` as that incarnation (a process mapping it
+    /// may have seen versions that died with an older one). `Held` if this node held
+    /// anything of `file` when it learnt of `incarnation` (pages, directory entries, or a
+    /// segment opened before), or knows it dead or a later one (the asker is dead itself);
+    /// `Unknown` if it has not learnt of it yet and holds some of `file` now; `Clean`
+    /// otherwise. What this node holds of `file` afterwards came after the old incarnation
+    /// died, so `Clean` stays true.
     pub fn fence_answer(
         &self,
         manager: NodeId,
         incarnation: Incarnation,
         file: FileId,
-        holds_segment: bool,
+        segment: Option<Incarnation>,
     ) -> FenceAnswer {
         let known = self.known_incarnation(manager);
         if manager == self.me || known > incarnation || (known == incarnation && !self.is_up(manager)) {
             return FenceAnswer::Held;
         }
         if known < incarnation {
-            let holds =
-                holds_segment || self.local.keys().any(|p| p.file == file) || self.dir.keys().any(|p| p.file == file);
+            let holds = segment.is_some()
+                || self.local.keys().any(|p| p.file == file)
+                || self.dir.keys().any(|p| p.file == file);
             return if holds {
                 FenceAnswer::Unknown
             } else {
@@ -540,7 +535,8 @@ impl Svm {
         let held = self
             .fenced_files
             .get(manager.0 as usize)
-            .is_some_and(|f| f.contains(&file));
+            .is_some_and(|f| f.contains(&file))
+            || segment.is_some_and(|k| k < incarnation);
         if held {
             FenceAnswer::Held
         } else {
@@ -548,17 +544,15 @@ impl Svm {
         }
     }
 
-    /// The nodes to ask for [`Action::CheckFence`]: every other node this one holds up. (One
-    /// held down is dead to the protocol: its requests are dropped, what it holds is lost.)
+    /// The nodes to ask for [`Action::CheckFence`]: every other node of the cluster, whatever
+    /// this one knows of it — one not heard of yet may hold pages the old incarnation
+    /// granted, and one held down may still run with its copies until it restarts.
     pub fn fence_askees(&self) -> Vec<NodeId> {
-        (0..self.nodes)
-            .map(NodeId)
-            .filter(|&n| n != self.me && self.is_up(n))
-            .collect()
+        (0..self.nodes).map(NodeId).filter(|&n| n != self.me).collect()
     }
 
     /// The answer to [`Action::CheckFence`] for `file`: `clean` when every node of
-    /// [`Svm::fence_askees`] (taken when asking) said [`FenceAnswer::Clean`]. Its waiting requests go on if so, else they are refused.
+    /// [`Svm::fence_askees`] said [`FenceAnswer::Clean`]. Its waiting requests go on if so, else they are refused.
     pub fn fence_checked(&mut self, file: FileId, clean: bool) {
         let Some(reqs) = self.parked.remove(&file) else { return };
         if clean && self.recovering {
@@ -718,6 +712,7 @@ impl Svm {
         let before = self.local.len() + self.dir.len();
         self.local.retain(|p, _| p.file != file);
         self.dir.retain(|p, _| p.file != file);
+        // Requests waiting for a check go, as queued ones do: every node forgets the file.
         self.parked.remove(&file);
         for f in &mut self.fenced_files {
             f.remove(&file);
@@ -730,6 +725,8 @@ impl Svm {
     pub fn directory_rebuilt(&mut self, file: FileId) {
         if self.recovering {
             self.rebuilt.insert(file);
+            // Requests waiting for a check go on now.
+            self.fence_checked(file, true);
         }
     }
 
@@ -930,7 +927,7 @@ impl Svm {
             self.fenced[n.0 as usize] = incarnation;
         }
         // The files the new incarnation may not serve from the disks as if nobody held them:
-        // those this node holds anything of (the shell adds its segments).
+        // those this node holds pages or directory entries of (the shell tells of segments).
         let files: HashSet<FileId> = self.local.keys().chain(self.dir.keys()).map(|pg| pg.file).collect();
         self.fenced_files[n.0 as usize] = files;
         self.peers[n.0 as usize] = Peer { incarnation, up: false };
@@ -967,6 +964,7 @@ impl Svm {
         for reqs in self.parked.values_mut() {
             reqs.retain(|(_, t, _)| t.node != n);
         }
+        self.parked.retain(|_, reqs| !reqs.is_empty());
         let mut pages: Vec<PageId> = self.dir.keys().copied().collect();
         pages.sort();
         for page in pages {

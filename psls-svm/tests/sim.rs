@@ -149,6 +149,9 @@ struct Node {
     applied: HashMap<PageId, Access>,
     /// Holds segments of the current job (a client of it used one): its heartbeats say so.
     segs: bool,
+    /// Every node's incarnation as this node knew it when it took up the job's segments (the
+    /// daemon's `Segment::known_at_open`).
+    seg_known: Vec<Incarnation>,
     /// Declared dead while live: fenced (its clients are stopped) until it restarts.
     zombie: bool,
     /// While a job ends: this node dropped the job's segments.
@@ -249,6 +252,7 @@ impl World {
                 loads: Vec::new(),
                 applied: HashMap::new(),
                 segs: false,
+                seg_known: Vec::new(),
                 zombie: false,
                 dropped: false,
             })
@@ -304,6 +308,18 @@ impl World {
             .collect()
     }
 
+    /// Node `i` takes up the current job's segments (a client of it uses them), if not yet:
+    /// they remember what it knew then.
+    fn hold_segments(&mut self, i: usize) {
+        if !self.nodes[i].segs {
+            let n = self.nodes.len();
+            self.nodes[i].segs = true;
+            self.nodes[i].seg_known = (0..n)
+                .map(|m| self.nodes[i].svm.known_incarnation(NodeId(m as u32)))
+                .collect();
+        }
+    }
+
     /// The current job's files.
     fn job_files(&self) -> Vec<FileId> {
         let mut f: Vec<FileId> = self.pages.iter().map(|p| p.file).collect();
@@ -313,9 +329,9 @@ impl World {
     }
 
     /// The shell of node `i` (incarnation `inc`) has every other node's answer about `file`
-    /// ([`Svm::fence_answer`]; those it holds up, [`Svm::fence_askees`], a fenced node too
-    /// until it learns of the verdict): the file is served if all say clean, refused if one
-    /// held it; asked again later if one has not learnt of the restart yet.
+    /// ([`Svm::fence_answer`]; every other node, [`Svm::fence_askees`], a fenced one too: it
+    /// runs until it restarts): the file is served if all say clean, refused if one held it;
+    /// asked again later if one has not learnt of the restart yet.
     fn answer_fence(&mut self, k: usize) {
         let (i, inc, file) = self.fence_checks.swap_remove(k);
         if self.nodes[i].svm.incarnation() != inc {
@@ -325,7 +341,7 @@ impl World {
         let files = self.job_files();
         let mut answers = Vec::new();
         for j in self.nodes[i].svm.fence_askees().into_iter().map(|n| n.0 as usize) {
-            let seg = self.nodes[j].segs && files.contains(&file);
+            let seg = (self.nodes[j].segs && files.contains(&file)).then(|| self.nodes[j].seg_known[i]);
             answers.push(self.nodes[j].svm.fence_answer(NodeId(i as u32), inc, file, seg));
         }
         self.log(format!("n{i} asked about {file}: {answers:?}"));
@@ -612,7 +628,7 @@ impl World {
             return;
         };
         let i = self.clients[k].node;
-        self.nodes[i].segs = true;
+        self.hold_segments(i);
         if self.clients[k].mapped.get(&op.page()).copied() >= Some(op.access()) {
             self.perform(k, op);
             return;
@@ -765,6 +781,7 @@ impl World {
             loads: Vec::new(),
             applied: HashMap::new(),
             segs: false,
+            seg_known: Vec::new(),
             zombie: false,
             dropped: self.ending,
         };
@@ -829,13 +846,7 @@ impl World {
         ));
         self.begin(to, Cause::Other);
         if up {
-            let before = self.nodes[to].svm.known_incarnation(NodeId(about as u32));
             self.nodes[to].svm.peer_up(NodeId(about as u32), inc);
-            // As the daemon's `sync_peers`: the segments held when it learnt of the restart.
-            if self.nodes[to].segs && self.nodes[to].svm.known_incarnation(NodeId(about as u32)) != before {
-                let files = self.job_files();
-                self.nodes[to].svm.fence_also(NodeId(about as u32), files);
-            }
         } else {
             self.nodes[to].svm.peer_down(NodeId(about as u32), inc);
         }
@@ -1167,7 +1178,7 @@ impl World {
                     Access::Read
                 };
                 self.log(format!("n{i} prefetches {page} {access:?}"));
-                self.nodes[i].segs = true;
+                self.hold_segments(i);
                 self.begin(i, Cause::Other);
                 self.nodes[i].svm.prefetch(page, access);
                 self.run_actions(i);
@@ -1623,22 +1634,28 @@ fn a_restarted_manager_serves_a_file_nobody_held_and_refuses_one_held_before() {
     assert_eq!(n1.access(old), Some(Access::Read));
     // Not learnt of the restart yet: unsure about file 1, which it holds; clean about file 2.
     let (m, inc) = (NodeId(0), Incarnation(2));
-    assert_eq!(n1.fence_answer(m, inc, old.file, false), FenceAnswer::Unknown);
-    assert_eq!(n1.fence_answer(m, inc, new.file, false), FenceAnswer::Clean);
+    let (before, since) = (Some(Incarnation(1)), Some(inc));
+    assert_eq!(n1.fence_answer(m, inc, old.file, None), FenceAnswer::Unknown);
+    assert_eq!(n1.fence_answer(m, inc, new.file, None), FenceAnswer::Clean);
     assert_eq!(
-        n1.fence_answer(m, inc, new.file, true),
+        n1.fence_answer(m, inc, new.file, before),
         FenceAnswer::Unknown,
         "a segment counts"
     );
     n1.peer_up(m, inc);
-    assert_eq!(n1.fence_answer(m, inc, old.file, false), FenceAnswer::Held);
+    assert_eq!(n1.fence_answer(m, inc, old.file, None), FenceAnswer::Held);
     assert_eq!(
-        n1.fence_answer(m, inc, new.file, true),
+        n1.fence_answer(m, inc, new.file, since),
         FenceAnswer::Clean,
         "opened since"
     );
     assert_eq!(
-        n1.fence_answer(m, Incarnation(1), new.file, false),
+        n1.fence_answer(m, inc, new.file, before),
+        FenceAnswer::Held,
+        "a segment opened before: its processes may have seen what died"
+    );
+    assert_eq!(
+        n1.fence_answer(m, Incarnation(1), new.file, None),
         FenceAnswer::Held,
         "a dead asker"
     );
@@ -1646,6 +1663,9 @@ fn a_restarted_manager_serves_a_file_nobody_held_and_refuses_one_held_before() {
     // page and refuses file 1's.
     let mut n0 = Svm::restarted(NodeId(0), inc, vec![Some(inc), Some(Incarnation(1))]);
     assert_eq!(n0.fence_askees(), vec![NodeId(1)]);
+    // Asked too: a node the restarted one has not heard of yet.
+    let deaf = Svm::restarted(NodeId(0), inc, vec![Some(inc), None]);
+    assert_eq!(deaf.fence_askees(), vec![NodeId(1)]);
     let req = |page, seq| Envelope {
         from: NodeId(1),
         from_incarnation: Incarnation(1),
@@ -1671,7 +1691,7 @@ fn a_restarted_manager_serves_a_file_nobody_held_and_refuses_one_held_before() {
     }
     assert_eq!(checks, vec![old.file, new.file]);
     for file in checks {
-        let answer = n1.fence_answer(NodeId(0), inc, file, file == new.file);
+        let answer = n1.fence_answer(NodeId(0), inc, file, (file == new.file).then_some(inc));
         n0.fence_checked(file, answer == FenceAnswer::Clean);
     }
     let mut replies = Vec::new();

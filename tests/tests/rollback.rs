@@ -111,7 +111,8 @@ fn mgs_survives_kill_9_of_any_node_at_random_moments_with_the_checksum_of_an_unf
         );
         let mut job = start_mgs(&c, &launcher);
         // While the job runs: a node that restarts between jobs is another story (noted in
-        // ARCHITECTURE: its pages stay fenced while others hold idle segments).
+        // ARCHITECTURE: its pages of files others held then, such as MGS's matrix in their
+        // idle segments, stay fenced until those go).
         let (id, rest) = job_id(&mut job);
         wait_first_checkpoint(&c, &id);
         std::thread::sleep(Duration::from_millis(delay_ms));

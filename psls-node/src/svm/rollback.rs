@@ -77,20 +77,26 @@ impl SvmShell {
     /// Every node dropped `files`: their directories are rebuilt (managers that hold no
     /// segment of them forget them too). A node that restarted and has no coherence state yet
     /// starts it now, so that it knows these files are served.
-    pub fn serve_rebuilt(&self, node: &Node, files: &[FileId]) {
-        let mut g = self.inner.locked();
-        if let Err(e) = super::fault::ensure_svm(&mut g, node) {
-            tracing::warn!(node = %node.name(), error = %e, "no coherence state to rebuild directories in");
-        }
-        let held: Vec<bool> = files.iter().map(|f| g.segs.contains_key(f)).collect();
-        if let Some(svm) = g.svm.as_mut() {
-            for (f, held) in files.iter().zip(held) {
-                if !held {
-                    svm.forget_file(*f);
-                }
-                svm.directory_rebuilt(*f);
+    pub fn serve_rebuilt(self: &Arc<Self>, node: &Arc<Node>, files: &[FileId]) {
+        let mut out = Vec::new();
+        {
+            let mut g = self.inner.locked();
+            if let Err(e) = super::fault::ensure_svm(&mut g, node) {
+                tracing::warn!(node = %node.name(), error = %e, "no coherence state to rebuild directories in");
             }
+            let held: Vec<bool> = files.iter().map(|f| g.segs.contains_key(f)).collect();
+            if let Some(svm) = g.svm.as_mut() {
+                for (f, held) in files.iter().zip(held) {
+                    if !held {
+                        svm.forget_file(*f);
+                    }
+                    svm.directory_rebuilt(*f);
+                }
+            }
+            // Requests that waited for a check of these files go on.
+            super::fault::run(&mut g, node, &mut out);
         }
+        self.dispatch(node, out);
     }
 
     /// Loads again, with read access, the pages of `job`'s files this node held when a

@@ -188,6 +188,11 @@ impl SvmShell {
                 .map_err(|e| OpError::new(ErrorKind::Internal, format!("dup memfd: {e}")));
         }
         let pages = size.div_ceil(PAGE_SIZE as u64);
+        let known_at_open: Vec<Incarnation> = g.svm.as_ref().map_or_else(Vec::new, |s| {
+            (0..node.cfg.nodes.len() as u32)
+                .map(|l| s.known_incarnation(NodeId(l)))
+                .collect()
+        });
         let fd = nix::sys::memfd::memfd_create(format!("psls-{file}").as_str(), nix::sys::memfd::MFdFlags::MFD_CLOEXEC)
             .map_err(|e| OpError::new(ErrorKind::Internal, format!("memfd_create: {e}")))?;
         let memfd = std::fs::File::from(fd);
@@ -206,6 +211,7 @@ impl SvmShell {
                 backing,
                 maps: Vec::new(),
                 dirty: Dirty::new(pages),
+                known_at_open,
             },
         );
         tracing::info!(node = %node.name(), %file, name, pages, "segment opened");
@@ -455,8 +461,8 @@ impl SvmShell {
     }
 
     /// This node restarted while others held shared pages, and a request came for a page of
-    /// `file` managed here: asks every other node the state machine holds up whether it held
-    /// any of `file` when it learnt of this incarnation. If none did, `file`'s pages are served from the disks as if
+    /// `file` managed here: asks every other node of the cluster whether it held any of
+    /// `file` when it learnt of this incarnation. If none did, `file`'s pages are served from the disks as if
     /// nobody held them (a file first used after the restart: a new job's segments); else its
     /// requests are refused. A node that has not learnt of the restart yet, or does not
     /// answer, is asked again, for `FENCE_ASK_LIMIT` at most.
@@ -471,7 +477,7 @@ impl SvmShell {
             if left.is_zero() {
                 break;
             }
-            // Every node the state machine holds up, as it holds them now.
+            // Every other node of the cluster, whatever the state machine knows of it.
             let Some(askees) = self.lock().svm.as_ref().map(|s| s.fence_askees()) else {
                 return;
             };
@@ -524,7 +530,13 @@ impl SvmShell {
     /// What this node says to restarted `manager` asking about `file` (`Svm::fence_answer`).
     pub fn fence_answer(&self, manager: NodeId, incarnation: Incarnation, file: FileId) -> FenceAnswer {
         let g = self.lock();
-        let seg = g.segs.contains_key(&file);
+        // A segment opened before this node knew an incarnation counts as known as 0.
+        let seg = g.segs.get(&file).map(|s| {
+            s.known_at_open
+                .get(manager.0 as usize)
+                .copied()
+                .unwrap_or(Incarnation(0))
+        });
         match g.svm.as_ref() {
             Some(svm) => svm.fence_answer(manager, incarnation, file, seg),
             // No coherence state yet: no page of any file was ever here.
@@ -538,7 +550,6 @@ impl SvmShell {
         let nobody_holds = self.lock().svm.as_ref().is_some_and(|s| s.recovering()) && others_hold_nothing(node);
         {
             let mut g = self.lock();
-            let held: Vec<FileId> = g.segs.keys().copied().collect();
             let Some(svm) = g.svm.as_mut() else { return };
             if nobody_holds && svm.recovering() {
                 tracing::info!(node = %node.name(), "no other node holds shared pages any more: the pages managed here are served again");
@@ -549,13 +560,7 @@ impl SvmShell {
                     continue;
                 }
                 if up {
-                    let before = svm.known_incarnation(l);
                     svm.peer_up(l, inc);
-                    if svm.known_incarnation(l) != before {
-                        // What a restarted manager may not serve as if nobody held it: the
-                        // segments held here now (the state machine adds its pages').
-                        svm.fence_also(l, held.iter().copied());
-                    }
                 } else {
                     svm.peer_down(l, inc);
                 }

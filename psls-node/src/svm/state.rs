@@ -58,6 +58,9 @@ pub(super) struct Segment {
     /// cleared when the copy is dropped or a checkpoint takes it. So every page whose latest
     /// version is not on the disks has its bit set on a node holding that version.
     pub(super) dirty: Dirty,
+    /// The incarnation of every logical node the coherence state knew when the segment opened
+    /// (a restarted manager asks whether it was opened before its restart: `fence_answer`).
+    pub(super) known_at_open: Vec<psls_svm::Incarnation>,
 }
 
 /// A bit per page.
