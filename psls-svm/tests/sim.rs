@@ -21,7 +21,8 @@
 //! - **Crash** (of one node, or two at once, at any step, several per seed on most seeds): the
 //!   node restarts at once as a new incarnation with an empty memory (its waiting clients are
 //!   gone with it), as [`Svm::restarted`] when another node holds segments (the daemon's
-//!   `ensure_svm`), else as [`Svm::new`]. Its messages still queued die with it (each with
+//!   `ensure_svm`), else as [`Svm::new`], not having heard yet of some live peers (it learns of
+//!   them later, as the daemon from their first heartbeats). Its messages still queued die with it (each with
 //!   even odds; the rest were on the wire). Each other node learns, at its own time, of the
 //!   death and then of the new incarnation, or only of the new incarnation (a restart faster
 //!   than the failure detector: the daemon then calls only `peer_up`).
@@ -767,6 +768,13 @@ impl World {
             .map(|n| (!n.zombie).then(|| n.svm.incarnation()))
             .collect();
         let mut peers = peers;
+        // Some peers it has not heard from yet: it learns of them later.
+        let mut deaf = Vec::new();
+        for (j, p) in peers.iter_mut().enumerate() {
+            if j != v && p.is_some() && self.rng.chance(30) {
+                deaf.push((j, p.take().unwrap_or(Incarnation(0))));
+            }
+        }
         peers[v] = Some(inc);
         let me = NodeId(v as u32);
         let svm = if others_hold {
@@ -794,6 +802,9 @@ impl World {
             }
             self.clients[k].state = ClientState::Idle;
             self.clients[k].mapped.clear();
+        }
+        for (j, jinc) in deaf {
+            self.news.push((v, j, jinc, true));
         }
         for j in 0..self.nodes.len() {
             if j != v {
