@@ -1,7 +1,20 @@
 //! Failure detector over heartbeats, as a pure state machine: time comes in as `now_ms`.
 //!
-//! A node silent for more than half the timeout is *suspect*, for more than the timeout
-//! *down*. A node never heard since this daemon started counts its silence from the start.
+//! What it gives are *impressions*, not verdicts: a node silent for more than half the timeout
+//! is *suspect*, for more than the timeout *down*. Only the metadata's coordinator turns an
+//! impression into a verdict (a committed `DeclareDown`); the others use impressions only to
+//! route around a silent node and to elect a coordinator.
+//!
+//! Hysteresis: a node never heard since this daemon started counts its silence from the start;
+//! and a detector that was itself not ticked for more than half the timeout (its process was
+//! paused: a VM stall, swapping, a debugger) suspects nobody until a whole timeout has passed
+//! since it woke up — the silence it saw was its own.
+//!
+//! The lease ([`Membership::lease_held`]): whether this node heard from a majority of the
+//! cluster (itself included) within the timeout, on raw heard times (no hysteresis): a node
+//! that did not, and was in the cluster before, must fence itself (its peers may have declared
+//! it down meanwhile).
+//!
 //! A heartbeat carrying a new incarnation is proof of a restart (the caller drops what it held
 //! for the old one). What a heartbeat carries is the caller's type `H`.
 
@@ -31,6 +44,12 @@ pub struct PeerView<H> {
 pub struct Membership<H> {
     timeout_ms: u64,
     started_ms: u64,
+    /// The last time [`Membership::tick`] ran (a gap of more than half the timeout is a stall).
+    ticked_ms: u64,
+    /// When this node last woke from a stall (silence before it is not counted).
+    awake_ms: u64,
+    /// Whether a majority was heard within the timeout at least once (the node joined).
+    joined: bool,
     peers: BTreeMap<String, PeerView<H>>,
 }
 
@@ -39,6 +58,9 @@ impl<H> Membership<H> {
         Membership {
             timeout_ms,
             started_ms: now_ms,
+            ticked_ms: now_ms,
+            awake_ms: now_ms,
+            joined: false,
             peers: peers
                 .into_iter()
                 .map(|p| {
@@ -72,7 +94,7 @@ impl<H> Membership<H> {
         let Some(v) = self.peers.get(peer) else {
             return Liveness::Down;
         };
-        let silence_ms = now_ms.saturating_sub(v.last_heard_ms.unwrap_or(self.started_ms));
+        let silence_ms = now_ms.saturating_sub(self.silence_from(v));
         if silence_ms > self.timeout_ms {
             Liveness::Down
         } else if silence_ms > self.timeout_ms / 2 {
@@ -87,12 +109,51 @@ impl<H> Membership<H> {
         self.state(now_ms, peer) != Liveness::Down
     }
 
-    /// Updates `down_since` marks; returns how long (ms) each down peer has been down.
+    /// Where `v`'s silence counts from: its last heartbeat, but not before this detector
+    /// started or last woke from a stall.
+    fn silence_from(&self, v: &PeerView<H>) -> u64 {
+        v.last_heard_ms.unwrap_or(self.started_ms).max(self.awake_ms)
+    }
+
+    /// Whether this node was stalled (not ticked for more than half the timeout) and woke
+    /// less than a timeout ago: it suspects nobody yet.
+    pub fn waking(&self, now_ms: u64) -> bool {
+        self.awake_ms > self.started_ms && now_ms.saturating_sub(self.awake_ms) <= self.timeout_ms
+    }
+
+    /// Whether a majority of the cluster (the peers and this node) was heard within the
+    /// timeout, on raw heard times. Before it first holds, the node has not joined and this
+    /// stays true (a node alone at start-up has nothing to fence).
+    pub fn lease_held(&mut self, now_ms: u64) -> bool {
+        let total = self.peers.len() + 1;
+        let heard = 1 + self
+            .peers
+            .values()
+            .filter(|v| {
+                v.last_heard_ms
+                    .is_some_and(|t| now_ms.saturating_sub(t) <= self.timeout_ms)
+            })
+            .count();
+        let majority = heard * 2 > total;
+        if majority {
+            self.joined = true;
+        }
+        majority || !self.joined
+    }
+
+    /// Updates `down_since` marks; returns how long (ms) each down peer has been down. A gap
+    /// since the last tick of more than half the timeout is a stall of this node: silence
+    /// before it is forgotten.
     pub fn tick(&mut self, now_ms: u64) -> Vec<(String, u64)> {
-        let (timeout_ms, started_ms) = (self.timeout_ms, self.started_ms);
+        if now_ms.saturating_sub(self.ticked_ms) > self.timeout_ms / 2 {
+            self.awake_ms = now_ms;
+        }
+        self.ticked_ms = self.ticked_ms.max(now_ms);
+        let timeout_ms = self.timeout_ms;
         let mut out = Vec::new();
-        for (name, v) in self.peers.iter_mut() {
-            let silence_ms = now_ms.saturating_sub(v.last_heard_ms.unwrap_or(started_ms));
+        let from: Vec<u64> = self.peers.values().map(|v| self.silence_from(v)).collect();
+        for ((name, v), from) in self.peers.iter_mut().zip(from) {
+            let silence_ms = now_ms.saturating_sub(from);
             if silence_ms > timeout_ms {
                 let since = *v.down_since_ms.get_or_insert(now_ms);
                 out.push((name.clone(), now_ms.saturating_sub(since)));
@@ -132,5 +193,48 @@ mod tests {
         assert!(m.tick(3700).is_empty());
         assert_eq!(m.state(0, "zz"), Liveness::Down);
         assert!(!m.heard(0, "zz", 1, ()), "unknown peers are ignored");
+    }
+
+    #[test]
+    fn a_stalled_detector_suspects_nobody_until_a_timeout_after_it_woke() {
+        let mut m: Membership<()> = Membership::new(["a".to_string(), "b".to_string()], 1000, 0);
+        m.heard(100, "a", 1, ());
+        m.heard(100, "b", 1, ());
+        assert!(m.tick(200).is_empty());
+        // Paused from 200 to 2500: everyone looks silent for 2.4 s, but the silence was ours.
+        assert!(m.tick(2500).is_empty(), "a stall is not the peers' silence");
+        assert_eq!(m.state(2500, "a"), Liveness::Up);
+        assert!(m.waking(2500));
+        m.heard(2550, "a", 1, ());
+        m.tick(2600);
+        // b stays silent: suspected half a timeout after the wake-up, down after a whole one.
+        assert_eq!(m.state(3200, "b"), Liveness::Suspect);
+        assert_eq!(m.tick(3600), vec![("b".to_string(), 0)]);
+        assert!(!m.waking(3600));
+        // Regular ticks are no stall.
+        let mut n: Membership<()> = Membership::new(["a".to_string()], 1000, 0);
+        for t in (0..=1500).step_by(100) {
+            n.tick(t);
+        }
+        assert_eq!(n.state(1500, "a"), Liveness::Down);
+    }
+
+    #[test]
+    fn the_lease_needs_a_majority_heard_within_the_timeout_once_joined() {
+        let peers = ["a", "b", "c", "d"].map(String::from);
+        let mut m: Membership<()> = Membership::new(peers, 1000, 0);
+        assert!(m.lease_held(5000), "a node that never joined has nothing to fence");
+        m.heard(5000, "a", 1, ());
+        assert!(
+            m.lease_held(5000),
+            "2 of 5 is no majority, but the node has not joined yet"
+        );
+        m.heard(5000, "b", 1, ());
+        assert!(m.lease_held(5100), "3 of 5");
+        assert!(m.lease_held(6000));
+        assert!(!m.lease_held(6001), "nobody heard for more than the timeout");
+        m.heard(6100, "c", 1, ());
+        m.heard(6100, "d", 1, ());
+        assert!(m.lease_held(6100));
     }
 }

@@ -9,7 +9,6 @@ use anyhow::{bail, Context, Result};
 use psls_ipc::ClusterConfig;
 use psls_pfs::meta::MetaStore;
 use psls_pfs::{Disk, FaultDisk, FileDisk, PageStore};
-use std::io::Write;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
@@ -26,38 +25,11 @@ fn check_marker(dir: &Path, cluster: &str, name: &str) -> Result<()> {
             s.trim().replace('\n', ", ")
         ),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            write_durably(&marker, want.as_bytes())?;
+            crate::incarnation::write_durably(&marker, want.as_bytes())?;
             Ok(())
         }
         Err(e) => Err(e).with_context(|| format!("reading {}", marker.display())),
     }
-}
-
-fn write_durably(path: &Path, data: &[u8]) -> Result<()> {
-    let tmp = path.with_extension("tmp");
-    let mut f = std::fs::File::create(&tmp).with_context(|| format!("writing {}", tmp.display()))?;
-    f.write_all(data)?;
-    f.sync_all()?;
-    std::fs::rename(&tmp, path)?;
-    if let Some(dir) = path.parent() {
-        std::fs::File::open(dir)?.sync_all()?;
-    }
-    Ok(())
-}
-
-fn next_incarnation(dir: &Path) -> Result<u64> {
-    let p = dir.join("incarnation");
-    let cur = match std::fs::read_to_string(&p) {
-        Ok(s) => s
-            .trim()
-            .parse::<u64>()
-            .with_context(|| format!("{} is corrupt", p.display()))?,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => 0,
-        Err(e) => return Err(e).with_context(|| format!("reading {}", p.display())),
-    };
-    let next = cur + 1;
-    write_durably(&p, next.to_string().as_bytes())?;
-    Ok(next)
 }
 
 fn open_disk(dir: &Path, fault: bool) -> Result<Arc<dyn Disk>> {
@@ -87,7 +59,7 @@ pub async fn run(config: &Path, name: &str) -> Result<()> {
         );
     }
     check_marker(&dir, &cfg.cluster.name, name)?;
-    let incarnation = next_incarnation(&dir)?;
+    let incarnation = crate::incarnation::next(&dir)?;
     // PSLS_FAULT_DISK=1 keeps unsynced writes in memory: a kill -9 is then a power cut.
     let fault = std::env::var("PSLS_FAULT_DISK").is_ok_and(|v| v == "1");
     let meta_disk = open_disk(&dir, fault)?;
@@ -126,10 +98,16 @@ pub async fn run(config: &Path, name: &str) -> Result<()> {
     ));
     let channels = crate::sync_channel::Channels::new().context("creating the sync channels' epoll")?;
     let d = Daemon::new(node.clone(), channels);
+    let fenced_node = Arc::downgrade(&node);
+    node.net.stamp.set(
+        incarnation,
+        Arc::new(move |from: &str, inc: u64| fenced_node.upgrade().is_some_and(|n| n.fenced_sender(from, inc))),
+    );
     tokio::spawn(transport::serve(
         node.net.endpoint().clone(),
         d.clone(),
         Arc::new(known),
+        node.net.stamp.clone(),
     ));
     let (link, handler) = (
         node.net.link.clone(),

@@ -63,7 +63,17 @@ impl Daemon {
                 dirty_pages: svm.dirty_pages(),
             }
         });
-        d.node.wire(d.clone(), beat);
+        let fenced = Arc::downgrade(&d);
+        let fencer: crate::node::Fencer = Arc::new(move |why: &str, declared: u64| {
+            let Some(d) = fenced.upgrade() else { return };
+            let ranks = crate::launcher::local_ranks(&d.jobs);
+            let dir = d.node.cfg.data_dir(&d.node.me);
+            tracing::warn!(node = %d.node.name(), why, ranks = ranks.len(), "rejoining as a new incarnation");
+            let e = crate::incarnation::rejoin(&dir, &ranks, declared);
+            tracing::error!(node = %d.node.name(), error = %e, "cannot re-execute the daemon: stopping");
+            std::process::exit(crate::failstop::PANIC_EXIT);
+        });
+        d.node.wire(d.clone(), beat, fencer);
         d
     }
 
@@ -81,6 +91,8 @@ impl Daemon {
             }
             n += 1;
             node.heartbeat_round(false).await;
+            // The coordinator turns silences that outlast the failure timeout into verdicts.
+            node.declare_verdicts();
             node.catch_up().await;
             self.svm.sync_peers(&node);
             self.ckpt.tick();

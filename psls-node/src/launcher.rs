@@ -447,6 +447,11 @@ pub fn event(jobs: &Jobs, job: &str, ev: JobEvent) -> Result<(), OpError> {
     }
 }
 
+/// Every rank process running here (of every job).
+pub fn local_ranks(jobs: &Jobs) -> Vec<u32> {
+    lock(&jobs.local).values().flatten().copied().collect()
+}
+
 /// Kills this node's ranks of `job` (and their children).
 pub fn kill_local(jobs: &Jobs, job: &str) {
     let pids = lock(&jobs.local).remove(job).unwrap_or_default();

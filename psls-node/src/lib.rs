@@ -15,6 +15,7 @@ pub mod dispatch;
 pub mod failpoint;
 pub mod failstop;
 pub mod frames;
+pub mod incarnation;
 pub mod ipc;
 pub mod launcher;
 pub mod link;

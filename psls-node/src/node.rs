@@ -5,6 +5,14 @@
 //! on it and gets it as its door; it imports none of them (the subsystems and the dispatch sit
 //! above it: see `dispatch`).
 //!
+//! Failures are suspected, not known: the failure detector gives *impressions*
+//! ([`Node::is_reachable`]: route around a silent node, elect a coordinator); the metadata's
+//! coordinator turns an impression that outlasts the failure timeout into a committed
+//! *verdict* (`MetaOp::DeclareDown`), and every decision that a node failed (coherence, the
+//! launcher, barriers and locks) follows verdicts only ([`Node::is_declared_down`]). Messages
+//! from an incarnation declared down are dropped by the receivers ([`Node::fenced_sender`]);
+//! the node itself, on learning its verdict, fences itself ([`Node::fence_self`]).
+//!
 //! Invariants:
 //! - a page is written to this node's store only if placement makes this node's logical id its
 //!   holder in that role (checked on every `WritePages`);
@@ -80,7 +88,21 @@ pub struct Node {
     /// Message link round trips under way (`LinkPing` id → its waiter).
     pub link_pings: Mutex<HashMap<u64, tokio::sync::oneshot::Sender<usize>>>,
     pub next_link_ping: AtomicU64,
+    /// Committed down verdicts (physical → highest incarnation declared down), copied from
+    /// the metadata at every install (every message asks).
+    verdicts: Mutex<BTreeMap<String, u64>>,
+    /// The incarnation other nodes' heartbeats say they heard of each peer.
+    reported: Mutex<BTreeMap<String, u64>>,
+    /// Verdicts submitted by this node and not yet answered.
+    declaring: Mutex<std::collections::BTreeSet<String>>,
+    /// What fencing this incarnation does (set at start-up): stop its ranks, rejoin anew.
+    fencer: OnceLock<Fencer>,
+    fencing: AtomicBool,
 }
+
+/// What the daemon does when its incarnation is fenced (given the reason and the incarnation
+/// declared down): it never returns.
+pub type Fencer = Arc<dyn Fn(&str, u64) + Send + Sync>;
 
 impl Node {
     #[allow(clippy::too_many_arguments)]
@@ -125,6 +147,11 @@ impl Node {
             beat: OnceLock::new(),
             link_pings: Mutex::new(HashMap::new()),
             next_link_ping: AtomicU64::new(0),
+            verdicts: Mutex::new(BTreeMap::new()),
+            reported: Mutex::new(BTreeMap::new()),
+            declaring: Mutex::new(Default::default()),
+            fencer: OnceLock::new(),
+            fencing: AtomicBool::new(false),
         }
     }
 
@@ -143,9 +170,11 @@ impl Node {
 
     /// Wires the daemon's request handler (for requests to this node itself) and what shared
     /// memory adds to heartbeats. Called once, at start-up.
-    pub fn wire(&self, local: Arc<dyn Handler>, beat: SvmBeat) {
+    pub fn wire(&self, local: Arc<dyn Handler>, beat: SvmBeat, fencer: Fencer) {
         let _ = self.local.set(local);
         let _ = self.beat.set(beat);
+        let _ = self.fencer.set(fencer);
+        self.refresh_verdicts();
     }
 
     /// Milliseconds since this daemon started: the failure detector's clock.
@@ -216,21 +245,42 @@ impl Node {
         self.physical_of(m.state(), logical)
     }
 
-    /// [`Node::coordinator`] on the current metadata, without copying it (every barrier and
-    /// lock call asks).
+    /// The coordinator: the leader of the metadata's current epoch — this node only while it
+    /// leads an epoch a quorum promised and holds its lease (hears a majority); another node
+    /// as the claimer of the newest epoch this node promised. Barriers, locks, checkpoint
+    /// rounds and metadata submissions all go there; no choice of coordinator is made from a
+    /// local view of who is alive.
     pub fn coordinator_now(&self) -> Option<(u32, String)> {
-        // Lock order: metadata, then the failure detector (nothing takes them the other way).
-        let m = self.meta.locked();
-        let st = m.state();
-        let members = self.members.locked();
-        let now_ms = self.now_ms();
-        let live = |p: &str| p == self.me.name || members.is_live(now_ms, p);
-        if st.logical.is_empty() {
-            let (i, n) = self.cfg.nodes.iter().enumerate().find(|(_, n)| live(&n.name))?;
-            Some((i as u32, n.name.clone()))
-        } else {
-            st.logical.iter().find(|(_, p)| live(p)).map(|(l, p)| (*l, p.clone()))
+        let leader = self.replication.leader()?;
+        if leader == self.me.name && !self.holds_lease() {
+            return None;
         }
+        let m = self.meta.locked();
+        let l = self
+            .logical_map(m.state())
+            .into_iter()
+            .find(|(_, p)| *p == leader)
+            .map(|(l, _)| l)?;
+        Some((l, leader))
+    }
+
+    /// Whether this node should claim the coordination (the metadata's election): it holds
+    /// its lease and is the lowest logical id the failure detector hears (an impression: the
+    /// epochs make a wrong one safe).
+    pub fn should_lead(&self) -> bool {
+        if self.fencing.load(Ordering::Relaxed) || !self.holds_lease() {
+            return false;
+        }
+        let m = self.meta.locked();
+        let first = self.logical_map(m.state()).into_values().find(|p| self.is_reachable(p));
+        first.as_deref() == Some(self.me.name.as_str())
+    }
+
+    /// Whether this node heard a majority of the cluster within the failure timeout (or has
+    /// not joined yet). Without it, it coordinates nothing.
+    pub fn holds_lease(&self) -> bool {
+        let now_ms = self.now_ms();
+        self.members.locked().lease_held(now_ms)
     }
 
     pub fn my_logical(&self, st: &MetaState) -> Option<NodeId> {
@@ -240,13 +290,46 @@ impl Node {
             .map(|(l, _)| NodeId(*l))
     }
 
-    pub fn is_live(&self, physical: &str) -> bool {
+    /// The failure detector's impression: `physical` was heard within the failure timeout
+    /// (this node always is). For routing and elections, never for deciding that it failed.
+    pub fn is_reachable(&self, physical: &str) -> bool {
         physical == self.me.name || self.members.locked().is_live(self.now_ms(), physical)
+    }
+
+    /// The incarnation of `physical` last heard (0: never).
+    pub fn heard_incarnation(&self, physical: &str) -> u64 {
+        if physical == self.me.name {
+            return self.incarnation;
+        }
+        self.members
+            .locked()
+            .view(physical)
+            .and_then(|v| v.incarnation)
+            .unwrap_or(0)
+    }
+
+    /// The verdict: the incarnation of `physical` last heard was declared down (committed).
+    pub fn is_declared_down(&self, physical: &str) -> bool {
+        physical != self.me.name && self.fenced_sender(physical, self.heard_incarnation(physical))
+    }
+
+    /// Whether a message of incarnation `incarnation` of `physical` must be dropped: that
+    /// incarnation was declared down.
+    pub fn fenced_sender(&self, physical: &str, incarnation: u64) -> bool {
+        self.verdicts.locked().get(physical).is_some_and(|&d| d >= incarnation)
+    }
+
+    /// Live: reachable and not declared down — what requests are routed by. A node that is
+    /// silent but not yet declared down is not live here, but it has not failed either.
+    pub fn is_live(&self, physical: &str) -> bool {
+        physical == self.me.name || (self.is_reachable(physical) && !self.is_declared_down(physical))
     }
 
     pub fn state_of(&self, physical: &str) -> NodeState {
         if physical == self.me.name {
             NodeState::Up
+        } else if self.is_declared_down(physical) {
+            NodeState::Down
         } else {
             match self.members.locked().state(self.now_ms(), physical) {
                 Liveness::Up => NodeState::Up,
@@ -261,9 +344,71 @@ impl Node {
         !st.rebuilding.contains_key(&l.0) && self.is_live(&self.physical_of(st, l))
     }
 
-    /// The coordinator: the lowest logical id whose node is live.
-    pub fn coordinator(&self, st: &MetaState) -> Option<(u32, String)> {
-        self.logical_map(st).into_iter().find(|(_, p)| self.is_live(p))
+    /// The coordinator ([`Node::coordinator_now`]; `st` is no longer needed to find it).
+    pub fn coordinator(&self, _st: &MetaState) -> Option<(u32, String)> {
+        self.coordinator_now()
+    }
+
+    // ---- verdicts and fencing ----
+
+    /// Copies the committed verdicts from the metadata; fences this node if one names it.
+    pub fn refresh_verdicts(&self) {
+        let down = self.meta.locked().state().down.clone();
+        let mine = down.get(&self.me.name).copied();
+        *self.verdicts.locked() = down;
+        if let Some(d) = mine.filter(|&d| d >= self.incarnation) {
+            self.fence_self("the cluster declared this incarnation down (committed verdict)", d);
+        }
+    }
+
+    /// This incarnation must not go on: stop its ranks and rejoin as a new incarnation with
+    /// an empty memory (the daemon's fencer; it does not return once set up).
+    pub fn fence_self(&self, why: &str, declared: u64) {
+        if self.fencing.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        tracing::warn!(node = %self.me.name, incarnation = self.incarnation, why, "fenced: stopping this node's ranks and rejoining as a new incarnation");
+        if let Some(f) = self.fencer.get() {
+            f(why, declared);
+        }
+    }
+
+    /// Whether this incarnation is fencing itself (it serves nothing more).
+    pub fn is_fencing(&self) -> bool {
+        self.fencing.load(Ordering::Relaxed)
+    }
+
+    /// The coordinator's duty: every peer the failure detector has found silent for longer
+    /// than the failure timeout (after this node's own stalls) is declared down, at the newest
+    /// incarnation any node heard of it, by a committed metadata operation.
+    pub fn declare_verdicts(self: &Arc<Self>) {
+        if self.replication.leader().as_deref() != Some(self.me.name.as_str()) || !self.holds_lease() {
+            return;
+        }
+        for (peer, _) in self.down_peers() {
+            let inc = self
+                .heard_incarnation(&peer)
+                .max(self.reported.locked().get(&peer).copied().unwrap_or(0));
+            if inc == 0 || self.fenced_sender(&peer, inc) || !self.declaring.locked().insert(peer.clone()) {
+                continue;
+            }
+            let me = self.clone();
+            tokio::spawn(async move {
+                let op = MetaOp::DeclareDown {
+                    physical: peer.clone(),
+                    incarnation: inc,
+                };
+                match me.submit(op).await {
+                    Ok(()) => {
+                        tracing::warn!(node = %me.me.name, peer = %peer, incarnation = inc, "node declared down (committed)")
+                    }
+                    Err(e) => {
+                        tracing::warn!(node = %me.me.name, peer = %peer, incarnation = inc, error = %e, "down verdict not committed")
+                    }
+                }
+                me.declaring.locked().remove(&peer);
+            });
+        }
     }
 
     /// Sends a request with a payload to a physical node (handled in-process when it is this
@@ -347,6 +492,13 @@ impl Node {
             frames: self.frames.counts(),
             frame_capacity: self.frames.capacity_frames(),
             dirty_pages: svm.dirty_pages,
+            down: self.verdicts.locked().iter().map(|(p, i)| (p.clone(), *i)).collect(),
+            heard: self.with_heartbeats(|m| {
+                self.cfg
+                    .all()
+                    .filter_map(|n| m.view(&n.name).and_then(|v| v.incarnation).map(|i| (n.name.clone(), i)))
+                    .collect()
+            }),
         }
     }
 
@@ -514,6 +666,26 @@ impl Node {
     pub(crate) fn heard(&self, peer: &str, hb: Heartbeat) {
         let now_ms = self.now_ms();
         let seq = hb.meta_seq;
+        if let Some(&(_, d)) = hb
+            .down
+            .iter()
+            .find(|(p, d)| *p == self.me.name && *d >= self.incarnation)
+        {
+            // The sender's committed metadata declared this incarnation down.
+            self.fence_self(&format!("{peer} says the cluster declared this incarnation down"), d);
+        }
+        if self.fenced_sender(peer, hb.incarnation) {
+            // An incarnation declared down is not heard: it may not look live again (it is
+            // answered, and learns its verdict from the answer).
+            return;
+        }
+        {
+            let mut r = self.reported.locked();
+            for (p, i) in &hb.heard {
+                let e = r.entry(p.clone()).or_insert(0);
+                *e = (*e).max(*i);
+            }
+        }
         let restarted = self.members.locked().heard(now_ms, peer, hb.incarnation, hb);
         self.replication.peer_seq(peer, seq);
         if restarted {
@@ -772,15 +944,17 @@ impl crate::replication::Host for Node {
         Node::now_ms(self)
     }
     fn is_coordinator(&self) -> bool {
-        self.coordinator_now().is_some_and(|(_, c)| c == self.me.name)
+        self.should_lead()
     }
     fn is_live(&self, peer: &str) -> bool {
-        Node::is_live(self, peer)
+        // Impressions: a submission waits for the voters it hears, declared down or not yet.
+        Node::is_reachable(self, peer)
     }
     fn meta(&self) -> &Arc<Mutex<MetaStore>> {
         &self.meta
     }
     fn installed(&self) {
+        self.refresh_verdicts();
         self.meta_installed.notify_waiters();
     }
     fn replication(&self) -> &crate::replication::Replication {

@@ -137,6 +137,12 @@ pub struct Heartbeat {
     /// Pages held here modified since the last checkpoint took them (a memory checkpoint
     /// needs a frame for each on two nodes).
     pub dirty_pages: u64,
+    /// The committed down verdicts the sender knows (physical → highest incarnation declared
+    /// down): a node that finds itself there fences itself.
+    pub down: Vec<(String, u64)>,
+    /// The incarnation the sender last heard of every peer (the coordinator declares down the
+    /// newest incarnation anyone heard).
+    pub heard: Vec<(String, u64)>,
 }
 
 /// State of one page of a `ReadPages` answer; its bytes are in the payload at `i * 4096`
@@ -524,6 +530,48 @@ pub fn encode_header<T: Serialize>(m: &T) -> Vec<u8> {
     out.extend_from_slice(&(header.len() as u32).to_le_bytes());
     out.extend_from_slice(&header);
     out
+}
+
+/// Encodes a request or one-way message: its header carries the sender's incarnation first,
+/// so receivers can drop whatever an incarnation declared down still sends.
+pub fn encode_request(incarnation: u64, req: &PeerReq) -> Vec<u8> {
+    encode_header(&(incarnation, req))
+}
+
+/// Decodes a request or one-way message: the sender's incarnation, the request, the payload.
+pub fn decode_request(body: impl Into<bytes::Bytes>) -> Result<(u64, PeerReq, bytes::Bytes), String> {
+    let ((incarnation, req), payload) = decode::<(u64, PeerReq)>(body)?;
+    Ok((incarnation, req, payload))
+}
+
+/// The sender's side of the incarnation on every message, and the receiver's test of it:
+/// messages of an incarnation the cluster declared down are dropped by their receivers, so
+/// safety never rests on a paused or cut-off node noticing in time that it was fenced.
+#[derive(Default)]
+pub struct Stamp {
+    incarnation: std::sync::atomic::AtomicU64,
+    fenced: std::sync::OnceLock<FencedTest>,
+}
+
+/// Whether a message from (physical node, incarnation) must be dropped.
+pub type FencedTest = std::sync::Arc<dyn Fn(&str, u64) -> bool + Send + Sync>;
+
+impl Stamp {
+    /// Set once at start-up: this daemon's incarnation and the receivers' test.
+    pub fn set(&self, incarnation: u64, fenced: FencedTest) {
+        self.incarnation
+            .store(incarnation, std::sync::atomic::Ordering::Relaxed);
+        let _ = self.fenced.set(fenced);
+    }
+
+    pub fn incarnation(&self) -> u64 {
+        self.incarnation.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Whether a message of `incarnation` from `from` must be dropped.
+    pub fn fenced(&self, from: &str, incarnation: u64) -> bool {
+        self.fenced.get().is_some_and(|f| f(from, incarnation))
+    }
 }
 
 /// Splits a received body into its decoded header and its payload (no copy of the payload).

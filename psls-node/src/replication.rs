@@ -9,9 +9,11 @@
 //! Voters are the physical nodes of the config (logical nodes first, then spares), numbered in
 //! config order; a majority of them is a quorum. A submission is answered once every voter
 //! the failure detector takes as live has the operation (as before: a file created through one
-//! node can be mapped through any other at once). The coordinator is the lowest live logical id
-//! (as before); what is new is that it acts only in an epoch a quorum promised it, so two nodes
-//! that both believe they coordinate cannot commit different operations.
+//! node can be mapped through any other at once). The lowest logical id the failure detector
+//! hears claims the coordination; it acts only in an epoch a quorum promised it, so two nodes
+//! that both believe they coordinate cannot commit different operations. The leader of the
+//! current epoch ([`Replication::leader`]) is the cluster's one coordinator: of barriers,
+//! locks and checkpoints too (`Node::coordinator_now`).
 //!
 //! Fail-stop: a node that cannot write its vote or a committed state stops (it must not answer
 //! as if it had). Bounds: at most [`MAX_INPUTS`] inputs wait; a replication message arriving on
@@ -78,6 +80,8 @@ pub struct Replication {
     voters: Vec<String>,
     tx: mpsc::Sender<Input>,
     rx: Mutex<Option<mpsc::Receiver<Input>>>,
+    /// The leader as this node knows it (published after every input).
+    leader: Mutex<Option<String>>,
 }
 
 impl Replication {
@@ -88,7 +92,14 @@ impl Replication {
             voters,
             tx,
             rx: Mutex::new(Some(rx)),
+            leader: Mutex::new(None),
         }
+    }
+
+    /// The metadata's leader as this node knows it: itself while it leads an epoch a quorum
+    /// promised, else the claimer of the newest epoch it promised (none before any).
+    pub fn leader(&self) -> Option<String> {
+        self.leader.locked().clone()
     }
 
     fn voter_of(&self, physical: &str) -> Option<u32> {
@@ -161,6 +172,18 @@ impl Replication {
             }
             while let Some(a) = replica.poll_action() {
                 carry_out(&node, &voters, a).await;
+            }
+            let leader = if replica.leading().is_some() {
+                Some(me)
+            } else {
+                let p = replica.promised();
+                (p.n > 0 && p.by != me).then_some(p.by)
+            };
+            let leader = leader.and_then(|v| voters.get(v as usize).cloned());
+            let mut known = node.replication().leader.locked();
+            if *known != leader {
+                tracing::info!(node = %node.name(), leader = ?leader, epoch = ?replica.promised(), "metadata leader");
+                *known = leader;
             }
         }
     }

@@ -174,7 +174,7 @@ fn refresh(node: &Node, side: &mut SyncSide) -> Vec<Notice> {
         let live: Vec<String> = node
             .logical_map(&st)
             .into_values()
-            .filter(|p| node.is_live(p))
+            .filter(|p| !node.is_declared_down(p))
             .collect();
         tracing::info!(node = %me, awaiting = ?live, "coordinating barriers and locks: waiting for the nodes' reports");
         side.state = SyncState::take_over(live);
@@ -183,7 +183,7 @@ fn refresh(node: &Node, side: &mut SyncSide) -> Vec<Notice> {
     let down: Vec<String> = side
         .state
         .awaiting()
-        .filter(|n| !node.is_live(n))
+        .filter(|n| node.is_declared_down(n))
         .map(str::to_string)
         .collect();
     let mut out = Vec::new();
@@ -413,7 +413,7 @@ pub fn serve(sh: &SyncShell, from: &str, req: PeerReq) -> Result<PeerResp, OpErr
     let notices = {
         let mut side = sh.side.locked();
         let mut n = refresh(node, &mut side);
-        let refusal = if !node.is_live(from) {
+        let refusal = if node.is_declared_down(from) {
             Some(format!("the coordinator takes {from} as down"))
         } else if side.coord_seen.as_deref() != Some(node.name()) {
             Some(format!("{} is not the coordinator (any more)", node.name()))

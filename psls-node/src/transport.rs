@@ -27,6 +27,8 @@ pub struct Transport {
     dial: HashMap<String, tokio::sync::Mutex<()>>,
     /// One-way messages.
     pub link: Arc<crate::link::Link>,
+    /// This node's incarnation on what it sends, and the test of what it receives.
+    pub stamp: Arc<peer::Stamp>,
 }
 
 impl Transport {
@@ -40,6 +42,7 @@ impl Transport {
         peers: HashMap<String, (SocketAddr, SocketAddr)>,
         known: Vec<String>,
     ) -> std::io::Result<Transport> {
+        let stamp = Arc::new(peer::Stamp::default());
         let link = crate::link::Link::bind(
             link,
             server.clone(),
@@ -47,7 +50,8 @@ impl Transport {
             reset_key.clone(),
             peers.iter().map(|(k, v)| (k.clone(), v.1)).collect(),
             known,
-        )?;
+        )?
+        .stamped(stamp.clone());
         let peers: HashMap<String, SocketAddr> = peers.into_iter().map(|(k, v)| (k, v.0)).collect();
         let socket = std::net::UdpSocket::bind(addr)?;
         // Bigger socket buffers than the default 208 KiB, so bursts of large datagrams are not
@@ -68,6 +72,7 @@ impl Transport {
             conns: Mutex::new(HashMap::new()),
             dial,
             link: Arc::new(link),
+            stamp,
         })
     }
 
@@ -116,7 +121,7 @@ impl Transport {
         payload: bytes::Bytes,
         timeout: Duration,
     ) -> Result<(PeerResp, bytes::Bytes), NetError> {
-        let header = peer::encode_header(req);
+        let header = peer::encode_request(self.stamp.incarnation(), req);
         self.exchange(peer, timeout, |conn| async move {
             let broken = |e: &dyn std::fmt::Display| unreachable(peer, e);
             let (mut send, mut recv) = conn.open_bi().await.map_err(|e| broken(&e))?;
@@ -254,10 +259,16 @@ pub trait Handler: Send + Sync + 'static {
 pub type BoxFuture<T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send>>;
 
 /// Accepts connections until the endpoint closes.
-pub async fn serve<H: Handler>(endpoint: quinn::Endpoint, handler: Arc<H>, known: Arc<Vec<String>>) {
+pub async fn serve<H: Handler>(
+    endpoint: quinn::Endpoint,
+    handler: Arc<H>,
+    known: Arc<Vec<String>>,
+    stamp: Arc<peer::Stamp>,
+) {
     while let Some(incoming) = endpoint.accept().await {
         let handler = handler.clone();
         let known = known.clone();
+        let stamp = stamp.clone();
         tokio::spawn(async move {
             let remote = incoming.remote_address();
             let conn = match incoming.await {
@@ -289,6 +300,7 @@ pub async fn serve<H: Handler>(endpoint: quinn::Endpoint, handler: Arc<H>, known
                 };
                 let handler = handler.clone();
                 let name = name.clone();
+                let stamp = stamp.clone();
                 tokio::spawn(async move {
                     let body = match read_body(&mut recv, MAX_PEER_MSG).await {
                         Ok(b) => b,
@@ -298,8 +310,20 @@ pub async fn serve<H: Handler>(endpoint: quinn::Endpoint, handler: Arc<H>, known
                             return;
                         }
                     };
-                    let (resp, payload) = match peer::decode::<PeerReq>(body) {
-                        Ok((req, payload)) => handler.handle(name.clone(), req, payload).await,
+                    let (resp, payload) = match peer::decode_request(body) {
+                        // A heartbeat still gets its answer: it carries the verdict, from
+                        // which the fenced node learns that it must rejoin.
+                        Ok((inc, req, _)) if !matches!(req, PeerReq::Heartbeat(_)) && stamp.fenced(&name, inc) => {
+                            tracing::debug!(peer = %name, incarnation = inc, "request from an incarnation declared down: refused");
+                            (
+                                PeerResp::Error {
+                                    kind: psls_ipc::ErrorKind::Unavailable,
+                                    message: format!("incarnation {inc} of {name} was declared down"),
+                                },
+                                bytes::Bytes::new(),
+                            )
+                        }
+                        Ok((_, req, payload)) => handler.handle(name.clone(), req, payload).await,
                         Err(e) => {
                             tracing::warn!(peer = %name, error = %e, "malformed peer message");
                             let kind = psls_ipc::ErrorKind::Invalid;

@@ -69,7 +69,12 @@ async fn bad_peers_are_refused_and_good_ones_served() {
     let a0 = free_addr();
     let server = transport(&certs, "n0", a0, HashMap::new());
     let known = Arc::new(vec!["n0".to_string(), "n1".to_string()]);
-    tokio::spawn(serve(server.endpoint().clone(), Arc::new(Probe), known));
+    tokio::spawn(serve(
+        server.endpoint().clone(),
+        Arc::new(Probe),
+        known,
+        server.stamp.clone(),
+    ));
 
     let client = transport(&certs, "n1", free_addr(), HashMap::from([("n0".to_string(), a0)]));
     let t = Duration::from_secs(5);

@@ -12,7 +12,8 @@
 //! initial node. Format 3 added per-page generations (`FileMeta::written`) and the jobs'
 //! checkpoint records (`jobs`); older records read with none. Format 4 added the jobs'
 //! checkpoint options (`job_options`); older records read with none (a resumed job then
-//! takes the defaults). The replication vote (table
+//! takes the defaults). Format 5 added the committed down verdicts (`down`); older records
+//! read with none. The replication vote (table
 //! `vote`, key `"vote"`, written in its own transaction): `[format version u16 LE = 2][postcard
 //! (promised epoch, accepted operation)]` (format 1, whose operations carry format-2 files,
 //! still reads); a store without one has promised nothing and accepted nothing.
@@ -39,7 +40,7 @@ use std::sync::Arc;
 
 const META_TABLE: TableDefinition<&str, &[u8]> = TableDefinition::new("meta");
 const STATE_KEY: &str = "state";
-const STATE_FORMAT: u16 = 4;
+const STATE_FORMAT: u16 = 5;
 const VOTE_TABLE: TableDefinition<&str, &[u8]> = TableDefinition::new("vote");
 const VOTE_KEY: &str = "vote";
 const VOTE_FORMAT: u16 = 2;
@@ -82,6 +83,24 @@ pub struct MetaState {
     /// How each `psls run` job checkpoints (its level, cleaner interval and policy), kept as
     /// long as its record for `psls run --resume`.
     pub job_options: BTreeMap<String, crate::jobs::JobOptions>,
+    /// Committed failure verdicts: physical node → the highest incarnation declared down.
+    /// Every incarnation up to it is dead for good: its messages are dropped, it serves
+    /// nothing, and it rejoins only as a newer one.
+    pub down: BTreeMap<String, u64>,
+}
+
+/// Format 4 of [`MetaState`] (before `down`).
+#[derive(Deserialize)]
+struct MetaStateV4 {
+    seq: u64,
+    files: BTreeMap<String, FileMeta>,
+    logical: BTreeMap<u32, String>,
+    map_version: u64,
+    rebuilding: BTreeMap<u32, Rebuild>,
+    assigned: BTreeMap<u32, u64>,
+    jobs: BTreeMap<String, JobCkpt>,
+    next_gen: u64,
+    job_options: BTreeMap<String, crate::jobs::JobOptions>,
 }
 
 /// Format 3 of [`MetaState`] (before `job_options`).
@@ -200,6 +219,12 @@ pub enum MetaOp {
         spec: Box<crate::jobs::JobSummary>,
         options: Box<crate::jobs::JobOptions>,
     },
+    /// The coordinator's verdict: incarnation `incarnation` of physical node `physical` (and
+    /// every older one) is down for good.
+    DeclareDown {
+        physical: String,
+        incarnation: u64,
+    },
 }
 
 /// Format 1 of the operation in a vote record (files of format 2).
@@ -271,6 +296,7 @@ impl MetaOp {
                 st.jobs.get(job).and_then(|r| r.spec.as_ref()) == Some(&**spec)
                     && st.job_options.get(job) == Some(&**options)
             }
+            MetaOp::DeclareDown { physical, incarnation } => st.is_down(physical, *incarnation),
         }
     }
 }
@@ -415,6 +441,15 @@ impl MetaState {
                 next.job_options = options_of;
                 r?
             }
+            MetaOp::DeclareDown { physical, incarnation } => {
+                if physical.is_empty() || *incarnation == 0 {
+                    return Err(MetaError::Invalid(
+                        "a down verdict names a node and an incarnation".into(),
+                    ));
+                }
+                let d = next.down.entry(physical.clone()).or_insert(0);
+                *d = (*d).max(*incarnation);
+            }
             MetaOp::ClaimWriter { file, job } => {
                 crate::jobs::validate_job(job)?;
                 let Some(f) = next.files.values_mut().find(|f| f.id == *file) else {
@@ -460,6 +495,21 @@ impl MetaState {
         let corrupt = |e: postcard::Error| MetaError::Corrupt(e.to_string());
         match v {
             STATE_FORMAT => postcard::from_bytes(&bytes[2..]).map_err(corrupt),
+            4 => {
+                let old: MetaStateV4 = postcard::from_bytes(&bytes[2..]).map_err(corrupt)?;
+                Ok(MetaState {
+                    seq: old.seq,
+                    files: old.files,
+                    logical: old.logical,
+                    map_version: old.map_version,
+                    rebuilding: old.rebuilding,
+                    assigned: old.assigned,
+                    jobs: old.jobs,
+                    next_gen: old.next_gen,
+                    job_options: old.job_options,
+                    down: BTreeMap::new(),
+                })
+            }
             3 => {
                 let old: MetaStateV3 = postcard::from_bytes(&bytes[2..]).map_err(corrupt)?;
                 Ok(MetaState {
@@ -472,6 +522,7 @@ impl MetaState {
                     jobs: old.jobs,
                     next_gen: old.next_gen,
                     job_options: BTreeMap::new(),
+                    down: BTreeMap::new(),
                 })
             }
             2 => {
@@ -486,6 +537,7 @@ impl MetaState {
                     jobs: BTreeMap::new(),
                     next_gen: 0,
                     job_options: BTreeMap::new(),
+                    down: BTreeMap::new(),
                 })
             }
             1 => {
@@ -500,6 +552,7 @@ impl MetaState {
                     jobs: BTreeMap::new(),
                     next_gen: 0,
                     job_options: BTreeMap::new(),
+                    down: BTreeMap::new(),
                 })
             }
             v => Err(MetaError::Corrupt(format!("unknown metadata format version {v}"))),
@@ -514,6 +567,11 @@ impl MetaState {
             map_version: self.map_version,
             next_gen: &mut self.next_gen,
         }
+    }
+
+    /// Whether incarnation `incarnation` of `physical` was declared down (committed verdict).
+    pub fn is_down(&self, physical: &str, incarnation: u64) -> bool {
+        self.down.get(physical).is_some_and(|&d| d >= incarnation)
     }
 
     /// The epoch `job`'s next checkpoint must be above ([`crate::jobs::floor`]).

@@ -64,7 +64,7 @@ async fn request(cfg: quinn::ClientConfig, addr: SocketAddr, server: &str, req: 
             .await
             .map_err(|e| e.to_string())?;
         let (mut send, mut recv) = conn.open_bi().await.map_err(|e| e.to_string())?;
-        send.write_all(&peer::encode_header(req))
+        send.write_all(&peer::encode_request(1, req))
             .await
             .map_err(|e| e.to_string())?;
         send.finish().map_err(|e| e.to_string())?;

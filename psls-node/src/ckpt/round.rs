@@ -569,7 +569,7 @@ impl CkptShell {
             let mut c = self.coord.locked();
             c.tick(node.now_ms());
             for (l, p) in &map {
-                if !node.is_live(p) {
+                if node.is_declared_down(p) {
                     c.node_down(NodeId(*l));
                 }
             }
@@ -579,7 +579,7 @@ impl CkptShell {
             let mut safe = self.safe.locked();
             safe.tick(node.now_ms());
             for (l, p) in &map {
-                if !node.is_live(p) {
+                if node.is_declared_down(p) {
                     safe.node_down(NodeId(*l));
                 }
             }

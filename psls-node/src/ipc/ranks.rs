@@ -356,7 +356,8 @@ fn failed_nodes(
         .keys()
         .map(|l| node.physical_of(&st, psls_svm::NodeId(*l)))
         .filter(|p| {
-            !node.is_live(p) || node.heartbeat_of(p).map_or(0, |h| h.incarnation) != incs.get(p).copied().unwrap_or(0)
+            node.is_declared_down(p)
+                || node.heartbeat_of(p).map_or(0, |h| h.incarnation) != incs.get(p).copied().unwrap_or(0)
         })
         .collect()
 }

@@ -99,6 +99,8 @@ pub struct Link {
     known: Vec<String>,
     posted: AtomicU64,
     datagrams: AtomicU64,
+    /// This node's incarnation on every frame, and the test of incoming ones.
+    stamp: Arc<peer::Stamp>,
 }
 
 impl Link {
@@ -147,11 +149,19 @@ impl Link {
             known,
             posted: AtomicU64::new(0),
             datagrams: AtomicU64::new(0),
+            stamp: Arc::new(peer::Stamp::default()),
         })
     }
 
     pub fn local_addr(&self) -> std::io::Result<SocketAddr> {
         self.socket.local_addr()
+    }
+
+    /// The same link stamping and testing incarnations with `stamp` (shared with the request
+    /// transport).
+    pub fn stamped(mut self, stamp: Arc<peer::Stamp>) -> Link {
+        self.stamp = stamp;
+        self
     }
 
     /// Messages posted since start.
@@ -178,7 +188,7 @@ impl Link {
         if !self.addrs.contains_key(peer) {
             return Err(NetError::UnknownPeer(peer.into()));
         }
-        let header = peer::encode_header(req);
+        let header = peer::encode_request(self.stamp.incarnation(), req);
         let len = header.len() + payload.len();
         if len > MAX_PEER_MSG {
             return Err(NetError::BadResponse {
@@ -499,7 +509,7 @@ impl Link {
         };
         let ids: Vec<StreamId> = c.readers.keys().copied().collect();
         for id in ids {
-            if let Err(message) = read_stream(c, id, &from, inbox) {
+            if let Err(message) = read_stream(c, id, &self.stamp, &from, inbox) {
                 tracing::warn!(peer = %from, %message, "message link: dropped the connection");
                 c.dead = true;
                 c.conn.close(now, 2u32.into(), Bytes::from_static(b"bad message"));
@@ -513,6 +523,7 @@ impl Link {
 fn read_stream(
     c: &mut Conn,
     id: StreamId,
+    stamp: &peer::Stamp,
     from: &str,
     inbox: &mut Vec<(String, PeerReq, Bytes)>,
 ) -> Result<(), String> {
@@ -560,8 +571,11 @@ fn read_stream(
                 break;
             }
             let frame = buf.split_to(4 + len).freeze().slice(4..);
-            match peer::decode::<PeerReq>(frame) {
-                Ok((req, payload)) => inbox.push((from.to_string(), req, payload)),
+            match peer::decode_request(frame) {
+                Ok((inc, _, _)) if stamp.fenced(from, inc) => {
+                    tracing::debug!(peer = %from, incarnation = inc, "message link: dropped a message of an incarnation declared down");
+                }
+                Ok((_, req, payload)) => inbox.push((from.to_string(), req, payload)),
                 // The frame boundary is known: the next message is still read.
                 Err(e) => tracing::warn!(peer = %from, error = %e, "message link: dropped a malformed message"),
             }

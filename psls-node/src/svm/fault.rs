@@ -34,7 +34,11 @@ pub(super) fn peer_views(node: &Node) -> Vec<(NodeId, Incarnation, bool)> {
                 return (NodeId(l), svm_incarnation(&st, l, node.incarnation), true);
             }
             let inc = node.with_heartbeats(|m| m.heartbeat(&phys).map_or(0, |h| h.incarnation));
-            (NodeId(l), svm_incarnation(&st, l, inc), inc > 0 && node.is_live(&phys))
+            (
+                NodeId(l),
+                svm_incarnation(&st, l, inc),
+                inc > 0 && !node.is_declared_down(&phys),
+            )
         })
         .collect()
 }
