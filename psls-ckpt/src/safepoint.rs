@@ -16,8 +16,9 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 /// What a call does.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Decision {
-    /// Take a checkpoint; with `halt`, the job stops once it committed.
-    Take { halt: bool },
+    /// Take a checkpoint; with `halt`, the job stops once it committed. `forced`: an operator
+    /// asked for it (`psls checkpoint`), which promises a persistent one.
+    Take { halt: bool, forced: bool },
     /// Nothing: the interval has not elapsed.
     Skip,
 }
@@ -150,9 +151,15 @@ impl SafePoints {
         j.files.extend(files.iter().copied());
         if j.arrived.len() as u32 == j.size {
             let decision = if j.halt {
-                Decision::Take { halt: true }
+                Decision::Take {
+                    halt: true,
+                    forced: true,
+                }
             } else if j.force || now_ms.saturating_sub(j.last_ms) >= j.interval_ms {
-                Decision::Take { halt: false }
+                Decision::Take {
+                    halt: false,
+                    forced: j.force,
+                }
             } else {
                 Decision::Skip
             };
@@ -286,7 +293,11 @@ mod tests {
         s.arrive(5, "j", (0, 0), 2, t, NodeId(0), &[FileId(2)]).unwrap();
         match &drain(&mut s)[..] {
             [SafeAction::Decided {
-                decision: Decision::Take { halt: false },
+                decision:
+                    Decision::Take {
+                        halt: false,
+                        forced: false,
+                    },
                 files,
                 ranks,
                 ..
@@ -313,21 +324,42 @@ mod tests {
         };
         assert_eq!(call(&mut s, 50), Decision::Skip);
         s.done(50, "j", false);
-        assert_eq!(call(&mut s, 110), Decision::Take { halt: false });
+        assert_eq!(
+            call(&mut s, 110),
+            Decision::Take {
+                halt: false,
+                forced: false
+            }
+        );
         s.done(110, "j", true);
         s.force("j", false).unwrap();
-        assert_eq!(call(&mut s, 120), Decision::Take { halt: false });
+        assert_eq!(
+            call(&mut s, 120),
+            Decision::Take {
+                halt: false,
+                forced: true
+            }
+        );
         s.done(120, "j", false);
         assert_eq!(
             call(&mut s, 130),
-            Decision::Take { halt: false },
+            Decision::Take {
+                halt: false,
+                forced: true
+            },
             "a forced one stays asked until it commits"
         );
         s.done(130, "j", true);
         assert_eq!(call(&mut s, 140), Decision::Skip);
         s.done(140, "j", false);
         s.force("j", true).unwrap();
-        assert_eq!(call(&mut s, 150), Decision::Take { halt: true });
+        assert_eq!(
+            call(&mut s, 150),
+            Decision::Take {
+                halt: true,
+                forced: true
+            }
+        );
         assert!(s.force("nope", false).is_err());
     }
 

@@ -40,10 +40,28 @@ fn open_disk(dir: &Path, fault: bool) -> Result<Arc<dyn Disk>> {
     })
 }
 
+/// Raises this process's soft limit on open descriptors to its hard limit.
+fn raise_fd_limit() {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit and setrlimit read or write one `rlimit` this frame owns.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) == 0 && lim.rlim_cur < lim.rlim_max {
+            lim.rlim_cur = lim.rlim_max;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
+        }
+    }
+}
+
 /// Runs node `name` of the cluster in `config` until it is told to stop.
 pub async fn run(config: &Path, name: &str) -> Result<()> {
     // Fail-stop from the first instant: a panic in any thread ends the daemon.
     crate::failstop::install();
+    // Client connections, peers' files and mappings each hold descriptors: the soft limit goes
+    // up to the hard one (often 1024 against 500k+), so the connection bound is ours.
+    raise_fd_limit();
     let cfg = Arc::new(ClusterConfig::load(config)?);
     let Some(me) = cfg.entry(name).cloned() else {
         bail!("node '{name}' is not in {}", config.display());

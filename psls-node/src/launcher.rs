@@ -30,6 +30,9 @@ pub const MAX_RANKS: u32 = 4096;
 const OUTPUT_CHUNK: usize = 64 * 1024;
 /// Status of a rank lost with its node.
 pub const LOST_STATUS: i32 = 255;
+/// Status of a job stopped by `psls halt` after its checkpoint committed (EX_TEMPFAIL, which
+/// batch scripts test for: resume it with `psls run --resume`).
+pub const HALTED_STATUS: i32 = 75;
 /// How long a safe-point call waits for every rank by default.
 pub const DEFAULT_CALL_TIMEOUT_MS: u64 = 60_000;
 /// How long a rollback waits for a failed node by default.

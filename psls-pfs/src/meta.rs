@@ -1101,6 +1101,58 @@ mod tests {
         }
     }
 
+    /// Down verdicts only grow, name a node and an incarnation, and cover every older
+    /// incarnation; a format-4 state (before them) still reads, with none.
+    #[test]
+    fn down_verdicts_grow_and_format_4_states_still_read() {
+        let mut s = MetaState::default();
+        let down = |physical: &str, incarnation| MetaOp::DeclareDown {
+            physical: physical.into(),
+            incarnation,
+        };
+        assert!(!s.is_down("n1", 1));
+        assert!(!down("n1", 3).reflected_in(&s));
+        s.apply(&down("n1", 3)).unwrap();
+        assert!(down("n1", 3).reflected_in(&s) && down("n1", 2).reflected_in(&s));
+        assert!(s.is_down("n1", 1) && s.is_down("n1", 3) && !s.is_down("n1", 4) && !s.is_down("n2", 1));
+        s.apply(&down("n1", 2)).unwrap();
+        assert_eq!(s.down["n1"], 3, "an older verdict changes nothing");
+        let before = s.clone();
+        assert!(s.apply(&down("", 5)).is_err() && s.apply(&down("n2", 0)).is_err());
+        assert_eq!(s, before, "a refused verdict changes nothing");
+        assert_eq!(MetaState::decode(&s.encode()).unwrap(), s);
+        #[derive(Serialize)]
+        struct S4<'a>(
+            u64,
+            &'a BTreeMap<String, FileMeta>,
+            &'a BTreeMap<u32, String>,
+            u64,
+            &'a BTreeMap<u32, Rebuild>,
+            &'a BTreeMap<u32, u64>,
+            &'a BTreeMap<String, JobCkpt>,
+            u64,
+            &'a BTreeMap<String, crate::jobs::JobOptions>,
+        );
+        let mut v4 = 4u16.to_le_bytes().to_vec();
+        v4.extend(
+            postcard::to_stdvec(&S4(
+                s.seq,
+                &s.files,
+                &s.logical,
+                s.map_version,
+                &s.rebuilding,
+                &s.assigned,
+                &s.jobs,
+                s.next_gen,
+                &s.job_options,
+            ))
+            .unwrap(),
+        );
+        let old = MetaState::decode(&v4).unwrap();
+        assert_eq!(old.seq, s.seq);
+        assert!(old.down.is_empty());
+    }
+
     /// A job's checkpoint options live with its record: set as it starts, gone at its end,
     /// bounded; a format-3 state (before them) still reads, with none.
     #[test]

@@ -420,3 +420,52 @@ fn sync_channel_bad_input_gets_clear_errors_and_the_channel_goes_on() {
     // The daemon is fine.
     assert!(c.status().nodes.iter().all(|n| n.state.to_string() == "up"));
 }
+
+/// Resident memory of process `pid`, in bytes.
+fn rss_bytes(pid: i32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("proc status");
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|kb| kb.parse::<u64>().ok())
+        .expect("VmRSS")
+        * 1024
+}
+
+#[test]
+fn a_thousand_idle_client_connections_cost_little_and_the_next_client_is_served() {
+    let c = Cluster::start(2, 0);
+    let cfg = c.config();
+    let socket = cfg.socket_path(cfg.entry("n0").expect("n0"));
+    let pid = c.pid("n0");
+    let before = rss_bytes(pid);
+    // Half idle from the start, half idle inside a frame that announced the largest body.
+    let mut conns = Vec::new();
+    for i in 0..1000 {
+        let mut s = std::os::unix::net::UnixStream::connect(&socket).expect("connect");
+        if i % 2 == 1 {
+            s.write_all(&(psls_ipc::proto::MAX_FRAME as u32).to_le_bytes())
+                .expect("prefix");
+        }
+        conns.push(s);
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    let held = rss_bytes(pid);
+    assert!(
+        held < 64 << 20,
+        "1000 idle connections: {} MiB resident (from {} MiB)",
+        held >> 20,
+        before >> 20
+    );
+    // The next client is served while they are all open.
+    let ls = c.ok(&["--node", "n0", "ls"]);
+    assert!(ls.trim().is_empty(), "{ls}");
+    c.ok(&["--node", "n0", "create", "after-idle", "--size", "4096"]);
+    drop(conns);
+    eprintln!(
+        "1000 idle connections: {} MiB resident, {} MiB before",
+        held >> 20,
+        before >> 20
+    );
+}

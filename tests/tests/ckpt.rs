@@ -126,15 +126,30 @@ fn an_interval_skips_calls_psls_checkpoint_forces_one_and_psls_halt_stops_the_jo
     std::thread::sleep(std::time::Duration::from_millis(500));
     let said = c.ok(&["checkpoint", &job]);
     assert!(said.contains("next safe-point call"), "{said}");
-    std::thread::sleep(std::time::Duration::from_millis(500));
+    let committed = |epoch: u64| {
+        wait_for(std::time::Duration::from_secs(30), "the forced checkpoint", || {
+            c.job_entry(&job)["epoch"].as_u64() == Some(epoch)
+        });
+        c.job_entry(&job)
+    };
+    committed(1);
+    // A second one is persistent too, as `psls checkpoint` promises (the job's later
+    // checkpoints are memory ones by default).
+    c.ok(&["checkpoint", &job]);
+    let entry = committed(2);
+    assert_eq!(entry["persistent_epoch"].as_u64(), Some(2), "{entry}");
     c.ok(&["halt", &job]);
     let o = run.wait_with_output().expect("psls run ends");
     let mut rest = String::new();
     std::io::Read::read_to_string(&mut err, &mut rest).expect("read");
     let out = String::from_utf8_lossy(&o.stdout).to_string();
-    assert!(o.status.success(), "{out}{rest}");
-    // Calls skipped until the forced one (epoch 1, on both ranks at the same step), then the
-    // halt's (epoch 2); the job stopped before its 400 steps.
+    assert_eq!(
+        o.status.code(),
+        Some(75),
+        "a halted job exits with EX_TEMPFAIL\n{out}{rest}"
+    );
+    // Calls skipped until the forced ones (epochs 1 and 2, on both ranks at the same step),
+    // then the halt's (epoch 3); the job stopped before its 400 steps.
     let at = |r: u32, e: u32| {
         out.lines().find_map(|l| {
             l.strip_prefix(&format!("[{r}] step "))
@@ -144,7 +159,7 @@ fn an_interval_skips_calls_psls_checkpoint_forces_one_and_psls_halt_stops_the_jo
     };
     assert!(at(0, 1).is_some() && at(0, 1) == at(1, 1), "{out}");
     assert!(!out.contains("done"), "{out}");
-    assert!(rest.contains(&format!("job {job} halted after checkpoint 2")), "{rest}");
+    assert!(rest.contains(&format!("job {job} halted after checkpoint 3")), "{rest}");
     // The halted job keeps its checkpoint area (it can be resumed), which is the daemon's:
     // no user removes it, nor creates a file in an area (or plants one for a future job).
     assert!(c.ok(&["ls"]).contains(&format!(".psls-ckpt.{job}")));

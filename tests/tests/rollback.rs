@@ -170,7 +170,11 @@ fn after_a_power_cut_during_a_job_psls_run_resume_finishes_it_with_the_unfailed_
     let o = run.wait_with_output().expect("psls run");
     let mut err = String::new();
     rest.read_to_string(&mut err).expect("read");
-    assert!(o.status.success(), "a halted job ends cleanly: {err}");
+    assert_eq!(
+        o.status.code(),
+        Some(75),
+        "a halted job ends with EX_TEMPFAIL, which batch scripts test for: {err}"
+    );
     assert!(err.contains(&format!("job {job} halted after checkpoint")), "{err}");
     assert!(
         !String::from_utf8_lossy(&o.stdout).contains("\"bench\":\"mgs\""),

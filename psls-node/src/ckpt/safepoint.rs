@@ -194,7 +194,7 @@ impl CkptShell {
             }
             SafeAction::Decided {
                 job,
-                decision: Decision::Take { halt },
+                decision: Decision::Take { halt, forced },
                 files,
                 ranks,
             } => {
@@ -234,7 +234,7 @@ impl CkptShell {
                 }
                 let me = self.clone();
                 self.runtime.spawn(async move {
-                    let r = me.take(&job, files, ranks.len() as u32, halt, sp.clone()).await;
+                    let r = me.take(&job, files, ranks.len() as u32, halt || forced, sp.clone()).await;
                     if sp.released() {
                         // The ranks went on already: a round that failed after that made its
                         // pages dirty again (the next checkpoint takes them), or a failure
@@ -278,7 +278,7 @@ impl CkptShell {
         job: &str,
         mut files: Vec<FileId>,
         size: u32,
-        halt: bool,
+        persistent: bool,
         sp: SafeRound,
     ) -> Result<super::round::Done, OpError> {
         let node = &self.node;
@@ -308,7 +308,7 @@ impl CkptShell {
         // The job's round before this one may still be deciding (its ranks went on): the level
         // is chosen once it is over, from what it left.
         self.wait_rounds_over(job, &files).await?;
-        let level = self.choose_level(job, halt);
+        let level = self.choose_level(job, persistent);
         let r = self.run_round(job.to_string(), files.clone(), level, sp.clone()).await;
         let went_on = sp.released();
         match (level, r) {
@@ -331,11 +331,12 @@ impl CkptShell {
         }
     }
 
-    /// The level of `job`'s checkpoint at this safe point (DESIGN §7): the cleaner on a halt,
+    /// The level of `job`'s checkpoint at this safe point (DESIGN §7): the cleaner on a halt or
+    /// an operator's `psls checkpoint` (`persistent`),
     /// when pinned, for the job's first checkpoint here, when the persistent interval elapsed
     /// or this is the job's every-N-th checkpoint (`auto`: a power cut then never loses a
     /// whole run), or when a memory checkpoint might not fit; memory otherwise.
-    fn choose_level(&self, job: &str, halt: bool) -> Level {
+    fn choose_level(&self, job: &str, persistent: bool) -> Level {
         let node = &self.node;
         let now = node.now_ms();
         let c = self.choices.locked().get(job).copied();
@@ -345,7 +346,7 @@ impl CkptShell {
         let since = self.mem_since_persistent.locked().get(job).copied().unwrap_or(0);
         let last = self.last_persistent_ms.locked().get(job).copied();
         let no_room_before = self.cleaner_next.locked().remove(job);
-        if halt || choice == Choice::Persistent || no_room_before {
+        if persistent || choice == Choice::Persistent || no_room_before {
             return Level::Persistent;
         }
         if !self.memory_fits() {

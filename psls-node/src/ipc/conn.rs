@@ -60,12 +60,38 @@ pub(super) async fn read_body(r: &mut OwnedReadHalf) -> Result<Option<Vec<u8>>, 
         Err(e) => return Err(e.into()),
     }
     let len = proto::check_len(prefix)?;
-    let mut body = Vec::with_capacity(len);
-    r.take(len as u64).read_to_end(&mut body).await?;
+    Ok(Some(read_frame_body(r, len).await?))
+}
+
+/// Memory given to a frame's body before its bytes arrive: a client that announces a large
+/// frame and sends nothing holds no more than this.
+const BODY_PREALLOC_BYTES: usize = 64 * 1024;
+/// Once a frame's length is read, its body must arrive within this long (a client idle
+/// between frames is fine: lifelines and jobs are; one stalled inside a frame is not).
+pub(super) const BODY_DEADLINE: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Reads a frame body of `len` bytes (checked against `MAX_FRAME` already) within
+/// [`BODY_DEADLINE`], growing the buffer as bytes come.
+async fn read_frame_body(r: &mut OwnedReadHalf, len: usize) -> Result<Vec<u8>, proto::FrameError> {
+    let mut body = Vec::with_capacity(len.min(BODY_PREALLOC_BYTES));
+    match tokio::time::timeout(BODY_DEADLINE, r.take(len as u64).read_to_end(&mut body)).await {
+        Ok(read) => {
+            read?;
+        }
+        Err(_) => {
+            return Err(proto::FrameError::Io(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!(
+                    "a frame's {len} bytes did not arrive within {} s",
+                    BODY_DEADLINE.as_secs()
+                ),
+            )))
+        }
+    }
     if body.len() != len {
         return Err(proto::FrameError::Closed);
     }
-    Ok(Some(body))
+    Ok(body)
 }
 
 /// Reads one request, with any file descriptors attached to its first bytes (they are closed
@@ -112,11 +138,7 @@ pub(super) async fn read_req_with_fds(
         }
     }
     let len = proto::check_len(prefix)?;
-    let mut body = Vec::with_capacity(len);
-    r.take(len as u64).read_to_end(&mut body).await?;
-    if body.len() != len {
-        return Err(proto::FrameError::Closed);
-    }
+    let body = read_frame_body(r, len).await?;
     Ok(Some((proto::decode(&body)?, fds)))
 }
 

@@ -42,6 +42,7 @@ pub fn bind(path: &Path) -> anyhow::Result<UnixListener> {
 }
 
 pub async fn serve(d: Arc<Daemon>, listener: UnixListener, _path: PathBuf) {
+    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CLIENTS));
     loop {
         let (stream, _) = match listener.accept().await {
             Ok(s) => s,
@@ -51,14 +52,33 @@ pub async fn serve(d: Arc<Daemon>, listener: UnixListener, _path: PathBuf) {
                 continue;
             }
         };
+        let Ok(slot) = slots.clone().try_acquire_owned() else {
+            // Refused with one clear answer (a client reads it as the reply to its request).
+            tracing::warn!(limit = MAX_CLIENTS, "client connection refused: too many connections");
+            tokio::spawn(async move {
+                let (_, mut w) = stream.into_split();
+                let why = format!("the daemon serves at most {MAX_CLIENTS} client connections at once");
+                let _ = tokio::time::timeout(
+                    std::time::Duration::from_secs(1),
+                    send(&mut w, &err(OpError::new(ErrorKind::Unavailable, why))),
+                )
+                .await;
+            });
+            continue;
+        };
         let d = d.clone();
         tokio::spawn(async move {
             if let Err(e) = client(d, stream).await {
                 tracing::debug!(error = %e, "client connection ended");
             }
+            drop(slot);
         });
     }
 }
+
+/// Client connections served at once, at most (each costs a task and small buffers: a frame's
+/// body is not allocated before its bytes come).
+pub const MAX_CLIENTS: usize = 4096;
 
 async fn client(d: Arc<Daemon>, stream: UnixStream) -> anyhow::Result<()> {
     let cred = stream.peer_cred()?;

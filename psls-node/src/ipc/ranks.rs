@@ -517,7 +517,8 @@ pub(super) async fn run_job(
     crate::launcher::finished(node, &d.jobs, job);
     if let Some(epoch) = halted {
         let message = format!("job {job} halted after checkpoint {epoch}; it can be resumed from it");
-        send(&mut w, &Response::JobDone { code: 0, message }).await?;
+        let code = crate::launcher::HALTED_STATUS;
+        send(&mut w, &Response::JobDone { code, message }).await?;
         return Ok(());
     }
     let (code, message) = match failed {
