@@ -186,11 +186,18 @@ mod tests {
         assert_eq!(m.state(1001, "a"), Liveness::Down);
         assert!(!m.heard(1100, "a", 1, ()));
         assert_eq!(m.state(1200, "a"), Liveness::Up);
-        assert_eq!(m.tick(3000), vec![("a".to_string(), 0)]);
-        assert_eq!(m.tick(3500), vec![("a".to_string(), 500)]);
-        assert!(m.heard(3600, "a", 2, ()), "a new incarnation is a restart");
-        assert!(!m.heard(3700, "a", 2, ()));
-        assert!(m.tick(3700).is_empty());
+        // Ticked regularly (a gap of more than half the timeout would be a stall of ours).
+        for t in (0..=2100).step_by(100) {
+            assert!(m.tick(t).is_empty(), "at {t}");
+        }
+        assert_eq!(m.tick(2200), vec![("a".to_string(), 0)]);
+        for t in (2300..2700).step_by(100) {
+            m.tick(t);
+        }
+        assert_eq!(m.tick(2700), vec![("a".to_string(), 500)]);
+        assert!(m.heard(2800, "a", 2, ()), "a new incarnation is a restart");
+        assert!(!m.heard(2900, "a", 2, ()));
+        assert!(m.tick(2900).is_empty());
         assert_eq!(m.state(0, "zz"), Liveness::Down);
         assert!(!m.heard(0, "zz", 1, ()), "unknown peers are ignored");
     }
@@ -206,7 +213,10 @@ mod tests {
         assert_eq!(m.state(2500, "a"), Liveness::Up);
         assert!(m.waking(2500));
         m.heard(2550, "a", 1, ());
-        m.tick(2600);
+        for t in (2600..=3500).step_by(100) {
+            m.heard(t, "a", 1, ());
+            assert!(m.tick(t).is_empty(), "at {t}");
+        }
         // b stays silent: suspected half a timeout after the wake-up, down after a whole one.
         assert_eq!(m.state(3200, "b"), Liveness::Suspect);
         assert_eq!(m.tick(3600), vec![("b".to_string(), 0)]);
