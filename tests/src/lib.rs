@@ -338,6 +338,8 @@ impl Peer {
             let _g = rt.enter();
             psls_node::transport::Transport::bind((any, any), server, client, key, peers, known).expect("bind")
         };
+        net.stamp
+            .set(NEW_INCARNATION, std::sync::Arc::new(|_: &str, _: u64| false));
         Peer { rt, net }
     }
 
@@ -351,6 +353,17 @@ impl Peer {
         self.rt
             .block_on(self.net.request(to, req, payload, Duration::from_secs(10)))
     }
+}
+
+/// The incarnation a test's stand-in for a node speaks as: above any the daemons declared down
+/// (a node killed by the test was; a stand-in is a new incarnation of it).
+pub const NEW_INCARNATION: u64 = 1 << 40;
+
+/// A message stamp of [`NEW_INCARNATION`] that fences nobody (for a bare `Link`).
+pub fn new_incarnation() -> std::sync::Arc<psls_node::peer::Stamp> {
+    let s = psls_node::peer::Stamp::default();
+    s.set(NEW_INCARNATION, std::sync::Arc::new(|_: &str, _: u64| false));
+    std::sync::Arc::new(s)
 }
 
 /// Writes all of `data` into the pipe `fd` (switched to non-blocking), waiting for its reader

@@ -64,7 +64,7 @@ async fn request(cfg: quinn::ClientConfig, addr: SocketAddr, server: &str, req: 
             .await
             .map_err(|e| e.to_string())?;
         let (mut send, mut recv) = conn.open_bi().await.map_err(|e| e.to_string())?;
-        send.write_all(&peer::encode_request(1, req))
+        send.write_all(&peer::encode_request(psls_tests::NEW_INCARNATION, req))
             .await
             .map_err(|e| e.to_string())?;
         send.finish().map_err(|e| e.to_string())?;
@@ -103,7 +103,11 @@ fn link(
         .collect();
     let known = cfg.all().map(|n| n.name.clone()).collect();
     let key = psls_node::tls::reset_key(&cfg.cert_dir(), me).unwrap();
-    let l = Arc::new(Link::bind(addr, server, client, key, peers, known).unwrap());
+    let l = Arc::new(
+        Link::bind(addr, server, client, key, peers, known)
+            .unwrap()
+            .stamped(psls_tests::new_incarnation()),
+    );
     let (tx, rx) = channel();
     let l2 = l.clone();
     std::thread::spawn(move || l2.run(Arc::new(Collect(tx))));

@@ -528,6 +528,10 @@ impl CkptShell {
     fn receive(&self, from: NodeId, msg: Msg) {
         match msg {
             Msg::Prepare { .. } | Msg::Go { .. } | Msg::Decide { .. } | Msg::Flush { .. } => {
+                // The participant knows the coordinator as this node does now, not as of its
+                // last tick: a round may start right after an election.
+                let coordinator = self.node.coordinator_now().map(|(l, _)| NodeId(l));
+                self.part.locked().coordinator_changed(coordinator);
                 if let Msg::Prepare {
                     job,
                     epoch,
@@ -538,7 +542,7 @@ impl CkptShell {
                     ..
                 } = &msg
                 {
-                    if Some(from) == self.node.coordinator_now().map(|(l, _)| NodeId(l)) {
+                    if Some(from) == coordinator {
                         self.node.frames.set_policy(job, *cleaning);
                         // A new round of the job: a memory epoch whose decision this node
                         // missed is settled by the last committed one the coordinator names;
