@@ -359,6 +359,9 @@ fn print_status(s: &ClusterStatus) {
             mib(n.disk_used_bytes),
             mib(n.disk_free_bytes)
         );
+        if let Some(why) = &n.disk_failed {
+            println!("       disk failed: {why}");
+        }
         if n.recovery_frames + n.pre_recovery_frames + n.dirty_pages > 0 {
             println!(
                 "       frames: {} recovery ({} newer than the disks), {} pre-recovery, of {}; {} dirty pages",
@@ -588,6 +591,9 @@ fn run(cli: &Cli) -> Result<()> {
                             frames,
                             j.command
                         );
+                        if !j.finished.is_empty() {
+                            println!("{:<24} finished computing, but {}", "", j.finished);
+                        }
                         if !j.activity.is_empty() {
                             println!("{:<24} now: {}", "", j.activity);
                         }

@@ -246,6 +246,9 @@ pub struct JobInfo {
     /// What the job goes through now, if anything but running: a checkpoint in progress
     /// (its step and the nodes it waits for) or a rollback's step, and for how long.
     pub activity: String,
+    /// A resumable job that finished computing: why its last persistent checkpoint failed
+    /// (`psls run --resume` writes its result). Empty otherwise.
+    pub finished: String,
 }
 
 /// Class of an error, so that callers can react without parsing text.
@@ -313,6 +316,10 @@ pub struct NodeStatus {
     pub frame_capacity: u64,
     #[serde(default)]
     pub dirty_pages: u64,
+    /// Why the node's page store failed (an fsync or I/O error), if it did: such a node is
+    /// taken out of the cluster and a spare takes its place.
+    #[serde(default)]
+    pub disk_failed: Option<String>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -40,6 +40,24 @@ fn open_disk(dir: &Path, fault: bool) -> Result<Arc<dyn Disk>> {
     })
 }
 
+/// With the fault disk (`PSLS_FAULT_DISK=1`, tests only): once a file `fail-sync` appears in
+/// the data folder, every later fsync of the page store fails, as a dying disk's does.
+fn watch_fail_sync(dir: &Path, fault: Arc<FaultDisk>) -> Result<()> {
+    let trigger = dir.join("fail-sync");
+    std::thread::Builder::new()
+        .name("psls-fault-disk".into())
+        .spawn(move || loop {
+            if trigger.exists() {
+                tracing::warn!(trigger = %trigger.display(), "fault disk: every fsync of the page store fails from now on");
+                fault.set_fail_sync(true);
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        })
+        .context("starting the fault disk's watcher")?;
+    Ok(())
+}
+
 /// Raises this process's soft limit on open descriptors to its hard limit.
 fn raise_fd_limit() {
     let mut lim = libc::rlimit {
@@ -81,7 +99,14 @@ pub async fn run(config: &Path, name: &str) -> Result<()> {
     // PSLS_FAULT_DISK=1 keeps unsynced writes in memory: a kill -9 is then a power cut.
     let fault = std::env::var("PSLS_FAULT_DISK").is_ok_and(|v| v == "1");
     let meta_disk = open_disk(&dir, fault)?;
-    let store = Arc::new(PageStore::new(open_disk(&dir.join("pages"), fault)?));
+    let pages_disk: Arc<dyn Disk> = if fault {
+        let f = Arc::new(FaultDisk::new(dir.join("pages"))?);
+        watch_fail_sync(&dir, f.clone())?;
+        f
+    } else {
+        Arc::new(FileDisk::new(dir.join("pages"))?)
+    };
+    let store = Arc::new(PageStore::new(pages_disk));
     let meta = MetaStore::open(meta_disk.as_ref()).with_context(|| format!("opening metadata in {}", dir.display()))?;
 
     let (server, client) = crate::tls::configs(&cfg.cert_dir(), name)?;

@@ -37,6 +37,9 @@ pub struct Daemon {
     pub ckpt: Arc<CkptShell>,
 }
 
+/// Exit status of a daemon that stopped because its disk failed (EX_IOERR).
+pub const DISK_FAILED_EXIT: i32 = 74;
+
 impl Daemon {
     /// Assembles the daemon around `node` and wires the core to it (requests to itself,
     /// shared-memory figures in heartbeats).
@@ -67,6 +70,13 @@ impl Daemon {
         let fencer: crate::node::Fencer = Arc::new(move |why: &str, declared: u64| {
             let Some(d) = fenced.upgrade() else { return };
             let ranks = crate::launcher::local_ranks(&d.jobs);
+            if d.node.store.is_poisoned() {
+                // A node whose disk failed does not rejoin: it is failed for good, and a spare
+                // takes its place. It stops, its ranks with it.
+                tracing::error!(node = %d.node.name(), why, "fenced with a failed disk: stopping (repair the disk, then start the node again)");
+                crate::incarnation::stop_ranks(&ranks);
+                std::process::exit(DISK_FAILED_EXIT);
+            }
             let dir = d.node.cfg.data_dir(&d.node.me);
             tracing::warn!(node = %d.node.name(), why, ranks = ranks.len(), "rejoining as a new incarnation");
             let e = crate::incarnation::rejoin(&dir, &ranks, declared);
@@ -261,7 +271,7 @@ impl Daemon {
                 ErrorKind::Invalid,
                 "link pings and checkpoint messages go over the message link",
             )),
-            PeerReq::CkptRun { job, files } => self.ckpt.serve_run(job, files).await,
+            PeerReq::CkptRun { job, files, level } => self.ckpt.serve_run(job, files, level).await,
             PeerReq::CkptArrive(call) => self.ckpt.serve_arrive(&from, call).await,
             PeerReq::CkptForce { job, halt, uid } => self.ckpt.serve_force(&job, halt, uid),
             PeerReq::CkptEnd { job } => Ok(self.ckpt.serve_end(&job)),

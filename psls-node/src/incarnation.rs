@@ -55,20 +55,25 @@ pub fn raise(dir: &Path, at_least: u64) -> Result<()> {
     write_durably(&dir.join("incarnation"), at_least.to_string().as_bytes())
 }
 
-/// Stops `ranks` (process ids, each the leader of its group), raises the incarnation counter in
-/// `dir` to at least `declared`, and re-executes this daemon. Returns only if the exec failed,
-/// after which the caller must exit.
-pub fn rejoin(dir: &Path, ranks: &[u32], declared: u64) -> std::io::Error {
+/// Kills `ranks` (process ids, each the leader of its group) and reaps them, so they do not
+/// linger as zombies of a new image (which does not know them).
+pub fn stop_ranks(ranks: &[u32]) {
     for &pid in ranks {
         let _ = nix::sys::signal::killpg(
             nix::unistd::Pid::from_raw(pid as i32),
             nix::sys::signal::Signal::SIGKILL,
         );
     }
-    // Reaped, so they do not linger as zombies of the new image (which does not know them).
     for &pid in ranks {
         let _ = nix::sys::wait::waitpid(nix::unistd::Pid::from_raw(pid as i32), None);
     }
+}
+
+/// Stops `ranks` (process ids, each the leader of its group), raises the incarnation counter in
+/// `dir` to at least `declared`, and re-executes this daemon. Returns only if the exec failed,
+/// after which the caller must exit.
+pub fn rejoin(dir: &Path, ranks: &[u32], declared: u64) -> std::io::Error {
+    stop_ranks(ranks);
     if let Err(e) = raise(dir, declared) {
         return std::io::Error::other(format!("{e:#}"));
     }

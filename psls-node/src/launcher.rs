@@ -375,10 +375,16 @@ pub const MAX_JOB_SEGMENTS: usize = 4096;
 /// The launcher forgets a finished job, and every node drops the job's volatile segments:
 /// first where they are held, then the coherence state of their managers.
 pub fn finished(node: &Arc<Node>, jobs: &Arc<Jobs>, job: &str) {
-    lock(&jobs.launched).remove(job);
-    jobs.set_activity(job, None);
+    unlaunched(jobs, job);
     let (node, job) = (node.clone(), job.to_string());
     tokio::spawn(async move { drop_job_segments(&node, &job).await });
+}
+
+/// This node no longer launches `job` (its events and activity go); what the job holds on the
+/// nodes stays (a finished job's result in its memory checkpoint).
+pub fn unlaunched(jobs: &Jobs, job: &str) {
+    lock(&jobs.launched).remove(job);
+    jobs.set_activity(job, None);
 }
 
 /// Every node drops `job`'s volatile segments: first where they are held, then the coherence

@@ -373,6 +373,19 @@ impl Node {
         }
     }
 
+    /// The peers of the logical map whose last heartbeat says their page store failed.
+    pub fn disk_failed_peers(&self) -> Vec<String> {
+        let map: Vec<String> = {
+            let m = self.meta.locked();
+            self.logical_map(m.state()).into_values().collect()
+        };
+        self.with_heartbeats(|m| {
+            map.into_iter()
+                .filter(|p| *p != self.me.name && m.heartbeat(p).is_some_and(|h| h.disk_failed.is_some()))
+                .collect()
+        })
+    }
+
     /// Whether this incarnation is fencing itself (it serves nothing more).
     pub fn is_fencing(&self) -> bool {
         self.fencing.load(Ordering::Relaxed)
@@ -385,7 +398,11 @@ impl Node {
         if self.replication.leader().as_deref() != Some(self.me.name.as_str()) || !self.holds_lease() {
             return;
         }
-        for (peer, _) in self.down_peers() {
+        // A node whose disk failed is failed for good, though it still heartbeats: declared
+        // down too (a spare then takes its logical id: `pfs::maybe_auto_replace`).
+        let disk_failed = self.disk_failed_peers();
+        let silent = self.down_peers().into_iter().map(|(p, _)| p);
+        for peer in silent.chain(disk_failed) {
             let inc = self
                 .heard_incarnation(&peer)
                 .max(self.reported.locked().get(&peer).copied().unwrap_or(0));
@@ -493,6 +510,10 @@ impl Node {
             frame_capacity: self.frames.capacity_frames(),
             dirty_pages: svm.dirty_pages,
             down: self.verdicts.locked().iter().map(|(p, i)| (p.clone(), *i)).collect(),
+            disk_failed: self
+                .store
+                .is_poisoned()
+                .then(|| "an fsync of its page store failed: its disk may have lost writes".to_string()),
             heard: self.with_heartbeats(|m| {
                 self.cfg
                     .all()

@@ -143,6 +143,8 @@ pub struct Heartbeat {
     /// The incarnation the sender last heard of every peer (the coordinator declares down the
     /// newest incarnation anyone heard).
     pub heard: Vec<(String, u64)>,
+    /// Why this node's page store failed (a failed fsync poisons it), if it did.
+    pub disk_failed: Option<String>,
 }
 
 /// State of one page of a `ReadPages` answer; its bytes are in the payload at `i * 4096`
@@ -285,11 +287,12 @@ pub enum PeerReq {
     Ckpt(psls_ckpt::Msg),
     /// Memory checkpoints' recovery copies (this node is the pages' `role` holder).
     Frames(FramesReq),
-    /// To the coordinator: take a persistent checkpoint of `job` over `files` now (answered
+    /// To the coordinator: take a checkpoint of `job` over `files` now at `level` (answered
     /// with `CkptDone` once it committed, or an error).
     CkptRun {
         job: String,
         files: Vec<FileId>,
+        level: psls_ckpt::msg::Level,
     },
     /// To the coordinator: a rank made its safe-point call (answered with `SafeDone` once
     /// every rank of its job did and the decision was carried out).

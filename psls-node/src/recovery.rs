@@ -327,10 +327,25 @@ async fn settle_memory(node: &Arc<Node>, job: &str, persistent: u64, fenced: u64
     Ok(target.max(persistent))
 }
 
+/// What `psls run --resume` did.
+pub enum Resumed {
+    /// The job runs again: the new start's spec, where its ranks run, the per-node placement
+    /// option and its events.
+    Running(
+        JobSpec,
+        crate::launcher::Owners,
+        Option<u32>,
+        tokio::sync::mpsc::UnboundedReceiver<crate::launcher::JobEvent>,
+    ),
+    /// The job had finished computing; its result, restored from checkpoint `from`, is now
+    /// written by persistent checkpoint `written`, and the job is over.
+    Written { from: u64, written: u64 },
+}
+
 /// `psls run --resume JOB` by `caller` (uid, gid) with the environment `env`: starts `job`
-/// again from its last committed checkpoint, on this node as its launcher. Returns the new
-/// start's spec, where its ranks run, the per-node placement option and its events.
-#[allow(clippy::type_complexity)]
+/// again from its last committed checkpoint, on this node as its launcher — or, for a job
+/// that finished computing but whose last persistent checkpoint failed, restores that result
+/// and writes it.
 pub async fn resume(
     node: &Arc<Node>,
     jobs: &Arc<crate::launcher::Jobs>,
@@ -338,15 +353,7 @@ pub async fn resume(
     job: &str,
     env: Vec<(String, String)>,
     caller: (u32, u32),
-) -> Result<
-    (
-        JobSpec,
-        crate::launcher::Owners,
-        Option<u32>,
-        tokio::sync::mpsc::UnboundedReceiver<crate::launcher::JobEvent>,
-    ),
-    OpError,
-> {
+) -> Result<Resumed, OpError> {
     let st = node.meta_state();
     let Some(rec) = st.jobs.get(job) else {
         return Err(OpError::new(
@@ -360,7 +367,7 @@ pub async fn resume(
             format!("job {job} was not started by psls run"),
         ));
     };
-    if rec.epoch == 0 {
+    if rec.epoch == 0 && !st.finished.contains_key(job) {
         return Err(OpError::new(
             ErrorKind::Invalid,
             format!("job {job} has no checkpoint to resume from"),
@@ -403,8 +410,30 @@ pub async fn resume(
         crate::launcher::restore_options(node, &mut spec, o);
     }
     let rx = crate::launcher::register(jobs, job);
+    let finished = st.finished.get(job).cloned();
+    let restored = roll_back(node, ckpt, jobs, &spec).await;
+    // A finished job whose result came back (its memory checkpoint, or a newer one): written,
+    // and the job is over. If both copies of some of its pages were lost, it went back further:
+    // its ranks run again from there, as for any resume.
+    if let (Some(fin), Ok(from)) = (&finished, &restored) {
+        if *from >= fin.epoch {
+            let from = *from;
+            let written = async {
+                let done = ckpt.checkpoint(job, fin.files.clone()).await?;
+                crate::launcher::drop_job_segments(node, job).await;
+                ckpt.end_job(job).await;
+                Ok::<_, OpError>(done.epoch)
+            }
+            .await;
+            crate::launcher::finished(node, jobs, job);
+            let written = written?;
+            tracing::warn!(node = %node.name(), job, from, written, "a finished job's result written");
+            return Ok(Resumed::Written { from, written });
+        }
+        tracing::warn!(node = %node.name(), job, from, result = fin.epoch, "a finished job's result was lost with two neighbouring nodes: its ranks run again");
+    }
     let started = async {
-        spec.restart_epoch = roll_back(node, ckpt, jobs, &spec).await?;
+        spec.restart_epoch = restored?;
         let op = psls_pfs::meta::MetaOp::StartJobWith {
             job: job.to_string(),
             spec: Box::new(crate::launcher::summary(&spec, sum.per_node, sum.starts + 1)),
@@ -417,7 +446,7 @@ pub async fn resume(
     match started {
         Ok(owners) => {
             tracing::warn!(node = %node.name(), job, epoch = spec.restart_epoch, "job resumed");
-            Ok((spec, owners, sum.per_node, rx))
+            Ok(Resumed::Running(spec, owners, sum.per_node, rx))
         }
         Err(e) => {
             crate::launcher::finished(node, jobs, job);

@@ -96,8 +96,8 @@ impl Replication {
         }
     }
 
-    /// The metadata's leader as this node knows it: itself while it leads an epoch a quorum
-    /// promised, else the claimer of the newest epoch it promised (none before any).
+    /// The metadata's leader as this node knows it: the claimer of the newest epoch it
+    /// promised (itself from its own claim on), none before any.
     pub fn leader(&self) -> Option<String> {
         self.leader.locked().clone()
     }
@@ -173,11 +173,14 @@ impl Replication {
             while let Some(a) = replica.poll_action() {
                 carry_out(&node, &voters, a).await;
             }
+            // The claimer of the newest epoch promised here: this node itself from its claim on
+            // (its followers may route to it as soon as they promise, before it has counted
+            // their promises), or the claimer this node promised.
             let leader = if replica.leading().is_some() {
                 Some(me)
             } else {
                 let p = replica.promised();
-                (p.n > 0 && p.by != me).then_some(p.by)
+                (p.n > 0).then_some(p.by)
             };
             let leader = leader.and_then(|v| voters.get(v as usize).cloned());
             let mut known = node.replication().leader.locked();

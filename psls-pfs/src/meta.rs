@@ -12,7 +12,8 @@
 //! initial node. Format 3 added per-page generations (`FileMeta::written`) and the jobs'
 //! checkpoint records (`jobs`); older records read with none. Format 4 added the jobs'
 //! checkpoint options (`job_options`); older records read with none (a resumed job then
-//! takes the defaults). Format 5 added the committed down verdicts (`down`); older records
+//! takes the defaults). Format 5 added the committed down verdicts (`down`) and the jobs that
+//! finished computing but whose last persistent checkpoint failed (`finished`); older records
 //! read with none. The replication vote (table
 //! `vote`, key `"vote"`, written in its own transaction): `[format version u16 LE = 2][postcard
 //! (promised epoch, accepted operation)]` (format 1, whose operations carry format-2 files,
@@ -47,6 +48,11 @@ const VOTE_FORMAT: u16 = 2;
 
 /// What a node promised and accepted in metadata replication.
 type Vote = (Epoch, Option<Accepted<MetaOp>>);
+
+/// Longest reason kept with a finished job, in bytes.
+pub const MAX_WHY_LEN: usize = 1024;
+/// Most files a finished job keeps.
+pub const MAX_FINISHED_FILES: usize = 4096;
 
 /// Longest accepted file name in bytes.
 pub const MAX_NAME_LEN: usize = 255;
@@ -87,6 +93,21 @@ pub struct MetaState {
     /// Every incarnation up to it is dead for good: its messages are dropped, it serves
     /// nothing, and it rejoins only as a newer one.
     pub down: BTreeMap<String, u64>,
+    /// Jobs whose ranks all exited 0 and whose result is in their last (memory) checkpoint,
+    /// but whose last persistent checkpoint failed (job → why): `psls run --resume` only has
+    /// to write it.
+    pub finished: BTreeMap<String, Finished>,
+}
+
+/// A job whose ranks all exited 0 but whose last persistent checkpoint failed.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Finished {
+    /// Why its last persistent checkpoint failed.
+    pub why: String,
+    /// The parallel files its ranks wrote (it keeps their writer claims until it is written).
+    pub files: Vec<FileId>,
+    /// The (memory) checkpoint that holds its result: a rollback to it restores the result.
+    pub epoch: u64,
 }
 
 /// Format 4 of [`MetaState`] (before `down`).
@@ -225,6 +246,14 @@ pub enum MetaOp {
         physical: String,
         incarnation: u64,
     },
+    /// Job `job`'s ranks all exited 0 and its last checkpoint holds their result, but its
+    /// last persistent checkpoint failed (`why`): it stays resumable, to be written.
+    JobFinished {
+        job: String,
+        why: String,
+        files: Vec<FileId>,
+        epoch: u64,
+    },
 }
 
 /// Format 1 of the operation in a vote record (files of format 2).
@@ -297,6 +326,10 @@ impl MetaOp {
                     && st.job_options.get(job) == Some(&**options)
             }
             MetaOp::DeclareDown { physical, incarnation } => st.is_down(physical, *incarnation),
+            MetaOp::JobFinished { job, why, files, epoch } => st
+                .finished
+                .get(job)
+                .is_some_and(|f| f.why == *why && f.files == *files && f.epoch == *epoch),
         }
     }
 }
@@ -430,12 +463,15 @@ impl MetaState {
             MetaOp::EndJob { job } => {
                 next.jobs.remove(job);
                 next.job_options.remove(job);
+                next.finished.remove(job);
                 for f in next.files.values_mut().filter(|f| f.written_by(job)) {
                     f.writer = None;
                 }
             }
             MetaOp::StartJob { job, spec } => crate::jobs::apply_start(&mut next.parts(), job, spec)?,
             MetaOp::StartJobWith { job, spec, options } => {
+                // A new start computes again: a finished result it had is not its any more.
+                next.finished.remove(job);
                 let mut options_of = std::mem::take(&mut next.job_options);
                 let r = crate::jobs::apply_start_with(&mut next.parts(), &mut options_of, job, spec, options);
                 next.job_options = options_of;
@@ -449,6 +485,38 @@ impl MetaState {
                 }
                 let d = next.down.entry(physical.clone()).or_insert(0);
                 *d = (*d).max(*incarnation);
+            }
+            MetaOp::JobFinished { job, why, files, epoch } => {
+                // Its result is in a memory checkpoint (which has no record): the job's record
+                // is what must exist.
+                if !next.jobs.contains_key(job) {
+                    return Err(MetaError::Invalid(format!("no job {job} to keep the result of")));
+                }
+                if why.len() > MAX_WHY_LEN || files.len() > MAX_FINISHED_FILES {
+                    return Err(MetaError::Invalid(format!(
+                        "a finished job keeps a reason of at most {MAX_WHY_LEN} bytes and at most {MAX_FINISHED_FILES} files"
+                    )));
+                }
+                // The job keeps writing its files until its result is written (a rank's late
+                // release of its own claim leaves this one).
+                for id in files {
+                    let Some(f) = next.files.values_mut().find(|f| f.id == *id) else {
+                        return Err(MetaError::Invalid(format!("no file with id {id}")));
+                    };
+                    match &mut f.writer {
+                        Some((w, _)) if w != job => {
+                            return Err(MetaError::Invalid(format!("'{}' is written by job {w} now", f.name)))
+                        }
+                        Some((_, n)) => *n = n.saturating_add(1),
+                        None => f.writer = Some((job.clone(), 1)),
+                    }
+                }
+                let kept = Finished {
+                    why: why.clone(),
+                    files: files.clone(),
+                    epoch: *epoch,
+                };
+                next.finished.insert(job.clone(), kept);
             }
             MetaOp::ClaimWriter { file, job } => {
                 crate::jobs::validate_job(job)?;
@@ -508,6 +576,7 @@ impl MetaState {
                     next_gen: old.next_gen,
                     job_options: old.job_options,
                     down: BTreeMap::new(),
+                    finished: BTreeMap::new(),
                 })
             }
             3 => {
@@ -523,6 +592,7 @@ impl MetaState {
                     next_gen: old.next_gen,
                     job_options: BTreeMap::new(),
                     down: BTreeMap::new(),
+                    finished: BTreeMap::new(),
                 })
             }
             2 => {
@@ -538,6 +608,7 @@ impl MetaState {
                     next_gen: 0,
                     job_options: BTreeMap::new(),
                     down: BTreeMap::new(),
+                    finished: BTreeMap::new(),
                 })
             }
             1 => {
@@ -553,6 +624,7 @@ impl MetaState {
                     next_gen: 0,
                     job_options: BTreeMap::new(),
                     down: BTreeMap::new(),
+                    finished: BTreeMap::new(),
                 })
             }
             v => Err(MetaError::Corrupt(format!("unknown metadata format version {v}"))),
@@ -1099,6 +1171,34 @@ mod tests {
             Some(MetaOp::CommitFile { meta, .. }) => assert_eq!((meta.id, meta.gen), (FileId(3), 4)),
             other => panic!("{other:?}"),
         }
+    }
+
+    /// A finished job's result is kept only with a checkpoint, with a bounded reason, and goes
+    /// with the job's end.
+    #[test]
+    fn a_finished_job_needs_a_checkpoint_and_goes_with_its_end() {
+        let mut s = MetaState::default();
+        let fin = |why: &str| MetaOp::JobFinished {
+            job: "j".into(),
+            why: why.into(),
+            files: Vec::new(),
+            epoch: 7,
+        };
+        assert!(s.apply(&fin("disk full")).is_err(), "no record");
+        s.apply(&MetaOp::BeginCheckpoint {
+            job: "j".into(),
+            epoch: 1,
+        })
+        .unwrap();
+        let before = s.clone();
+        assert!(s.apply(&fin(&"x".repeat(MAX_WHY_LEN + 1))).is_err());
+        assert_eq!(s, before);
+        assert!(!fin("disk full").reflected_in(&s));
+        s.apply(&fin("disk full")).unwrap();
+        assert!(fin("disk full").reflected_in(&s));
+        assert_eq!(MetaState::decode(&s.encode()).unwrap(), s);
+        s.apply(&MetaOp::EndJob { job: "j".into() }).unwrap();
+        assert!(s.finished.is_empty());
     }
 
     /// Down verdicts only grow, name a node and an incarnation, and cover every older

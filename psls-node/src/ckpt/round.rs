@@ -255,6 +255,11 @@ impl CkptShell {
     /// Takes a persistent checkpoint of `job` over `files` (through the coordinator); returns
     /// once it committed.
     pub async fn checkpoint(self: &Arc<Self>, job: &str, files: Vec<FileId>) -> Result<Done, OpError> {
+        self.checkpoint_at(job, files, Level::Persistent).await
+    }
+
+    /// A checkpoint of `job` over `files` at `level`, run by the coordinator.
+    pub async fn checkpoint_at(self: &Arc<Self>, job: &str, files: Vec<FileId>, level: Level) -> Result<Done, OpError> {
         psls_pfs::jobs::validate_job(job).map_err(OpError::from)?;
         if files.len() > MAX_CKPT_FILES {
             return Err(OpError::new(ErrorKind::Invalid, "too many files in one checkpoint"));
@@ -262,6 +267,7 @@ impl CkptShell {
         let req = PeerReq::CkptRun {
             job: job.to_string(),
             files,
+            level,
         };
         match self
             .call_coordinator(req, Duration::from_millis(ROUND_TIMEOUT_MS + 5000))
@@ -308,13 +314,16 @@ impl CkptShell {
     }
 
     /// At the coordinator: runs a round of `job` over `files` and answers when it is over.
-    pub async fn serve_run(self: &Arc<Self>, job: String, files: Vec<FileId>) -> Result<PeerResp, OpError> {
+    pub async fn serve_run(
+        self: &Arc<Self>,
+        job: String,
+        files: Vec<FileId>,
+        level: Level,
+    ) -> Result<PeerResp, OpError> {
         if !self.coordinating() {
             return Ok(PeerResp::NotCoordinator);
         }
-        let done = self
-            .run_round(job, files, Level::Persistent, SafeRound::default())
-            .await?;
+        let done = self.run_round(job, files, level, SafeRound::default()).await?;
         Ok(PeerResp::CkptDone {
             epoch: done.epoch,
             pages: done.pages,

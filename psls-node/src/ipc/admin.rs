@@ -145,6 +145,7 @@ pub fn status(node: &Node) -> ClusterStatus {
                 pre_recovery_frames: hb.as_ref().map_or(0, |h| h.frames.pre_recovery),
                 frame_capacity: hb.as_ref().map_or(0, |h| h.frame_capacity),
                 dirty_pages: hb.as_ref().map_or(0, |h| h.dirty_pages),
+                disk_failed: hb.as_ref().and_then(|h| h.disk_failed.clone()),
             }
         })
         .collect();

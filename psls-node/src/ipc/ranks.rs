@@ -80,7 +80,16 @@ pub(super) async fn handle(c: &mut Conn, req: Request, mut fds: Vec<OwnedFd>) ->
         Request::RunJob { env, checkpoint, .. } if !checkpoint.resume.is_empty() => {
             let job = checkpoint.resume;
             match crate::recovery::resume(&node, &d.jobs, &d.ckpt, &job, env, (caller.uid, caller.gid)).await {
-                Ok((spec, owners, per_node, rx)) => {
+                Ok(crate::recovery::Resumed::Written { from, written }) => {
+                    send(&mut c.w, &Response::JobStarted { job: job.clone() }).await?;
+                    let message = format!("job {job} had finished: its result, restored from checkpoint {from}, is written by checkpoint {written}");
+                    send(&mut c.w, &Response::JobNote { message }).await?;
+                    Response::JobDone {
+                        code: 0,
+                        message: format!("job {job} written"),
+                    }
+                }
+                Ok(crate::recovery::Resumed::Running(spec, owners, per_node, rx)) => {
                     send(&mut c.w, &Response::JobStarted { job: spec.job.clone() }).await?;
                     let message = format!("job {job} resumed from checkpoint {}", spec.restart_epoch);
                     send(&mut c.w, &Response::JobNote { message }).await?;
@@ -215,6 +224,7 @@ async fn jobs(d: &Arc<Daemon>) -> Result<Vec<psls_ipc::proto::JobInfo>, OpError>
             pre_recovery_frames: 0,
             persistent_epoch: rec.epoch,
             activity,
+            finished: st.finished.get(job).map(|f| f.why.clone()).unwrap_or_default(),
         };
         // A running job's later checkpoints, memory ones too, as its coordinator saw them.
         if let Some(l) = last.filter(|l| l.epoch >= rec.epoch) {
@@ -362,6 +372,86 @@ fn failed_nodes(
         .collect()
 }
 
+/// Every rank of `job` exited 0: a memory checkpoint keeps its result in the nodes' memories,
+/// then a last persistent checkpoint makes it durable and the job goes. If the persistent one
+/// fails, nothing finished is thrown away: the job stays resumable with the reason
+/// (`MetaOp::JobFinished`), and `psls run --resume` only has to write it. Returns the job's
+/// status and its last line.
+async fn end_finished(d: &Arc<Daemon>, job: &str, ranks: u32, pinned_persistent: bool) -> (i32, String) {
+    let node = &d.node;
+    let files = crate::launcher::job_files(node, job, true).await;
+    let done = format!("all {ranks} ranks exited with status 0");
+    let last = if files.is_empty() {
+        Ok(())
+    } else {
+        // Not when it does not fit (or fails): the persistent one is tried all the same. Not
+        // for a job pinned to persistent checkpoints (`--level persistent`).
+        let kept = if pinned_persistent {
+            Err(OpError::new(
+                ErrorKind::Invalid,
+                "the job takes persistent checkpoints only",
+            ))
+        } else {
+            d.ckpt
+                .checkpoint_at(job, files.clone(), psls_ckpt::msg::Level::Memory)
+                .await
+        };
+        if let Err(e) = &kept {
+            tracing::info!(node = %node.name(), job, error = %e, "no memory checkpoint of the finished job");
+        }
+        match d.ckpt.checkpoint(job, files.clone()).await {
+            Ok(_) => Ok(()),
+            Err(e) => Err((e, kept.ok().map(|k| k.epoch))),
+        }
+    };
+    match last {
+        Ok(()) => {
+            crate::launcher::drop_job_segments(node, job).await;
+            d.ckpt.end_job(job).await;
+            crate::launcher::finished(node, &d.jobs, job);
+            (0, done)
+        }
+        Err((e, Some(epoch))) => {
+            let why = format!("its last persistent checkpoint failed: {e}");
+            let op = psls_pfs::meta::MetaOp::JobFinished {
+                job: job.to_string(),
+                why: why.chars().take(psls_pfs::meta::MAX_WHY_LEN / 4).collect(),
+                files: files.clone(),
+                epoch,
+            };
+            // Not `finished`: the job's segments and recovery copies hold its result.
+            crate::launcher::unlaunched(&d.jobs, job);
+            match node.submit(op).await {
+                Ok(()) => {
+                    tracing::warn!(node = %node.name(), job, epoch, error = %e, "a finished job's last persistent checkpoint failed: kept, resumable");
+                    (
+                        crate::launcher::HALTED_STATUS,
+                        format!(
+                            "{done}, but {why}; the result is kept in memory checkpoint {epoch}: `psls run --resume {job}` writes it"
+                        ),
+                    )
+                }
+                Err(e2) => (1, format!("{done}, but {why}; keeping the result failed too: {e2}")),
+            }
+        }
+        Err((e, None)) => {
+            let resumable = node.meta_state().jobs.get(job).is_some_and(|r| r.epoch > 0);
+            crate::launcher::finished(node, &d.jobs, job);
+            if resumable {
+                // Its last checkpoint is from before the end: a resume runs the rest again.
+                (
+                    crate::launcher::HALTED_STATUS,
+                    format!("{done}, but the job's last checkpoint failed: {e}; `psls run --resume {job}` runs it again from its last checkpoint"),
+                )
+            } else {
+                crate::launcher::drop_job_segments(node, job).await;
+                d.ckpt.end_job(job).await;
+                (1, format!("{done}, but the job's last checkpoint failed: {e}"))
+            }
+        }
+    }
+}
+
 /// Relays a job's output to the CLI and ends with its status; kills the job if the CLI goes.
 /// A node with ranks that goes down rolls the job back and starts its ranks again (at most
 /// `max_restarts` times).
@@ -493,24 +583,8 @@ pub(super) async fn run_job(
         return Ok(());
     }
     if failed.is_none() && halted.is_none() {
-        // Every rank exited 0: a last checkpoint makes the job's writes durable before the
-        // answer, and its checkpoint area goes.
-        let files = crate::launcher::job_files(node, job, true).await;
-        let last = if files.is_empty() {
-            Ok(())
-        } else {
-            d.ckpt.checkpoint(job, files).await.map(|_| ())
-        };
-        crate::launcher::drop_job_segments(node, job).await;
-        d.ckpt.end_job(job).await;
-        crate::launcher::finished(node, &d.jobs, job);
-        let (code, message) = match last {
-            Ok(()) => (0, format!("all {ranks} ranks exited with status 0")),
-            Err(e) => (
-                1,
-                format!("all {ranks} ranks exited with status 0, but the job's last checkpoint failed: {e}"),
-            ),
-        };
+        let pinned = spec.level == psls_ckpt::msg::Choice::Persistent;
+        let (code, message) = end_finished(d, job, ranks, pinned).await;
         send(&mut w, &Response::JobDone { code, message }).await?;
         return Ok(());
     }

@@ -257,8 +257,14 @@ pub fn maybe_rebuild(node: &Arc<Node>) {
 /// At the coordinator: gives a logical id down longer than `replace_after_ms` to a free spare.
 pub async fn maybe_auto_replace(node: &Arc<Node>) {
     let after = node.cfg.cluster.replace_after_ms;
-    let downs = node.down_peers();
-    if after == 0 {
+    let mut downs = node.down_peers();
+    // A node whose disk failed is replaced at once, once declared down (it still heartbeats).
+    for p in node.disk_failed_peers() {
+        if node.is_declared_down(&p) {
+            downs.push((p, u64::MAX));
+        }
+    }
+    if after == 0 && downs.iter().all(|(_, d)| *d != u64::MAX) {
         return;
     }
     let st = node.meta_state();
@@ -267,7 +273,7 @@ pub async fn maybe_auto_replace(node: &Arc<Node>) {
     }
     let map = node.logical_map(&st);
     for (peer, down_for) in downs {
-        if down_for < after {
+        if down_for != u64::MAX && (after == 0 || down_for < after) {
             continue;
         }
         let Some((&logical, _)) = map.iter().find(|(_, p)| **p == peer) else {

@@ -1,0 +1,134 @@
+//! Nothing finished is lost (DESIGN §2a): a job whose ranks all exited 0 but whose last
+//! persistent checkpoint fails — here on a full disk, a small filesystem mounted under one
+//! node's page store — keeps its result in a memory checkpoint and stays resumable with the
+//! reason; once space is freed, `psls run --resume` only writes it, and the file on disk is
+//! the one an unfailed run leaves.
+
+use psls_tests::*;
+use std::process::{Command, Stdio};
+
+const FILE: &str = "mgs-1024x1024";
+
+/// A tmpfs of `size` mounted at `at` for the test's life (lazily unmounted at its end).
+struct Mount(std::path::PathBuf);
+
+impl Mount {
+    fn tmpfs(at: &std::path::Path, size: &str) -> Option<Mount> {
+        std::fs::create_dir_all(at).expect("mount point");
+        let ok = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .arg(at)
+            .status()
+            .is_ok_and(|s| s.success());
+        ok.then(|| Mount(at.to_path_buf()))
+    }
+
+    /// Fills the filesystem but for `leave` bytes.
+    fn fill(&self, leave: u64) {
+        let st = nix::sys::statvfs::statvfs(&self.0).expect("statvfs");
+        let free = st.blocks_available() * st.fragment_size();
+        let filler = vec![0xa5u8; free.saturating_sub(leave) as usize];
+        // A short write is fine: the disk is as full as it gets.
+        let _ = std::fs::write(self.0.join("filler"), &filler);
+    }
+
+    fn free(&self) {
+        std::fs::remove_file(self.0.join("filler")).expect("remove the filler");
+    }
+}
+
+impl Drop for Mount {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(&self.0).status();
+    }
+}
+
+fn mgs(c: &Cluster) -> std::process::Child {
+    let mgs = mgs_bin();
+    c.cmd(&[
+        "--node",
+        "n0",
+        "run",
+        "-n",
+        "4",
+        "--",
+        &mgs,
+        "--vectors",
+        "1024",
+        "--dim",
+        "1024",
+        "--no-baseline",
+        "--checkpoint-every",
+        "50",
+    ])
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .spawn()
+    .expect("psls run")
+}
+
+#[test]
+fn a_full_disk_at_a_jobs_last_checkpoint_keeps_its_result_and_resume_writes_it() {
+    let c = Cluster::init(4, 0, |_| {});
+    let cfg = c.config();
+    let pages = cfg.data_dir(cfg.entry("n2").expect("n2")).join("pages");
+    let Some(disk) = Mount::tmpfs(&pages, "64m") else {
+        eprintln!("skipped: cannot mount a small filesystem here (mount -t tmpfs needs root)");
+        return;
+    };
+    c.ok(&["cluster", "up"]);
+    // The unfailed run's result on disk, then the file goes: the next run makes it anew.
+    let (want_sum, _) = finish(mgs(&c), "the unfailed run");
+    let want = c.export(FILE, &[]);
+    c.ok(&["rm", FILE]);
+
+    let mut run = mgs(&c);
+    let (job, rest) = job_id(&mut run);
+    wait_first_checkpoint(&c, &job);
+    // n2's disk fills up: the job's memory checkpoints go on, its last persistent one fails.
+    disk.fill(16 * 1024);
+    let o = run.wait_with_output().expect("psls run");
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut { rest }, &mut err).expect("read");
+    let out = String::from_utf8_lossy(&o.stdout).to_string();
+    assert_eq!(o.status.code(), Some(75), "resumable, not failed:\n{out}\n{err}");
+    assert!(
+        out.contains(&want_sum),
+        "the ranks computed the unfailed result:\n{out}"
+    );
+    assert!(
+        err.contains("last persistent checkpoint failed") && err.contains("psls run --resume"),
+        "{err}"
+    );
+    let entry = c.job_entry(&job);
+    assert_eq!(entry["state"], "resumable", "{entry}");
+    let why = entry["finished"].as_str().unwrap_or_default().to_string();
+    assert!(why.contains("space") || why.contains("No space"), "the reason: {entry}");
+    assert!(c.ok(&["jobs"]).contains("finished computing, but"));
+
+    // Space freed: the resume only writes the result (no rank runs again).
+    disk.free();
+    let resumed = c
+        .cmd(&["--node", "n1", "run", "--resume", &job])
+        .output()
+        .expect("psls run --resume");
+    let said = String::from_utf8_lossy(&resumed.stderr).to_string();
+    assert!(resumed.status.success(), "{said}");
+    assert!(said.contains("had finished") && said.contains("written"), "{said}");
+    assert!(
+        !String::from_utf8_lossy(&resumed.stdout).contains("\"bench\":\"mgs\""),
+        "no rank ran again"
+    );
+    assert_same(&c.export(FILE, &[]), &want, "the result written by the resume");
+    assert!(!c.ok(&["jobs"]).contains(&job), "the job is over");
+    // And the cluster goes on (once the heartbeats carry n2's freed space).
+    wait_for(std::time::Duration::from_secs(30), "n2's free space in its heartbeats", || {
+        c.status()
+            .nodes
+            .iter()
+            .any(|n| n.name == "n2" && n.disk_free_bytes > 32 << 20)
+    });
+    let (again, _) = finish(mgs(&c), "a job after the resume");
+    assert_eq!(again, want_sum);
+    c.ok(&["cluster", "down"]);
+}
