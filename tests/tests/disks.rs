@@ -1,11 +1,13 @@
-//! Nothing finished is lost (DESIGN §2a): a job whose ranks all exited 0 but whose last
-//! persistent checkpoint fails — here on a full disk, a small filesystem mounted under one
-//! node's page store — keeps its result in a memory checkpoint and stays resumable with the
-//! reason; once space is freed, `psls run --resume` only writes it, and the file on disk is
-//! the one an unfailed run leaves.
+//! Failing disks. Nothing finished is lost (DESIGN §2a): a job whose ranks all exited 0 but
+//! whose last persistent checkpoint fails — here on a full disk, a small filesystem mounted
+//! under one node's page store — keeps its result in a memory checkpoint and stays resumable
+//! with the reason; once space is freed, `psls run --resume` only writes it, and the file on
+//! disk is the one an unfailed run leaves. And a node whose disk fails an fsync is failed for
+//! good: it says so, the spare takes its place, and the job completes.
 
 use psls_tests::*;
 use std::process::{Command, Stdio};
+use std::time::Duration;
 
 const FILE: &str = "mgs-1024x1024";
 
@@ -44,13 +46,14 @@ impl Drop for Mount {
 }
 
 fn mgs(c: &Cluster) -> std::process::Child {
+    mgs_with(c, &[])
+}
+
+fn mgs_with(c: &Cluster, options: &[&str]) -> std::process::Child {
     let mgs = mgs_bin();
-    c.cmd(&[
-        "--node",
-        "n0",
-        "run",
-        "-n",
-        "4",
+    let mut args = vec!["--node", "n0", "run", "-n", "4"];
+    args.extend(options);
+    args.extend([
         "--",
         &mgs,
         "--vectors",
@@ -60,11 +63,12 @@ fn mgs(c: &Cluster) -> std::process::Child {
         "--no-baseline",
         "--checkpoint-every",
         "50",
-    ])
-    .stdout(Stdio::piped())
-    .stderr(Stdio::piped())
-    .spawn()
-    .expect("psls run")
+    ]);
+    c.cmd(&args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("psls run")
 }
 
 #[test]
@@ -122,7 +126,7 @@ fn a_full_disk_at_a_jobs_last_checkpoint_keeps_its_result_and_resume_writes_it()
     assert_same(&c.export(FILE, &[]), &want, "the result written by the resume");
     assert!(!c.ok(&["jobs"]).contains(&job), "the job is over");
     // And the cluster goes on (once the heartbeats carry n2's freed space).
-    wait_for(std::time::Duration::from_secs(30), "n2's free space in its heartbeats", || {
+    wait_for(Duration::from_secs(30), "n2's free space in its heartbeats", || {
         c.status()
             .nodes
             .iter()
@@ -131,4 +135,49 @@ fn a_full_disk_at_a_jobs_last_checkpoint_keeps_its_result_and_resume_writes_it()
     let (again, _) = finish(mgs(&c), "a job after the resume");
     assert_eq!(again, want_sum);
     c.ok(&["cluster", "down"]);
+}
+
+#[test]
+fn a_node_whose_fsync_fails_is_replaced_by_the_spare_and_the_job_completes() {
+    let mut c = Cluster::init(4, 1, |_| {});
+    c.env.push(("PSLS_FAULT_DISK".into(), "1".into()));
+    c.ok(&["cluster", "up"]);
+    let (want, _) = finish(mgs(&c), "the unfailed run");
+    let cfg = c.config();
+    let n2_dir = cfg.data_dir(cfg.entry("n2").expect("n2"));
+    let pid = c.pid("n2");
+    // Persistent checkpoints: each one fsyncs every node's page store.
+    let mut run = mgs_with(&c, &["--level", "persistent"]);
+    let (job, rest) = job_id(&mut run);
+    wait_first_checkpoint(&c, &job);
+    // From now on every fsync of n2's page store fails (the fault disk's trigger).
+    std::fs::write(n2_dir.join("fail-sync"), b"").expect("trigger");
+    let mut said = None;
+    wait_for(Duration::from_secs(60), "n2 reporting its failed disk", || {
+        said = c
+            .status()
+            .nodes
+            .iter()
+            .find(|n| n.name == "n2")
+            .and_then(|n| n.disk_failed.clone());
+        said.is_some()
+    });
+    let (got, err) = finish_rest(run, rest, "a failed fsync on n2");
+    assert_eq!(got, want, "the job's result with n2's disk failed\n{err}");
+    assert!(err.contains("rolling job"), "the job rolled back: {err}");
+    // The spare holds n2's logical id; n2 stopped instead of rejoining.
+    let st = c.status();
+    let s0 = st.nodes.iter().find(|n| n.name == "s0").expect("s0");
+    assert_eq!(s0.logical, Some(2), "{st:?}");
+    assert!(
+        psls_client::cluster::wait_gone(pid, Duration::from_secs(10)),
+        "n2 stopped"
+    );
+    assert!(c.log("n2").contains("fenced with a failed disk"), "{}", c.log("n2"));
+    let text = c.ok(&["cluster", "status"]);
+    assert!(text.contains("disk failed"), "{text}");
+    eprintln!("n2 said: {}", said.unwrap_or_default());
+    // The cluster goes on without it.
+    let (again, _) = finish(mgs(&c), "a job after the replacement");
+    assert_eq!(again, want);
 }
