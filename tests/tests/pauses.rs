@@ -22,8 +22,14 @@ const ARGS: [&str; 7] = [
 ];
 
 fn start_mgs(c: &Cluster, launcher: &str) -> Child {
+    start_mgs_with(c, launcher, &[])
+}
+
+fn start_mgs_with(c: &Cluster, launcher: &str, options: &[&str]) -> Child {
     let mgs = mgs_bin();
-    let mut args = vec!["--node", launcher, "run", "-n", "4", "--", mgs.as_str()];
+    let mut args = vec!["--node", launcher, "run", "-n", "4"];
+    args.extend(options);
+    args.extend(["--", mgs.as_str()]);
     args.extend(ARGS);
     c.cmd(&args)
         .stdout(Stdio::piped())
@@ -55,17 +61,71 @@ fn coordinator(c: &Cluster, asked: &str) -> String {
     st.coordinator.unwrap_or_default()
 }
 
+/// Seconds since midnight UTC of a log line's timestamp (`2026-11-25T22:14:24.752882Z ...`).
+fn log_secs(line: &str) -> Option<f64> {
+    let t = line.split('T').nth(1)?.split('Z').next()?;
+    let mut parts = t.split(':');
+    let h: f64 = parts.next()?.parse().ok()?;
+    let m: f64 = parts.next()?.parse().ok()?;
+    let s: f64 = parts.next()?.parse().ok()?;
+    Some(h * 3600.0 + m * 60.0 + s)
+}
+
+/// Seconds since midnight UTC now.
+fn now_secs() -> f64 {
+    let d = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("clock");
+    (d.as_secs_f64()) % 86400.0
+}
+
+/// How long after `since` (seconds of the day) the coordinator committed `victim`'s verdict,
+/// from its log.
+fn verdict_after(c: &Cluster, victim: &str, since: f64) -> Option<f64> {
+    let tag = format!("peer={victim} ");
+    ["n0", "n1", "n2", "n3"]
+        .iter()
+        .flat_map(|n| c.log(n).lines().map(str::to_string).collect::<Vec<_>>())
+        .filter(|l| l.contains("node declared down (committed)") && l.contains(&tag))
+        .filter_map(|l| log_secs(&l))
+        .filter(|t| *t >= since)
+        .map(|t| t - since)
+        .reduce(f64::min)
+}
+
 /// Pauses `victim` for `pause` during an MGS job launched through `launcher`; checks the job's
 /// checksum, the victim's new incarnation, and that a job runs right after. Returns the time
 /// from SIGCONT to the new incarnation being seen up.
 fn pause_during_job(c: &Cluster, victim: &str, launcher: &str, pause: Duration, want: &str) -> Duration {
-    let what = format!("{victim} paused for {pause:?} (launcher {launcher})");
+    pause_during(c, victim, launcher, pause, want, &[], false)
+}
+
+/// [`pause_during_job`] with `psls run` `options`; with `in_checkpoint`, the pause starts
+/// while the coordinator shows a checkpoint writing its pages.
+fn pause_during(
+    c: &Cluster,
+    victim: &str,
+    launcher: &str,
+    pause: Duration,
+    want: &str,
+    options: &[&str],
+    in_checkpoint: bool,
+) -> Duration {
+    let what = format!("{victim} paused for {pause:?} (launcher {launcher}, {options:?})");
     let before = incarnation(c, launcher, victim);
     assert!(before > 0, "{what}: {victim} is not up before the pause");
-    let mut job = start_mgs(c, launcher);
+    let mut job = start_mgs_with(c, launcher, options);
     let (id, rest) = job_id(&mut job);
     wait_first_checkpoint(c, &id);
+    if in_checkpoint {
+        wait_for(Duration::from_secs(60), "a checkpoint writing its pages", || {
+            c.job_entry(&id)["activity"]
+                .as_str()
+                .is_some_and(|a| a.contains("writing pages"))
+        });
+    }
     let pid = c.pid(victim);
+    let stopped = now_secs();
     signal(pid, nix::sys::signal::Signal::SIGSTOP);
     std::thread::sleep(pause);
     signal(pid, nix::sys::signal::Signal::SIGCONT);
@@ -89,8 +149,11 @@ fn pause_during_job(c: &Cluster, victim: &str, launcher: &str, pause: Duration, 
     let t = Instant::now();
     let (again, _) = finish(start_mgs(c, launcher), &format!("{what}: the next job"));
     assert_eq!(again, want, "{what}: the next job");
+    let verdict = verdict_after(c, victim, stopped);
+    assert!(verdict.is_some(), "{what}: no committed verdict in the logs");
     eprintln!(
-        "{what}: back as a new incarnation {back:?} after SIGCONT; next job took {:?}",
+        "{what}: verdict {:.3} s after SIGSTOP; back as a new incarnation {back:?} after SIGCONT; next job took {:?}",
+        verdict.unwrap_or_default(),
         t.elapsed()
     );
     back
@@ -111,4 +174,7 @@ fn a_paused_node_and_a_paused_coordinator_are_fenced_and_the_job_completes() {
     let back = pause_during_job(&c, &coord, launcher, 2 * timeout, &want);
     assert!(back <= 2 * timeout, "{coord} came back {back:?} after SIGCONT");
     assert_ne!(coordinator(&c, launcher), "", "a coordinator again");
+    // A node in the middle of a persistent checkpoint's writes.
+    let back = pause_during(&c, "n3", "n1", 2 * timeout, &want, &["--level", "persistent"], true);
+    assert!(back <= 2 * timeout, "n3 came back {back:?} after SIGCONT");
 }
