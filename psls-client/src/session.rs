@@ -596,8 +596,11 @@ fn watchdog(mut life: Conn, closed: Arc<AtomicBool>) {
                 .to_string()
         }
     };
-    eprintln!("{message}");
-    let _ = std::io::stderr().flush();
+    // Written without std's stderr lock: a thread blocked in a fault that will never be served
+    // may hold it (a print of mapped memory faults while it holds the lock).
+    let line = format!("{message}\n");
+    // SAFETY: write(2) of a live buffer to descriptor 2; a short or failed write is ignored.
+    unsafe { libc::write(2, line.as_ptr().cast(), line.len()) };
     // SAFETY: _exit ends the process at once, without running anything else: other threads
     // may be blocked in faults that will never be served.
     unsafe { libc::_exit(70) };

@@ -359,6 +359,32 @@ pub async fn spawn_all(node: &Arc<Node>, spec: &JobSpec, per_node: Option<u32>) 
     Ok(by_node)
 }
 
+/// A `Spawn` runs what the job's record in the metadata says, under the uid and gid it names
+/// (set by the launcher from its caller's credentials): a peer's word alone starts nothing,
+/// and no certificate makes a node root on the others.
+fn check_spawn(node: &Node, spec: &JobSpec) -> Result<(), OpError> {
+    let st = node.meta_state();
+    let Some(sum) = st.jobs.get(&spec.job).and_then(|r| r.spec.as_ref()) else {
+        return Err(OpError::new(
+            ErrorKind::Permission,
+            format!("job {} has no record: its ranks are not started", spec.job),
+        ));
+    };
+    let same = sum.uid == spec.uid
+        && sum.gid == spec.gid
+        && sum.program == spec.program
+        && sum.args == spec.args
+        && sum.cwd == spec.cwd
+        && sum.ranks == spec.size;
+    if !same {
+        return Err(OpError::new(
+            ErrorKind::Permission,
+            format!("job {}: what to start differs from the job's record", spec.job),
+        ));
+    }
+    Ok(())
+}
+
 /// Stops every rank of `job` on every node.
 pub async fn kill_everywhere(node: &Arc<Node>, job: &str) {
     let st = node.meta_state();
@@ -567,7 +593,10 @@ pub fn spawn_local(node: &Arc<Node>, jobs: &Arc<Jobs>, spec: JobSpec, ranks: Vec
 /// Answers the launcher-related peer messages.
 pub fn serve(node: &Arc<Node>, jobs: &Arc<Jobs>, req: PeerReq) -> Result<PeerResp, OpError> {
     match req {
-        PeerReq::Spawn { spec, ranks } => spawn_local(node, jobs, spec, ranks).map(|()| PeerResp::Ok),
+        PeerReq::Spawn { spec, ranks } => {
+            check_spawn(node, &spec)?;
+            spawn_local(node, jobs, spec, ranks).map(|()| PeerResp::Ok)
+        }
         PeerReq::RankOutput { job, rank, err, data } => {
             event(jobs, &job, JobEvent::Output { rank, err, data }).map(|()| PeerResp::Ok)
         }

@@ -215,6 +215,57 @@ impl Cluster {
         }
     }
 
+    /// Processes started by this cluster's daemons (ranks and what they started) still alive:
+    /// (pid, command line). They carry the cluster's socket in `PSLS_SOCKET`.
+    pub fn ranks_left(&self) -> Vec<(i32, String)> {
+        let mine = format!("PSLS_SOCKET={}", self.dir.display());
+        let mut left = Vec::new();
+        let Ok(procs) = std::fs::read_dir("/proc") else {
+            return left;
+        };
+        for p in procs.filter_map(Result::ok) {
+            let Some(pid) = p.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
+                continue;
+            };
+            let Ok(env) = std::fs::read(p.path().join("environ")) else {
+                continue;
+            };
+            if !env.split(|&b| b == 0).any(|v| v.starts_with(mine.as_bytes())) {
+                continue;
+            }
+            // A zombie has ended.
+            let stat = std::fs::read_to_string(p.path().join("stat")).unwrap_or_default();
+            if stat.rsplit(')').next().is_some_and(|s| s.trim_start().starts_with('Z')) {
+                continue;
+            }
+            let cmd = std::fs::read(p.path().join("cmdline")).unwrap_or_default();
+            let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
+            // The CLI itself (psls run) carries no PSLS_SOCKET; daemons neither.
+            left.push((pid, cmd));
+        }
+        left
+    }
+
+    /// No process of a rank of this cluster outlives its job: checked within 5 s (a rank whose
+    /// daemon died ends at once by its lifeline; one of a fenced node is killed). Those left
+    /// are killed, then the test fails.
+    pub fn assert_no_rank_left(&self, what: &str) {
+        let t = Instant::now();
+        loop {
+            let left = self.ranks_left();
+            if left.is_empty() {
+                return;
+            }
+            if t.elapsed() > Duration::from_secs(5) {
+                for (pid, _) in &left {
+                    let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(*pid), nix::sys::signal::Signal::SIGKILL);
+                }
+                panic!("{what}: ranks outlived their job: {left:?}");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
     /// Waits until `node` is seen in `state` by the answering daemon.
     pub fn wait_state(&self, node: &str, state: &str) {
         let t = Instant::now();

@@ -163,6 +163,7 @@ fn a_node_whose_fsync_fails_is_replaced_by_the_spare_and_the_job_completes() {
         said.is_some()
     });
     let (got, err) = finish_rest(run, rest, "a failed fsync on n2");
+    c.assert_no_rank_left("a failed fsync on n2");
     assert_eq!(got, want, "the job's result with n2's disk failed\n{err}");
     assert!(err.contains("rolling job"), "the job rolled back: {err}");
     // The spare holds n2's logical id; n2 stopped instead of rejoining.

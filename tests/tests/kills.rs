@@ -119,6 +119,7 @@ fn run_through(c: &Cluster, mut ch: Child, dir: &std::path::Path, on_pause: &mut
     let out = String::from_utf8_lossy(&o.stdout).into_owned();
     let err = err.join().expect("stderr reader");
     assert!(o.status.success(), "job failed ({}):\n{out}\n{err}", o.status);
+    c.assert_no_rank_left("after the job");
     (out, err)
 }
 

@@ -126,6 +126,7 @@ fn a_kill_rolls_back_to_the_memory_checkpoint_and_two_neighbours_killed_to_the_p
         c.ok(&["cluster", "up"]);
         let what = format!("{victims:?} killed after memory checkpoint {memory}");
         let (got, err) = finish_rest(run, rest, &what);
+        c.assert_no_rank_left(&what);
         assert_eq!(got, want, "{what}\n{err}");
         let from = restarted_from(&err);
         if neighbours {
@@ -262,6 +263,7 @@ fn mgs_completes_under_every_cleaning_policy_with_a_failure_after_a_cleaner_and_
         std::thread::sleep(Duration::from_millis(300));
         c.ok(&["cluster", "up"]);
         let (got, err) = finish_rest(run, rest, &what);
+        c.assert_no_rank_left(&what);
         assert_eq!(got, want, "{what}\n{err}");
         assert!(err.contains("restarted from checkpoint"), "{what}\n{err}");
         // Every node answered the prefetch; the survivors held MGS's vectors, and loaded all

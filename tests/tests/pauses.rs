@@ -144,6 +144,7 @@ fn pause_during(
     };
     assert_eq!(c.pid(victim), pid, "{what}: the daemon re-executes itself in place");
     let (got, err) = finish_rest(job, rest, &what);
+    c.assert_no_rank_left(&what);
     assert_eq!(got, want, "{what}: checksum differs from the unfailed run's\n{err}");
     // The cluster serves the next job at once, with no restart by hand.
     let t = Instant::now();

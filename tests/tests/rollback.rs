@@ -120,6 +120,7 @@ fn mgs_survives_kill_9_of_any_node_at_random_moments_with_the_checksum_of_an_unf
         std::thread::sleep(Duration::from_millis(500 + rng.below(1500)));
         c.ok(&["cluster", "up"]);
         let (got, err) = finish_rest(job, rest, &what);
+        c.assert_no_rank_left(&what);
         assert_eq!(got, want, "{what}: checksum differs from the unfailed run's\n{err}");
         if err.contains("restarted from") {
             rolled_back += 1;
