@@ -10,6 +10,8 @@ if ! { ldconfig -p 2>/dev/null | grep -qE 'libclang(-[0-9.]+)?\.so'; } && ! ls /
 fi
 command -v cc >/dev/null 2>&1 || need+=(gcc)
 command -v pkg-config >/dev/null 2>&1 || need+=(pkg-config)
+# ip and tc: the partition tests run the daemons in network namespaces and cut their links.
+{ command -v ip && command -v tc; } >/dev/null 2>&1 || need+=(iproute2)
 # DejaVu Sans: the text of the paper's figures (bench/src/bin/figures.rs).
 [ -f /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf ] || need+=(fonts-dejavu-core)
 if [ ${#need[@]} -gt 0 ]; then
