@@ -110,6 +110,15 @@ pub fn disrupt_during_job(
     assert!(before > 0, "{what}: {victim} is not up before");
     let mut job = start_mgs(c, launcher, options);
     let (id, rest) = job_id(&mut job);
+    // The job's notes as they come, with when they came.
+    let notes = std::thread::spawn(move || {
+        use std::io::BufRead;
+        let mut seen = Vec::new();
+        for line in rest.lines().map_while(Result::ok) {
+            seen.push((Instant::now(), line));
+        }
+        seen
+    });
     wait_first_checkpoint(c, &id);
     if in_checkpoint {
         wait_for(Duration::from_secs(60), "a checkpoint writing its pages", || {
@@ -134,7 +143,15 @@ pub fn disrupt_during_job(
         );
         std::thread::sleep(Duration::from_millis(50));
     };
-    let (got, err) = finish_rest(job, rest, &what);
+    let notes = notes.join().expect("notes");
+    let text: String = notes.iter().map(|(_, l)| format!("{l}\n")).collect();
+    let (got, err) = finish_rest(job, std::io::Cursor::new(text), &what);
+    // The ranks ran again once the launcher said the job restarted, after the heal.
+    let running = notes
+        .iter()
+        .find(|(t, l)| *t >= healed && l.contains("restarted from"))
+        .map(|(t, _)| t.duration_since(healed))
+        .unwrap_or_else(|| panic!("{what}: the job never restarted after the heal:\n{err}"));
     assert_eq!(got, want, "{what}: checksum differs from the unfailed run's\n{err}");
     c.assert_no_rank_left(&what);
     let verdict =
@@ -144,7 +161,7 @@ pub fn disrupt_during_job(
     let (again, _) = finish(start_mgs(c, launcher, &[]), &format!("{what}: the next job"));
     assert_eq!(again, want, "{what}: the next job");
     eprintln!(
-        "{what}: verdict {verdict:.3} s after the start; back as a new incarnation {back:?} after the end; next job took {:?}",
+        "{what}: verdict {verdict:.3} s after the start; back as a new incarnation {back:?} and ranks running again {running:?} after the end; next job took {:?}",
         t.elapsed()
     );
     (verdict, back)
