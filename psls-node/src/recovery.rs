@@ -332,7 +332,7 @@ pub enum Resumed {
     /// The job runs again: the new start's spec, where its ranks run, the per-node placement
     /// option and its events.
     Running(
-        JobSpec,
+        Box<JobSpec>,
         crate::launcher::Owners,
         Option<u32>,
         tokio::sync::mpsc::UnboundedReceiver<crate::launcher::JobEvent>,
@@ -446,7 +446,7 @@ pub async fn resume(
     match started {
         Ok(owners) => {
             tracing::warn!(node = %node.name(), job, epoch = spec.restart_epoch, "job resumed");
-            Ok(Resumed::Running(spec, owners, sum.per_node, rx))
+            Ok(Resumed::Running(Box::new(spec), owners, sum.per_node, rx))
         }
         Err(e) => {
             crate::launcher::finished(node, jobs, job);

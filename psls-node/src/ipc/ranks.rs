@@ -94,7 +94,7 @@ pub(super) async fn handle(c: &mut Conn, req: Request, mut fds: Vec<OwnedFd>) ->
                     let message = format!("job {job} resumed from checkpoint {}", spec.restart_epoch);
                     send(&mut c.w, &Response::JobNote { message }).await?;
                     return Ok(Flow::Job {
-                        spec,
+                        spec: *spec,
                         per_node,
                         owners,
                         rx,
