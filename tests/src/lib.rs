@@ -489,6 +489,32 @@ pub fn mgs_bin() -> String {
     bin_dir().join("mgs").display().to_string()
 }
 
+/// MGS 1024² with a safe-point call every 50 vectors: the job the failure tests run.
+pub const MGS_ARGS: [&str; 7] = [
+    "--vectors",
+    "1024",
+    "--dim",
+    "1024",
+    "--no-baseline",
+    "--checkpoint-every",
+    "50",
+];
+
+/// Starts [`MGS_ARGS`] as a 4-rank `psls run` job through `launcher` with `options`, its
+/// output piped.
+pub fn start_mgs_job(c: &Cluster, launcher: &str, options: &[&str]) -> std::process::Child {
+    let mgs = mgs_bin();
+    let mut args = vec!["--node", launcher, "run", "-n", "4"];
+    args.extend(options);
+    args.extend(["--", mgs.as_str()]);
+    args.extend(MGS_ARGS);
+    c.cmd(&args)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("psls run")
+}
+
 /// Waits for an MGS job; returns its checksum and what it said on stderr.
 pub fn finish(ch: std::process::Child, what: &str) -> (String, String) {
     let (j, err) = finish_json(ch, what);

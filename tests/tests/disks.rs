@@ -6,7 +6,7 @@
 //! good: it says so, the spare takes its place, and the job completes.
 
 use psls_tests::*;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::Duration;
 
 const FILE: &str = "mgs-1024x1024";
@@ -50,25 +50,7 @@ fn mgs(c: &Cluster) -> std::process::Child {
 }
 
 fn mgs_with(c: &Cluster, options: &[&str]) -> std::process::Child {
-    let mgs = mgs_bin();
-    let mut args = vec!["--node", "n0", "run", "-n", "4"];
-    args.extend(options);
-    args.extend([
-        "--",
-        &mgs,
-        "--vectors",
-        "1024",
-        "--dim",
-        "1024",
-        "--no-baseline",
-        "--checkpoint-every",
-        "50",
-    ]);
-    c.cmd(&args)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("psls run")
+    start_mgs_job(c, "n0", options)
 }
 
 #[test]

@@ -4,30 +4,11 @@
 //! committed its verdict, no rank outlived the job, and the next job runs at once.
 
 use psls_tests::*;
-use std::process::{Child, Stdio};
+use std::process::Child;
 use std::time::{Duration, Instant};
 
-const ARGS: [&str; 7] = [
-    "--vectors",
-    "1024",
-    "--dim",
-    "1024",
-    "--no-baseline",
-    "--checkpoint-every",
-    "50",
-];
-
 pub fn start_mgs(c: &Cluster, launcher: &str, options: &[&str]) -> Child {
-    let mgs = mgs_bin();
-    let mut args = vec!["--node", launcher, "run", "-n", "4"];
-    args.extend(options);
-    args.extend(["--", mgs.as_str()]);
-    args.extend(ARGS);
-    c.cmd(&args)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("psls run")
+    start_mgs_job(c, launcher, options)
 }
 
 /// An unfailed run's checksum (and stderr), launched through `launcher`.
