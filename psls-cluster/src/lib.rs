@@ -11,6 +11,8 @@
 //!   operation is never lost while a majority of the nodes' disks survive.
 //! - [`sync`]: named barriers and locks at the coordinator, and each node's table of ranks
 //!   waiting for their answers.
+//! - [`verdicts`]: which peers the coordinator declares down, which senders every node drops,
+//!   when a node fences itself, and who coordinates (the metadata's leader holding its lease).
 //! - [`write`]: the two-phase write of page copies before a commit record (imports, repairs,
 //!   rebuilds).
 //!
@@ -27,4 +29,5 @@
 pub mod membership;
 pub mod meta;
 pub mod sync;
+pub mod verdicts;
 pub mod write;

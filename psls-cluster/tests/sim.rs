@@ -8,17 +8,27 @@
 //! of the coordinator too, of two nodes at once, in the middle of an election or a proposal.
 //! A crashed node loses every action it had not carried out and its in-flight messages may or
 //! may not arrive (a dead link drops its queue); it restarts from what it made durable, with a
-//! new incarnation. The shell here does what `psls-node` does: persist before anything later,
-//! send, answer.
+//! new incarnation. Nodes also *pause* (a VM stall, swapping, a debugger: no tick, no
+//! heartbeat, nothing received, for up to three failure timeouts) and wake with all their old
+//! state, the messages sent to them meanwhile arriving then; and links are *cut*, one way or
+//! both, for up to four timeouts (everything sent on them is lost). The coordinator declares
+//! silent peers down with committed operations ([`Verdicts`]); every receiver drops messages
+//! from a declared incarnation; a node that learns its verdict (from its metadata or a
+//! heartbeat) rejoins at once as a new incarnation from its disk. The shell here does what
+//! `psls-node` does: persist before anything later, send, answer; claim by
+//! [`verdicts::should_claim`] (lease included), declare by [`Verdicts::poll_declarations`].
 //!
 //! After every step it checks: two nodes never hold different committed states for the same
 //! sequence number (and histories are prefixes of each other); a node's committed sequence
 //! number never goes back, not even across a restart; an operation answered `Ok(seq)` is the
 //! `seq`-th operation of every committed history; at most one node coordinates an epoch;
-//! what a live node must have on disk is on disk; every submission is answered at most once.
+//! what a live node must have on disk is on disk; every submission is answered at most once;
+//! no node takes a message from an incarnation its committed metadata declared down; no
+//! operation is acknowledged by an incarnation that a committed state up to it declared down
+//! (a fenced coordinator commits nothing).
 //! At the end it stops the chaos, restarts every node and checks liveness: one coordinator,
 //! every node at the same committed state, a new operation committed, every submission to a
-//! node that did not crash answered.
+//! node that did not crash answered, no node fenced.
 //!
 //! `PSLS_SIM_SEED=N` runs one seed (with `PSLS_SIM_TRACE=1`, every event); `PSLS_SIM_SEEDS=N`
 //! runs N seeds from 0. A failing seed prints itself.
@@ -27,24 +37,38 @@ mod common;
 
 use psls_cluster::membership::Membership;
 use psls_cluster::meta::{Action, Durable, Epoch, Msg, ReplError, Replica, Replicated};
+use psls_cluster::verdicts::{self, Verdicts};
 use psls_svm::rng::SplitMix64;
 use std::collections::{BTreeMap, BTreeSet};
 
-/// A log of numbers; odd numbers above 1000 are refused (so rejections happen).
+/// An operation: a number (odd numbers above 1000 are refused, so rejections happen), or a
+/// down verdict on a node's incarnation (as `MetaOp::DeclareDown`).
+#[derive(Clone, Debug, PartialEq)]
+enum Op {
+    Num(u64),
+    Down(String, u64),
+}
+
+/// A log of operations, and the verdicts they committed.
 #[derive(Clone, Debug, Default, PartialEq)]
-struct Log(Vec<u64>);
+struct Log(Vec<Op>, BTreeMap<String, u64>);
 
 impl Replicated for Log {
-    type Op = u64;
+    type Op = Op;
     type Error = String;
     fn seq(&self) -> u64 {
         self.0.len() as u64
     }
-    fn apply(&mut self, op: &u64) -> Result<(), String> {
-        if *op > 1000 && op % 2 == 1 {
-            return Err(format!("{op} refused"));
+    fn apply(&mut self, op: &Op) -> Result<(), String> {
+        match op {
+            Op::Num(n) if *n > 1000 && n % 2 == 1 => return Err(format!("{n} refused")),
+            Op::Num(_) => {}
+            Op::Down(p, inc) => {
+                let e = self.1.entry(p.clone()).or_insert(0);
+                *e = (*e).max(*inc);
+            }
         }
-        self.0.push(*op);
+        self.0.push(op.clone());
         Ok(())
     }
 }
@@ -54,7 +78,12 @@ const TIMEOUT_MS: u64 = 1000;
 const STEPS: usize = 1500;
 
 enum Wire {
-    Heartbeat { incarnation: u64, seq: u64 },
+    Heartbeat {
+        incarnation: u64,
+        seq: u64,
+        down: Vec<(String, u64)>,
+        heard: Vec<(String, u64)>,
+    },
     Meta(Msg<Log>),
 }
 
@@ -72,6 +101,9 @@ struct Node {
     replica: Replica<Log, u64>,
     disk: Durable<Log>,
     members: Membership<()>,
+    verdicts: Verdicts,
+    /// Paused (stopped, state kept) until then.
+    paused_until_ms: u64,
     next_heartbeat_ms: u64,
     restart_at_ms: u64,
     /// Highest committed sequence number this node ever held (memory or disk).
@@ -91,7 +123,17 @@ struct World {
     /// Epoch → the node that led it.
     leaders: BTreeMap<Epoch, u32>,
     /// Token → (node it was submitted to, that node's incarnation, op, answered).
-    tokens: BTreeMap<u64, (u32, u64, u64, bool)>,
+    tokens: BTreeMap<u64, (u32, u64, Op, bool)>,
+    /// Tokens of down verdicts: token → the peer declared.
+    declaring: BTreeMap<u64, String>,
+    /// Directed links cut until then: everything sent on them is lost.
+    cut_until_ms: BTreeMap<(u32, u32), u64>,
+    verdicts_committed: u64,
+    /// Metadata messages dropped because their sender's incarnation was declared down.
+    fenced_drops: u64,
+    fences: u64,
+    pauses: u64,
+    cuts: u64,
     next_token: u64,
     /// Directed links that delay every message past the failure timeout until then: the
     /// receiver declares a live sender down.
@@ -127,6 +169,8 @@ impl World {
                 replica: Replica::new(i, n, empty()),
                 disk: empty(),
                 members: Membership::new((0..n).filter(|&j| j != i).map(name), TIMEOUT_MS, 0),
+                verdicts: Verdicts::new(name(i), 1),
+                paused_until_ms: 0,
                 next_heartbeat_ms: 0,
                 restart_at_ms: 0,
                 high_seq: 0,
@@ -142,6 +186,13 @@ impl World {
             chosen: BTreeMap::new(),
             leaders: BTreeMap::new(),
             tokens: BTreeMap::new(),
+            declaring: BTreeMap::new(),
+            cut_until_ms: BTreeMap::new(),
+            verdicts_committed: 0,
+            fenced_drops: 0,
+            fences: 0,
+            pauses: 0,
+            cuts: 0,
             next_token: 0,
             slow_until_ms: BTreeMap::new(),
             dual_leader_steps: 0,
@@ -169,6 +220,41 @@ impl World {
         }
     }
 
+    /// Sends on the link `from` → `to`, unless it is cut.
+    fn send(&mut self, chaos: bool, from: u32, from_inc: u64, to: u32, wire: Wire) {
+        if chaos && self.cut_until_ms.get(&(from, to)).is_some_and(|&t| t > self.now_ms) {
+            return;
+        }
+        let at_ms = self.now_ms + self.delay_ms(chaos, from, to);
+        self.net.push(InFlight {
+            at_ms,
+            from,
+            from_inc,
+            to,
+            wire,
+        });
+    }
+
+    /// What the daemon does at every install: reads the committed verdicts, and fences itself
+    /// (rejoins from its disk as a new incarnation) when one names this incarnation.
+    fn install_verdicts(&mut self, i: u32) {
+        let node = &mut self.nodes[i as usize];
+        let down = node.replica.committed().1.clone();
+        node.verdicts.handle_committed(&down);
+        self.maybe_fence(i);
+    }
+
+    fn maybe_fence(&mut self, i: u32) {
+        if let Some(f) = self.nodes[i as usize].verdicts.poll_fence() {
+            if self.trace {
+                eprintln!("{} FENCE v{i}: {f:?}", self.now_ms);
+            }
+            self.fences += 1;
+            self.crash(i);
+            self.restart(i);
+        }
+    }
+
     /// Carries out node `i`'s actions in order, as the daemon does.
     fn run_actions(&mut self, i: u32, chaos: bool) {
         for _ in 0..100_000 {
@@ -177,6 +263,7 @@ impl World {
                 if node.replica.durable() != node.disk.clone().normalized() {
                     self.fail(format!("v{i} changed durable state without asking to persist it"));
                 }
+                self.install_verdicts(i);
                 return;
             };
             match a {
@@ -196,15 +283,8 @@ impl World {
                     if self.trace {
                         eprintln!("{} v{i} -> v{to}: {msg:?}", self.now_ms);
                     }
-                    let at_ms = self.now_ms + self.delay_ms(chaos, i, to);
                     let from_inc = self.nodes[i as usize].incarnation;
-                    self.net.push(InFlight {
-                        at_ms,
-                        from: i,
-                        from_inc,
-                        to,
-                        wire: Wire::Meta(msg),
-                    });
+                    self.send(chaos, i, from_inc, to, Wire::Meta(msg));
                 }
                 Action::Done { token, result } => {
                     if self.trace {
@@ -217,7 +297,13 @@ impl World {
                         self.fail(format!("submission {token} answered twice"));
                     }
                     t.3 = true;
-                    let op = t.2;
+                    let op = t.2.clone();
+                    if let Some(peer) = self.declaring.remove(&token) {
+                        self.nodes[i as usize].verdicts.handle_declared(&peer);
+                        if result.is_ok() {
+                            self.verdicts_committed += 1;
+                        }
+                    }
                     match result {
                         Ok(seq) => {
                             self.committed_ops += 1;
@@ -228,7 +314,13 @@ impl World {
                             };
                             if s.0.get(seq as usize - 1) != Some(&op) {
                                 self.fail(format!(
-                                    "submission {token} ({op}) acknowledged at seq {seq} holding {s:?}"
+                                    "submission {token} ({op:?}) acknowledged at seq {seq} holding {s:?}"
+                                ));
+                            }
+                            let inc = self.nodes[i as usize].incarnation;
+                            if s.1.get(&name(i)).is_some_and(|&d| d >= inc) {
+                                self.fail(format!(
+                                    "v{i} (incarnation {inc}) acknowledged seq {seq} after its verdict: {s:?}"
                                 ));
                             }
                             // Answered only once every node it takes as live has it.
@@ -248,8 +340,8 @@ impl World {
                         }
                         Err(ReplError::Rejected(_)) => {
                             self.rejected += 1;
-                            if !(op > 1000 && op % 2 == 1) {
-                                self.fail(format!("valid op {op} rejected"));
+                            if !matches!(op, Op::Num(n) if n > 1000 && n % 2 == 1) {
+                                self.fail(format!("valid op {op:?} rejected"));
                             }
                         }
                         Err(ReplError::Interrupted) => self.interrupted += 1,
@@ -326,9 +418,19 @@ impl World {
             .collect()
     }
 
-    fn coordinator_in_view(&self, i: u32) -> bool {
+    /// The daemon's claim rule ([`verdicts::should_claim`]).
+    fn coordinator_in_view(&self, i: u32, lease: bool) -> bool {
         let node = &self.nodes[i as usize];
-        (0..i).all(|j| !node.members.is_live(self.now_ms, &name(j)))
+        let names: Vec<String> = (0..self.n())
+            .filter(|&j| j == i || node.members.is_live(self.now_ms, &name(j)))
+            .map(name)
+            .collect();
+        verdicts::should_claim(
+            &name(i),
+            node.verdicts.is_fenced(),
+            lease,
+            names.iter().map(String::as_str),
+        )
     }
 
     fn crash(&mut self, i: u32) {
@@ -362,10 +464,13 @@ impl World {
         node.incarnation += 1;
         node.replica = Replica::new(i, n, node.disk.clone());
         node.members = Membership::new((0..n).filter(|&j| j != i).map(name), TIMEOUT_MS, now_ms);
+        node.verdicts = Verdicts::new(name(i), node.incarnation);
+        node.paused_until_ms = 0;
         node.next_heartbeat_ms = now_ms;
+        self.install_verdicts(i);
     }
 
-    fn deliver(&mut self, m: InFlight, chaos: bool) {
+    fn deliver(&mut self, mut m: InFlight, chaos: bool) {
         let to = m.to as usize;
         if !self.nodes[to].up {
             return;
@@ -374,13 +479,50 @@ impl World {
         if self.nodes[m.from as usize].incarnation != m.from_inc {
             return;
         }
+        // A paused receiver takes its messages when it wakes (they wait in its socket), while
+        // it already runs its own ticks.
+        if self.nodes[to].paused_until_ms > self.now_ms {
+            m.at_ms = self.nodes[to].paused_until_ms + self.rng.below(150);
+            self.net.push(m);
+            return;
+        }
+        let from = name(m.from);
         match m.wire {
-            Wire::Heartbeat { incarnation, seq } => {
+            Wire::Heartbeat {
+                incarnation,
+                seq,
+                down,
+                heard,
+            } => {
                 let now_ms = self.now_ms;
-                self.nodes[to].members.heard(now_ms, &name(m.from), incarnation, ());
-                self.nodes[to].replica.peer_seq(m.from, seq);
+                let node = &mut self.nodes[to];
+                let down = down.iter().map(|(p, d)| (p.as_str(), *d));
+                let heard = heard.iter().map(|(p, i)| (p.as_str(), *i));
+                if node.verdicts.handle_heartbeat(&from, incarnation, down, heard) {
+                    node.members.heard(now_ms, &from, incarnation, ());
+                    node.replica.peer_seq(m.from, seq);
+                }
+                self.maybe_fence(m.to);
+                if !self.nodes[to].up {
+                    return;
+                }
             }
             Wire::Meta(msg) => {
+                let node = &self.nodes[to];
+                if !node.verdicts.accepts(&from, m.from_inc) {
+                    if self.trace {
+                        eprintln!("{} v{} drops from fenced v{}: {msg:?}", self.now_ms, m.to, m.from);
+                    }
+                    self.fenced_drops += 1;
+                    return;
+                }
+                // Checked apart from the machine: the committed metadata's own verdicts.
+                if node.replica.committed().1.get(&from).is_some_and(|&d| d >= m.from_inc) {
+                    self.fail(format!(
+                        "v{} took a message from v{} incarnation {}, declared down",
+                        m.to, m.from, m.from_inc
+                    ));
+                }
                 if self.trace {
                     eprintln!("{} v{} <- v{}: {msg:?}", self.now_ms, m.to, m.from);
                 }
@@ -414,35 +556,79 @@ impl World {
             if !self.nodes[i as usize].up {
                 if chaos && now_ms >= self.nodes[i as usize].restart_at_ms {
                     self.restart(i);
+                    if !self.nodes[i as usize].up {
+                        continue;
+                    }
                 } else {
                     continue;
                 }
             }
+            if self.nodes[i as usize].paused_until_ms > now_ms {
+                continue;
+            }
             if now_ms >= self.nodes[i as usize].next_heartbeat_ms {
                 self.nodes[i as usize].next_heartbeat_ms = now_ms + HEARTBEAT_MS;
-                let (inc, seq) = (
-                    self.nodes[i as usize].incarnation,
-                    self.nodes[i as usize].replica.committed().seq(),
-                );
+                let node = &self.nodes[i as usize];
+                let (inc, seq) = (node.incarnation, node.replica.committed().seq());
+                let down: Vec<(String, u64)> = node.verdicts.committed().iter().map(|(p, d)| (p.clone(), *d)).collect();
+                let heard: Vec<(String, u64)> = (0..self.n())
+                    .filter_map(|j| {
+                        node.members
+                            .view(&name(j))
+                            .and_then(|v| v.incarnation)
+                            .map(|x| (name(j), x))
+                    })
+                    .collect();
                 for j in 0..self.n() {
                     if j != i {
-                        let at_ms = now_ms + self.delay_ms(chaos, i, j);
-                        self.net.push(InFlight {
-                            at_ms,
-                            from: i,
-                            from_inc: inc,
-                            to: j,
-                            wire: Wire::Heartbeat { incarnation: inc, seq },
-                        });
+                        let wire = Wire::Heartbeat {
+                            incarnation: inc,
+                            seq,
+                            down: down.clone(),
+                            heard: heard.clone(),
+                        };
+                        self.send(chaos, i, inc, j, wire);
                     }
                 }
             }
-            let coord = self.coordinator_in_view(i);
+            // The daemon's tick: the detector (its stall hysteresis), the lease, the claim.
+            let silent = self.nodes[i as usize].members.tick(now_ms);
+            let lease = self.nodes[i as usize].members.lease_held(now_ms);
+            let coord = self.coordinator_in_view(i, lease);
             let live = self.live_in_view(i);
             self.nodes[i as usize].replica.set_live(live.iter().copied());
             self.nodes[i as usize].live_view = live;
             self.nodes[i as usize].replica.tick(now_ms, coord);
             self.run_actions(i, chaos);
+            if !self.nodes[i as usize].up {
+                continue;
+            }
+            // The coordinator turns silences past the timeout into verdicts.
+            let node = &mut self.nodes[i as usize];
+            let coordinating = node.replica.leading().is_some() && lease;
+            let suspects: Vec<(String, u64)> = silent
+                .into_iter()
+                .map(|(p, _)| {
+                    let inc = node.members.view(&p).and_then(|v| v.incarnation).unwrap_or(0);
+                    (p, inc)
+                })
+                .collect();
+            for (peer, inc) in node.verdicts.poll_declarations(coordinating, suspects) {
+                if self.trace {
+                    eprintln!("{now_ms} v{i} declares {peer} incarnation {inc} down");
+                }
+                let token = self.next_token;
+                self.next_token += 1;
+                let op = Op::Down(peer.clone(), inc);
+                self.tokens
+                    .insert(token, (i, self.nodes[i as usize].incarnation, op.clone(), false));
+                self.declaring.insert(token, peer);
+                self.nodes[i as usize].replica.submit(token, op);
+                self.run_actions(i, chaos);
+                if !self.nodes[i as usize].up {
+                    break;
+                }
+            }
         }
         if chaos {
             // A slow link: one node, or a pair both ways, stops hearing another in time.
@@ -458,6 +644,48 @@ impl World {
                         self.slow_until_ms.insert((b, a), until_ms);
                     }
                 }
+            }
+            // A pause: the process stops, state kept, for up to three failure timeouts.
+            if self.rng.chance(10) {
+                let i = self.rng.below(self.n() as u64) as u32;
+                if self.nodes[i as usize].up && self.nodes[i as usize].paused_until_ms <= now_ms {
+                    let until_ms = now_ms + 200 + self.rng.below(3 * TIMEOUT_MS);
+                    if self.trace {
+                        eprintln!("{now_ms} PAUSE v{i} until {until_ms}");
+                    }
+                    self.nodes[i as usize].paused_until_ms = until_ms;
+                    self.pauses += 1;
+                }
+            }
+            // A cut link, one way or both: what is sent on it is lost.
+            if self.rng.chance(10) {
+                let (a, b) = (
+                    self.rng.below(self.n() as u64) as u32,
+                    self.rng.below(self.n() as u64) as u32,
+                );
+                if a != b {
+                    let until_ms = now_ms + 300 + self.rng.below(4 * TIMEOUT_MS);
+                    self.cut_until_ms.insert((a, b), until_ms);
+                    if self.rng.chance(500) {
+                        self.cut_until_ms.insert((b, a), until_ms);
+                    }
+                    self.cuts += 1;
+                }
+            }
+            // A node cut off from every other, both ways (the coordinator half the time).
+            if self.rng.chance(3) {
+                let leader = (0..self.n())
+                    .find(|&i| self.nodes[i as usize].up && self.nodes[i as usize].replica.leading().is_some());
+                let a = match leader {
+                    Some(l) if self.rng.chance(500) => l,
+                    _ => self.rng.below(self.n() as u64) as u32,
+                };
+                let until_ms = now_ms + 500 + self.rng.below(3 * TIMEOUT_MS);
+                for b in (0..self.n()).filter(|&b| b != a) {
+                    self.cut_until_ms.insert((a, b), until_ms);
+                    self.cut_until_ms.insert((b, a), until_ms);
+                }
+                self.cuts += 1;
             }
             if self.rng.chance(8) {
                 let i = self.rng.below(self.n() as u64) as u32;
@@ -497,34 +725,50 @@ impl World {
         } else {
             self.rng.below(self.n() as u64) as u32
         };
-        if !self.nodes[i as usize].up {
+        if !self.nodes[i as usize].up || self.nodes[i as usize].paused_until_ms > self.now_ms {
             return;
         }
-        let op = if self.rng.chance(100) {
+        let op = Op::Num(if self.rng.chance(100) {
             1001 + 2 * self.rng.below(100)
         } else {
             self.rng.below(1000)
-        };
+        });
         let token = self.next_token;
         self.next_token += 1;
         self.tokens
-            .insert(token, (i, self.nodes[i as usize].incarnation, op, false));
+            .insert(token, (i, self.nodes[i as usize].incarnation, op.clone(), false));
         self.nodes[i as usize].replica.submit(token, op);
         self.run_actions(i, true);
     }
 }
 
-fn run_seed(seed: u64) -> (u64, u64, u64, u64) {
+/// What a seed did.
+#[derive(Default)]
+struct Counts {
+    committed: u64,
+    rejected: u64,
+    interrupted: u64,
+    dual: u64,
+    verdicts: u64,
+    fenced_drops: u64,
+    fences: u64,
+    pauses: u64,
+    cuts: u64,
+}
+
+fn run_seed(seed: u64) -> Counts {
     let mut w = World::new(seed);
     for _ in 0..STEPS {
         w.step(true);
     }
-    // Calm: every node back, no more crashes or long delays.
+    // Calm: every node back and awake, no more crashes, cuts or long delays.
     for i in 0..w.n() {
+        w.nodes[i as usize].paused_until_ms = 0;
         if !w.nodes[i as usize].up {
             w.restart(i);
         }
     }
+    w.cut_until_ms.clear();
     let calm_from_ms = w.now_ms;
     let mut settled = false;
     for _ in 0..2000 {
@@ -552,9 +796,9 @@ fn run_seed(seed: u64) -> (u64, u64, u64, u64) {
     let token = w.next_token;
     w.next_token += 1;
     w.tokens
-        .insert(token, (leader, w.nodes[leader as usize].incarnation, 7, false));
+        .insert(token, (leader, w.nodes[leader as usize].incarnation, Op::Num(7), false));
     let target = w.nodes[leader as usize].replica.committed().seq() + 1;
-    w.nodes[leader as usize].replica.submit(token, 7);
+    w.nodes[leader as usize].replica.submit(token, Op::Num(7));
     w.run_actions(leader, false);
     for _ in 0..500 {
         w.step(false);
@@ -571,24 +815,42 @@ fn run_seed(seed: u64) -> (u64, u64, u64, u64) {
             w.fail(format!("submission {token} to v{i} was never answered"));
         }
     }
-    (w.committed_ops, w.rejected, w.interrupted, w.dual_leader_steps)
+    Counts {
+        committed: w.committed_ops,
+        rejected: w.rejected,
+        interrupted: w.interrupted,
+        dual: w.dual_leader_steps,
+        verdicts: w.verdicts_committed,
+        fenced_drops: w.fenced_drops,
+        fences: w.fences,
+        pauses: w.pauses,
+        cuts: w.cuts,
+    }
 }
 
 #[test]
 fn random_schedules_keep_the_metadata_agreed_and_durable() {
     let seeds = common::seeds(3000);
     let count = seeds.end - seeds.start;
-    let (mut ok, mut rejected, mut interrupted, mut dual) = (0, 0, 0, 0);
+    let mut t = Counts::default();
     for seed in seeds {
-        let (o, r, i, d) = run_seed(seed);
-        ok += o;
-        rejected += r;
-        interrupted += i;
-        dual += d;
+        let c = run_seed(seed);
+        t.committed += c.committed;
+        t.rejected += c.rejected;
+        t.interrupted += c.interrupted;
+        t.dual += c.dual;
+        t.verdicts += c.verdicts;
+        t.fenced_drops += c.fenced_drops;
+        t.fences += c.fences;
+        t.pauses += c.pauses;
+        t.cuts += c.cuts;
     }
+    let (ok, rejected, interrupted, dual) = (t.committed, t.rejected, t.interrupted, t.dual);
     eprintln!(
         "{count} seeds: {ok} operations committed, {rejected} rejected, {interrupted} interrupted, \
-         {dual} steps with two coordinators"
+         {dual} steps with two coordinators; {} pauses, {} cut links, {} down verdicts committed, \
+         {} nodes fenced themselves, {} messages of fenced incarnations dropped",
+        t.pauses, t.cuts, t.verdicts, t.fences, t.fenced_drops
     );
     if count >= 100 {
         // The schedules must do real work and really exercise the failure paths.
@@ -599,5 +861,15 @@ fn random_schedules_keep_the_metadata_agreed_and_durable() {
             "no operation was ever interrupted by a coordinator change"
         );
         assert!(dual > 0, "two nodes never believed they coordinated at once");
+        assert!(
+            t.verdicts > count,
+            "only {} down verdicts over {count} seeds",
+            t.verdicts
+        );
+        assert!(t.fences > count, "only {} fenced nodes over {count} seeds", t.fences);
+        assert!(
+            t.fenced_drops > 0,
+            "no message of a fenced incarnation was ever dropped"
+        );
     }
 }

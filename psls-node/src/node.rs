@@ -26,6 +26,7 @@ use crate::peer::{BadCopy, Heartbeat, PageState, PeerReq, PeerResp};
 use crate::transport::{Handler, NetError, Transport};
 use psls_cluster::membership::{Liveness, Membership};
 use psls_cluster::meta::ReplError;
+use psls_cluster::verdicts::{self, Verdicts};
 use psls_ipc::proto::NodeState;
 use psls_ipc::{ClusterConfig, ErrorKind, NodeEntry};
 use psls_pfs::meta::{MetaOp, MetaState, MetaStore};
@@ -88,13 +89,10 @@ pub struct Node {
     /// Message link round trips under way (`LinkPing` id → its waiter).
     pub link_pings: Mutex<HashMap<u64, tokio::sync::oneshot::Sender<usize>>>,
     pub next_link_ping: AtomicU64,
-    /// Committed down verdicts (physical → highest incarnation declared down), copied from
-    /// the metadata at every install (every message asks).
-    verdicts: Mutex<BTreeMap<String, u64>>,
-    /// The incarnation other nodes' heartbeats say they heard of each peer.
-    reported: Mutex<BTreeMap<String, u64>>,
-    /// Verdicts submitted by this node and not yet answered.
-    declaring: Mutex<std::collections::BTreeSet<String>>,
+    /// The verdict book (a pure machine): committed verdicts, copied from the metadata at
+    /// every install (every message asks), what peers heard, declarations under way, and this
+    /// incarnation's own fence.
+    verdicts: Mutex<Verdicts>,
     /// What fencing this incarnation does (set at start-up): stop its ranks, rejoin anew.
     fencer: OnceLock<Fencer>,
     fencing: AtomicBool,
@@ -120,6 +118,7 @@ impl Node {
         let voters = cfg.all().map(|n| n.name.clone()).collect();
         let placement = Placement::new(cfg.nodes.len() as u32).expect("validated config has >= 2 nodes");
         let capacity_frames = me.memory_mb * (1024 * 1024 / PAGE_SIZE as u64);
+        let verdicts = Verdicts::new(me.name.clone(), incarnation);
         Node {
             request_timeout: Duration::from_millis(cfg.cluster.request_timeout_ms),
             cfg,
@@ -147,9 +146,7 @@ impl Node {
             beat: OnceLock::new(),
             link_pings: Mutex::new(HashMap::new()),
             next_link_ping: AtomicU64::new(0),
-            verdicts: Mutex::new(BTreeMap::new()),
-            reported: Mutex::new(BTreeMap::new()),
-            declaring: Mutex::new(Default::default()),
+            verdicts: Mutex::new(verdicts),
             fencer: OnceLock::new(),
             fencing: AtomicBool::new(false),
         }
@@ -252,9 +249,7 @@ impl Node {
     /// local view of who is alive.
     pub fn coordinator_now(&self) -> Option<(u32, String)> {
         let leader = self.replication.leader()?;
-        if leader == self.me.name && !self.holds_lease() {
-            return None;
-        }
+        let leader = verdicts::coordinator(&self.me.name, Some(&leader), self.holds_lease())?.to_string();
         let m = self.meta.locked();
         let l = self
             .logical_map(m.state())
@@ -268,12 +263,12 @@ impl Node {
     /// its lease and is the lowest logical id the failure detector hears (an impression: the
     /// epochs make a wrong one safe).
     pub fn should_lead(&self) -> bool {
-        if self.fencing.load(Ordering::Relaxed) || !self.holds_lease() {
-            return false;
-        }
+        let fencing = self.fencing.load(Ordering::Relaxed);
+        let lease = self.holds_lease();
         let m = self.meta.locked();
-        let first = self.logical_map(m.state()).into_values().find(|p| self.is_reachable(p));
-        first.as_deref() == Some(self.me.name.as_str())
+        let map = self.logical_map(m.state());
+        let reachable = map.values().filter(|p| self.is_reachable(p)).map(String::as_str);
+        verdicts::should_claim(&self.me.name, fencing, lease, reachable)
     }
 
     /// Whether this node heard a majority of the cluster within the failure timeout (or has
@@ -316,7 +311,7 @@ impl Node {
     /// Whether a message of incarnation `incarnation` of `physical` must be dropped: that
     /// incarnation was declared down.
     pub fn fenced_sender(&self, physical: &str, incarnation: u64) -> bool {
-        self.verdicts.locked().get(physical).is_some_and(|&d| d >= incarnation)
+        !self.verdicts.locked().accepts(physical, incarnation)
     }
 
     /// Live: reachable and not declared down — what requests are routed by. A node that is
@@ -354,11 +349,21 @@ impl Node {
     /// Copies the committed verdicts from the metadata; fences this node if one names it.
     pub fn refresh_verdicts(&self) {
         let down = self.meta.locked().state().down.clone();
-        let mine = down.get(&self.me.name).copied();
-        *self.verdicts.locked() = down;
-        if let Some(d) = mine.filter(|&d| d >= self.incarnation) {
-            self.fence_self("the cluster declared this incarnation down (committed verdict)", d);
-        }
+        let fence = {
+            let mut v = self.verdicts.locked();
+            v.handle_committed(&down);
+            v.poll_fence()
+        };
+        self.carry_out_fence(fence);
+    }
+
+    fn carry_out_fence(&self, fence: Option<verdicts::Fence>) {
+        let Some(f) = fence else { return };
+        let why = match &f.told_by {
+            None => "the cluster declared this incarnation down (committed verdict)".to_string(),
+            Some(peer) => format!("{peer} says the cluster declared this incarnation down"),
+        };
+        self.fence_self(&why, f.declared);
     }
 
     /// This incarnation must not go on: stop its ranks and rejoin as a new incarnation with
@@ -402,13 +407,15 @@ impl Node {
         // down too (a spare then takes its logical id: `pfs::maybe_auto_replace`).
         let disk_failed = self.disk_failed_peers();
         let silent = self.down_peers().into_iter().map(|(p, _)| p);
-        for peer in silent.chain(disk_failed) {
-            let inc = self
-                .heard_incarnation(&peer)
-                .max(self.reported.locked().get(&peer).copied().unwrap_or(0));
-            if inc == 0 || self.fenced_sender(&peer, inc) || !self.declaring.locked().insert(peer.clone()) {
-                continue;
-            }
+        let suspects: Vec<(String, u64)> = silent
+            .chain(disk_failed)
+            .map(|p| {
+                let inc = self.heard_incarnation(&p);
+                (p, inc)
+            })
+            .collect();
+        let declarations = self.verdicts.locked().poll_declarations(true, suspects);
+        for (peer, inc) in declarations {
             let me = self.clone();
             tokio::spawn(async move {
                 let op = MetaOp::DeclareDown {
@@ -423,7 +430,7 @@ impl Node {
                         tracing::warn!(node = %me.me.name, peer = %peer, incarnation = inc, error = %e, "down verdict not committed")
                     }
                 }
-                me.declaring.locked().remove(&peer);
+                me.verdicts.locked().handle_declared(&peer);
             });
         }
     }
@@ -509,7 +516,13 @@ impl Node {
             frames: self.frames.counts(),
             frame_capacity: self.frames.capacity_frames(),
             dirty_pages: svm.dirty_pages,
-            down: self.verdicts.locked().iter().map(|(p, i)| (p.clone(), *i)).collect(),
+            down: self
+                .verdicts
+                .locked()
+                .committed()
+                .iter()
+                .map(|(p, i)| (p.clone(), *i))
+                .collect(),
             disk_failed: self
                 .store
                 .is_poisoned()
@@ -687,25 +700,19 @@ impl Node {
     pub(crate) fn heard(&self, peer: &str, hb: Heartbeat) {
         let now_ms = self.now_ms();
         let seq = hb.meta_seq;
-        if let Some(&(_, d)) = hb
-            .down
-            .iter()
-            .find(|(p, d)| *p == self.me.name && *d >= self.incarnation)
-        {
-            // The sender's committed metadata declared this incarnation down.
-            self.fence_self(&format!("{peer} says the cluster declared this incarnation down"), d);
-        }
-        if self.fenced_sender(peer, hb.incarnation) {
+        let (taken, fence) = {
+            let mut v = self.verdicts.locked();
+            let down = hb.down.iter().map(|(p, d)| (p.as_str(), *d));
+            let heard = hb.heard.iter().map(|(p, i)| (p.as_str(), *i));
+            let taken = v.handle_heartbeat(peer, hb.incarnation, down, heard);
+            (taken, v.poll_fence())
+        };
+        // The sender's committed metadata declared this incarnation down.
+        self.carry_out_fence(fence);
+        if !taken {
             // An incarnation declared down is not heard: it may not look live again (it is
             // answered, and learns its verdict from the answer).
             return;
-        }
-        {
-            let mut r = self.reported.locked();
-            for (p, i) in &hb.heard {
-                let e = r.entry(p.clone()).or_insert(0);
-                *e = (*e).max(*i);
-            }
         }
         let restarted = self.members.locked().heard(now_ms, peer, hb.incarnation, hb);
         self.replication.peer_seq(peer, seq);
