@@ -80,8 +80,9 @@ pub struct Replication {
     voters: Vec<String>,
     tx: mpsc::Sender<Input>,
     rx: Mutex<Option<mpsc::Receiver<Input>>>,
-    /// The leader as this node knows it (published after every input).
-    leader: Mutex<Option<String>>,
+    /// The leader as this node knows it, with its epoch's number (published after every
+    /// input).
+    leader: Mutex<Option<(String, u64)>>,
 }
 
 impl Replication {
@@ -99,6 +100,11 @@ impl Replication {
     /// The metadata's leader as this node knows it: the claimer of the newest epoch it
     /// promised (itself from its own claim on), none before any.
     pub fn leader(&self) -> Option<String> {
+        self.leader.locked().as_ref().map(|(l, _)| l.clone())
+    }
+
+    /// [`Replication::leader`] with the number of the epoch it leads.
+    pub fn leader_epoch(&self) -> Option<(String, u64)> {
         self.leader.locked().clone()
     }
 
@@ -176,13 +182,14 @@ impl Replication {
             // The claimer of the newest epoch promised here: this node itself from its claim on
             // (its followers may route to it as soon as they promise, before it has counted
             // their promises), or the claimer this node promised.
-            let leader = if replica.leading().is_some() {
-                Some(me)
-            } else {
-                let p = replica.promised();
-                (p.n > 0).then_some(p.by)
+            let leader = match replica.leading() {
+                Some(e) => Some((me, e.n)),
+                None => {
+                    let p = replica.promised();
+                    (p.n > 0).then_some((p.by, p.n))
+                }
             };
-            let leader = leader.and_then(|v| voters.get(v as usize).cloned());
+            let leader = leader.and_then(|(v, n)| voters.get(v as usize).map(|l| (l.clone(), n)));
             let mut known = node.replication().leader.locked();
             if *known != leader {
                 tracing::info!(node = %node.name(), leader = ?leader, epoch = ?replica.promised(), "metadata leader");

@@ -141,8 +141,9 @@ impl Waits {
     }
 }
 
-/// The coordinator's side: the barrier and lock state, and which coordinator this node last
-/// saw (when it becomes coordinator, it starts afresh and waits for the nodes' reports).
+/// The coordinator's side: the barrier and lock state, and the identity of the coordinator
+/// this node last saw (when it becomes coordinator under a new identity, it starts afresh and
+/// waits for the nodes' reports).
 #[derive(Default)]
 pub struct SyncSide {
     coord_seen: Option<String>,
@@ -150,8 +151,11 @@ pub struct SyncSide {
 }
 
 /// The coordinator as a rank's call addresses it: its name, and an identity that changes when
-/// it restarts (`name#incarnation`), so a restarted coordinator is a new one: waits it lost
-/// fail, and it gets the nodes' reports again.
+/// it restarts or leads a new epoch (`name#incarnation@epoch`), so a restarted or re-elected
+/// coordinator is a new one: waits it lost fail, and it gets the nodes' reports again (a node
+/// that led, lost the lead and leads again starts afresh; with the same identity, a grant of
+/// its old state still on the way was taken beside one of the new: two holders, found by the
+/// sync simulator).
 fn coordinator_id(node: &Node) -> Option<(String, String)> {
     let (_, name) = node.coordinator_now()?;
     let inc = if name == node.name() {
@@ -159,27 +163,43 @@ fn coordinator_id(node: &Node) -> Option<(String, String)> {
     } else {
         node.with_heartbeats(|m| m.view(&name).and_then(|v| v.incarnation).unwrap_or(0))
     };
-    let id = format!("{name}#{inc}");
+    let epoch = node
+        .replication
+        .leader_epoch()
+        .filter(|(l, _)| *l == name)
+        .map_or(0, |(_, e)| e);
+    let id = format!("{name}#{inc}@{epoch}");
     Some((name, id))
 }
 
-/// Brings the coordinator's side up to date: a node that has just become coordinator starts
-/// from [`SyncState::take_over`] over the live nodes of the map; nodes it awaits that are down
-/// now report nothing (their ranks are gone). Returns the notices that releases.
+/// Whether this node coordinates now: the coordinator in its own view (leader, with its
+/// lease), with the state it took over under that identity.
+fn coordinating(node: &Node, side: &SyncSide) -> bool {
+    coordinator_id(node)
+        .is_some_and(|(name, id)| name == node.name() && side.coord_seen.as_deref() == Some(id.as_str()))
+}
+
+/// Brings the coordinator's side up to date: a node that has just become coordinator (under a
+/// new identity) starts from [`SyncState::take_over`] over the live nodes of the map; nodes
+/// it awaits that are down now report nothing (their ranks are gone). A leader without its
+/// lease keeps its state and serves nothing (the identity the nodes know has not changed).
+/// Returns the notices that releases.
 fn refresh(node: &Node, side: &mut SyncSide) -> Vec<Notice> {
-    let now = node.coordinator_now().map(|(_, c)| c);
+    let now = coordinator_id(node);
     let me = node.name();
-    if now.as_deref() == Some(me) && side.coord_seen.as_deref() != Some(me) {
-        let st = node.meta_state();
-        let live: Vec<String> = node
-            .logical_map(&st)
-            .into_values()
-            .filter(|p| !node.is_declared_down(p))
-            .collect();
-        tracing::info!(node = %me, awaiting = ?live, "coordinating barriers and locks: waiting for the nodes' reports");
-        side.state = SyncState::take_over(live);
+    if let Some((name, id)) = &now {
+        if name == me && side.coord_seen.as_deref() != Some(id.as_str()) {
+            let st = node.meta_state();
+            let live: Vec<String> = node
+                .logical_map(&st)
+                .into_values()
+                .filter(|p| !node.is_declared_down(p))
+                .collect();
+            tracing::info!(node = %me, coordinator = %id, awaiting = ?live, "coordinating barriers and locks: waiting for the nodes' reports");
+            side.state = SyncState::take_over(live);
+        }
+        side.coord_seen = Some(id.clone());
     }
-    side.coord_seen = now;
     let down: Vec<String> = side
         .state
         .awaiting()
@@ -389,7 +409,12 @@ pub fn serve(sh: &SyncShell, from: &str, req: PeerReq) -> Result<PeerResp, OpErr
             let notices = {
                 let mut side = sh.side.locked();
                 let mut n = refresh(node, &mut side);
-                n.extend(side.state.report(from, &held));
+                // A node that is not the coordinator in its own view takes no report: its
+                // state is not the cluster's, and a report completing its take-over would
+                // grant the calls it deferred (the reporter reports to the new one too).
+                if coordinating(node, &side) {
+                    n.extend(side.state.report(from, &held));
+                }
                 n
             };
             deliver(sh, notices);
@@ -415,7 +440,7 @@ pub fn serve(sh: &SyncShell, from: &str, req: PeerReq) -> Result<PeerResp, OpErr
         let mut n = refresh(node, &mut side);
         let refusal = if node.is_declared_down(from) {
             Some(format!("the coordinator takes {from} as down"))
-        } else if side.coord_seen.as_deref() != Some(node.name()) {
+        } else if !coordinating(node, &side) {
             Some(format!("{} is not the coordinator (any more)", node.name()))
         } else {
             None
