@@ -1,9 +1,11 @@
 //! What the pause and partition tests share: an MGS job during which one node is cut off from
 //! the others for a while (a pause, a partition), and what must hold after it — the job ends
 //! with an unfailed run's checksum, the node is back as a new incarnation, the coordinator
-//! committed its verdict, no rank outlived the job, and the next job runs at once.
+//! committed its verdict, no rank outlived the job, no two nodes coordinated at once (by the
+//! logs' take-overs), and the next job runs at once.
 
 use psls_tests::*;
+use std::collections::BTreeMap;
 use std::process::Child;
 use std::time::{Duration, Instant};
 
@@ -65,6 +67,63 @@ fn verdict_after(c: &Cluster, victim: &str, since: f64) -> Option<f64> {
         .filter(|t| *t >= since)
         .map(|t| t - since)
         .reduce(f64::min)
+}
+
+/// Checks the daemons' logs for overlapping coordination: every take-over of barriers and
+/// locks names its coordinator `name#incarnation@epoch`; no epoch has two coordinators, and
+/// in time order a take-over by another node is always in a newer epoch (coordination only
+/// ever passes forward; a node that took over in an older epoch after a newer one was
+/// coordinating while another did).
+/// Returns the take-overs seen: (coordinator, epoch) in time order.
+pub fn assert_no_overlapping_coordination(c: &Cluster, what: &str) -> Vec<(String, u64)> {
+    let mut takeovers: Vec<(f64, String, u64, String)> = Vec::new();
+    for n in ["n0", "n1", "n2", "n3"] {
+        for l in c.log(n).lines() {
+            if !l.contains("coordinating barriers and locks") {
+                continue;
+            }
+            let Some(id) = l.split("coordinator=").nth(1).and_then(|r| r.split_whitespace().next()) else {
+                panic!("{what}: a take-over without its coordinator's identity: {l}");
+            };
+            let (name, epoch) = id
+                .split_once('#')
+                .and_then(|(name, r)| Some((name, r.split_once('@')?.1)))
+                .unwrap_or_else(|| panic!("{what}: bad coordinator identity {id}"));
+            let epoch: u64 = epoch.parse().unwrap_or_else(|_| panic!("{what}: bad epoch in {id}"));
+            let t = log_secs(l).unwrap_or_else(|| panic!("{what}: no time in {l}"));
+            takeovers.push((t, name.to_string(), epoch, l.to_string()));
+        }
+    }
+    takeovers.sort_by(|a, b| a.0.total_cmp(&b.0));
+    assert!(
+        !takeovers.is_empty(),
+        "{what}: no take-over of barriers and locks in the logs"
+    );
+    let mut by_epoch: BTreeMap<u64, String> = BTreeMap::new();
+    for (_, name, epoch, line) in &takeovers {
+        if let Some(other) = by_epoch.insert(*epoch, name.clone()) {
+            assert_eq!(
+                &other, name,
+                "{what}: two coordinators in epoch {epoch}: {other} and {line}"
+            );
+        }
+    }
+    for w in takeovers.windows(2) {
+        let (a, b) = (&w[0], &w[1]);
+        if a.1 != b.1 {
+            assert!(
+                b.2 > a.2,
+                "{what}: {} took over in epoch {} after {} had in epoch {}:\n{}\n{}",
+                b.1,
+                b.2,
+                a.1,
+                a.2,
+                a.3,
+                b.3
+            );
+        }
+    }
+    takeovers.into_iter().map(|(_, n, e, _)| (n, e)).collect()
 }
 
 /// One disruption of `victim` during an MGS job launched through `launcher` with `options`:
@@ -135,6 +194,7 @@ pub fn disrupt_during_job(
         .unwrap_or_else(|| panic!("{what}: the job never restarted after the heal:\n{err}"));
     assert_eq!(got, want, "{what}: checksum differs from the unfailed run's\n{err}");
     c.assert_no_rank_left(&what);
+    let takeovers = assert_no_overlapping_coordination(c, &what);
     let verdict =
         verdict_after(c, victim, started).unwrap_or_else(|| panic!("{what}: no committed verdict in the logs"));
     // The cluster serves the next job at once, with no restart by hand.
@@ -142,7 +202,7 @@ pub fn disrupt_during_job(
     let (again, _) = finish(start_mgs(c, launcher, &[]), &format!("{what}: the next job"));
     assert_eq!(again, want, "{what}: the next job");
     eprintln!(
-        "{what}: verdict {verdict:.3} s after the start; back as a new incarnation {back:?} and ranks running again {running:?} after the end; next job took {:?}",
+        "{what}: verdict {verdict:.3} s after the start; back as a new incarnation {back:?} and ranks running again {running:?} after the end; next job took {:?}; take-overs so far {takeovers:?}",
         t.elapsed()
     );
     (verdict, back)
