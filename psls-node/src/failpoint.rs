@@ -17,7 +17,8 @@
 //! `rollback.fence` (the coordinator, asked to fence a job's epochs), `rollback.drop` (a
 //! node, asked to drop a job's pages), `ckpt.mem.write` (a participant, halfway through
 //! sending its pages to their holders' recovery areas: phase 1 of a memory checkpoint),
-//! `ckpt.mem.commit` (a node told a memory checkpoint committed, before its phase 2).
+//! `ckpt.mem.commit` (a node told a memory checkpoint committed, before its phase 2),
+//! `launch.spawned` (a node, a rank started but not yet in its table of ranks; only pausing).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;

@@ -527,14 +527,36 @@ pub fn spawn_local(node: &Arc<Node>, jobs: &Arc<Jobs>, spec: JobSpec, ranks: Vec
         if node.euid == 0 && spec.uid != 0 {
             cmd.uid(spec.uid).gid(spec.gid);
         }
-        let mut child = cmd.spawn().map_err(|e| {
-            kill_local(jobs, &spec.job);
-            OpError::new(ErrorKind::Invalid, format!("cannot start '{}': {e}", spec.program))
-        })?;
+        // The table of ranks stays locked from before the fork until the rank is in it: a rank
+        // that maps a file at once is known as its job's (looked up by pid), not taken for a
+        // process of its own and refused as a writer by its own job's claim.
+        let mut procs = lock(&jobs.procs);
+        let mut child = match cmd.spawn() {
+            Ok(c) => c,
+            Err(e) => {
+                drop(procs);
+                kill_local(jobs, &spec.job);
+                return Err(OpError::new(
+                    ErrorKind::Invalid,
+                    format!("cannot start '{}': {e}", spec.program),
+                ));
+            }
+        };
+        if let crate::failpoint::Fire::Pause { max, release } = crate::failpoint::pass(node.name(), "launch.spawned") {
+            // The rank runs and may map its files meanwhile (a test's point only: it blocks,
+            // handing this worker's other tasks to the runtime).
+            tokio::task::block_in_place(|| {
+                let until = std::time::Instant::now() + max;
+                while std::time::Instant::now() < until && !release.exists() {
+                    std::thread::sleep(std::time::Duration::from_millis(10));
+                }
+            });
+        }
         if let Some(pid) = child.id() {
             lock(&jobs.local).entry(spec.job.clone()).or_default().push(pid);
-            lock(&jobs.procs).insert(pid, (spec.clone(), rank));
+            procs.insert(pid, (spec.clone(), rank));
         }
+        drop(procs);
         let (out, err) = (child.stdout.take(), child.stderr.take());
         let (node, jobs, spec) = (node.clone(), jobs.clone(), spec.clone());
         // Known before the wait: a reaped child has no id any more.

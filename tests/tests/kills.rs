@@ -159,6 +159,26 @@ fn a_participant_killed_in_its_checkpoint_writes_and_a_node_killed_during_the_ro
     assert!(!ls.contains(".psls-ckpt"), "{ls}");
 }
 
+/// A rank that maps its file writable before its daemon has it in its table of ranks (the
+/// daemon held up right after the fork) is its job's, not a process of its own refused as a
+/// writer by its own job's claim.
+#[test]
+fn a_rank_that_maps_its_file_before_its_daemon_knows_it_is_its_jobs() {
+    let (c, dir) = cluster("launch.spawned/n2:pause=3000", false);
+    let (out, err) = run_through(&c, start(&c, "n0"), &dir, &mut |_| {
+        // The rank has long mapped its file when the daemon goes on.
+        std::thread::sleep(Duration::from_millis(700));
+    });
+    assert_eq!(
+        fired(&dir),
+        vec![("launch.spawned.n2".into(), "n2 paused".into())],
+        "{err}"
+    );
+    assert_sums(&out, &err);
+    assert_eq!(err.matches("restarted from").count(), 0, "{err}");
+    assert!(!c.logs_contain("is mapped writable by job"), "{err}");
+}
+
 #[test]
 fn the_coordinator_killed_after_a_commit_record_before_answering_the_ranks_and_during_a_rollback() {
     let (c, dir) = cluster("ckpt.committed@3,rollback.fence,ckpt.answer@6", false);
