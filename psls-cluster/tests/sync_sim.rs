@@ -27,8 +27,9 @@
 //!
 //! After every step it checks: no lock has two holders among the ranks of nodes not declared
 //! down (a declared node's ranks are doomed: the job rolls back and every node drops their
-//! messages); no node takes a message from an incarnation it knows declared down; at most one
-//! node grants in an epoch; a rank passes a barrier only when every rank of its job has
+//! messages), even when a coordinator declared down but not yet told grants a lock to a rank
+//! of a node that has not learnt the verdict either (it happens; counted); no node takes a
+//! message from an incarnation it knows declared down; at most one node grants in an epoch; a rank passes a barrier only when every rank of its job has
 //! arrived at it, and passes it once; every call is answered at most once. At the end (no more
 //! failures) every call of a live rank is answered and the ranks go on.
 //! `PSLS_SIM_SEED=N` runs one seed, `PSLS_SIM_SEEDS=N` runs N; a failing seed prints itself.
@@ -147,6 +148,8 @@ struct World {
     fenced_drops: u64,
     /// Grants made by a coordinator whose incarnation was declared down (it had not learnt it).
     doomed_grants: u64,
+    /// Such grants taken by a rank of a node not declared down.
+    late_grants: u64,
     trace: bool,
 }
 
@@ -348,6 +351,14 @@ impl World {
                 let ok = result.is_ok();
                 if self.nodes[i].waits.answered(&key, &who, call, ok).is_none() {
                     return;
+                }
+                // A grant of a coordinator already declared down, taken by a node that has not
+                // learnt the verdict: it holds for the new coordinator too (the node reports it
+                // before any call there, and the new coordinator grants nothing before its
+                // report), which the holder check proves.
+                let sender_declared = self.committed_down.get(from).is_some_and(|&d| d >= from_inc);
+                if ok && sender_declared && !self.declared(i) && key.contains(":lock") {
+                    self.late_grants += 1;
                 }
                 self.answer(i, &key, &who, ok);
             }
@@ -881,6 +892,7 @@ struct Counts {
     fences: u64,
     fenced_drops: u64,
     doomed_grants: u64,
+    late_grants: u64,
 }
 
 fn run_seed(seed: u64) -> Counts {
@@ -936,6 +948,7 @@ fn run_seed(seed: u64) -> Counts {
         fences: 0,
         fenced_drops: 0,
         doomed_grants: 0,
+        late_grants: 0,
         trace: std::env::var_os("PSLS_SIM_TRACE").is_some(),
     };
     w.elect();
@@ -1021,6 +1034,7 @@ fn run_seed(seed: u64) -> Counts {
         fences: w.fences,
         fenced_drops: w.fenced_drops,
         doomed_grants: w.doomed_grants,
+        late_grants: w.late_grants,
     }
 }
 
@@ -1040,12 +1054,23 @@ fn random_schedules_keep_one_lock_holder_and_whole_barriers() {
         t.fences += c.fences;
         t.fenced_drops += c.fenced_drops;
         t.doomed_grants += c.doomed_grants;
+        t.late_grants += c.late_grants;
     }
     eprintln!(
         "{count} seeds: {} locks granted, {} barrier passes, {} coordinator take-overs; {} pauses, \
          {} cuts, {} down verdicts, {} nodes fenced themselves, {} messages of fenced incarnations \
-         dropped, {} grants by a declared coordinator that had not learnt it",
-        t.grants, t.barriers, t.takeovers, t.pauses, t.cuts, t.verdicts, t.fences, t.fenced_drops, t.doomed_grants
+         dropped, {} grants by a declared coordinator that had not learnt it ({} of them taken by a \
+         rank of a node that had not learnt it either)",
+        t.grants,
+        t.barriers,
+        t.takeovers,
+        t.pauses,
+        t.cuts,
+        t.verdicts,
+        t.fences,
+        t.fenced_drops,
+        t.doomed_grants,
+        t.late_grants
     );
     if count >= 100 {
         assert!(t.grants > count * 20, "only {} locks granted", t.grants);
