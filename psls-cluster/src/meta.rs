@@ -322,6 +322,15 @@ impl<S: Replicated, T> Replica<S, T> {
         }
     }
 
+    /// The epoch this replica claimed in this life, while it claims or leads it (not a claim
+    /// of an earlier life found on its disk).
+    pub fn claimed(&self) -> Option<Epoch> {
+        match &self.role {
+            Role::Candidate { epoch, .. } | Role::Leader { epoch, .. } => Some(*epoch),
+            Role::Follower => None,
+        }
+    }
+
     /// Whether an operation is being replicated or waits (for tests and status).
     pub fn busy(&self) -> bool {
         !self.queue.is_empty()

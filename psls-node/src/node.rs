@@ -260,15 +260,28 @@ impl Node {
     }
 
     /// Whether this node should claim the coordination (the metadata's election): it holds
-    /// its lease and is the lowest logical id the failure detector hears (an impression: the
-    /// epochs make a wrong one safe).
+    /// its lease and is the lowest logical id the failure detector hears whose disk has not
+    /// failed (an impression: the epochs make a wrong one safe). A coordinator whose disk
+    /// failed is thus replaced, and its successor declares it down like any node whose disk
+    /// failed.
     pub fn should_lead(&self) -> bool {
         let fencing = self.fencing.load(Ordering::Relaxed);
         let lease = self.holds_lease();
         let m = self.meta.locked();
         let map = self.logical_map(m.state());
-        let reachable = map.values().filter(|p| self.is_reachable(p)).map(String::as_str);
+        let reachable = map
+            .values()
+            .filter(|p| self.is_reachable(p) && !self.disk_failed(p))
+            .map(String::as_str);
         verdicts::should_claim(&self.me.name, fencing, lease, reachable)
+    }
+
+    /// Whether `physical`'s page store failed (this node's own, or as its last heartbeat says).
+    pub fn disk_failed(&self, physical: &str) -> bool {
+        if physical == self.me.name {
+            return self.store.is_poisoned();
+        }
+        self.with_heartbeats(|m| m.heartbeat(physical).is_some_and(|h| h.disk_failed.is_some()))
     }
 
     /// Whether this node heard a majority of the cluster within the failure timeout (or has

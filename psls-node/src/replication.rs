@@ -182,11 +182,15 @@ impl Replication {
             // The claimer of the newest epoch promised here: this node itself from its claim on
             // (its followers may route to it as soon as they promise, before it has counted
             // their promises), or the claimer this node promised.
-            let leader = match replica.leading() {
+            // Not itself from a promise alone: a node that restarted (or re-executed itself
+            // when fenced) finds its own old claim as the newest promise on its disk, and must
+            // not take itself for the leader of that epoch (it did, and coordinated barriers
+            // and locks in an old epoch beside the real leader, by the pause tests' logs).
+            let leader = match replica.claimed() {
                 Some(e) => Some((me, e.n)),
                 None => {
                     let p = replica.promised();
-                    (p.n > 0).then_some((p.by, p.n))
+                    (p.n > 0 && p.by != me).then_some((p.by, p.n))
                 }
             };
             let leader = leader.and_then(|(v, n)| voters.get(v as usize).map(|l| (l.clone(), n)));

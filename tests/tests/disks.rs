@@ -121,7 +121,7 @@ fn a_full_disk_at_a_jobs_last_checkpoint_keeps_its_result_and_resume_writes_it()
 
 #[test]
 fn a_node_whose_fsync_fails_is_replaced_by_the_spare_and_the_job_completes() {
-    let mut c = Cluster::init(4, 1, |_| {});
+    let mut c = Cluster::init(4, 2, |_| {});
     c.env.push(("PSLS_FAULT_DISK".into(), "1".into()));
     c.ok(&["cluster", "up"]);
     let (want, _) = finish(mgs(&c), "the unfailed run");
@@ -162,5 +162,34 @@ fn a_node_whose_fsync_fails_is_replaced_by_the_spare_and_the_job_completes() {
     eprintln!("n2 said: {}", said.unwrap_or_default());
     // The cluster goes on without it.
     let (again, _) = finish(mgs(&c), "a job after the replacement");
+    assert_eq!(again, want);
+
+    // Then the coordinator's disk fails: another node claims the coordination and declares it
+    // down, the second spare takes its logical id, and the job (launched elsewhere) completes.
+    let coord = st.coordinator.clone().expect("a coordinator");
+    let logical = st.nodes.iter().find(|n| n.name == coord).and_then(|n| n.logical);
+    let launcher = if coord == "n1" { "n3" } else { "n1" };
+    let cpid = c.pid(&coord);
+    let cdir = cfg.data_dir(cfg.entry(&coord).expect("coordinator entry"));
+    let mut run = start_mgs_job(&c, launcher, &["--level", "persistent"]);
+    let (job, rest) = job_id(&mut run);
+    wait_first_checkpoint(&c, &job);
+    std::fs::write(cdir.join("fail-sync"), b"").expect("trigger");
+    let what = format!("a failed fsync on the coordinator {coord}");
+    let (got, err) = finish_rest(run, rest, &what);
+    c.assert_no_rank_left(&what);
+    assert_eq!(got, want, "{what}\n{err}");
+    assert!(
+        psls_client::cluster::wait_gone(cpid, Duration::from_secs(10)),
+        "{coord} stopped"
+    );
+    let st = c.status();
+    let s1 = st.nodes.iter().find(|n| n.name == "s1").expect("s1");
+    assert_eq!(s1.logical, logical, "{st:?}");
+    assert_ne!(st.coordinator.as_deref(), Some(coord.as_str()), "{st:?}");
+    let (again, _) = finish(
+        start_mgs_job(&c, launcher, &[]),
+        "a job after the coordinator's replacement",
+    );
     assert_eq!(again, want);
 }
