@@ -2,8 +2,8 @@
 //!
 //! Many nodes and clients in one process; a seed chooses everything: cluster size, pages,
 //! which client acts, which in-flight message is delivered next (any order: messages are
-//! reordered freely), when loads from disk finish or fail, when nodes crash, when links break,
-//! when jobs end and when the others learn of any of it.
+//! reordered freely), when loads from disk finish or fail, when nodes crash, pause or are cut
+//! off, when links break, when jobs end and when the others learn of any of it.
 //!
 //! # The shell, as the daemon's (`psls-node/src/svm.rs`)
 //! Each node runs its state machine's actions in order, as the daemon's shell does, and keeps
@@ -17,27 +17,49 @@
 //! mapping does not allow its operation faults. Client threads do not take the shell's lock:
 //! a client may act between two actions of its node's shell.
 //!
+//! # Verdicts, as the daemon has them (`psls_cluster::verdicts`)
+//! The failure detector gives impressions only: a node is *declared down* by a committed
+//! metadata operation `(node, incarnation)`, which the coordinator makes after a silence longer
+//! than the failure timeout (here [`World::timeout`] steps); a verdict is final for that
+//! incarnation. Each node keeps a verdict book ([`Node::verdicts`]) and learns each verdict at
+//! its own time; its transport drops every message of an incarnation at or below a verdict it
+//! knows on the sender (`Verdicts::accepts`; psls-cluster depends on psls-svm, so the rule is
+//! modelled here: [`World::transport_accepts`]), and its state machine hears of the death
+//! (`peer_down`, the daemon's `sync_peers`) then or later. A declared node does not know of its
+//! verdict at first: it runs on, its clients too, and the others may still take what it sends
+//! until each learns of the verdict. It learns of it at its own time (from its committed
+//! metadata or from any peer's heartbeat): it then kills its ranks (its clients stop at once)
+//! and, soon after (its daemon may still answer messages meanwhile), rejoins as a new
+//! incarnation with an empty memory.
+//!
 //! # Failures, as the daemon meets them
 //! - **Crash** (of one node, or two at once, at any step, several per seed on most seeds): the
 //!   node restarts at once as a new incarnation with an empty memory (its waiting clients are
 //!   gone with it), as [`Svm::restarted`] when another node holds segments (the daemon's
 //!   `ensure_svm`), else as [`Svm::new`], not having heard yet of some live peers (it learns of
-//!   them later, as the daemon from their first heartbeats). Its messages still queued die with it (each with
-//!   even odds; the rest were on the wire). Each other node learns, at its own time, of the
-//!   death and then of the new incarnation, or only of the new incarnation (a restart faster
-//!   than the failure detector: the daemon then calls only `peer_up`).
+//!   them later, as the daemon from their first heartbeats), with the verdicts committed so
+//!   far in its book. Its messages still queued die with it (each with even odds; the rest
+//!   were on the wire). Each other node learns, at its own time, of the death (a verdict) and
+//!   then of the new incarnation, or only of the new incarnation (a restart faster than the
+//!   failure detector: the daemon then calls only `peer_up`).
 //! - **Link break between live nodes**: the transport is reliable between live nodes, but a
 //!   lost connection drops its queue (`link.rs`), in both directions; the protocols rely on
-//!   membership to learn of it. So a break is followed by a verdict on one of the two ends
-//!   (DESIGN §2: the coordinator's verdict is final for that incarnation). The daemon as it
-//!   stands does not enforce that verdict: a node declared down is not told, keeps running
-//!   and, when heard again with the same incarnation, stays down in the others' state
-//!   machines (`peer_up` ignores a known incarnation) while it still holds its copies. The
-//!   simulator models what DESIGN §2 requires instead: the declared node is *fenced* — its
-//!   clients stop at once — while its daemon runs on for a while (it keeps answering the
-//!   messages it gets, from an incarnation the others hold dead or are about to), until it
-//!   restarts as a new incarnation with an empty memory. The others learn of the verdict
-//!   (`peer_down`) at their own times, then of the new incarnation.
+//!   membership to learn of it. So a break is followed by a verdict on one of the two ends.
+//! - **Pause** (SIGSTOP, a VM stall) of any node, several per seed on many seeds: it does
+//!   nothing (no deliveries, no loads finishing, no news, no shell actions) and its clients do
+//!   not act. Messages sent to it wait in its sockets. A pause shorter than the timeout ends
+//!   with no verdict: the node simply goes on. A longer one leads to a verdict while it sleeps
+//!   (half of the time its connections break then, dropping their queues both ways, and what
+//!   is sent to it while it still sleeps is lost); it wakes with all its old state, takes its
+//!   queued messages and may act (send, answer, resolve faults, its clients read and write)
+//!   before it learns of its verdict.
+//! - **Partition**: a link cut one way (only `a`→`b`) or both ways, for a while. Messages on a
+//!   cut direction are held (the transport retransmits) until it heals. A cut longer than the
+//!   timeout leads to a verdict on the cut-off node (`a` if one way, either end if both) and,
+//!   half of the time, to a link break that drops the link's queue both ways; from then on,
+//!   while the declared incarnation runs, what is sent on a cut direction is lost. (Messages
+//!   between live incarnations are never lost without a verdict: the coherence protocol has
+//!   no retransmission of its own and relies on that.)
 //! - **Failed loads** (injected, 2%).
 //! - **A client process dies** while its fault waits: the shell cancels the fault
 //!   ([`Svm::cancel`], the daemon's `drop_map`).
@@ -52,8 +74,12 @@
 //!   page beyond its node's applied access, nor a page its node's memory does not hold; no
 //!   page is snapshotted for `Data` while a client of the sender may write it.
 //! - At most one node can write a page, and then no other node holds it; every copy a node may
-//!   access holds the latest value written, so every read returns the latest write. (A fenced
-//!   node is left out: its clients are stopped.)
+//!   access holds the latest value written, so every read returns the latest write. (A
+//!   declared node is left out: its copies may be stale, and its ranks die when it learns.)
+//! - Fencing: no message of an incarnation a node knows declared down reaches its state
+//!   machine (checked where messages enter it, apart from the transport's rule); no client of
+//!   a node that learnt its verdict reads, writes or faults; a paused node processes nothing
+//!   and its clients do nothing.
 //! - The manager's directory covers every node that holds the page: a holder is in the
 //!   copyset (a writer is the writable owner and the only member), unless its own transaction
 //!   is still in progress at the manager (its `Done` is on the way), or the page is lost and
@@ -62,20 +88,26 @@
 //!   has no directory to check.
 //! - A page is marked lost (or a `Deny` says so) only if a node that died may have taken its
 //!   latest version: owned it by the manager's books, held its last copy, could write it, was
-//!   writing it (by its own books or the manager's), or had sent its data, still on the way.
-//!   A reader's death alone loses nothing. (A fenced node is dead from its verdict on.) A
-//!   manager refuses as restarted only while it is.
+//!   writing it (by its own books or the manager's), or had sent its data, still on the way;
+//!   or its manager, late to learn of the death (declared itself, or asleep), granted it a
+//!   write afterwards (its request was still on the way). A reader's death alone loses
+//!   nothing. (A declared node is dead from its verdict on.) A manager refuses as restarted
+//!   only while it is.
 //! - Every failed fault is explained, per page and per cause: `PageLost` only on a page a
 //!   dead node may have taken (as above: the source of a transfer is the owner);
 //!   `ManagerDown` only when the manager incarnation the node knew really died (crashed or
 //!   declared) and the node has learnt it; `ManagerRestarted` only from a recovering
 //!   manager's refusal; `LoadFailed` only from an injected failure of that page's load on
-//!   that node; none at all otherwise (faults of a fenced node excepted).
-//! - No protocol violation is reported; no action is produced for a cancelled fault.
+//!   that node; none at all otherwise (faults of a declared node excepted).
+//! - No protocol violation is reported (but by a declared node: the others stopped waiting
+//!   for it, so its state may contradict what it is sent, and the daemon logs and drops such
+//!   a message); no action is produced for a cancelled fault.
 //!
-//! At the end it stops new work and drains (failures still happen early in the drain):
-//! every fault must then be resolved or failed as above, and no node may have anything left
-//! in progress on the current job's pages. A failure prints the seed that reproduces it.
+//! At the end it stops new work and drains (failures still happen early in the drain; pauses
+//! and cuts run their course): every fault must then be resolved or failed as above, and no
+//! node may have anything left in progress on the current job's pages. A failure prints the
+//! seed that reproduces it. Counters of the run are printed at the end; over 100 seeds or more,
+//! every path (each kind of pause, cut and verdict, the transport's drops) must have run.
 //!
 //! `PSLS_SIM_SEEDS=N` runs N seeds (default 10000); `PSLS_SIM_SEED=S` runs only seed S;
 //! `PSLS_SIM_TRACE=1` prints every event.
@@ -84,7 +116,7 @@
 //! checks after every step read all of it.
 
 use psls_svm::coherence::{
-    Access, Action, Envelope, FaultError, FenceAnswer, InProgress, Msg, Receipt, Svm, TxnId, WaiterId,
+    Access, Action, Envelope, FaultError, FenceAnswer, InProgress, Msg, ProtocolError, Receipt, Svm, TxnId, WaiterId,
 };
 use psls_svm::rng::SplitMix64;
 use psls_svm::{FileId, Incarnation, NodeId, PageId};
@@ -153,10 +185,85 @@ struct Node {
     /// Every node's incarnation as this node knew it when it took up the job's segments (the
     /// daemon's `Segment::known_at_open`).
     seg_known: Vec<Incarnation>,
-    /// Declared dead while live: fenced (its clients are stopped) until it restarts.
-    zombie: bool,
+    /// This incarnation was declared down (a committed verdict) while live: dead to the
+    /// others from then on, though it runs on, its clients too, until it learns of it.
+    declared: bool,
+    /// It learnt of its verdict: its ranks are killed (its clients never act again) and it
+    /// rejoins as a new incarnation soon.
+    fenced: bool,
+    /// Paused (SIGSTOP, a VM stall) until that step: it does nothing meanwhile.
+    paused_until: Option<u64>,
+    /// The pause outlasts the failure timeout: the coordinator declares it down at that step.
+    pause_verdict_at: Option<u64>,
+    /// Woke from a pause during which it was declared down (it has not learnt it yet).
+    woke_declared: bool,
+    /// Declared down, its connections broke: what is sent to it while it sleeps is lost.
+    cut_off: bool,
+    /// The verdict book: per node, the highest incarnation this node knows was declared down
+    /// (0: none). Its transport drops what such an incarnation sends.
+    verdicts: Vec<Incarnation>,
     /// While a job ends: this node dropped the job's segments.
     dropped: bool,
+}
+
+impl Node {
+    fn new(svm: Svm, verdicts: Vec<Incarnation>, dropped: bool) -> Node {
+        Node {
+            svm,
+            mem: HashMap::new(),
+            loads: Vec::new(),
+            applied: HashMap::new(),
+            segs: false,
+            seg_known: Vec::new(),
+            declared: false,
+            fenced: false,
+            paused_until: None,
+            pause_verdict_at: None,
+            woke_declared: false,
+            cut_off: false,
+            verdicts,
+            dropped,
+        }
+    }
+
+    fn paused(&self) -> bool {
+        self.paused_until.is_some()
+    }
+}
+
+/// What a node learns of another (or of itself) from membership and the metadata.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Learn {
+    /// That incarnation runs (`peer_up`).
+    Up,
+    /// That incarnation died: a verdict, in the book and then in the state machine
+    /// (`peer_down`).
+    Down,
+    /// A verdict on that incarnation, in the book only (the state machine hears of it by a
+    /// later `Down`); about the node itself, its own verdict: it fences itself.
+    Verdict,
+}
+
+/// A cut link: messages from `a` to `b` (and from `b` to `a` if `both`) are held until it
+/// heals.
+#[derive(Clone, Copy, Debug)]
+struct Cut {
+    a: usize,
+    b: usize,
+    both: bool,
+    until: u64,
+    /// A cut longer than the failure timeout: at that step, the coordinator declares that
+    /// node, at that incarnation, down.
+    verdict: Option<(u64, usize, Incarnation)>,
+    /// The connections broke after the verdict on that node (at that incarnation): while it
+    /// runs, what is sent on the cut link is lost.
+    broken: Option<(usize, Incarnation)>,
+}
+
+impl Cut {
+    fn holds(&self, from: usize, to: usize) -> bool {
+        (from == self.a && to == self.b) || (self.both && from == self.b && to == self.a)
+    }
 }
 
 /// The input a node is processing, for what it explains.
@@ -193,6 +300,84 @@ struct Counts {
     joined: u64,
     late: u64,
     redundant: u64,
+    /// Pauses shorter and longer than the failure timeout, and what the paused node was:
+    /// the manager of a page with a directory entry, a page's owner by its manager's books,
+    /// the requester of a transaction in flight, a node loading a page.
+    pauses_short: u64,
+    pauses_long: u64,
+    paused_managers: u64,
+    paused_owners: u64,
+    paused_in_txn: u64,
+    paused_loading: u64,
+    /// Cut links, one way and both ways, and those longer than the failure timeout.
+    cuts_one_way: u64,
+    cuts_two_way: u64,
+    cuts_long: u64,
+    /// Verdicts on a paused node, on the cut-off end of a one-way and of a two-way cut.
+    verdicts_paused: u64,
+    verdicts_cut_one_way: u64,
+    verdicts_cut_two_way: u64,
+    /// Messages a transport dropped because it knew their incarnation declared down.
+    dropped_fenced: u64,
+    /// Messages a declared node sent before it learnt of its verdict, and of those, after
+    /// waking from the pause that got it declared; client operations of declared nodes
+    /// before they learnt of it.
+    declared_sends: u64,
+    woken_declared_sends: u64,
+    declared_ops: u64,
+    /// Nodes that learnt of their own verdict and fenced themselves.
+    self_fences: u64,
+    /// Messages a declared node rejected as protocol violations (logged and dropped).
+    declared_violations: u64,
+    /// Messages lost as they were sent on a broken link.
+    lost_on_broken: u64,
+}
+
+impl Counts {
+    fn add(&mut self, c: &Counts) {
+        macro_rules! sum {
+            ($($f:ident),*) => { $(self.$f += c.$f;)* };
+        }
+        sum!(
+            done,
+            failed,
+            crashes,
+            double_crashes,
+            verdicts,
+            dropped_msgs,
+            cancels,
+            job_ends,
+            end_recoveries,
+            fences_cleared,
+            woken_unmapped,
+            interleaved,
+            joined,
+            late,
+            redundant,
+            pauses_short,
+            pauses_long,
+            paused_managers,
+            paused_owners,
+            paused_in_txn,
+            paused_loading,
+            cuts_one_way,
+            cuts_two_way,
+            cuts_long,
+            verdicts_paused,
+            verdicts_cut_one_way,
+            verdicts_cut_two_way,
+            dropped_fenced,
+            declared_sends,
+            woken_declared_sends,
+            declared_ops,
+            self_fences,
+            declared_violations,
+            lost_on_broken
+        );
+        for (a, b) in self.failed_by.iter_mut().zip(c.failed_by) {
+            *a += b;
+        }
+    }
 }
 
 struct World {
@@ -210,8 +395,16 @@ struct World {
     ending: bool,
     /// In flight: (to, envelope, payload).
     net: Vec<(usize, Envelope, Option<u64>)>,
-    /// Membership news not yet delivered: (to node, about node, incarnation, up).
-    news: Vec<(usize, usize, Incarnation, bool)>,
+    /// Membership and verdict news not yet delivered: (to node, about node, incarnation,
+    /// what).
+    news: Vec<(usize, usize, Incarnation, Learn)>,
+    /// The committed verdicts (the metadata's `down`): per node, the highest incarnation
+    /// declared down (0: none).
+    committed: Vec<Incarnation>,
+    /// Links cut now.
+    cuts: Vec<Cut>,
+    /// The failure timeout, in steps: a silence longer than this leads to a verdict.
+    timeout: u64,
     /// The latest value written to each page (the disk holds 0 and is never written here).
     truth: HashMap<PageId, u64>,
     next_value: u64,
@@ -228,9 +421,11 @@ struct World {
     /// A restarted manager's questions about files it does not serve yet
     /// ([`Action::CheckFence`]), not answered yet: (node, its incarnation, file).
     fence_checks: Vec<(usize, Incarnation, FileId)>,
-    /// Per mille per step: crashes, link breaks.
+    /// Per mille per step: crashes, link breaks, pauses, cuts.
     crash_rate: u64,
     break_rate: u64,
+    pause_rate: u64,
+    cut_rate: u64,
     c: Counts,
     steps: u64,
     trace: Vec<String>,
@@ -247,15 +442,9 @@ impl World {
         let npages = 1 + rng.below(4);
         let peers: Vec<Option<Incarnation>> = (0..n).map(|_| Some(Incarnation(1))).collect();
         let nodes = (0..n)
-            .map(|i| Node {
-                svm: Svm::new(NodeId(i as u32), Incarnation(1), peers.clone()),
-                mem: HashMap::new(),
-                loads: Vec::new(),
-                applied: HashMap::new(),
-                segs: false,
-                seg_known: Vec::new(),
-                zombie: false,
-                dropped: false,
+            .map(|i| {
+                let svm = Svm::new(NodeId(i as u32), Incarnation(1), peers.clone());
+                Node::new(svm, vec![Incarnation(0); n], false)
             })
             .collect();
         let per_node = 1 + rng.below(2);
@@ -269,6 +458,10 @@ impl World {
         // Most seeds see failures: crashes on most, link breaks on one in two.
         let crash_rate = if rng.chance(85) { 20 + rng.below(60) as u64 } else { 0 };
         let break_rate = if rng.chance(50) { 20 + rng.below(40) as u64 } else { 0 };
+        // Pauses on one seed in two, cuts on one in two, short and long ones alike.
+        let pause_rate = if rng.chance(50) { 10 + rng.below(30) as u64 } else { 0 };
+        let cut_rate = if rng.chance(50) { 10 + rng.below(30) as u64 } else { 0 };
+        let timeout = 10 + rng.below(30) as u64;
         let mut w = World {
             seed,
             rng,
@@ -281,6 +474,9 @@ impl World {
             ending: false,
             net: Vec::new(),
             news: Vec::new(),
+            committed: vec![Incarnation(0); n],
+            cuts: Vec::new(),
+            timeout,
             truth: HashMap::new(),
             next_value: 1,
             next_waiter: 0,
@@ -291,6 +487,8 @@ impl World {
             fence_checks: Vec::new(),
             crash_rate,
             break_rate,
+            pause_rate,
+            cut_rate,
             c: Counts::default(),
             steps: 0,
             trace: Vec::new(),
@@ -330,7 +528,7 @@ impl World {
     }
 
     /// The shell of node `i` (incarnation `inc`) has every other node's answer about `file`
-    /// ([`Svm::fence_answer`]; every other node, [`Svm::fence_askees`], a fenced one too: it
+    /// ([`Svm::fence_answer`]; every other node, [`Svm::fence_askees`], a declared one too: it
     /// runs until it restarts): the file is served if all say clean, refused if one held it;
     /// asked again later if one has not learnt of the restart yet.
     fn answer_fence(&mut self, k: usize) {
@@ -395,6 +593,9 @@ impl World {
 
     /// Node `i` is about to process an input: remembers what it explains.
     fn begin(&mut self, i: usize, cause: Cause) {
+        if self.nodes[i].paused() {
+            self.fail(format!("n{i} is paused, yet its shell processes an input"));
+        }
         self.cause = cause;
         self.known_before = (0..self.nodes.len())
             .map(|m| self.nodes[i].svm.known_incarnation(NodeId(m as u32)))
@@ -403,8 +604,8 @@ impl World {
 
     /// Why a fault of node `i` on `page` may fail with `error` now, or why not.
     fn excuse(&self, i: usize, page: PageId, error: FaultError) -> Result<(), String> {
-        if self.nodes[i].zombie {
-            // Declared dead: its clients are stopped, their faults end with it.
+        if self.nodes[i].declared {
+            // Declared dead: its ranks die when it learns of it, their faults with them.
             return Ok(());
         }
         match error {
@@ -416,7 +617,7 @@ impl World {
                 let m = self.manager(page);
                 let k = self.known_before[m];
                 let dead = self.nodes[m].svm.incarnation() > k
-                    || (self.nodes[m].zombie && self.nodes[m].svm.incarnation() == k);
+                    || (self.nodes[m].declared && self.nodes[m].svm.incarnation() == k);
                 let svm = &self.nodes[i].svm;
                 let learnt = !svm.is_up(NodeId(m as u32)) || svm.known_incarnation(NodeId(m as u32)) > k;
                 if dead && learnt {
@@ -481,7 +682,22 @@ impl World {
                     } else {
                         None
                     };
-                    self.net.push((to.0 as usize, env, payload));
+                    if self.nodes[i].declared && !self.nodes[i].fenced {
+                        self.c.declared_sends += 1;
+                        self.c.woken_declared_sends += self.nodes[i].woke_declared as u64;
+                    }
+                    let to = to.0 as usize;
+                    self.net.push((to, env, payload));
+                    if let Some(v) = self.lost_on_send(i, to) {
+                        // The connection broke and cannot be made again yet: the message is
+                        // lost (what the declared node took with it first).
+                        self.taint(&[v]);
+                        if let Some((_, env, _)) = self.net.pop() {
+                            self.c.dropped_msgs += 1;
+                            self.c.lost_on_broken += 1;
+                            self.log(format!("lost (the link to n{to} is broken): {env:?}"));
+                        }
+                    }
                 }
                 Action::Load { page, txn } => self.nodes[i].loads.push((page, txn)),
                 Action::CheckFence { file } => {
@@ -571,20 +787,43 @@ impl World {
         !self.ending && self.pages.contains(&page)
     }
 
-    /// Whether client `k` may work (its node is not fenced, its job is running).
+    /// Whether client `k` may work: its job is running, its node is neither paused nor fenced
+    /// (a declared node's clients work on until it learns of its verdict).
     fn may_work(&self, k: usize) -> bool {
-        !self.ending && !self.nodes[self.clients[k].node].zombie
+        let n = &self.nodes[self.clients[k].node];
+        !self.ending && !n.fenced && !n.paused()
+    }
+
+    /// A client of node `i` is about to read, write or fault: never on a paused node, nor on
+    /// one that learnt of its verdict (its ranks are killed).
+    fn check_client_may_act(&self, k: usize, op: Op, fault: bool) {
+        let i = self.clients[k].node;
+        let what = if fault { "faults" } else { "does" };
+        if self.nodes[i].fenced {
+            self.fail(format!(
+                "client {k} on n{i} {what} {op:?} after its node learnt of its verdict (incarnation {})",
+                self.nodes[i].svm.incarnation().0
+            ));
+        }
+        if self.nodes[i].paused() {
+            self.fail(format!("client {k} on n{i} {what} {op:?} while its node is paused"));
+        }
     }
 
     /// Client `k` does `op` in memory, as its page table allows (checked by the caller).
     fn perform(&mut self, k: usize, op: Op) {
+        self.check_client_may_act(k, op, false);
         let i = self.clients[k].node;
         let page = op.page();
         let have = self.nodes[i].mem.get(&page).copied();
         let want = self.truth.get(&page).copied().unwrap_or(0);
+        // A declared node's reads are not checked: the others may have moved on without it
+        // (its ranks die when it learns of its verdict).
+        let declared = self.nodes[i].declared;
+        self.c.declared_ops += declared as u64;
         match op {
             Op::Read(_) => {
-                if have != Some(want) {
+                if have != Some(want) && !declared {
                     self.fail(format!(
                         "client {k} on n{i} read {have:?} from {page}, latest write is {want}"
                     ));
@@ -634,6 +873,7 @@ impl World {
             self.perform(k, op);
             return;
         }
+        self.check_client_may_act(k, op, true);
         let waiter = self.next_waiter;
         self.next_waiter += 1;
         self.waiters.insert(waiter, k);
@@ -644,15 +884,49 @@ impl World {
         self.run_actions(i);
     }
 
+    /// The daemon's transport rule (`Verdicts::accepts`): node `to` takes a message of
+    /// incarnation `i` of its sender unless it knows a verdict on the sender at `i` or above.
+    fn transport_accepts(&self, to: usize, env: &Envelope) -> bool {
+        self.nodes[to].verdicts[env.from.0 as usize] < env.from_incarnation
+    }
+
+    /// Hands a message to node `to`'s state machine, the only way in: checks, apart from
+    /// the transport's rule, that its sender's incarnation is not one `to` knows declared
+    /// down (nothing it sends — data, grants, acks — may be applied there).
+    fn receive(&mut self, to: usize, env: Envelope) -> Result<Receipt, ProtocolError> {
+        let from = env.from.0 as usize;
+        let known = self.nodes[to].verdicts[from];
+        if env.from_incarnation <= known {
+            self.fail(format!(
+                "n{to} takes {:?} from n{from} incarnation {}, which it knows was declared down (verdict at {})",
+                env.msg, env.from_incarnation.0, known.0
+            ));
+        }
+        self.nodes[to].svm.receive(env)
+    }
+
     fn deliver(&mut self, m: usize) {
         let (to, env, payload) = self.net.swap_remove(m);
+        if self.nodes[to].paused() {
+            self.fail(format!("a message is delivered to n{to}, which is paused"));
+        }
+        if let Some(c) = self.cuts.iter().find(|c| c.holds(env.from.0 as usize, to)) {
+            self.fail(format!("a message crosses the cut link {c:?}"));
+        }
+        if !self.transport_accepts(to, &env) {
+            self.c.dropped_fenced += 1;
+            self.log(format!(
+                "n{to} drops (sender's incarnation declared down): {env:?} payload {payload:?}"
+            ));
+            return;
+        }
         self.log(format!("deliver to n{to}: {env:?} payload {payload:?}"));
         let cause = match env.msg {
             Msg::Deny { page, error, .. } => Cause::Denied(to, page, error),
             _ => Cause::Other,
         };
         self.begin(to, cause);
-        match self.nodes[to].svm.receive(env) {
+        match self.receive(to, env) {
             Ok(Receipt::Install(page)) => match payload {
                 Some(v) => {
                     self.nodes[to].mem.insert(page, v);
@@ -664,6 +938,15 @@ impl World {
             // grant it afresh to a node still holding it. The daemon logs such a message and
             // drops it; no process maps the page any more.
             Err(e) if !self.live_page(e.page) => self.log(format!("n{to} rejects: {e}")),
+            // A declared node runs on while the others, having learnt of its verdict, no longer
+            // wait for it: the acks it owes are waived (a write may complete while its `Inval`
+            // is still on the way to it), and messages to it may be lost. It may then be sent
+            // what contradicts its state; the daemon logs and drops such a message. It is dead
+            // to the others, and its ranks die when it learns of it.
+            Err(e) if self.nodes[to].declared => {
+                self.c.declared_violations += 1;
+                self.log(format!("n{to} (declared) rejects: {e}"));
+            }
             Err(e) => self.fail(format!("n{to}: {e}")),
         }
         self.run_actions(to);
@@ -692,7 +975,7 @@ impl World {
         for &page in &self.pages {
             let dir = self.nodes[self.manager(page)].svm.directory(page);
             let holds_elsewhere = (0..self.nodes.len())
-                .any(|j| !vs.contains(&j) && !self.nodes[j].zombie && self.nodes[j].applied.contains_key(&page));
+                .any(|j| !vs.contains(&j) && !self.nodes[j].declared && self.nodes[j].applied.contains_key(&page));
             let takes = |v: usize| {
                 let me = NodeId(v as u32);
                 let n = &self.nodes[v];
@@ -748,11 +1031,11 @@ impl World {
         }
     }
 
-    /// Node `v` (crashed, or declared dead) starts again as a new incarnation.
+    /// Node `v` (crashed, or fenced after its verdict) starts again as a new incarnation.
     fn restart(&mut self, v: usize) {
         let old = self.nodes[v].svm.incarnation();
         let inc = Incarnation(old.0 + 1);
-        let was_zombie = self.nodes[v].zombie;
+        let was_declared = self.nodes[v].declared;
         // As the daemon's `ensure_svm`: if another node holds segments, it may hold pages the
         // lost directory counted, and the pages managed here are refused.
         let others_hold = (0..self.nodes.len()).any(|j| j != v && self.nodes[j].segs);
@@ -765,7 +1048,7 @@ impl World {
         let peers: Vec<Option<Incarnation>> = self
             .nodes
             .iter()
-            .map(|n| (!n.zombie).then(|| n.svm.incarnation()))
+            .map(|n| (!n.declared).then(|| n.svm.incarnation()))
             .collect();
         let mut peers = peers;
         // Some peers it has not heard from yet: it learns of them later.
@@ -783,16 +1066,8 @@ impl World {
             self.restart_from_disk(v, false);
             Svm::new(me, inc, peers)
         };
-        self.nodes[v] = Node {
-            svm,
-            mem: HashMap::new(),
-            loads: Vec::new(),
-            applied: HashMap::new(),
-            segs: false,
-            seg_known: Vec::new(),
-            zombie: false,
-            dropped: self.ending,
-        };
+        // It reads the committed verdicts as it starts (the daemon's metadata catch-up).
+        self.nodes[v] = Node::new(svm, self.committed.clone(), self.ending);
         for k in 0..self.clients.len() {
             if self.clients[k].node != v {
                 continue;
@@ -804,32 +1079,47 @@ impl World {
             self.clients[k].mapped.clear();
         }
         for (j, jinc) in deaf {
-            self.news.push((v, j, jinc, true));
+            self.news.push((v, j, jinc, Learn::Up));
         }
         for j in 0..self.nodes.len() {
             if j != v {
-                // Each other node hears, at its own time, of the death (unless declared
-                // already, or the restart beat the failure detector), then of the restart.
-                if !was_zombie && self.rng.chance(70) {
-                    self.news.push((j, v, old, false));
+                // Each other node hears, at its own time, of the death (a verdict, unless one
+                // was committed already, or the restart beat the failure detector), then of
+                // the restart.
+                if !was_declared && self.rng.chance(70) {
+                    self.committed[v] = self.committed[v].max(old);
+                    self.tell_verdict(j, v, old);
                 }
-                self.news.push((j, v, inc, true));
+                self.news.push((j, v, inc, Learn::Up));
             }
         }
     }
 
-    /// Node `v`, live, is declared dead: fenced now, it restarts later.
+    /// Node `j` learns, at its own time, of the verdict on incarnation `inc` of `v`: its book
+    /// first (at once, or by an earlier piece of news), then its state machine.
+    fn tell_verdict(&mut self, j: usize, v: usize, inc: Incarnation) {
+        if self.rng.chance(50) {
+            self.news.push((j, v, inc, Learn::Verdict));
+        }
+        self.news.push((j, v, inc, Learn::Down));
+    }
+
+    /// Node `v`, live, is declared dead (a committed verdict): dead to the others, though it
+    /// runs on until it learns of it.
     fn verdict(&mut self, v: usize) {
         self.c.verdicts += 1;
         self.taint(&[v]);
         let inc = self.nodes[v].svm.incarnation();
         self.log(format!("VERDICT: n{v} incarnation {} declared dead", inc.0));
-        self.nodes[v].zombie = true;
+        self.nodes[v].declared = true;
+        self.committed[v] = self.committed[v].max(inc);
         for j in 0..self.nodes.len() {
             if j != v {
-                self.news.push((j, v, inc, false));
+                self.tell_verdict(j, v, inc);
             }
         }
+        // It learns of it too, at its own time (once awake).
+        self.news.push((v, v, inc, Learn::Verdict));
     }
 
     /// The link between live nodes `a` and `b` breaks: its queued messages (both ways) are
@@ -837,31 +1127,225 @@ impl World {
     fn link_break(&mut self, a: usize, b: usize) {
         let v = if self.rng.chance(50) { a } else { b };
         self.log(format!("LINK n{a}-n{b} breaks"));
+        self.break_link(a, b, v);
+        self.verdict(v);
+    }
+
+    /// The connections between `a` and `b` break, `v` (one of them) being declared dead:
+    /// their queues are dropped, both ways (what `v` took with it first).
+    fn break_link(&mut self, a: usize, b: usize, v: usize) {
         self.taint(&[v]);
+        self.nodes[v].cut_off = true;
         self.drop_messages(|_, to, e| {
             let from = e.from.0 as usize;
             (to == a && from == b) || (to == b && from == a)
         });
-        self.verdict(v);
+    }
+
+    /// Deaths so far (crashes and verdicts), bounded per seed.
+    fn deaths(&self) -> u64 {
+        self.c.crashes + self.c.double_crashes + self.c.verdicts
+    }
+
+    /// Node `v` pauses (SIGSTOP, a VM stall): for less than the failure timeout (no verdict),
+    /// or for longer (a verdict while it sleeps).
+    fn pause(&mut self, v: usize) {
+        let t = self.timeout;
+        let long = self.rng.chance(50);
+        let d = if long {
+            t + 1 + self.rng.below(2 * t as usize) as u64
+        } else {
+            1 + self.rng.below(t as usize - 1) as u64
+        };
+        // What it is in the middle of.
+        let me = NodeId(v as u32);
+        let node = &self.nodes[v];
+        let manages = self
+            .pages
+            .iter()
+            .any(|&p| self.manager(p) == v && node.svm.directory(p).is_some());
+        let owns = self.pages.iter().any(|&p| {
+            self.nodes[self.manager(p)]
+                .svm
+                .directory(p)
+                .is_some_and(|d| d.0 == Some(me))
+        });
+        let in_txn = self.pages.iter().any(|&p| node.svm.in_progress(p).pending.is_some());
+        let loading = !node.loads.is_empty();
+        self.c.paused_managers += manages as u64;
+        self.c.paused_owners += owns as u64;
+        self.c.paused_in_txn += in_txn as u64;
+        self.c.paused_loading += loading as u64;
+        if long {
+            self.c.pauses_long += 1;
+        } else {
+            self.c.pauses_short += 1;
+        }
+        self.log(format!(
+            "PAUSE n{v} for {d} steps (timeout {t}; manages {manages}, owns {owns}, in a transaction {in_txn}, loading {loading})"
+        ));
+        self.nodes[v].paused_until = Some(self.steps + d);
+        self.nodes[v].pause_verdict_at = long.then_some(self.steps + t);
+    }
+
+    /// The link from `a` to `b` is cut, one way or both ways, for less than the failure
+    /// timeout (its messages are late) or for longer (a verdict on the cut-off node).
+    fn cut(&mut self, a: usize, b: usize) {
+        let t = self.timeout;
+        let both = self.rng.chance(50);
+        let long = self.rng.chance(50);
+        let d = if long {
+            t + 1 + self.rng.below(2 * t as usize) as u64
+        } else {
+            1 + self.rng.below(t as usize - 1) as u64
+        };
+        // One way, the coordinator stops hearing `a`; both ways, either end (whichever the
+        // coordinator is cut off from).
+        let v = if both && self.rng.chance(50) { b } else { a };
+        let verdict = long.then(|| (self.steps + t, v, self.nodes[v].svm.incarnation()));
+        if both {
+            self.c.cuts_two_way += 1;
+        } else {
+            self.c.cuts_one_way += 1;
+        }
+        self.c.cuts_long += long as u64;
+        self.log(format!(
+            "CUT n{a}{}n{b} for {d} steps (timeout {t})",
+            if both { "<->" } else { "->" }
+        ));
+        self.cuts.push(Cut {
+            a,
+            b,
+            both,
+            until: self.steps + d,
+            verdict,
+            broken: None,
+        });
+    }
+
+    /// Time passes: a pause or a cut that outlasts the failure timeout leads to a verdict (the
+    /// connections may break then), paused nodes wake and cut links heal when their time
+    /// comes.
+    fn timers(&mut self) {
+        let now = self.steps;
+        for v in 0..self.nodes.len() {
+            if self.nodes[v].pause_verdict_at.is_some_and(|t| t <= now) {
+                self.nodes[v].pause_verdict_at = None;
+                if self.nodes[v].paused() && !self.nodes[v].declared && self.deaths() < MAX_DEATHS {
+                    self.c.verdicts_paused += 1;
+                    self.log(format!("n{v} is silent past the timeout (paused)"));
+                    if self.rng.chance(50) {
+                        // Its connections break: their queues are dropped, both ways (what it
+                        // sends itself does not leave it).
+                        self.log(format!("n{v}'s connections break"));
+                        self.taint(&[v]);
+                        self.nodes[v].cut_off = true;
+                        self.drop_messages(|_, to, e| (to == v) != (e.from.0 as usize == v));
+                    }
+                    self.verdict(v);
+                }
+            }
+            if self.nodes[v].paused_until.is_some_and(|t| t <= now) {
+                let n = &mut self.nodes[v];
+                n.paused_until = None;
+                n.woke_declared = n.declared;
+                let declared = n.declared;
+                self.log(format!(
+                    "n{v} WAKES{}",
+                    if declared { " (declared down meanwhile)" } else { "" }
+                ));
+            }
+        }
+        for k in 0..self.cuts.len() {
+            let c = self.cuts[k];
+            let Some((at, v, inc)) = c.verdict.filter(|x| x.0 <= now) else {
+                continue;
+            };
+            self.cuts[k].verdict = None;
+            let n = &self.nodes[v];
+            if n.svm.incarnation() == inc && !n.declared && self.deaths() < MAX_DEATHS {
+                if c.both {
+                    self.c.verdicts_cut_two_way += 1;
+                } else {
+                    self.c.verdicts_cut_one_way += 1;
+                }
+                self.log(format!(
+                    "n{v} is silent past the timeout (cut off since step {})",
+                    at - self.timeout
+                ));
+                if self.rng.chance(50) {
+                    self.log(format!("LINK n{}-n{} breaks", c.a, c.b));
+                    self.break_link(c.a, c.b, v);
+                    self.cuts[k].broken = Some((v, inc));
+                }
+                self.verdict(v);
+            }
+        }
+        if self.cuts.iter().any(|c| c.until <= now) {
+            for c in self.cuts.clone() {
+                if c.until <= now {
+                    self.log(format!("CUT n{}-n{} heals", c.a, c.b));
+                }
+            }
+            self.cuts.retain(|c| c.until > now);
+        }
+    }
+
+    /// Whether a message from `from` to `to` is lost as it is sent, and with which declared
+    /// node: the link is cut and its connections broke when that node was declared down (it
+    /// still runs that incarnation), or `to` sleeps and its connections broke.
+    fn lost_on_send(&self, from: usize, to: usize) -> Option<usize> {
+        if self.nodes[to].paused() && self.nodes[to].cut_off {
+            return Some(to);
+        }
+        self.cuts
+            .iter()
+            .filter(|c| c.holds(from, to))
+            .find_map(|c| c.broken.filter(|&(v, inc)| self.nodes[v].svm.incarnation() == inc))
+            .map(|(v, _)| v)
+    }
+
+    /// Whether node `to` may take message `m` now (awake, and not held on a cut link).
+    fn deliverable(&self, m: &(usize, Envelope, Option<u64>)) -> bool {
+        let (to, from) = (m.0, m.1.from.0 as usize);
+        !self.nodes[to].paused() && !self.cuts.iter().any(|c| c.holds(from, to))
     }
 
     fn deliver_news(&mut self, k: usize) {
         // Per (to, about), news arrive in order: take the first one of that pair.
         let (to, about, _, _) = self.news[k];
         let first = self.news.iter().position(|n| n.0 == to && n.1 == about).unwrap_or(k);
-        let (to, about, inc, up) = self.news.remove(first);
-        self.log(format!(
-            "n{to} learns n{about} incarnation {} is {}",
-            inc.0,
-            if up { "up" } else { "down" }
-        ));
-        self.begin(to, Cause::Other);
-        if up {
-            self.nodes[to].svm.peer_up(NodeId(about as u32), inc);
-        } else {
-            self.nodes[to].svm.peer_down(NodeId(about as u32), inc);
+        let (to, about, inc, what) = self.news.remove(first);
+        self.log(format!("n{to} learns n{about} incarnation {} is {what:?}", inc.0));
+        if self.nodes[to].paused() {
+            self.fail(format!("n{to} is paused, yet it learns news"));
         }
-        self.run_actions(to);
+        if what != Learn::Up && to != about {
+            let known = &mut self.nodes[to].verdicts[about];
+            *known = (*known).max(inc);
+        }
+        match what {
+            Learn::Up => {
+                self.begin(to, Cause::Other);
+                self.nodes[to].svm.peer_up(NodeId(about as u32), inc);
+                self.run_actions(to);
+            }
+            Learn::Down => {
+                self.begin(to, Cause::Other);
+                self.nodes[to].svm.peer_down(NodeId(about as u32), inc);
+                self.run_actions(to);
+            }
+            Learn::Verdict if to == about => {
+                let n = &mut self.nodes[to];
+                if n.declared && !n.fenced && n.svm.incarnation() == inc {
+                    // It kills its ranks at once; its daemon rejoins soon.
+                    self.c.self_fences += 1;
+                    n.fenced = true;
+                    self.log(format!("n{to} FENCES itself: its clients stop, it will rejoin"));
+                }
+            }
+            Learn::Verdict => {}
+        }
     }
 
     /// The client process of a waiting fault dies: the shell cancels the fault.
@@ -949,7 +1433,8 @@ impl World {
     fn recovery_ends(&self) -> Vec<usize> {
         (0..self.nodes.len())
             .filter(|&r| {
-                !self.nodes[r].zombie
+                !self.nodes[r].declared
+                    && !self.nodes[r].paused()
                     && self.nodes[r].svm.recovering()
                     && (0..self.nodes.len()).all(|j| j == r || !self.nodes[j].segs)
             })
@@ -991,7 +1476,7 @@ impl World {
             let want = self.truth.get(&page).copied().unwrap_or(0);
             let mut writers = 0;
             let mut holders = 0;
-            for (i, node) in self.nodes.iter().enumerate().filter(|(_, x)| !x.zombie) {
+            for (i, node) in self.nodes.iter().enumerate().filter(|(_, x)| !x.declared) {
                 let Some(&a) = node.applied.get(&page) else { continue };
                 holders += 1;
                 writers += (a == Access::Write) as usize;
@@ -1017,12 +1502,12 @@ impl World {
                     "n{m} marks {page} lost, but no node that died may have taken its latest version"
                 ));
             }
-            if mgr.zombie || !mgr.svm.serves(page.file) {
+            if mgr.declared || !mgr.svm.serves(page.file) {
                 continue;
             }
             // The directory covers every holder.
             let prog = mgr.svm.in_progress(page);
-            for (h, node) in self.nodes.iter().enumerate().filter(|(_, x)| !x.zombie) {
+            for (h, node) in self.nodes.iter().enumerate().filter(|(_, x)| !x.declared) {
                 let Some(&a) = node.applied.get(&page) else { continue };
                 let inc = node.svm.incarnation();
                 let in_txn = prog
@@ -1061,7 +1546,7 @@ impl World {
             if let (Some(o), true, false) = (owner, prog == InProgress::default(), lost) {
                 let on = &self.nodes[o.0 as usize];
                 let current = mgr.svm.is_up(o) && mgr.svm.known_incarnation(o) == on.svm.incarnation();
-                if current && !on.zombie {
+                if current && !on.declared {
                     let held = on.applied.get(&page).copied();
                     if held.is_none() || !copyset.contains(&o) {
                         self.fail(format!(
@@ -1075,17 +1560,34 @@ impl World {
 
     fn step(&mut self, new_work: bool, failures: bool) -> bool {
         self.steps += 1;
+        self.timers();
         let n = self.nodes.len();
-        let deaths = self.c.crashes + self.c.double_crashes + self.c.verdicts;
+        let deaths = self.deaths();
+        let any_paused = self.nodes.iter().any(Node::paused);
+        // Messages and news a paused node or a cut link holds wait.
+        let holding = any_paused || !self.cuts.is_empty();
+        let msgs: Option<Vec<usize>> = holding.then(|| {
+            (0..self.net.len())
+                .filter(|&m| self.deliverable(&self.net[m]))
+                .collect()
+        });
+        let news: Option<Vec<usize>> = any_paused.then(|| {
+            (0..self.news.len())
+                .filter(|&k| !self.nodes[self.news[k].0].paused())
+                .collect()
+        });
         // Candidate moves, picked uniformly at random.
         let mut moves: Vec<u8> = Vec::new();
-        if !self.net.is_empty() {
+        if msgs.as_ref().map_or(!self.net.is_empty(), |m| !m.is_empty()) {
             moves.extend([0, 0, 0]);
         }
-        if self.nodes.iter().any(|n| !n.loads.is_empty()) {
+        let loading: Vec<usize> = (0..n)
+            .filter(|&i| !self.nodes[i].loads.is_empty() && !self.nodes[i].paused())
+            .collect();
+        if !loading.is_empty() {
             moves.push(1);
         }
-        if !self.news.is_empty() {
+        if news.as_ref().map_or(!self.news.is_empty(), |k| !k.is_empty()) {
             moves.push(2);
         }
         let ready: Vec<usize> = (0..self.clients.len())
@@ -1103,14 +1605,21 @@ impl World {
         if failures && deaths < MAX_DEATHS && self.rng.permille(self.crash_rate) {
             moves.push(5);
         }
-        if new_work && !self.ending {
+        // Prefetches come from the shells of nodes awake and not fencing.
+        let active: Vec<usize> = (0..n)
+            .filter(|&i| !self.nodes[i].paused() && !self.nodes[i].fenced)
+            .collect();
+        if new_work && !self.ending && !active.is_empty() {
             moves.push(6);
         }
-        let live: Vec<usize> = (0..n).filter(|&i| !self.nodes[i].zombie).collect();
+        let live: Vec<usize> = (0..n).filter(|&i| !self.nodes[i].declared).collect();
         if failures && deaths < MAX_DEATHS && live.len() >= 2 && self.rng.permille(self.break_rate) {
             moves.push(7);
         }
-        if self.nodes.iter().any(|n| n.zombie) {
+        let rejoining: Vec<usize> = (0..n)
+            .filter(|&i| self.nodes[i].fenced && !self.nodes[i].paused())
+            .collect();
+        if !rejoining.is_empty() {
             moves.push(8);
         }
         let waiting: Vec<usize> = (0..self.clients.len())
@@ -1120,37 +1629,61 @@ impl World {
             moves.push(9);
         }
         // A job ends now and then, soon after its pages started failing (a failed fault ends
-        // its process).
+        // its process); not while a node is paused (its shell would cancel the faults).
         let failing = self.nodes.iter().any(|n| n.svm.recovering()) || !self.tainted.is_empty();
-        if new_work && !self.ending && self.rng.permille(if failing { 30 } else { 3 }) {
+        if new_work && !self.ending && !any_paused && self.rng.permille(if failing { 30 } else { 3 }) {
             moves.push(10);
         }
+        let left: Vec<usize> = (0..n)
+            .filter(|&i| !self.nodes[i].dropped && !self.nodes[i].paused())
+            .collect();
         if self.ending {
-            moves.push(if self.nodes.iter().all(|n| n.dropped) { 12 } else { 11 });
+            if self.nodes.iter().all(|n| n.dropped) {
+                moves.push(12);
+            } else if !left.is_empty() {
+                moves.push(11);
+            }
         }
         let ends = self.recovery_ends();
         if !ends.is_empty() {
             moves.push(13);
         }
-        if !self.fence_checks.is_empty() {
+        // A restarted manager's question needs every other node's answer.
+        if !self.fence_checks.is_empty() && !any_paused {
             moves.push(14);
+        }
+        let awake: Vec<usize> = (0..n).filter(|&i| !self.nodes[i].paused()).collect();
+        if failures && awake.len() >= 2 && self.rng.permille(self.pause_rate) {
+            moves.push(15);
+        }
+        if failures && self.cuts.len() < 2 && self.rng.permille(self.cut_rate) {
+            moves.push(16);
+        }
+        // Time passes (pauses end, cuts heal) even when nothing else can happen.
+        if holding {
+            moves.push(17);
         }
         if moves.is_empty() {
             return false;
         }
         match moves[self.rng.below(moves.len())] {
             0 => {
-                let m = self.rng.below(self.net.len());
+                let m = match &msgs {
+                    Some(d) => d[self.rng.below(d.len())],
+                    None => self.rng.below(self.net.len()),
+                };
                 self.deliver(m);
             }
             1 => {
-                let with: Vec<usize> = (0..n).filter(|&i| !self.nodes[i].loads.is_empty()).collect();
-                let i = with[self.rng.below(with.len())];
+                let i = loading[self.rng.below(loading.len())];
                 let l = self.rng.below(self.nodes[i].loads.len());
                 self.finish_load(i, l);
             }
             2 => {
-                let k = self.rng.below(self.news.len());
+                let k = match &news {
+                    Some(d) => d[self.rng.below(d.len())],
+                    None => self.rng.below(self.news.len()),
+                };
                 self.deliver_news(k);
             }
             3 => {
@@ -1181,7 +1714,7 @@ impl World {
             }
             6 => {
                 // A prefetch (the daemon's, on a fault): access to a page nobody waits for.
-                let i = live[self.rng.below(live.len())];
+                let i = active[self.rng.below(active.len())];
                 let page = self.pages[self.rng.below(self.pages.len())];
                 let access = if self.rng.chance(30) {
                     Access::Write
@@ -1202,8 +1735,8 @@ impl World {
                 }
             }
             8 => {
-                let z: Vec<usize> = (0..n).filter(|&i| self.nodes[i].zombie).collect();
-                let v = z[self.rng.below(z.len())];
+                // A fenced node's daemon re-executes itself: a new incarnation, empty memory.
+                let v = rejoining[self.rng.below(rejoining.len())];
                 self.taint(&[v]);
                 self.drop_messages(|rng, _, e| e.from.0 as usize == v && rng.chance(50));
                 self.restart(v);
@@ -1214,25 +1747,46 @@ impl World {
             }
             10 => self.end_job(),
             11 => {
-                let left: Vec<usize> = (0..n).filter(|&i| !self.nodes[i].dropped).collect();
                 let i = left[self.rng.below(left.len())];
                 self.drop_job(i);
             }
             12 => self.start_job(),
+            13 => {
+                let r = ends[self.rng.below(ends.len())];
+                self.end_recovery(r);
+            }
             14 => {
                 let k = self.rng.below(self.fence_checks.len());
                 self.answer_fence(k);
             }
-            _ => {
-                let r = ends[self.rng.below(ends.len())];
-                self.end_recovery(r);
+            15 => {
+                let v = awake[self.rng.below(awake.len())];
+                self.pause(v);
             }
+            16 => {
+                let a = self.rng.below(n);
+                let b = (a + 1 + self.rng.below(n - 1)) % n;
+                self.cut(a, b);
+            }
+            _ => {}
         }
-        // A fenced node is dead to the protocol from its verdict on: whatever it takes up
+        // A declared node is dead to the protocol from its verdict on: whatever it takes up
         // meanwhile goes with it too.
         for z in 0..n {
-            if self.nodes[z].zombie {
+            if self.nodes[z].declared {
                 self.taint(&[z]);
+            }
+        }
+        // So does a write its manager grants to an incarnation that died before the request
+        // arrived (a manager declared down, or paused, learns of deaths late).
+        for k in 0..self.pages.len() {
+            let page = self.pages[k];
+            let busy = self.nodes[self.manager(page)].svm.in_progress(page).busy;
+            if busy
+                .iter()
+                .any(|&(t, a)| a == Access::Write && t.incarnation < self.nodes[t.node.0 as usize].svm.incarnation())
+            {
+                self.tainted.insert(page);
             }
         }
         self.check();
@@ -1270,6 +1824,9 @@ fn run_seed(seed: u64) -> Counts {
             }
         }
     }
+    if w.nodes.iter().any(|n| n.paused() || n.declared) || !w.cuts.is_empty() {
+        w.fail("a node still paused or declared, or a link still cut, after draining".into());
+    }
     let mut c = w.c;
     c.joined = w.nodes.iter().map(|n| n.svm.stats().joined_reads).sum();
     c.late = w.nodes.iter().map(|n| n.svm.stats().late_grants).sum();
@@ -1294,24 +1851,7 @@ fn random_schedules_keep_memory_sequentially_consistent() {
     for seed in first..first + count {
         let c = run_seed(seed);
         crashed_seeds += (c.crashes > 0) as u64;
-        t.done += c.done;
-        t.failed += c.failed;
-        for (a, b) in t.failed_by.iter_mut().zip(c.failed_by) {
-            *a += b;
-        }
-        t.crashes += c.crashes;
-        t.double_crashes += c.double_crashes;
-        t.verdicts += c.verdicts;
-        t.dropped_msgs += c.dropped_msgs;
-        t.cancels += c.cancels;
-        t.job_ends += c.job_ends;
-        t.end_recoveries += c.end_recoveries;
-        t.fences_cleared += c.fences_cleared;
-        t.woken_unmapped += c.woken_unmapped;
-        t.interleaved += c.interleaved;
-        t.joined += c.joined;
-        t.late += c.late;
-        t.redundant += c.redundant;
+        t.add(&c);
     }
     eprintln!("{count} seeds, {crashed_seeds} with crashes: {t:?}");
     // The runs must do real work, and every path they are meant to test must run.
@@ -1361,6 +1901,32 @@ fn random_schedules_keep_memory_sequentially_consistent() {
         // ... also after their `Data` granted a write that still collected acks (so the
         // requester's handling of the redundant grant ran).
         assert!(t.redundant > 0, "no redundant late grant over {count} seeds");
+        // Pauses and partitions, short and long, of every kind of node, and what follows.
+        for (what, n) in [
+            ("short pause", t.pauses_short),
+            ("long pause", t.pauses_long),
+            ("pause of a manager", t.paused_managers),
+            ("pause of an owner", t.paused_owners),
+            ("pause in a transaction", t.paused_in_txn),
+            ("pause while loading", t.paused_loading),
+            ("one-way cut", t.cuts_one_way),
+            ("two-way cut", t.cuts_two_way),
+            ("long cut", t.cuts_long),
+            ("verdict on a paused node", t.verdicts_paused),
+            ("verdict after a one-way cut", t.verdicts_cut_one_way),
+            ("verdict after a two-way cut", t.verdicts_cut_two_way),
+            ("message dropped from a fenced incarnation", t.dropped_fenced),
+            ("message sent by a declared node before it knew", t.declared_sends),
+            (
+                "message sent by a declared node woken from its pause",
+                t.woken_declared_sends,
+            ),
+            ("client operation on a declared node before it knew", t.declared_ops),
+            ("node fencing itself", t.self_fences),
+            ("message lost on a broken link", t.lost_on_broken),
+        ] {
+            assert!(n > 0, "no {what} over {count} seeds");
+        }
     }
 }
 
