@@ -2,23 +2,51 @@
 //! writing two files through the nodes' memories, the real coordinator and participant state
 //! machines, the real recovery-copy tables (`FrameTable`, with a capacity that a round may
 //! exceed) and the real memory level of a rollback (`rollback_target`), the real metadata
-//! operations (`MetaState::apply`: begin, commit record, fence), and disks with two slots per
-//! page copy that lose or tear unsynced writes in a crash. Rounds are memory or persistent at
-//! random; a persistent one flushes the recovery copies newer than the disks. Messages are
-//! delayed and reordered; nodes crash at any step (the coordinator mid-round, a participant
-//! mid-write or mid-sync, two at once, every node in a power cut) and come back, or are
-//! declared down while they run on (a coordinator that goes on with its round until it is
-//! fenced); metadata operations of a dead coordinator may still be applied later, in order,
-//! or never.
+//! operations (`MetaState::apply`: begin, commit record, fence, down verdict), every node's
+//! real verdict book (`psls_cluster::verdicts::Verdicts`: what it drops, when it fences
+//! itself, whom the coordinator declares down), and disks with two slots per page copy that
+//! lose or tear unsynced writes in a crash. Rounds are memory or persistent at random; a
+//! persistent one flushes the recovery copies newer than the disks.
 //!
-//! A crash rolls the job back (the shape the daemon follows): once every node is up and no
-//! round is deciding, the coordinator fences every epoch begun or seen so far, and when the
-//! fence is applied, the job returns to the newest memory checkpoint a node committed if it
-//! is newer than the committed persistent one and no page lost both recovery copies, else to
-//! the persistent one (memories dropped, recovery copies settled and re-created on the nodes
-//! that lost theirs, the pages reloaded from recovery copies or the disks).
+//! Failures: messages are delayed and reordered; nodes crash at any step (the coordinator
+//! mid-round, a participant mid-write or mid-sync, two at once, every node in a power cut) and
+//! come back; nodes *pause* (SIGSTOP, a VM stall — the coordinator, a node with a write in
+//! progress, or any) for less or more than the failure timeout, and wake with all their
+//! state: what was sent to them meanwhile arrives then, and they act on what they knew (send
+//! their round's messages, write pages, apply old decisions) until they learn their verdict;
+//! links are *cut* one way or both (one link, or a node cut off from every other, the
+//! coordinator half the time) for less or more than the timeout, a cut dropping what was
+//! queued on the link and everything sent on it; and the detector now and then suspects a
+//! node that runs.
 //!
-//! Checked after every step:
+//! The cluster as the daemon runs it, in the small: the coordinator is the metadata's leader,
+//! one per term. When a majority has not heard it for the failure timeout, they elect the
+//! lowest of them, which declares the old one down at once; a deposed coordinator's later
+//! metadata operations are refused, those it submitted before are applied in order, or lost.
+//! The metadata applies operations only while its leader is awake and joined both ways to a
+//! majority. The coordinator declares down (a committed `DeclareDown`) every node it has not
+//! heard for the timeout. A node learns who coordinates and every committed verdict when it
+//! hears the coordinator, its own verdict from any peer's heartbeat too; it then fences itself
+//! (a new incarnation with an empty memory; its disk stays). Every checkpoint message and page
+//! write carries its sender's incarnation and is dropped by a receiver that knows a verdict on
+//! it. Events for a paused node (a failure its coordinator hears of, the job's stop, answers to
+//! its metadata operations) wait until it wakes. The coordinator starts a round only when every
+//! rank is at the safe point (no node paused) and every node is live for it (heard within the
+//! timeout, no verdict on it known: the daemon's `check_all_serving`).
+//!
+//! A crash, or a committed verdict on a node running the job, rolls the job back (the shape
+//! the daemon follows): the ranks are stopped everywhere (on a paused or cut-off node once it
+//! is awake and reachable); once every node is up, awake, not declared down (a declared one
+//! back as a new incarnation), stopped, joined both ways to the coordinator and knowing it
+//! coordinates, and no round of the coordinator is deciding, the coordinator fences every
+//! epoch begun or seen so far, and when the fence is applied with every node still there, the
+//! job returns to the newest memory checkpoint a node committed if it is newer than the
+//! committed persistent one and no page lost both recovery copies, else to the persistent one
+//! (memories dropped, recovery copies settled and re-created on the nodes that lost theirs,
+//! the pages reloaded from recovery copies or the disks).
+//!
+//! Checked after every step (the checks (a) to (c) at every message, page write, metadata
+//! operation and decision they concern):
 //! - the disks hold the last committed checkpoint: every page's committed generation is on
 //!   each up node holding a copy, whole, with the bytes the job had in memory when that
 //!   checkpoint's round began (the simulator keeps every checkpoint's image);
@@ -29,11 +57,22 @@
 //!   pre-recovery of that epoch where the decision has not arrived): no node dropped the
 //!   previous checkpoint's copies before the new one committed;
 //! - after every rollback, each page as the job now sees it equals its contents at the
-//!   restored checkpoint, bit for bit, and no checkpoint begun before it ever commits.
+//!   restored checkpoint, bit for bit, and no checkpoint begun before it ever commits;
+//! - (a) no node takes a checkpoint message, a page write or a sync from an incarnation it
+//!   learnt was declared down: checked where it is taken, against a table of the verdicts
+//!   each incarnation learnt that the dropping code does not read;
+//! - (b) once a rollback's fence at epoch F is applied, no round of an epoch up to F commits:
+//!   no commit record of one is applied, no coordinator that still believes it coordinates
+//!   finishes one as committed, no participant takes the commit of a memory one;
+//! - (c) one coordinator per term and per round: every metadata operation applied was
+//!   submitted by the leader of its term, as that incarnation; the metadata begins one round
+//!   of an epoch at most; at most one round of an epoch finishes committed in a run of the job
+//!   (between two rollbacks); a participant acts only on round messages from the node it
+//!   believes coordinates.
 //!
-//! Each seed ends with a calm phase: every node up, a write, a round that must commit.
-//! `PSLS_SIM_SEED=N` runs one seed, `PSLS_SIM_SEEDS=N` seeds 0..N, `PSLS_SIM_TRACE=1` prints
-//! every step.
+//! Each seed ends with a calm phase: every node up and awake, every link whole, every verdict
+//! known, a write, a round that must commit. `PSLS_SIM_SEED=N` runs one seed,
+//! `PSLS_SIM_SEEDS=N` seeds 0..N, `PSLS_SIM_TRACE=1` prints every step.
 
 mod common;
 
@@ -41,6 +80,7 @@ use psls_ckpt::cleaning::Policy;
 use psls_ckpt::frames::{rollback_target, FrameTable};
 use psls_ckpt::msg::Level;
 use psls_ckpt::{CoordAction, Coordinator, Msg, Outcome, PartAction, Participant};
+use psls_cluster::verdicts::Verdicts;
 use psls_pfs::jobs::FileRuns;
 use psls_pfs::meta::{FileMeta, MetaOp, MetaState};
 use psls_pfs::{Placement, Role};
@@ -51,10 +91,18 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 const JOB: &str = "j";
 const STEPS: usize = 600;
 const TIMEOUT_MS: u64 = 5_000;
+/// The nodes' physical names: verdicts name nodes by them.
+const NAMES: [&str; 5] = ["n0", "n1", "n2", "n3", "n4"];
 
 type Page = (FileId, u64);
 /// The bytes of every page, as a value per page (0: zeros).
 type Image = BTreeMap<Page, u64>;
+/// A round: its epoch, its coordinator's node and incarnation.
+type Round = (u64, usize, u64);
+
+fn node_index(name: &str) -> usize {
+    NAMES.iter().position(|n| *n == name).expect("a simulated node")
+}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Content {
@@ -152,13 +200,41 @@ struct WriteJob {
     stage: Stage,
 }
 
+/// What reaches a node apart from checkpoint messages: carried out at once if it is awake
+/// (and nothing is waiting before it), else once it wakes, in order.
+#[derive(Debug)]
+enum Local {
+    /// Its coordinator hears that a node failed.
+    NodeDown(NodeId),
+    /// The launcher stops the job's ranks here (a rollback): it needs a link from the
+    /// coordinator.
+    Stop,
+    /// Answers to its metadata operations.
+    Begun(u64, Result<(u64, u64, u64), String>),
+    Committed(u64, Result<(), String>),
+    Fenced(u64, Result<bool, String>),
+}
+
 struct Node {
     up: bool,
-    /// Declared down by the others while it still runs (a false suspicion): it goes on acting
-    /// on what it knew — a coordinator may still submit its round's operations — until it is
-    /// fenced (restarted with a new incarnation and an empty memory).
-    zombie: bool,
     inc: u64,
+    /// Stopped with all its state (SIGSTOP, a VM stall) until then: it takes no message, does
+    /// not tick, writes and submits nothing.
+    paused_until_ms: u64,
+    /// The epoch of the round its coordinator was running when it last paused.
+    paused_in_round: Option<u64>,
+    /// Its verdict book, as the daemon keeps it: what it drops, and when it fences itself.
+    verdicts: Verdicts,
+    /// The verdicts this incarnation learnt, kept apart from `verdicts` for check (a), and
+    /// how many verdicts were committed when it last read them.
+    learnt: BTreeMap<usize, u64>,
+    learnt_at: u64,
+    /// The node it believes coordinates (its participant's coordinator).
+    view: Option<usize>,
+    /// The term it believes it leads (0: none); its metadata operations carry it.
+    led_term: u64,
+    /// Events that reached it while it was paused (or before the ones still waiting).
+    inbox: VecDeque<Local>,
     disk: Disk,
     part: Participant,
     coord: Coordinator,
@@ -182,14 +258,22 @@ struct Node {
 }
 
 impl Node {
-    fn new(frame_capacity: u64) -> Node {
+    /// Incarnation `inc` of node `i`, up, with an empty memory and disk.
+    fn new(frame_capacity: u64, i: usize, inc: u64) -> Node {
         Node {
             up: true,
-            zombie: false,
-            inc: 1,
+            inc,
+            paused_until_ms: 0,
+            paused_in_round: None,
+            verdicts: Verdicts::new(NAMES[i], inc),
+            learnt: BTreeMap::new(),
+            learnt_at: 0,
+            view: None,
+            led_term: 0,
+            inbox: VecDeque::new(),
             disk: Disk::default(),
-            part: Participant::new(1),
-            coord: Coordinator::new(TIMEOUT_MS, 1),
+            part: Participant::new(inc),
+            coord: Coordinator::new(TIMEOUT_MS, inc),
             mem: BTreeMap::new(),
             taken: BTreeMap::new(),
             took: BTreeMap::new(),
@@ -209,20 +293,81 @@ enum Task {
     Fence(u64),
     /// The fence of a rollback (its number: only the last one submitted completes it).
     Rollback(u64),
+    /// A down verdict on incarnation `inc` of `node`, which was paused, or cut off (a link to
+    /// or from it cut), when the coordinator declared it.
+    Declare {
+        node: usize,
+        inc: u64,
+        paused: bool,
+        cut: bool,
+    },
 }
 
 struct MetaTask {
     op: MetaOp,
     by: NodeId,
     inc: u64,
+    /// The term its submitter led.
+    term: u64,
     task: Task,
 }
 
 struct Envelope {
     from: NodeId,
+    from_inc: u64,
     to: NodeId,
     to_inc: u64,
     msg: Msg,
+}
+
+/// What a run counts; over many seeds, each must have happened.
+const COUNTED: [&str; 20] = [
+    "persistent checkpoints committed",
+    "memory checkpoints committed",
+    "rollbacks",
+    "rollbacks to a memory checkpoint",
+    "rounds that let the ranks go on before their decision",
+    "writes made meanwhile",
+    "pauses",
+    "pauses of a coordinator in a round",
+    "pauses of a node with a write or sync in progress",
+    "rounds that ended after their coordinator woke from a pause",
+    "cut links or nodes",
+    "coordinator elections",
+    "down verdicts",
+    "verdicts on paused nodes",
+    "verdicts on cut-off nodes",
+    "checkpoint messages and page writes dropped from fenced incarnations",
+    "messages sent and writes made by incarnations already declared down",
+    "nodes that fenced themselves",
+    "rollbacks after a verdict on a paused node",
+    "rounds a coordinator already declared down went on with to their end",
+];
+
+#[derive(Default)]
+struct Counts([u64; COUNTED.len()]);
+
+impl Counts {
+    const COMMITS: usize = 0;
+    const MEMORY_COMMITS: usize = 1;
+    const ROLLBACKS: usize = 2;
+    const MEMORY_ROLLBACKS: usize = 3;
+    const RELEASES: usize = 4;
+    const EARLY_WRITES: usize = 5;
+    const PAUSES: usize = 6;
+    const COORDINATOR_PAUSES: usize = 7;
+    const WRITER_PAUSES: usize = 8;
+    const ROUNDS_AFTER_PAUSE: usize = 9;
+    const CUTS: usize = 10;
+    const ELECTIONS: usize = 11;
+    const VERDICTS: usize = 12;
+    const VERDICTS_PAUSED: usize = 13;
+    const VERDICTS_CUT: usize = 14;
+    const FENCED_DROPS: usize = 15;
+    const LATE_ACTS: usize = 16;
+    const SELF_FENCES: usize = 17;
+    const PAUSE_ROLLBACKS: usize = 18;
+    const DECLARED_ROUNDS: usize = 19;
 }
 
 struct World {
@@ -236,29 +381,24 @@ struct World {
     net: Vec<Envelope>,
     /// Every committed checkpoint's image (0: the files as the job started).
     history: BTreeMap<u64, Image>,
-    /// The image when each round began (its checkpoint's contents).
-    round_images: BTreeMap<u64, Image>,
+    /// The image when each round began (its checkpoint's contents), by round: epoch,
+    /// coordinator node and incarnation (two coordinators may start rounds of one memory
+    /// epoch).
+    round_images: BTreeMap<Round, Image>,
+    /// The image of each memory checkpoint committed, from its round.
+    memory_images: BTreeMap<u64, Image>,
     /// The job's pages as it sees them (its writes since the restored checkpoint).
     app: Image,
     next_val: u64,
-    /// A crash happened: the job is stopped until a rollback completes (`Some(true)`: its
-    /// fence is submitted).
+    /// A crash or a verdict happened: the job is stopped until a rollback completes
+    /// (`Some(true)`: its fence is submitted).
     rollback: Option<bool>,
     /// Rollback fences submitted.
     fences: u64,
     /// Rollbacks completed: the job's run since the last one, and the run each round began in
     /// (a checkpoint of a run rolled back must never commit).
     lineage: u64,
-    round_lineage: BTreeMap<u64, u64>,
-    rollbacks: u64,
-    commits: u64,
-    memory_commits: u64,
-    /// Rollbacks that returned to a memory checkpoint.
-    memory_rollbacks: u64,
-    /// Rounds that let the ranks go on before their decision, and the job's writes made while
-    /// such a round was still deciding.
-    releases: u64,
-    early_writes: u64,
+    round_lineage: BTreeMap<Round, u64>,
     /// Pages the persistent checkpoints that finished committed said they kept.
     persistent_pages: u64,
     trace: bool,
@@ -270,6 +410,30 @@ struct World {
     begun_gens: BTreeSet<u64>,
     /// The epoch the last rollback fenced.
     fenced: u64,
+    /// The metadata's leader (the cluster's coordinator), its term, and who led each term
+    /// (node, incarnation).
+    leader: Option<usize>,
+    term: u64,
+    term_leaders: BTreeMap<u64, (usize, u64)>,
+    /// Directed links cut until then.
+    cut_until_ms: BTreeMap<(usize, usize), u64>,
+    /// When the leader last heard each node, and each node the leader.
+    heard_by_leader: Vec<u64>,
+    hears_leader: Vec<u64>,
+    /// (b): the highest epoch a rollback's fence that was applied fenced.
+    fence_applied: u64,
+    /// (c): the coordinator (node, incarnation) each epoch was begun for in the metadata, and
+    /// the run and coordinator of each round finished committed.
+    begun_by: BTreeMap<u64, (usize, u64)>,
+    finished_committed: BTreeMap<u64, (u64, usize, u64)>,
+    /// A verdict on a paused node is among the failures the rollback under way answers.
+    rollback_after_pause: bool,
+    counts: Counts,
+}
+
+/// Whether node `j` has not heard the coordinator for the timeout.
+fn deaf(w: &World, j: usize) -> bool {
+    w.now_ms.saturating_sub(w.hears_leader[j]) > TIMEOUT_MS && w.awake(j) && !w.declared(j)
 }
 
 impl World {
@@ -312,10 +476,17 @@ impl World {
             .iter()
             .flat_map(|(f, p)| (0..*p).map(move |i| ((*f, i), 0)))
             .collect();
+        // Node 0 leads the first term; everyone knows it.
+        let mut nodes: Vec<Node> = (0..n as usize).map(|i| Node::new(frame_capacity, i, 1)).collect();
+        for node in nodes.iter_mut() {
+            node.view = Some(0);
+            node.part.coordinator_changed(Some(NodeId(0)));
+        }
+        nodes[0].led_term = 1;
         World {
             rng,
             now_ms: 0,
-            nodes: (0..n).map(|_| Node::new(frame_capacity)).collect(),
+            nodes,
             placement,
             files,
             meta,
@@ -323,24 +494,30 @@ impl World {
             net: Vec::new(),
             history: BTreeMap::from([(0, app.clone())]),
             round_images: BTreeMap::new(),
+            memory_images: BTreeMap::new(),
             app,
             next_val: 1,
             rollback: None,
             fences: 0,
             lineage: 0,
             round_lineage: BTreeMap::new(),
-            rollbacks: 0,
-            commits: 0,
-            memory_commits: 0,
-            memory_rollbacks: 0,
-            releases: 0,
-            early_writes: 0,
             persistent_pages: 0,
             trace: std::env::var("PSLS_SIM_TRACE").is_ok(),
             frame_capacity,
             cleaning,
             begun_gens: BTreeSet::new(),
             fenced: 0,
+            leader: Some(0),
+            term: 1,
+            term_leaders: BTreeMap::from([(1, (0, 1))]),
+            cut_until_ms: BTreeMap::new(),
+            heard_by_leader: vec![0; n as usize],
+            hears_leader: vec![0; n as usize],
+            fence_applied: 0,
+            begun_by: BTreeMap::new(),
+            finished_committed: BTreeMap::new(),
+            rollback_after_pause: false,
+            counts: Counts::default(),
         }
     }
 
@@ -350,10 +527,439 @@ impl World {
         }
     }
 
-    fn coordinator(&self) -> Option<NodeId> {
-        (0..self.nodes.len())
-            .find(|&i| self.nodes[i].up && !self.nodes[i].zombie)
-            .map(|i| NodeId(i as u32))
+    fn count(&mut self, what: usize) {
+        self.counts.0[what] += 1;
+    }
+
+    // ---- the cluster: pauses, links, terms, verdicts ----
+
+    fn awake(&self, i: usize) -> bool {
+        self.nodes[i].up && self.nodes[i].paused_until_ms <= self.now_ms
+    }
+
+    fn paused(&self, i: usize) -> bool {
+        self.nodes[i].up && self.nodes[i].paused_until_ms > self.now_ms
+    }
+
+    /// Whether what `a` sends `b` gets there (a node always reaches itself).
+    fn link(&self, a: usize, b: usize) -> bool {
+        a == b || self.cut_until_ms.get(&(a, b)).is_none_or(|&t| t <= self.now_ms)
+    }
+
+    fn both_ways(&self, a: usize, b: usize) -> bool {
+        self.link(a, b) && self.link(b, a)
+    }
+
+    /// A link to or from node `i` is cut.
+    fn cut_off(&self, i: usize) -> bool {
+        (0..self.nodes.len()).any(|j| !self.both_ways(i, j))
+    }
+
+    /// The metadata holds a verdict on node `i`'s incarnation.
+    fn declared(&self, i: usize) -> bool {
+        self.meta.is_down(NAMES[i], self.nodes[i].inc)
+    }
+
+    /// The coordinator that may start rounds and rollbacks: the leader of the current term,
+    /// awake, knowing it leads.
+    fn acting(&self) -> Option<usize> {
+        self.leader
+            .filter(|&l| self.awake(l) && self.nodes[l].view == Some(l) && self.nodes[l].led_term == self.term)
+    }
+
+    /// The receivers' rule (`Verdicts::accepts`): nothing from an incarnation declared down,
+    /// once the receiver knows the verdict.
+    fn takes(&self, to: usize, from: usize, inc: u64) -> bool {
+        self.nodes[to].verdicts.accepts(NAMES[from], inc)
+    }
+
+    /// Check (a), apart from the dropping code: node `to` takes nothing from an incarnation
+    /// it learnt was declared down.
+    fn check_not_fenced(&self, to: usize, from: usize, inc: u64, what: &str) {
+        if let Some(&d) = self.nodes[to].learnt.get(&from) {
+            assert!(
+                d < inc,
+                "(a) node {to} took {what} from incarnation {inc} of node {from}, which it knows was declared down (verdict up to incarnation {d})"
+            );
+        }
+    }
+
+    /// The failure detector, at the current time: who hears whom, elections, and the
+    /// coordinator's declarations.
+    fn observe(&mut self) {
+        let n = self.nodes.len();
+        let now = self.now_ms;
+        let l = match self.leader {
+            Some(l) if self.nodes[l].up => l,
+            _ => {
+                self.leader = None;
+                let candidates: Vec<usize> = (0..n).filter(|&j| self.awake(j) && !self.declared(j)).collect();
+                self.elect_among(&candidates, None);
+                return;
+            }
+        };
+        if self.awake(l) {
+            for j in 0..n {
+                if self.awake(j) {
+                    if self.link(j, l) {
+                        self.heard_by_leader[j] = now;
+                    }
+                    if self.link(l, j) {
+                        self.hears_leader[j] = now;
+                    }
+                }
+            }
+        }
+        // A majority that has not heard the coordinator for the timeout elects another.
+        if (0..n).any(|j| j != l && deaf(self, j)) {
+            let deaf: Vec<usize> = (0..n).filter(|&j| j != l && deaf(self, j)).collect();
+            if self.elect_among(&deaf, Some(l)) {
+                return;
+            }
+        }
+        if self.acting() != Some(l) {
+            return;
+        }
+        let silent = |j: usize| j != l && now.saturating_sub(self.heard_by_leader[j]) > TIMEOUT_MS;
+        if (0..n).any(silent) {
+            let suspects = (0..n)
+                .filter(|&j| silent(j))
+                .map(|j| (NAMES[j].to_string(), self.nodes[j].inc))
+                .collect();
+            self.declare(l, suspects);
+        }
+    }
+
+    /// The lowest of `candidates` becomes the coordinator if a majority of the nodes (it
+    /// included) joined to it both ways votes for it.
+    fn elect_among(&mut self, candidates: &[usize], old: Option<usize>) -> bool {
+        let Some(&c) = candidates.first() else { return false };
+        let voters: Vec<usize> = candidates.iter().copied().filter(|&j| self.both_ways(c, j)).collect();
+        if voters.len() <= self.nodes.len() / 2 {
+            return false;
+        }
+        self.term += 1;
+        self.count(Counts::ELECTIONS);
+        self.leader = Some(c);
+        self.term_leaders.insert(self.term, (c, self.nodes[c].inc));
+        self.nodes[c].led_term = self.term;
+        self.log(|| format!("{c} coordinates term {} (voters {voters:?}, before {old:?})", self.term));
+        // The new coordinator's detector: it hears the others now, not the old coordinator
+        // (silent to it for the timeout).
+        let now = self.now_ms;
+        let old_heard = self.hears_leader[c];
+        self.heard_by_leader.iter_mut().for_each(|t| *t = now);
+        self.hears_leader.iter_mut().for_each(|t| *t = now);
+        if let Some(o) = old {
+            self.heard_by_leader[o] = old_heard;
+        }
+        // The voters promised the new term: they know who coordinates, and what it committed.
+        for v in voters {
+            self.install(v);
+        }
+        // A rollback's fence submitted in the old term may be lost: the launcher tries again.
+        if self.rollback == Some(true) {
+            self.rollback = Some(false);
+        }
+        // The old coordinator, which a majority has not heard for the timeout, is declared.
+        if let Some(o) = old.filter(|&o| self.nodes[o].up && self.acting() == Some(c)) {
+            let suspect = vec![(NAMES[o].to_string(), self.nodes[o].inc)];
+            self.declare(c, suspect);
+        }
+        true
+    }
+
+    /// Coordinator `l` declares down the incarnations of `suspects` it is not declaring yet
+    /// (`Verdicts::poll_declarations`, as the daemon does).
+    fn declare(&mut self, l: usize, suspects: Vec<(String, u64)>) {
+        for (p, inc) in self.nodes[l].verdicts.poll_declarations(true, suspects) {
+            let node = node_index(&p);
+            let (paused, cut) = (self.paused(node), self.cut_off(node));
+            self.log(|| format!("{l} declares incarnation {inc} of {node} down (paused {paused}, cut {cut})"));
+            self.submit(
+                l,
+                MetaOp::DeclareDown {
+                    physical: p,
+                    incarnation: inc,
+                },
+                Task::Declare { node, inc, paused, cut },
+            );
+        }
+    }
+
+    /// Node `j` hears the coordinator: it knows it coordinates, and every committed verdict.
+    fn install(&mut self, j: usize) {
+        let Some(l) = self.leader else { return };
+        if self.nodes[j].view != Some(l) {
+            self.nodes[j].view = Some(l);
+            self.nodes[j].part.coordinator_changed(Some(NodeId(l as u32)));
+        }
+        if j != l {
+            self.nodes[j].led_term = 0;
+        }
+        self.learn_committed(j);
+    }
+
+    /// Node `j` reads the committed verdicts; its coordinator hears of the nodes they name
+    /// (in the incarnation they run), and it fences itself if one names it.
+    fn learn_committed(&mut self, j: usize) {
+        // Nothing new since it last read them.
+        let committed = self.counts.0[Counts::VERDICTS];
+        if self.nodes[j].learnt_at == committed && committed > 0 {
+            return;
+        }
+        self.nodes[j].learnt_at = committed;
+        let World { meta, nodes, .. } = self;
+        nodes[j].verdicts.handle_committed(&meta.down);
+        let mut failed = Vec::new();
+        for (p, &d) in &meta.down {
+            let k = node_index(p);
+            if nodes[j].learnt.get(&k).is_some_and(|&o| o >= d) {
+                continue;
+            }
+            nodes[j].learnt.insert(k, d);
+            if k != j && d >= nodes[k].inc {
+                failed.push(k);
+            }
+        }
+        for k in failed {
+            self.local(j, Local::NodeDown(NodeId(k as u32)));
+        }
+        if let Some(f) = self.nodes[j].verdicts.poll_fence() {
+            self.log(|| format!("{j} learns its verdict ({f:?})"));
+            self.fence_self(j);
+        }
+    }
+
+    /// Every awake node that hears the coordinator reads it now and then.
+    fn hear_leader(&mut self) {
+        let Some(l) = self.leader else { return };
+        if !self.awake(l) {
+            return;
+        }
+        for j in 0..self.nodes.len() {
+            if self.leader == Some(l) && self.awake(j) && self.link(l, j) && self.rng.chance(400) {
+                self.install(j);
+            }
+        }
+    }
+
+    /// A heartbeat between two peers: it tells the receiver of a verdict on it.
+    fn heartbeat(&mut self) {
+        let n = self.nodes.len() as u64;
+        let (j, i) = (self.rng.below(n) as usize, self.rng.below(n) as usize);
+        if i == j || !self.awake(i) || !self.awake(j) || !self.link(j, i) {
+            return;
+        }
+        let down: Vec<(String, u64)> = self.nodes[j]
+            .verdicts
+            .committed()
+            .iter()
+            .map(|(p, d)| (p.clone(), *d))
+            .collect();
+        let inc = self.nodes[j].inc;
+        self.nodes[i].verdicts.handle_heartbeat(
+            NAMES[j],
+            inc,
+            down.iter().map(|(p, d)| (p.as_str(), *d)),
+            std::iter::empty(),
+        );
+        if let Some(f) = self.nodes[i].verdicts.poll_fence() {
+            self.log(|| format!("{i} learns its verdict from {j} ({f:?})"));
+            self.fence_self(i);
+        }
+    }
+
+    /// Node `i` learnt its verdict: it stops its ranks and rejoins as a new incarnation with
+    /// an empty memory (its disk stays, with what it wrote: the process exits, the machine
+    /// does not lose its page cache).
+    fn fence_self(&mut self, i: usize) {
+        self.count(Counts::SELF_FENCES);
+        let inc = self.nodes[i].inc + 1;
+        let disk = std::mem::take(&mut self.nodes[i].disk);
+        self.nodes[i] = Node {
+            disk,
+            ..Node::new(self.frame_capacity, i, inc)
+        };
+        // Its connections close: what they still held may be lost.
+        if self.rng.chance(500) {
+            self.net.retain(|e| e.from.0 as usize != i);
+        }
+        if self.leader == Some(i) {
+            self.leader = None;
+        }
+        self.install(i);
+    }
+
+    /// A node pauses: the coordinator, a node with a write in progress, or any; shorter than
+    /// the failure timeout or up to three times longer.
+    fn pause(&mut self) {
+        let n = self.nodes.len() as u64;
+        let writing: Vec<usize> = (0..self.nodes.len())
+            .filter(|&i| !self.nodes[i].writes.is_empty())
+            .collect();
+        let i = match self.rng.below(3) {
+            0 => self.leader.unwrap_or(0),
+            1 if !writing.is_empty() => writing[self.rng.below(writing.len() as u64) as usize],
+            _ => self.rng.below(n) as usize,
+        };
+        if !self.awake(i) {
+            return;
+        }
+        let ms = if self.rng.chance(500) {
+            1 + self.rng.below(TIMEOUT_MS)
+        } else {
+            TIMEOUT_MS + self.rng.below(2 * TIMEOUT_MS)
+        };
+        self.nodes[i].paused_until_ms = self.now_ms + ms;
+        self.count(Counts::PAUSES);
+        let round = self.nodes[i].coord.progress(JOB).map(|p| p.epoch);
+        if round.is_some() {
+            self.nodes[i].paused_in_round = round;
+            self.count(Counts::COORDINATOR_PAUSES);
+        }
+        if !self.nodes[i].writes.is_empty() {
+            self.count(Counts::WRITER_PAUSES);
+        }
+        self.log(|| {
+            format!(
+                "{i} pauses for {ms} ms (coordinating {}, writes {}, round {:?})",
+                self.leader == Some(i),
+                self.nodes[i].writes.len(),
+                self.nodes[i].coord.progress(JOB).map(|p| (p.epoch, p.step))
+            )
+        });
+    }
+
+    /// A link is cut one way or both, or a node (the coordinator half the time) from every
+    /// other; shorter than the failure timeout or up to four times longer.
+    fn cut(&mut self) {
+        let n = self.nodes.len();
+        let ms = if self.rng.chance(500) {
+            1 + self.rng.below(TIMEOUT_MS)
+        } else {
+            TIMEOUT_MS + self.rng.below(3 * TIMEOUT_MS)
+        };
+        let until = self.now_ms + ms;
+        let a = match self.leader {
+            Some(l) if self.rng.chance(500) => l,
+            _ => self.rng.below(n as u64) as usize,
+        };
+        let mut links = Vec::new();
+        match self.rng.below(3) {
+            kind @ (0 | 1) => {
+                let b = (a + 1 + self.rng.below(n as u64 - 1) as usize) % n;
+                links.push((a, b));
+                if kind == 1 {
+                    links.push((b, a));
+                }
+            }
+            _ => {
+                for b in (0..n).filter(|&b| b != a) {
+                    links.push((a, b));
+                    links.push((b, a));
+                }
+            }
+        }
+        for &l in &links {
+            let t = self.cut_until_ms.entry(l).or_insert(0);
+            *t = (*t).max(until);
+        }
+        // A link break drops what its connection still held.
+        self.net
+            .retain(|e| !links.contains(&(e.from.0 as usize, e.to.0 as usize)));
+        self.count(Counts::CUTS);
+        self.log(|| format!("links {links:?} cut for {ms} ms"));
+    }
+
+    /// Time passes (in steps, so that the detector sees pauses and cuts end); awake nodes
+    /// tick.
+    fn advance(&mut self, ms: u64) {
+        let end = self.now_ms + ms;
+        while self.now_ms < end {
+            self.now_ms = (self.now_ms + 500).min(end);
+            self.observe();
+        }
+        self.cut_until_ms.retain(|_, t| *t > end);
+        let now = self.now_ms;
+        for i in 0..self.nodes.len() {
+            if self.awake(i) {
+                self.nodes[i].coord.tick(now);
+                self.nodes[i].coord.retry();
+            }
+        }
+    }
+
+    /// An event for node `i`: now if it is awake and nothing waits before it, else queued.
+    fn local(&mut self, i: usize, ev: Local) {
+        if !self.nodes[i].up {
+            return;
+        }
+        if self.awake(i) && self.nodes[i].inbox.is_empty() {
+            self.apply_local(i, ev);
+        } else {
+            self.nodes[i].inbox.push_back(ev);
+        }
+    }
+
+    fn apply_local(&mut self, i: usize, ev: Local) {
+        let now = self.now_ms;
+        let c = &mut self.nodes[i].coord;
+        match ev {
+            Local::NodeDown(n) => c.node_down(n),
+            Local::Begun(epoch, r) => c.begun(now, JOB, epoch, r),
+            Local::Committed(epoch, r) => c.committed(JOB, epoch, r),
+            Local::Fenced(epoch, r) => c.fenced(JOB, epoch, r),
+            Local::Stop => self.stop_node(i),
+        }
+    }
+
+    /// An event that waited for a node, or else a message.
+    fn local_or_deliver(&mut self) {
+        if !self.local_step() {
+            self.deliver();
+        }
+    }
+
+    /// An awake node carries out the next event that waited for it; false if none could.
+    fn local_step(&mut self) -> bool {
+        let n = self.nodes.len();
+        let start = self.rng.below(n as u64) as usize;
+        for i in (0..n).map(|k| (start + k) % n) {
+            if !self.awake(i) {
+                continue;
+            }
+            let stop = matches!(self.nodes[i].inbox.front(), Some(Local::Stop));
+            if stop && !self.leader.is_none_or(|l| self.link(l, i)) {
+                continue;
+            }
+            if let Some(ev) = self.nodes[i].inbox.pop_front() {
+                self.log(|| format!("{i} wakes to {ev:?}"));
+                self.apply_local(i, ev);
+                return true;
+            }
+        }
+        false
+    }
+
+    // ---- the job ----
+
+    fn coordinator_holds_ranks(&self, i: usize) -> bool {
+        let n = &self.nodes[i];
+        n.view == Some(i) && n.coord.busy(JOB) && !n.coord.released(JOB)
+    }
+
+    /// Whether the job's ranks run: not stopped for a rollback, every node up and not declared
+    /// down (the ranks of a failed node restart when it is back), and not at a safe point in a
+    /// round of a node that believes it coordinates.
+    fn app_runs(&self) -> bool {
+        self.rollback.is_none()
+            && (0..self.nodes.len()).all(|i| self.nodes[i].up && !self.declared(i) && !self.coordinator_holds_ranks(i))
+    }
+
+    /// A page a paused node holds: a write waits for its invalidation, a read may need it.
+    fn held_by_paused(&self, p: Page) -> bool {
+        (0..self.nodes.len()).any(|i| self.paused(i) && self.nodes[i].mem.contains_key(&p))
     }
 
     fn pages(&self) -> Vec<Page> {
@@ -379,25 +985,16 @@ impl World {
             .map_or(0, |f| f.page_gen(p.1))
     }
 
-    /// Whether the job's ranks run: not at a safe point in a round, not stopped for a rollback,
-    /// and every node up (the ranks of a failed node restart when it is back).
-    fn app_runs(&self) -> bool {
-        self.rollback.is_none()
-            && self
-                .nodes
-                .iter()
-                .all(|n| n.up && !n.zombie && (!n.coord.busy(JOB) || n.coord.released(JOB)))
-    }
-
-    // ---- the job ----
-
     fn app_write(&mut self) {
         let n = self.rng.below(self.nodes.len() as u64) as usize;
-        if !self.nodes[n].up {
+        if !self.awake(n) {
             return;
         }
         let pages = self.pages();
         let p = pages[self.rng.below(pages.len() as u64) as usize];
+        if self.held_by_paused(p) {
+            return;
+        }
         let val = self.next_val;
         self.next_val += 1;
         // Write access: every other copy goes (with its dirty bit); this one is dirty.
@@ -407,19 +1004,19 @@ impl World {
         self.nodes[n].mem.insert(p, (val, true));
         self.app.insert(p, val);
         if self.nodes.iter().any(|m| m.coord.busy(JOB)) {
-            self.early_writes += 1;
+            self.count(Counts::EARLY_WRITES);
         }
         self.log(|| format!("write {p:?} = {val} at {n}"));
     }
 
     fn app_read(&mut self) {
         let n = self.rng.below(self.nodes.len() as u64) as usize;
-        if !self.nodes[n].up {
+        if !self.awake(n) {
             return;
         }
         let pages = self.pages();
         let p = pages[self.rng.below(pages.len() as u64) as usize];
-        if self.nodes[n].mem.contains_key(&p) {
+        if self.nodes[n].mem.contains_key(&p) || self.held_by_paused(p) {
             return;
         }
         // From a node holding it (the owner keeps its dirty bit), else from its last
@@ -483,11 +1080,18 @@ impl World {
     // ---- the coordinator ----
 
     fn start_round(&mut self, level: Option<Level>) {
-        let Some(c) = self.coordinator() else { return };
-        if !self.app_runs() {
+        let Some(ci) = self.acting() else { return };
+        // Every rank reaches the safe point: none is on a paused node. And the daemon's
+        // `check_all_serving`: every node is live at the coordinator (heard within the
+        // timeout, no verdict on it known there).
+        let serving = (0..self.nodes.len()).all(|j| {
+            self.awake(j)
+                && self.now_ms.saturating_sub(self.heard_by_leader[j]) <= TIMEOUT_MS
+                && self.nodes[ci].verdicts.accepts(NAMES[j], self.nodes[j].inc)
+        });
+        if !self.app_runs() || !serving {
             return;
         }
-        let ci = c.0 as usize;
         let level = level.unwrap_or(if self.rng.chance(600) {
             Level::Memory
         } else {
@@ -517,8 +1121,9 @@ impl World {
             self.nodes[ci].started = epoch;
             let img = self.image();
             assert_eq!(img, self.app, "the memory image differs from the job's writes");
-            self.round_images.insert(epoch, img);
-            self.round_lineage.insert(epoch, self.lineage);
+            let round = (epoch, ci, self.nodes[ci].inc);
+            self.round_images.insert(round, img);
+            self.round_lineage.insert(round, self.lineage);
             self.log(|| format!("{level} round {epoch} starts at {ci}"));
         }
     }
@@ -527,7 +1132,7 @@ impl World {
         for _ in 0..10_000 {
             let mut any = false;
             for i in 0..self.nodes.len() {
-                if !self.nodes[i].up {
+                if !self.awake(i) {
                     continue;
                 }
                 while let Some(a) = self.nodes[i].coord.poll_action() {
@@ -547,9 +1152,18 @@ impl World {
     }
 
     fn send(&mut self, from: usize, to: NodeId, msg: Msg) {
-        let to_inc = self.nodes[to.0 as usize].inc;
+        let t = to.0 as usize;
+        if self.declared(from) {
+            self.count(Counts::LATE_ACTS);
+        }
+        if !self.link(from, t) {
+            self.log(|| format!("{from} -> {to}: lost on a cut link: {msg:?}"));
+            return;
+        }
+        let (from_inc, to_inc) = (self.nodes[from].inc, self.nodes[t].inc);
         self.net.push(Envelope {
             from: NodeId(from as u32),
+            from_inc,
             to,
             to_inc,
             msg,
@@ -557,13 +1171,35 @@ impl World {
     }
 
     fn submit(&mut self, by: usize, op: MetaOp, task: Task) {
-        let inc = self.nodes[by].inc;
+        let (inc, term) = (self.nodes[by].inc, self.nodes[by].led_term);
+        if self.leader != Some(by) || term != self.term {
+            // A deposed coordinator: the voters promised a newer term and refuse it.
+            self.log(|| format!("{by} (term {term}) is refused {task:?}: term {} now", self.term));
+            self.answer_err(by, &task, "not the coordinator any more".into());
+            return;
+        }
         self.queue.push_back(MetaTask {
             op,
             by: NodeId(by as u32),
             inc,
+            term,
             task,
         });
+    }
+
+    /// An operation of node `by` failed, or its fate is unknown.
+    fn answer_err(&mut self, by: usize, task: &Task, why: String) {
+        let ev = match *task {
+            Task::Begin(epoch) => Local::Begun(epoch, Err(why)),
+            Task::Commit(epoch) => Local::Committed(epoch, Err(why)),
+            Task::Fence(epoch) => Local::Fenced(epoch, Err(why)),
+            Task::Rollback(_) => return,
+            Task::Declare { node, .. } => {
+                self.nodes[by].verdicts.handle_declared(NAMES[node]);
+                return;
+            }
+        };
+        self.local(by, ev);
     }
 
     fn coord_action(&mut self, i: usize, a: CoordAction) {
@@ -596,22 +1232,44 @@ impl World {
             CoordAction::Released { epoch, pages, .. } => {
                 // The ranks go on (`app_runs`): every node must have taken its pages by now,
                 // so that nothing they write from here on lands in this checkpoint. (A job
-                // stopped for a rollback dropped what it took; its ranks do not run.)
-                for (k, n) in self.nodes.iter().enumerate().filter(|_| self.rollback.is_none()) {
+                // stopped for a rollback dropped what it took; its ranks do not run; a round
+                // of a run rolled back since has no ranks any more.)
+                let round = (epoch, i, self.nodes[i].inc);
+                let current = self.rollback.is_none() && self.round_lineage.get(&round) == Some(&self.lineage);
+                for (k, n) in self.nodes.iter().enumerate().filter(|_| current) {
                     assert!(
                         n.took.contains_key(&epoch),
                         "round {epoch} released its ranks before node {k} took its pages"
                     );
                 }
-                if self.rollback.is_none() {
+                if current {
                     let took: u64 = self.nodes.iter().map(|n| n.took[&epoch]).sum();
                     assert_eq!(pages, took, "round {epoch} released with a wrong page count");
                 }
-                self.releases += 1;
+                self.count(Counts::RELEASES);
                 self.log(|| format!("round {epoch} released its ranks at {i}"));
             }
             CoordAction::Finished { epoch, outcome, .. } => {
                 self.log(|| format!("round {epoch} over at {i}: {outcome:?}"));
+                if self.nodes[i].paused_in_round.take() == Some(epoch) {
+                    self.count(Counts::ROUNDS_AFTER_PAUSE);
+                }
+                if self.declared(i) {
+                    self.count(Counts::DECLARED_ROUNDS);
+                }
+                if let Outcome::Committed { .. } = outcome {
+                    // (c) One round of an epoch commits in a run of the job.
+                    let me = (self.lineage, i, self.nodes[i].inc);
+                    if let Some(before) = self.finished_committed.insert(epoch, me) {
+                        assert!(
+                            before.0 != self.lineage,
+                            "(c) round {epoch} finished committed at node {i} (incarnation {}) and before at node {} (incarnation {})",
+                            me.2,
+                            before.1,
+                            before.2
+                        );
+                    }
+                }
                 match outcome {
                     Outcome::Committed {
                         level: Level::Persistent,
@@ -628,9 +1286,22 @@ impl World {
                     Outcome::Committed {
                         level: Level::Memory, ..
                     } => {
+                        // (b) Its decision is the commit: never after a rollback fenced it
+                        // (unless this coordinator knows it was deposed: nobody takes its
+                        // decisions then, which check (c) on the participants backs).
+                        if self.nodes[i].view == Some(i) {
+                            assert!(
+                                epoch > self.fence_applied,
+                                "(b) memory round {epoch} committed at node {i} after a rollback fenced every epoch up to {}",
+                                self.fence_applied
+                            );
+                        }
                         self.nodes[i].mem_committed = epoch;
-                        if self.round_lineage.get(&epoch) == Some(&self.lineage) {
-                            self.memory_commits += 1;
+                        let round = (epoch, i, self.nodes[i].inc);
+                        let img = self.round_images[&round].clone();
+                        self.memory_images.insert(epoch, img);
+                        if self.round_lineage.get(&round) == Some(&self.lineage) {
+                            self.count(Counts::MEMORY_COMMITS);
                         }
                     }
                     Outcome::Aborted(_) => {}
@@ -680,6 +1351,14 @@ impl World {
             PartAction::Go { .. } => {}
             PartAction::Flush { epoch, gen, .. } => self.flush(i, epoch, gen),
             PartAction::Clean { epoch, level, .. } => {
+                if level == Level::Memory {
+                    // (b) No memory round a rollback fenced commits after the fence.
+                    assert!(
+                        epoch > self.fence_applied,
+                        "(b) node {i} takes the commit of memory round {epoch} after a rollback fenced every epoch up to {}",
+                        self.fence_applied
+                    );
+                }
                 let node = &mut self.nodes[i];
                 match level {
                     Level::Memory => node.frames.commit(JOB, epoch),
@@ -710,6 +1389,29 @@ impl World {
         }
     }
 
+    /// Whether a page write or sync of node `i` reaches holder `h` and is taken there (paused
+    /// holders are waited for before).
+    fn write_reaches(&mut self, i: usize, h: usize) -> Result<(), String> {
+        if h == i {
+            return Ok(());
+        }
+        if !self.nodes[h].up {
+            return Err(format!("{h} is down"));
+        }
+        if !self.both_ways(i, h) {
+            return Err(format!("the link between {i} and {h} is cut"));
+        }
+        let inc = self.nodes[i].inc;
+        if !self.takes(h, i, inc) {
+            self.count(Counts::FENCED_DROPS);
+            return Err(format!(
+                "{h} drops the writes of incarnation {inc} of {i}: declared down"
+            ));
+        }
+        self.check_not_fenced(h, i, inc, "a page write");
+        Ok(())
+    }
+
     /// One step of a participant's write: all pages to both copies, or the fsync.
     fn write_step(&mut self, i: usize) {
         if self.nodes[i].writes.is_empty() {
@@ -717,6 +1419,22 @@ impl World {
         }
         let k = self.rng.below(self.nodes[i].writes.len() as u64) as usize;
         let mut w = self.nodes[i].writes.swap_remove(k);
+        // A paused holder takes nothing until it wakes: the write waits for it.
+        let waits = match &w.stage {
+            Stage::Taken => w.pages.iter().any(|&(p, _)| {
+                [Role::Primary, Role::Mirror]
+                    .into_iter()
+                    .any(|role| self.paused(self.placement.holder(p.0, p.1, role).0 as usize))
+            }),
+            Stage::Written(targets) => targets.keys().any(|h| self.paused(h.0 as usize)),
+        };
+        if waits {
+            self.nodes[i].writes.push(w);
+            return;
+        }
+        if self.declared(i) {
+            self.count(Counts::LATE_ACTS);
+        }
         let result = match w.stage {
             // A memory round: each page to the pre-recovery copies of its two holders; no disk.
             Stage::Taken if w.level == Level::Memory => {
@@ -724,8 +1442,8 @@ impl World {
                 for &(p, val) in &w.pages {
                     for role in [Role::Primary, Role::Mirror] {
                         let h = self.placement.holder(p.0, p.1, role).0 as usize;
-                        if !self.nodes[h].up {
-                            r = Err(format!("{h} is down"));
+                        if let Err(e) = self.write_reaches(i, h) {
+                            r = Err(e);
                             continue;
                         }
                         let stored =
@@ -745,8 +1463,8 @@ impl World {
                 for &(p, val) in &w.pages {
                     for role in [Role::Primary, Role::Mirror] {
                         let h = self.placement.holder(p.0, p.1, role).0 as usize;
-                        if !self.nodes[h].up {
-                            failed = Some(format!("{h} is down"));
+                        if let Err(e) = self.write_reaches(i, h) {
+                            failed = Some(e);
                             continue;
                         }
                         let keep = self.page_gen(p);
@@ -780,11 +1498,13 @@ impl World {
             Stage::Written(ref targets) => {
                 let mut r = Ok(());
                 for (&h, &inc) in targets {
-                    let n = &mut self.nodes[h.0 as usize];
-                    if n.up && n.inc == inc {
-                        n.disk.sync();
-                    } else {
+                    let h = h.0 as usize;
+                    if !(self.nodes[h].up && self.nodes[h].inc == inc) {
                         r = Err(format!("{h} restarted before its fsync"));
+                    } else if let Err(e) = self.write_reaches(i, h) {
+                        r = Err(e);
+                    } else {
+                        self.nodes[h].disk.sync();
                     }
                 }
                 r
@@ -835,12 +1555,31 @@ impl World {
         if self.net.is_empty() {
             return;
         }
-        let k = self.rng.below(self.net.len() as u64) as usize;
+        // What is sent to a paused node waits in its socket.
+        let len = self.net.len();
+        let start = self.rng.below(len as u64) as usize;
+        let Some(k) = (0..len)
+            .map(|d| (start + d) % len)
+            .find(|&k| !self.paused(self.net[k].to.0 as usize))
+        else {
+            return;
+        };
         let e = self.net.swap_remove(k);
-        let to = e.to.0 as usize;
+        let (from, to) = (e.from.0 as usize, e.to.0 as usize);
         if !self.nodes[to].up || self.nodes[to].inc != e.to_inc {
             return;
         }
+        if !self.takes(to, from, e.from_inc) {
+            self.count(Counts::FENCED_DROPS);
+            self.log(|| {
+                format!(
+                    "{from} -> {to}: dropped (incarnation {} declared down): {:?}",
+                    e.from_inc, e.msg
+                )
+            });
+            return;
+        }
+        self.check_not_fenced(to, from, e.from_inc, "a checkpoint message");
         self.log(|| format!("{} -> {}: {:?}", e.from, e.to, e.msg));
         if let Msg::Prepare {
             epoch,
@@ -853,7 +1592,7 @@ impl World {
         {
             // A round from the coordinator settles a memory epoch whose decision this node
             // missed, and says the job's policy (the daemon's `CkptShell::receive`).
-            if Some(e.from) == self.coordinator() {
+            if self.nodes[to].view == Some(from) {
                 let frames = &mut self.nodes[to].frames;
                 frames.settle_pre(JOB, *committed, *epoch);
                 frames.set_policy(JOB, *cleaning);
@@ -863,42 +1602,114 @@ impl World {
             }
         }
         match e.msg {
-            Msg::Prepare { .. } | Msg::Decide { .. } | Msg::Flush { .. } => self.nodes[to].part.receive(e.from, e.msg),
+            Msg::Prepare { .. } | Msg::Go { .. } | Msg::Decide { .. } | Msg::Flush { .. } => {
+                let kind = match &e.msg {
+                    Msg::Prepare { .. } => "prepare",
+                    Msg::Go { .. } => "go",
+                    Msg::Decide { .. } => "decision",
+                    _ => "flush",
+                };
+                // What it had to do already (say, report its doubts to a new coordinator)
+                // comes first.
+                while let Some(a) = self.nodes[to].part.poll_action() {
+                    self.part_action(to, a);
+                }
+                self.nodes[to].part.receive(e.from, e.msg);
+                let acts: Vec<PartAction> = std::iter::from_fn(|| self.nodes[to].part.poll_action()).collect();
+                if !acts.is_empty() {
+                    // (c) A participant acts only on round messages of the node it believes
+                    // coordinates.
+                    assert_eq!(
+                        self.nodes[to].view,
+                        Some(from),
+                        "(c) node {to} acted on a {kind} from node {from}, which it does not believe coordinates"
+                    );
+                }
+                for a in acts {
+                    self.part_action(to, a);
+                }
+            }
             _ => self.nodes[to].coord.receive(e.from, e.msg),
         }
     }
 
-    /// Applies the next metadata operation (in order; one of a dead submitter may be lost).
+    /// Applies the next metadata operation (in order; one of a dead or deposed submitter may
+    /// be lost), while the leader is awake and joined both ways to a majority.
     fn meta_step(&mut self) {
-        let Some(t) = self.queue.pop_front() else { return };
-        let alive = self.nodes[t.by.0 as usize].up && self.nodes[t.by.0 as usize].inc == t.inc;
-        if !alive && self.rng.chance(300) {
-            self.log(|| format!("lost: {:?}", t.task));
+        let n = self.nodes.len();
+        let Some(l) = self.leader.filter(|&l| self.awake(l)) else {
+            return;
+        };
+        if (0..n).filter(|&j| self.awake(j) && self.both_ways(l, j)).count() <= n / 2 {
             return;
         }
+        let Some(t) = self.queue.pop_front() else { return };
+        let by = t.by.0 as usize;
+        let alive = self.nodes[by].up && self.nodes[by].inc == t.inc;
+        if (!alive || t.term < self.term) && self.rng.chance(300) {
+            self.log(|| format!("lost: {:?}", t.task));
+            if alive {
+                self.answer_err(by, &t.task, "the operation was lost".into());
+            }
+            return;
+        }
+        // (c) One coordinator per term: only its leader's operations.
+        assert_eq!(
+            self.term_leaders.get(&t.term),
+            Some(&(by, t.inc)),
+            "(c) an operation of node {by} (incarnation {}) in term {}, which it did not lead",
+            t.inc,
+            t.term
+        );
         let r = self.meta.apply(&t.op);
         self.log(|| format!("meta {:?}: {:?}", t.task, r));
         if r.is_ok() {
-            if let MetaOp::Checkpoint { epoch, .. } = &t.op {
-                assert_eq!(
-                    self.round_lineage.get(epoch),
-                    Some(&self.lineage),
-                    "checkpoint {epoch}, begun before a rollback, committed after it"
-                );
-                let img = self
-                    .round_images
-                    .get(epoch)
-                    .cloned()
-                    .expect("a committed round began here");
-                self.history.insert(*epoch, img);
-                self.commits += 1;
+            match &t.op {
+                MetaOp::Checkpoint { epoch, .. } => {
+                    assert!(
+                        *epoch > self.fence_applied,
+                        "(b) checkpoint {epoch} committed after a rollback fenced every epoch up to {}",
+                        self.fence_applied
+                    );
+                    assert_eq!(
+                        self.round_lineage.get(&(*epoch, by, t.inc)),
+                        Some(&self.lineage),
+                        "checkpoint {epoch}, begun before a rollback, committed after it"
+                    );
+                    let img = self
+                        .round_images
+                        .get(&(*epoch, by, t.inc))
+                        .cloned()
+                        .expect("a committed round began here");
+                    self.history.insert(*epoch, img);
+                    self.count(Counts::COMMITS);
+                }
+                MetaOp::BeginCheckpoint { epoch, .. } => {
+                    // (c) One round of an epoch begun.
+                    let before = self.begun_by.insert(*epoch, (by, t.inc));
+                    assert!(
+                        before.is_none(),
+                        "(c) epoch {epoch} begun for node {by} (incarnation {}) and before for {before:?}",
+                        t.inc
+                    );
+                }
+                MetaOp::FenceCheckpoint { epoch, .. } if matches!(t.task, Task::Rollback(_)) => {
+                    self.fence_applied = self.fence_applied.max(*epoch);
+                }
+                _ => {}
             }
         }
-        let by = t.by.0 as usize;
-        let now = self.now_ms;
         match t.task {
             Task::Rollback(k) if k == self.fences && self.rollback == Some(true) => self.finish_rollback(),
             Task::Rollback(_) => {}
+            Task::Declare { node, inc, paused, cut } => {
+                if alive {
+                    self.nodes[by].verdicts.handle_declared(NAMES[node]);
+                }
+                if r.is_ok() {
+                    self.verdict(node, inc, paused, cut);
+                }
+            }
             _ if !alive => {}
             Task::Begin(epoch) => {
                 let rec = self.meta.jobs.get(JOB).cloned().unwrap_or_default();
@@ -910,13 +1721,39 @@ impl World {
                     }
                     _ => Err("not begun".into()),
                 };
-                self.nodes[by].coord.begun(now, JOB, epoch, res);
+                self.local(by, Local::Begun(epoch, res));
             }
-            Task::Commit(epoch) => self.nodes[by].coord.committed(JOB, epoch, r.map_err(|e| e.to_string())),
+            Task::Commit(epoch) => self.local(by, Local::Committed(epoch, r.map_err(|e| e.to_string()))),
             Task::Fence(epoch) => {
                 let d = self.meta.job_decided(JOB, epoch).ok_or_else(|| "undecided".to_string());
-                self.nodes[by].coord.fenced(JOB, epoch, d);
+                self.local(by, Local::Fenced(epoch, d));
             }
+        }
+    }
+
+    /// A verdict on incarnation `inc` of `node` is committed.
+    fn verdict(&mut self, node: usize, inc: u64, paused: bool, cut: bool) {
+        self.count(Counts::VERDICTS);
+        if paused {
+            self.count(Counts::VERDICTS_PAUSED);
+        }
+        if cut {
+            self.count(Counts::VERDICTS_CUT);
+        }
+        self.log(|| format!("verdict: incarnation {inc} of {node} is down"));
+        // The launcher's failure watch: a verdict on a node running the job's ranks rolls the
+        // job back.
+        if self.nodes[node].up && self.nodes[node].inc == inc {
+            self.stop_job();
+            self.rollback = Some(false);
+            if paused {
+                self.rollback_after_pause = true;
+            }
+        }
+        // The coordinator knows at once (if the verdict is on itself, it fences itself); the
+        // others when they hear it, or a peer.
+        if let Some(l) = self.leader {
+            self.learn_committed(l);
         }
     }
 
@@ -934,75 +1771,99 @@ impl World {
         let inc = self.nodes[i].inc;
         self.nodes[i] = Node {
             up: false,
-            inc,
             disk,
-            ..Node::new(self.frame_capacity)
+            ..Node::new(self.frame_capacity, i, inc)
         };
         // Messages from the dead node may still arrive, or not.
         if self.rng.chance(500) {
             self.net.retain(|e| e.from.0 as usize != i);
         }
-        for m in self.nodes.iter_mut().filter(|m| m.up) {
-            m.coord.node_down(NodeId(i as u32));
+        for k in (0..self.nodes.len()).filter(|&k| k != i) {
+            self.local(k, Local::NodeDown(NodeId(i as u32)));
+        }
+        if self.leader == Some(i) {
+            self.leader = None;
         }
         // The job stops: its memories are dropped; a rollback follows.
         self.stop_job();
         self.rollback = Some(false);
     }
 
-    /// The others declare node `i` down while it runs on.
+    /// The detector suspects node `i` while it runs (its heartbeats were late): the
+    /// coordinator declares it down, or, if it is the coordinator, the others elect another,
+    /// which does.
     fn suspect(&mut self, i: usize) {
-        if !self.nodes[i].up || self.nodes[i].zombie {
+        if !self.awake(i) || self.declared(i) {
             return;
         }
-        self.log(|| format!("{i} declared down while it runs"));
-        self.nodes[i].zombie = true;
-        for (k, m) in self.nodes.iter_mut().enumerate() {
-            if m.up && k != i {
-                m.coord.node_down(NodeId(i as u32));
-            }
+        self.log(|| format!("{i} suspected while it runs"));
+        if self.leader == Some(i) {
+            let candidates: Vec<usize> = (0..self.nodes.len())
+                .filter(|&j| j != i && self.awake(j) && !self.declared(j))
+                .collect();
+            self.elect_among(&candidates, Some(i));
+        } else if let Some(l) = self.acting() {
+            // Its silence is over the timeout as the coordinator sees it.
+            self.heard_by_leader[i] = self.now_ms.saturating_sub(TIMEOUT_MS + 1);
+            let suspect = vec![(NAMES[i].to_string(), self.nodes[i].inc)];
+            self.declare(l, suspect);
         }
-        self.stop_job();
-        self.rollback = Some(false);
     }
 
     fn restart(&mut self, i: usize) {
-        if self.nodes[i].zombie {
-            // Fenced: it must come back as a new incarnation with an empty memory.
-            self.crash(i);
-        }
         if self.nodes[i].up {
             return;
         }
-        self.nodes[i].up = true;
-        self.nodes[i].inc += 1;
+        let inc = self.nodes[i].inc + 1;
+        let disk = std::mem::take(&mut self.nodes[i].disk);
         // Its coordinator and participant are a new incarnation too.
-        self.nodes[i].coord = Coordinator::new(TIMEOUT_MS, self.nodes[i].inc);
-        self.nodes[i].part = Participant::new(self.nodes[i].inc);
+        self.nodes[i] = Node {
+            disk,
+            ..Node::new(self.frame_capacity, i, inc)
+        };
         self.log(|| format!("restart {i}"));
+        // It joins through the coordinator.
+        self.install(i);
     }
 
+    /// The launcher stops the job's ranks on every node (a paused or cut-off one once it is
+    /// awake and reachable).
     fn stop_job(&mut self) {
-        for m in self.nodes.iter_mut() {
-            m.mem.clear();
-            m.taken.clear();
-            m.took.clear();
-            m.part.forget(JOB);
+        for i in 0..self.nodes.len() {
+            let reachable = self.leader.is_none_or(|l| self.link(l, i));
+            if !self.nodes[i].up || (self.awake(i) && reachable && self.nodes[i].inbox.is_empty()) {
+                self.stop_node(i);
+            } else {
+                self.nodes[i].inbox.push_back(Local::Stop);
+            }
         }
     }
 
-    /// The coordinator fences every epoch begun, once no round of its own is deciding.
+    fn stop_node(&mut self, i: usize) {
+        let m = &mut self.nodes[i];
+        m.mem.clear();
+        m.taken.clear();
+        m.took.clear();
+        m.part.forget(JOB);
+    }
+
+    /// The coordinator fences every epoch begun, once every node is there and no round of its
+    /// own is deciding.
     fn rollback_step(&mut self) {
         if self.rollback != Some(false) {
             return;
         }
-        // The launcher waits for every node (the failed one back with an empty memory).
-        if !self.nodes.iter().all(|n| n.up && !n.zombie) {
-            return;
-        }
-        let Some(c) = self.coordinator() else { return };
-        let ci = c.0 as usize;
-        if self.nodes[ci].coord.busy(JOB) {
+        let Some(ci) = self.acting() else { return };
+        // The launcher waits for every node (a failed one back with an empty memory, a
+        // declared one as a new incarnation), its ranks stopped, reachable, answering.
+        let ready = (0..self.nodes.len()).all(|i| {
+            self.awake(i)
+                && !self.declared(i)
+                && !self.nodes[i].inbox.iter().any(|e| matches!(e, Local::Stop))
+                && self.both_ways(ci, i)
+                && self.nodes[i].view == Some(ci)
+        });
+        if !ready || self.nodes[ci].coord.busy(JOB) {
             return;
         }
         // Above every epoch a node saw: memory epochs leave no record.
@@ -1020,14 +1881,23 @@ impl World {
     }
 
     fn finish_rollback(&mut self) {
-        // A node went down meanwhile: the launcher starts its pass again.
-        if !self.nodes.iter().all(|n| n.up && !n.zombie) {
+        // A node went down, paused or got cut off meanwhile: the launcher starts its pass
+        // again.
+        let ready = self
+            .leader
+            .is_some_and(|l| (0..self.nodes.len()).all(|i| self.awake(i) && !self.declared(i) && self.both_ways(l, i)));
+        if !ready {
             self.rollback = Some(false);
             return;
         }
         let persistent = self.committed_epoch();
         self.lineage += 1;
         self.stop_job();
+        for i in 0..self.nodes.len() {
+            self.nodes[i].inbox.retain(|e| !matches!(e, Local::Stop));
+            // Every node takes part: it knows who coordinates and every committed verdict.
+            self.install(i);
+        }
         // The memory level (the daemon's `recovery::settle_memory`).
         let states: Vec<(u32, u64, Option<u64>)> = (0..self.nodes.len())
             .map(|l| {
@@ -1059,17 +1929,20 @@ impl World {
                     }
                 }
             }
-            self.memory_rollbacks += 1;
+            self.count(Counts::MEMORY_ROLLBACKS);
         }
         let target = memory.max(persistent);
         self.app = self
             .history
             .get(&target)
-            .or_else(|| self.round_images.get(&target))
+            .or_else(|| self.memory_images.get(&target))
             .cloned()
             .unwrap_or_else(|| panic!("no image of checkpoint {target}"));
         self.rollback = None;
-        self.rollbacks += 1;
+        self.count(Counts::ROLLBACKS);
+        if std::mem::take(&mut self.rollback_after_pause) {
+            self.count(Counts::PAUSE_ROLLBACKS);
+        }
         self.log(|| format!("rolled back to {target} (memory {memory}, persistent {persistent}, lost {lost:?})"));
         // Every page as the job now sees it: the restored checkpoint, bit for bit.
         if self.nodes.iter().all(|n| n.up) {
@@ -1111,7 +1984,7 @@ impl World {
             .max()
             .unwrap_or(0);
         if self.rollback.is_none() && memory > epoch {
-            let img = &self.round_images[&memory];
+            let img = &self.memory_images[&memory];
             for p in self.pages() {
                 if img[&p] == want[&p] {
                     continue;
@@ -1142,29 +2015,24 @@ impl World {
     }
 
     fn step(&mut self) {
-        let coordinator = self.coordinator();
-        for n in self.nodes.iter_mut().filter(|n| n.up && !n.zombie) {
-            n.part.coordinator_changed(coordinator);
-        }
+        self.observe();
+        self.hear_leader();
         match self.rng.below(100) {
             0..=14 if self.app_runs() => self.app_write(),
             15..=19 if self.app_runs() => self.app_read(),
             20..=24 => self.start_round(None),
-            25..=49 => self.deliver(),
+            25..=46 => self.deliver(),
+            47..=49 => self.local_or_deliver(),
             50..=61 => self.meta_step(),
             62..=75 => {
                 let i = self.rng.below(self.nodes.len() as u64) as usize;
-                if self.nodes[i].up {
+                if self.awake(i) {
                     self.write_step(i);
                 }
             }
             76..=85 => {
-                self.now_ms += self.rng.below(2 * TIMEOUT_MS / 3);
-                let now = self.now_ms;
-                for n in self.nodes.iter_mut().filter(|n| n.up) {
-                    n.coord.tick(now);
-                    n.coord.retry();
-                }
+                let ms = self.rng.below(2 * TIMEOUT_MS / 3);
+                self.advance(ms);
             }
             86..=88 => self.rollback_step(),
             89 if self.rng.chance(150) => {
@@ -1187,12 +2055,15 @@ impl World {
             }
             94 if self.rng.chance(300) => {
                 // Most often the coordinator: the one whose round may go on.
-                let i = match self.coordinator() {
-                    Some(c) if self.rng.chance(700) => c.0 as usize,
+                let i = match self.leader {
+                    Some(c) if self.rng.chance(700) => c,
                     _ => self.rng.below(self.nodes.len() as u64) as usize,
                 };
                 self.suspect(i);
             }
+            95 if self.rng.chance(500) => self.pause(),
+            96 if self.rng.chance(500) => self.cut(),
+            97 | 98 => self.heartbeat(),
             _ => {}
         }
         self.run_actions();
@@ -1201,33 +2072,37 @@ impl World {
 
     /// One step of the calm phase: everything that can progress does.
     fn calm_step(&mut self) {
+        self.observe();
+        for i in 0..self.nodes.len() {
+            if self.awake(i) {
+                self.install(i);
+            }
+        }
         self.rollback_step();
         self.deliver();
+        while self.local_step() {}
         self.meta_step();
         for i in 0..self.nodes.len() {
-            self.write_step(i);
+            if self.awake(i) {
+                self.write_step(i);
+            }
         }
-        self.now_ms += 100;
-        let now = self.now_ms;
-        for n in self.nodes.iter_mut() {
-            n.coord.tick(now);
-            n.coord.retry();
-        }
-        let c = self.coordinator();
-        for n in self.nodes.iter_mut().filter(|n| !n.zombie) {
-            n.part.coordinator_changed(c);
-        }
+        self.advance(100);
         self.run_actions();
         self.check();
     }
 
-    /// Everything up, messages and operations drained: the job must be able to checkpoint.
+    /// Everything up and awake, links whole, messages and operations drained: the job must be
+    /// able to checkpoint.
     fn calm(&mut self) {
+        self.cut_until_ms.clear();
         for i in 0..self.nodes.len() {
+            self.nodes[i].paused_until_ms = self.nodes[i].paused_until_ms.min(self.now_ms);
             self.restart(i);
         }
         for _ in 0..20_000 {
-            if self.rollback.is_none() && self.app_runs() && self.queue.is_empty() && self.net.is_empty() {
+            let drained = self.queue.is_empty() && self.net.is_empty() && self.nodes.iter().all(|n| n.inbox.is_empty());
+            if self.rollback.is_none() && self.app_runs() && drained {
                 break;
             }
             self.calm_step();
@@ -1242,10 +2117,7 @@ impl World {
                 break;
             }
             // A round refused for an epoch a participant saw already: again, above it.
-            if self
-                .coordinator()
-                .is_some_and(|c| !self.nodes[c.0 as usize].coord.busy(JOB))
-            {
+            if self.acting().is_some_and(|c| !self.nodes[c].coord.busy(JOB)) {
                 self.start_round(Some(Level::Persistent));
             }
             self.calm_step();
@@ -1255,7 +2127,7 @@ impl World {
     }
 }
 
-fn run(seed: u64) -> [u64; 6] {
+fn run(seed: u64) -> Counts {
     let mut w = World::new(seed);
     for _ in 0..STEPS {
         w.step();
@@ -1264,26 +2136,19 @@ fn run(seed: u64) -> [u64; 6] {
     let writes: u64 = w.nodes.iter().map(|n| n.disk.writes).sum();
     // A persistent checkpoint of pages wrote them.
     assert!(writes > 0 || w.persistent_pages == 0);
-    [
-        w.commits,
-        w.rollbacks,
-        w.memory_commits,
-        w.memory_rollbacks,
-        w.releases,
-        w.early_writes,
-    ]
+    w.counts
 }
 
 #[test]
 fn checkpoints_and_rollbacks_keep_exactly_one_checkpoint_on_the_disks() {
-    let mut total = [0u64; 6];
+    let mut total = Counts::default();
     let seeds = common::seeds(10_000);
-    let many = seeds.end - seeds.start >= 1000;
+    let many = seeds.end - seeds.start >= 100;
     for seed in seeds {
         let r = std::panic::catch_unwind(|| run(seed));
         match r {
             Ok(counts) => {
-                for (t, c) in total.iter_mut().zip(counts) {
+                for (t, c) in total.0.iter_mut().zip(counts.0) {
                     *t += c;
                 }
             }
@@ -1295,12 +2160,16 @@ fn checkpoints_and_rollbacks_keep_exactly_one_checkpoint_on_the_disks() {
             }
         }
     }
-    let [commits, rollbacks, memory_commits, memory_rollbacks, releases, early_writes] = total;
-    println!(
-        "{commits} persistent and {memory_commits} memory checkpoints committed, {rollbacks} rollbacks ({memory_rollbacks} to a memory checkpoint); {releases} rounds let the ranks go on before their decision, {early_writes} writes made meanwhile"
-    );
+    let said: Vec<String> = COUNTED
+        .iter()
+        .zip(total.0)
+        .map(|(what, c)| format!("{c} {what}"))
+        .collect();
+    println!("{}", said.join("; "));
     // Every kind of step happened (a single seed need not have them all).
     if many {
-        assert!(total.iter().all(|&c| c > 0), "{total:?}");
+        for (what, c) in COUNTED.iter().zip(total.0) {
+            assert!(c > 0, "no {what} over the seeds run");
+        }
     }
 }
