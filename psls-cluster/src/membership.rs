@@ -11,9 +11,9 @@
 //! since it woke up — the silence it saw was its own.
 //!
 //! The lease ([`Membership::lease_held`]): whether this node heard from a majority of the
-//! cluster (itself included) within the timeout, on raw heard times (no hysteresis): a node
-//! that did not, and was in the cluster before, must fence itself (its peers may have declared
-//! it down meanwhile).
+//! cluster (itself included) within the timeout, on raw heard times (no hysteresis). Without
+//! it a node claims and coordinates nothing — not even right after it started: a node that
+//! restarted behind a cut link hears nobody, and claimed epoch after epoch alone.
 //!
 //! A heartbeat carrying a new incarnation is proof of a restart (the caller drops what it held
 //! for the old one). What a heartbeat carries is the caller's type `H`.
@@ -48,8 +48,6 @@ pub struct Membership<H> {
     ticked_ms: u64,
     /// When this node last woke from a stall (silence before it is not counted).
     awake_ms: u64,
-    /// Whether a majority was heard within the timeout at least once (the node joined).
-    joined: bool,
     peers: BTreeMap<String, PeerView<H>>,
 }
 
@@ -60,7 +58,6 @@ impl<H> Membership<H> {
             started_ms: now_ms,
             ticked_ms: now_ms,
             awake_ms: now_ms,
-            joined: false,
             peers: peers
                 .into_iter()
                 .map(|p| {
@@ -122,9 +119,8 @@ impl<H> Membership<H> {
     }
 
     /// Whether a majority of the cluster (the peers and this node) was heard within the
-    /// timeout, on raw heard times. Before it first holds, the node has not joined and this
-    /// stays true (a node alone at start-up has nothing to fence).
-    pub fn lease_held(&mut self, now_ms: u64) -> bool {
+    /// timeout, on raw heard times.
+    pub fn lease_held(&self, now_ms: u64) -> bool {
         let total = self.peers.len() + 1;
         let heard = 1 + self
             .peers
@@ -134,11 +130,7 @@ impl<H> Membership<H> {
                     .is_some_and(|t| now_ms.saturating_sub(t) <= self.timeout_ms)
             })
             .count();
-        let majority = heard * 2 > total;
-        if majority {
-            self.joined = true;
-        }
-        majority || !self.joined
+        heard * 2 > total
     }
 
     /// Updates `down_since` marks; returns how long (ms) each down peer has been down. A gap
@@ -230,15 +222,12 @@ mod tests {
     }
 
     #[test]
-    fn the_lease_needs_a_majority_heard_within_the_timeout_once_joined() {
+    fn the_lease_needs_a_majority_heard_within_the_timeout() {
         let peers = ["a", "b", "c", "d"].map(String::from);
         let mut m: Membership<()> = Membership::new(peers, 1000, 0);
-        assert!(m.lease_held(5000), "a node that never joined has nothing to fence");
+        assert!(!m.lease_held(0), "a node that heard nobody yet has no lease");
         m.heard(5000, "a", 1, ());
-        assert!(
-            m.lease_held(5000),
-            "2 of 5 is no majority, but the node has not joined yet"
-        );
+        assert!(!m.lease_held(5000), "2 of 5 is no majority");
         m.heard(5000, "b", 1, ());
         assert!(m.lease_held(5100), "3 of 5");
         assert!(m.lease_held(6000));

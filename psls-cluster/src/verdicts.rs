@@ -14,7 +14,8 @@
 //!   its ranks and rejoin as a new incarnation with an empty memory.
 //! - **Who coordinates** ([`coordinator`], [`should_claim`]): the claimer of the metadata's
 //!   newest epoch, and only while it holds its lease; a node claims when it is not fencing,
-//!   holds its lease and is the lowest logical id it hears.
+//!   holds its lease, hears no other node claiming, and is the lowest logical id it hears; a
+//!   claimer goes on while it holds its lease.
 //!
 //! Invariant: a verdict is never withdrawn; the table of committed verdicts only grows, so a
 //! sender dropped once is dropped for good.
@@ -174,16 +175,32 @@ pub fn coordinator<'a>(me: &str, leader: Option<&'a str>, lease_held: bool) -> O
     leader.filter(|l| *l != me || lease_held)
 }
 
-/// Whether node `me` should claim the coordination: it is not fencing, holds its lease, and is
-/// the first of `reachable_in_order` (the logical map's physical nodes, in logical order, that
-/// its detector hears; an impression — the epochs make a wrong one safe).
-pub fn should_claim<'a>(
-    me: &str,
-    fencing: bool,
-    lease_held: bool,
-    mut reachable_in_order: impl Iterator<Item = &'a str>,
-) -> bool {
-    !fencing && lease_held && reachable_in_order.next() == Some(me)
+/// What node `me` knows when it decides whether to claim the coordination.
+#[derive(Clone, Copy, Debug)]
+pub struct ClaimView {
+    /// It is fencing itself.
+    pub fencing: bool,
+    /// It heard a majority within the failure timeout.
+    pub lease_held: bool,
+    /// It claims or leads an epoch in this life (not a claim found on its disk).
+    pub claiming: bool,
+    /// Another node it hears says (in its latest heartbeat) that it claims or leads one.
+    pub other_claims: bool,
+}
+
+/// Whether node `me` should claim the coordination (or go on claiming): never while it is
+/// fencing or without its lease; a node that claims or leads goes on while it holds its lease
+/// (a lower id coming back does not unseat it); otherwise it claims only when no node it hears
+/// claims or leads, and it is the first of `reachable_in_order` (the logical map's physical
+/// nodes, in logical order, that its detector hears). Impressions all: the epochs make a
+/// wrong one safe; stickiness keeps a node that can still hear but no longer be heard (a cut
+/// of its outgoing link) from claiming against the leader it hears, which made two nodes
+/// coordinate at once.
+pub fn should_claim<'a>(me: &str, v: ClaimView, mut reachable_in_order: impl Iterator<Item = &'a str>) -> bool {
+    if v.fencing || !v.lease_held {
+        return false;
+    }
+    v.claiming || (!v.other_claims && reachable_in_order.next() == Some(me))
 }
 
 #[cfg(test)]
@@ -249,9 +266,42 @@ mod tests {
         assert_eq!(coordinator("a", Some("a"), true), Some("a"));
         assert_eq!(coordinator("a", Some("a"), false), None);
         assert_eq!(coordinator("a", Some("b"), false), Some("b"));
-        assert!(should_claim("a", false, true, ["a", "b"].into_iter()));
-        assert!(!should_claim("a", false, false, ["a"].into_iter()));
-        assert!(!should_claim("a", true, true, ["a"].into_iter()));
-        assert!(!should_claim("b", false, true, ["a", "b"].into_iter()));
+        let v = ClaimView {
+            fencing: false,
+            lease_held: true,
+            claiming: false,
+            other_claims: false,
+        };
+        assert!(should_claim("a", v, ["a", "b"].into_iter()));
+        assert!(!should_claim(
+            "a",
+            ClaimView { lease_held: false, ..v },
+            ["a"].into_iter()
+        ));
+        assert!(!should_claim("a", ClaimView { fencing: true, ..v }, ["a"].into_iter()));
+        assert!(!should_claim("b", v, ["a", "b"].into_iter()));
+        // Sticky: a claimer goes on though a lower id is back; nobody claims against one heard.
+        assert!(should_claim(
+            "b",
+            ClaimView { claiming: true, ..v },
+            ["a", "b"].into_iter()
+        ));
+        assert!(!should_claim(
+            "a",
+            ClaimView {
+                other_claims: true,
+                ..v
+            },
+            ["a", "b"].into_iter()
+        ));
+        assert!(!should_claim(
+            "b",
+            ClaimView {
+                claiming: true,
+                lease_held: false,
+                ..v
+            },
+            ["b"].into_iter()
+        ));
     }
 }

@@ -83,6 +83,8 @@ enum Wire {
         seq: u64,
         down: Vec<(String, u64)>,
         heard: Vec<(String, u64)>,
+        /// The sender claims or leads an epoch.
+        claims: bool,
     },
     Meta(Msg<Log>),
 }
@@ -100,7 +102,8 @@ struct Node {
     incarnation: u64,
     replica: Replica<Log, u64>,
     disk: Durable<Log>,
-    members: Membership<()>,
+    /// The failure detector; a heartbeat carries whether its sender claims or leads.
+    members: Membership<bool>,
     verdicts: Verdicts,
     /// Paused (stopped, state kept) until then.
     paused_until_ms: u64,
@@ -421,16 +424,16 @@ impl World {
     /// The daemon's claim rule ([`verdicts::should_claim`]).
     fn coordinator_in_view(&self, i: u32, lease: bool) -> bool {
         let node = &self.nodes[i as usize];
-        let names: Vec<String> = (0..self.n())
-            .filter(|&j| j == i || node.members.is_live(self.now_ms, &name(j)))
-            .map(name)
-            .collect();
-        verdicts::should_claim(
-            &name(i),
-            node.verdicts.is_fenced(),
-            lease,
-            names.iter().map(String::as_str),
-        )
+        let live = |j: u32| node.members.is_live(self.now_ms, &name(j));
+        let names: Vec<String> = (0..self.n()).filter(|&j| j == i || live(j)).map(name).collect();
+        let view = verdicts::ClaimView {
+            fencing: node.verdicts.is_fenced(),
+            lease_held: lease,
+            claiming: node.replica.claimed().is_some(),
+            other_claims: (0..self.n())
+                .any(|j| j != i && live(j) && node.members.heartbeat(&name(j)).copied().unwrap_or(false)),
+        };
+        verdicts::should_claim(&name(i), view, names.iter().map(String::as_str))
     }
 
     fn crash(&mut self, i: u32) {
@@ -493,13 +496,14 @@ impl World {
                 seq,
                 down,
                 heard,
+                claims,
             } => {
                 let now_ms = self.now_ms;
                 let node = &mut self.nodes[to];
                 let down = down.iter().map(|(p, d)| (p.as_str(), *d));
                 let heard = heard.iter().map(|(p, i)| (p.as_str(), *i));
                 if node.verdicts.handle_heartbeat(&from, incarnation, down, heard) {
-                    node.members.heard(now_ms, &from, incarnation, ());
+                    node.members.heard(now_ms, &from, incarnation, claims);
                     node.replica.peer_seq(m.from, seq);
                 }
                 self.maybe_fence(m.to);
@@ -570,6 +574,7 @@ impl World {
                 self.nodes[i as usize].next_heartbeat_ms = now_ms + HEARTBEAT_MS;
                 let node = &self.nodes[i as usize];
                 let (inc, seq) = (node.incarnation, node.replica.committed().seq());
+                let claims = node.replica.claimed().is_some();
                 let down: Vec<(String, u64)> = node.verdicts.committed().iter().map(|(p, d)| (p.clone(), *d)).collect();
                 let heard: Vec<(String, u64)> = (0..self.n())
                     .filter_map(|j| {
@@ -586,6 +591,7 @@ impl World {
                             seq,
                             down: down.clone(),
                             heard: heard.clone(),
+                            claims,
                         };
                         self.send(chaos, i, inc, j, wire);
                     }

@@ -265,15 +265,25 @@ impl Node {
     /// failed is thus replaced, and its successor declares it down like any node whose disk
     /// failed.
     pub fn should_lead(&self) -> bool {
-        let fencing = self.fencing.load(Ordering::Relaxed);
-        let lease = self.holds_lease();
+        let view = verdicts::ClaimView {
+            fencing: self.fencing.load(Ordering::Relaxed),
+            lease_held: self.holds_lease(),
+            claiming: self.replication.claims(),
+            other_claims: self.with_heartbeats(|m| {
+                self.cfg.all().any(|n| {
+                    n.name != self.me.name
+                        && m.is_live(self.now_ms(), &n.name)
+                        && m.heartbeat(&n.name).is_some_and(|h| h.claims)
+                })
+            }),
+        };
         let m = self.meta.locked();
         let map = self.logical_map(m.state());
         let reachable = map
             .values()
             .filter(|p| self.is_reachable(p) && !self.disk_failed(p))
             .map(String::as_str);
-        verdicts::should_claim(&self.me.name, fencing, lease, reachable)
+        verdicts::should_claim(&self.me.name, view, reachable)
     }
 
     /// Whether `physical`'s page store failed (this node's own, or as its last heartbeat says).
@@ -284,8 +294,8 @@ impl Node {
         self.with_heartbeats(|m| m.heartbeat(physical).is_some_and(|h| h.disk_failed.is_some()))
     }
 
-    /// Whether this node heard a majority of the cluster within the failure timeout (or has
-    /// not joined yet). Without it, it coordinates nothing.
+    /// Whether this node heard a majority of the cluster within the failure timeout. Without
+    /// it, it claims and coordinates nothing.
     pub fn holds_lease(&self) -> bool {
         let now_ms = self.now_ms();
         self.members.locked().lease_held(now_ms)
@@ -536,6 +546,7 @@ impl Node {
                 .iter()
                 .map(|(p, i)| (p.clone(), *i))
                 .collect(),
+            claims: self.replication.claims(),
             disk_failed: self
                 .store
                 .is_poisoned()

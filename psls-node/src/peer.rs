@@ -145,6 +145,9 @@ pub struct Heartbeat {
     pub heard: Vec<(String, u64)>,
     /// Why this node's page store failed (a failed fsync poisons it), if it did.
     pub disk_failed: Option<String>,
+    /// Whether the sender claims or leads a metadata epoch in this life (no other node claims
+    /// against a claimer it hears).
+    pub claims: bool,
 }
 
 /// State of one page of a `ReadPages` answer; its bytes are in the payload at `i * 4096`

@@ -83,6 +83,8 @@ pub struct Replication {
     /// The leader as this node knows it, with its epoch's number (published after every
     /// input).
     leader: Mutex<Option<(String, u64)>>,
+    /// Whether this node claims or leads an epoch in this life (published after every input).
+    claims: std::sync::atomic::AtomicBool,
 }
 
 impl Replication {
@@ -94,6 +96,7 @@ impl Replication {
             tx,
             rx: Mutex::new(Some(rx)),
             leader: Mutex::new(None),
+            claims: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -101,6 +104,11 @@ impl Replication {
     /// promised (itself from its own claim on), none before any.
     pub fn leader(&self) -> Option<String> {
         self.leader.locked().as_ref().map(|(l, _)| l.clone())
+    }
+
+    /// Whether this node claims or leads an epoch in this life.
+    pub fn claims(&self) -> bool {
+        self.claims.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// [`Replication::leader`] with the number of the epoch it leads.
@@ -186,6 +194,9 @@ impl Replication {
             // when fenced) finds its own old claim as the newest promise on its disk, and must
             // not take itself for the leader of that epoch (it did, and coordinated barriers
             // and locks in an old epoch beside the real leader, by the pause tests' logs).
+            node.replication()
+                .claims
+                .store(replica.claimed().is_some(), std::sync::atomic::Ordering::Relaxed);
             let leader = match replica.claimed() {
                 Some(e) => Some((me, e.n)),
                 None => {
