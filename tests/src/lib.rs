@@ -342,8 +342,10 @@ impl Cluster {
 impl Drop for Cluster {
     fn drop(&mut self) {
         let _ = self.cmd(&["cluster", "down"]).output();
-        // PSLS_KEEP_CLUSTER=1 keeps a failed test's cluster directory (logs, disks) to read.
-        if std::thread::panicking() && std::env::var_os("PSLS_KEEP_CLUSTER").is_some() {
+        // PSLS_KEEP_CLUSTER=1 keeps a failed test's cluster directory (logs, disks) to read;
+        // PSLS_KEEP_CLUSTER=always keeps every test's.
+        let keep = std::env::var("PSLS_KEEP_CLUSTER").ok();
+        if keep.as_deref() == Some("always") || (std::thread::panicking() && keep.is_some()) {
             let kept = std::mem::replace(&mut self.tmp, tempfile::tempdir().expect("tempdir")).keep();
             eprintln!("cluster kept in {}", kept.display());
         }
