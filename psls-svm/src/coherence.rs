@@ -1165,11 +1165,15 @@ impl Svm {
                     self.learn_incarnations(acks);
                 }
                 let l = self.local.entry(page).or_default();
+                let holds = l.access.is_some();
                 let Some(p) = l.pending.as_mut().filter(|p| p.txn == txn) else {
                     return Ok(Receipt::Dropped);
                 };
                 ensure!(!p.data, from, page, "data sent twice");
                 ensure!(from != self.me, from, page, "data from this node itself");
+                // Checked before the data's grant is recorded: a refused message changes
+                // nothing.
+                ensure!(!holds, from, page, "data for a page this node already holds");
                 let source = Source::Owner(from, env.from_incarnation);
                 match &p.grant {
                     Some((granted, _)) => ensure!(
@@ -1187,12 +1191,6 @@ impl Svm {
                         }
                     }
                 }
-                ensure!(
-                    l.access.is_none(),
-                    from,
-                    page,
-                    "data for a page this node already holds"
-                );
                 p.data = true;
                 self.stats.pages_in += 1;
                 self.try_complete(page);
