@@ -266,14 +266,17 @@ impl Node {
     /// failed.
     pub fn should_lead(&self) -> bool {
         let view = verdicts::ClaimView {
-            fencing: self.fencing.load(Ordering::Relaxed),
+            // A node whose disk failed neither claims nor goes on leading.
+            fencing: self.fencing.load(Ordering::Relaxed) || self.store.is_poisoned(),
             lease_held: self.holds_lease(),
             claiming: self.replication.claims(),
+            // A claimer whose disk failed does not hold the others back.
             other_claims: self.with_heartbeats(|m| {
                 self.cfg.all().any(|n| {
                     n.name != self.me.name
                         && m.is_live(self.now_ms(), &n.name)
-                        && m.heartbeat(&n.name).is_some_and(|h| h.claims)
+                        && m.heartbeat(&n.name)
+                            .is_some_and(|h| h.claims && h.disk_failed.is_none())
                 })
             }),
         };
