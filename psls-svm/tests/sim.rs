@@ -2071,6 +2071,68 @@ fn an_invalidating_write_is_granted_by_the_owners_data() {
     assert_eq!(nodes[writer].access(page), Some(Access::Write));
 }
 
+/// A `Data` for a page its receiver already holds is a protocol violation, refused without
+/// changing anything: the transaction stays as it was (no grant recorded from the refused
+/// message), and the real grant still completes it.
+#[test]
+fn a_refused_data_changes_nothing() {
+    let n = 3;
+    let peers = vec![Some(Incarnation(1)); n];
+    let mut nodes: Vec<Svm> = (0..n)
+        .map(|i| Svm::new(NodeId(i as u32), Incarnation(1), peers.clone()))
+        .collect();
+    let page = PageId {
+        file: FileId(7),
+        index: 0,
+    };
+    let m = nodes[0].manager(page).0 as usize;
+    let (owner, reader) = ((m + 1) % n, (m + 2) % n);
+    let mut mem = vec![None; n];
+    nodes[owner].fault(page, Access::Write, 0);
+    drive_fifo(&mut nodes, &mut mem);
+    nodes[reader].fault(page, Access::Read, 0);
+    drive_fifo(&mut nodes, &mut mem);
+    assert_eq!(nodes[reader].access(page), Some(Access::Read));
+    // The reader upgrades: its request is on the way to the manager.
+    nodes[reader].fault(page, Access::Write, 1);
+    let req = std::iter::from_fn(|| nodes[reader].poll_action())
+        .find_map(|a| match a {
+            Action::Send { to, env } if to.0 as usize == m => Some(env),
+            _ => None,
+        })
+        .expect("the upgrade's request");
+    let Msg::Req { txn, .. } = req.msg else {
+        panic!("not a request: {:?}", req.msg)
+    };
+    let before = nodes[reader].in_progress(page);
+    // A confused owner sends data (granting) for a page the reader holds.
+    let bad = Envelope {
+        from: NodeId(owner as u32),
+        from_incarnation: Incarnation(1),
+        to_incarnation: Incarnation(1),
+        msg: Msg::Data {
+            page,
+            txn,
+            grant: Some(Vec::new()),
+        },
+    };
+    assert!(nodes[reader].receive(bad).is_err(), "data for a held page is refused");
+    assert_eq!(
+        nodes[reader].in_progress(page),
+        before,
+        "the refused data changed the transaction"
+    );
+    assert!(
+        nodes[reader].poll_action().is_none(),
+        "the refused data produced an action"
+    );
+    // The real request goes on and completes the upgrade.
+    let _ = nodes[m].receive(req);
+    drive_fifo(&mut nodes, &mut mem);
+    assert_eq!(nodes[reader].access(page), Some(Access::Write));
+    assert_eq!(nodes[owner].access(page), None);
+}
+
 /// Forgetting a file drops its pages' holder and manager state and nothing else: the next
 /// fault on it loads afresh, while another file's page stays where it was.
 #[test]
