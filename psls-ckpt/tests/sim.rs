@@ -253,8 +253,11 @@ struct Node {
     frames: FrameTable<u64>,
     /// The participant's persistent rounds in progress: their generation, by epoch.
     gens: BTreeMap<u64, u64>,
-    /// As coordinator: the last memory epoch it committed.
+    /// As coordinator: the last memory epoch it committed (or learnt committed).
     mem_committed: u64,
+    /// As coordinator: the term in which it last learnt the newest committed memory epoch
+    /// from the nodes (the daemon's `learn_mem_committed`, before its first round of a term).
+    mem_learned_term: u64,
 }
 
 impl Node {
@@ -282,6 +285,7 @@ impl Node {
             frames: FrameTable::new(frame_capacity),
             gens: BTreeMap::new(),
             mem_committed: 0,
+            mem_learned_term: 0,
         }
     }
 }
@@ -1106,6 +1110,19 @@ impl World {
         let all: BTreeSet<NodeId> = (0..self.nodes.len()).map(|i| NodeId(i as u32)).collect();
         let files = self.file_ids();
         let now = self.now_ms;
+        // A coordinator new to this term first learns the newest memory epoch a node has
+        // committed: a memory round its predecessor committed may not have reached it.
+        if self.nodes[ci].mem_learned_term != self.term {
+            let newest = self
+                .nodes
+                .iter()
+                .map(|n| n.frames.job(JOB).committed)
+                .max()
+                .unwrap_or(0);
+            let c = &mut self.nodes[ci];
+            c.mem_committed = c.mem_committed.max(newest);
+            c.mem_learned_term = self.term;
+        }
         let committed = self.committed_epoch().max(self.nodes[ci].mem_committed);
         if self.nodes[ci]
             .coord
@@ -1870,6 +1887,7 @@ impl World {
         let seen = self.nodes.iter().map(|n| n.part.seen(JOB)).max().unwrap_or(0);
         let epoch = self.meta.job_floor(JOB).max(self.nodes[ci].started).max(seen);
         self.nodes[ci].mem_committed = 0;
+        self.nodes[ci].mem_learned_term = 0;
         self.fenced = epoch;
         self.rollback = Some(true);
         self.fences += 1;

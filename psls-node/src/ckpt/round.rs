@@ -198,6 +198,9 @@ pub struct CkptShell {
     /// At the coordinator: per job, its last committed memory epoch, and when its last
     /// persistent checkpoint committed (or it first called).
     pub(super) mem_committed: Mutex<HashMap<String, u64>>,
+    /// At the coordinator: per job, the metadata epoch in which it last learnt the newest
+    /// committed memory epoch from the nodes (see [`CkptShell::learn_mem_committed`]).
+    pub(super) mem_learned: Mutex<HashMap<String, u64>>,
     pub(super) last_persistent_ms: Mutex<HashMap<String, u64>>,
     /// At the coordinator: per job, the level its safe points take and its persistent interval.
     pub(super) choices: Mutex<HashMap<String, JobChoice>>,
@@ -241,6 +244,7 @@ impl CkptShell {
             claims: Mutex::new(HashMap::new()),
             gens: Mutex::new(HashMap::new()),
             mem_committed: Mutex::new(HashMap::new()),
+            mem_learned: Mutex::new(HashMap::new()),
             last_persistent_ms: Mutex::new(HashMap::new()),
             choices: Mutex::new(HashMap::new()),
             mem_since_persistent: Mutex::new(HashMap::new()),
@@ -372,6 +376,7 @@ impl CkptShell {
         if files.len() > MAX_CKPT_FILES {
             return Err(OpError::new(ErrorKind::Invalid, "too many files in one checkpoint"));
         }
+        self.learn_mem_committed(&job).await?;
         let (tx, rx) = tokio::sync::oneshot::channel();
         // Rounds of one job, or over one file, run one after the other.
         loop {
@@ -466,6 +471,44 @@ impl CkptShell {
             .unwrap_or_else(|| self.node.default_cleaning())
     }
 
+    /// At the coordinator, once per metadata epoch it coordinates (and after a rollback): the
+    /// newest memory epoch of `job` any node committed. Memory checkpoints leave no record in
+    /// the metadata; a coordinator that took over while its predecessor's commit was still on
+    /// the way started its first round with an older `committed`, and that round's prepare
+    /// dropped the copies of the committed checkpoint where its decision had not arrived yet
+    /// (found by the checkpoint simulator with pauses, seed 28089).
+    async fn learn_mem_committed(self: &Arc<Self>, job: &str) -> Result<(), OpError> {
+        let node = &self.node;
+        let lead = node.replication.leader_epoch().map_or(0, |(_, e)| e);
+        if self.mem_learned.locked().get(job) == Some(&lead) {
+            return Ok(());
+        }
+        let st = node.meta_state();
+        // A round needs every node anyway: fail fast rather than wait on a dead one.
+        crate::pfs::check_all_serving(node, &st)?;
+        let mut newest = 0;
+        for p in node.logical_map(&st).into_values() {
+            let req = PeerReq::Frames(crate::peer::FramesReq::State { job: job.to_string() });
+            match node.call_ok(&p, req).await {
+                Ok(PeerResp::MemState { committed, .. }) => newest = newest.max(committed),
+                Ok(other) => return Err(unavailable(format!("{p}: unexpected answer {other:?}"))),
+                Err(e) => {
+                    return Err(unavailable(format!(
+                        "{p} did not say its memory checkpoints: {}",
+                        e.message
+                    )))
+                }
+            }
+        }
+        {
+            let mut m = self.mem_committed.locked();
+            let e = m.entry(job.to_string()).or_insert(0);
+            *e = (*e).max(newest);
+        }
+        self.mem_learned.locked().insert(job.to_string(), lead);
+        Ok(())
+    }
+
     /// At the coordinator: the job's last committed epoch it knows (its commit record, or a
     /// later memory checkpoint committed here).
     fn known_committed(&self, job: &str, st: &psls_pfs::meta::MetaState) -> u64 {
@@ -506,6 +549,7 @@ impl CkptShell {
         self.gens.locked().retain(|(j, _), _| j != job);
         self.coord.locked().forget(job);
         self.mem_committed.locked().remove(job);
+        self.mem_learned.locked().remove(job);
         self.last_persistent_ms.locked().remove(job);
         self.choices.locked().remove(job);
         self.mem_since_persistent.locked().remove(job);

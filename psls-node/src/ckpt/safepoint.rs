@@ -544,6 +544,7 @@ impl CkptShell {
         self.safe.locked().end(job);
         self.arrived_incs.locked().remove(job);
         self.mem_committed.locked().remove(job);
+        self.mem_learned.locked().remove(job);
         let waiting: Vec<(u32, NodeId)> = self
             .safe_waiters
             .locked()
