@@ -259,11 +259,12 @@ impl Node {
         Some((l, leader))
     }
 
-    /// Whether this node should claim the coordination (the metadata's election): it holds
-    /// its lease and is the lowest logical id the failure detector hears whose disk has not
-    /// failed (an impression: the epochs make a wrong one safe). A coordinator whose disk
-    /// failed is thus replaced, and its successor declares it down like any node whose disk
-    /// failed.
+    /// Whether this node should claim the coordination, or go on claiming (the metadata's
+    /// election, by [`verdicts::should_claim`]): with its lease and a sound disk, it goes on
+    /// while it claims; otherwise it claims only when no node it hears claims and it is the
+    /// lowest logical id the failure detector hears whose disk has not failed (impressions:
+    /// the epochs make a wrong one safe). A coordinator whose disk failed is thus replaced,
+    /// and its successor declares it down like any node whose disk failed.
     pub fn should_lead(&self) -> bool {
         let view = verdicts::ClaimView {
             // A node whose disk failed neither claims nor goes on leading.
