@@ -2021,14 +2021,11 @@ fn drive_fifo(nodes: &mut [Svm], mem: &mut [Option<u64>]) -> Driven {
     panic!("actions did not settle");
 }
 
-/// A write that must invalidate copies is granted by the owner's `Data`, which carries the
-/// acknowledgements to collect: the writer waits for the data and one ack per other copy, and
-/// no `Grant`. Exact messages.
-#[test]
-fn an_invalidating_write_is_granted_by_the_owners_data() {
-    let n = 4;
+/// `n` fresh nodes (every one at incarnation 1, knowing the others), a page of file 7, and
+/// that page's manager.
+fn fresh_nodes(n: usize) -> (Vec<Svm>, PageId, usize) {
     let peers = vec![Some(Incarnation(1)); n];
-    let mut nodes: Vec<Svm> = (0..n)
+    let nodes: Vec<Svm> = (0..n)
         .map(|i| Svm::new(NodeId(i as u32), Incarnation(1), peers.clone()))
         .collect();
     let page = PageId {
@@ -2036,6 +2033,16 @@ fn an_invalidating_write_is_granted_by_the_owners_data() {
         index: 0,
     };
     let m = nodes[0].manager(page).0 as usize;
+    (nodes, page, m)
+}
+
+/// A write that must invalidate copies is granted by the owner's `Data`, which carries the
+/// acknowledgements to collect: the writer waits for the data and one ack per other copy, and
+/// no `Grant`. Exact messages.
+#[test]
+fn an_invalidating_write_is_granted_by_the_owners_data() {
+    let n = 4;
+    let (mut nodes, page, m) = fresh_nodes(n);
     let (owner, writer) = ((m + 1) % n, (m + 2) % n);
     let mut mem = vec![None; n];
     // The owner writes 1; every other node but the writer reads it (the writer has no copy:
@@ -2077,15 +2084,7 @@ fn an_invalidating_write_is_granted_by_the_owners_data() {
 #[test]
 fn a_refused_data_changes_nothing() {
     let n = 3;
-    let peers = vec![Some(Incarnation(1)); n];
-    let mut nodes: Vec<Svm> = (0..n)
-        .map(|i| Svm::new(NodeId(i as u32), Incarnation(1), peers.clone()))
-        .collect();
-    let page = PageId {
-        file: FileId(7),
-        index: 0,
-    };
-    let m = nodes[0].manager(page).0 as usize;
+    let (mut nodes, page, m) = fresh_nodes(n);
     let (owner, reader) = ((m + 1) % n, (m + 2) % n);
     let mut mem = vec![None; n];
     nodes[owner].fault(page, Access::Write, 0);

@@ -16,17 +16,8 @@ fn start(c: &Cluster, launcher: &str, extra: &[&str]) -> Child {
     let mgs = mgs_bin();
     let mut args = vec!["--node", launcher, "run", "-n", "4", "--respawn-timeout", "2"];
     args.extend(extra);
-    args.extend([
-        "--",
-        mgs.as_str(),
-        "--vectors",
-        "1024",
-        "--dim",
-        "1024",
-        "--no-baseline",
-        "--checkpoint-every",
-        "50",
-    ]);
+    args.extend(["--", mgs.as_str()]);
+    args.extend(MGS_ARGS);
     c.cmd(&args)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())

@@ -11,16 +11,6 @@ use std::io::Read;
 use std::process::{Child, Stdio};
 use std::time::Duration;
 
-const ARGS: [&str; 7] = [
-    "--vectors",
-    "1024",
-    "--dim",
-    "1024",
-    "--no-baseline",
-    "--checkpoint-every",
-    "50",
-];
-
 fn start_mgs(c: &Cluster, launcher: &str) -> Child {
     start_mgs_waiting(c, launcher, "30")
 }
@@ -62,7 +52,7 @@ fn start_mgs_with(c: &Cluster, launcher: &str, extra: &[&str]) -> Child {
     let mut args = vec!["--node", launcher, "run", "-n", "4"];
     args.extend(extra);
     args.extend(["--", mgs.as_str()]);
-    args.extend(ARGS);
+    args.extend(MGS_ARGS);
     c.cmd(&args)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
