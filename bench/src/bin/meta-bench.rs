@@ -1,0 +1,430 @@
+//! The cost of metadata as the namespace grows, on a local cluster of 4 nodes and a spare.
+//!
+//! Per store size (`--sizes`, files already in the store): creates, stats and removes of 4 KiB
+//! files from 1 client and from 8 concurrent clients (spread over the 4 nodes), each op's
+//! latency (p50, p99) and the rate; then MGS `--vectors`² with 4 ranks and a checkpoint every
+//! `--every` vectors, persistent and memory, against a run without checkpoints, on an empty
+//! store and on one holding the largest size, alternated round by round (`--rounds`), each
+//! cluster started fresh for its run: the total checkpoint pause and the run time.
+//!
+//! How the store is filled (`--populate`): `creates` through the clients (8 at once), or
+//! `offline`: the cluster is stopped, the files' records are written into every node's metadata
+//! store as one committed state, and it is started again (the files are all zero; their records
+//! are what a `psls create` commits). Use `offline` where creates grow too slow to fill the
+//! store (the code before issue 22: 100,000 creates would take about a day).
+//!
+//! Each measurement stops after `--ops` operations or `--budget-s` seconds, whichever comes
+//! first (its count is reported).
+//!
+//! Usage: meta-bench [--sizes 100,10000,100000] [--ops 200] [--budget-s 60] [--rounds 2]
+//! [--vectors 512] [--every 16] [--populate creates|offline] [--dir DIR] [--skip-mgs] [--skip-ops] [--up-timeout-s 120]
+//! Needs `psls`, `psls-node` and `mgs` next to this binary (`cargo build --release --workspace --bins`).
+
+use anyhow::{bail, Context, Result};
+use psls_bench::json_f64;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+struct Args {
+    sizes: Vec<usize>,
+    ops: usize,
+    budget: Duration,
+    rounds: usize,
+    vectors: usize,
+    every: usize,
+    offline: bool,
+    dir: Option<PathBuf>,
+    skip_mgs: bool,
+    skip_ops: bool,
+    /// How long a cluster may take to become healthy.
+    up: Duration,
+}
+
+fn args() -> Result<Args> {
+    let mut a = Args {
+        sizes: vec![100, 10_000, 100_000],
+        ops: 200,
+        budget: Duration::from_secs(60),
+        rounds: 2,
+        vectors: 512,
+        every: 16,
+        offline: false,
+        dir: None,
+        skip_mgs: false,
+        skip_ops: false,
+        up: Duration::from_secs(120),
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(k) = it.next() {
+        match k.as_str() {
+            "--skip-mgs" => {
+                a.skip_mgs = true;
+                continue;
+            }
+            "--skip-ops" => {
+                a.skip_ops = true;
+                continue;
+            }
+            "--help" | "-h" => {
+                println!("usage: meta-bench [--sizes 100,10000,100000] [--ops 200] [--budget-s 60] [--rounds 2] [--vectors 512] [--every 16] [--populate creates|offline] [--dir DIR] [--skip-mgs] [--skip-ops] [--up-timeout-s 120]");
+                std::process::exit(0);
+            }
+            _ => {}
+        }
+        let mut v = || it.next().with_context(|| format!("{k} needs a value"));
+        match k.as_str() {
+            "--sizes" => {
+                a.sizes = v()?
+                    .split(',')
+                    .map(|s| s.parse().with_context(|| format!("--sizes: {s} is not a number")))
+                    .collect::<Result<_>>()?
+            }
+            "--ops" => a.ops = v()?.parse().context("--ops")?,
+            "--budget-s" => a.budget = Duration::from_secs(v()?.parse().context("--budget-s")?),
+            "--up-timeout-s" => a.up = Duration::from_secs(v()?.parse().context("--up-timeout-s")?),
+            "--rounds" => a.rounds = v()?.parse().context("--rounds")?,
+            "--vectors" => a.vectors = v()?.parse().context("--vectors")?,
+            "--every" => a.every = v()?.parse().context("--every")?,
+            "--dir" => a.dir = Some(PathBuf::from(v()?)),
+            "--populate" => {
+                a.offline = match v()?.as_str() {
+                    "offline" => true,
+                    "creates" => false,
+                    o => bail!("--populate: {o} is neither creates nor offline"),
+                }
+            }
+            _ => bail!("unknown argument {k} (see --help)"),
+        }
+    }
+    if a.ops < 8 || a.sizes.is_empty() || !a.sizes.windows(2).all(|w| w[0] < w[1]) {
+        bail!("--ops must be >= 8 and --sizes increasing");
+    }
+    Ok(a)
+}
+
+/// Latencies in seconds, sorted.
+struct Sample {
+    lat: Vec<f64>,
+    wall_s: f64,
+    /// Operations that failed, and the first failure.
+    failed: usize,
+    first_failure: Option<String>,
+}
+
+impl Sample {
+    fn pct(&self, p: f64) -> f64 {
+        if self.lat.is_empty() {
+            return f64::NAN;
+        }
+        let i = ((self.lat.len() as f64 - 1.0) * p).round() as usize;
+        self.lat[i.min(self.lat.len() - 1)]
+    }
+    fn rate(&self) -> f64 {
+        self.lat.len() as f64 / self.wall_s
+    }
+    fn json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "ops": self.lat.len(), "p50_ms": json_f64(self.pct(0.5) * 1e3),
+            "p99_ms": json_f64(self.pct(0.99) * 1e3), "per_s": json_f64(self.rate()),
+            "failed": self.failed, "first_failure": self.first_failure,
+        })
+    }
+    fn line(&self) -> String {
+        format!(
+            "{:5} ops, p50 {:8.2} ms, p99 {:8.2} ms, {:8.1}/s{}",
+            self.lat.len(),
+            self.pct(0.5) * 1e3,
+            self.pct(0.99) * 1e3,
+            self.rate(),
+            match &self.first_failure {
+                Some(f) => format!(" ({} failed, first: {f})", self.failed),
+                None => String::new(),
+            }
+        )
+    }
+}
+
+const NODES: [&str; 4] = ["n0", "n1", "n2", "n3"];
+
+/// Runs `op(client, i)` for items `items` from `clients` threads (client `c` on node `c % 4`,
+/// taking items `c, c + clients, ...`), until every item is done or `budget` is spent.
+fn measure(
+    cdir: &Path,
+    clients: usize,
+    items: &[String],
+    budget: Duration,
+    op: fn(&mut psls_client::Client, &str) -> Result<()>,
+) -> Result<(Sample, Vec<String>)> {
+    let start = Instant::now();
+    type Done = (Vec<f64>, Vec<String>, Vec<String>);
+    let results: Vec<Result<Done>> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..clients)
+            .map(|c| {
+                s.spawn(move || -> Result<Done> {
+                    let mut cl = psls_client::cluster::connect(cdir, Some(NODES[c % NODES.len()]))?;
+                    let mut lat = Vec::new();
+                    let mut done = Vec::new();
+                    let mut failed = Vec::new();
+                    for name in items.iter().skip(c).step_by(clients) {
+                        if start.elapsed() > budget {
+                            break;
+                        }
+                        let t = Instant::now();
+                        match op(&mut cl, name) {
+                            Ok(()) => {
+                                lat.push(t.elapsed().as_secs_f64());
+                                done.push(name.clone());
+                            }
+                            Err(e) => failed.push(format!("{name} after {:.1} s: {e:#}", t.elapsed().as_secs_f64())),
+                        }
+                    }
+                    Ok((lat, done, failed))
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(anyhow::anyhow!("a client thread panicked")))
+            })
+            .collect()
+    });
+    let wall_s = start.elapsed().as_secs_f64();
+    let mut lat = Vec::new();
+    let mut done = Vec::new();
+    let mut failures = Vec::new();
+    for r in results {
+        let (l, d, f) = r?;
+        lat.extend(l);
+        done.extend(d);
+        failures.extend(f);
+    }
+    lat.sort_by(|a, b| a.total_cmp(b));
+    let s = Sample {
+        lat,
+        wall_s,
+        failed: failures.len(),
+        first_failure: failures.into_iter().next(),
+    };
+    Ok((s, done))
+}
+
+fn create(c: &mut psls_client::Client, name: &str) -> Result<()> {
+    c.create(name, 4096, 0o644)?;
+    Ok(())
+}
+fn stat(c: &mut psls_client::Client, name: &str) -> Result<()> {
+    c.stat(name)?;
+    Ok(())
+}
+fn remove(c: &mut psls_client::Client, name: &str) -> Result<()> {
+    c.rm(name)?;
+    Ok(())
+}
+
+/// Files in the store now.
+fn count(cdir: &Path) -> Result<usize> {
+    Ok(psls_client::cluster::connect(cdir, Some("n0"))?.ls()?.len())
+}
+
+/// Fills the store up to `target` files named `fill-*`.
+fn populate(a: &Args, cdir: &Path, target: usize) -> Result<()> {
+    let have = count(cdir)?;
+    if have >= target {
+        return Ok(());
+    }
+    let t = Instant::now();
+    if a.offline {
+        offline::fill(cdir, have, target, a.up)?;
+    } else {
+        let names: Vec<String> = (have..target).map(|i| format!("fill-{i}")).collect();
+        let (s, _) = measure(cdir, 8, &names, Duration::from_secs(86_400), create)?;
+        eprintln!("filled {} files by creates: {}", names.len(), s.line());
+    }
+    let now = count(cdir)?;
+    if now != target {
+        bail!("the store holds {now} files, not {target}");
+    }
+    eprintln!("store at {target} files ({:.1} s)", t.elapsed().as_secs_f64());
+    Ok(())
+}
+
+/// Filling the store offline (the cluster stopped), for the code before issue 22.
+mod offline {
+    use super::*;
+    use psls_pfs::meta::{FileMeta, MetaStore};
+    use psls_pfs::FileDisk;
+
+    pub fn fill(cdir: &Path, have: usize, target: usize, up: Duration) -> Result<()> {
+        psls_client::cluster::down(cdir)?;
+        let cfg = psls_ipc::ClusterConfig::load(&cdir.join("cluster.toml"))?;
+        let mut stores = Vec::new();
+        for n in cfg.all() {
+            let disk = FileDisk::new(cfg.data_dir(n))?;
+            let m = MetaStore::open(&disk).with_context(|| format!("metadata of {}", n.name))?;
+            stores.push((n.name.clone(), m));
+        }
+        let first = stores[0].1.state().clone();
+        for (name, m) in &stores {
+            if *m.state() != first {
+                bail!("{name}'s metadata differs from {}'s: cannot fill offline", stores[0].0);
+            }
+        }
+        let mut next = first;
+        let mut rng = psls_svm::rng::SplitMix64::new(target as u64);
+        for i in have..target {
+            let name = format!("fill-{i}");
+            next.files.insert(
+                name.clone(),
+                FileMeta {
+                    id: psls_svm::FileId(rng.next_u64() | 1),
+                    name,
+                    size: 4096,
+                    uid: 0,
+                    gid: 0,
+                    mode: 0o644,
+                    gen: 0,
+                    created_unix_ms: 0,
+                    written: Default::default(),
+                    writer: None,
+                },
+            );
+        }
+        next.seq += 1;
+        for (_, m) in &mut stores {
+            m.install(next.clone())?;
+        }
+        drop(stores);
+        psls_client::cluster::up(cdir, up, true)?;
+        Ok(())
+    }
+}
+
+struct Mgs {
+    time_s: f64,
+    pause_s: f64,
+    checkpoints: u64,
+}
+
+fn mgs(bin: &Path, cdir: &Path, a: &Args, level: Option<&str>) -> Result<Mgs> {
+    let extra: Vec<&str> = match level {
+        Some(l) => vec!["--level", l],
+        None => vec![],
+    };
+    let j = psls_bench::run_mgs(
+        bin,
+        cdir,
+        "n0",
+        a.vectors,
+        if level.is_some() { a.every } else { 0 },
+        &extra,
+    )?;
+    Ok(Mgs {
+        time_s: j["time_s"].as_f64().unwrap_or(f64::NAN),
+        pause_s: j["checkpoint_pause_s"].as_f64().unwrap_or(0.0),
+        checkpoints: j["checkpoints"].as_u64().unwrap_or(0),
+    })
+}
+
+fn main() -> Result<()> {
+    let a = args()?;
+    let bin = std::env::current_exe()?.parent().context("no folder")?.to_path_buf();
+    for b in ["psls", "psls-node", "mgs"] {
+        if !bin.join(b).exists() {
+            bail!("{b} not found next to meta-bench: run `cargo build --release --workspace --bins` first");
+        }
+    }
+    let tmp = tempfile::Builder::new()
+        .prefix("meta-bench")
+        .tempdir_in(a.dir.clone().unwrap_or_else(std::env::temp_dir))?;
+    let port = 30000 + (std::process::id() % 1000) as u16 * 16;
+    let big = tmp.path().join("big");
+    let empty = tmp.path().join("empty");
+    psls_client::cluster::init(&big, 4, 1, 1024, port, false)?;
+    psls_client::cluster::init(&empty, 4, 1, 1024, port + 8, false)?;
+    let r = run(&a, &bin, &big, &empty);
+    let _ = psls_client::cluster::down(&big);
+    let _ = psls_client::cluster::down(&empty);
+    r
+}
+
+fn run(a: &Args, bin: &Path, big: &Path, empty: &Path) -> Result<()> {
+    let mut out = serde_json::json!({"bench": "meta", "populate": if a.offline { "offline" } else { "creates" }});
+    psls_client::cluster::up(big, a.up, true)?;
+    let mut sizes = Vec::new();
+    for &size in &a.sizes {
+        populate(a, big, size)?;
+        if a.skip_ops {
+            continue;
+        }
+        let mut row = serde_json::json!({"files": size});
+        for clients in [1usize, 8] {
+            let names: Vec<String> = (0..a.ops).map(|i| format!("b{size}-{clients}-{i}")).collect();
+            let (c, made) = measure(big, clients, &names, a.budget, create)?;
+            let (s, _) = measure(big, clients, &made, a.budget, stat)?;
+            let (r, removed) = measure(big, clients, &made, a.budget, remove)?;
+            // Whatever the budget left behind goes too, so the store is back at `size`.
+            let left: Vec<String> = made.iter().filter(|n| !removed.contains(n)).cloned().collect();
+            measure(big, 8, &left, Duration::from_secs(86_400), remove)?;
+            println!("{size:7} files, {clients} client(s): create {}", c.line());
+            println!("{size:7} files, {clients} client(s): stat   {}", s.line());
+            println!("{size:7} files, {clients} client(s): remove {}", r.line());
+            row[format!("clients_{clients}")] =
+                serde_json::json!({"create": c.json(), "stat": s.json(), "remove": r.json()});
+        }
+        sizes.push(row);
+    }
+    out["sizes"] = serde_json::json!(sizes);
+    psls_client::cluster::down(big)?;
+    if !a.skip_mgs {
+        let largest = *a.sizes.last().unwrap_or(&0);
+        let levels = [None, Some("persistent"), Some("memory")];
+        // (store, level) → runs.
+        let mut runs: Vec<Vec<Vec<Mgs>>> = (0..2).map(|_| (0..3).map(|_| Vec::new()).collect()).collect();
+        for round in 0..a.rounds {
+            for (k, cdir) in [empty, big].into_iter().enumerate() {
+                for (l, level) in levels.iter().enumerate() {
+                    psls_client::cluster::up(cdir, a.up, true)?;
+                    let m = mgs(bin, cdir, a, *level);
+                    psls_client::cluster::down(cdir)?;
+                    let m = m?;
+                    eprintln!(
+                        "round {} {} files, {}: {:.3} s, {} checkpoints, pause {:.3} s",
+                        round + 1,
+                        if k == 0 { 0 } else { largest },
+                        level.unwrap_or("no checkpoint"),
+                        m.time_s,
+                        m.checkpoints,
+                        m.pause_s
+                    );
+                    runs[k][l].push(m);
+                }
+            }
+        }
+        let mut rows = Vec::new();
+        for (l, level) in levels.iter().enumerate() {
+            let span = |v: &[Mgs], f: fn(&Mgs) -> f64| {
+                let lo = v.iter().map(f).fold(f64::INFINITY, f64::min);
+                let hi = v.iter().map(f).fold(f64::NEG_INFINITY, f64::max);
+                (lo, hi)
+            };
+            let (e, b) = (&runs[0][l], &runs[1][l]);
+            let (ep, bp) = (span(e, |m| m.pause_s), span(b, |m| m.pause_s));
+            let (et, bt) = (span(e, |m| m.time_s), span(b, |m| m.time_s));
+            let name = level.unwrap_or("none");
+            println!(
+                "MGS {v}², {name:10}: pause {:.3}–{:.3} s / run {:.3}–{:.3} s (empty store); pause {:.3}–{:.3} s / run {:.3}–{:.3} s ({largest} files)",
+                ep.0, ep.1, et.0, et.1, bp.0, bp.1, bt.0, bt.1,
+                v = a.vectors
+            );
+            rows.push(serde_json::json!({
+                "level": name, "checkpoints": e.first().map_or(0, |m| m.checkpoints),
+                "empty_pause_s": [json_f64(ep.0), json_f64(ep.1)], "empty_time_s": [json_f64(et.0), json_f64(et.1)],
+                "full_pause_s": [json_f64(bp.0), json_f64(bp.1)], "full_time_s": [json_f64(bt.0), json_f64(bt.1)],
+            }));
+        }
+        out["mgs"] = serde_json::json!({"vectors": a.vectors, "every": a.every, "files": largest, "levels": rows});
+    }
+    println!("{out}");
+    Ok(())
+}
