@@ -4,6 +4,9 @@
 //! `receive`, and what must happen comes out as actions the shell (`psls-node`) carries out in
 //! order: sends, durable writes, answers to waiting callers.
 //!
+//! - [`log`]: the metadata log (raft-rs's consensus with pre-vote and check-quorum, group
+//!   commit, read index, log compaction and snapshots) and the state it applies; it replaces
+//!   [`meta`] as the daemon moves over.
 //! - [`membership`]: the failure detector over heartbeats (up, suspect, down).
 //! - [`meta`]: coordinator election with epochs and replication of the namespace metadata
 //!   (a one-slot Multi-Paxos over snapshots): committed metadata is the same on every node for
@@ -16,7 +19,8 @@
 //! - [`write`]: the two-phase write of page copies before a commit record (imports, repairs,
 //!   rebuilds).
 //!
-//! Seeded simulators drive them (`tests/sim.rs`: membership, election and metadata;
+//! Seeded simulators drive them (`tests/log_sim.rs`: the metadata log with crashes, pauses,
+//! partitions, lost disks and snapshot installs; `tests/sim.rs`: membership, election and metadata;
 //! `tests/sync_sim.rs`: barriers and locks; `tests/pfs_sim.rs`: imports, disk losses and
 //! re-mirroring): they crash and restart nodes, delay and reorder messages and drop them on
 //! dead links, and check the invariants after every step.
@@ -26,6 +30,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod log;
 pub mod membership;
 pub mod meta;
 pub mod sync;

@@ -1,0 +1,1092 @@
+//! The metadata log: one voter's side of the replicated log of metadata operations, and the
+//! state those operations build.
+//!
+//! A deterministic machine around raft-rs's `RawNode` (the consensus module of TiKV, sans-IO
+//! like this crate: `tick`, `step`, `ready`/`advance`), shaped like quinn-proto's
+//! `Connection`: `handle_*` inputs, [`Log::poll_action`] outputs, getters.
+//! It owns the applied state (any [`Machine`]; the daemon's is `psls_pfs::meta::MetaState`) and
+//! the in-memory copy of the log ([`Cache`], raft-rs's `Storage`).
+//! The shell makes durable what [`Action::Persist`] says, before any later action; it sends what
+//! [`Action::Send`] says; it answers submitters and readers.
+//!
+//! - **Voters** are every physical node, numbered `0..voters` (raft ids `1..=voters`), fixed:
+//!   no configuration change ever runs.
+//! - **Leader.** Elections follow the election timeout the shell gives in ticks, randomized per
+//!   election from a seeded generator (so a seed replays a run); pre-vote and check-quorum are
+//!   on, so a node cut off cannot disrupt a working majority when it comes back, and a leader
+//!   that hears no majority for an election timeout steps down.
+//!   A node that must not lead ([`Log::set_eligible`]) never campaigns and hands its leadership
+//!   over.
+//! - **Submissions** ([`Log::submit`]) are proposed by the leader only; many are in flight at once
+//!   and a whole batch is written with one [`Action::Persist`] (group commit).
+//!   A submission is answered once its entry is applied here: `Ok(index)` or the state's
+//!   refusal, the same on every node; or `Dropped` once a newer term's entry took its place (it
+//!   was never applied and never will be).
+//! - **Reads** ([`Log::read`]) ask the leader for its commit index (raft's read index, no lease)
+//!   and are answered once this node applied up to it: a read served after the answer sees every
+//!   operation answered `Ok` before the read began. Concurrent reads share one request.
+//! - **Log compaction.** Once the log holds more than `compact_after` applied entries, the entries
+//!   up to `keep_behind` before the applied index go; a voter that needs older ones is sent the
+//!   applied state as a snapshot.
+//!
+//! Invariants (asserted here, and by the simulator after every step): the applied index only
+//! grows; an entry is applied only once committed; every submission is answered exactly once,
+//! unless this node stops first.
+//! Bounds: at most [`Limits::max_pending`] submissions and [`Limits::max_reads`] reads wait.
+
+use raft::eraftpb::{ConfState, Entry, EntryType, HardState, Message, MessageType, Snapshot, SnapshotMetadata};
+use raft::{GetEntriesContext, RaftState, RawNode, ReadOnlyOption, StateRole, Storage, StorageError};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use std::collections::{BTreeMap, VecDeque};
+use std::fmt::{Debug, Display};
+
+/// A state built by applying the log's operations in order.
+pub trait Machine: Clone {
+    type Op: Clone + Debug + Serialize + DeserializeOwned;
+    type Error: Clone + Debug + Display;
+    /// What the shell writes to make the applied state durable (the keys changed since the last
+    /// [`Machine::take_changes`], with their new values).
+    type Changes: Debug;
+    /// Index of the last applied entry.
+    fn index(&self) -> u64;
+    /// Applies `op` as entry `index` (`index() + 1`). On error nothing changes but the index.
+    fn apply(&mut self, index: u64, op: &Self::Op) -> Result<(), Self::Error>;
+    /// Entry `index` carries no operation (a new leader's empty entry): only the index moves.
+    fn skip(&mut self, index: u64);
+    /// The changes since the last call.
+    fn take_changes(&mut self) -> Self::Changes;
+    /// The whole state as the changes to write (after a snapshot replaced it).
+    fn all_changes(&self) -> Self::Changes;
+    /// The state as snapshot bytes.
+    fn encode(&self) -> Vec<u8>;
+    /// A state from snapshot bytes.
+    fn decode(bytes: &[u8]) -> Result<Self, String>;
+}
+
+/// Format of an entry's data: `[ENTRY_FORMAT u8][postcard operation]`.
+pub const ENTRY_FORMAT: u8 = 1;
+
+/// Tunables, in ticks and counts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Limits {
+    /// Ticks without a leader before a follower campaigns (randomized up to twice this).
+    pub election_ticks: usize,
+    /// Ticks between a leader's heartbeats.
+    pub heartbeat_ticks: usize,
+    /// Submissions waiting for their entry to be applied.
+    pub max_pending: usize,
+    /// Reads waiting.
+    pub max_reads: usize,
+    /// Entries a leader sends in one message, in bytes (at least one entry).
+    pub max_msg_bytes: u64,
+    /// Append messages in flight per follower.
+    pub max_inflight: usize,
+    /// The log is compacted once it holds more than this many applied entries...
+    pub compact_after: u64,
+    /// ... down to this many behind the applied index.
+    pub keep_behind: u64,
+    /// A read request unanswered after this many ticks is asked again.
+    pub read_retry_ticks: u64,
+}
+
+impl Limits {
+    /// Limits for a failure-detector timeout of `timeout_ms` and a tick of `tick_ms`.
+    pub fn for_timeout(timeout_ms: u64, tick_ms: u64) -> Limits {
+        let election = (timeout_ms / tick_ms.max(1)).max(4) as usize;
+        Limits {
+            election_ticks: election,
+            heartbeat_ticks: (election / 6).max(1),
+            max_pending: 8192,
+            max_reads: 8192,
+            max_msg_bytes: 1 << 20,
+            max_inflight: 64,
+            compact_after: 20_000,
+            keep_behind: 5_000,
+            read_retry_ticks: election as u64,
+        }
+    }
+}
+
+/// What a voter keeps on disk: restart a [`Log`] from it.
+#[derive(Clone, Debug)]
+pub struct Durable<S> {
+    pub hard_state: HardState,
+    /// The last compaction: entries up to its index are gone.
+    pub compacted: (u64, u64),
+    /// The entries after it, in order.
+    pub entries: Vec<Entry>,
+    /// The applied state (its index at least the compaction's), and its entry's term.
+    pub state: S,
+    pub applied_term: u64,
+    /// This voter lost what it acknowledged (its disk was replaced) and has not caught up yet.
+    pub amnesiac: bool,
+}
+
+impl<S: Machine + Default> Durable<S> {
+    /// A voter that never ran (`amnesiac`: it ran before, and its disk was lost).
+    pub fn fresh(amnesiac: bool) -> Durable<S> {
+        Durable {
+            hard_state: HardState::default(),
+            compacted: (0, 0),
+            entries: Vec::new(),
+            state: S::default(),
+            applied_term: 0,
+            amnesiac,
+        }
+    }
+}
+
+/// One durable write: carried out whole (one transaction, one fsync when `sync`) before any
+/// later action.
+#[derive(Debug)]
+pub struct Persist<S: Machine> {
+    /// Whether it must reach the disk before the next action (votes, terms, log entries, a
+    /// snapshot); otherwise only the applied state moved, which the log can rebuild.
+    pub sync: bool,
+    /// The hard state now (term, vote, commit; commit is at least `applied`).
+    pub hard_state: HardState,
+    /// Entries to write, replacing any at their indices and after.
+    pub entries: Vec<Entry>,
+    /// The state was replaced by a snapshot at this index and term: every key is in `changes`,
+    /// and keys not there go; the log up to it goes.
+    pub snapshot: Option<(u64, u64)>,
+    /// Entries up to this index and term can go (compaction).
+    pub compact_to: Option<(u64, u64)>,
+    /// The applied state's index and its entry's term.
+    pub applied: (u64, u64),
+    pub changes: S::Changes,
+    /// Whether the voter is still catching up after losing its disk.
+    pub amnesiac: bool,
+}
+
+/// Why a submission was not applied.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum SubmitError<E: Display> {
+    /// This node does not lead; the leader, as far as it knows.
+    #[error("this node does not lead the metadata")]
+    NotLeader { leader: Option<u32> },
+    #[error("too many metadata operations are waiting")]
+    Busy,
+    /// It was not applied and never will be (a newer term replaced it): submit it again.
+    #[error("the metadata's leader changed before the operation was committed")]
+    Dropped,
+    /// This node skipped its index (a snapshot): it may or may not have been applied.
+    #[error("the operation's outcome is unknown here (the log was replaced by a snapshot)")]
+    Unknown,
+    /// The state refused it (the same on every node).
+    #[error("{0}")]
+    Rejected(E),
+    #[error("this node's metadata log stopped")]
+    Halted,
+}
+
+/// Why a read cannot be served yet.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ReadError {
+    #[error("no metadata leader is known")]
+    NoLeader,
+    #[error("too many metadata reads are waiting")]
+    Busy,
+    #[error("this node's metadata log stopped")]
+    Halted,
+}
+
+/// A message between voters.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Wire {
+    Raft(Box<Message>),
+    /// The sender lost its disk: its log ends at `last_index`, whatever the leader believed
+    /// (raft assumes a voter never loses what it acknowledged; the leader starts over with it).
+    LostDisk {
+        last_index: u64,
+    },
+}
+
+/// What the shell must do, in order.
+#[derive(Debug)]
+pub enum Action<S: Machine, T> {
+    Persist(Box<Persist<S>>),
+    /// Send to voter `to`.
+    Send {
+        to: u32,
+        msg: Wire,
+    },
+    /// The answer to `submit(token, ..)`: the index it was applied at.
+    Done {
+        token: T,
+        result: Result<u64, SubmitError<S::Error>>,
+    },
+    /// The answer to `read(token)`: the state here is at least at the leader's commit index
+    /// (returned) as of some time after the read began.
+    Read {
+        token: T,
+        result: Result<u64, ReadError>,
+    },
+    /// The log cannot go on here (an entry this node cannot decode): the node must stop.
+    Halt {
+        reason: String,
+    },
+}
+
+/// The in-memory log, raft-rs's [`Storage`]: what was persisted (or is being persisted in the
+/// current [`Action::Persist`]), and the applied state it hands out as a snapshot.
+pub struct Cache<S> {
+    hard_state: HardState,
+    conf_state: ConfState,
+    /// Index and term of the last entry compacted away.
+    compacted: (u64, u64),
+    entries: VecDeque<Entry>,
+    /// The applied state and its entry's term (a snapshot sent to a lagging voter).
+    applied: Option<(S, u64)>,
+}
+
+impl<S> Cache<S> {
+    fn first_index(&self) -> u64 {
+        self.entries.front().map_or(self.compacted.0 + 1, |e| e.index)
+    }
+    fn last_index(&self) -> u64 {
+        self.entries.back().map_or(self.compacted.0, |e| e.index)
+    }
+    fn append(&mut self, ents: &[Entry]) {
+        let Some(first) = ents.first() else { return };
+        assert!(
+            first.index > self.compacted.0,
+            "append at compacted index {}",
+            first.index
+        );
+        assert!(
+            first.index <= self.last_index() + 1,
+            "gap before appended index {}",
+            first.index
+        );
+        let keep = (first.index - self.first_index()) as usize;
+        self.entries.truncate(keep);
+        self.entries.extend(ents.iter().cloned());
+    }
+    fn compact(&mut self, index: u64, term: u64) {
+        while self.entries.front().is_some_and(|e| e.index <= index) {
+            self.entries.pop_front();
+        }
+        self.compacted = (index, term);
+    }
+    fn entry_term(&self, idx: u64) -> Option<u64> {
+        if idx == self.compacted.0 {
+            return Some(self.compacted.1);
+        }
+        let first = self.first_index();
+        if idx < first || idx > self.last_index() {
+            return None;
+        }
+        self.entries.get((idx - first) as usize).map(|e| e.term)
+    }
+}
+
+impl<S: Machine> Storage for Cache<S> {
+    fn initial_state(&self) -> raft::Result<RaftState> {
+        Ok(RaftState::new(self.hard_state.clone(), self.conf_state.clone()))
+    }
+
+    fn entries(
+        &self,
+        low: u64,
+        high: u64,
+        max_size: impl Into<Option<u64>>,
+        _context: GetEntriesContext,
+    ) -> raft::Result<Vec<Entry>> {
+        if low < self.first_index() {
+            return Err(raft::Error::Store(StorageError::Compacted));
+        }
+        if high > self.last_index() + 1 {
+            return Err(raft::Error::Store(StorageError::Unavailable));
+        }
+        let first = self.first_index();
+        let max = max_size.into().unwrap_or(u64::MAX);
+        let mut out = Vec::new();
+        let mut size = 0u64;
+        for e in self.entries.range((low - first) as usize..(high - first) as usize) {
+            size += (e.data.len() + e.context.len() + 16) as u64;
+            if !out.is_empty() && size > max {
+                break;
+            }
+            out.push(e.clone());
+        }
+        Ok(out)
+    }
+
+    fn term(&self, idx: u64) -> raft::Result<u64> {
+        if idx < self.compacted.0 {
+            return Err(raft::Error::Store(StorageError::Compacted));
+        }
+        self.entry_term(idx)
+            .ok_or(raft::Error::Store(StorageError::Unavailable))
+    }
+
+    fn first_index(&self) -> raft::Result<u64> {
+        Ok(Cache::first_index(self))
+    }
+
+    fn last_index(&self) -> raft::Result<u64> {
+        Ok(Cache::last_index(self))
+    }
+
+    fn snapshot(&self, request_index: u64, _to: u64) -> raft::Result<Snapshot> {
+        let Some((state, term)) = &self.applied else {
+            return Err(raft::Error::Store(StorageError::SnapshotTemporarilyUnavailable));
+        };
+        if state.index() < request_index || state.index() < self.compacted.0 {
+            return Err(raft::Error::Store(StorageError::SnapshotTemporarilyUnavailable));
+        }
+        let mut snap = Snapshot {
+            data: state.encode().into(),
+            ..Default::default()
+        };
+        let meta = snap.mut_metadata();
+        meta.index = state.index();
+        meta.term = *term;
+        meta.set_conf_state(self.conf_state.clone());
+        Ok(snap)
+    }
+}
+
+/// A proposal waiting for its entry.
+struct Pending<T> {
+    term: u64,
+    token: T,
+}
+
+/// Reads sharing one read-index request, and those waiting for the next.
+struct Reads<T> {
+    next_ctx: u64,
+    /// The request in flight: its context, its readers, the tick it was sent at.
+    inflight: Option<(u64, Vec<T>, u64)>,
+    waiting: Vec<T>,
+    /// Readers whose index is known, waiting for this node to apply up to it.
+    ready: BTreeMap<u64, Vec<T>>,
+    count: usize,
+}
+
+/// A small seeded generator (SplitMix64): election timeouts replay with the seed.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+}
+
+/// One voter's side of the metadata log. `T` is the shell's handle for a submission or a read.
+pub struct Log<S: Machine, T> {
+    me: u32,
+    voters: u32,
+    limits: Limits,
+    node: RawNode<Cache<S>>,
+    state: S,
+    applied_term: u64,
+    pending: BTreeMap<u64, Pending<T>>,
+    reads: Reads<T>,
+    actions: VecDeque<Action<S, T>>,
+    rng: Rng,
+    ticks: u64,
+    eligible: bool,
+    halted: Option<String>,
+    /// The last election timeout drawn, so a new one is drawn only after raft reset its count.
+    timeout_drawn: bool,
+    /// After a lost disk: `Some(None)` until a leader's append says how long its log is, then
+    /// `Some(Some(index))` until this voter committed up to it. Meanwhile it neither votes nor
+    /// campaigns: it may have acknowledged entries it no longer holds, and a vote of it could
+    /// elect a leader without them.
+    amnesia: Option<Option<u64>>,
+}
+
+/// raft-rs logs through `slog`; this drain hands its records to `tracing`.
+struct ToTracing;
+
+impl slog::Drain for ToTracing {
+    type Ok = ();
+    type Err = slog::Never;
+    fn log(&self, record: &slog::Record<'_>, _: &slog::OwnedKVList) -> Result<(), slog::Never> {
+        match record.level() {
+            slog::Level::Critical | slog::Level::Error => {
+                tracing::error!(target: "psls_cluster::raft", "{}", record.msg())
+            }
+            slog::Level::Warning => tracing::warn!(target: "psls_cluster::raft", "{}", record.msg()),
+            slog::Level::Info => tracing::debug!(target: "psls_cluster::raft", "{}", record.msg()),
+            _ => tracing::trace!(target: "psls_cluster::raft", "{}", record.msg()),
+        }
+        Ok(())
+    }
+}
+
+fn raft_id(voter: u32) -> u64 {
+    voter as u64 + 1
+}
+
+fn voter_of(id: u64) -> Option<u32> {
+    id.checked_sub(1).and_then(|v| u32::try_from(v).ok())
+}
+
+/// Why a [`Log`] cannot start from what was on disk.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum StartError {
+    #[error("the metadata log on disk is inconsistent: {0}")]
+    Inconsistent(String),
+}
+
+impl<S: Machine, T> Log<S, T> {
+    /// Voter `me` of `voters`, from what it kept on disk; `seed` randomizes its election
+    /// timeouts.
+    pub fn new(me: u32, voters: u32, limits: Limits, durable: Durable<S>, seed: u64) -> Result<Self, StartError> {
+        assert!(me < voters, "voter {me} of {voters}");
+        let Durable {
+            mut hard_state,
+            compacted,
+            entries,
+            state,
+            applied_term,
+            amnesiac,
+        } = durable;
+        let applied = state.index();
+        let bad = |what: String| Err(StartError::Inconsistent(what));
+        if applied < compacted.0 {
+            return bad(format!(
+                "applied index {applied} is before the compacted index {}",
+                compacted.0
+            ));
+        }
+        if entries.windows(2).any(|w| w[1].index != w[0].index + 1)
+            || entries.first().is_some_and(|e| e.index != compacted.0 + 1)
+        {
+            return bad("the entries are not contiguous after the compacted index".into());
+        }
+        let last = entries.last().map_or(compacted.0, |e| e.index);
+        if applied > last {
+            return bad(format!("applied index {applied} is past the last entry {last}"));
+        }
+        // The commit index is at least what was applied (and at most the last entry).
+        hard_state.commit = hard_state.commit.max(applied).min(last);
+        let conf_state = ConfState {
+            voters: (0..voters).map(raft_id).collect(),
+            ..Default::default()
+        };
+        let cache = Cache {
+            hard_state,
+            conf_state,
+            compacted,
+            entries: entries.into(),
+            applied: Some((state.clone(), applied_term)),
+        };
+        let cfg = raft::Config {
+            id: raft_id(me),
+            election_tick: limits.election_ticks,
+            heartbeat_tick: limits.heartbeat_ticks,
+            applied,
+            max_size_per_msg: limits.max_msg_bytes,
+            max_inflight_msgs: limits.max_inflight,
+            check_quorum: true,
+            pre_vote: true,
+            read_only_option: ReadOnlyOption::Safe,
+            ..Default::default()
+        };
+        cfg.validate()
+            .map_err(|e| StartError::Inconsistent(format!("raft configuration: {e}")))?;
+        let logger = slog::Logger::root(ToTracing, slog::o!());
+        let node = RawNode::new(&cfg, cache, &logger).map_err(|e| StartError::Inconsistent(format!("raft: {e}")))?;
+        let mut log = Log {
+            me,
+            voters,
+            limits,
+            node,
+            state,
+            applied_term,
+            pending: BTreeMap::new(),
+            reads: Reads {
+                next_ctx: 1,
+                inflight: None,
+                waiting: Vec::new(),
+                ready: BTreeMap::new(),
+                count: 0,
+            },
+            actions: VecDeque::new(),
+            rng: Rng(seed ^ (me as u64).wrapping_mul(0x2545_F491_4F6C_DD1D)),
+            ticks: 0,
+            eligible: true,
+            halted: None,
+            timeout_drawn: false,
+            amnesia: amnesiac.then_some(None),
+        };
+        // Read requests are told apart from those of this voter's earlier lives (an answer to one
+        // of those can still arrive).
+        log.reads.next_ctx = log.rng.next();
+        log.draw_timeout();
+        Ok(log)
+    }
+
+    // ---- getters ----
+
+    /// This voter's number.
+    pub fn me(&self) -> u32 {
+        self.me
+    }
+    /// The applied state.
+    pub fn state(&self) -> &S {
+        &self.state
+    }
+    /// The current term.
+    pub fn term(&self) -> u64 {
+        self.node.raft.term
+    }
+    /// The leader of the current term, as far as this voter knows.
+    pub fn leader(&self) -> Option<u32> {
+        voter_of(self.node.raft.leader_id)
+    }
+    /// Whether this voter leads.
+    pub fn is_leader(&self) -> bool {
+        self.node.raft.state == StateRole::Leader
+    }
+    /// Whether this voter campaigns (a candidate or pre-candidate) or leads.
+    pub fn claims(&self) -> bool {
+        self.node.raft.state != StateRole::Follower
+    }
+    /// The commit index as this voter knows it.
+    pub fn commit(&self) -> u64 {
+        self.node.raft.raft_log.committed
+    }
+    /// The applied index.
+    pub fn applied(&self) -> u64 {
+        self.state.index()
+    }
+    /// The last index of the log here.
+    pub fn last_index(&self) -> u64 {
+        self.node.raft.raft_log.last_index()
+    }
+    /// The first index still in the log here.
+    pub fn first_index(&self) -> u64 {
+        self.node.store().first_index()
+    }
+    /// The leader's view of voter `v`'s log: the index it is known to hold (leaders only).
+    pub fn matched(&self, v: u32) -> Option<u64> {
+        if !self.is_leader() {
+            return None;
+        }
+        self.node.raft.prs().get(raft_id(v)).map(|p| p.matched)
+    }
+    /// Submissions waiting for their entry.
+    pub fn pending(&self) -> usize {
+        self.pending.len()
+    }
+    /// Whether this voter is catching up after losing its disk (it neither votes nor campaigns).
+    pub fn amnesiac(&self) -> bool {
+        self.amnesia.is_some()
+    }
+    /// Why the log stopped here, if it did.
+    pub fn halted(&self) -> Option<&str> {
+        self.halted.as_deref()
+    }
+
+    // ---- inputs ----
+
+    /// Whether this voter may lead (a node whose disk failed may not). An ineligible voter never
+    /// campaigns, and a leader that becomes ineligible hands its leadership to the voter with the
+    /// longest log among those that answered recently.
+    pub fn set_eligible(&mut self, eligible: bool) {
+        self.eligible = eligible;
+        if !eligible && self.is_leader() {
+            self.hand_over();
+        }
+    }
+
+    fn hand_over(&mut self) {
+        let me = raft_id(self.me);
+        let best = self
+            .node
+            .raft
+            .prs()
+            .iter()
+            .filter(|(id, p)| **id != me && p.recent_active)
+            .max_by_key(|(id, p)| (p.matched, std::cmp::Reverse(**id)))
+            .map(|(id, _)| *id);
+        if let Some(to) = best {
+            self.node.transfer_leader(to);
+        }
+    }
+
+    /// One tick of the shell's clock.
+    pub fn handle_tick(&mut self) {
+        if self.halted.is_some() {
+            return;
+        }
+        self.ticks += 1;
+        if (self.eligible && self.amnesia.is_none()) || self.is_leader() {
+            self.node.tick();
+        }
+        if !self.eligible && self.is_leader() {
+            self.hand_over();
+        }
+        self.draw_timeout();
+        // A read request lost with a message (or dropped by a leader that has not committed in
+        // its term yet) is asked again.
+        if let Some((ctx, _, sent)) = &self.reads.inflight {
+            if self.ticks.saturating_sub(*sent) >= self.limits.read_retry_ticks {
+                let ctx = *ctx;
+                if let Some(r) = self.reads.inflight.as_mut() {
+                    r.2 = self.ticks;
+                }
+                self.node.read_index(ctx.to_le_bytes().to_vec());
+            }
+        }
+    }
+
+    /// A message from voter `from` (its authenticated identity). Messages that name another
+    /// sender or receiver, or that raft refuses, are dropped.
+    pub fn handle_message(&mut self, from: u32, msg: Wire) {
+        if self.halted.is_some() || from >= self.voters || from == self.me {
+            return;
+        }
+        let mut msg = match msg {
+            Wire::Raft(m) => *m,
+            Wire::LostDisk { last_index } => return self.handle_lost_disk(from, last_index),
+        };
+        if msg.from != raft_id(from) || msg.to != raft_id(self.me) {
+            tracing::warn!(from, "metadata log message naming another sender or receiver: dropped");
+            return;
+        }
+        // A leader that believes this voter holds more than it does (it lost its disk) would have
+        // it commit entries it does not have: the commit is not taken, and the leader is told.
+        let last = self.node.raft.raft_log.last_index();
+        if msg.get_msg_type() == MessageType::MsgHeartbeat && msg.commit > last {
+            if self.amnesia.is_none() {
+                tracing::warn!(
+                    voter = self.me,
+                    from,
+                    commit = msg.commit,
+                    last,
+                    "a leader believes this voter's log is longer than it is"
+                );
+            }
+            msg.commit = self.node.raft.raft_log.committed;
+            self.actions.push_back(Action::Send {
+                to: from,
+                msg: Wire::LostDisk { last_index: last },
+            });
+        }
+        if self.amnesia == Some(None) {
+            match msg.get_msg_type() {
+                MessageType::MsgAppend => self.amnesia = Some(Some(msg.index + msg.entries.len() as u64)),
+                MessageType::MsgSnapshot => self.amnesia = Some(Some(msg.get_snapshot().get_metadata().index)),
+                _ => {}
+            }
+        }
+        if let Err(e) = self.node.step(msg) {
+            tracing::debug!(from, error = %e, "metadata log message refused");
+        }
+        self.draw_timeout();
+    }
+
+    /// Voter `from` lost its disk: as its leader, start over with it from where its log ends.
+    fn handle_lost_disk(&mut self, from: u32, last_index: u64) {
+        if !self.is_leader() {
+            return;
+        }
+        if let Some(pr) = self.node.raft.mut_prs().get_mut(raft_id(from)) {
+            if pr.matched > last_index {
+                tracing::info!(
+                    voter = self.me,
+                    from,
+                    matched = pr.matched,
+                    last_index,
+                    "a voter lost its disk: replicating to it from its end"
+                );
+                pr.matched = last_index;
+                pr.become_probe();
+            }
+        }
+    }
+
+    /// A message to voter `to` could not be delivered (its link is down): the leader probes it
+    /// again instead of streaming to it.
+    pub fn handle_unreachable(&mut self, to: u32) {
+        if to < self.voters && to != self.me {
+            self.node.report_unreachable(raft_id(to));
+        }
+    }
+
+    /// A snapshot was sent to voter `to` (whether it arrives or not: a voter that did not install
+    /// it rejects the next append, and is sent one again).
+    pub fn handle_snapshot_sent(&mut self, to: u32) {
+        if to < self.voters && to != self.me {
+            self.node.report_snapshot(raft_id(to), raft::SnapshotStatus::Finish);
+        }
+    }
+
+    /// Proposes `op`; answered with [`Action::Done`].
+    pub fn submit(&mut self, token: T, op: &S::Op) {
+        if self.halted.is_some() {
+            return self.done(token, Err(SubmitError::Halted));
+        }
+        if !self.is_leader() || self.node.raft.lead_transferee.is_some() {
+            return self.done(token, Err(SubmitError::NotLeader { leader: self.leader() }));
+        }
+        if self.pending.len() >= self.limits.max_pending {
+            return self.done(token, Err(SubmitError::Busy));
+        }
+        let mut data = vec![ENTRY_FORMAT];
+        match postcard::to_extend(op, data) {
+            Ok(d) => data = d,
+            Err(e) => {
+                tracing::error!(error = %e, ?op, "a metadata operation does not serialize");
+                return self.done(token, Err(SubmitError::Busy));
+            }
+        }
+        let before = self.node.raft.raft_log.last_index();
+        match self.node.propose(Vec::new(), data) {
+            Ok(()) => {
+                let index = self.node.raft.raft_log.last_index();
+                assert_eq!(index, before + 1, "a proposal is one entry");
+                let term = self.node.raft.term;
+                self.pending.insert(index, Pending { term, token });
+            }
+            Err(_) => self.done(token, Err(SubmitError::NotLeader { leader: self.leader() })),
+        }
+    }
+
+    /// Asks to serve a read; answered with [`Action::Read`] once this node applied up to the
+    /// leader's commit index.
+    pub fn read(&mut self, token: T) {
+        if self.halted.is_some() {
+            return self.read_done(token, Err(ReadError::Halted));
+        }
+        if self.leader().is_none() {
+            return self.read_done(token, Err(ReadError::NoLeader));
+        }
+        if self.reads.count >= self.limits.max_reads {
+            return self.read_done(token, Err(ReadError::Busy));
+        }
+        self.reads.count += 1;
+        if self.reads.inflight.is_some() {
+            self.reads.waiting.push(token);
+        } else {
+            self.send_read(vec![token]);
+        }
+    }
+
+    fn send_read(&mut self, tokens: Vec<T>) {
+        let ctx = self.reads.next_ctx;
+        self.reads.next_ctx = self.reads.next_ctx.wrapping_add(1);
+        self.reads.inflight = Some((ctx, tokens, self.ticks));
+        self.node.read_index(ctx.to_le_bytes().to_vec());
+    }
+
+    // ---- outputs ----
+
+    /// The next action, if any.
+    pub fn poll_action(&mut self) -> Option<Action<S, T>> {
+        if self.actions.is_empty() && self.halted.is_none() {
+            self.process();
+        }
+        self.actions.pop_front()
+    }
+
+    fn done(&mut self, token: T, result: Result<u64, SubmitError<S::Error>>) {
+        self.actions.push_back(Action::Done { token, result });
+    }
+
+    fn read_done(&mut self, token: T, result: Result<u64, ReadError>) {
+        self.actions.push_back(Action::Read { token, result });
+    }
+
+    /// Draws a fresh election timeout after raft reset its count (its own is not seeded).
+    fn draw_timeout(&mut self) {
+        if self.node.raft.election_elapsed == 0 {
+            if !self.timeout_drawn {
+                let e = self.limits.election_ticks;
+                let t = e + (self.rng.next() % e as u64) as usize;
+                self.node.raft.set_randomized_election_timeout(t);
+                self.timeout_drawn = true;
+            }
+        } else {
+            self.timeout_drawn = false;
+        }
+    }
+
+    fn halt(&mut self, reason: String) {
+        tracing::error!(voter = self.me, %reason, "the metadata log stops");
+        self.halted = Some(reason.clone());
+        self.actions.push_back(Action::Halt { reason });
+        for (_, p) in std::mem::take(&mut self.pending) {
+            self.actions.push_back(Action::Done {
+                token: p.token,
+                result: Err(SubmitError::Halted),
+            });
+        }
+        let mut readers: Vec<T> = std::mem::take(&mut self.reads.waiting);
+        if let Some((_, r, _)) = self.reads.inflight.take() {
+            readers.extend(r);
+        }
+        for (_, r) in std::mem::take(&mut self.reads.ready) {
+            readers.extend(r);
+        }
+        for t in readers {
+            self.actions.push_back(Action::Read {
+                token: t,
+                result: Err(ReadError::Halted),
+            });
+        }
+        self.reads.count = 0;
+    }
+
+    /// Turns raft's readiness into actions: sends, one durable write, answers.
+    fn process(&mut self) {
+        while self.halted.is_none() && self.node.has_ready() {
+            let mut answers = Vec::new();
+            let mut rd = self.node.ready();
+            for m in rd.take_messages() {
+                self.send(m);
+            }
+            let mut snapshot = None;
+            if !rd.snapshot().is_empty() {
+                let meta: SnapshotMetadata = rd.snapshot().get_metadata().clone();
+                match S::decode(&rd.snapshot().data) {
+                    Ok(state) => {
+                        assert_eq!(state.index(), meta.index, "a snapshot's state is at its index");
+                        self.install(state, meta.index, meta.term, &mut answers);
+                        snapshot = Some((meta.index, meta.term));
+                    }
+                    Err(e) => {
+                        self.halt(format!("a snapshot at index {} does not decode: {e}", meta.index));
+                        return;
+                    }
+                }
+            }
+            let committed = rd.take_committed_entries();
+            self.apply(committed, &mut answers);
+            if self.halted.is_some() {
+                return;
+            }
+            let sync = rd.must_sync() || !rd.entries().is_empty() || snapshot.is_some();
+            {
+                let cache = self.node.mut_store();
+                cache.append(rd.entries());
+                if let Some(hs) = rd.hs() {
+                    cache.hard_state = hs.clone();
+                }
+            }
+            let entries = rd.take_entries();
+            let persisted = rd.take_persisted_messages();
+            self.persist(sync, entries, snapshot);
+            for m in persisted {
+                self.send(m);
+            }
+            self.answer_reads(rd.take_read_states());
+            let mut light = self.node.advance_append(rd);
+            if let Some(c) = light.commit_index() {
+                self.node.mut_store().hard_state.commit = c;
+            }
+            for m in light.take_messages() {
+                self.send(m);
+            }
+            let committed = light.take_committed_entries();
+            if !committed.is_empty() {
+                self.apply(committed, &mut answers);
+                if self.halted.is_some() {
+                    return;
+                }
+                self.persist(false, Vec::new(), None);
+            }
+            self.node.advance_apply_to(self.state.index());
+            self.actions.extend(answers);
+            self.answer_ready_reads();
+            // The readers that waited for the request just answered share the next one (asked
+            // only now: raft takes no input between a ready and its advance).
+            if self.reads.inflight.is_none() && !self.reads.waiting.is_empty() {
+                let waiting = std::mem::take(&mut self.reads.waiting);
+                self.send_read(waiting);
+            }
+        }
+    }
+
+    fn send(&mut self, msg: Message) {
+        let Some(to) = voter_of(msg.to).filter(|v| *v < self.voters) else {
+            return;
+        };
+        let vote = matches!(
+            msg.get_msg_type(),
+            MessageType::MsgRequestVoteResponse | MessageType::MsgRequestPreVoteResponse
+        );
+        if vote && !msg.reject && self.amnesia.is_some() {
+            tracing::debug!(voter = self.me, to, "catching up after a lost disk: vote withheld");
+            return;
+        }
+        self.actions.push_back(Action::Send {
+            to,
+            msg: Wire::Raft(Box::new(msg)),
+        });
+    }
+
+    /// The state was replaced by a snapshot at `index`.
+    fn install(&mut self, state: S, index: u64, term: u64, answers: &mut Vec<Action<S, T>>) {
+        assert!(index >= self.state.index(), "a snapshot never takes the state back");
+        self.state = state;
+        self.applied_term = term;
+        let cache = self.node.mut_store();
+        cache.entries.clear();
+        cache.compacted = (index, term);
+        cache.hard_state.commit = cache.hard_state.commit.max(index);
+        // Proposals at or below it: their fate is unknown here.
+        let later = self.pending.split_off(&(index + 1));
+        for (_, p) in std::mem::replace(&mut self.pending, later) {
+            answers.push(Action::Done {
+                token: p.token,
+                result: Err(SubmitError::Unknown),
+            });
+        }
+    }
+
+    /// Applies committed entries in order.
+    fn apply(&mut self, entries: Vec<Entry>, answers: &mut Vec<Action<S, T>>) {
+        for e in entries {
+            if e.index <= self.state.index() {
+                continue;
+            }
+            assert_eq!(e.index, self.state.index() + 1, "entries are applied in order");
+            assert!(
+                e.index <= self.node.raft.raft_log.committed,
+                "only committed entries are applied"
+            );
+            let result = if e.get_entry_type() != EntryType::EntryNormal || e.data.is_empty() {
+                self.state.skip(e.index);
+                None
+            } else {
+                match decode_op::<S::Op>(&e.data) {
+                    Ok(op) => Some(self.state.apply(e.index, &op)),
+                    Err(why) => {
+                        self.halt(format!("entry {} (term {}) does not decode: {why}", e.index, e.term));
+                        return;
+                    }
+                }
+            };
+            assert_eq!(
+                self.state.index(),
+                e.index,
+                "applying entry {} moved the index to it",
+                e.index
+            );
+            self.applied_term = e.term;
+            // This node's proposal at this index, if its term is this entry's.
+            if let Some(p) = self.pending.remove(&e.index) {
+                let result = match result {
+                    _ if p.term != e.term => Err(SubmitError::Dropped),
+                    Some(Ok(())) => Ok(e.index),
+                    Some(Err(err)) => Err(SubmitError::Rejected(err)),
+                    None => Err(SubmitError::Dropped),
+                };
+                answers.push(Action::Done { token: p.token, result });
+            }
+            // Proposals after it from an older term can no longer commit (terms only grow along
+            // the log).
+            let stale: Vec<u64> = self
+                .pending
+                .range(e.index..)
+                .filter(|(_, p)| p.term < e.term)
+                .map(|(i, _)| *i)
+                .collect();
+            for i in stale {
+                if let Some(p) = self.pending.remove(&i) {
+                    answers.push(Action::Done {
+                        token: p.token,
+                        result: Err(SubmitError::Dropped),
+                    });
+                }
+            }
+        }
+    }
+
+    fn persist(&mut self, mut sync: bool, entries: Vec<Entry>, snapshot: Option<(u64, u64)>) {
+        let applied = (self.state.index(), self.applied_term);
+        if let Some(Some(target)) = self.amnesia {
+            if self.node.raft.raft_log.committed >= target {
+                tracing::info!(
+                    voter = self.me,
+                    index = target,
+                    "caught up after a lost disk: votes again"
+                );
+                self.amnesia = None;
+                sync = true;
+            }
+        }
+        let changes = if snapshot.is_some() {
+            let _ = self.state.take_changes();
+            self.state.all_changes()
+        } else {
+            self.state.take_changes()
+        };
+        let mut compact_to = None;
+        let first = self.node.store().first_index();
+        if applied.0 >= first && applied.0 - first + 1 > self.limits.compact_after {
+            let to = applied.0.saturating_sub(self.limits.keep_behind);
+            if to >= first {
+                if let Some(term) = self.node.store().entry_term(to) {
+                    self.node.mut_store().compact(to, term);
+                    compact_to = Some((to, term));
+                }
+            }
+        }
+        let cache = self.node.mut_store();
+        cache.hard_state.commit = cache.hard_state.commit.max(applied.0);
+        cache.applied = Some((self.state.clone(), applied.1));
+        let hard_state = cache.hard_state.clone();
+        self.actions.push_back(Action::Persist(Box::new(Persist {
+            sync,
+            hard_state,
+            entries,
+            snapshot,
+            compact_to,
+            applied,
+            changes,
+            amnesiac: self.amnesia.is_some(),
+        })));
+    }
+
+    fn answer_reads(&mut self, states: Vec<raft::ReadState>) {
+        for rs in states {
+            let Ok(ctx) = <[u8; 8]>::try_from(rs.request_ctx.as_slice()) else {
+                continue;
+            };
+            let ctx = u64::from_le_bytes(ctx);
+            if self.reads.inflight.as_ref().is_some_and(|r| r.0 == ctx) {
+                if let Some((_, tokens, _)) = self.reads.inflight.take() {
+                    self.reads.ready.entry(rs.index).or_default().extend(tokens);
+                }
+            }
+        }
+    }
+
+    fn answer_ready_reads(&mut self) {
+        let applied = self.state.index();
+        let later = self.reads.ready.split_off(&(applied + 1));
+        for (index, tokens) in std::mem::replace(&mut self.reads.ready, later) {
+            for t in tokens {
+                self.reads.count -= 1;
+                self.read_done(t, Ok(index));
+            }
+        }
+    }
+}
+
+/// An entry's operation.
+pub fn decode_op<Op: DeserializeOwned>(data: &[u8]) -> Result<Op, String> {
+    match data.split_first() {
+        Some((&ENTRY_FORMAT, rest)) => postcard::from_bytes(rest).map_err(|e| e.to_string()),
+        Some((v, _)) => Err(format!("unknown entry format {v}")),
+        None => Err("empty entry".into()),
+    }
+}
+
+/// Whether `msg` carries a snapshot (its data can be large: the shell sends it apart).
+pub fn is_snapshot(msg: &Wire) -> bool {
+    matches!(msg, Wire::Raft(m) if m.get_msg_type() == MessageType::MsgSnapshot)
+}

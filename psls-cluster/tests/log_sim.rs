@@ -1,0 +1,760 @@
+//! Seeded simulator of the metadata log ([`psls_cluster::log`]): five voters running the real
+//! machine over a simulated network and simulated disks, with crashes (restarts from what was
+//! persisted), pauses, partitions, message loss and reordering, disks lost for good, and
+//! snapshot installs (the log is compacted after a few entries).
+//!
+//! The state is a small key-value map whose operations do not commute and are not idempotent
+//! (`Add`), so an entry applied twice, skipped or reordered shows.
+//! Checked after every step:
+//! - no two nodes apply different entries at the same index;
+//! - at most one leader per term;
+//! - an operation answered `Ok(i)` is the one every node applies at `i`, across any crash;
+//! - a node's per-key table on disk equals the result of applying the log from the start up to
+//!   its durable applied index;
+//! - a node's applied index never goes back, not even across a crash;
+//! - a read answered `Ok(i)` covers every operation answered `Ok` before it began.
+//!
+//! At the end, with every fault healed, every node converges on the same state holding every
+//! operation answered `Ok`.
+//!
+//! `PSLS_SIM_SEED=N` runs one seed (`PSLS_SIM_TRACE=1` prints every event);
+//! `PSLS_SIM_SEEDS=N` runs seeds 0..N.
+
+mod common;
+
+use psls_cluster::log::{Action, Durable, Limits, Log, Machine, Persist, ReadError, SubmitError, Wire};
+use raft::eraftpb::{Entry, HardState};
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, BTreeSet};
+
+const VOTERS: u32 = 5;
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+enum Op {
+    /// Adds `delta` to key `key` (id: a unique number, to find the op again).
+    Add { id: u64, key: u8, delta: u64 },
+    /// Always refused.
+    Refuse { id: u64 },
+}
+
+impl Op {
+    fn id(&self) -> u64 {
+        match self {
+            Op::Add { id, .. } | Op::Refuse { id } => *id,
+        }
+    }
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+struct Kv {
+    index: u64,
+    map: BTreeMap<u8, u64>,
+    #[serde(skip)]
+    touched: BTreeSet<u8>,
+}
+
+/// Changes: key → new value (`None`: gone).
+type Changes = BTreeMap<u8, Option<u64>>;
+
+impl Machine for Kv {
+    type Op = Op;
+    type Error = String;
+    type Changes = Changes;
+    fn index(&self) -> u64 {
+        self.index
+    }
+    fn apply(&mut self, index: u64, op: &Op) -> Result<(), String> {
+        assert_eq!(index, self.index + 1);
+        self.index = index;
+        match op {
+            Op::Add { key, delta, .. } => {
+                let v = self.map.entry(*key).or_insert(0);
+                *v = v.wrapping_mul(31).wrapping_add(*delta);
+                self.touched.insert(*key);
+                Ok(())
+            }
+            Op::Refuse { id } => Err(format!("refused {id}")),
+        }
+    }
+    fn skip(&mut self, index: u64) {
+        assert_eq!(index, self.index + 1);
+        self.index = index;
+    }
+    fn take_changes(&mut self) -> Changes {
+        std::mem::take(&mut self.touched)
+            .into_iter()
+            .map(|k| (k, self.map.get(&k).copied()))
+            .collect()
+    }
+    fn all_changes(&self) -> Changes {
+        self.map.iter().map(|(k, v)| (*k, Some(*v))).collect()
+    }
+    fn encode(&self) -> Vec<u8> {
+        postcard::to_stdvec(self).expect("serializes")
+    }
+    fn decode(bytes: &[u8]) -> Result<Self, String> {
+        postcard::from_bytes(bytes).map_err(|e| e.to_string())
+    }
+}
+
+/// One node's disk: what survives a crash (`durable`) and what a crash loses (`volatile`, the
+/// writes not followed by a synced one).
+#[derive(Clone, Debug, Default)]
+struct Disk {
+    hard_state: HardState,
+    compacted: (u64, u64),
+    entries: BTreeMap<u64, Entry>,
+    table: BTreeMap<u8, u64>,
+    applied: (u64, u64),
+    amnesiac: bool,
+}
+
+impl Disk {
+    fn write(&mut self, p: &Persist<Kv>) {
+        self.hard_state = p.hard_state.clone();
+        if let Some((i, t)) = p.snapshot {
+            self.entries.clear();
+            self.compacted = (i, t);
+            self.table.clear();
+        }
+        if let Some(first) = p.entries.first() {
+            self.entries.split_off(&first.index);
+            for e in &p.entries {
+                self.entries.insert(e.index, e.clone());
+            }
+        }
+        for (k, v) in &p.changes {
+            match v {
+                Some(v) => self.table.insert(*k, *v),
+                None => self.table.remove(k),
+            };
+        }
+        self.applied = p.applied;
+        self.amnesiac = p.amnesiac;
+    }
+
+    fn compact(&mut self, p: &Persist<Kv>) {
+        if let Some((i, t)) = p.compact_to {
+            self.entries = self.entries.split_off(&(i + 1));
+            self.compacted = (i, t);
+        }
+    }
+
+    fn durable(&self) -> Durable<Kv> {
+        Durable {
+            hard_state: self.hard_state.clone(),
+            compacted: self.compacted,
+            entries: self.entries.values().cloned().collect(),
+            state: Kv {
+                index: self.applied.0,
+                map: self.table.clone(),
+                touched: BTreeSet::new(),
+            },
+            applied_term: self.applied.1,
+            amnesiac: self.amnesiac,
+        }
+    }
+}
+
+struct Node {
+    log: Option<Log<Kv, u64>>,
+    durable: Disk,
+    volatile: Disk,
+    paused: bool,
+    incarnation: u64,
+    /// Reads in flight: token → the highest index answered `Ok` when it began.
+    reads: BTreeMap<u64, u64>,
+}
+
+#[derive(Default)]
+struct Counts {
+    ok: u64,
+    dropped: u64,
+    rejected: u64,
+    not_leader: u64,
+    reads_ok: u64,
+    crashes: u64,
+    disk_losses: u64,
+    pauses: u64,
+    partitions: u64,
+    snapshots_installed: u64,
+    compactions: u64,
+    lost_msgs: u64,
+}
+
+struct Sim {
+    rng: psls_svm::rng::SplitMix64,
+    nodes: Vec<Node>,
+    limits: Limits,
+    /// Messages in flight: (from, to, message).
+    net: Vec<(u32, u32, Wire)>,
+    /// Links cut: (from, to).
+    cut: BTreeSet<(u32, u32)>,
+    /// The entry every node applied at each index: (term, op id or none).
+    applied: BTreeMap<u64, Option<u64>>,
+    /// The state after applying the log up to each index (index 0: empty).
+    states: Vec<BTreeMap<u8, u64>>,
+    /// Operations answered Ok: op id → index.
+    acked: BTreeMap<u64, u64>,
+    /// Leader of each term.
+    leaders: BTreeMap<u64, u32>,
+    next_id: u64,
+    next_token: u64,
+    /// Submissions in flight: token → op.
+    submitted: BTreeMap<u64, Op>,
+    counts: Counts,
+    trace: bool,
+    seed: u64,
+}
+
+impl Sim {
+    fn new(seed: u64) -> Sim {
+        let limits = Limits {
+            election_ticks: 10,
+            heartbeat_ticks: 2,
+            max_pending: 64,
+            max_reads: 64,
+            max_msg_bytes: 512,
+            max_inflight: 8,
+            compact_after: 12,
+            keep_behind: 4,
+            read_retry_ticks: 10,
+        };
+        let nodes = (0..VOTERS)
+            .map(|v| Node {
+                log: Some(Log::new(v, VOTERS, limits, Durable::fresh(false), seed * 100 + v as u64).expect("starts")),
+                durable: Disk::default(),
+                volatile: Disk::default(),
+                paused: false,
+                incarnation: 0,
+                reads: BTreeMap::new(),
+            })
+            .collect();
+        Sim {
+            rng: psls_svm::rng::SplitMix64::new(seed),
+            nodes,
+            limits,
+            net: Vec::new(),
+            cut: BTreeSet::new(),
+            applied: BTreeMap::new(),
+            states: vec![BTreeMap::new()],
+            acked: BTreeMap::new(),
+            leaders: BTreeMap::new(),
+            next_id: 1,
+            next_token: 1,
+            submitted: BTreeMap::new(),
+            counts: Counts::default(),
+            trace: std::env::var_os("PSLS_SIM_TRACE").is_some(),
+            seed,
+        }
+    }
+
+    fn log(&mut self, v: u32) -> &mut Log<Kv, u64> {
+        self.nodes[v as usize].log.as_mut().expect("running")
+    }
+
+    fn max_acked(&self) -> u64 {
+        self.acked.values().copied().max().unwrap_or(0)
+    }
+
+    /// Carries out node `v`'s actions.
+    fn drain(&mut self, v: u32) {
+        loop {
+            let Some(a) = self.nodes[v as usize].log.as_mut().and_then(|l| l.poll_action()) else {
+                break;
+            };
+            match a {
+                Action::Persist(p) => {
+                    if p.snapshot.is_some() {
+                        self.counts.snapshots_installed += 1;
+                    }
+                    if p.compact_to.is_some() {
+                        self.counts.compactions += 1;
+                    }
+                    let n = &mut self.nodes[v as usize];
+                    assert!(
+                        p.applied.0 >= n.volatile.applied.0,
+                        "seed {}: node {v}'s applied index went back",
+                        self.seed
+                    );
+                    n.volatile.write(&p);
+                    // What it applied, learnt before compaction takes the entries away.
+                    self.learn(v);
+                    let n = &mut self.nodes[v as usize];
+                    n.volatile.compact(&p);
+                    if p.sync {
+                        n.durable = n.volatile.clone();
+                    }
+                    self.check_table(v);
+                }
+                Action::Send { to, msg } => {
+                    let snapshot = psls_cluster::log::is_snapshot(&msg);
+                    if self.cut.contains(&(v, to)) {
+                        // The shell sees the link down.
+                        self.counts.lost_msgs += 1;
+                        self.log(v).handle_unreachable(to);
+                    } else if self.rng.chance(20) {
+                        // Lost on the way: the sender does not know.
+                        self.counts.lost_msgs += 1;
+                    } else {
+                        self.net.push((v, to, msg));
+                    }
+                    if snapshot {
+                        self.log(v).handle_snapshot_sent(to);
+                    }
+                }
+                Action::Done { token, result } => {
+                    let op = self.submitted.remove(&token).expect("answered once");
+                    if self.trace {
+                        eprintln!("node {v}: {op:?} answered {result:?}");
+                    }
+                    match result {
+                        Ok(i) => {
+                            assert_eq!(
+                                self.applied.get(&i).copied().flatten(),
+                                Some(op.id()),
+                                "seed {}: op {op:?} answered Ok({i}) is not the entry applied there",
+                                self.seed
+                            );
+                            self.acked.insert(op.id(), i);
+                            self.counts.ok += 1;
+                        }
+                        Err(SubmitError::Dropped) => {
+                            assert!(
+                                !self.applied.values().any(|x| *x == Some(op.id())),
+                                "seed {}: op {op:?} answered Dropped was applied",
+                                self.seed
+                            );
+                            self.counts.dropped += 1;
+                        }
+                        Err(SubmitError::Rejected(_)) => {
+                            assert!(matches!(op, Op::Refuse { .. }), "seed {}: {op:?} refused", self.seed);
+                            self.counts.rejected += 1;
+                        }
+                        Err(SubmitError::NotLeader { .. } | SubmitError::Busy | SubmitError::Unknown) => {
+                            self.counts.not_leader += 1
+                        }
+                        Err(SubmitError::Halted) => panic!("seed {}: node {v} halted", self.seed),
+                    }
+                }
+                Action::Read { token, result } => {
+                    let floor = self.nodes[v as usize].reads.remove(&token).expect("read answered once");
+                    match result {
+                        Ok(i) => {
+                            assert!(
+                                i >= floor,
+                                "seed {}: read on node {v} answered at {i}, before op acked at {floor}",
+                                self.seed
+                            );
+                            assert!(
+                                self.log(v).applied() >= i,
+                                "seed {}: read answered before applying",
+                                self.seed
+                            );
+                            self.counts.reads_ok += 1;
+                        }
+                        Err(ReadError::NoLeader | ReadError::Busy) => {}
+                        Err(ReadError::Halted) => panic!("seed {}: node {v} halted", self.seed),
+                    }
+                }
+                Action::Halt { reason } => panic!("seed {}: node {v} halted: {reason}", self.seed),
+            }
+        }
+        self.record_applied(v);
+    }
+
+    /// Records what node `v` applied (checks it against every other node).
+    fn record_applied(&mut self, v: u32) {
+        let Some(l) = self.nodes[v as usize].log.as_ref() else {
+            return;
+        };
+        if l.is_leader() {
+            let term = l.term();
+            if let Some(other) = self.leaders.insert(term, v) {
+                assert_eq!(other, v, "seed {}: two leaders in term {term}", self.seed);
+            }
+        }
+    }
+
+    /// Node `v`'s per-key table equals the log applied from the start to its applied index.
+    fn check_table(&mut self, v: u32) {
+        let d = &self.nodes[v as usize].volatile;
+        let i = d.applied.0 as usize;
+        if let Some(want) = self.states.get(i) {
+            assert_eq!(
+                &d.table, want,
+                "seed {}: node {v}'s table at index {i} is not the log's result",
+                self.seed
+            );
+        }
+        // The state in memory too.
+        let st = self.nodes[v as usize].log.as_ref().map(|l| l.state().clone());
+        if let Some(st) = st {
+            if let Some(want) = self.states.get(st.index as usize) {
+                assert_eq!(&st.map, want, "seed {}: node {v}'s state is not the log's", self.seed);
+            }
+        }
+    }
+
+    /// Learns the entries node `v` holds as committed: the reference log.
+    fn learn(&mut self, v: u32) {
+        let Some(l) = self.nodes[v as usize].log.as_ref() else {
+            return;
+        };
+        let applied = l.applied();
+        // The node's log entries up to its applied index, as written to its disk.
+        let ents: Vec<Entry> = self.nodes[v as usize]
+            .volatile
+            .entries
+            .range(..=applied)
+            .map(|(_, e)| e.clone())
+            .collect();
+        for e in ents {
+            let id = if e.data.is_empty() {
+                None
+            } else {
+                Some(psls_cluster::log::decode_op::<Op>(&e.data).expect("decodes").id())
+            };
+            match self.applied.get(&e.index) {
+                Some(x) => assert_eq!(
+                    *x, id,
+                    "seed {}: node {v} applied another entry at index {}",
+                    self.seed, e.index
+                ),
+                None => {
+                    assert_eq!(
+                        e.index as usize,
+                        self.states.len(),
+                        "seed {}: the reference log has a gap at {}",
+                        self.seed,
+                        e.index
+                    );
+                    self.applied.insert(e.index, id);
+                    let mut next = self.states.last().cloned().unwrap_or_default();
+                    if let Ok(Op::Add { key, delta, .. }) = psls_cluster::log::decode_op::<Op>(&e.data) {
+                        let x = next.entry(key).or_insert(0);
+                        *x = x.wrapping_mul(31).wrapping_add(delta);
+                    }
+                    self.states.push(next);
+                }
+            }
+        }
+    }
+
+    fn step(&mut self) {
+        let r = self.rng.below(1000);
+        let v = self.rng.below(VOTERS as u64) as u32;
+        let running = self.nodes[v as usize].log.is_some() && !self.nodes[v as usize].paused;
+        match r {
+            0..=149 => {
+                // Everyone's clock ticks (paused nodes' does not matter: they do nothing).
+                for u in 0..VOTERS {
+                    let n = &self.nodes[u as usize];
+                    if n.log.is_some() && !n.paused {
+                        self.log(u).handle_tick();
+                        self.after(u);
+                    }
+                }
+            }
+            150..=699 => {
+                // Deliver a few messages (any in flight: reordering).
+                for _ in 0..6 {
+                    self.deliver_one();
+                }
+            }
+            700..=799 if running => {
+                // Submitted where the node forwards it: to the leader it knows.
+                let v = match self.log(v).leader() {
+                    Some(l) if self.nodes[l as usize].log.is_some() && !self.nodes[l as usize].paused => l,
+                    _ => v,
+                };
+                let id = self.next_id;
+                self.next_id += 1;
+                let op = if self.rng.chance(100) {
+                    Op::Refuse { id }
+                } else {
+                    Op::Add {
+                        id,
+                        key: self.rng.below(6) as u8,
+                        delta: self.rng.below(1000),
+                    }
+                };
+                let token = self.next_token;
+                self.next_token += 1;
+                self.submitted.insert(token, op.clone());
+                self.log(v).submit(token, &op);
+                self.after(v);
+            }
+            800..=849 if running => {
+                let token = self.next_token;
+                self.next_token += 1;
+                let floor = self.max_acked();
+                self.nodes[v as usize].reads.insert(token, floor);
+                self.log(v).read(token);
+                self.after(v);
+            }
+            850..=859 => {
+                // Crash (and restart at once from the disk), or a disk lost for good.
+                if self.nodes[v as usize].log.is_none() {
+                    return;
+                }
+                let lose = self.rng.chance(150) && self.amnesiacs() == 0;
+                self.crash(v, lose);
+            }
+            860..=874 => {
+                // Wake a paused node more often than pausing one.
+                let v = match (0..VOTERS).find(|u| self.nodes[*u as usize].paused) {
+                    Some(u) if self.rng.chance(600) => u,
+                    _ => v,
+                };
+                let n = &mut self.nodes[v as usize];
+                n.paused = !n.paused;
+                if n.paused {
+                    self.counts.pauses += 1;
+                }
+                if self.trace {
+                    eprintln!("node {v} paused: {}", n.paused);
+                }
+            }
+            875..=889 => {
+                // Cut or heal links: one way, both ways, or all of one node's.
+                match self.rng.below(6) {
+                    0..=2 => self.cut.clear(),
+                    3 => {
+                        let u = self.rng.below(VOTERS as u64) as u32;
+                        self.cut.insert((v, u));
+                    }
+                    4 => {
+                        let u = self.rng.below(VOTERS as u64) as u32;
+                        self.cut.insert((v, u));
+                        self.cut.insert((u, v));
+                    }
+                    _ => {
+                        for u in 0..VOTERS {
+                            self.cut.insert((v, u));
+                            self.cut.insert((u, v));
+                        }
+                    }
+                }
+                self.counts.partitions += 1;
+            }
+            _ => {}
+        }
+    }
+
+    fn status(&self, i: usize) {
+        let roles: Vec<String> = (0..VOTERS)
+            .map(|u| {
+                let n = &self.nodes[u as usize];
+                let l = n.log.as_ref().expect("running");
+                format!(
+                    "{}{}t{}c{}a{}f{}l{}",
+                    if n.paused { "P" } else { "" },
+                    if l.is_leader() {
+                        "L"
+                    } else if l.claims() {
+                        "C"
+                    } else {
+                        "F"
+                    },
+                    l.term(),
+                    l.commit(),
+                    l.applied(),
+                    l.first_index(),
+                    l.last_index()
+                )
+            })
+            .collect();
+        eprintln!("step {i}: in flight {} cut {:?} {roles:?}", self.net.len(), self.cut);
+    }
+
+    fn deliver_one(&mut self) {
+        if self.net.is_empty() {
+            return;
+        }
+        let k = self.rng.below(self.net.len() as u64) as usize;
+        let (from, to, msg) = self.net.swap_remove(k);
+        let n = &self.nodes[to as usize];
+        if n.log.is_none() || n.paused {
+            if n.paused {
+                // A paused node gets it when it wakes.
+                self.net.push((from, to, msg));
+            }
+            return;
+        }
+        if self.trace {
+            match &msg {
+                Wire::Raft(m) => eprintln!("deliver {from}->{to} {:?} term {}", m.get_msg_type(), m.term),
+                w => eprintln!("deliver {from}->{to} {w:?}"),
+            }
+        }
+        self.log(to).handle_message(from, msg);
+        self.after(to);
+    }
+
+    /// Nodes catching up after a lost disk (one disk is lost at a time: a majority of lost
+    /// disks loses data by definition).
+    fn amnesiacs(&self) -> usize {
+        self.nodes
+            .iter()
+            .filter(|n| n.log.as_ref().is_some_and(|l| l.amnesiac()))
+            .count()
+    }
+
+    fn crash(&mut self, v: u32, lose_disk: bool) {
+        let n = &mut self.nodes[v as usize];
+        // The node's answers die with it: its submissions and reads are never answered.
+        n.log = None;
+        n.reads.clear();
+        n.incarnation += 1;
+        if lose_disk {
+            n.durable = Disk {
+                amnesiac: true,
+                ..Disk::default()
+            };
+            self.counts.disk_losses += 1;
+        } else {
+            self.counts.crashes += 1;
+        }
+        n.volatile = n.durable.clone();
+        let durable = n.durable.durable();
+        let seed = self.seed * 100 + v as u64 + 1000 * n.incarnation;
+        let log = Log::new(v, VOTERS, self.limits, durable, seed).expect("restarts from its disk");
+        if self.trace {
+            eprintln!(
+                "node {v} crashed (disk lost: {lose_disk}), restarts at applied {}",
+                log.applied()
+            );
+        }
+        self.nodes[v as usize].log = Some(log);
+        self.nodes[v as usize].paused = false;
+        // Its waiting submissions are never answered (their tokens stay in `submitted`).
+        self.check_table(v);
+    }
+
+    fn after(&mut self, v: u32) {
+        self.drain(v);
+        self.learn(v);
+        self.check_table(v);
+    }
+
+    /// Heals everything, lets the cluster settle, and checks every node converged.
+    fn settle(&mut self) {
+        self.cut.clear();
+        for n in &mut self.nodes {
+            n.paused = false;
+        }
+        // A last operation, resubmitted until it commits.
+        let mut done = false;
+        for round in 0..4000 {
+            if self.trace && round % 250 == 0 {
+                self.status(100_000 + round);
+            }
+            for u in 0..VOTERS {
+                self.log(u).handle_tick();
+                self.after(u);
+            }
+            while let Some((from, to, msg)) = self.net.pop() {
+                self.log(to).handle_message(from, msg);
+                self.after(to);
+            }
+            done = done || self.acked.contains_key(&(self.next_id - 1));
+            if !done && round % 20 == 19 {
+                if let Some(l) =
+                    (0..VOTERS).find(|u| self.nodes[*u as usize].log.as_ref().is_some_and(|l| l.is_leader()))
+                {
+                    let id = self.next_id;
+                    self.next_id += 1;
+                    let token = self.next_token;
+                    self.next_token += 1;
+                    let op = Op::Add { id, key: 0, delta: 1 };
+                    self.submitted.insert(token, op.clone());
+                    self.log(l).submit(token, &op);
+                    self.after(l);
+                }
+            }
+            let applied: BTreeSet<u64> = (0..VOTERS).map(|u| self.log(u).applied()).collect();
+            if done && applied.len() == 1 {
+                break;
+            }
+        }
+        // Every op answered Ok is applied everywhere, and every node holds the same state.
+        let applied: BTreeSet<u64> = (0..VOTERS).map(|u| self.log(u).applied()).collect();
+        assert_eq!(
+            applied.len(),
+            1,
+            "seed {}: the nodes did not converge: {applied:?}",
+            self.seed
+        );
+        let top = *applied.iter().next().expect("nodes");
+        for (id, i) in &self.acked {
+            assert!(
+                *i <= top,
+                "seed {}: op {id} acked at {i} is past the end {top}",
+                self.seed
+            );
+            assert_eq!(
+                self.applied.get(i).copied().flatten(),
+                Some(*id),
+                "seed {}: op {id} lost",
+                self.seed
+            );
+        }
+        let want = self.states[top as usize].clone();
+        for u in 0..VOTERS {
+            let seed = self.seed;
+            assert_eq!(self.log(u).state().map, want, "seed {seed}: node {u}'s state differs");
+        }
+    }
+}
+
+fn run(seed: u64) -> Counts {
+    let mut sim = Sim::new(seed);
+    for i in 0..3000 {
+        sim.step();
+        if sim.trace && i % 100 == 0 {
+            sim.status(i);
+        }
+    }
+    sim.settle();
+    sim.counts
+}
+
+#[test]
+fn the_metadata_log_keeps_every_acknowledged_operation() {
+    let mut total = Counts::default();
+    for seed in common::seeds(1500) {
+        let c = run(seed);
+        total.ok += c.ok;
+        total.dropped += c.dropped;
+        total.rejected += c.rejected;
+        total.not_leader += c.not_leader;
+        total.reads_ok += c.reads_ok;
+        total.crashes += c.crashes;
+        total.disk_losses += c.disk_losses;
+        total.pauses += c.pauses;
+        total.partitions += c.partitions;
+        total.snapshots_installed += c.snapshots_installed;
+        total.compactions += c.compactions;
+        total.lost_msgs += c.lost_msgs;
+    }
+    eprintln!(
+        "ok {} dropped {} rejected {} not-leader {} reads {} crashes {} disk losses {} pauses {} partitions {} snapshots {} compactions {} lost msgs {}",
+        total.ok,
+        total.dropped,
+        total.rejected,
+        total.not_leader,
+        total.reads_ok,
+        total.crashes,
+        total.disk_losses,
+        total.pauses,
+        total.partitions,
+        total.snapshots_installed,
+        total.compactions,
+        total.lost_msgs
+    );
+    // Every path ran.
+    assert!(total.ok > 0 && total.dropped > 0 && total.rejected > 0 && total.reads_ok > 0);
+    assert!(total.crashes > 0 && total.pauses > 0 && total.partitions > 0 && total.disk_losses > 0);
+    assert!(total.snapshots_installed > 0 && total.compactions > 0);
+}
