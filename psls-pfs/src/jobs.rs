@@ -23,10 +23,10 @@
 //! existing files, pages inside them, with the node map its pages were placed with.
 
 use crate::error::MetaError;
-use crate::file::FileMeta;
+use crate::meta::MetaState;
+use imbl::OrdMap;
 use psls_svm::FileId;
 use serde::{Deserialize, Serialize};
-use std::collections::BTreeMap;
 
 /// Longest job name in bytes.
 pub const MAX_JOB_LEN: usize = 128;
@@ -101,8 +101,7 @@ pub const MAX_OPTION_LEN: usize = 64;
 
 /// Records (or updates) `job`'s summary and checkpoint options as it starts.
 pub(crate) fn apply_start_with(
-    next: &mut Parts<'_>,
-    options_of: &mut BTreeMap<String, JobOptions>,
+    next: &mut MetaState,
     job: &str,
     spec: &JobSummary,
     options: &JobOptions,
@@ -113,12 +112,12 @@ pub(crate) fn apply_start_with(
         )));
     }
     apply_start(next, job, spec)?;
-    options_of.insert(job.to_string(), options.clone());
+    next.job_options.insert(job.to_string(), options.clone());
     Ok(())
 }
 
 /// Records (or updates) `job`'s summary as it starts.
-pub(crate) fn apply_start(next: &mut Parts<'_>, job: &str, spec: &JobSummary) -> Result<(), MetaError> {
+pub(crate) fn apply_start(next: &mut MetaState, job: &str, spec: &JobSummary) -> Result<(), MetaError> {
     validate_job(job)?;
     let size = spec.program.len() + spec.cwd.len() + spec.args.iter().map(|a| a.len() + 1).sum::<usize>();
     if size > MAX_SUMMARY_BYTES {
@@ -126,7 +125,7 @@ pub(crate) fn apply_start(next: &mut Parts<'_>, job: &str, spec: &JobSummary) ->
             "the job's command and folder take {size} bytes; at most {MAX_SUMMARY_BYTES}"
         )));
     }
-    next.jobs.entry(job.to_string()).or_default().spec = Some(spec.clone());
+    next.job_mut(job).spec = Some(spec.clone());
     Ok(())
 }
 
@@ -147,33 +146,26 @@ pub fn validate_job(job: &str) -> Result<(), MetaError> {
     Ok(())
 }
 
-/// The parts of the namespace the checkpoint records change.
-pub(crate) struct Parts<'a> {
-    pub jobs: &'a mut BTreeMap<String, JobCkpt>,
-    pub files: &'a mut BTreeMap<String, FileMeta>,
-    pub map_version: u64,
-    pub next_gen: &'a mut u64,
-}
-
 /// The epoch the next checkpoint of `job` must be above (begun, committed or fenced), from
 /// the jobs' records.
-pub fn floor(jobs: &BTreeMap<String, JobCkpt>, job: &str) -> u64 {
+pub fn floor(jobs: &OrdMap<String, JobCkpt>, job: &str) -> u64 {
     jobs.get(job).map_or(0, |r| r.epoch.max(r.fenced).max(r.started))
 }
 
 /// Begins checkpoint `epoch` of `job`: gives it the next generation.
-pub(crate) fn apply_begin(next: &mut Parts<'_>, job: &str, epoch: u64) -> Result<(), MetaError> {
+pub(crate) fn apply_begin(next: &mut MetaState, job: &str, epoch: u64) -> Result<(), MetaError> {
     validate_job(job)?;
-    let f = floor(next.jobs, job);
+    let f = floor(&next.jobs, job);
     if epoch <= f {
         return Err(MetaError::Invalid(format!(
             "checkpoint {epoch} of job {job} is stale (the job is at {f})"
         )));
     }
-    let top = next.files.values().map(|m| m.top_gen()).max().unwrap_or(0);
-    let gen = (*next.next_gen).max(top + 1).max(2);
-    *next.next_gen = gen + 1;
-    let rec = next.jobs.entry(job.to_string()).or_default();
+    // `next_gen` is above every page generation of every file (kept so by every operation that
+    // sets one): no file is looked at.
+    let gen = next.next_gen.max(2);
+    next.set_next_gen(gen + 1);
+    let rec = next.job_mut(job);
     rec.started = epoch;
     rec.started_gen = gen;
     Ok(())
@@ -181,7 +173,7 @@ pub(crate) fn apply_begin(next: &mut Parts<'_>, job: &str, epoch: u64) -> Result
 
 /// Whether epoch `epoch` of `job` committed: `Some(true)` committed, `Some(false)` never will
 /// (fenced, or a later epoch committed instead), `None` undecided.
-pub fn decided(jobs: &BTreeMap<String, JobCkpt>, job: &str, epoch: u64) -> Option<bool> {
+pub fn decided(jobs: &OrdMap<String, JobCkpt>, job: &str, epoch: u64) -> Option<bool> {
     let r = jobs.get(job)?;
     if r.epoch == epoch {
         Some(true)
@@ -195,7 +187,7 @@ pub fn decided(jobs: &BTreeMap<String, JobCkpt>, job: &str, epoch: u64) -> Optio
 /// Applies a checkpoint commit record to `next` (see the module invariants).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn apply_checkpoint(
-    next: &mut Parts<'_>,
+    next: &mut MetaState,
     job: &str,
     epoch: u64,
     gen: u64,
@@ -223,7 +215,7 @@ pub(crate) fn apply_checkpoint(
         ));
     }
     for fr in files {
-        let Some(meta) = next.files.values_mut().find(|m| m.id == fr.file) else {
+        let Some(mut meta) = next.file_by_id(fr.file).cloned() else {
             return Err(MetaError::Invalid(format!(
                 "checkpoint names file id {} that does not exist",
                 fr.file
@@ -246,7 +238,10 @@ pub(crate) fn apply_checkpoint(
             }
             meta.written.set(s, e, gen);
         }
+        next.put_file(meta);
     }
+    next.set_next_gen(next.next_gen.max(gen + 1));
+    next.touch_job(job);
     next.jobs.insert(
         job.to_string(),
         JobCkpt {
@@ -262,9 +257,9 @@ pub(crate) fn apply_checkpoint(
 
 /// Fences epoch `epoch` of `job` (and every lower one not committed). An epoch at or below
 /// the committed one is decided already: nothing changes (the caller reads [`decided`]).
-pub(crate) fn apply_fence(next: &mut Parts<'_>, job: &str, epoch: u64) -> Result<(), MetaError> {
+pub(crate) fn apply_fence(next: &mut MetaState, job: &str, epoch: u64) -> Result<(), MetaError> {
     validate_job(job)?;
-    let rec = next.jobs.entry(job.to_string()).or_default();
+    let rec = next.job_mut(job);
     if epoch > rec.epoch {
         rec.fenced = rec.fenced.max(epoch);
     }

@@ -26,22 +26,24 @@ use crate::disk::{Disk, DiskFile};
 use crate::error::MetaError;
 pub use crate::file::FileMeta;
 use crate::file::FileMetaV2;
-#[cfg(test)]
 use crate::gens::PageGens;
 use crate::jobs::{FileRuns, JobCkpt};
+use imbl::{OrdMap, OrdSet};
 use psls_cluster::meta::{Accepted, Durable, Epoch, Replicated};
 use psls_svm::FileId;
 #[cfg(test)]
 use psls_svm::PAGE_SIZE;
 use redb::{ReadableDatabase, TableDefinition};
 use serde::{Deserialize, Serialize};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::io;
 use std::sync::Arc;
 
 const META_TABLE: TableDefinition<&str, &[u8]> = TableDefinition::new("meta");
 const STATE_KEY: &str = "state";
-const STATE_FORMAT: u16 = 5;
+/// Format of an encoded [`MetaState`] (a snapshot of the metadata log; formats up to 5 are
+/// the records of the store before it, read once to convert it).
+const SNAPSHOT_FORMAT: u16 = 6;
 const VOTE_TABLE: TableDefinition<&str, &[u8]> = TableDefinition::new("vote");
 const VOTE_KEY: &str = "vote";
 const VOTE_FORMAT: u16 = 2;
@@ -67,11 +69,17 @@ pub struct Rebuild {
 }
 
 /// The replicated namespace.
+///
+/// Its maps are persistent (`imbl`): a clone is O(1) and shares everything, so a reader takes a
+/// snapshot of the whole namespace for the price of a pointer, and an operation copies only the
+/// path to what it changes. Lookups go by key: a file by name ([`MetaState::files`]) or by id
+/// ([`MetaState::file_by_id`]), the files a job writes ([`MetaState::files_written_by`]), a job
+/// by name; no operation scans every file.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MetaState {
-    /// Sequence number of the last applied operation.
+    /// Index of the last applied operation (of the metadata log).
     pub seq: u64,
-    pub files: BTreeMap<String, FileMeta>,
+    pub files: OrdMap<String, FileMeta>,
     /// Logical node id → physical node name. Empty until the cluster first starts.
     pub logical: BTreeMap<u32, String>,
     /// Bumped at every change of `logical`.
@@ -83,12 +91,13 @@ pub struct MetaState {
     /// whose own incarnation counters are unrelated.
     pub assigned: BTreeMap<u32, u64>,
     /// Every job's checkpoint record, by job name.
-    pub jobs: BTreeMap<String, JobCkpt>,
-    /// The generation the next checkpoint gets (cluster-wide, only grows).
+    pub jobs: OrdMap<String, JobCkpt>,
+    /// The generation the next checkpoint gets (cluster-wide, only grows): above every page
+    /// generation of every file, kept so by every operation that sets one.
     pub next_gen: u64,
     /// How each `psls run` job checkpoints (its level, cleaner interval and policy), kept as
     /// long as its record for `psls run --resume`.
-    pub job_options: BTreeMap<String, crate::jobs::JobOptions>,
+    pub job_options: OrdMap<String, crate::jobs::JobOptions>,
     /// Committed failure verdicts: physical node → the highest incarnation declared down.
     /// Every incarnation up to it is dead for good: its messages are dropped, it serves
     /// nothing, and it rejoins only as a newer one.
@@ -96,7 +105,183 @@ pub struct MetaState {
     /// Jobs whose ranks all exited 0 and whose result is in their last (memory) checkpoint,
     /// but whose last persistent checkpoint failed (job → why): `psls run --resume` only has
     /// to write it.
-    pub finished: BTreeMap<String, Finished>,
+    pub finished: OrdMap<String, Finished>,
+    /// File id → name (an index of `files`, rebuilt when a state is decoded).
+    #[serde(skip)]
+    ids: OrdMap<FileId, String>,
+    /// Job → the files it maps writable (an index of `files`).
+    #[serde(skip)]
+    writing: OrdMap<String, OrdSet<FileId>>,
+    /// The keys changed since the last [`MetaState::take_changes`].
+    #[serde(skip)]
+    touched: Touched,
+}
+
+/// Keys changed by operations, to be written.
+#[derive(Clone, Debug, Default)]
+struct Touched {
+    files: BTreeSet<String>,
+    ids: BTreeSet<FileId>,
+    gens: BTreeSet<FileId>,
+    jobs: BTreeSet<String>,
+    nodes: bool,
+    next_gen: bool,
+}
+
+/// Equal whatever they hold: which keys wait to be written is not part of the state.
+impl PartialEq for Touched {
+    fn eq(&self, _: &Touched) -> bool {
+        true
+    }
+}
+impl Eq for Touched {}
+
+/// What an operation (or a batch of them) changed, key by key, with the values now (`None`:
+/// the key goes): what the metadata store writes to its per-key tables.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Changes {
+    /// File name → its record (without its generation runs).
+    pub files: Vec<(String, Option<FileRecord>)>,
+    /// File id → its name.
+    pub ids: Vec<(FileId, Option<String>)>,
+    /// File id → the generations of the pages checkpoints wrote.
+    pub gens: Vec<(FileId, Option<PageGens>)>,
+    /// Job → its records.
+    pub jobs: Vec<(String, Option<JobRecord>)>,
+    /// The node map and the verdicts, when they changed.
+    pub nodes: Option<NodesRecord>,
+    pub next_gen: Option<u64>,
+}
+
+impl Changes {
+    /// Whether nothing changed.
+    pub fn is_empty(&self) -> bool {
+        self.files.is_empty()
+            && self.ids.is_empty()
+            && self.gens.is_empty()
+            && self.jobs.is_empty()
+            && self.nodes.is_none()
+            && self.next_gen.is_none()
+    }
+}
+
+/// A file's record in the store: [`FileMeta`] without its generation runs (kept apart, so an
+/// operation that does not change them does not write them).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileRecord {
+    pub id: FileId,
+    pub size: u64,
+    pub uid: u32,
+    pub gid: u32,
+    pub mode: u32,
+    pub gen: u64,
+    pub created_unix_ms: u64,
+    pub writer: Option<(String, u32)>,
+}
+
+impl FileRecord {
+    fn of(f: &FileMeta) -> FileRecord {
+        FileRecord {
+            id: f.id,
+            size: f.size,
+            uid: f.uid,
+            gid: f.gid,
+            mode: f.mode,
+            gen: f.gen,
+            created_unix_ms: f.created_unix_ms,
+            writer: f.writer.clone(),
+        }
+    }
+
+    /// The file named `name` with these fields and generation runs `written`.
+    pub fn into_meta(self, name: String, written: PageGens) -> FileMeta {
+        FileMeta {
+            id: self.id,
+            name,
+            size: self.size,
+            uid: self.uid,
+            gid: self.gid,
+            mode: self.mode,
+            gen: self.gen,
+            created_unix_ms: self.created_unix_ms,
+            written,
+            writer: self.writer,
+        }
+    }
+}
+
+/// A job's records in the store.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JobRecord {
+    pub ckpt: Option<JobCkpt>,
+    pub options: Option<crate::jobs::JobOptions>,
+    pub finished: Option<Finished>,
+}
+
+/// The node map and the verdicts, in the store (one small record).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodesRecord {
+    pub logical: BTreeMap<u32, String>,
+    pub map_version: u64,
+    pub rebuilding: BTreeMap<u32, Rebuild>,
+    pub assigned: BTreeMap<u32, u64>,
+    pub down: BTreeMap<String, u64>,
+}
+
+impl MetaState {
+    /// Writes `changes` into this state (a store loading its tables, or a check that the tables
+    /// equal the state).
+    pub fn load(&mut self, changes: Changes) {
+        for (id, name) in changes.ids {
+            match name {
+                Some(n) => self.ids.insert(id, n),
+                None => self.ids.remove(&id),
+            };
+        }
+        let mut gens: BTreeMap<FileId, PageGens> = BTreeMap::new();
+        for (id, g) in changes.gens {
+            if let Some(g) = g {
+                gens.insert(id, g);
+            }
+        }
+        for (name, rec) in changes.files {
+            match rec {
+                Some(r) => {
+                    let written = gens.remove(&r.id).unwrap_or_default();
+                    self.files.insert(name.clone(), r.into_meta(name, written));
+                }
+                None => {
+                    self.files.remove(&name);
+                }
+            }
+        }
+        for (job, rec) in changes.jobs {
+            let rec = rec.unwrap_or_default();
+            match rec.ckpt {
+                Some(c) => self.jobs.insert(job.clone(), c),
+                None => self.jobs.remove(&job),
+            };
+            match rec.options {
+                Some(o) => self.job_options.insert(job.clone(), o),
+                None => self.job_options.remove(&job),
+            };
+            match rec.finished {
+                Some(f) => self.finished.insert(job, f),
+                None => self.finished.remove(&job),
+            };
+        }
+        if let Some(n) = changes.nodes {
+            self.logical = n.logical;
+            self.map_version = n.map_version;
+            self.rebuilding = n.rebuilding;
+            self.assigned = n.assigned;
+            self.down = n.down;
+        }
+        if let Some(g) = changes.next_gen {
+            self.next_gen = g;
+        }
+        self.reindex();
+    }
 }
 
 /// A job whose ranks all exited 0 but whose last persistent checkpoint failed.
@@ -317,7 +502,7 @@ impl MetaOp {
             MetaOp::BeginCheckpoint { job, epoch } => st.job_floor(job) >= *epoch,
             MetaOp::Checkpoint { job, epoch, .. } => st.jobs.get(job).is_some_and(|r| r.epoch >= *epoch),
             MetaOp::FenceCheckpoint { job, epoch } => st.job_decided(job, *epoch).is_some(),
-            MetaOp::EndJob { job } => !st.jobs.contains_key(job) && st.files.values().all(|f| !f.written_by(job)),
+            MetaOp::EndJob { job } => !st.jobs.contains_key(job) && st.files_written_by(job).next().is_none(),
             // Counted claims: a resubmission cannot tell whether it was applied.
             MetaOp::ClaimWriter { .. } | MetaOp::ReleaseWriter { .. } => false,
             MetaOp::StartJob { job, spec } => st.jobs.get(job).and_then(|r| r.spec.as_ref()) == Some(spec),
@@ -361,14 +546,222 @@ pub fn validate_name(name: &str) -> Result<(), MetaError> {
 }
 
 impl MetaState {
-    /// Applies `op` as operation number `self.seq + 1`; on error `self` is unchanged.
+    /// Applies `op` as operation number `self.seq + 1`; on error `self` is unchanged (its
+    /// sequence number too).
     pub fn apply(&mut self, op: &MetaOp) -> Result<(), MetaError> {
         let mut next = self.clone();
+        next.change(op)?;
+        next.seq += 1;
+        *self = next;
+        Ok(())
+    }
+
+    /// Applies `op` as entry `index` of the metadata log: on error only the index moves.
+    pub fn apply_at(&mut self, index: u64, op: &MetaOp) -> Result<(), MetaError> {
+        assert_eq!(index, self.seq + 1, "metadata operations apply in order");
+        let mut next = self.clone();
+        let r = next.change(op);
+        if r.is_ok() {
+            *self = next;
+        }
+        self.seq = index;
+        r
+    }
+
+    /// Entry `index` carries no operation: only the index moves.
+    pub fn skip_to(&mut self, index: u64) {
+        assert_eq!(index, self.seq + 1, "metadata operations apply in order");
+        self.seq = index;
+    }
+
+    // ---- reads by key ----
+
+    /// The file with id `id`.
+    pub fn file_by_id(&self, id: FileId) -> Option<&FileMeta> {
+        self.ids.get(&id).and_then(|n| self.files.get(n))
+    }
+
+    /// The files job `job` maps writable.
+    pub fn files_written_by<'a>(&'a self, job: &str) -> impl Iterator<Item = &'a FileMeta> + 'a {
+        self.writing
+            .get(job)
+            .into_iter()
+            .flat_map(|ids| ids.iter())
+            .filter_map(|id| self.file_by_id(*id))
+    }
+
+    // ---- changes, keeping the indexes and the changed keys ----
+
+    /// Puts `meta` under its name (replacing whatever file was there).
+    pub(crate) fn put_file(&mut self, meta: FileMeta) {
+        let old = self.files.get(&meta.name).cloned();
+        if let Some(old) = &old {
+            self.unindex(old);
+            if old.written != meta.written {
+                self.touched.gens.insert(old.id);
+            }
+        } else if meta.written.runs() > 0 {
+            self.touched.gens.insert(meta.id);
+        }
+        if old.as_ref().is_some_and(|o| o.id != meta.id) {
+            self.touched.gens.insert(meta.id);
+        }
+        if meta.top_gen() >= self.next_gen {
+            self.set_next_gen(meta.top_gen() + 1);
+        }
+        self.ids.insert(meta.id, meta.name.clone());
+        if let Some((job, _)) = &meta.writer {
+            self.writing.entry(job.clone()).or_default().insert(meta.id);
+        }
+        self.touched.files.insert(meta.name.clone());
+        self.touched.ids.insert(meta.id);
+        self.files.insert(meta.name.clone(), meta);
+    }
+
+    /// Removes file `name`.
+    pub(crate) fn remove_file(&mut self, name: &str) {
+        if let Some(old) = self.files.remove(name) {
+            self.unindex(&old);
+            self.touched.files.insert(old.name.clone());
+            self.touched.ids.insert(old.id);
+            self.touched.gens.insert(old.id);
+        }
+    }
+
+    fn unindex(&mut self, f: &FileMeta) {
+        if self.ids.get(&f.id) == Some(&f.name) {
+            self.ids.remove(&f.id);
+            self.touched.ids.insert(f.id);
+        }
+        if let Some((job, _)) = &f.writer {
+            if let Some(set) = self.writing.get_mut(job) {
+                set.remove(&f.id);
+                if set.is_empty() {
+                    self.writing.remove(job);
+                }
+            }
+        }
+    }
+
+    /// Job `job`'s checkpoint record (created empty if there is none).
+    pub(crate) fn job_mut(&mut self, job: &str) -> &mut JobCkpt {
+        self.touched.jobs.insert(job.to_string());
+        self.jobs.entry(job.to_string()).or_default()
+    }
+
+    /// Marks job `job`'s records changed.
+    pub(crate) fn touch_job(&mut self, job: &str) {
+        self.touched.jobs.insert(job.to_string());
+    }
+
+    pub(crate) fn set_next_gen(&mut self, gen: u64) {
+        self.next_gen = gen;
+        self.touched.next_gen = true;
+    }
+
+    fn touch_nodes(&mut self) {
+        self.touched.nodes = true;
+    }
+
+    /// Rebuilds the indexes from `files` (after decoding a state).
+    fn reindex(&mut self) {
+        self.ids = OrdMap::new();
+        self.writing = OrdMap::new();
+        for f in self.files.values() {
+            self.ids.insert(f.id, f.name.clone());
+            if let Some((job, _)) = &f.writer {
+                self.writing.entry(job.clone()).or_default().insert(f.id);
+            }
+        }
+    }
+
+    /// A state decoded from a record of a format before the metadata log: its indexes rebuilt,
+    /// and `next_gen` raised above every page generation (those formats found it by a scan).
+    fn from_legacy(mut st: MetaState) -> MetaState {
+        st.reindex();
+        let top = st.files.values().map(|f| f.top_gen()).max().unwrap_or(0);
+        st.next_gen = st.next_gen.max(top + 1);
+        st
+    }
+
+    /// The keys changed since the last call, with their values now.
+    pub fn take_changes(&mut self) -> Changes {
+        let t = std::mem::take(&mut self.touched);
+        self.changes_of(t)
+    }
+
+    /// The whole state as changes (after it replaced another).
+    pub fn all_changes(&self) -> Changes {
+        let mut t = Touched {
+            nodes: true,
+            next_gen: true,
+            ..Touched::default()
+        };
+        for f in self.files.values() {
+            t.files.insert(f.name.clone());
+            t.ids.insert(f.id);
+            if f.written.runs() > 0 {
+                t.gens.insert(f.id);
+            }
+        }
+        t.jobs.extend(self.jobs.keys().cloned());
+        t.jobs.extend(self.job_options.keys().cloned());
+        t.jobs.extend(self.finished.keys().cloned());
+        self.changes_of(t)
+    }
+
+    fn changes_of(&self, t: Touched) -> Changes {
+        Changes {
+            files: t
+                .files
+                .into_iter()
+                .map(|n| {
+                    let rec = self.files.get(&n).map(FileRecord::of);
+                    (n, rec)
+                })
+                .collect(),
+            ids: t.ids.into_iter().map(|id| (id, self.ids.get(&id).cloned())).collect(),
+            gens: t
+                .gens
+                .into_iter()
+                .map(|id| {
+                    let g = self.file_by_id(id).map(|f| f.written.clone()).filter(|g| g.runs() > 0);
+                    (id, g)
+                })
+                .collect(),
+            jobs: t
+                .jobs
+                .into_iter()
+                .map(|j| {
+                    let rec = JobRecord {
+                        ckpt: self.jobs.get(&j).cloned(),
+                        options: self.job_options.get(&j).cloned(),
+                        finished: self.finished.get(&j).cloned(),
+                    };
+                    let rec = (rec.ckpt.is_some() || rec.options.is_some() || rec.finished.is_some()).then_some(rec);
+                    (j, rec)
+                })
+                .collect(),
+            nodes: t.nodes.then(|| NodesRecord {
+                logical: self.logical.clone(),
+                map_version: self.map_version,
+                rebuilding: self.rebuilding.clone(),
+                assigned: self.assigned.clone(),
+                down: self.down.clone(),
+            }),
+            next_gen: t.next_gen.then_some(self.next_gen),
+        }
+    }
+
+    /// Validates `op` and makes its changes; on error the state may be half changed (callers
+    /// work on a clone).
+    fn change(&mut self, op: &MetaOp) -> Result<(), MetaError> {
         match op {
             MetaOp::InitMap { logical } => {
-                if next.logical.is_empty() {
-                    next.logical = logical.clone();
-                    next.map_version += 1;
+                if self.logical.is_empty() {
+                    self.logical = logical.clone();
+                    self.map_version += 1;
+                    self.touch_nodes();
                 }
             }
             MetaOp::CommitFile {
@@ -377,12 +770,12 @@ impl MetaState {
                 placed_at,
             } => {
                 validate_name(&meta.name)?;
-                if placed_at.is_some_and(|v| v != next.map_version) {
+                if placed_at.is_some_and(|v| v != self.map_version) {
                     return Err(MetaError::Invalid(
                         "a node was replaced while the file was written; nothing was committed (write it again)".into(),
                     ));
                 }
-                match (next.files.get(&meta.name), replaces) {
+                match (self.files.get(&meta.name), replaces) {
                     (Some(_), None) => return Err(MetaError::Exists(meta.name.clone())),
                     (Some(cur), Some(old)) if cur.id != *old => {
                         return Err(MetaError::Conflict {
@@ -400,15 +793,13 @@ impl MetaState {
                     }
                     _ => {}
                 }
-                if next.files.values().any(|f| f.id == meta.id && f.name != meta.name) {
+                if self.ids.get(&meta.id).is_some_and(|n| *n != meta.name) {
                     return Err(MetaError::Invalid(format!("file id {} already in use", meta.id)));
                 }
-                next.files.insert(meta.name.clone(), meta.clone());
+                self.put_file(meta.clone());
             }
-            MetaOp::RemoveFile { name, id } => match next.files.get(name) {
-                Some(f) if f.id == *id => {
-                    next.files.remove(name);
-                }
+            MetaOp::RemoveFile { name, id } => match self.files.get(name) {
+                Some(f) if f.id == *id => self.remove_file(name),
                 Some(f) => {
                     return Err(MetaError::Conflict {
                         name: name.clone(),
@@ -419,25 +810,27 @@ impl MetaState {
                 None => return Err(MetaError::NotFound(name.clone())),
             },
             MetaOp::Replace { logical, physical } => {
-                if !next.logical.contains_key(logical) {
+                if !self.logical.contains_key(logical) {
                     return Err(MetaError::Invalid(format!("no logical node {logical}")));
                 }
-                if next.logical.values().any(|p| p == physical) {
+                if self.logical.values().any(|p| p == physical) {
                     return Err(MetaError::Invalid(format!("{physical} already holds a logical id")));
                 }
-                next.logical.insert(*logical, physical.clone());
-                next.map_version += 1;
-                next.assigned.insert(*logical, next.map_version);
-                next.rebuilding.insert(
+                self.logical.insert(*logical, physical.clone());
+                self.map_version += 1;
+                self.assigned.insert(*logical, self.map_version);
+                self.rebuilding.insert(
                     *logical,
                     Rebuild {
                         physical: physical.clone(),
                     },
                 );
+                self.touch_nodes();
             }
             MetaOp::RebuildDone { logical, physical } => {
-                if next.rebuilding.get(logical).map(|r| &r.physical) == Some(physical) {
-                    next.rebuilding.remove(logical);
+                if self.rebuilding.get(logical).map(|r| &r.physical) == Some(physical) {
+                    self.rebuilding.remove(logical);
+                    self.touch_nodes();
                 }
             }
             MetaOp::Checkpoint {
@@ -448,34 +841,25 @@ impl MetaState {
                 files,
                 at_unix_ms,
                 bytes,
-            } => crate::jobs::apply_checkpoint(
-                &mut next.parts(),
-                job,
-                *epoch,
-                *gen,
-                *placed_at,
-                files,
-                *at_unix_ms,
-                *bytes,
-            )?,
-            MetaOp::BeginCheckpoint { job, epoch } => crate::jobs::apply_begin(&mut next.parts(), job, *epoch)?,
-            MetaOp::FenceCheckpoint { job, epoch } => crate::jobs::apply_fence(&mut next.parts(), job, *epoch)?,
+            } => crate::jobs::apply_checkpoint(self, job, *epoch, *gen, *placed_at, files, *at_unix_ms, *bytes)?,
+            MetaOp::BeginCheckpoint { job, epoch } => crate::jobs::apply_begin(self, job, *epoch)?,
+            MetaOp::FenceCheckpoint { job, epoch } => crate::jobs::apply_fence(self, job, *epoch)?,
             MetaOp::EndJob { job } => {
-                next.jobs.remove(job);
-                next.job_options.remove(job);
-                next.finished.remove(job);
-                for f in next.files.values_mut().filter(|f| f.written_by(job)) {
+                self.touch_job(job);
+                self.jobs.remove(job);
+                self.job_options.remove(job);
+                self.finished.remove(job);
+                let written: Vec<FileMeta> = self.files_written_by(job).cloned().collect();
+                for mut f in written {
                     f.writer = None;
+                    self.put_file(f);
                 }
             }
-            MetaOp::StartJob { job, spec } => crate::jobs::apply_start(&mut next.parts(), job, spec)?,
+            MetaOp::StartJob { job, spec } => crate::jobs::apply_start(self, job, spec)?,
             MetaOp::StartJobWith { job, spec, options } => {
                 // A new start computes again: a finished result it had is not its any more.
-                next.finished.remove(job);
-                let mut options_of = std::mem::take(&mut next.job_options);
-                let r = crate::jobs::apply_start_with(&mut next.parts(), &mut options_of, job, spec, options);
-                next.job_options = options_of;
-                r?
+                self.finished.remove(job);
+                crate::jobs::apply_start_with(self, job, spec, options)?
             }
             MetaOp::DeclareDown { physical, incarnation } => {
                 if physical.is_empty() || *incarnation == 0 {
@@ -483,13 +867,14 @@ impl MetaState {
                         "a down verdict names a node and an incarnation".into(),
                     ));
                 }
-                let d = next.down.entry(physical.clone()).or_insert(0);
+                let d = self.down.entry(physical.clone()).or_insert(0);
                 *d = (*d).max(*incarnation);
+                self.touch_nodes();
             }
             MetaOp::JobFinished { job, why, files, epoch } => {
                 // Its result is in a memory checkpoint (which has no record): the job's record
                 // is what must exist.
-                if !next.jobs.contains_key(job) {
+                if !self.jobs.contains_key(job) {
                     return Err(MetaError::Invalid(format!("no job {job} to keep the result of")));
                 }
                 if why.len() > MAX_WHY_LEN || files.len() > MAX_FINISHED_FILES {
@@ -500,7 +885,7 @@ impl MetaState {
                 // The job keeps writing its files until its result is written (a rank's late
                 // release of its own claim leaves this one).
                 for id in files {
-                    let Some(f) = next.files.values_mut().find(|f| f.id == *id) else {
+                    let Some(mut f) = self.file_by_id(*id).cloned() else {
                         return Err(MetaError::Invalid(format!("no file with id {id}")));
                     };
                     match &mut f.writer {
@@ -510,17 +895,19 @@ impl MetaState {
                         Some((_, n)) => *n = n.saturating_add(1),
                         None => f.writer = Some((job.clone(), 1)),
                     }
+                    self.put_file(f);
                 }
                 let kept = Finished {
                     why: why.clone(),
                     files: files.clone(),
                     epoch: *epoch,
                 };
-                next.finished.insert(job.clone(), kept);
+                self.touch_job(job);
+                self.finished.insert(job.clone(), kept);
             }
             MetaOp::ClaimWriter { file, job } => {
                 crate::jobs::validate_job(job)?;
-                let Some(f) = next.files.values_mut().find(|f| f.id == *file) else {
+                let Some(mut f) = self.file_by_id(*file).cloned() else {
                     return Err(MetaError::Invalid(format!("no file with id {file}")));
                 };
                 match &mut f.writer {
@@ -533,24 +920,24 @@ impl MetaState {
                     Some((_, n)) => *n = n.saturating_add(1),
                     None => f.writer = Some((job.clone(), 1)),
                 }
+                self.put_file(f);
             }
             MetaOp::ReleaseWriter { file, job } => {
-                if let Some(f) = next.files.values_mut().find(|f| f.id == *file && f.written_by(job)) {
+                if let Some(mut f) = self.file_by_id(*file).filter(|f| f.written_by(job)).cloned() {
                     match &mut f.writer {
                         Some((_, n)) if *n > 1 => *n -= 1,
                         _ => f.writer = None,
                     }
+                    self.put_file(f);
                 }
             }
         }
-        next.seq += 1;
-        *self = next;
         Ok(())
     }
 
     /// Encodes the state (format version first).
     pub fn encode(&self) -> Vec<u8> {
-        let mut out = STATE_FORMAT.to_le_bytes().to_vec();
+        let mut out = SNAPSHOT_FORMAT.to_le_bytes().to_vec();
         out.extend(postcard::to_stdvec(self).expect("MetaState serializes"));
         out
     }
@@ -562,82 +949,84 @@ impl MetaState {
         let v = u16::from_le_bytes([bytes[0], bytes[1]]);
         let corrupt = |e: postcard::Error| MetaError::Corrupt(e.to_string());
         match v {
-            STATE_FORMAT => postcard::from_bytes(&bytes[2..]).map_err(corrupt),
+            SNAPSHOT_FORMAT => postcard::from_bytes(&bytes[2..])
+                .map_err(corrupt)
+                .map(|mut st: MetaState| {
+                    st.reindex();
+                    st
+                }),
+            5 => postcard::from_bytes(&bytes[2..])
+                .map_err(corrupt)
+                .map(MetaState::from_legacy),
             4 => {
                 let old: MetaStateV4 = postcard::from_bytes(&bytes[2..]).map_err(corrupt)?;
-                Ok(MetaState {
+                Ok(MetaState::from_legacy(MetaState {
                     seq: old.seq,
-                    files: old.files,
+                    files: old.files.into_iter().collect(),
                     logical: old.logical,
                     map_version: old.map_version,
                     rebuilding: old.rebuilding,
                     assigned: old.assigned,
-                    jobs: old.jobs,
+                    jobs: old.jobs.into_iter().collect(),
                     next_gen: old.next_gen,
-                    job_options: old.job_options,
+                    job_options: old.job_options.into_iter().collect(),
                     down: BTreeMap::new(),
-                    finished: BTreeMap::new(),
-                })
+                    finished: OrdMap::new(),
+                    ..MetaState::default()
+                }))
             }
             3 => {
                 let old: MetaStateV3 = postcard::from_bytes(&bytes[2..]).map_err(corrupt)?;
-                Ok(MetaState {
+                Ok(MetaState::from_legacy(MetaState {
                     seq: old.seq,
-                    files: old.files,
+                    files: old.files.into_iter().collect(),
                     logical: old.logical,
                     map_version: old.map_version,
                     rebuilding: old.rebuilding,
                     assigned: old.assigned,
-                    jobs: old.jobs,
+                    jobs: old.jobs.into_iter().collect(),
                     next_gen: old.next_gen,
-                    job_options: BTreeMap::new(),
+                    job_options: OrdMap::new(),
                     down: BTreeMap::new(),
-                    finished: BTreeMap::new(),
-                })
+                    finished: OrdMap::new(),
+                    ..MetaState::default()
+                }))
             }
             2 => {
                 let old: MetaStateV2 = postcard::from_bytes(&bytes[2..]).map_err(corrupt)?;
-                Ok(MetaState {
+                Ok(MetaState::from_legacy(MetaState {
                     seq: old.seq,
-                    files: files_v2(old.files),
+                    files: files_v2(old.files).into_iter().collect(),
                     logical: old.logical,
                     map_version: old.map_version,
                     rebuilding: old.rebuilding,
                     assigned: old.assigned,
-                    jobs: BTreeMap::new(),
+                    jobs: OrdMap::new(),
                     next_gen: 0,
-                    job_options: BTreeMap::new(),
+                    job_options: OrdMap::new(),
                     down: BTreeMap::new(),
-                    finished: BTreeMap::new(),
-                })
+                    finished: OrdMap::new(),
+                    ..MetaState::default()
+                }))
             }
             1 => {
                 let old: MetaStateV1 = postcard::from_bytes(&bytes[2..]).map_err(corrupt)?;
-                Ok(MetaState {
+                Ok(MetaState::from_legacy(MetaState {
                     seq: old.seq,
-                    files: files_v2(old.files),
+                    files: files_v2(old.files).into_iter().collect(),
                     logical: old.logical,
                     map_version: old.map_version,
                     rebuilding: old.rebuilding,
                     assigned: BTreeMap::new(),
-                    jobs: BTreeMap::new(),
+                    jobs: OrdMap::new(),
                     next_gen: 0,
-                    job_options: BTreeMap::new(),
+                    job_options: OrdMap::new(),
                     down: BTreeMap::new(),
-                    finished: BTreeMap::new(),
-                })
+                    finished: OrdMap::new(),
+                    ..MetaState::default()
+                }))
             }
             v => Err(MetaError::Corrupt(format!("unknown metadata format version {v}"))),
-        }
-    }
-
-    /// What the checkpoint records change (`crate::jobs`).
-    fn parts(&mut self) -> crate::jobs::Parts<'_> {
-        crate::jobs::Parts {
-            jobs: &mut self.jobs,
-            files: &mut self.files,
-            map_version: self.map_version,
-            next_gen: &mut self.next_gen,
         }
     }
 
@@ -1004,7 +1393,7 @@ mod tests {
         #[derive(Serialize)]
         struct V1<'a>(
             u64,
-            &'a BTreeMap<String, FileMeta>,
+            &'a OrdMap<String, FileMeta>,
             &'a BTreeMap<u32, String>,
             u64,
             &'a BTreeMap<u32, Rebuild>,
@@ -1224,14 +1613,14 @@ mod tests {
         #[derive(Serialize)]
         struct S4<'a>(
             u64,
-            &'a BTreeMap<String, FileMeta>,
+            &'a OrdMap<String, FileMeta>,
             &'a BTreeMap<u32, String>,
             u64,
             &'a BTreeMap<u32, Rebuild>,
             &'a BTreeMap<u32, u64>,
-            &'a BTreeMap<String, JobCkpt>,
+            &'a OrdMap<String, JobCkpt>,
             u64,
-            &'a BTreeMap<String, crate::jobs::JobOptions>,
+            &'a OrdMap<String, crate::jobs::JobOptions>,
         );
         let mut v4 = 4u16.to_le_bytes().to_vec();
         v4.extend(
@@ -1296,12 +1685,12 @@ mod tests {
         #[derive(Serialize)]
         struct S3<'a>(
             u64,
-            &'a BTreeMap<String, FileMeta>,
+            &'a OrdMap<String, FileMeta>,
             &'a BTreeMap<u32, String>,
             u64,
             &'a BTreeMap<u32, Rebuild>,
             &'a BTreeMap<u32, u64>,
-            &'a BTreeMap<String, JobCkpt>,
+            &'a OrdMap<String, JobCkpt>,
             u64,
         );
         let mut v3 = 3u16.to_le_bytes().to_vec();
