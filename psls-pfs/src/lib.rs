@@ -22,6 +22,7 @@ pub mod fault;
 pub mod file;
 pub mod gens;
 pub mod jobs;
+pub mod logstore;
 pub mod meta;
 pub mod placement;
 pub mod slot;

@@ -1055,7 +1055,7 @@ impl MetaState {
 /// redb storage backend over a [`DiskFile`], so metadata obeys the same durability contract
 /// (and the same fault injection) as page data.
 #[derive(Debug)]
-struct Backend(Arc<dyn DiskFile>);
+pub(crate) struct Backend(pub(crate) Arc<dyn DiskFile>);
 
 impl redb::StorageBackend for Backend {
     fn len(&self) -> Result<u64, io::Error> {
@@ -1094,7 +1094,7 @@ impl std::fmt::Debug for MetaStore {
     }
 }
 
-fn decode_vote(bytes: &[u8]) -> Result<Vote, MetaError> {
+pub(crate) fn decode_vote(bytes: &[u8]) -> Result<Vote, MetaError> {
     if bytes.len() < 2 {
         return Err(MetaError::Corrupt("vote record too short".into()));
     }

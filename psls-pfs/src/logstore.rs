@@ -1,0 +1,513 @@
+//! The metadata log's durable side on one node: the log's entries, its hard state, and the
+//! applied namespace in per-key tables, in one redb database (`meta.redb`) over a [`Disk`]
+//! (so the fault disk tests it like page data).
+//!
+//! Every [`Persist`] of the log machine is one write transaction: the entries it appends (after
+//! removing any at and after their first index), its hard state, the keys its operations
+//! changed, the applied index, the compaction.
+//! A transaction the machine marks `sync` (votes, terms, entries, a snapshot) is committed with
+//! an fsync before the machine's next action; the others (only the applied state moved, which
+//! the log rebuilds) are committed without one, and become durable with the next synced one.
+//! So a crash loses at most applied changes whose entries are durable: on restart the machine
+//! applies them again from the log.
+//!
+//! On-disk layout, format [`FORMAT`] (key `format` of table `misc`):
+//! - `log`: index (u64) → `[term u64 LE][entry type u8][context length u32 LE][context][data]`;
+//! - `files`: name → postcard [`FileRecord`]; `file_ids`: id → name; `file_gens`: id → postcard
+//!   [`PageGens`] (only files a checkpoint wrote pages of);
+//! - `jobs`: job → postcard [`JobRecord`];
+//! - `misc`: `nodes` → postcard [`NodesRecord`]; `next_gen`, `hard_state` (term, vote,
+//!   commit), `compacted` and `applied` (index, term) as u64 LE; `amnesiac` and `legacy`.
+//!
+//! A store of an earlier format (table `meta`, key `state`: the whole namespace, and table
+//! `vote`: the one-slot Paxos vote) is converted on open, in one transaction: its committed
+//! namespace becomes the applied state at the index of its sequence number, term 1, and the log
+//! starts after it (see [`Opened::legacy`]). An operation its vote had accepted but not seen
+//! committed was never acknowledged by that protocol (it answered only once a commit was
+//! confirmed), and a submitter told it failed may have retried it: it is dropped, with a
+//! warning naming it.
+
+use crate::disk::Disk;
+use crate::error::MetaError;
+use crate::gens::PageGens;
+use crate::meta::{Changes, FileRecord, JobRecord, MetaOp, MetaState, NodesRecord};
+use psls_cluster::log::{Durable, Machine, Persist};
+use raft::eraftpb::{Entry, EntryType, HardState};
+use redb::{Durability, ReadableDatabase, ReadableTable, TableDefinition};
+use std::sync::Arc;
+
+/// Format of the store.
+pub const FORMAT: u16 = 6;
+
+const LOG: TableDefinition<u64, &[u8]> = TableDefinition::new("log");
+const FILES: TableDefinition<&str, &[u8]> = TableDefinition::new("files");
+const IDS: TableDefinition<u64, &str> = TableDefinition::new("file_ids");
+const GENS: TableDefinition<u64, &[u8]> = TableDefinition::new("file_gens");
+const JOBS: TableDefinition<&str, &[u8]> = TableDefinition::new("jobs");
+const MISC: TableDefinition<&str, &[u8]> = TableDefinition::new("misc");
+/// The tables of the formats before the log.
+const LEGACY_META: TableDefinition<&str, &[u8]> = TableDefinition::new("meta");
+const LEGACY_VOTE: TableDefinition<&str, &[u8]> = TableDefinition::new("vote");
+
+impl Machine for MetaState {
+    type Op = MetaOp;
+    type Error = MetaError;
+    type Changes = Changes;
+    fn index(&self) -> u64 {
+        self.seq
+    }
+    fn apply(&mut self, index: u64, op: &MetaOp) -> Result<(), MetaError> {
+        self.apply_at(index, op)
+    }
+    fn skip(&mut self, index: u64) {
+        self.skip_to(index)
+    }
+    fn take_changes(&mut self) -> Changes {
+        MetaState::take_changes(self)
+    }
+    fn all_changes(&self) -> Changes {
+        MetaState::all_changes(self)
+    }
+    fn encode(&self) -> Vec<u8> {
+        MetaState::encode(self)
+    }
+    fn decode(bytes: &[u8]) -> Result<Self, String> {
+        MetaState::decode(bytes).map_err(|e| e.to_string())
+    }
+}
+
+/// What [`LogStore::open`] found.
+#[derive(Debug)]
+pub struct Opened {
+    /// What the log machine restarts from.
+    pub durable: Durable<MetaState>,
+    /// The store was converted from a format before the log (now or earlier, and no leader has
+    /// confirmed its state since): the index its namespace was at.
+    pub legacy: Option<u64>,
+    /// The store was created now.
+    pub created: bool,
+}
+
+/// See the module documentation.
+pub struct LogStore {
+    db: redb::Database,
+    file: Arc<dyn crate::disk::DiskFile>,
+}
+
+impl std::fmt::Debug for LogStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LogStore").finish()
+    }
+}
+
+fn corrupt(what: &str, e: impl std::fmt::Display) -> MetaError {
+    MetaError::Corrupt(format!("{what}: {e}"))
+}
+
+fn u64s<const N: usize>(what: &str, bytes: &[u8]) -> Result<[u64; N], MetaError> {
+    if bytes.len() != 8 * N {
+        return Err(corrupt(what, format!("{} bytes, not {}", bytes.len(), 8 * N)));
+    }
+    let mut out = [0u64; N];
+    for (i, c) in bytes.chunks_exact(8).enumerate() {
+        out[i] = u64::from_le_bytes(c.try_into().map_err(|e| corrupt(what, e))?);
+    }
+    Ok(out)
+}
+
+fn le(xs: &[u64]) -> Vec<u8> {
+    xs.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+/// An entry as the `log` table keeps it.
+pub fn encode_entry(e: &Entry) -> Vec<u8> {
+    let mut out = Vec::with_capacity(13 + e.context.len() + e.data.len());
+    out.extend(e.term.to_le_bytes());
+    out.push(e.get_entry_type() as u8);
+    out.extend((e.context.len() as u32).to_le_bytes());
+    out.extend_from_slice(&e.context);
+    out.extend_from_slice(&e.data);
+    out
+}
+
+/// The entry at `index` from its record.
+pub fn decode_entry(index: u64, b: &[u8]) -> Result<Entry, MetaError> {
+    let bad = |why: &str| corrupt(&format!("log entry {index}"), why);
+    if b.len() < 13 {
+        return Err(bad("too short"));
+    }
+    let term = u64::from_le_bytes(b[..8].try_into().map_err(|_| bad("term"))?);
+    let ty = match b[8] {
+        0 => EntryType::EntryNormal,
+        1 => EntryType::EntryConfChange,
+        2 => EntryType::EntryConfChangeV2,
+        t => return Err(bad(&format!("entry type {t}"))),
+    };
+    let clen = u32::from_le_bytes(b[9..13].try_into().map_err(|_| bad("context length"))?) as usize;
+    let rest = &b[13..];
+    if clen > rest.len() {
+        return Err(bad("context length past the end"));
+    }
+    let mut e = Entry {
+        index,
+        term,
+        context: rest[..clen].to_vec().into(),
+        data: rest[clen..].to_vec().into(),
+        ..Default::default()
+    };
+    e.set_entry_type(ty);
+    Ok(e)
+}
+
+fn pc<T: serde::Serialize>(x: &T) -> Result<Vec<u8>, MetaError> {
+    postcard::to_stdvec(x).map_err(|e| MetaError::Corrupt(format!("record does not serialize: {e}")))
+}
+
+impl LogStore {
+    /// Opens (or creates, or converts) `meta.redb` on `disk`. A store created now starts
+    /// `amnesiac` (see `psls_cluster::log::Durable::amnesiac`) when the caller says this node ran
+    /// before.
+    pub fn open(disk: &dyn Disk, amnesiac_if_created: bool) -> Result<(LogStore, Opened), MetaError> {
+        let file = disk
+            .open("meta.redb", true)
+            .map_err(|e| MetaError::Db(format!("open meta.redb: {e}")))?;
+        disk.sync_dir()
+            .map_err(|e| MetaError::Db(format!("fsync directory: {e}")))?;
+        let db = redb::Database::builder().create_with_backend(crate::meta::Backend(file.clone()))?;
+        let mut store = LogStore { db, file };
+        let format = store.misc("format")?;
+        let created = match format {
+            Some(f) if f.as_slice() == FORMAT.to_le_bytes() => false,
+            Some(f) => {
+                return Err(MetaError::Corrupt(format!(
+                    "metadata store format {:?} is not {FORMAT} (written by a newer psls-node?)",
+                    f
+                )))
+            }
+            None => {
+                if !store.convert()? {
+                    store.create(amnesiac_if_created)?;
+                    true
+                } else {
+                    false
+                }
+            }
+        };
+        let opened = store.load(created)?;
+        Ok((store, opened))
+    }
+
+    fn misc(&self, key: &str) -> Result<Option<Vec<u8>>, MetaError> {
+        let tx = self.db.begin_read()?;
+        match tx.open_table(MISC) {
+            Ok(t) => Ok(t.get(key)?.map(|v| v.value().to_vec())),
+            Err(redb::TableError::TableDoesNotExist(_)) => Ok(None),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// A new store: the format, and whether it starts amnesiac.
+    fn create(&mut self, amnesiac: bool) -> Result<(), MetaError> {
+        let tx = self.db.begin_write()?;
+        {
+            let mut m = tx.open_table(MISC)?;
+            m.insert("format", FORMAT.to_le_bytes().as_slice())?;
+            m.insert("amnesiac", [amnesiac as u8].as_slice())?;
+            tx.open_table(LOG)?;
+        }
+        tx.commit()?;
+        Ok(())
+    }
+
+    /// Converts a store of a format before the log, if this is one. Returns whether it was.
+    fn convert(&mut self) -> Result<bool, MetaError> {
+        let (state, vote) = {
+            let tx = self.db.begin_read()?;
+            let state = match tx.open_table(LEGACY_META) {
+                Ok(t) => match t.get("state")? {
+                    Some(v) => MetaState::decode(v.value())?,
+                    None => return Ok(false),
+                },
+                Err(redb::TableError::TableDoesNotExist(_)) => return Ok(false),
+                Err(e) => return Err(e.into()),
+            };
+            let vote = match tx.open_table(LEGACY_VOTE) {
+                Ok(t) => t
+                    .get("vote")?
+                    .map(|v| crate::meta::decode_vote(v.value()))
+                    .transpose()?,
+                Err(redb::TableError::TableDoesNotExist(_)) => None,
+                Err(e) => return Err(e.into()),
+            };
+            (state, vote)
+        };
+        if let Some((_, Some(acc))) = &vote {
+            if acc.seq > state.seq {
+                tracing::warn!(
+                    seq = acc.seq,
+                    op = ?acc.op,
+                    "converting the metadata store: an operation accepted but never seen committed is dropped (it was never acknowledged)"
+                );
+            }
+        }
+        let seq = state.seq;
+        let tx = self.db.begin_write()?;
+        {
+            let term = u64::from(seq > 0);
+            let mut m = tx.open_table(MISC)?;
+            m.insert("format", FORMAT.to_le_bytes().as_slice())?;
+            m.insert("amnesiac", [0u8].as_slice())?;
+            m.insert("hard_state", le(&[term, 0, seq]).as_slice())?;
+            m.insert("compacted", le(&[seq, term]).as_slice())?;
+            m.insert("applied", le(&[seq, term]).as_slice())?;
+            if seq > 0 {
+                m.insert("legacy", le(&[seq]).as_slice())?;
+            }
+            drop(m);
+            tx.open_table(LOG)?;
+            write_changes(&tx, &state.all_changes())?;
+            tx.delete_table(LEGACY_META)?;
+            tx.delete_table(LEGACY_VOTE)?;
+        }
+        tx.commit()?;
+        tracing::info!(
+            seq,
+            files = state.files.len(),
+            "metadata store converted to the log format"
+        );
+        Ok(true)
+    }
+
+    /// Reads everything back.
+    fn load(&self, created: bool) -> Result<Opened, MetaError> {
+        let tx = self.db.begin_read()?;
+        let m = tx.open_table(MISC)?;
+        let get = |k: &str| -> Result<Option<Vec<u8>>, MetaError> { Ok(m.get(k)?.map(|v| v.value().to_vec())) };
+        let mut hard_state = HardState::default();
+        if let Some(b) = get("hard_state")? {
+            let [term, vote, commit] = u64s::<3>("hard state", &b)?;
+            hard_state.term = term;
+            hard_state.vote = vote;
+            hard_state.commit = commit;
+        }
+        let compacted = match get("compacted")? {
+            Some(b) => {
+                let [i, t] = u64s::<2>("compacted", &b)?;
+                (i, t)
+            }
+            None => (0, 0),
+        };
+        let applied = match get("applied")? {
+            Some(b) => {
+                let [i, t] = u64s::<2>("applied", &b)?;
+                (i, t)
+            }
+            None => (0, 0),
+        };
+        let amnesiac = get("amnesiac")?.is_some_and(|b| b.first() == Some(&1));
+        let legacy = match get("legacy")? {
+            Some(b) => Some(u64s::<1>("legacy", &b)?[0]),
+            None => None,
+        };
+        let mut changes = Changes {
+            nodes: match get("nodes")? {
+                Some(b) => Some(postcard::from_bytes::<NodesRecord>(&b).map_err(|e| corrupt("node map", e))?),
+                None => None,
+            },
+            next_gen: match get("next_gen")? {
+                Some(b) => Some(u64s::<1>("next_gen", &b)?[0]),
+                None => None,
+            },
+            ..Changes::default()
+        };
+        let open = |name: &str, r: Result<(), redb::TableError>| -> Result<bool, MetaError> {
+            match r {
+                Ok(()) => Ok(true),
+                Err(redb::TableError::TableDoesNotExist(_)) => Ok(false),
+                Err(e) => Err(MetaError::Db(format!("{name}: {e}"))),
+            }
+        };
+        match tx.open_table(FILES) {
+            Ok(t) => {
+                for kv in t.iter()? {
+                    let (k, v) = kv?;
+                    let rec: FileRecord = postcard::from_bytes(v.value()).map_err(|e| corrupt("file record", e))?;
+                    changes.files.push((k.value().to_string(), Some(rec)));
+                }
+            }
+            Err(e) => {
+                open("files", Err(e))?;
+            }
+        }
+        match tx.open_table(IDS) {
+            Ok(t) => {
+                for kv in t.iter()? {
+                    let (k, v) = kv?;
+                    changes
+                        .ids
+                        .push((psls_svm::FileId(k.value()), Some(v.value().to_string())));
+                }
+            }
+            Err(e) => {
+                open("file_ids", Err(e))?;
+            }
+        }
+        match tx.open_table(GENS) {
+            Ok(t) => {
+                for kv in t.iter()? {
+                    let (k, v) = kv?;
+                    let g: PageGens = postcard::from_bytes(v.value()).map_err(|e| corrupt("generation runs", e))?;
+                    changes.gens.push((psls_svm::FileId(k.value()), Some(g)));
+                }
+            }
+            Err(e) => {
+                open("file_gens", Err(e))?;
+            }
+        }
+        match tx.open_table(JOBS) {
+            Ok(t) => {
+                for kv in t.iter()? {
+                    let (k, v) = kv?;
+                    let rec: JobRecord = postcard::from_bytes(v.value()).map_err(|e| corrupt("job record", e))?;
+                    changes.jobs.push((k.value().to_string(), Some(rec)));
+                }
+            }
+            Err(e) => {
+                open("jobs", Err(e))?;
+            }
+        }
+        let mut state = MetaState::default();
+        state.load(changes);
+        state.seq = applied.0;
+        let _ = state.take_changes();
+        let mut entries = Vec::new();
+        match tx.open_table(LOG) {
+            Ok(t) => {
+                for kv in t.iter()? {
+                    let (k, v) = kv?;
+                    entries.push(decode_entry(k.value(), v.value())?);
+                }
+            }
+            Err(e) => {
+                open("log", Err(e))?;
+            }
+        }
+        Ok(Opened {
+            durable: Durable {
+                hard_state,
+                compacted,
+                entries,
+                state,
+                applied_term: applied.1,
+                amnesiac,
+            },
+            legacy,
+            created,
+        })
+    }
+
+    /// Carries out one [`Persist`] of the log machine (see the module documentation).
+    pub fn persist(&mut self, p: &Persist<MetaState>) -> Result<(), MetaError> {
+        let mut tx = self.db.begin_write()?;
+        tx.set_durability(if p.sync {
+            Durability::Immediate
+        } else {
+            Durability::None
+        })
+        .map_err(|e| MetaError::Db(e.to_string()))?;
+        {
+            let mut m = tx.open_table(MISC)?;
+            let hs = &p.hard_state;
+            m.insert("hard_state", le(&[hs.term, hs.vote, hs.commit]).as_slice())?;
+            m.insert("applied", le(&[p.applied.0, p.applied.1]).as_slice())?;
+            m.insert("amnesiac", [p.amnesiac as u8].as_slice())?;
+            if let Some((i, t)) = p.snapshot {
+                m.insert("compacted", le(&[i, t]).as_slice())?;
+                m.remove("legacy")?;
+            }
+            if let Some((i, t)) = p.compact_to {
+                m.insert("compacted", le(&[i, t]).as_slice())?;
+            }
+            drop(m);
+            let mut log = tx.open_table(LOG)?;
+            if p.snapshot.is_some() {
+                log.retain(|_, _| false)?;
+            }
+            if let Some(first) = p.entries.first() {
+                log.retain_in(first.index.., |_, _| false)?;
+                for e in &p.entries {
+                    log.insert(e.index, encode_entry(e).as_slice())?;
+                }
+            }
+            if let Some((i, _)) = p.compact_to {
+                log.retain_in(..=i, |_, _| false)?;
+            }
+            drop(log);
+            if p.snapshot.is_some() {
+                for t in [FILES, JOBS] {
+                    tx.open_table(t)?.retain(|_, _| false)?;
+                }
+                tx.open_table(IDS)?.retain(|_, _| false)?;
+                tx.open_table(GENS)?.retain(|_, _| false)?;
+            }
+            write_changes(&tx, &p.changes)?;
+        }
+        tx.commit()?;
+        Ok(())
+    }
+
+    /// Bytes the store takes on its disk.
+    pub fn bytes_on_disk(&self) -> u64 {
+        self.file.len().unwrap_or(0)
+    }
+}
+
+/// Writes the changed keys into the per-key tables.
+fn write_changes(tx: &redb::WriteTransaction, c: &Changes) -> Result<(), MetaError> {
+    if !c.files.is_empty() {
+        let mut t = tx.open_table(FILES)?;
+        for (name, rec) in &c.files {
+            match rec {
+                Some(r) => t.insert(name.as_str(), pc(r)?.as_slice())?,
+                None => t.remove(name.as_str())?,
+            };
+        }
+    }
+    if !c.ids.is_empty() {
+        let mut t = tx.open_table(IDS)?;
+        for (id, name) in &c.ids {
+            match name {
+                Some(n) => t.insert(id.0, n.as_str())?,
+                None => t.remove(id.0)?,
+            };
+        }
+    }
+    if !c.gens.is_empty() {
+        let mut t = tx.open_table(GENS)?;
+        for (id, g) in &c.gens {
+            match g {
+                Some(g) => t.insert(id.0, pc(g)?.as_slice())?,
+                None => t.remove(id.0)?,
+            };
+        }
+    }
+    if !c.jobs.is_empty() {
+        let mut t = tx.open_table(JOBS)?;
+        for (job, rec) in &c.jobs {
+            match rec {
+                Some(r) => t.insert(job.as_str(), pc(r)?.as_slice())?,
+                None => t.remove(job.as_str())?,
+            };
+        }
+    }
+    if c.nodes.is_some() || c.next_gen.is_some() {
+        let mut m = tx.open_table(MISC)?;
+        if let Some(n) = &c.nodes {
+            m.insert("nodes", pc(n)?.as_slice())?;
+        }
+        if let Some(g) = c.next_gen {
+            m.insert("next_gen", le(&[g]).as_slice())?;
+        }
+    }
+    Ok(())
+}

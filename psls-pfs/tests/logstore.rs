@@ -1,0 +1,425 @@
+//! The metadata log on its real store: three voters, each a `psls_cluster::log::Log` over
+//! `MetaState` with a `LogStore` on a fault disk (writes not synced are lost in a power cut, torn
+//! by sector), metadata operations of every kind, and power cuts of any voter at any point.
+//!
+//! Checked: after every restart, the voter's per-key tables equal the log applied from the start
+//! up to its applied index; no two voters apply different entries at an index; every operation
+//! answered `Ok` is applied on every voter at the end; the store on disk stays bounded while
+//! the log is compacted. And a store written by the code before the log converts, keeping its
+//! namespace and dropping an operation its vote accepted but never saw committed.
+
+use psls_cluster::log::{Action, Durable, Limits, Log, SubmitError, Wire};
+use psls_pfs::file::FileMeta;
+use psls_pfs::jobs::FileRuns;
+use psls_pfs::logstore::LogStore;
+use psls_pfs::meta::{MetaOp, MetaState};
+use psls_pfs::FaultDisk;
+use psls_svm::FileId;
+use raft::eraftpb::Entry;
+use std::collections::{BTreeMap, VecDeque};
+use std::path::PathBuf;
+
+const VOTERS: u32 = 3;
+
+struct Voter {
+    dir: PathBuf,
+    disk: FaultDisk,
+    store: LogStore,
+    log: Log<MetaState, u64>,
+    /// Entries as written (index → entry), to learn what was applied.
+    mirror: BTreeMap<u64, Entry>,
+    applied: u64,
+}
+
+fn limits() -> Limits {
+    Limits {
+        election_ticks: 10,
+        heartbeat_ticks: 2,
+        max_pending: 256,
+        max_reads: 64,
+        max_msg_bytes: 64 << 10,
+        max_inflight: 16,
+        compact_after: 40,
+        keep_behind: 10,
+        read_retry_ticks: 10,
+    }
+}
+
+type Opened = (
+    FaultDisk,
+    LogStore,
+    Log<MetaState, u64>,
+    MetaState,
+    BTreeMap<u64, Entry>,
+);
+
+fn open(dir: &PathBuf, v: u32, seed: u64) -> Opened {
+    let disk = FaultDisk::new(dir).expect("fault disk");
+    let (store, opened) = LogStore::open(&disk, false).expect("opens");
+    let state = opened.durable.state.clone();
+    let mirror = opened.durable.entries.iter().map(|e| (e.index, e.clone())).collect();
+    let log = Log::new(v, VOTERS, limits(), opened.durable, seed).expect("log starts");
+    (disk, store, log, state, mirror)
+}
+
+struct Cluster {
+    voters: Vec<Voter>,
+    net: VecDeque<(u32, u32, Wire)>,
+    record: BTreeMap<u64, Option<MetaOp>>,
+    /// The state after each index of `record` (index 0: empty).
+    states: Vec<MetaState>,
+    acked: BTreeMap<u64, MetaOp>,
+    pending: BTreeMap<u64, MetaOp>,
+    next_token: u64,
+    seed: u64,
+    rng: psls_svm::rng::SplitMix64,
+    _tmp: tempfile::TempDir,
+    max_bytes: u64,
+}
+
+impl Cluster {
+    fn new(seed: u64) -> Cluster {
+        let tmp = tempfile::tempdir().expect("tmp");
+        let voters = (0..VOTERS)
+            .map(|v| {
+                let dir = tmp.path().join(format!("n{v}"));
+                std::fs::create_dir_all(&dir).expect("dir");
+                let (disk, store, log, _, _) = open(&dir, v, seed * 10 + v as u64);
+                Voter {
+                    dir,
+                    disk,
+                    store,
+                    log,
+                    mirror: BTreeMap::new(),
+                    applied: 0,
+                }
+            })
+            .collect();
+        Cluster {
+            voters,
+            net: VecDeque::new(),
+            record: BTreeMap::new(),
+            states: vec![MetaState::default()],
+            acked: BTreeMap::new(),
+            pending: BTreeMap::new(),
+            next_token: 1,
+            seed,
+            rng: psls_svm::rng::SplitMix64::new(seed),
+            _tmp: tmp,
+            max_bytes: 0,
+        }
+    }
+
+    fn drain(&mut self, v: u32) {
+        while let Some(a) = self.voters[v as usize].log.poll_action() {
+            match a {
+                Action::Persist(p) => {
+                    let n = &mut self.voters[v as usize];
+                    n.store.persist(&p).expect("persists");
+                    self.max_bytes = self.max_bytes.max(n.store.bytes_on_disk());
+                    if p.snapshot.is_some() {
+                        n.mirror.clear();
+                    }
+                    if let Some(first) = p.entries.first() {
+                        n.mirror.split_off(&first.index);
+                        for e in &p.entries {
+                            n.mirror.insert(e.index, e.clone());
+                        }
+                    }
+                    let from = n.applied;
+                    n.applied = p.applied.0;
+                    let learnt: Vec<Entry> = if p.applied.0 > from {
+                        n.mirror.range(from + 1..=p.applied.0).map(|(_, e)| e.clone()).collect()
+                    } else {
+                        Vec::new()
+                    };
+                    for e in learnt {
+                        self.learn(v, &e);
+                    }
+                    if let Some((i, _)) = p.compact_to {
+                        let n = &mut self.voters[v as usize];
+                        n.mirror = n.mirror.split_off(&(i + 1));
+                    }
+                }
+                Action::Send { to, msg } => {
+                    if psls_cluster::log::is_snapshot(&msg) {
+                        self.voters[v as usize].log.handle_snapshot_sent(to);
+                    }
+                    self.net.push_back((v, to, msg));
+                }
+                Action::Done { token, result } => {
+                    let op = self.pending.remove(&token).expect("answered once");
+                    match result {
+                        Ok(i) => {
+                            assert_eq!(
+                                self.record.get(&i),
+                                Some(&Some(op.clone())),
+                                "seed {}: acked op at {i}",
+                                self.seed
+                            );
+                            self.acked.insert(i, op);
+                        }
+                        Err(SubmitError::Halted) => panic!("seed {}: halted", self.seed),
+                        Err(_) => {}
+                    }
+                }
+                Action::Read { .. } => {}
+                Action::Halt { reason } => panic!("seed {}: voter {v} halted: {reason}", self.seed),
+            }
+        }
+    }
+
+    fn learn(&mut self, v: u32, e: &Entry) {
+        let op = (!e.data.is_empty()).then(|| psls_cluster::log::decode_op::<MetaOp>(&e.data).expect("decodes"));
+        match self.record.get(&e.index) {
+            Some(x) => assert_eq!(
+                x, &op,
+                "seed {}: voter {v} applied another entry at {}",
+                self.seed, e.index
+            ),
+            None => {
+                assert_eq!(
+                    e.index as usize,
+                    self.states.len(),
+                    "seed {}: gap at {}",
+                    self.seed,
+                    e.index
+                );
+                let mut next = self.states.last().expect("states").clone();
+                match &op {
+                    Some(op) => {
+                        let _ = next.apply_at(e.index, op);
+                    }
+                    None => next.skip_to(e.index),
+                }
+                let _ = next.take_changes();
+                self.states.push(next);
+                self.record.insert(e.index, op);
+            }
+        }
+    }
+
+    fn leader(&self) -> Option<u32> {
+        (0..VOTERS).find(|v| self.voters[*v as usize].log.is_leader())
+    }
+
+    fn tick(&mut self) {
+        for v in 0..VOTERS {
+            self.voters[v as usize].log.handle_tick();
+            self.drain(v);
+        }
+        while let Some((from, to, msg)) = self.net.pop_front() {
+            self.voters[to as usize].log.handle_message(from, msg);
+            self.drain(to);
+        }
+    }
+
+    fn submit(&mut self, op: MetaOp) {
+        let Some(l) = self.leader() else { return };
+        let token = self.next_token;
+        self.next_token += 1;
+        self.pending.insert(token, op.clone());
+        self.voters[l as usize].log.submit(token, &op);
+        self.drain(l);
+    }
+
+    /// A power cut of voter `v`: unsynced writes torn or lost; it restarts from its disk.
+    fn power_cut(&mut self, v: u32) {
+        let cut_seed = self.rng.next_u64();
+        let n = &mut self.voters[v as usize];
+        n.disk.power_cut(cut_seed);
+        let (disk, store, log, state, mirror) = open(&n.dir, v, cut_seed);
+        // Its per-key tables are the log applied from the start up to its applied index.
+        let want = &self.states[state.seq as usize];
+        assert_eq!(&state, want, "seed {}: voter {v}'s tables after a power cut", self.seed);
+        n.disk = disk;
+        n.store = store;
+        n.log = log;
+        n.applied = state.seq;
+        n.mirror = mirror;
+        // Its unanswered submissions die with it; messages to it are lost.
+        self.net.retain(|(_, to, _)| *to != v);
+    }
+}
+
+fn meta(name: &str, id: u64) -> FileMeta {
+    FileMeta {
+        id: FileId(id),
+        name: name.into(),
+        size: 64 * 4096,
+        uid: 0,
+        gid: 0,
+        mode: 0o644,
+        gen: 0,
+        created_unix_ms: 0,
+        written: Default::default(),
+        writer: None,
+    }
+}
+
+/// A random operation on a small namespace (so many are refused, some are not).
+fn random_op(rng: &mut psls_svm::rng::SplitMix64, c: &Cluster) -> MetaOp {
+    let st = c.states.last().expect("states");
+    let k = rng.below(8);
+    let name = format!("f{k}");
+    let job = format!("j{}", rng.below(2));
+    match rng.below(9) {
+        0 | 1 => MetaOp::CommitFile {
+            meta: meta(&name, 100 + rng.below(1000)),
+            replaces: st.files.get(&name).map(|f| f.id),
+            placed_at: None,
+        },
+        2 => MetaOp::RemoveFile {
+            name: name.clone(),
+            id: st.files.get(&name).map_or(FileId(1), |f| f.id),
+        },
+        3 => MetaOp::ClaimWriter {
+            file: st.files.get(&name).map_or(FileId(1), |f| f.id),
+            job,
+        },
+        4 => MetaOp::ReleaseWriter {
+            file: st.files.get(&name).map_or(FileId(1), |f| f.id),
+            job,
+        },
+        5 => MetaOp::BeginCheckpoint {
+            epoch: st.jobs.get(&job).map_or(0, |r| r.started.max(r.epoch).max(r.fenced)) + 1,
+            job,
+        },
+        6 => {
+            let r = st.jobs.get(&job).cloned().unwrap_or_default();
+            let files = st
+                .files_written_by(&job)
+                .map(|f| FileRuns {
+                    file: f.id,
+                    runs: vec![(rng.below(8), 8 + rng.below(8))],
+                })
+                .collect();
+            MetaOp::Checkpoint {
+                job,
+                epoch: r.started,
+                gen: r.started_gen,
+                placed_at: st.map_version,
+                files,
+                at_unix_ms: 1,
+                bytes: 4096,
+            }
+        }
+        7 => MetaOp::EndJob { job },
+        _ => MetaOp::DeclareDown {
+            physical: format!("n{}", rng.below(3)),
+            incarnation: 1 + rng.below(5),
+        },
+    }
+}
+
+#[test]
+fn the_store_keeps_every_acknowledged_operation_across_power_cuts() {
+    let seeds = std::env::var("PSLS_SIM_SEEDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(8u64);
+    for seed in 0..seeds {
+        let mut c = Cluster::new(seed);
+        let mut rng = psls_svm::rng::SplitMix64::new(seed ^ 0xabc);
+        let mut cuts = 0;
+        for step in 0..600 {
+            c.tick();
+            if c.states.last().is_some_and(|s| s.logical.is_empty()) {
+                c.submit(MetaOp::InitMap {
+                    logical: (0..3).map(|i| (i, format!("n{i}"))).collect(),
+                });
+            }
+            for _ in 0..rng.below(4) {
+                let op = random_op(&mut rng, &c);
+                c.submit(op);
+            }
+            if step % 37 == 36 {
+                let v = rng.below(VOTERS as u64) as u32;
+                c.power_cut(v);
+                cuts += 1;
+            }
+        }
+        // Settle: everyone applies everything.
+        for _ in 0..200 {
+            c.tick();
+        }
+        let top = c.states.len() as u64 - 1;
+        for v in 0..VOTERS {
+            let st = c.voters[v as usize].log.state();
+            assert_eq!(st.seq, top, "seed {seed}: voter {v} did not catch up");
+            assert_eq!(st, &c.states[top as usize], "seed {seed}: voter {v}'s state");
+        }
+        for (i, op) in &c.acked {
+            assert_eq!(c.record.get(i), Some(&Some(op.clone())), "seed {seed}: acked op lost");
+        }
+        assert!(
+            c.acked.len() > 100 && cuts > 10,
+            "seed {seed}: {} acked, {cuts} cuts",
+            c.acked.len()
+        );
+        // Compaction bounds the store: the log holds at most 50 entries of a few hundred bytes.
+        assert!(
+            c.max_bytes < 4 << 20,
+            "seed {seed}: the store grew to {} bytes",
+            c.max_bytes
+        );
+    }
+}
+
+#[test]
+fn a_store_of_the_format_before_the_log_converts() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let disk = psls_pfs::FileDisk::new(tmp.path()).expect("disk");
+    let committed = {
+        let mut old = psls_pfs::meta::MetaStore::open(&disk).expect("old store");
+        old.apply(&MetaOp::InitMap {
+            logical: (0..3).map(|i| (i, format!("n{i}"))).collect(),
+        })
+        .expect("applies");
+        for i in 0..5 {
+            old.apply(&MetaOp::CommitFile {
+                meta: meta(&format!("f{i}"), 10 + i),
+                replaces: None,
+                placed_at: None,
+            })
+            .expect("applies");
+        }
+        // A vote holding an operation accepted for the next slot, never seen committed.
+        let dangling = MetaOp::CommitFile {
+            meta: meta("dangling", 99),
+            replaces: None,
+            placed_at: None,
+        };
+        old.persist_vote(
+            psls_cluster::meta::Epoch { n: 7, by: 1 },
+            Some(psls_cluster::meta::Accepted {
+                epoch: psls_cluster::meta::Epoch { n: 7, by: 1 },
+                seq: 7,
+                op: dangling,
+            }),
+        )
+        .expect("vote");
+        old.state().clone()
+    };
+    assert_eq!(committed.seq, 6);
+    let (store, opened) = LogStore::open(&disk, false).expect("converts");
+    assert_eq!(opened.legacy, Some(6));
+    assert!(!opened.created);
+    assert_eq!(opened.durable.state, committed, "the namespace is kept");
+    assert!(!opened.durable.state.files.contains_key("dangling"));
+    assert_eq!(opened.durable.compacted, (6, 1));
+    assert_eq!(
+        (opened.durable.hard_state.term, opened.durable.hard_state.commit),
+        (1, 6)
+    );
+    drop(store);
+    // Opened again: the converted store, not converted twice.
+    let (_, again) = LogStore::open(&disk, false).expect("reopens");
+    assert_eq!(again.durable.state, committed);
+    assert_eq!(again.legacy, Some(6));
+    // A voter starts from it.
+    let log: Log<MetaState, u64> = Log::new(0, 3, limits(), again.durable, 1).expect("starts");
+    assert_eq!(log.applied(), 6);
+    let fresh: Durable<MetaState> = Durable::fresh(false);
+    assert_eq!(fresh.state.seq, 0);
+}
