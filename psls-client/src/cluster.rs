@@ -216,19 +216,25 @@ pub fn up(dir: &Path, timeout: Duration, quiet: bool) -> Result<()> {
 /// hold the same metadata (sequence number).
 fn healthy(cfg: &ClusterConfig, expected: &[NodeEntry]) -> bool {
     let mut seqs = Vec::new();
+    let mut coordinators = Vec::new();
     let all_up = expected.iter().all(|n| {
         let Ok(mut c) = Client::connect(&cfg.socket_path(n)) else {
             return false;
         };
         let Ok(st) = c.status() else { return false };
         seqs.push(st.meta_seq);
+        coordinators.push(st.coordinator.clone());
         expected.iter().all(|e| {
             st.nodes
                 .iter()
                 .any(|s| s.name == e.name && (s.state == NodeState::Up || s.state == NodeState::Replaced))
         })
     });
-    all_up && seqs.windows(2).all(|w| w[0] == w[1])
+    // Every node knows the same coordinator (the metadata's leader), and holds the same metadata.
+    all_up
+        && seqs.windows(2).all(|w| w[0] == w[1])
+        && coordinators.first().is_some_and(|c| c.is_some())
+        && coordinators.windows(2).all(|w| w[0] == w[1])
 }
 
 /// `psls cluster down`: SIGTERM every daemon, SIGKILL after 10 s.

@@ -12,7 +12,8 @@
 //! - **Voters** are every physical node, numbered `0..voters` (raft ids `1..=voters`), fixed:
 //!   no configuration change ever runs.
 //! - **Leader.** Elections follow the election timeout the shell gives in ticks, randomized per
-//!   election from a seeded generator (so a seed replays a run); pre-vote and check-quorum are
+//!   election from a seeded generator (so a seed replays a run); among voters whose logs are as
+//!   long, the lowest-numbered live one wins (raft-rs's priorities); pre-vote and check-quorum are
 //!   on, so a node cut off cannot disrupt a working majority when it comes back, and a leader
 //!   that hears no majority for an election timeout steps down.
 //!   A node that must not lead ([`Log::set_eligible`]) never campaigns and hands its leadership
@@ -469,6 +470,10 @@ impl<S: Machine, T> Log<S, T> {
         }
         // The commit index is at least what was applied (and at most the last entry).
         hard_state.commit = hard_state.commit.max(applied).min(last);
+        // Term 0 is "never ran" to raft-rs, which then refuses a vote with term 0 and stops
+        // (it requires a term on every vote answer): a new voter starts in term 1, as if a
+        // term with no leader had passed.
+        hard_state.term = hard_state.term.max(1);
         let conf_state = ConfState {
             voters: (0..voters).map(raft_id).collect(),
             ..Default::default()
@@ -490,6 +495,10 @@ impl<S: Machine, T> Log<S, T> {
             check_quorum: true,
             pre_vote: true,
             read_only_option: ReadOnlyOption::Safe,
+            // Lower voter numbers first: between logs as long, a voter votes only for a candidate
+            // of a priority at least its own, so the lowest live voter leads (the logical nodes
+            // before the spares), as operators expect of the coordinator.
+            priority: (voters - me) as i64,
             ..Default::default()
         };
         cfg.validate()
@@ -704,6 +713,31 @@ impl<S: Machine, T> Log<S, T> {
                 pr.matched = last_index;
                 pr.become_probe();
             }
+        }
+    }
+
+    /// Campaigns now (with a pre-vote first) instead of waiting out the election timeout: the
+    /// shell's hint that no leader is known and this voter is the one that should lead. Harmless
+    /// when wrong: the pre-vote fails while a leader holds a majority.
+    pub fn campaign(&mut self) {
+        if self.halted.is_some() || !self.eligible || self.amnesia.is_some() || self.is_leader() {
+            return;
+        }
+        if let Err(e) = self.node.campaign() {
+            tracing::debug!(voter = self.me, error = %e, "campaign refused");
+        }
+    }
+
+    /// The shell learnt that a majority of the other voters never held a log entry: nothing was
+    /// ever committed, so a voter whose store was created in this life (amnesiac until proven
+    /// otherwise) lost nothing and may vote.
+    pub fn handle_fresh_cluster(&mut self) {
+        if self.amnesia == Some(None) && self.node.raft.raft_log.last_index() == 0 {
+            tracing::info!(
+                voter = self.me,
+                "the cluster is new: this voter takes part in elections"
+            );
+            self.amnesia = None;
         }
     }
 
@@ -1089,4 +1123,51 @@ pub fn decode_op<Op: DeserializeOwned>(data: &[u8]) -> Result<Op, String> {
 /// Whether `msg` carries a snapshot (its data can be large: the shell sends it apart).
 pub fn is_snapshot(msg: &Wire) -> bool {
     matches!(msg, Wire::Raft(m) if m.get_msg_type() == MessageType::MsgSnapshot)
+}
+
+/// Largest encoded message accepted from a peer (snapshots travel apart, in chunks).
+pub const MAX_WIRE_BYTES: usize = 4 << 20;
+
+/// A message as bytes: `[0][protobuf raft message]` or `[1][last index u64 LE]`.
+pub fn encode_wire(w: &Wire) -> Vec<u8> {
+    use protobuf::Message as _;
+    match w {
+        Wire::Raft(m) => {
+            let mut out = vec![0u8];
+            // Writing a message built here into a vector does not fail.
+            if let Err(e) = m.write_to_vec(&mut out) {
+                tracing::error!(error = %e, "a raft message does not encode");
+            }
+            out
+        }
+        Wire::LostDisk { last_index } => {
+            let mut out = vec![1u8];
+            out.extend(last_index.to_le_bytes());
+            out
+        }
+    }
+}
+
+/// A message from its bytes (from an authenticated peer; bounded in size, since protobuf 2
+/// parses nested messages recursively).
+pub fn decode_wire(b: &[u8]) -> Result<Wire, String> {
+    use protobuf::Message as _;
+    if b.len() > MAX_WIRE_BYTES {
+        return Err(format!(
+            "a metadata log message of {} bytes exceeds {MAX_WIRE_BYTES}",
+            b.len()
+        ));
+    }
+    match b.split_first() {
+        Some((0, rest)) => Message::parse_from_bytes(rest)
+            .map(|m| Wire::Raft(Box::new(m)))
+            .map_err(|e| e.to_string()),
+        Some((1, rest)) => <[u8; 8]>::try_from(rest)
+            .map(|x| Wire::LostDisk {
+                last_index: u64::from_le_bytes(x),
+            })
+            .map_err(|_| "a lost-disk message is 8 bytes".to_string()),
+        Some((t, _)) => Err(format!("unknown metadata log message type {t}")),
+        None => Err("empty metadata log message".into()),
+    }
 }

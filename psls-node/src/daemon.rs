@@ -7,7 +7,7 @@ use crate::node::Node;
 use crate::transport::{self, Transport};
 use anyhow::{bail, Context, Result};
 use psls_ipc::ClusterConfig;
-use psls_pfs::meta::MetaStore;
+use psls_pfs::logstore::LogStore;
 use psls_pfs::{Disk, FaultDisk, FileDisk, PageStore};
 use std::path::Path;
 use std::sync::Arc;
@@ -107,7 +107,10 @@ pub async fn run(config: &Path, name: &str) -> Result<()> {
         Arc::new(FileDisk::new(dir.join("pages"))?)
     };
     let store = Arc::new(PageStore::new(pages_disk));
-    let meta = MetaStore::open(meta_disk.as_ref()).with_context(|| format!("opening metadata in {}", dir.display()))?;
+    // A store created now may belong to a node that lost its disk: it takes no part in elections
+    // until it caught up, or heartbeats show the cluster is new.
+    let meta =
+        LogStore::open(meta_disk.as_ref(), true).with_context(|| format!("opening metadata in {}", dir.display()))?;
 
     let (server, client) = crate::tls::configs(&cfg.cert_dir(), name)?;
     // Validation checked that every node has a link address.

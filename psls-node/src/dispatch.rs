@@ -103,7 +103,7 @@ impl Daemon {
             node.heartbeat_round(false).await;
             // The coordinator turns silences that outlast the failure timeout into verdicts.
             node.declare_verdicts();
-            node.catch_up().await;
+            node.check_fresh_cluster();
             self.svm.sync_peers(&node);
             self.ckpt.tick();
             crate::pfs::maybe_rebuild(&node);
@@ -189,9 +189,21 @@ impl Daemon {
                 .await
                 .map(|(checked, bad)| PeerResp::Scrub { checked, bad }),
             PeerReq::MetaSubmit { op } => Ok(node.serve_submit(op).await),
-            PeerReq::Meta(msg) => {
-                node.replication.deliver(&from, msg);
+            PeerReq::MetaLog(msg) => {
+                node.replication.deliver(&from, &msg);
                 Ok(PeerResp::Ok)
+            }
+            PeerReq::MetaSnapshotChunk { index, term, offset } => {
+                match node.replication.snapshot_chunk(index, term, offset) {
+                    Some((total, chunk)) => {
+                        out_payload = chunk;
+                        Ok(PeerResp::MetaSnapshotChunk { total })
+                    }
+                    None => Err(OpError::new(
+                        ErrorKind::NotFound,
+                        format!("no metadata snapshot at index {index} (term {term}) is offered here"),
+                    )),
+                }
             }
             req @ (PeerReq::BarrierArrive { .. }
             | PeerReq::LockAcquire { .. }
@@ -363,7 +375,7 @@ impl crate::link::LinkHandler for LinkDelivery {
                 };
                 crate::sync::resolve(&d.sync, &key, &who, call, result);
             }
-            PeerReq::Meta(msg) => node.replication.deliver(from, msg),
+            PeerReq::MetaLog(msg) => node.replication.deliver(from, &msg),
             PeerReq::Ckpt(msg) => d.ckpt.deliver(from, msg),
             PeerReq::LinkPing { id } => {
                 if let Err(e) = node.net.post(from, &PeerReq::LinkPong { id }, payload) {

@@ -24,12 +24,13 @@ use crate::failstop::Locked;
 pub use crate::op::{blocking, peer_error, OpError};
 use crate::peer::{BadCopy, Heartbeat, PageState, PeerReq, PeerResp};
 use crate::transport::{Handler, NetError, Transport};
+use psls_cluster::log::SubmitError;
 use psls_cluster::membership::{Liveness, Membership};
-use psls_cluster::meta::ReplError;
 use psls_cluster::verdicts::{self, Verdicts};
 use psls_ipc::proto::NodeState;
 use psls_ipc::{ClusterConfig, ErrorKind, NodeEntry};
-use psls_pfs::meta::{MetaOp, MetaState, MetaStore};
+use psls_pfs::logstore::{LogStore, Opened};
+use psls_pfs::meta::{MetaOp, MetaState};
 use psls_pfs::{PageRef, PageStore, Placement, ReadStatus, Role};
 use psls_svm::{FileId, NodeId, PAGE_SIZE};
 use std::collections::{BTreeMap, HashMap};
@@ -61,7 +62,9 @@ pub struct Node {
     pub store: Arc<PageStore>,
     /// Memory checkpoints' recovery copies held here.
     pub frames: crate::frames::RecoveryArea,
-    pub meta: Arc<Mutex<MetaStore>>,
+    /// The applied namespace, published by the metadata log after every write (a clone is
+    /// O(1): readers take it whole).
+    meta: Mutex<MetaState>,
     /// The failure detector (time: milliseconds since `started`).
     members: Mutex<Membership<Heartbeat>>,
     started: Instant,
@@ -109,7 +112,7 @@ impl Node {
         me: NodeEntry,
         incarnation: u64,
         store: Arc<PageStore>,
-        meta: MetaStore,
+        meta: (LogStore, Opened),
         net: Transport,
         now: Instant,
     ) -> Node {
@@ -127,13 +130,13 @@ impl Node {
             store,
             // The node's memory capacity, in frames, is what recovery copies may use.
             frames: crate::frames::RecoveryArea::new(capacity_frames),
-            meta: Arc::new(Mutex::new(meta)),
+            meta: Mutex::new(meta.1.durable.state.clone()),
             members: Mutex::new(members),
             started: now,
             net: Arc::new(net),
             placement,
             euid: nix::unistd::geteuid().as_raw(),
-            replication: crate::replication::Replication::new(voters),
+            replication: crate::replication::Replication::new(voters, meta.0, meta.1),
             rebuild_running: AtomicBool::new(false),
             rebuild_done: AtomicU64::new(0),
             rebuild_total: AtomicU64::new(0),
@@ -199,14 +202,55 @@ impl Node {
         f(&self.members.locked())
     }
 
-    /// A copy of the metadata replica.
+    /// The applied namespace (an O(1) snapshot of it).
     pub fn meta_state(&self) -> MetaState {
-        self.meta.locked().state().clone()
+        self.meta.locked().clone()
     }
 
-    /// The committed metadata of file `id` now (without copying the whole state).
+    /// The applied namespace once it holds every operation answered before this call, cluster
+    /// wide (the leader's read index): what a map, an open or a stat serves, so a file created
+    /// through any node is found through this one.
+    pub async fn meta_fresh(self: &Arc<Self>) -> Result<MetaState, OpError> {
+        let deadline = Instant::now() + self.request_timeout * 3;
+        let mut last = String::from("no metadata leader is known");
+        while Instant::now() < deadline {
+            match self.replication.read_index().await {
+                Ok(index) => return self.meta_reached(index).await,
+                Err(e) => last = e.to_string(),
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        Err(OpError::new(
+            ErrorKind::Unavailable,
+            format!("no majority of the metadata's voters is reachable ({last})"),
+        ))
+    }
+
+    /// Publishes the applied namespace (the metadata log, after each write).
+    pub(crate) fn publish_meta(&self, st: MetaState) {
+        *self.meta.locked() = st;
+        self.refresh_verdicts();
+        self.meta_installed.notify_waiters();
+    }
+
+    /// Whether this node is the first voter (config order: logical nodes, then spares) the
+    /// failure detector hears, not counting those whose disk failed.
+    pub fn first_live_voter(&self) -> bool {
+        self.cfg
+            .all()
+            .find(|n| self.is_reachable(&n.name) && !self.disk_failed(&n.name))
+            .is_some_and(|n| n.name == self.me.name)
+    }
+
+    /// Whether this node may lead the metadata (and so coordinate): not while it fences itself
+    /// or its disk failed.
+    pub fn may_lead(&self) -> bool {
+        !self.fencing.load(Ordering::Relaxed) && !self.store.is_poisoned()
+    }
+
+    /// The committed metadata of file `id` now (by key).
     pub fn file_by_id(&self, id: FileId) -> Option<psls_pfs::meta::FileMeta> {
-        self.meta.locked().state().files.values().find(|f| f.id == id).cloned()
+        self.meta.locked().file_by_id(id).cloned()
     }
 
     /// Logical → physical map (the configured one until the first replacement).
@@ -239,7 +283,7 @@ impl Node {
     /// metadata, without copying it (every coherence message asks).
     pub fn physical_now(&self, logical: NodeId) -> String {
         let m = self.meta.locked();
-        self.physical_of(m.state(), logical)
+        self.physical_of(&m, logical)
     }
 
     /// The coordinator: the leader of the metadata's current epoch — this node only while it
@@ -252,42 +296,11 @@ impl Node {
         let leader = verdicts::coordinator(&self.me.name, Some(&leader), self.holds_lease())?.to_string();
         let m = self.meta.locked();
         let l = self
-            .logical_map(m.state())
+            .logical_map(&m)
             .into_iter()
             .find(|(_, p)| *p == leader)
             .map(|(l, _)| l)?;
         Some((l, leader))
-    }
-
-    /// Whether this node should claim the coordination, or go on claiming (the metadata's
-    /// election, by [`verdicts::should_claim`]): with its lease and a sound disk, it goes on
-    /// while it claims; otherwise it claims only when no node it hears claims and it is the
-    /// lowest logical id the failure detector hears whose disk has not failed (impressions:
-    /// the epochs make a wrong one safe). A coordinator whose disk failed is thus replaced,
-    /// and its successor declares it down like any node whose disk failed.
-    pub fn should_lead(&self) -> bool {
-        let view = verdicts::ClaimView {
-            // A node whose disk failed neither claims nor goes on leading.
-            fencing: self.fencing.load(Ordering::Relaxed) || self.store.is_poisoned(),
-            lease_held: self.holds_lease(),
-            claiming: self.replication.claims(),
-            // A claimer whose disk failed does not hold the others back.
-            other_claims: self.with_heartbeats(|m| {
-                self.cfg.all().any(|n| {
-                    n.name != self.me.name
-                        && m.is_live(self.now_ms(), &n.name)
-                        && m.heartbeat(&n.name)
-                            .is_some_and(|h| h.claims && h.disk_failed.is_none())
-                })
-            }),
-        };
-        let m = self.meta.locked();
-        let map = self.logical_map(m.state());
-        let reachable = map
-            .values()
-            .filter(|p| self.is_reachable(p) && !self.disk_failed(p))
-            .map(String::as_str);
-        verdicts::should_claim(&self.me.name, view, reachable)
     }
 
     /// Whether `physical`'s page store failed (this node's own, or as its last heartbeat says).
@@ -375,7 +388,7 @@ impl Node {
 
     /// Copies the committed verdicts from the metadata; fences this node if one names it.
     pub fn refresh_verdicts(&self) {
-        let down = self.meta.locked().state().down.clone();
+        let down = self.meta.locked().down.clone();
         let fence = {
             let mut v = self.verdicts.locked();
             v.handle_committed(&down);
@@ -409,7 +422,7 @@ impl Node {
     pub fn disk_failed_peers(&self) -> Vec<String> {
         let map: Vec<String> = {
             let m = self.meta.locked();
-            self.logical_map(m.state()).into_values().collect()
+            self.logical_map(&m).into_values().collect()
         };
         self.with_heartbeats(|m| {
             map.into_iter()
@@ -427,7 +440,7 @@ impl Node {
     /// than the failure timeout (after this node's own stalls) is declared down, at the newest
     /// incarnation any node heard of it, by a committed metadata operation.
     pub fn declare_verdicts(self: &Arc<Self>) {
-        if self.replication.leader().as_deref() != Some(self.me.name.as_str()) || !self.holds_lease() {
+        if !self.replication.is_leader() || !self.holds_lease() {
             return;
         }
         // A node whose disk failed is failed for good, though it still heartbeats: declared
@@ -526,7 +539,8 @@ impl Node {
         Heartbeat {
             incarnation: self.incarnation,
             pid: std::process::id(),
-            meta_seq: st.seq,
+            // The last index of the metadata log here (0: it never held an entry).
+            meta_seq: self.replication.status().last_index,
             memory_used_bytes: rss_bytes(),
             memory_capacity_bytes: self.me.memory_mb * 1024 * 1024,
             disk_used_bytes: self.disk_used.load(Ordering::Relaxed),
@@ -571,102 +585,116 @@ impl Node {
 
     // ---- metadata replication ----
 
-    /// Submits `op` to the coordinator (this node or a peer) and waits until a quorum of the
-    /// nodes committed it. If the coordinator changes while the operation is under way, the
-    /// next one may still commit it: the committed state says whether it did.
+    /// Submits `op` to the metadata's leader (this node or a peer) and waits until it is applied
+    /// there and here. If the leader changes while the operation is under way, the outcome may
+    /// be unknown: the applied state then says whether it was applied.
     pub async fn submit(self: &Arc<Self>, op: MetaOp) -> Result<(), OpError> {
+        self.submit_at(op).await.map(|_| ())
+    }
+
+    /// [`Node::submit`], returning the index the operation was applied at (0 when it was found
+    /// applied after an unknown outcome).
+    pub async fn submit_at(self: &Arc<Self>, op: MetaOp) -> Result<u64, OpError> {
         let deadline = Instant::now() + self.request_timeout * 3;
-        let mut last = OpError::new(ErrorKind::Unavailable, "no coordinator is reachable");
-        let mut interrupted = false;
+        let mut last = OpError::new(
+            ErrorKind::Unavailable,
+            "no majority of the metadata's voters is reachable (no leader)",
+        );
+        let mut unknown = false;
         while Instant::now() < deadline {
-            if interrupted && op.reflected_in(&self.meta_state()) {
-                return Ok(());
+            if unknown && op.reflected_in(&self.meta_state()) {
+                return Ok(0);
             }
-            let st = self.meta_state();
-            let outcome = match self.coordinator(&st) {
-                Some((_, c)) if c == self.me.name => self.replication.submit(op.clone()).await,
-                Some((_, c)) => match self.call(&c, PeerReq::MetaSubmit { op: op.clone() }).await {
-                    Ok(PeerResp::Ok) => return Ok(()),
-                    Ok(PeerResp::NotCoordinator) => Err(ReplError::NotCoordinator),
-                    Ok(PeerResp::Interrupted) => Err(ReplError::Interrupted),
+            let leader = self.replication.leader();
+            let outcome: Result<u64, SubmitError<psls_pfs::MetaError>> = match leader {
+                Some(l) if l == self.me.name => self.replication.submit(op.clone()).await,
+                Some(l) => match self.call(&l, PeerReq::MetaSubmit { op: op.clone() }).await {
+                    Ok(PeerResp::MetaDone { index }) => Ok(index),
+                    Ok(PeerResp::MetaDropped) => Err(SubmitError::Dropped),
+                    Ok(PeerResp::NotCoordinator) => Err(SubmitError::NotLeader { leader: None }),
+                    Ok(PeerResp::Interrupted) => Err(SubmitError::Unknown),
                     Ok(PeerResp::Error { kind, message }) => {
-                        if interrupted && op.reflected_in(&self.meta_state()) {
-                            return Ok(());
+                        if unknown && op.reflected_in(&self.meta_state()) {
+                            return Ok(0);
                         }
                         return Err(OpError::new(kind, message));
                     }
                     Ok(other) => {
-                        last = OpError::new(ErrorKind::Unavailable, format!("coordinator {c} answered {other:?}"));
-                        Err(ReplError::NotCoordinator)
+                        last = OpError::new(
+                            ErrorKind::Unavailable,
+                            format!("metadata leader {l} answered {other:?}"),
+                        );
+                        Err(SubmitError::NotLeader { leader: None })
                     }
                     Err(e) => {
+                        // It may have been applied before the connection broke.
+                        unknown = true;
                         last = e.into();
-                        Err(ReplError::NotCoordinator)
+                        Err(SubmitError::NotLeader { leader: None })
                     }
                 },
-                None => Err(ReplError::NotCoordinator),
+                None => Err(SubmitError::NotLeader { leader: None }),
             };
             match outcome {
-                Ok(_) => return Ok(()),
-                Err(ReplError::Rejected(e)) => {
-                    if interrupted && op.reflected_in(&self.meta_state()) {
-                        return Ok(());
+                Ok(index) => {
+                    // Visible here too before the caller goes on.
+                    self.meta_reached(index).await?;
+                    return Ok(index);
+                }
+                Err(SubmitError::Rejected(e)) => {
+                    if unknown && op.reflected_in(&self.meta_state()) {
+                        return Ok(0);
                     }
                     return Err(e.into());
                 }
-                Err(ReplError::Interrupted) => {
-                    interrupted = true;
+                Err(SubmitError::Unknown) => {
+                    unknown = true;
                     last = OpError::new(
                         ErrorKind::Unavailable,
-                        "the coordinator changed while a metadata operation was under way",
+                        "the metadata's leader changed while an operation was under way",
                     );
                 }
-                Err(ReplError::NotCoordinator | ReplError::Busy) => {}
+                Err(SubmitError::Halted) => {
+                    return Err(OpError::new(ErrorKind::Internal, "this node's metadata log stopped"))
+                }
+                Err(SubmitError::Dropped | SubmitError::NotLeader { .. } | SubmitError::Busy) => {}
             }
-            tokio::time::sleep(Duration::from_millis(100)).await;
+            tokio::time::sleep(Duration::from_millis(20)).await;
         }
         Err(last)
     }
 
-    /// The coordinator's side of a peer's `MetaSubmit`.
+    /// The leader's side of a peer's `MetaSubmit`.
     pub(crate) async fn serve_submit(self: &Arc<Self>, op: MetaOp) -> PeerResp {
-        let st = self.meta_state();
-        if self.coordinator(&st).map(|c| c.1) != Some(self.me.name.clone()) {
-            return PeerResp::NotCoordinator;
-        }
         match self.replication.submit(op).await {
-            Ok(_) => PeerResp::Ok,
-            Err(ReplError::NotCoordinator | ReplError::Busy) => PeerResp::NotCoordinator,
-            Err(ReplError::Interrupted) => PeerResp::Interrupted,
-            Err(ReplError::Rejected(e)) => peer_error(e.into()),
+            Ok(index) => PeerResp::MetaDone { index },
+            Err(SubmitError::NotLeader { .. } | SubmitError::Busy) => PeerResp::NotCoordinator,
+            Err(SubmitError::Dropped) => PeerResp::MetaDropped,
+            Err(SubmitError::Unknown | SubmitError::Halted) => PeerResp::Interrupted,
+            Err(SubmitError::Rejected(e)) => peer_error(e.into()),
         }
     }
 
-    /// Waits (up to a request timeout) until this node's metadata is as new as the newest a
-    /// live peer reported in its heartbeat: replication fetches it.
-    pub async fn catch_up(self: &Arc<Self>) {
-        let best = {
-            let m = self.members.locked();
-            let now_ms = self.now_ms();
+    /// Start-up and every heartbeat round: a node whose metadata store is new and empty learns
+    /// from heartbeats whether the cluster is new (a majority of the other voters hold no log
+    /// entry), and then takes part in elections.
+    pub fn check_fresh_cluster(&self) {
+        let st = self.replication.status();
+        if !st.amnesiac || st.last_index > 0 {
+            return;
+        }
+        let voters = self.cfg.all().count();
+        let quorum = voters / 2 + 1;
+        let now_ms = self.now_ms();
+        let empty = self.with_heartbeats(|m| {
             self.cfg
                 .all()
                 .filter(|n| n.name != self.me.name && m.is_live(now_ms, &n.name))
-                .filter_map(|n| m.heartbeat(&n.name).map(|h| (h.meta_seq, n.name.clone())))
-                .max()
-        };
-        let Some((seq, peer)) = best.filter(|(s, _)| *s > self.meta_state().seq) else {
-            return;
-        };
-        self.replication.peer_seq(&peer, seq);
-        let deadline = Instant::now() + self.request_timeout;
-        while self.meta_state().seq < seq && Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        let now = self.meta_state().seq;
-        if now >= seq {
-            tracing::info!(node = %self.me.name, from = %peer, seq = now, "metadata caught up");
-        } else {
-            tracing::warn!(node = %self.me.name, from = %peer, seq = now, wanted = seq, "metadata catch-up timed out");
+                .filter(|n| m.heartbeat(&n.name).is_some_and(|h| h.meta_seq == 0))
+                .count()
+        });
+        if empty >= quorum {
+            self.replication.fresh_cluster();
         }
     }
 
@@ -719,15 +747,14 @@ impl Node {
         self.disk_free.store(d.free_bytes().unwrap_or(0), Ordering::Relaxed);
     }
 
-    /// One heartbeat round-trip with every peer, then metadata catch-up (start-up).
+    /// One heartbeat round-trip with every peer (start-up).
     pub async fn initial_sync(self: &Arc<Self>) {
         self.heartbeat_round(true).await;
-        self.catch_up().await;
+        self.check_fresh_cluster();
     }
 
     pub(crate) fn heard(&self, peer: &str, hb: Heartbeat) {
         let now_ms = self.now_ms();
-        let seq = hb.meta_seq;
         let (taken, fence) = {
             let mut v = self.verdicts.locked();
             let down = hb.down.iter().map(|(p, d)| (p.as_str(), *d));
@@ -743,7 +770,6 @@ impl Node {
             return;
         }
         let restarted = self.members.locked().heard(now_ms, peer, hb.incarnation, hb);
-        self.replication.peer_seq(peer, seq);
         if restarted {
             tracing::info!(node = %self.me.name, peer, "peer restarted with a new incarnation");
             self.net.peer_restarted(peer);
@@ -990,33 +1016,4 @@ pub fn rss_bytes() -> u64 {
         .and_then(|s| s.split_whitespace().nth(1).and_then(|v| v.parse::<u64>().ok()))
         .map(|pages| pages * 4096)
         .unwrap_or(0)
-}
-
-impl crate::replication::Host for Node {
-    fn name(&self) -> &str {
-        &self.me.name
-    }
-    fn now_ms(&self) -> u64 {
-        Node::now_ms(self)
-    }
-    fn is_coordinator(&self) -> bool {
-        self.should_lead()
-    }
-    fn is_live(&self, peer: &str) -> bool {
-        // Impressions: a submission waits for the voters it hears, declared down or not yet.
-        Node::is_reachable(self, peer)
-    }
-    fn meta(&self) -> &Arc<Mutex<MetaStore>> {
-        &self.meta
-    }
-    fn installed(&self) {
-        self.refresh_verdicts();
-        self.meta_installed.notify_waiters();
-    }
-    fn replication(&self) -> &crate::replication::Replication {
-        &self.replication
-    }
-    fn post(&self, peer: &str, req: &PeerReq) -> Result<(), NetError> {
-        self.net.post(peer, req, bytes::Bytes::new())
-    }
 }

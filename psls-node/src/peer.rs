@@ -259,8 +259,16 @@ pub enum PeerReq {
     MetaSubmit {
         op: MetaOp,
     },
-    /// Coordinator election and metadata replication (one-way, on the message link).
-    Meta(psls_cluster::meta::Msg<psls_pfs::meta::MetaState>),
+    /// A message of the metadata log (one-way, on the message link): `psls_cluster::log`'s wire
+    /// encoding.
+    MetaLog(Vec<u8>),
+    /// A chunk of the metadata snapshot the receiver offered last (answered with
+    /// `MetaSnapshotChunk` and the bytes as payload).
+    MetaSnapshotChunk {
+        index: u64,
+        term: u64,
+        offset: u64,
+    },
     /// Job `job` ended: drop its volatile segments (answered with `Dropped`).
     JobEnded {
         job: String,
@@ -522,6 +530,16 @@ pub enum PeerResp {
     /// Answer to `MetaSubmit`: the coordinator changed while the operation was under way; it
     /// may or may not have been committed.
     Interrupted,
+    /// Answer to `MetaSubmit`: applied at this index of the metadata log.
+    MetaDone {
+        index: u64,
+    },
+    /// Answer to `MetaSubmit`: not applied, and never will be (submit it again).
+    MetaDropped,
+    /// Answer to `MetaSnapshotChunk`: the snapshot's length (the chunk is the payload).
+    MetaSnapshotChunk {
+        total: u64,
+    },
     Error {
         kind: psls_ipc::ErrorKind,
         message: String,

@@ -1,255 +1,436 @@
-//! The shell of metadata replication: one task owns this node's
-//! [`psls_cluster::meta::Replica`] over [`MetaState`] and feeds it, one input at a time, the
-//! coordinator verdict of the failure detector (every [`TICK_MS`]), the replication messages
-//! peers post on the message link, submissions, and the sequence numbers heartbeats gossip.
-//! It carries out the machine's actions in order: votes and committed states are written to
-//! the metadata store (redb, fsync) before anything later is sent or answered; sends go out on
-//! the message link; answers go back to the submitter.
+//! The shell of the metadata log: one task owns this node's [`psls_cluster::log::Log`] over
+//! [`MetaState`] and its [`LogStore`], and feeds it, a batch at a time, ticks (every
+//! [`TICK_MS`]), the log messages peers post on the message link, submissions and reads.
+//! It carries out the machine's actions in order: a [`Persist`] is one redb transaction (with an
+//! fsync when the machine says so) before anything later is sent or answered, and the applied
+//! state is published to the node ([`Node::meta_state`]) right after it; sends go out on the
+//! message link; answers go back to the waiting callers.
+//!
+//! Group commit: every input waiting when the task wakes (up to [`MAX_BATCH`]) is handed to the
+//! machine before its actions are taken, so many submissions share one write and one round of
+//! appends.
 //!
 //! Voters are the physical nodes of the config (logical nodes first, then spares), numbered in
-//! config order; a majority of them is a quorum. A submission is answered once every voter
-//! the failure detector takes as live has the operation (as before: a file created through one
-//! node can be mapped through any other at once). The lowest logical id the failure detector
-//! hears claims the coordination; it acts only in an epoch a quorum promised it, so two nodes
-//! that both believe they coordinate cannot commit different operations. The leader of the
-//! current epoch ([`Replication::leader`]) is the cluster's one coordinator: of barriers,
-//! locks and checkpoints too (`Node::coordinator_now`).
+//! config order. The log's leader is the cluster's coordinator (of barriers, locks and
+//! checkpoints too: `Node::coordinator_now`). Its election timeout is the failure detector's
+//! (`heartbeat_timeout_ms`); a node whose disk failed, or that fences itself, does not lead.
 //!
-//! Fail-stop: a node that cannot write its vote or a committed state stops (it must not answer
-//! as if it had). Bounds: at most [`MAX_INPUTS`] inputs wait; a replication message arriving on
-//! a full queue is dropped (the protocol retries).
+//! Snapshots travel apart from the log's messages: the sender keeps the snapshot's bytes and
+//! posts the message without them; the receiver fetches them in chunks of [`CHUNK_BYTES`]
+//! (at most [`MAX_SNAPSHOT_BYTES`], one fetch at a time) before the machine sees the message.
+//!
+//! Fail-stop: a node that cannot write its store stops (it must not answer as if it had), and
+//! so does one whose log cannot go on (an entry it cannot decode). Bounds: at most
+//! [`MAX_INPUTS`] inputs wait; a log message arriving on a full queue is dropped (raft retries).
 
 use crate::failstop::Locked;
+use crate::node::Node;
 use crate::op::blocking;
-use crate::peer::{NetError, PeerReq};
-use psls_cluster::meta::{Action, Msg, ReplError, Replica};
-use psls_pfs::meta::MetaStore;
+use crate::peer::{PeerReq, PeerResp};
+use psls_cluster::log::{Action, Limits, Log, Persist, ReadError, SubmitError, Wire};
+use psls_pfs::logstore::{LogStore, Opened};
 use psls_pfs::meta::{MetaOp, MetaState};
 use psls_pfs::MetaError;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::{mpsc, oneshot};
 
-/// How often the machine hears the failure detector's verdict (and retries claims and
-/// proposals).
+/// How often the machine's clock ticks.
 pub const TICK_MS: u64 = 50;
 /// Inputs waiting for the replication task.
-pub const MAX_INPUTS: usize = 4096;
+pub const MAX_INPUTS: usize = 16384;
+/// Inputs handed to the machine before its actions are carried out.
+pub const MAX_BATCH: usize = 4096;
+/// A snapshot's bytes travel in chunks of this size.
+pub const CHUNK_BYTES: usize = 1 << 20;
+/// Largest snapshot fetched.
+pub const MAX_SNAPSHOT_BYTES: u64 = 4 << 30;
+/// What a snapshot's data says when its bytes travel apart: this, then the length (u64 LE).
+const SNAPSHOT_REF: &[u8] = b"psls-snapshot-ref:";
 
-/// The answer to a submission: the sequence number the operation was committed at.
-pub type Outcome = Result<u64, ReplError<MetaError>>;
+/// The answer to a submission: the index the operation was applied at.
+pub type Outcome = Result<u64, SubmitError<MetaError>>;
+
+enum Token {
+    Submit(oneshot::Sender<Outcome>),
+    Read(oneshot::Sender<Result<u64, ReadError>>),
+}
 
 enum Input {
     Msg {
         from: u32,
-        /// Boxed: a message may carry a whole state.
-        msg: Box<Msg<MetaState>>,
+        wire: Wire,
     },
     Submit {
         op: MetaOp,
         reply: oneshot::Sender<Outcome>,
     },
-    PeerSeq {
-        from: u32,
-        seq: u64,
+    Read {
+        reply: oneshot::Sender<Result<u64, ReadError>>,
     },
+    /// A snapshot fetch ended (successfully or not).
+    Fetched,
+    /// A majority of the other voters never held a log entry.
+    FreshCluster,
 }
 
-/// What replication needs of the node it runs on (its door; `Node` is the one host).
-pub trait Host: Send + Sync + 'static {
-    /// This node's physical name.
-    fn name(&self) -> &str;
-    /// Milliseconds on the failure detector's clock.
-    fn now_ms(&self) -> u64;
-    /// Whether the failure detector makes this node the coordinator (lowest live logical id).
-    fn is_coordinator(&self) -> bool;
-    /// Whether the failure detector takes physical node `peer` as live.
-    fn is_live(&self, peer: &str) -> bool;
-    /// The metadata store (committed state and vote).
-    fn meta(&self) -> &Arc<Mutex<MetaStore>>;
-    /// Committed metadata was installed in [`Host::meta`].
-    fn installed(&self);
-    /// The replication messages' own door in (this node's [`Replication`]).
-    fn replication(&self) -> &Replication;
-    /// Posts a one-way message to `peer` on the message link.
-    fn post(&self, peer: &str, req: &PeerReq) -> Result<(), NetError>;
+/// The log as this node sees it (published after every batch).
+#[derive(Clone, Debug, Default)]
+pub struct Status {
+    pub term: u64,
+    /// The leader of the current term, as this node knows it.
+    pub leader: Option<String>,
+    pub is_leader: bool,
+    /// Candidate or leader.
+    pub claims: bool,
+    pub commit: u64,
+    pub applied: u64,
+    pub first_index: u64,
+    pub last_index: u64,
+    /// Catching up after a lost disk.
+    pub amnesiac: bool,
+    /// At the leader: the index each voter is known to hold.
+    pub matched: Vec<(String, u64)>,
+    /// Bytes of the store on disk.
+    pub store_bytes: u64,
 }
 
-/// The door other parts of the daemon use: deliver, submit, gossip.
+/// The door other parts of the daemon use: deliver, submit, read, look.
 pub struct Replication {
     voters: Vec<String>,
     tx: mpsc::Sender<Input>,
     rx: Mutex<Option<mpsc::Receiver<Input>>>,
-    /// The leader as this node knows it, with its epoch's number (published after every
-    /// input).
-    leader: Mutex<Option<(String, u64)>>,
-    /// Whether this node claims or leads an epoch in this life (published after every input).
-    claims: std::sync::atomic::AtomicBool,
+    /// The store and what it held at start, until the task takes them.
+    start: Mutex<Option<(LogStore, Opened)>>,
+    status: Mutex<Status>,
+    /// The bytes of the last snapshot sent: (index, term, data), served in chunks.
+    serving: Mutex<Option<(u64, u64, bytes::Bytes)>>,
 }
 
 impl Replication {
-    /// Voters: the physical nodes, in config order.
-    pub fn new(voters: Vec<String>) -> Replication {
+    /// Voters: the physical nodes, in config order; the store, opened.
+    pub fn new(voters: Vec<String>, store: LogStore, opened: Opened) -> Replication {
         let (tx, rx) = mpsc::channel(MAX_INPUTS);
         Replication {
             voters,
             tx,
             rx: Mutex::new(Some(rx)),
-            leader: Mutex::new(None),
-            claims: std::sync::atomic::AtomicBool::new(false),
+            start: Mutex::new(Some((store, opened))),
+            status: Mutex::new(Status::default()),
+            serving: Mutex::new(None),
         }
     }
 
-    /// The metadata's leader as this node knows it: the claimer of the newest epoch it
-    /// promised (itself from its own claim on), none before any.
+    /// The metadata's leader as this node knows it.
     pub fn leader(&self) -> Option<String> {
-        self.leader.locked().as_ref().map(|(l, _)| l.clone())
+        self.status.locked().leader.clone()
     }
 
-    /// Whether this node claims or leads an epoch in this life.
+    /// Whether this node campaigns or leads.
     pub fn claims(&self) -> bool {
-        self.claims.load(std::sync::atomic::Ordering::Relaxed)
+        self.status.locked().claims
     }
 
-    /// [`Replication::leader`] with the number of the epoch it leads.
+    /// [`Replication::leader`] with its term.
     pub fn leader_epoch(&self) -> Option<(String, u64)> {
-        self.leader.locked().clone()
+        let s = self.status.locked();
+        s.leader.clone().map(|l| (l, s.term))
+    }
+
+    /// Whether this node leads the current term.
+    pub fn is_leader(&self) -> bool {
+        self.status.locked().is_leader
+    }
+
+    /// The log as this node sees it.
+    pub fn status(&self) -> Status {
+        self.status.locked().clone()
     }
 
     fn voter_of(&self, physical: &str) -> Option<u32> {
         self.voters.iter().position(|v| v == physical).map(|i| i as u32)
     }
 
-    /// A replication message from peer `from` (its certificate's name).
-    pub fn deliver(&self, from: &str, msg: Msg<MetaState>) {
-        let Some(from) = self.voter_of(from) else {
+    /// A log message from peer `from` (its certificate's name).
+    pub fn deliver(&self, from: &str, bytes: &[u8]) {
+        let Some(from_v) = self.voter_of(from) else {
             tracing::warn!(
                 peer = from,
-                "replication message from a node that is not a voter: dropped"
+                "metadata log message from a node that is not a voter: dropped"
             );
             return;
         };
-        let input = Input::Msg {
-            from,
-            msg: Box::new(msg),
+        let wire = match psls_cluster::log::decode_wire(bytes) {
+            Ok(w) => w,
+            Err(e) => {
+                tracing::warn!(peer = from, error = %e, "metadata log message does not decode: dropped");
+                return;
+            }
         };
-        if self.tx.try_send(input).is_err() {
-            tracing::warn!(peer = from, "replication queue full: message dropped");
+        if self.tx.try_send(Input::Msg { from: from_v, wire }).is_err() {
+            tracing::warn!(peer = from, "metadata log queue full: message dropped");
         }
     }
 
-    /// A heartbeat of `from` says its committed metadata is at `seq`.
-    pub fn peer_seq(&self, from: &str, seq: u64) {
-        if let Some(from) = self.voter_of(from) {
-            let _ = self.tx.try_send(Input::PeerSeq { from, seq });
-        }
-    }
-
-    /// Submits `op` to this node's machine (answered `NotCoordinator` unless it coordinates).
+    /// Submits `op` to this node's machine (answered `NotLeader` unless it leads).
     pub async fn submit(&self, op: MetaOp) -> Outcome {
         let (reply, rx) = oneshot::channel();
         if self.tx.send(Input::Submit { op, reply }).await.is_err() {
-            return Err(ReplError::Interrupted);
+            return Err(SubmitError::Halted);
         }
-        rx.await.unwrap_or(Err(ReplError::Interrupted))
+        rx.await.unwrap_or(Err(SubmitError::Halted))
     }
 
-    /// Runs the replication task until the daemon stops. Called once.
-    pub async fn run<H: Host>(node: Arc<H>) {
-        let Some(mut rx) = node.replication().rx.locked().take() else {
-            tracing::error!("the replication task was started twice");
+    /// Asks the leader for its commit index (raft's read index): once this node applied up to
+    /// the answer, a read here sees every operation answered before the call.
+    pub async fn read_index(&self) -> Result<u64, ReadError> {
+        let (reply, rx) = oneshot::channel();
+        if self.tx.send(Input::Read { reply }).await.is_err() {
+            return Err(ReadError::Halted);
+        }
+        rx.await.unwrap_or(Err(ReadError::Halted))
+    }
+
+    /// Heartbeats show a new cluster ([`Node::check_fresh_cluster`]).
+    pub fn fresh_cluster(&self) {
+        let _ = self.tx.try_send(Input::FreshCluster);
+    }
+
+    /// A chunk of the snapshot this node sent last: its total length and the bytes at `offset`.
+    pub fn snapshot_chunk(&self, index: u64, term: u64, offset: u64) -> Option<(u64, bytes::Bytes)> {
+        let s = self.serving.locked();
+        let (i, t, data) = s.as_ref()?;
+        if (*i, *t) != (index, term) || offset > data.len() as u64 {
+            return None;
+        }
+        let start = offset as usize;
+        let end = (start + CHUNK_BYTES).min(data.len());
+        Some((data.len() as u64, data.slice(start..end)))
+    }
+
+    /// Runs the log until the daemon stops. Called once.
+    pub async fn run(node: Arc<Node>) {
+        let repl = &node.replication;
+        let (Some(mut rx), Some((store, opened))) = (repl.rx.locked().take(), repl.start.locked().take()) else {
+            tracing::error!("the metadata log task was started twice");
             return;
         };
-        let voters = node.replication().voters.clone();
-        let Some(me) = node.replication().voter_of(node.name()) else {
+        let Some(me) = repl.voter_of(node.name()) else {
             tracing::error!(node = %node.name(), "this node is not in its own config");
             return;
         };
-        let durable = node.meta().locked().durable();
-        let mut replica: Replica<MetaState, oneshot::Sender<Outcome>> = Replica::new(me, voters.len() as u32, durable);
+        let voters = repl.voters.len() as u32;
+        let limits = Limits::for_timeout(node.cfg.cluster.heartbeat_timeout_ms, TICK_MS);
+        let seed = rand::random::<u64>();
+        let mut log: Log<MetaState, Token> = match Log::new(me, voters, limits, opened.durable, seed) {
+            Ok(l) => l,
+            Err(e) => panic!("the metadata log cannot start from this node's store: {e}"),
+        };
+        if opened.legacy.is_some() {
+            tracing::info!(node = %node.name(), "metadata converted from the store before the log");
+        }
+        let store = Arc::new(Mutex::new(store));
         let mut tick = tokio::time::interval(Duration::from_millis(TICK_MS));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut fetching = false;
+        let mut known: Option<(Option<u32>, u64)> = None;
+        let mut leaderless_ticks = 0u64;
         loop {
-            tokio::select! {
-                _ = tick.tick() => {
-                    let coordinator = node.is_coordinator();
-                    let live = voters.iter().enumerate().filter(|(_, v)| node.is_live(v)).map(|(i, _)| i as u32);
-                    replica.set_live(live);
-                    replica.tick(node.now_ms(), coordinator);
-                }
+            let first = tokio::select! {
+                _ = tick.tick() => None,
                 input = rx.recv() => match input {
                     None => return,
-                    Some(Input::Msg { from, msg }) => replica.receive(from, *msg),
-                    Some(Input::Submit { op, reply }) => replica.submit(reply, op),
-                    Some(Input::PeerSeq { from, seq }) => replica.peer_seq(from, seq),
+                    Some(i) => Some(i),
                 },
-            }
-            while let Some(a) = replica.poll_action() {
-                carry_out(&node, &voters, a).await;
-            }
-            // The claimer of the newest epoch promised here: this node itself from its claim on
-            // (its followers may route to it as soon as they promise, before it has counted
-            // their promises), or the claimer this node promised.
-            // Not itself from a promise alone: a node that restarted (or re-executed itself
-            // when fenced) finds its own old claim as the newest promise on its disk, and must
-            // not take itself for the leader of that epoch (it did, and coordinated barriers
-            // and locks in an old epoch beside the real leader, by the pause tests' logs).
-            node.replication()
-                .claims
-                .store(replica.claimed().is_some(), std::sync::atomic::Ordering::Relaxed);
-            let leader = match replica.claimed() {
-                Some(e) => Some((me, e.n)),
-                None => {
-                    let p = replica.promised();
-                    (p.n > 0 && p.by != me).then_some((p.by, p.n))
-                }
             };
-            let leader = leader.and_then(|(v, n)| voters.get(v as usize).map(|l| (l.clone(), n)));
-            let mut known = node.replication().leader.locked();
-            if *known != leader {
-                tracing::info!(node = %node.name(), leader = ?leader, epoch = ?replica.promised(), "metadata leader");
-                *known = leader;
+            let mut inputs: Vec<Input> = first.into_iter().collect();
+            if inputs.is_empty() {
+                log.set_eligible(node.may_lead());
+                log.handle_tick();
+                // No leader for a while, and this node is the one that should lead (the lowest
+                // live voter): it campaigns without waiting out a whole election timeout (a
+                // cluster's first start, or its leader lost).
+                leaderless_ticks = if log.leader().is_some() {
+                    0
+                } else {
+                    leaderless_ticks + 1
+                };
+                if leaderless_ticks >= 2 * limits.heartbeat_ticks as u64 && node.first_live_voter() {
+                    leaderless_ticks = 0;
+                    log.campaign();
+                }
             }
+            while inputs.len() < MAX_BATCH {
+                match rx.try_recv() {
+                    Ok(i) => inputs.push(i),
+                    Err(_) => break,
+                }
+            }
+            for input in inputs {
+                match input {
+                    Input::Msg { from, wire } => match snapshot_ref(&wire) {
+                        Some((index, term, len)) => {
+                            if !fetching {
+                                fetching = true;
+                                tokio::spawn(fetch_snapshot(node.clone(), from, wire, index, term, len));
+                            }
+                        }
+                        None => log.handle_message(from, wire),
+                    },
+                    Input::Submit { op, reply } => log.submit(Token::Submit(reply), &op),
+                    Input::Read { reply } => log.read(Token::Read(reply)),
+                    Input::Fetched => fetching = false,
+                    Input::FreshCluster => log.handle_fresh_cluster(),
+                }
+            }
+            while let Some(a) = log.poll_action() {
+                match a {
+                    Action::Persist(p) => persist(&node, &store, p, &log).await,
+                    Action::Send { to, msg } => send(&node, &mut log, to, msg),
+                    Action::Done { token, result } => {
+                        if let Token::Submit(reply) = token {
+                            let _ = reply.send(result);
+                        }
+                    }
+                    Action::Read { token, result } => {
+                        if let Token::Read(reply) = token {
+                            let _ = reply.send(result);
+                        }
+                    }
+                    Action::Halt { reason } => panic!("the metadata log cannot go on here: {reason}"),
+                }
+            }
+            let leader = log.leader();
+            if known != Some((leader, log.term())) {
+                known = Some((leader, log.term()));
+                tracing::info!(
+                    node = %node.name(),
+                    term = log.term(),
+                    leader = ?leader.and_then(|l| repl.voters.get(l as usize)),
+                    commit = log.commit(),
+                    applied = log.applied(),
+                    "metadata leader"
+                );
+            }
+            let st = Status {
+                term: log.term(),
+                leader: leader.and_then(|l| repl.voters.get(l as usize).cloned()),
+                is_leader: log.is_leader(),
+                claims: log.claims(),
+                commit: log.commit(),
+                applied: log.applied(),
+                first_index: log.first_index(),
+                last_index: log.last_index(),
+                amnesiac: log.amnesiac(),
+                matched: (0..voters)
+                    .filter_map(|v| log.matched(v).map(|m| (repl.voters[v as usize].clone(), m)))
+                    .collect(),
+                store_bytes: store.locked().bytes_on_disk(),
+            };
+            *repl.status.locked() = st;
         }
     }
 }
 
-/// Carries out one action; persisting comes before anything after it.
-async fn carry_out<H: Host>(node: &Arc<H>, voters: &[String], a: Action<MetaState, oneshot::Sender<Outcome>>) {
-    match a {
-        Action::PersistVote { promised, accepted } => {
-            let meta = node.meta().clone();
-            let r = blocking(move || meta.locked().persist_vote(promised, accepted)).await;
-            if let Err(e) = r.map_err(|e| e.to_string()).and_then(|r| r.map_err(|e| e.to_string())) {
-                panic!("cannot record the metadata replication vote: {e}");
-            }
-        }
-        Action::PersistCommitted(state) => {
-            let seq = state.seq;
-            let meta = node.meta().clone();
-            let r = blocking(move || {
-                let mut m = meta.locked();
-                if state.seq > m.state().seq {
-                    m.install(state)
-                } else {
-                    Ok(())
-                }
-            })
-            .await;
-            if let Err(e) = r.map_err(|e| e.to_string()).and_then(|r| r.map_err(|e| e.to_string())) {
-                panic!("cannot record committed metadata (seq {seq}): {e}");
-            }
-            node.installed();
-            tracing::debug!(node = %node.name(), seq, "metadata committed");
-        }
-        Action::Send { to, msg } => {
-            let Some(peer) = voters.get(to as usize) else { return };
-            if let Err(e) = node.post(peer, &PeerReq::Meta(msg)) {
-                tracing::debug!(node = %node.name(), %peer, error = %e, "replication message not sent");
-            }
-        }
-        Action::Done { token, result } => {
-            let _ = token.send(result);
+/// Writes one [`Persist`], then publishes the applied state.
+async fn persist(
+    node: &Arc<Node>,
+    store: &Arc<Mutex<LogStore>>,
+    p: Box<Persist<MetaState>>,
+    log: &Log<MetaState, Token>,
+) {
+    let applied = p.applied.0;
+    let s = store.clone();
+    let r = blocking(move || s.locked().persist(&p)).await;
+    if let Err(e) = r.map_err(|e| e.to_string()).and_then(|r| r.map_err(|e| e.to_string())) {
+        panic!("cannot write the metadata log (applied {applied}): {e}");
+    }
+    node.publish_meta(log.state().clone());
+}
+
+/// Posts one message; a snapshot's bytes are kept to be fetched.
+fn send(node: &Arc<Node>, log: &mut Log<MetaState, Token>, to: u32, mut msg: Wire) {
+    let Some(peer) = node.replication.voters.get(to as usize).cloned() else {
+        return;
+    };
+    let snapshot = psls_cluster::log::is_snapshot(&msg);
+    if let Wire::Raft(m) = &mut msg {
+        if snapshot {
+            let meta = m.get_snapshot().get_metadata();
+            let (index, term) = (meta.index, meta.term);
+            let data = std::mem::take(&mut m.mut_snapshot().data);
+            let mut r = SNAPSHOT_REF.to_vec();
+            r.extend((data.len() as u64).to_le_bytes());
+            m.mut_snapshot().data = r.into();
+            tracing::info!(node = %node.name(), %peer, index, bytes = data.len(), "metadata snapshot offered");
+            *node.replication.serving.locked() = Some((index, term, data));
         }
     }
+    let bytes = psls_cluster::log::encode_wire(&msg);
+    if let Err(e) = node.net.post(&peer, &PeerReq::MetaLog(bytes), bytes::Bytes::new()) {
+        tracing::debug!(node = %node.name(), %peer, error = %e, "metadata log message not sent");
+        log.handle_unreachable(to);
+    }
+    if snapshot {
+        log.handle_snapshot_sent(to);
+    }
+}
+
+/// The index, term and length of a snapshot whose bytes travel apart.
+fn snapshot_ref(w: &Wire) -> Option<(u64, u64, u64)> {
+    if !psls_cluster::log::is_snapshot(w) {
+        return None;
+    }
+    let Wire::Raft(m) = w else { return None };
+    let data = &m.get_snapshot().data;
+    let len = data.strip_prefix(SNAPSHOT_REF)?;
+    let len = u64::from_le_bytes(<[u8; 8]>::try_from(len).ok()?);
+    let meta = m.get_snapshot().get_metadata();
+    Some((meta.index, meta.term, len))
+}
+
+/// Fetches a snapshot's bytes from its sender, then hands the whole message to the machine.
+async fn fetch_snapshot(node: Arc<Node>, from: u32, mut wire: Wire, index: u64, term: u64, len: u64) {
+    let repl = &node.replication;
+    let result = async {
+        let peer = repl.voters.get(from as usize).cloned().ok_or("no such voter")?;
+        if len > MAX_SNAPSHOT_BYTES {
+            return Err(format!("a snapshot of {len} bytes exceeds {MAX_SNAPSHOT_BYTES}"));
+        }
+        let started = std::time::Instant::now();
+        let mut data = Vec::with_capacity(len as usize);
+        while (data.len() as u64) < len {
+            let req = PeerReq::MetaSnapshotChunk {
+                index,
+                term,
+                offset: data.len() as u64,
+            };
+            let (resp, chunk) = node
+                .call_data_ok(&peer, req, bytes::Bytes::new())
+                .await
+                .map_err(|e| e.to_string())?;
+            match resp {
+                PeerResp::MetaSnapshotChunk { total } if total == len && !chunk.is_empty() => {
+                    data.extend_from_slice(&chunk);
+                }
+                other => return Err(format!("{peer} answered {other:?}")),
+            }
+        }
+        if data.len() as u64 != len {
+            return Err("the snapshot's chunks overran its length".into());
+        }
+        tracing::info!(node = %node.name(), %peer, index, bytes = len, ms = started.elapsed().as_millis() as u64, "metadata snapshot fetched");
+        if let Wire::Raft(m) = &mut wire {
+            m.mut_snapshot().data = data.into();
+        }
+        Ok(())
+    }
+    .await;
+    match result {
+        Ok(()) => {
+            let _ = repl.tx.send(Input::Msg { from, wire }).await;
+        }
+        Err(e) => tracing::warn!(node = %node.name(), index, error = %e, "metadata snapshot not fetched"),
+    }
+    let _ = repl.tx.send(Input::Fetched).await;
 }

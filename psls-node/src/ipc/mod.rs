@@ -109,6 +109,23 @@ async fn client(d: Arc<Daemon>, stream: UnixStream) -> anyhow::Result<()> {
                 return Ok(());
             }
         };
+        // A name is looked up in a namespace holding every operation answered before the
+        // request (the leader's read index), so a file created through any node is found here.
+        let fresh = matches!(
+            req,
+            Request::Export { .. }
+                | Request::ExportFd { .. }
+                | Request::Ls
+                | Request::Stat { .. }
+                | Request::Rm { .. }
+                | Request::Map { .. }
+        );
+        if fresh {
+            if let Err(e) = c.d.node.meta_fresh().await {
+                send(&mut c.w, &err(e)).await?;
+                continue;
+            }
+        }
         let flow = match req {
             Request::Create { .. }
             | Request::ImportBegin { .. }
