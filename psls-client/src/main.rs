@@ -327,10 +327,11 @@ fn mib(b: u64) -> String {
 
 fn print_status(s: &ClusterStatus) {
     println!(
-        "cluster {} (answered by {}, coordinator {}, metadata seq {}, map v{}, {} files)",
+        "cluster {} (answered by {}, coordinator {}, metadata term {} applied {}, map v{}, {} files)",
         s.cluster,
         s.via,
         s.coordinator.as_deref().unwrap_or("none"),
+        s.meta_term,
         s.meta_seq,
         s.map_version,
         s.files
@@ -359,6 +360,12 @@ fn print_status(s: &ClusterStatus) {
             mib(n.disk_used_bytes),
             mib(n.disk_free_bytes)
         );
+        if n.pid.is_some() {
+            println!(
+                "       metadata log: term {}, commit {}, applied {}",
+                n.meta_term, n.meta_commit, n.meta_applied
+            );
+        }
         if let Some(why) = &n.disk_failed {
             println!("       disk failed: {why}");
         }

@@ -43,7 +43,7 @@ use std::collections::{BTreeMap, VecDeque};
 use std::fmt::{Debug, Display};
 
 /// A state built by applying the log's operations in order.
-pub trait Machine: Clone {
+pub trait Machine: Clone + Default {
     type Op: Clone + Debug + Serialize + DeserializeOwned;
     type Error: Clone + Debug + Display;
     /// What the shell writes to make the applied state durable (the keys changed since the last
@@ -122,9 +122,12 @@ pub struct Durable<S> {
     pub applied_term: u64,
     /// This voter lost what it acknowledged (its disk was replaced) and has not caught up yet.
     pub amnesiac: bool,
+    /// The state was converted from a store written before the log, at this index, and no
+    /// leader has confirmed it since (see [`Log::handle_message`]).
+    pub legacy: Option<u64>,
 }
 
-impl<S: Machine + Default> Durable<S> {
+impl<S: Machine> Durable<S> {
     /// A voter that never ran (`amnesiac`: it ran before, and its disk was lost).
     pub fn fresh(amnesiac: bool) -> Durable<S> {
         Durable {
@@ -134,6 +137,7 @@ impl<S: Machine + Default> Durable<S> {
             state: S::default(),
             applied_term: 0,
             amnesiac,
+            legacy: None,
         }
     }
 }
@@ -159,6 +163,8 @@ pub struct Persist<S: Machine> {
     pub changes: S::Changes,
     /// Whether the voter is still catching up after losing its disk.
     pub amnesiac: bool,
+    /// The index of a converted state no leader has confirmed yet.
+    pub legacy: Option<u64>,
 }
 
 /// Why a submission was not applied.
@@ -402,6 +408,8 @@ pub struct Log<S: Machine, T> {
     /// campaigns: it may have acknowledged entries it no longer holds, and a vote of it could
     /// elect a leader without them.
     amnesia: Option<Option<u64>>,
+    /// The index of a state converted from a store before the log that no leader confirmed.
+    legacy: Option<u64>,
 }
 
 /// raft-rs logs through `slog`; this drain hands its records to `tracing`.
@@ -450,6 +458,7 @@ impl<S: Machine, T> Log<S, T> {
             state,
             applied_term,
             amnesiac,
+            legacy,
         } = durable;
         let applied = state.index();
         let bad = |what: String| Err(StartError::Inconsistent(what));
@@ -474,37 +483,17 @@ impl<S: Machine, T> Log<S, T> {
         // (it requires a term on every vote answer): a new voter starts in term 1, as if a
         // term with no leader had passed.
         hard_state.term = hard_state.term.max(1);
-        let conf_state = ConfState {
-            voters: (0..voters).map(raft_id).collect(),
-            ..Default::default()
-        };
         let cache = Cache {
             hard_state,
-            conf_state,
+            conf_state: ConfState {
+                voters: (0..voters).map(raft_id).collect(),
+                ..Default::default()
+            },
             compacted,
             entries: entries.into(),
             applied: Some((state.clone(), applied_term)),
         };
-        let cfg = raft::Config {
-            id: raft_id(me),
-            election_tick: limits.election_ticks,
-            heartbeat_tick: limits.heartbeat_ticks,
-            applied,
-            max_size_per_msg: limits.max_msg_bytes,
-            max_inflight_msgs: limits.max_inflight,
-            check_quorum: true,
-            pre_vote: true,
-            read_only_option: ReadOnlyOption::Safe,
-            // Lower voter numbers first: between logs as long, a voter votes only for a candidate
-            // of a priority at least its own, so the lowest live voter leads (the logical nodes
-            // before the spares), as operators expect of the coordinator.
-            priority: (voters - me) as i64,
-            ..Default::default()
-        };
-        cfg.validate()
-            .map_err(|e| StartError::Inconsistent(format!("raft configuration: {e}")))?;
-        let logger = slog::Logger::root(ToTracing, slog::o!());
-        let node = RawNode::new(&cfg, cache, &logger).map_err(|e| StartError::Inconsistent(format!("raft: {e}")))?;
+        let node = Self::raw(me, voters, limits, cache, applied)?;
         let mut log = Log {
             me,
             voters,
@@ -527,12 +516,42 @@ impl<S: Machine, T> Log<S, T> {
             halted: None,
             timeout_drawn: false,
             amnesia: amnesiac.then_some(None),
+            legacy: legacy.filter(|l| *l > 0),
         };
         // Read requests are told apart from those of this voter's earlier lives (an answer to one
         // of those can still arrive).
         log.reads.next_ctx = log.rng.next();
         log.draw_timeout();
         Ok(log)
+    }
+
+    fn raw(
+        me: u32,
+        voters: u32,
+        limits: Limits,
+        cache: Cache<S>,
+        applied: u64,
+    ) -> Result<RawNode<Cache<S>>, StartError> {
+        let cfg = raft::Config {
+            id: raft_id(me),
+            election_tick: limits.election_ticks,
+            heartbeat_tick: limits.heartbeat_ticks,
+            applied,
+            max_size_per_msg: limits.max_msg_bytes,
+            max_inflight_msgs: limits.max_inflight,
+            check_quorum: true,
+            pre_vote: true,
+            read_only_option: ReadOnlyOption::Safe,
+            // Lower voter numbers first: between logs as long, a voter votes only for a candidate
+            // of a priority at least its own, so the lowest live voter leads (the logical nodes
+            // before the spares), as operators expect of the coordinator.
+            priority: (voters - me) as i64,
+            ..Default::default()
+        };
+        cfg.validate()
+            .map_err(|e| StartError::Inconsistent(format!("raft configuration: {e}")))?;
+        let logger = slog::Logger::root(ToTracing, slog::o!());
+        RawNode::new(&cfg, cache, &logger).map_err(|e| StartError::Inconsistent(format!("raft: {e}")))
     }
 
     // ---- getters ----
@@ -587,6 +606,10 @@ impl<S: Machine, T> Log<S, T> {
     /// Submissions waiting for their entry.
     pub fn pending(&self) -> usize {
         self.pending.len()
+    }
+    /// The index of a converted state no leader has confirmed yet.
+    pub fn legacy(&self) -> Option<u64> {
+        self.legacy
     }
     /// Whether this voter is catching up after losing its disk (it neither votes nor campaigns).
     pub fn amnesiac(&self) -> bool {
@@ -683,6 +706,16 @@ impl<S: Machine, T> Log<S, T> {
                 msg: Wire::LostDisk { last_index: last },
             });
         }
+        if let Some(l) = self.legacy {
+            // A leader whose log below the converted state's index is not known to be that
+            // state (that protocol committed on a majority, but a voter could hold a newer
+            // state no majority had): the converted state may hold operations the leader's log
+            // does not. It goes, and the voter starts over from the leader.
+            let ours = msg.index == l && Some(msg.log_term) == self.node.store().entry_term(l);
+            if msg.get_msg_type() == MessageType::MsgAppend && msg.index <= l && !ours {
+                self.forget_legacy(from, l);
+            }
+        }
         if self.amnesia == Some(None) {
             match msg.get_msg_type() {
                 MessageType::MsgAppend => self.amnesia = Some(Some(msg.index + msg.entries.len() as u64)),
@@ -693,6 +726,67 @@ impl<S: Machine, T> Log<S, T> {
         if let Err(e) = self.node.step(msg) {
             tracing::debug!(from, error = %e, "metadata log message refused");
         }
+        self.draw_timeout();
+    }
+
+    /// Drops the converted state (see [`Log::handle_message`]): an empty log and state, the same
+    /// term and vote, and the leader told to start over with this voter.
+    fn forget_legacy(&mut self, leader: u32, index: u64) {
+        tracing::warn!(
+            voter = self.me,
+            leader,
+            index,
+            "the metadata converted from the store before the log may hold operations the leader's log does not: dropped, caught up from the leader"
+        );
+        self.legacy = None;
+        let mut hard_state = self.node.store().hard_state.clone();
+        hard_state.commit = 0;
+        let cache = Cache {
+            hard_state: hard_state.clone(),
+            conf_state: self.node.store().conf_state.clone(),
+            compacted: (0, 0),
+            entries: VecDeque::new(),
+            applied: Some((S::default(), 0)),
+        };
+        match Self::raw(self.me, self.voters, self.limits, cache, 0) {
+            Ok(node) => self.node = node,
+            Err(e) => return self.halt(format!("cannot start over after dropping the converted metadata: {e}")),
+        }
+        self.state = S::default();
+        self.applied_term = 0;
+        for (_, p) in std::mem::take(&mut self.pending) {
+            self.actions.push_back(Action::Done {
+                token: p.token,
+                result: Err(SubmitError::Unknown),
+            });
+        }
+        let mut readers: Vec<T> = std::mem::take(&mut self.reads.waiting);
+        if let Some((_, r, _)) = self.reads.inflight.take() {
+            readers.extend(r);
+        }
+        for (_, r) in std::mem::take(&mut self.reads.ready) {
+            readers.extend(r);
+        }
+        self.reads.count = 0;
+        for t in readers {
+            self.read_done(t, Err(ReadError::NoLeader));
+        }
+        self.actions.push_back(Action::Persist(Box::new(Persist {
+            sync: true,
+            hard_state,
+            entries: Vec::new(),
+            snapshot: Some((0, 0)),
+            compact_to: None,
+            applied: (0, 0),
+            changes: self.state.all_changes(),
+            amnesiac: self.amnesia.is_some(),
+            legacy: None,
+        })));
+        self.actions.push_back(Action::Send {
+            to: leader,
+            msg: Wire::LostDisk { last_index: 0 },
+        });
+        self.timeout_drawn = false;
         self.draw_timeout();
     }
 
@@ -728,8 +822,8 @@ impl<S: Machine, T> Log<S, T> {
         }
     }
 
-    /// The shell learnt that a majority of the other voters never held a log entry: nothing was
-    /// ever committed, so a voter whose store was created in this life (amnesiac until proven
+    /// The shell learnt that enough other voters never held a log entry that nothing can have been
+    /// committed, so a voter whose store was created in this life (amnesiac until proven
     /// otherwise) lost nothing and may vote.
     pub fn handle_fresh_cluster(&mut self) {
         if self.amnesia == Some(None) && self.node.raft.raft_log.last_index() == 0 {
@@ -1041,6 +1135,18 @@ impl<S: Machine, T> Log<S, T> {
 
     fn persist(&mut self, mut sync: bool, entries: Vec<Entry>, snapshot: Option<(u64, u64)>) {
         let applied = (self.state.index(), self.applied_term);
+        // A leader's log matched this voter's past the converted state (or replaced it).
+        if let Some(l) = self.legacy {
+            if snapshot.is_some() || self.node.raft.raft_log.committed > l {
+                tracing::info!(
+                    voter = self.me,
+                    index = l,
+                    "the converted metadata is confirmed by a leader"
+                );
+                self.legacy = None;
+                sync = true;
+            }
+        }
         if let Some(Some(target)) = self.amnesia {
             if self.node.raft.raft_log.committed >= target {
                 tracing::info!(
@@ -1082,6 +1188,7 @@ impl<S: Machine, T> Log<S, T> {
             applied,
             changes,
             amnesiac: self.amnesia.is_some(),
+            legacy: self.legacy,
         })));
     }
 

@@ -152,6 +152,7 @@ impl Disk {
             },
             applied_term: self.applied.1,
             amnesiac: self.amnesiac,
+            legacy: None,
         }
     }
 }

@@ -301,6 +301,13 @@ pub struct NodeStatus {
     pub disk_used_bytes: u64,
     pub disk_free_bytes: u64,
     pub coordinator: bool,
+    /// The node's metadata log (from its last heartbeat): its term, commit and applied indexes.
+    #[serde(default)]
+    pub meta_term: u64,
+    #[serde(default)]
+    pub meta_commit: u64,
+    #[serde(default)]
+    pub meta_applied: u64,
     /// Pages copied / pages to copy while this node rebuilds its copies.
     pub rebuild: Option<(u64, u64)>,
     /// Memory checkpoints' frames in the node's recovery area, by category: readable or pure
@@ -328,7 +335,11 @@ pub struct ClusterStatus {
     /// The node that answered.
     pub via: String,
     pub coordinator: Option<String>,
+    /// The applied index of the answering node's metadata log.
     pub meta_seq: u64,
+    /// The metadata log's term, as the answering node knows it.
+    #[serde(default)]
+    pub meta_term: u64,
     pub map_version: u64,
     pub files: u64,
     pub nodes: Vec<NodeStatus>,

@@ -225,7 +225,7 @@ impl Daemon {
             | PeerReq::KillJob { .. }
             | PeerReq::JobHalted { .. }
             | PeerReq::JobFiles { .. }
-            | PeerReq::JobLaunched { .. }) => crate::launcher::serve(&node, &self.jobs, req),
+            | PeerReq::JobLaunched { .. }) => crate::launcher::serve(&node, &self.jobs, req).await,
             PeerReq::Echo => {
                 out_payload = payload;
                 Ok(PeerResp::Ok)

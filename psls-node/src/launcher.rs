@@ -18,7 +18,7 @@ use crate::op::OpError;
 pub use crate::peer::JobSpec;
 use crate::peer::{PeerReq, PeerResp};
 use psls_ipc::ErrorKind;
-use psls_pfs::meta::MetaOp;
+use psls_pfs::meta::{MetaOp, MetaState};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -362,8 +362,7 @@ pub async fn spawn_all(node: &Arc<Node>, spec: &JobSpec, per_node: Option<u32>) 
 /// A `Spawn` runs what the job's record in the metadata says, under the uid and gid it names
 /// (set by the launcher from its caller's credentials): a peer's word alone starts nothing,
 /// and no certificate makes a node root on the others.
-fn check_spawn(node: &Node, spec: &JobSpec) -> Result<(), OpError> {
-    let st = node.meta_state();
+fn check_spawn(st: &MetaState, spec: &JobSpec) -> Result<(), OpError> {
     let Some(sum) = st.jobs.get(&spec.job).and_then(|r| r.spec.as_ref()) else {
         return Err(OpError::new(
             ErrorKind::Permission,
@@ -613,10 +612,14 @@ pub fn spawn_local(node: &Arc<Node>, jobs: &Arc<Jobs>, spec: JobSpec, ranks: Vec
 }
 
 /// Answers the launcher-related peer messages.
-pub fn serve(node: &Arc<Node>, jobs: &Arc<Jobs>, req: PeerReq) -> Result<PeerResp, OpError> {
+pub async fn serve(node: &Arc<Node>, jobs: &Arc<Jobs>, req: PeerReq) -> Result<PeerResp, OpError> {
     match req {
         PeerReq::Spawn { spec, ranks } => {
-            check_spawn(node, &spec)?;
+            // The launcher recorded the job just before: a node that has not applied the record
+            // yet catches up to the leader's read index and looks again.
+            if check_spawn(&node.meta_state(), &spec).is_err() {
+                check_spawn(&node.meta_fresh().await?, &spec)?;
+            }
             spawn_local(node, jobs, spec, ranks).map(|()| PeerResp::Ok)
         }
         PeerReq::RankOutput { job, rank, err, data } => {

@@ -531,6 +531,7 @@ impl Node {
 
     pub(crate) fn heartbeat(&self) -> Heartbeat {
         let st = self.meta_state();
+        let log = self.replication.status();
         let rebuilding = self.my_logical(&st).is_some_and(|l| st.rebuilding.contains_key(&l.0));
         let svm = self
             .beat
@@ -540,7 +541,8 @@ impl Node {
             incarnation: self.incarnation,
             pid: std::process::id(),
             // The last index of the metadata log here (0: it never held an entry).
-            meta_seq: self.replication.status().last_index,
+            meta_seq: log.last_index,
+            meta_log: (log.term, log.commit, log.applied),
             memory_used_bytes: rss_bytes(),
             memory_capacity_bytes: self.me.memory_mb * 1024 * 1024,
             disk_used_bytes: self.disk_used.load(Ordering::Relaxed),
@@ -614,7 +616,9 @@ impl Node {
                     Ok(PeerResp::NotCoordinator) => Err(SubmitError::NotLeader { leader: None }),
                     Ok(PeerResp::Interrupted) => Err(SubmitError::Unknown),
                     Ok(PeerResp::Error { kind, message }) => {
-                        if unknown && op.reflected_in(&self.meta_state()) {
+                        // Refused by the leader's state: this node catches up to it first.
+                        let st = self.meta_fresh().await?;
+                        if unknown && op.reflected_in(&st) {
                             return Ok(0);
                         }
                         return Err(OpError::new(kind, message));
@@ -642,7 +646,10 @@ impl Node {
                     return Ok(index);
                 }
                 Err(SubmitError::Rejected(e)) => {
-                    if unknown && op.reflected_in(&self.meta_state()) {
+                    // Refused on a state the caller may look at next (a create refused as
+                    // existing, then a lookup): this node catches up to it first.
+                    let st = self.meta_fresh().await?;
+                    if unknown && op.reflected_in(&st) {
                         return Ok(0);
                     }
                     return Err(e.into());
@@ -676,15 +683,18 @@ impl Node {
     }
 
     /// Start-up and every heartbeat round: a node whose metadata store is new and empty learns
-    /// from heartbeats whether the cluster is new (a majority of the other voters hold no log
-    /// entry), and then takes part in elections.
+    /// from heartbeats whether the cluster is new (enough other voters hold no log entry that
+    /// none can ever have been committed), and then takes part in elections.
     pub fn check_fresh_cluster(&self) {
         let st = self.replication.status();
         if !st.amnesiac || st.last_index > 0 {
             return;
         }
+        // An entry ever committed is on a quorum, so on at least quorum - 1 other voters: once
+        // more than (voters - 1) - (quorum - 1) others report an empty log, none was committed.
         let voters = self.cfg.all().count();
         let quorum = voters / 2 + 1;
+        let need = voters - quorum + 1;
         let now_ms = self.now_ms();
         let empty = self.with_heartbeats(|m| {
             self.cfg
@@ -693,7 +703,7 @@ impl Node {
                 .filter(|n| m.heartbeat(&n.name).is_some_and(|h| h.meta_seq == 0))
                 .count()
         });
-        if empty >= quorum {
+        if empty >= need {
             self.replication.fresh_cluster();
         }
     }
@@ -864,7 +874,7 @@ impl Node {
                 let t = Instant::now();
                 let st = self.meta_reached(seq).await?;
                 let wait_us = t.elapsed().as_micros() as u64;
-                let f = st.files.values().find(|f| f.id == file);
+                let f = st.file_by_id(file);
                 let refs = self.refs(&indices, |_, i| f.map_or(0, |f| f.page_gen(i)));
                 if let Some(r) = refs.iter().find(|r| r.gen >= gen) {
                     return Err(OpError::new(

@@ -116,7 +116,10 @@ pub struct SafeCall {
 pub struct Heartbeat {
     pub incarnation: u64,
     pub pid: u32,
+    /// The last index of the sender's metadata log (0: it never held an entry).
     pub meta_seq: u64,
+    /// The sender's metadata log: its term, commit and applied indexes.
+    pub meta_log: (u64, u64, u64),
     pub memory_used_bytes: u64,
     pub memory_capacity_bytes: u64,
     pub disk_used_bytes: u64,

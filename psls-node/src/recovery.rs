@@ -177,7 +177,7 @@ async fn roll_back_pass(
     let epoch = settle_memory(node, job, persistent, fenced).await?;
     step(format!("every node drops the pages written since checkpoint {epoch}"));
     let mut files = crate::launcher::job_files(node, job, false).await;
-    if let Ok(area) = crate::pfs::lookup_file(node, &state_file_name(job)) {
+    if let Ok(area) = crate::pfs::lookup_file(node, &state_file_name(job)).await {
         files.push(area.id);
     }
     files.sort_unstable();

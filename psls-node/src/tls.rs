@@ -14,7 +14,7 @@ use std::sync::Arc;
 /// whenever a peer message changes (2: `Fwd`/`Data` carry the acks of the grant they stand
 /// for; releases are answered by notices; 3: metadata is replicated with epochs and a quorum,
 /// `Meta` messages on the link instead of `MetaApply`/`MetaFetch`).
-pub const ALPN: &[u8] = b"psls/10";
+pub const ALPN: &[u8] = b"psls/11";
 
 /// TLS 1.3 with AES-128-GCM only: 128-bit security, and the cheapest AEAD on CPUs with AES
 /// instructions (10 AES rounds instead of AES-256's 14; page data is encrypted once by the

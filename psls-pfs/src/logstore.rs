@@ -400,6 +400,7 @@ impl LogStore {
                 state,
                 applied_term: applied.1,
                 amnesiac,
+                legacy,
             },
             legacy,
             created,
@@ -421,9 +422,12 @@ impl LogStore {
             m.insert("hard_state", le(&[hs.term, hs.vote, hs.commit]).as_slice())?;
             m.insert("applied", le(&[p.applied.0, p.applied.1]).as_slice())?;
             m.insert("amnesiac", [p.amnesiac as u8].as_slice())?;
+            match p.legacy {
+                Some(l) => m.insert("legacy", le(&[l]).as_slice())?,
+                None => m.remove("legacy")?,
+            };
             if let Some((i, t)) = p.snapshot {
                 m.insert("compacted", le(&[i, t]).as_slice())?;
-                m.remove("legacy")?;
             }
             if let Some((i, t)) = p.compact_to {
                 m.insert("compacted", le(&[i, t]).as_slice())?;

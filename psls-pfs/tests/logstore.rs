@@ -79,11 +79,17 @@ struct Cluster {
 
 impl Cluster {
     fn new(seed: u64) -> Cluster {
+        Cluster::prepared(seed, |_, _| {})
+    }
+
+    /// A cluster whose voters' folders `prep` fills first.
+    fn prepared(seed: u64, prep: impl Fn(&std::path::Path, u32)) -> Cluster {
         let tmp = tempfile::tempdir().expect("tmp");
         let voters = (0..VOTERS)
             .map(|v| {
                 let dir = tmp.path().join(format!("n{v}"));
                 std::fs::create_dir_all(&dir).expect("dir");
+                prep(&dir, v);
                 let (disk, store, log, _, _) = open(&dir, v, seed * 10 + v as u64);
                 Voter {
                     dir,
@@ -422,4 +428,70 @@ fn a_store_of_the_format_before_the_log_converts() {
     assert_eq!(log.applied(), 6);
     let fresh: Durable<MetaState> = Durable::fresh(false);
     assert_eq!(fresh.state.seq, 0);
+}
+
+/// Voters converted from stores before the log at different sequence numbers: the one that
+/// held a state no majority had (an operation committed on it alone, never acknowledged) drops
+/// it when a leader with the majority's state appends, and catches up from that leader.
+#[test]
+fn a_converted_voter_ahead_of_the_leader_drops_its_state_and_catches_up() {
+    let mut c = Cluster::prepared(5, |dir, v| {
+        let disk = psls_pfs::FileDisk::new(dir).expect("disk");
+        let mut old = psls_pfs::meta::MetaStore::open(&disk).expect("old store");
+        for i in 0..6 {
+            old.apply(&MetaOp::CommitFile {
+                meta: meta(&format!("f{i}"), 10 + i),
+                replaces: None,
+                placed_at: None,
+            })
+            .expect("applies");
+        }
+        if v == 2 {
+            old.apply(&MetaOp::CommitFile {
+                meta: meta("extra", 99),
+                replaces: None,
+                placed_at: None,
+            })
+            .expect("applies");
+        }
+    });
+    assert_eq!(c.voters[2].log.legacy(), Some(7));
+    assert_eq!(c.voters[0].log.legacy(), Some(6));
+    // The reference log starts from the majority's converted state.
+    let base = c.voters[0].log.state().clone();
+    c.states = (0..=6).map(|_| base.clone()).collect();
+    for i in 1..=6 {
+        c.record.insert(i, None);
+    }
+    // Voter 2 does not campaign: voter 0 (the majority's state) leads.
+    c.voters[2].log.set_eligible(false);
+    for _ in 0..300 {
+        c.tick();
+        if c.leader() == Some(0) && c.voters[2].log.legacy().is_none() {
+            break;
+        }
+    }
+    assert_eq!(c.leader(), Some(0));
+    c.submit(MetaOp::CommitFile {
+        meta: meta("after", 50),
+        replaces: None,
+        placed_at: None,
+    });
+    for _ in 0..100 {
+        c.tick();
+    }
+    let want = c.voters[0].log.state().clone();
+    assert!(want.files.contains_key("after") && !want.files.contains_key("extra"));
+    for v in 0..VOTERS {
+        assert_eq!(c.voters[v as usize].log.state(), &want, "voter {v}");
+        assert_eq!(c.voters[v as usize].log.legacy(), None, "voter {v}");
+    }
+    // What voter 2 has on disk is the leader's lineage too (its tables were checked against the
+    // log by the power cut); it applies the rest again.
+    c.power_cut(2);
+    assert!(!c.voters[2].log.state().files.contains_key("extra"));
+    for _ in 0..50 {
+        c.tick();
+    }
+    assert_eq!(c.voters[2].log.state(), &want);
 }

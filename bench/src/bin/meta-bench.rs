@@ -265,6 +265,9 @@ mod offline {
             stores.push((n.name.clone(), m));
         }
         let first = stores[0].1.state().clone();
+        if first.seq == 0 {
+            bail!("--populate offline fills only stores of the format before the metadata log (this one is empty or newer): use --populate creates");
+        }
         for (name, m) in &stores {
             if *m.state() != first {
                 bail!("{name}'s metadata differs from {}'s: cannot fill offline", stores[0].0);

@@ -91,7 +91,7 @@ impl CkptShell {
             taken.extend(self.state_pages(job, epoch, f.id));
         }
         // Files removed meanwhile: nothing to keep.
-        taken.retain(|t| st.files.values().any(|f| f.id == t.file));
+        taken.retain(|t| st.file_by_id(t.file).is_some());
         self.taken.locked().insert(
             (job.to_string(), epoch),
             taken.iter().map(|t| (t.file, t.indices.clone())).collect(),

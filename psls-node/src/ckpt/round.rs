@@ -388,7 +388,7 @@ impl CkptShell {
                 if !clash {
                     let st = node.meta_state();
                     crate::pfs::check_all_serving(node, &st)?;
-                    if let Some(id) = files.iter().find(|id| !st.files.values().any(|f| f.id == **id)) {
+                    if let Some(id) = files.iter().find(|id| st.file_by_id(**id).is_none()) {
                         return Err(OpError::new(ErrorKind::NotFound, format!("no file with id {id}")));
                     }
                     let mut started = self.started.locked();

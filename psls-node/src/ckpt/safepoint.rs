@@ -445,7 +445,7 @@ impl CkptShell {
             }
         }
         let st = node.meta_state();
-        if st.jobs.contains_key(job) || st.files.values().any(|f| f.written_by(job)) {
+        if st.jobs.contains_key(job) || st.files_written_by(job).next().is_some() {
             if let Err(e) = node
                 .submit(psls_pfs::meta::MetaOp::EndJob { job: job.to_string() })
                 .await
@@ -573,7 +573,8 @@ impl CkptShell {
     /// The state rank `rank` of `job` saved at checkpoint `epoch`.
     pub async fn restart_state(self: &Arc<Self>, job: &str, rank: u32, epoch: u64) -> Result<Vec<u8>, OpError> {
         let node = &self.node;
-        let st = node.meta_state();
+        // Every checkpoint record answered before the call.
+        let st = node.meta_fresh().await?;
         let committed = st.jobs.get(job).map_or(0, |r| r.epoch);
         // Or a memory checkpoint, as this node's rollback settled it.
         let memory = node.frames.job(job).committed;
@@ -583,7 +584,7 @@ impl CkptShell {
                 format!("job {job} has no checkpoint {epoch} (its last is {committed})"),
             ));
         }
-        let f = crate::pfs::lookup_file(node, &states::state_file_name(job))?;
+        let f = crate::pfs::lookup_file(node, &states::state_file_name(job)).await?;
         let first = rank as u64 * states::SLOT_PAGES;
         if first + states::SLOT_PAGES > f.pages() {
             return Err(OpError::new(

@@ -136,6 +136,9 @@ pub fn status(node: &Node) -> ClusterStatus {
                 disk_used_bytes: hb.as_ref().map_or(0, |h| h.disk_used_bytes),
                 disk_free_bytes: hb.as_ref().map_or(0, |h| h.disk_free_bytes),
                 coordinator: coordinator.as_deref() == Some(n.name.as_str()),
+                meta_term: hb.as_ref().map_or(0, |h| h.meta_log.0),
+                meta_commit: hb.as_ref().map_or(0, |h| h.meta_log.1),
+                meta_applied: hb.as_ref().map_or(0, |h| h.meta_log.2),
                 // The metadata says whether a node is rebuilding; its heartbeat only how far along.
                 rebuild: logical
                     .filter(|l| st.rebuilding.get(l).is_some_and(|r| r.physical == n.name))
@@ -154,6 +157,7 @@ pub fn status(node: &Node) -> ClusterStatus {
         via: node.me.name.clone(),
         coordinator,
         meta_seq: st.seq,
+        meta_term: node.replication.status().term,
         map_version: st.map_version,
         files: st.files.len() as u64,
         nodes,

@@ -211,7 +211,7 @@ pub(super) async fn lifeline(
     d.ckpt.release_all(pid).await;
     let job = process_job(d, pid);
     let st = node.meta_state();
-    if st.jobs.contains_key(&job) || st.files.values().any(|f| f.written_by(&job)) {
+    if st.jobs.contains_key(&job) || st.files_written_by(&job).next().is_some() {
         if let Err(e) = node.submit(psls_pfs::meta::MetaOp::EndJob { job: job.clone() }).await {
             tracing::warn!(node = %node.name(), job, error = %e, "could not drop an ended process's checkpoint record");
         }
@@ -365,7 +365,7 @@ async fn map(
         let f = if create {
             pfs::lookup_or_create(node, caller, name, size, 0o644).await?
         } else {
-            pfs::lookup_file(node, name)?
+            pfs::lookup_file(node, name).await?
         };
         caller.check_read(&f)?;
         if writable {

@@ -127,7 +127,7 @@ pub(super) fn check_space(node: &Node, st: &MetaState, id: FileId, size: u64) ->
 pub(super) fn new_file_id(st: &MetaState) -> FileId {
     loop {
         let id = FileId(rand::random::<u64>() | 1);
-        if !st.files.values().any(|f| f.id == id) {
+        if st.file_by_id(id).is_none() {
             return id;
         }
     }
@@ -525,7 +525,7 @@ impl Importer {
     pub async fn abort(mut self) {
         self.inflight.abort_all();
         while self.inflight.join_next().await.is_some() {}
-        if self.node.meta_state().files.values().any(|f| f.id == self.meta.id) {
+        if self.node.file_by_id(self.meta.id).is_some() {
             return;
         }
         tracing::info!(node = %self.node.name(), file = %self.meta.id, "import aborted; discarding its pages");
@@ -606,22 +606,27 @@ pub async fn lookup_or_create(
     size: u64,
     mode: u32,
 ) -> Result<FileMeta, OpError> {
-    match lookup_file(node, name) {
+    match lookup_file(node, name).await {
         Err(e) if e.kind == ErrorKind::NotFound => {
             match create(node, caller, name, size, mode).await {
                 Ok(_) => {}
                 Err(e) if e.kind == ErrorKind::Exists => {}
                 Err(e) => return Err(e),
             }
-            lookup_file(node, name)
+            lookup_file(node, name).await
         }
         found => found,
     }
 }
 
-/// The committed file named `name`.
-pub fn lookup_file(node: &Node, name: &str) -> Result<FileMeta, OpError> {
-    lookup(&node.meta_state(), name)
+/// The committed file named `name`: from the applied namespace, or, if it is not there, from
+/// the namespace caught up to the leader's read index (it may have been created through
+/// another node a moment ago).
+pub async fn lookup_file(node: &Arc<Node>, name: &str) -> Result<FileMeta, OpError> {
+    match lookup(&node.meta_state(), name) {
+        Err(e) if e.kind == ErrorKind::NotFound => lookup(&node.meta_fresh().await?, name),
+        found => found,
+    }
 }
 
 pub fn stat(node: &Node, caller: Caller, name: &str) -> Result<(FileInfo, Vec<Stripe>), OpError> {
