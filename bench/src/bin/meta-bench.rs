@@ -36,6 +36,12 @@ struct Args {
     dir: Option<PathBuf>,
     skip_mgs: bool,
     skip_ops: bool,
+    /// Keep n3 down while the store fills to the largest size, then time its catch-up.
+    catch_up: bool,
+    /// Only the store figures (in process): bytes per checkpoint record, disk after many ops.
+    store_only: bool,
+    /// Operations of the store figures' churn.
+    churn_ops: u64,
     /// How long a cluster may take to become healthy.
     up: Duration,
 }
@@ -52,6 +58,9 @@ fn args() -> Result<Args> {
         dir: None,
         skip_mgs: false,
         skip_ops: false,
+        catch_up: false,
+        store_only: false,
+        churn_ops: 1_000_000,
         up: Duration::from_secs(120),
     };
     let mut it = std::env::args().skip(1);
@@ -65,8 +74,16 @@ fn args() -> Result<Args> {
                 a.skip_ops = true;
                 continue;
             }
+            "--catch-up" => {
+                a.catch_up = true;
+                continue;
+            }
+            "--store-only" => {
+                a.store_only = true;
+                continue;
+            }
             "--help" | "-h" => {
-                println!("usage: meta-bench [--sizes 100,10000,100000] [--ops 200] [--budget-s 60] [--rounds 2] [--vectors 512] [--every 16] [--populate creates|offline] [--dir DIR] [--skip-mgs] [--skip-ops] [--up-timeout-s 120]");
+                println!("usage: meta-bench [--sizes 100,10000,100000] [--ops 200] [--budget-s 60] [--rounds 2] [--vectors 512] [--every 16] [--populate creates|offline] [--dir DIR] [--skip-mgs] [--skip-ops] [--up-timeout-s 120] [--catch-up] [--store-only] [--churn-ops 1000000]");
                 std::process::exit(0);
             }
             _ => {}
@@ -82,6 +99,7 @@ fn args() -> Result<Args> {
             "--ops" => a.ops = v()?.parse().context("--ops")?,
             "--budget-s" => a.budget = Duration::from_secs(v()?.parse().context("--budget-s")?),
             "--up-timeout-s" => a.up = Duration::from_secs(v()?.parse().context("--up-timeout-s")?),
+            "--churn-ops" => a.churn_ops = v()?.parse().context("--churn-ops")?,
             "--rounds" => a.rounds = v()?.parse().context("--rounds")?,
             "--vectors" => a.vectors = v()?.parse().context("--vectors")?,
             "--every" => a.every = v()?.parse().context("--every")?,
@@ -249,6 +267,213 @@ fn populate(a: &Args, cdir: &Path, target: usize) -> Result<()> {
     Ok(())
 }
 
+/// Stops `node`'s daemon (SIGKILL).
+fn stop(cdir: &Path, node: &str) -> Result<()> {
+    let pid = psls_client::cluster::running_pid(cdir, node).with_context(|| format!("{node} is not running"))?;
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL)?;
+    psls_client::cluster::wait_gone(pid, Duration::from_secs(10));
+    Ok(())
+}
+
+/// The store's own figures, in process: one voter (a `Log` over `MetaState` and a `LogStore` on
+/// a real file with fsync), no network.
+mod store {
+    use super::*;
+    use psls_cluster::log::{Action, Durable, Limits, Log};
+    use psls_pfs::file::FileMeta;
+    use psls_pfs::jobs::FileRuns;
+    use psls_pfs::logstore::LogStore;
+    use psls_pfs::meta::{MetaOp, MetaState};
+
+    struct One {
+        log: Log<MetaState, u64>,
+        store: LogStore,
+        /// Bytes handed to the store for the last operation: its log entry and its records.
+        written: u64,
+    }
+
+    impl One {
+        fn new(dir: &Path) -> Result<One> {
+            let disk = psls_pfs::FileDisk::new(dir)?;
+            let (store, opened) = LogStore::open(&disk, false)?;
+            let mut durable: Durable<MetaState> = opened.durable;
+            durable.amnesiac = false;
+            let limits = Limits::for_timeout(1000, 50);
+            let log = Log::new(0, 1, limits, durable, 1).map_err(|e| anyhow::anyhow!("{e}"))?;
+            let mut one = One { log, store, written: 0 };
+            for _ in 0..100 {
+                one.log.handle_tick();
+                one.drain()?;
+                if one.log.is_leader() {
+                    break;
+                }
+            }
+            Ok(one)
+        }
+
+        fn drain(&mut self) -> Result<()> {
+            while let Some(a) = self.log.poll_action() {
+                if let Action::Persist(p) = a {
+                    self.written += p.entries.iter().map(|e| e.data.len() as u64 + 13).sum::<u64>();
+                    self.written += postcard::to_stdvec(&(
+                        &p.changes.files,
+                        &p.changes.ids,
+                        &p.changes.gens,
+                        &p.changes.jobs,
+                        &p.changes.nodes,
+                    ))?
+                    .len() as u64;
+                    self.store.persist(&p)?;
+                }
+            }
+            Ok(())
+        }
+
+        /// Submits a batch of operations, one write for all.
+        fn batch(&mut self, ops: &[MetaOp]) -> Result<()> {
+            for (i, op) in ops.iter().enumerate() {
+                self.log.submit(i as u64, op);
+            }
+            self.drain()
+        }
+    }
+
+    fn file(name: String, id: u64, pages: u64) -> FileMeta {
+        FileMeta {
+            id: psls_svm::FileId(id),
+            name,
+            size: pages * 4096,
+            uid: 0,
+            gid: 0,
+            mode: 0o644,
+            gen: 0,
+            created_unix_ms: 0,
+            written: Default::default(),
+            writer: None,
+        }
+    }
+
+    pub fn figures(churn_ops: u64) -> Result<()> {
+        let tmp = tempfile::tempdir()?;
+        // 1. A persistent checkpoint's records against the generation runs it changes, with
+        //    100,000 other files in the store.
+        let mut one = One::new(tmp.path())?;
+        let others: Vec<MetaOp> = (0..100_000u64)
+            .map(|i| MetaOp::CommitFile {
+                meta: file(format!("other-{i}"), 1_000_000 + i, 1),
+                replaces: None,
+                placed_at: None,
+            })
+            .collect();
+        for chunk in others.chunks(1000) {
+            one.batch(chunk)?;
+        }
+        let job = "bench".to_string();
+        let files: Vec<u64> = (0..4).collect();
+        let mut ops: Vec<MetaOp> = files
+            .iter()
+            .map(|&f| MetaOp::CommitFile {
+                meta: file(format!("job-{f}"), 10 + f, 1024),
+                replaces: None,
+                placed_at: None,
+            })
+            .collect();
+        ops.extend(files.iter().map(|&f| MetaOp::ClaimWriter {
+            file: psls_svm::FileId(10 + f),
+            job: job.clone(),
+        }));
+        one.batch(&ops)?;
+        let mut ratios = Vec::new();
+        for epoch in 1..=20u64 {
+            one.written = 0;
+            one.batch(&[MetaOp::BeginCheckpoint { job: job.clone(), epoch }])?;
+            let begin = one.written;
+            let st = one.log.state();
+            let r = st.jobs.get(&job).cloned().unwrap_or_default();
+            // Each file: 8 runs of 16 pages written (as a job writing scattered blocks).
+            let runs: Vec<FileRuns> = files
+                .iter()
+                .map(|&f| FileRuns {
+                    file: psls_svm::FileId(10 + f),
+                    runs: (0..8).map(|k| (k * 128 + epoch % 64, k * 128 + epoch % 64 + 16)).collect(),
+                })
+                .collect();
+            let run_bytes: u64 = runs.iter().map(|f| 8 + 16 * f.runs.len() as u64).sum();
+            one.written = 0;
+            one.batch(&[MetaOp::Checkpoint {
+                job: job.clone(),
+                epoch,
+                gen: r.started_gen,
+                placed_at: st.map_version,
+                files: runs,
+                at_unix_ms: 0,
+                bytes: 0,
+            }])?;
+            let commit = one.written;
+            ratios.push((begin + commit) as f64 / run_bytes as f64);
+            if epoch == 20 {
+                println!(
+                    "persistent checkpoint with 100,000 other files: begin record {begin} B, commit record {commit} B, for {run_bytes} B of changed generation runs (ratio {:.2})",
+                    (begin + commit) as f64 / run_bytes as f64
+                );
+            }
+        }
+        let worst = ratios.iter().cloned().fold(0.0, f64::max);
+        println!("  worst of 20 checkpoints: {worst:.2} x the changed runs");
+        drop(one);
+
+        // 2. Disk after many operations: creates and removes churning 10,000 live files.
+        let dir = tmp.path().join("churn");
+        std::fs::create_dir_all(&dir)?;
+        let mut one = One::new(&dir)?;
+        let live = 10_000u64;
+        let t = Instant::now();
+        let mut done = 0u64;
+        let mut next = 0u64;
+        while done < churn_ops {
+            let mut ops = Vec::with_capacity(1000);
+            for _ in 0..500 {
+                ops.push(MetaOp::CommitFile {
+                    meta: file(format!("churn-{next}"), 1 + next, 1),
+                    replaces: None,
+                    placed_at: None,
+                });
+                if next >= live {
+                    let old = next - live;
+                    ops.push(MetaOp::RemoveFile {
+                        name: format!("churn-{old}"),
+                        id: psls_svm::FileId(1 + old),
+                    });
+                }
+                next += 1;
+            }
+            done += ops.len() as u64;
+            one.batch(&ops)?;
+        }
+        let st = one.log.state();
+        let state_bytes = st.encode().len() as u64;
+        let disk = one.store.bytes_on_disk();
+        println!(
+            "{done} operations ({:.0}/s in batches of 1000): {} live files, live state {:.2} MiB encoded, store {:.2} MiB on disk ({:.2} x), log {}..{}",
+            done as f64 / t.elapsed().as_secs_f64(),
+            st.files.len(),
+            state_bytes as f64 / (1 << 20) as f64,
+            disk as f64 / (1 << 20) as f64,
+            disk as f64 / state_bytes as f64,
+            one.log.first_index(),
+            one.log.last_index()
+        );
+        println!(
+            "{}",
+            serde_json::json!({
+                "bench": "meta-store", "checkpoint_bytes_ratio_worst": worst,
+                "churn_ops": done, "live_files": st.files.len(), "state_bytes": state_bytes, "disk_bytes": disk,
+            })
+        );
+        Ok(())
+    }
+}
+
 /// Filling the store offline (the cluster stopped), for the code before issue 22.
 mod offline {
     use super::*;
@@ -331,6 +556,9 @@ fn mgs(bin: &Path, cdir: &Path, a: &Args, level: Option<&str>) -> Result<Mgs> {
 
 fn main() -> Result<()> {
     let a = args()?;
+    if a.store_only {
+        return store::figures(a.churn_ops);
+    }
     let bin = std::env::current_exe()?.parent().context("no folder")?.to_path_buf();
     for b in ["psls", "psls-node", "mgs"] {
         if !bin.join(b).exists() {
@@ -355,8 +583,24 @@ fn run(a: &Args, bin: &Path, big: &Path, empty: &Path) -> Result<()> {
     let mut out = serde_json::json!({"bench": "meta", "populate": if a.offline { "offline" } else { "creates" }});
     psls_client::cluster::up(big, a.up, true)?;
     let mut sizes = Vec::new();
+    let largest = *a.sizes.last().unwrap_or(&0);
     for &size in &a.sizes {
+        let lagging = a.catch_up && size == largest;
+        if lagging {
+            stop(big, "n3")?;
+        }
+        let before = count(big)?;
         populate(a, big, size)?;
+        if lagging {
+            let t = Instant::now();
+            psls_client::cluster::up(big, a.up, true)?;
+            let secs = t.elapsed().as_secs_f64();
+            println!(
+                "n3, down while {} operations were applied, caught up in {secs:.2} s (from its start to the cluster healthy)",
+                size - before
+            );
+            out["catch_up"] = serde_json::json!({"missed_ops": size - before, "s": secs});
+        }
         if a.skip_ops {
             continue;
         }
