@@ -1,5 +1,5 @@
-//! The node's core ([`Node`]): configuration and identity, the page store and the metadata
-//! replica, the failure detector and heartbeats, the transport and requests to peers (a
+//! The node's core ([`Node`]): configuration and identity, the page store and the applied
+//! namespace (published by the metadata log), the failure detector and heartbeats, the transport and requests to peers (a
 //! request to itself goes to the daemon's handler, wired at start-up), metadata submission
 //! through the coordinator, and the page-store requests peers make. Every subsystem is built
 //! on it and gets it as its door; it imports none of them (the subsystems and the dispatch sit
@@ -16,8 +16,10 @@
 //! Invariants:
 //! - a page is written to this node's store only if placement makes this node's logical id its
 //!   holder in that role (checked on every `WritePages`);
-//! - metadata operations are ordered by the coordinator in an epoch a quorum promised
-//!   (`replication`), and a submission is answered once every live node has the result;
+//! - metadata operations are entries of the metadata log (`replication`), ordered by its leader
+//!   (the coordinator); a submission is answered once applied at the leader and here, and a
+//!   lookup that must see every answered operation first applies up to the leader's read index
+//!   ([`Node::meta_fresh`]);
 //! - blocking disk work runs on the blocking pool, never on the async workers.
 
 use crate::failstop::Locked;

@@ -168,6 +168,7 @@ const NODES: [&str; 4] = ["n0", "n1", "n2", "n3"];
 /// taking items `c, c + clients, ...`), until every item is done or `budget` is spent.
 fn measure(
     cdir: &Path,
+    nodes: &[&str],
     clients: usize,
     items: &[String],
     budget: Duration,
@@ -179,7 +180,7 @@ fn measure(
         let hs: Vec<_> = (0..clients)
             .map(|c| {
                 s.spawn(move || -> Result<Done> {
-                    let mut cl = psls_client::cluster::connect(cdir, Some(NODES[c % NODES.len()]))?;
+                    let mut cl = psls_client::cluster::connect(cdir, Some(nodes[c % nodes.len()]))?;
                     let mut lat = Vec::new();
                     let mut done = Vec::new();
                     let mut failed = Vec::new();
@@ -241,13 +242,13 @@ fn remove(c: &mut psls_client::Client, name: &str) -> Result<()> {
 }
 
 /// Files in the store now.
-fn count(cdir: &Path) -> Result<usize> {
-    Ok(psls_client::cluster::connect(cdir, Some("n0"))?.ls()?.len())
+fn count(cdir: &Path, node: &str) -> Result<usize> {
+    Ok(psls_client::cluster::connect(cdir, Some(node))?.ls()?.len())
 }
 
 /// Fills the store up to `target` files named `fill-*`.
-fn populate(a: &Args, cdir: &Path, target: usize) -> Result<()> {
-    let have = count(cdir)?;
+fn populate(a: &Args, cdir: &Path, target: usize, nodes: &[&str]) -> Result<()> {
+    let have = count(cdir, nodes[0])?;
     if have >= target {
         return Ok(());
     }
@@ -256,10 +257,10 @@ fn populate(a: &Args, cdir: &Path, target: usize) -> Result<()> {
         offline::fill(cdir, have, target, a.up)?;
     } else {
         let names: Vec<String> = (have..target).map(|i| format!("fill-{i}")).collect();
-        let (s, _) = measure(cdir, 8, &names, Duration::from_secs(86_400), create)?;
+        let (s, _) = measure(cdir, nodes, 8, &names, Duration::from_secs(86_400), create)?;
         eprintln!("filled {} files by creates: {}", names.len(), s.line());
     }
-    let now = count(cdir)?;
+    let now = count(cdir, nodes[0])?;
     if now != target {
         bail!("the store holds {now} files, not {target}");
     }
@@ -386,7 +387,10 @@ mod store {
         let mut ratios = Vec::new();
         for epoch in 1..=20u64 {
             one.written = 0;
-            one.batch(&[MetaOp::BeginCheckpoint { job: job.clone(), epoch }])?;
+            one.batch(&[MetaOp::BeginCheckpoint {
+                job: job.clone(),
+                epoch,
+            }])?;
             let begin = one.written;
             let st = one.log.state();
             let r = st.jobs.get(&job).cloned().unwrap_or_default();
@@ -395,7 +399,9 @@ mod store {
                 .iter()
                 .map(|&f| FileRuns {
                     file: psls_svm::FileId(10 + f),
-                    runs: (0..8).map(|k| (k * 128 + epoch % 64, k * 128 + epoch % 64 + 16)).collect(),
+                    runs: (0..8)
+                        .map(|k| (k * 128 + epoch % 64, k * 128 + epoch % 64 + 16))
+                        .collect(),
                 })
                 .collect();
             let run_bytes: u64 = runs.iter().map(|f| 8 + 16 * f.runs.len() as u64).sum();
@@ -589,8 +595,8 @@ fn run(a: &Args, bin: &Path, big: &Path, empty: &Path) -> Result<()> {
         if lagging {
             stop(big, "n3")?;
         }
-        let before = count(big)?;
-        populate(a, big, size)?;
+        let before = count(big, "n0")?;
+        populate(a, big, size, if lagging { &NODES[..3] } else { &NODES })?;
         if lagging {
             let t = Instant::now();
             psls_client::cluster::up(big, a.up, true)?;
@@ -607,12 +613,12 @@ fn run(a: &Args, bin: &Path, big: &Path, empty: &Path) -> Result<()> {
         let mut row = serde_json::json!({"files": size});
         for clients in [1usize, 8] {
             let names: Vec<String> = (0..a.ops).map(|i| format!("b{size}-{clients}-{i}")).collect();
-            let (c, made) = measure(big, clients, &names, a.budget, create)?;
-            let (s, _) = measure(big, clients, &made, a.budget, stat)?;
-            let (r, removed) = measure(big, clients, &made, a.budget, remove)?;
+            let (c, made) = measure(big, &NODES, clients, &names, a.budget, create)?;
+            let (s, _) = measure(big, &NODES, clients, &made, a.budget, stat)?;
+            let (r, removed) = measure(big, &NODES, clients, &made, a.budget, remove)?;
             // Whatever the budget left behind goes too, so the store is back at `size`.
             let left: Vec<String> = made.iter().filter(|n| !removed.contains(n)).cloned().collect();
-            measure(big, 8, &left, Duration::from_secs(86_400), remove)?;
+            measure(big, &NODES, 8, &left, Duration::from_secs(86_400), remove)?;
             println!("{size:7} files, {clients} client(s): create {}", c.line());
             println!("{size:7} files, {clients} client(s): stat   {}", s.line());
             println!("{size:7} files, {clients} client(s): remove {}", r.line());
