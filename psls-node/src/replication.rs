@@ -247,14 +247,16 @@ impl Replication {
             if inputs.is_empty() {
                 log.set_eligible(node.may_lead());
                 log.handle_tick();
-                // No leader for a while, and this node is the one that should lead (the lowest
-                // live voter): it campaigns without waiting out a whole election timeout (a
-                // cluster's first start, or its leader lost).
-                leaderless_ticks = if log.leader().is_some() {
-                    0
-                } else {
-                    leaderless_ticks + 1
-                };
+                // No leader heard for a while, and this node is the one that should lead (the
+                // lowest live voter): it campaigns without waiting out a randomized election
+                // timeout (a cluster's first start, or its leader lost). A leader the failure
+                // detector no longer hears counts as none: its followers are out of its lease as
+                // soon (the failure timeout is the election timeout).
+                let heard = log
+                    .leader()
+                    .and_then(|l| repl.voters.get(l as usize))
+                    .is_some_and(|l| node.is_reachable(l));
+                leaderless_ticks = if heard { 0 } else { leaderless_ticks + 1 };
                 if leaderless_ticks >= 2 * limits.heartbeat_ticks as u64 && node.first_live_voter() {
                     leaderless_ticks = 0;
                     log.campaign();
