@@ -28,6 +28,30 @@ pub struct FileMeta {
 }
 
 impl FileMeta {
+    /// A zero-filled file as `psls create` commits it: generation 0, no page written, no writer.
+    pub fn zeroed(
+        id: FileId,
+        name: String,
+        size: u64,
+        uid: u32,
+        gid: u32,
+        mode: u32,
+        created_unix_ms: u64,
+    ) -> FileMeta {
+        FileMeta {
+            id,
+            name,
+            size,
+            uid,
+            gid,
+            mode,
+            gen: 0,
+            created_unix_ms,
+            written: PageGens::default(),
+            writer: None,
+        }
+    }
+
     pub fn pages(&self) -> u64 {
         self.size.div_ceil(PAGE_SIZE as u64)
     }

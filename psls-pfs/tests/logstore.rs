@@ -249,18 +249,7 @@ impl Cluster {
 }
 
 fn meta(name: &str, id: u64) -> FileMeta {
-    FileMeta {
-        id: FileId(id),
-        name: name.into(),
-        size: 64 * 4096,
-        uid: 0,
-        gid: 0,
-        mode: 0o644,
-        gen: 0,
-        created_unix_ms: 0,
-        written: Default::default(),
-        writer: None,
-    }
+    FileMeta::zeroed(FileId(id), name.into(), 64 * 4096, 0, 0, 0o644, 0)
 }
 
 /// A random operation on a small namespace (so many are refused, some are not).

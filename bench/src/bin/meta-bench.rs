@@ -340,18 +340,7 @@ mod store {
     }
 
     fn file(name: String, id: u64, pages: u64) -> FileMeta {
-        FileMeta {
-            id: psls_svm::FileId(id),
-            name,
-            size: pages * 4096,
-            uid: 0,
-            gid: 0,
-            mode: 0o644,
-            gen: 0,
-            created_unix_ms: 0,
-            written: Default::default(),
-            writer: None,
-        }
+        FileMeta::zeroed(psls_svm::FileId(id), name, pages * 4096, 0, 0, 0o644, 0)
     }
 
     pub fn figures(churn_ops: u64) -> Result<()> {

@@ -168,18 +168,7 @@ pub async fn create(node: &Arc<Node>, caller: Caller, name: &str, size: u64, mod
     prepare_name(&st, caller, name, false)?;
     let id = new_file_id(&st);
     check_space(node, &st, id, size)?;
-    let meta = FileMeta {
-        id,
-        name: name.into(),
-        size,
-        uid: caller.uid,
-        gid: caller.gid,
-        mode,
-        gen: 0,
-        created_unix_ms: now_ms(),
-        written: Default::default(),
-        writer: None,
-    };
+    let meta = FileMeta::zeroed(id, name.into(), size, caller.uid, caller.gid, mode, now_ms());
     node.submit(MetaOp::CommitFile {
         meta: meta.clone(),
         replaces: None,
