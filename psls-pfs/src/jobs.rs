@@ -215,7 +215,7 @@ pub(crate) fn apply_checkpoint(
         ));
     }
     for fr in files {
-        let Some(mut meta) = next.file_by_id(fr.file).cloned() else {
+        let Some(meta) = next.file_by_id(fr.file) else {
             return Err(MetaError::Invalid(format!(
                 "checkpoint names file id {} that does not exist",
                 fr.file
@@ -236,9 +236,8 @@ pub(crate) fn apply_checkpoint(
                     meta.name
                 )));
             }
-            meta.written.set(s, e, gen);
         }
-        next.put_file(meta);
+        next.set_gens(fr.file, &fr.runs, gen);
     }
     next.set_next_gen(next.next_gen.max(gen + 1));
     next.touch_job(job);

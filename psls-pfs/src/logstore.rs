@@ -13,11 +13,17 @@
 //!
 //! On-disk layout, format [`FORMAT`] (key `format` of table `misc`):
 //! - `log`: index (u64) → `[term u64 LE][entry type u8][context length u32 LE][context][data]`;
-//! - `files`: name → postcard [`FileRecord`]; `file_ids`: id → name; `file_gens`: id → postcard
-//!   [`PageGens`] (only files a checkpoint wrote pages of);
+//! - `files`: name → postcard [`FileRecord`]; `file_ids`: id → name;
+//! - `gen_rows`: (file id, 0) → postcard [`PageGens`], the file's base generation map, and
+//!   (file id, log index) → postcard [`GenDelta`], the pages the operation at that index set,
+//!   applied over the base in key order (only files a checkpoint wrote pages of; see
+//!   [`MetaState::take_changes`] for when deltas are folded into a new base);
 //! - `jobs`: job → postcard [`JobRecord`];
 //! - `misc`: `nodes` → postcard [`NodesRecord`]; `next_gen`, `hard_state` (term, vote,
 //!   commit), `compacted` and `applied` (index, term) as u64 LE; `amnesiac` and `legacy`.
+//!
+//! Format 6 kept each file's whole map in table `file_gens` (id → postcard [`PageGens`]):
+//! it is converted on open, each map becoming a base row.
 //!
 //! A store of an earlier format (table `meta`, key `state`: the whole namespace, and table
 //! `vote`: the one-slot Paxos vote) is converted on open, in one transaction: its committed
@@ -30,19 +36,21 @@
 use crate::disk::Disk;
 use crate::error::MetaError;
 use crate::gens::PageGens;
-use crate::meta::{Changes, FileRecord, JobRecord, MetaOp, MetaState, NodesRecord};
+use crate::meta::{Changes, FileRecord, GenDelta, JobRecord, MetaOp, MetaState, NodesRecord};
 use psls_cluster::log::{Durable, Machine, Persist};
 use raft::eraftpb::{Entry, EntryType, HardState};
 use redb::{Durability, ReadableDatabase, ReadableTable, TableDefinition};
 use std::sync::Arc;
 
 /// Format of the store.
-pub const FORMAT: u16 = 6;
+pub const FORMAT: u16 = 7;
 
 const LOG: TableDefinition<u64, &[u8]> = TableDefinition::new("log");
 const FILES: TableDefinition<&str, &[u8]> = TableDefinition::new("files");
 const IDS: TableDefinition<u64, &str> = TableDefinition::new("file_ids");
-const GENS: TableDefinition<u64, &[u8]> = TableDefinition::new("file_gens");
+const GENS: TableDefinition<(u64, u64), &[u8]> = TableDefinition::new("gen_rows");
+/// Format 6's generation maps, one row per file.
+const GENS_6: TableDefinition<u64, &[u8]> = TableDefinition::new("file_gens");
 const JOBS: TableDefinition<&str, &[u8]> = TableDefinition::new("jobs");
 const MISC: TableDefinition<&str, &[u8]> = TableDefinition::new("misc");
 /// The tables of the formats before the log.
@@ -178,6 +186,10 @@ impl LogStore {
         let format = store.misc("format")?;
         let created = match format {
             Some(f) if f.as_slice() == FORMAT.to_le_bytes() => false,
+            Some(f) if f.as_slice() == 6u16.to_le_bytes() => {
+                store.convert_6()?;
+                false
+            }
             Some(f) => {
                 return Err(MetaError::Corrupt(format!(
                     "metadata store format {:?} is not {FORMAT} (written by a newer psls-node?)",
@@ -216,6 +228,39 @@ impl LogStore {
             tx.open_table(LOG)?;
         }
         tx.commit()?;
+        Ok(())
+    }
+
+    /// Converts a store of format 6: each file's whole generation map becomes its base row.
+    fn convert_6(&mut self) -> Result<(), MetaError> {
+        let tx = self.db.begin_write()?;
+        let mut files = 0u64;
+        {
+            let mut rows = tx.open_table(GENS)?;
+            match tx.open_table(GENS_6) {
+                Ok(old) => {
+                    for kv in old.iter()? {
+                        let (k, v) = kv?;
+                        rows.insert((k.value(), 0), v.value())?;
+                        files += 1;
+                    }
+                }
+                Err(redb::TableError::TableDoesNotExist(_)) => {}
+                Err(e) => return Err(e.into()),
+            }
+            drop(rows);
+            match tx.delete_table(GENS_6) {
+                Ok(_) => {}
+                Err(redb::TableError::TableDoesNotExist(_)) => {}
+                Err(e) => return Err(e.into()),
+            }
+            tx.open_table(MISC)?.insert("format", FORMAT.to_le_bytes().as_slice())?;
+        }
+        tx.commit()?;
+        tracing::info!(
+            files,
+            "metadata store converted from format 6 (generation maps as rows)"
+        );
         Ok(())
     }
 
@@ -356,12 +401,19 @@ impl LogStore {
             Ok(t) => {
                 for kv in t.iter()? {
                     let (k, v) = kv?;
-                    let g: PageGens = postcard::from_bytes(v.value()).map_err(|e| corrupt("generation runs", e))?;
-                    changes.gens.push((psls_svm::FileId(k.value()), Some(g)));
+                    let (id, index) = k.value();
+                    if index == 0 {
+                        let g: PageGens = postcard::from_bytes(v.value()).map_err(|e| corrupt("generation map", e))?;
+                        changes.gens.push((psls_svm::FileId(id), Some(g)));
+                    } else {
+                        let d: GenDelta =
+                            postcard::from_bytes(v.value()).map_err(|e| corrupt("generation delta", e))?;
+                        changes.gen_deltas.push((psls_svm::FileId(id), index, d));
+                    }
                 }
             }
             Err(e) => {
-                open("file_gens", Err(e))?;
+                open("gen_rows", Err(e))?;
             }
         }
         match tx.open_table(JOBS) {
@@ -486,13 +538,17 @@ fn write_changes(tx: &redb::WriteTransaction, c: &Changes) -> Result<(), MetaErr
             };
         }
     }
-    if !c.gens.is_empty() {
+    if !c.gens.is_empty() || !c.gen_deltas.is_empty() {
         let mut t = tx.open_table(GENS)?;
         for (id, g) in &c.gens {
-            match g {
-                Some(g) => t.insert(id.0, pc(g)?.as_slice())?,
-                None => t.remove(id.0)?,
-            };
+            t.retain_in((id.0, 0)..=(id.0, u64::MAX), |_, _| false)?;
+            if let Some(g) = g {
+                t.insert((id.0, 0), pc(g)?.as_slice())?;
+            }
+        }
+        for (id, index, d) in &c.gen_deltas {
+            assert!(*index > 0, "a delta row is keyed above the base");
+            t.insert((id.0, *index), pc(d)?.as_slice())?;
         }
     }
     if !c.jobs.is_empty() {

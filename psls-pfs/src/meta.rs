@@ -115,14 +115,45 @@ pub struct MetaState {
     /// The keys changed since the last [`MetaState::take_changes`].
     #[serde(skip)]
     touched: Touched,
+    /// File id → the generation deltas its store row set holds beyond its base (rows, bytes):
+    /// what decides when the deltas are folded into a new base.
+    #[serde(skip)]
+    gen_rows: GenRows,
 }
+
+/// See [`MetaState`]'s field; equal whatever they hold: how the store keeps the maps is not
+/// part of the state.
+#[derive(Clone, Debug, Default)]
+struct GenRows(OrdMap<FileId, (u32, u64)>);
+
+impl PartialEq for GenRows {
+    fn eq(&self, _: &GenRows) -> bool {
+        true
+    }
+}
+impl Eq for GenRows {}
+
+/// The pages one operation set to one generation in one file: a row of the store's generation
+/// table, so a checkpoint writes what it changed, not the file's whole map.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GenDelta {
+    pub gen: u64,
+    /// Page runs `(start, end)`, set in this order.
+    pub runs: Vec<(u64, u64)>,
+}
+
+/// Most delta rows a file keeps beside its base before they are folded into it.
+pub const MAX_GEN_DELTAS: u32 = 64;
 
 /// Keys changed by operations, to be written.
 #[derive(Clone, Debug, Default)]
 struct Touched {
     files: BTreeSet<String>,
     ids: BTreeSet<FileId>,
+    /// Files whose generation map is rewritten whole (a base row).
     gens: BTreeSet<FileId>,
+    /// Files whose generation map changed by sets only: the deltas, with their log index.
+    deltas: BTreeMap<FileId, Vec<(u64, GenDelta)>>,
     jobs: BTreeSet<String>,
     nodes: bool,
     next_gen: bool,
@@ -144,8 +175,12 @@ pub struct Changes {
     pub files: Vec<(String, Option<FileRecord>)>,
     /// File id → its name.
     pub ids: Vec<(FileId, Option<String>)>,
-    /// File id → the generations of the pages checkpoints wrote.
+    /// File id → the generations of the pages checkpoints wrote, whole: the base row that
+    /// replaces every row of the file (`None`: the file has none).
     pub gens: Vec<(FileId, Option<PageGens>)>,
+    /// Delta rows, keyed by file id and the index of the operation that set them (above 0),
+    /// applied in key order over the file's base.
+    pub gen_deltas: Vec<(FileId, u64, GenDelta)>,
     /// Job → its records.
     pub jobs: Vec<(String, Option<JobRecord>)>,
     /// The node map and the verdicts, when they changed.
@@ -159,6 +194,7 @@ impl Changes {
         self.files.is_empty()
             && self.ids.is_empty()
             && self.gens.is_empty()
+            && self.gen_deltas.is_empty()
             && self.jobs.is_empty()
             && self.nodes.is_none()
             && self.next_gen.is_none()
@@ -240,6 +276,7 @@ impl MetaState {
         }
         let mut gens: BTreeMap<FileId, PageGens> = BTreeMap::new();
         for (id, g) in changes.gens {
+            self.gen_rows.0.remove(&id);
             if let Some(g) = g {
                 gens.insert(id, g);
             }
@@ -281,7 +318,33 @@ impl MetaState {
             self.next_gen = g;
         }
         self.reindex();
+        // Bases of files whose record did not change, then the deltas over them.
+        for (id, g) in gens {
+            if let Some(name) = self.ids.get(&id).cloned() {
+                if let Some(f) = self.files.get_mut(&name) {
+                    f.written = g;
+                }
+            }
+        }
+        for (id, _, d) in changes.gen_deltas {
+            let Some(name) = self.ids.get(&id).cloned() else {
+                continue;
+            };
+            if let Some(f) = self.files.get_mut(&name) {
+                for &(s, e) in &d.runs {
+                    f.written.set(s, e, d.gen);
+                }
+            }
+            let rows = self.gen_rows.0.entry(id).or_insert((0, 0));
+            rows.0 += 1;
+            rows.1 += delta_bytes(&d);
+        }
     }
+}
+
+/// The bytes a delta row takes in the store (its encoding; the key is fixed).
+fn delta_bytes(d: &GenDelta) -> u64 {
+    postcard::to_stdvec(d).map_or(0, |b| b.len() as u64)
 }
 
 /// A job whose ranks all exited 0 but whose last persistent checkpoint failed.
@@ -559,10 +622,21 @@ impl MetaState {
     /// Applies `op` as entry `index` of the metadata log: on error only the index moves.
     pub fn apply_at(&mut self, index: u64, op: &MetaOp) -> Result<(), MetaError> {
         assert_eq!(index, self.seq + 1, "metadata operations apply in order");
+        // The changed keys are not copied with the state: a failed operation's extra keys are
+        // written with their unchanged values, but its deltas must go.
+        let touched = std::mem::take(&mut self.touched);
         let mut next = self.clone();
+        next.touched = touched;
         let r = next.change(op);
         if r.is_ok() {
             *self = next;
+        } else {
+            let mut t = std::mem::take(&mut next.touched);
+            for ds in t.deltas.values_mut() {
+                ds.retain(|(i, _)| *i != index);
+            }
+            t.deltas.retain(|_, ds| !ds.is_empty());
+            self.touched = t;
         }
         self.seq = index;
         r
@@ -596,7 +670,11 @@ impl MetaState {
     pub(crate) fn put_file(&mut self, meta: FileMeta) {
         let old = self.files.get(&meta.name).cloned();
         if let Some(old) = &old {
-            self.unindex(old);
+            if old.id == meta.id {
+                self.unindex_writer(old);
+            } else {
+                self.unindex(old);
+            }
             if old.written != meta.written {
                 self.touched.gens.insert(old.id);
             }
@@ -609,13 +687,48 @@ impl MetaState {
         if meta.top_gen() >= self.next_gen {
             self.set_next_gen(meta.top_gen() + 1);
         }
-        self.ids.insert(meta.id, meta.name.clone());
+        if self.ids.insert(meta.id, meta.name.clone()).as_ref() != Some(&meta.name) {
+            self.touched.ids.insert(meta.id);
+        }
         if let Some((job, _)) = &meta.writer {
             self.writing.entry(job.clone()).or_default().insert(meta.id);
         }
-        self.touched.files.insert(meta.name.clone());
-        self.touched.ids.insert(meta.id);
+        if old.as_ref().is_none_or(|o| FileRecord::of(o) != FileRecord::of(&meta)) {
+            self.touched.files.insert(meta.name.clone());
+        }
         self.files.insert(meta.name.clone(), meta);
+    }
+
+    /// Sets pages `runs` of file `id` (which exists) to generation `gen`, as one delta row.
+    pub(crate) fn set_gens(&mut self, id: FileId, runs: &[(u64, u64)], gen: u64) {
+        let Some(name) = self.ids.get(&id).cloned() else {
+            return;
+        };
+        let Some(f) = self.files.get_mut(&name) else {
+            return;
+        };
+        for &(s, e) in runs {
+            f.written.set(s, e, gen);
+        }
+        if gen >= self.next_gen {
+            self.set_next_gen(gen + 1);
+        }
+        let index = self.seq + 1;
+        let ds = self.touched.deltas.entry(id).or_default();
+        match ds.last_mut() {
+            Some((i, d)) if *i == index && d.gen == gen => d.runs.extend_from_slice(runs),
+            Some((i, _)) if *i == index => {
+                // Two generations from one operation: the whole map is simpler.
+                self.touched.gens.insert(id);
+            }
+            _ => ds.push((
+                index,
+                GenDelta {
+                    gen,
+                    runs: runs.to_vec(),
+                },
+            )),
+        }
     }
 
     /// Removes file `name`.
@@ -633,6 +746,10 @@ impl MetaState {
             self.ids.remove(&f.id);
             self.touched.ids.insert(f.id);
         }
+        self.unindex_writer(f);
+    }
+
+    fn unindex_writer(&mut self, f: &FileMeta) {
         if let Some((job, _)) = &f.writer {
             if let Some(set) = self.writing.get_mut(job) {
                 set.remove(&f.id);
@@ -685,9 +802,40 @@ impl MetaState {
     }
 
     /// The keys changed since the last call, with their values now.
+    ///
+    /// A file whose generation map changed only by sets gets delta rows, until its deltas would
+    /// outgrow its map (or number [`MAX_GEN_DELTAS`]): then its map is written whole instead,
+    /// as a new base replacing every row of the file. So a checkpoint writes about what it
+    /// changed (amortized: at most twice, with the folds), and a file's rows stay within
+    /// twice its map.
     pub fn take_changes(&mut self) -> Changes {
-        let t = std::mem::take(&mut self.touched);
-        self.changes_of(t)
+        let mut t = std::mem::take(&mut self.touched);
+        let mut deltas = Vec::new();
+        for (id, ds) in std::mem::take(&mut t.deltas) {
+            if t.gens.contains(&id) {
+                continue;
+            }
+            let Some(f) = self.file_by_id(id) else {
+                t.gens.insert(id);
+                continue;
+            };
+            let map_bytes = 8 * f.written.runs() as u64;
+            let (rows, bytes) = self.gen_rows.0.get(&id).copied().unwrap_or((0, 0));
+            let rows = rows + ds.len() as u32;
+            let bytes = bytes + ds.iter().map(|(_, d)| delta_bytes(d)).sum::<u64>();
+            if rows > MAX_GEN_DELTAS || bytes > map_bytes {
+                t.gens.insert(id);
+            } else {
+                self.gen_rows.0.insert(id, (rows, bytes));
+                deltas.extend(ds.into_iter().map(|(i, d)| (id, i, d)));
+            }
+        }
+        for id in &t.gens {
+            self.gen_rows.0.remove(id);
+        }
+        let mut c = self.changes_of(t);
+        c.gen_deltas = deltas;
+        c
     }
 
     /// The whole state as changes (after it replaced another).
@@ -750,6 +898,7 @@ impl MetaState {
                 down: self.down.clone(),
             }),
             next_gen: t.next_gen.then_some(self.next_gen),
+            gen_deltas: Vec::new(),
         }
     }
 
@@ -1402,6 +1551,100 @@ mod tests {
         v1.extend(postcard::to_stdvec(&V1(s.seq, &s.files, &s.logical, s.map_version, &s.rebuilding)).unwrap());
         let old = MetaState::decode(&v1).unwrap();
         assert_eq!((old.seq, &old.logical, old.assignment(2)), (s.seq, &s.logical, 0));
+    }
+
+    /// A checkpoint's changes are its generation deltas, its job and `next_gen`: not its files'
+    /// records, ids or whole maps; deltas fold into a base before they outgrow the map, and a
+    /// failed operation leaves no delta.
+    #[test]
+    fn a_checkpoint_changes_its_deltas_only_and_folds_them_in_bounds() {
+        let mut s = MetaState::default();
+        let mut f = meta("a", 7);
+        f.size = 4096 * PAGE_SIZE as u64;
+        let mut index = 0;
+        let mut apply = |s: &mut MetaState, op: &MetaOp| {
+            index += 1;
+            s.apply_at(index, op)
+        };
+        apply(
+            &mut s,
+            &MetaOp::InitMap {
+                logical: (0..2).map(|i| (i, format!("n{i}"))).collect(),
+            },
+        )
+        .unwrap();
+        apply(
+            &mut s,
+            &MetaOp::CommitFile {
+                meta: f,
+                replaces: None,
+                placed_at: None,
+            },
+        )
+        .unwrap();
+        apply(
+            &mut s,
+            &MetaOp::ClaimWriter {
+                file: FileId(7),
+                job: "j".into(),
+            },
+        )
+        .unwrap();
+        let _ = s.take_changes();
+        let (mut deltas, mut folds) = (0, 0);
+        let mut replay = MetaState::default();
+        replay.load(s.all_changes());
+        for epoch in 1..=300u64 {
+            apply(&mut s, &MetaOp::BeginCheckpoint { job: "j".into(), epoch }).unwrap();
+            let gen = s.jobs["j"].started_gen;
+            let runs: Vec<(u64, u64)> = (0..4).map(|k| (k * 1000 + epoch, k * 1000 + epoch + 3)).collect();
+            let bad = MetaOp::Checkpoint {
+                job: "j".into(),
+                epoch,
+                gen,
+                placed_at: 1,
+                files: vec![
+                    FileRuns {
+                        file: FileId(7),
+                        runs: runs.clone(),
+                    },
+                    FileRuns {
+                        file: FileId(99),
+                        runs: vec![(0, 1)],
+                    },
+                ],
+                at_unix_ms: 5,
+                bytes: 4096,
+            };
+            assert!(apply(&mut s, &bad).is_err(), "names a file that does not exist");
+            let good = MetaOp::Checkpoint {
+                job: "j".into(),
+                epoch,
+                gen,
+                placed_at: 1,
+                files: vec![FileRuns { file: FileId(7), runs }],
+                at_unix_ms: 5,
+                bytes: 4096,
+            };
+            apply(&mut s, &good).unwrap();
+            let c = s.take_changes();
+            assert!(c.files.is_empty() && c.ids.is_empty(), "epoch {epoch}: {c:?}");
+            assert_eq!(c.jobs.len(), 1);
+            assert!(
+                c.gen_deltas.iter().all(|(_, i, _)| *i == s.seq),
+                "only the good operation's delta"
+            );
+            match (c.gens.len(), c.gen_deltas.len()) {
+                (0, 1) => deltas += 1,
+                (1, 0) => folds += 1,
+                other => panic!("epoch {epoch}: {other:?}"),
+            }
+            let (rows, bytes) = s.gen_rows.0.get(&FileId(7)).copied().unwrap_or((0, 0));
+            assert!(rows <= MAX_GEN_DELTAS && bytes <= 8 * s.files["a"].written.runs() as u64);
+            replay.load(c);
+            assert_eq!(replay.files["a"].written, s.files["a"].written, "epoch {epoch}");
+        }
+        assert!(deltas > 200 && folds > 2, "{deltas} deltas, {folds} folds");
     }
 
     #[test]

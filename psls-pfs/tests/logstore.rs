@@ -286,7 +286,12 @@ fn random_op(rng: &mut psls_svm::rng::SplitMix64, c: &Cluster) -> MetaOp {
                 .files_written_by(&job)
                 .map(|f| FileRuns {
                     file: f.id,
-                    runs: vec![(rng.below(8), 8 + rng.below(8))],
+                    runs: (0..1 + rng.below(3))
+                        .map(|_| {
+                            let a = rng.below(60);
+                            (a, a + 1 + rng.below(4))
+                        })
+                        .collect(),
                 })
                 .collect();
             MetaOp::Checkpoint {
@@ -483,4 +488,123 @@ fn a_converted_voter_ahead_of_the_leader_drops_its_state_and_catches_up() {
         c.tick();
     }
     assert_eq!(c.voters[2].log.state(), &want);
+}
+
+/// A store of format 6 (each file's whole generation map in one row of `file_gens`) converts:
+/// each map becomes a base row, and the namespace is the same. Format 6 is written here by
+/// hand from a store of the current format, table by table.
+#[test]
+fn a_store_of_format_6_converts() {
+    use psls_pfs::gens::PageGens;
+    use redb::{ReadableDatabase, ReadableTable, TableDefinition};
+    let tmp = tempfile::tempdir().expect("tmp");
+    let disk = psls_pfs::FileDisk::new(tmp.path()).expect("disk");
+    let (mut store, opened) = LogStore::open(&disk, false).expect("opens");
+    let mut log: Log<MetaState, u64> = Log::new(0, 1, limits(), opened.durable, 1).expect("starts");
+    let mut drain = |log: &mut Log<MetaState, u64>| {
+        while let Some(a) = log.poll_action() {
+            if let Action::Persist(p) = a {
+                store.persist(&p).expect("persists");
+            }
+        }
+    };
+    for _ in 0..40 {
+        log.handle_tick();
+        drain(&mut log);
+    }
+    assert!(log.is_leader());
+    let mut ops = vec![MetaOp::InitMap {
+        logical: (0..1).map(|i| (i, format!("n{i}"))).collect(),
+    }];
+    for i in 0..3 {
+        ops.push(MetaOp::CommitFile {
+            meta: meta(&format!("f{i}"), 10 + i),
+            replaces: None,
+            placed_at: None,
+        });
+        ops.push(MetaOp::ClaimWriter {
+            file: FileId(10 + i),
+            job: "j".into(),
+        });
+    }
+    for (t, op) in ops.iter().enumerate() {
+        log.submit(t as u64, op);
+    }
+    drain(&mut log);
+    for epoch in 1..=6u64 {
+        log.submit(100 + epoch, &MetaOp::BeginCheckpoint { job: "j".into(), epoch });
+        drain(&mut log);
+        let r = log.state().jobs["j"].clone();
+        let files = (0..3)
+            .map(|i| FileRuns {
+                file: FileId(10 + i),
+                runs: vec![(epoch * 3 + i, epoch * 3 + i + 2), (40 + epoch, 41 + epoch)],
+            })
+            .collect();
+        log.submit(
+            200 + epoch,
+            &MetaOp::Checkpoint {
+                job: "j".into(),
+                epoch,
+                gen: r.started_gen,
+                placed_at: log.state().map_version,
+                files,
+                at_unix_ms: 1,
+                bytes: 1,
+            },
+        );
+        drain(&mut log);
+    }
+    let want = log.state().clone();
+    assert!(want.files["f1"].written.runs() > 6, "{:?}", want.files["f1"].written);
+    drop(log);
+    drop(store);
+
+    const MISC: TableDefinition<&str, &[u8]> = TableDefinition::new("misc");
+    const ROWS: TableDefinition<(u64, u64), &[u8]> = TableDefinition::new("gen_rows");
+    const GENS_6: TableDefinition<u64, &[u8]> = TableDefinition::new("file_gens");
+    let db = redb::Database::open(tmp.path().join("meta.redb")).expect("redb");
+    let mut maps: BTreeMap<u64, PageGens> = BTreeMap::new();
+    {
+        let tx = db.begin_read().expect("read");
+        let rows = tx.open_table(ROWS).expect("rows");
+        let mut deltas = 0;
+        for kv in rows.iter().expect("iter") {
+            let (k, v) = kv.expect("row");
+            let (id, index) = k.value();
+            if index == 0 {
+                maps.insert(id, postcard::from_bytes(v.value()).expect("base"));
+            } else {
+                let d: psls_pfs::meta::GenDelta = postcard::from_bytes(v.value()).expect("delta");
+                let m = maps.entry(id).or_default();
+                for (s, e) in d.runs {
+                    m.set(s, e, d.gen);
+                }
+                deltas += 1;
+            }
+        }
+        assert!(deltas > 0, "the store kept delta rows");
+    }
+    let tx = db.begin_write().expect("write");
+    {
+        let mut old = tx.open_table(GENS_6).expect("file_gens");
+        for (id, m) in &maps {
+            old.insert(*id, postcard::to_stdvec(m).expect("encodes").as_slice())
+                .expect("insert");
+        }
+        drop(old);
+        tx.delete_table(ROWS).expect("delete");
+        tx.open_table(MISC)
+            .expect("misc")
+            .insert("format", 6u16.to_le_bytes().as_slice())
+            .expect("format");
+    }
+    tx.commit().expect("commit");
+    drop(db);
+
+    let (_, opened) = LogStore::open(&disk, false).expect("converts");
+    assert_eq!(opened.durable.state, want, "the namespace is kept");
+    assert_eq!(opened.durable.state.files["f1"].written, want.files["f1"].written);
+    let (_, again) = LogStore::open(&disk, false).expect("reopens");
+    assert_eq!(again.durable.state, want);
 }

@@ -320,6 +320,7 @@ mod store {
                         &p.changes.files,
                         &p.changes.ids,
                         &p.changes.gens,
+                        &p.changes.gen_deltas,
                         &p.changes.jobs,
                         &p.changes.nodes,
                     ))?
@@ -358,63 +359,84 @@ mod store {
         for chunk in others.chunks(1000) {
             one.batch(chunk)?;
         }
-        let job = "bench".to_string();
-        let files: Vec<u64> = (0..4).collect();
-        let mut ops: Vec<MetaOp> = files
-            .iter()
-            .map(|&f| MetaOp::CommitFile {
-                meta: file(format!("job-{f}"), 10 + f, 1024),
-                replaces: None,
-                placed_at: None,
-            })
-            .collect();
-        ops.extend(files.iter().map(|&f| MetaOp::ClaimWriter {
-            file: psls_svm::FileId(10 + f),
-            job: job.clone(),
-        }));
-        one.batch(&ops)?;
-        let mut ratios = Vec::new();
-        for epoch in 1..=20u64 {
-            one.written = 0;
-            one.batch(&[MetaOp::BeginCheckpoint {
-                job: job.clone(),
-                epoch,
-            }])?;
-            let begin = one.written;
-            let st = one.log.state();
-            let r = st.jobs.get(&job).cloned().unwrap_or_default();
-            // Each file: 8 runs of 16 pages written (as a job writing scattered blocks).
-            let runs: Vec<FileRuns> = files
+        let mut rng = psls_svm::rng::SplitMix64::new(22);
+        for (pattern, first_id) in [("shifting", 10u64), ("scattered", 20u64)] {
+            let job = format!("bench-{pattern}");
+            let files: Vec<u64> = (first_id..first_id + 4).collect();
+            let mut ops: Vec<MetaOp> = files
                 .iter()
-                .map(|&f| FileRuns {
-                    file: psls_svm::FileId(10 + f),
-                    runs: (0..8)
-                        .map(|k| (k * 128 + epoch % 64, k * 128 + epoch % 64 + 16))
-                        .collect(),
+                .map(|&f| MetaOp::CommitFile {
+                    meta: file(format!("job-{f}"), f, 1024),
+                    replaces: None,
+                    placed_at: None,
                 })
                 .collect();
-            let run_bytes: u64 = runs.iter().map(|f| 8 + 16 * f.runs.len() as u64).sum();
-            one.written = 0;
-            one.batch(&[MetaOp::Checkpoint {
+            ops.extend(files.iter().map(|&f| MetaOp::ClaimWriter {
+                file: psls_svm::FileId(f),
                 job: job.clone(),
-                epoch,
-                gen: r.started_gen,
-                placed_at: st.map_version,
-                files: runs,
-                at_unix_ms: 0,
-                bytes: 0,
-            }])?;
-            let commit = one.written;
-            ratios.push((begin + commit) as f64 / run_bytes as f64);
-            if epoch == 20 {
-                println!(
-                    "persistent checkpoint with 100,000 other files: begin record {begin} B, commit record {commit} B, for {run_bytes} B of changed generation runs (ratio {:.2})",
-                    (begin + commit) as f64 / run_bytes as f64
-                );
+            }));
+            one.batch(&ops)?;
+            let (mut sum_written, mut sum_runs, mut worst) = (0u64, 0u64, 0f64);
+            let epochs = 200u64;
+            for epoch in 1..=epochs {
+                one.written = 0;
+                one.batch(&[MetaOp::BeginCheckpoint {
+                    job: job.clone(),
+                    epoch,
+                }])?;
+                let begin = one.written;
+                let st = one.log.state();
+                let r = st.jobs.get(&job).cloned().unwrap_or_default();
+                // Each file: 8 runs of 16 pages written, as a job writing blocks: shifting by
+                // a page each time (the runs overlap the last checkpoint's), or anywhere.
+                let runs: Vec<FileRuns> = files
+                    .iter()
+                    .map(|&f| FileRuns {
+                        file: psls_svm::FileId(f),
+                        runs: (0..8u64)
+                            .map(|k| {
+                                let at = match pattern {
+                                    "shifting" => k * 128 + epoch % 64,
+                                    _ => k * 128 + rng.below(112),
+                                };
+                                (at, at + 16)
+                            })
+                            .collect(),
+                    })
+                    .collect();
+                let run_bytes: u64 = runs.iter().map(|f| 8 + 16 * f.runs.len() as u64).sum();
+                one.written = 0;
+                one.batch(&[MetaOp::Checkpoint {
+                    job: job.clone(),
+                    epoch,
+                    gen: r.started_gen,
+                    placed_at: st.map_version,
+                    files: runs,
+                    at_unix_ms: 0,
+                    bytes: 0,
+                }])?;
+                let commit = one.written;
+                sum_written += begin + commit;
+                sum_runs += run_bytes;
+                worst = worst.max((begin + commit) as f64 / run_bytes as f64);
+                if epoch == epochs {
+                    let gen_runs: usize = files
+                        .iter()
+                        .filter_map(|&f| one.log.state().file_by_id(psls_svm::FileId(f)))
+                        .map(|f| f.written.runs())
+                        .sum();
+                    println!(
+                        "persistent checkpoints ({pattern} runs) with 100,000 other files: last begin record {begin} B, commit record {commit} B, for {run_bytes} B of changed generation runs; the files hold {gen_runs} runs"
+                    );
+                }
             }
+            let mean = sum_written as f64 / sum_runs as f64;
+            println!("  {epochs} checkpoints: {mean:.2} x the changed runs (mean), worst {worst:.2} x");
+            println!(
+                "{}",
+                serde_json::json!({"bench": "meta-ckpt-bytes", "pattern": pattern, "mean_ratio": mean, "worst_ratio": worst})
+            );
         }
-        let worst = ratios.iter().cloned().fold(0.0, f64::max);
-        println!("  worst of 20 checkpoints: {worst:.2} x the changed runs");
         drop(one);
 
         // 2. Disk after many operations: creates and removes churning 10,000 live files.
@@ -442,8 +464,19 @@ mod store {
                 }
                 next += 1;
             }
+            let before = done;
             done += ops.len() as u64;
             one.batch(&ops)?;
+            for mark in [100_000u64, 250_000, 500_000] {
+                if before < mark && done >= mark {
+                    let st = one.log.state();
+                    println!(
+                        "  after {done} operations: store {:.2} MiB on disk, live state {:.2} MiB encoded",
+                        one.store.bytes_on_disk() as f64 / (1 << 20) as f64,
+                        st.encode().len() as f64 / (1 << 20) as f64
+                    );
+                }
+            }
         }
         let st = one.log.state();
         let state_bytes = st.encode().len() as u64;
@@ -461,7 +494,7 @@ mod store {
         println!(
             "{}",
             serde_json::json!({
-                "bench": "meta-store", "checkpoint_bytes_ratio_worst": worst,
+                "bench": "meta-store",
                 "churn_ops": done, "live_files": st.files.len(), "state_bytes": state_bytes, "disk_bytes": disk,
             })
         );
