@@ -26,6 +26,10 @@
 //! - **Reads** ([`Log::read`]) ask the leader for its commit index (raft's read index, no lease)
 //!   and are answered once this node applied up to it: a read served after the answer sees every
 //!   operation answered `Ok` before the read began. Concurrent reads share one request.
+//! - **The applied state is written lazily.** Only log entries, votes and terms must reach the
+//!   disk before the next action; what applying committed entries changed (which the log
+//!   rebuilds after a crash) waits, merged, for the next write that must sync, or the next tick
+//!   (so each voter writes about once per batch of entries, not twice).
 //! - **Log compaction.** Once the log holds more than `compact_after` applied entries, the entries
 //!   up to `keep_behind` before the applied index go; a voter that needs older ones is sent the
 //!   applied state as a snapshot.
@@ -63,6 +67,8 @@ pub trait Machine: Clone + Default {
     fn encode(&self) -> Vec<u8>;
     /// A state from snapshot bytes.
     fn decode(bytes: &[u8]) -> Result<Self, String>;
+    /// Folds `later` changes into `earlier` ones: writing the result is writing both in order.
+    fn merge_changes(earlier: &mut Self::Changes, later: Self::Changes);
 }
 
 /// Format of an entry's data: `[ENTRY_FORMAT u8][postcard operation]`.
@@ -401,6 +407,8 @@ pub struct Log<S: Machine, T> {
     ticks: u64,
     eligible: bool,
     halted: Option<String>,
+    /// Applied changes not written yet (a [`Persist`] that need not sync), merged.
+    unsaved: Option<Box<Persist<S>>>,
     /// The last election timeout drawn, so a new one is drawn only after raft reset its count.
     timeout_drawn: bool,
     /// After a lost disk: `Some(None)` until a leader's append says how long its log is, then
@@ -514,6 +522,7 @@ impl<S: Machine, T> Log<S, T> {
             ticks: 0,
             eligible: true,
             halted: None,
+            unsaved: None,
             timeout_drawn: false,
             amnesia: amnesiac.then_some(None),
             legacy: legacy.filter(|l| *l > 0),
@@ -653,6 +662,9 @@ impl<S: Machine, T> Log<S, T> {
             return;
         }
         self.ticks += 1;
+        if let Some(p) = self.unsaved.take() {
+            self.actions.push_back(Action::Persist(p));
+        }
         if (self.eligible && self.amnesia.is_none()) || self.is_leader() {
             self.node.tick();
         }
@@ -771,6 +783,7 @@ impl<S: Machine, T> Log<S, T> {
         for t in readers {
             self.read_done(t, Err(ReadError::NoLeader));
         }
+        self.unsaved = None;
         self.actions.push_back(Action::Persist(Box::new(Persist {
             sync: true,
             hard_state,
@@ -995,6 +1008,12 @@ impl<S: Machine, T> Log<S, T> {
             if self.halted.is_some() {
                 return;
             }
+            // Entries committed before this ready are on a quorum's disks: their submitters
+            // hear now, not after this ready's own write (unless a snapshot replaced the log,
+            // which is written first).
+            if snapshot.is_none() {
+                self.actions.extend(answers.drain(..));
+            }
             let sync = rd.must_sync() || !rd.entries().is_empty() || snapshot.is_some();
             {
                 let cache = self.node.mut_store();
@@ -1179,7 +1198,7 @@ impl<S: Machine, T> Log<S, T> {
         cache.hard_state.commit = cache.hard_state.commit.max(applied.0);
         cache.applied = Some((self.state.clone(), applied.1));
         let hard_state = cache.hard_state.clone();
-        self.actions.push_back(Action::Persist(Box::new(Persist {
+        let p = Box::new(Persist {
             sync,
             hard_state,
             entries,
@@ -1189,7 +1208,33 @@ impl<S: Machine, T> Log<S, T> {
             changes,
             amnesiac: self.amnesia.is_some(),
             legacy: self.legacy,
-        })));
+        });
+        let lazy = !p.sync && p.entries.is_empty() && p.snapshot.is_none();
+        let p = match self.unsaved.take() {
+            // A snapshot replaces every key: what waited is in it.
+            Some(_) if p.snapshot.is_some() => p,
+            Some(mut u) => {
+                assert!(
+                    u.entries.is_empty() && u.snapshot.is_none(),
+                    "only applied changes wait"
+                );
+                S::merge_changes(&mut u.changes, p.changes);
+                u.sync = p.sync;
+                u.hard_state = p.hard_state;
+                u.entries = p.entries;
+                u.compact_to = p.compact_to.or(u.compact_to);
+                u.applied = p.applied;
+                u.amnesiac = p.amnesiac;
+                u.legacy = p.legacy;
+                u
+            }
+            None => p,
+        };
+        if lazy {
+            self.unsaved = Some(p);
+        } else {
+            self.actions.push_back(Action::Persist(p));
+        }
     }
 
     fn answer_reads(&mut self, states: Vec<raft::ReadState>) {

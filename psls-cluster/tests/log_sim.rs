@@ -95,6 +95,9 @@ impl Machine for Kv {
     fn decode(bytes: &[u8]) -> Result<Self, String> {
         postcard::from_bytes(bytes).map_err(|e| e.to_string())
     }
+    fn merge_changes(earlier: &mut Changes, later: Changes) {
+        earlier.extend(later);
+    }
 }
 
 /// One node's disk: what survives a crash (`durable`) and what a crash loses (`volatile`, the
@@ -260,6 +263,9 @@ impl Sim {
 
     /// Carries out node `v`'s actions.
     fn drain(&mut self, v: u32) {
+        // Answers are checked once the actions before and after them are carried out: a node
+        // answers for entries committed by a quorum before it wrote them itself.
+        let mut answered = Vec::new();
         loop {
             let Some(a) = self.nodes[v as usize].log.as_mut().and_then(|l| l.poll_action()) else {
                 break;
@@ -309,59 +315,67 @@ impl Sim {
                     if self.trace {
                         eprintln!("node {v}: {op:?} answered {result:?}");
                     }
-                    match result {
-                        Ok(i) => {
-                            assert_eq!(
-                                self.applied.get(&i).copied().flatten(),
-                                Some(op.id()),
-                                "seed {}: op {op:?} answered Ok({i}) is not the entry applied there",
-                                self.seed
-                            );
-                            self.acked.insert(op.id(), i);
-                            self.counts.ok += 1;
-                        }
-                        Err(SubmitError::Dropped) => {
-                            assert!(
-                                !self.applied.values().any(|x| *x == Some(op.id())),
-                                "seed {}: op {op:?} answered Dropped was applied",
-                                self.seed
-                            );
-                            self.counts.dropped += 1;
-                        }
-                        Err(SubmitError::Rejected(_)) => {
-                            assert!(matches!(op, Op::Refuse { .. }), "seed {}: {op:?} refused", self.seed);
-                            self.counts.rejected += 1;
-                        }
-                        Err(SubmitError::NotLeader { .. } | SubmitError::Busy | SubmitError::Unknown) => {
-                            self.counts.not_leader += 1
-                        }
-                        Err(SubmitError::Halted) => panic!("seed {}: node {v} halted", self.seed),
-                    }
+                    answered.push((op, result));
                 }
                 Action::Read { token, result } => {
-                    let floor = self.nodes[v as usize].reads.remove(&token).expect("read answered once");
-                    match result {
-                        Ok(i) => {
-                            assert!(
-                                i >= floor,
-                                "seed {}: read on node {v} answered at {i}, before op acked at {floor}",
-                                self.seed
-                            );
-                            assert!(
-                                self.log(v).applied() >= i,
-                                "seed {}: read answered before applying",
-                                self.seed
-                            );
-                            self.counts.reads_ok += 1;
-                        }
-                        Err(ReadError::NoLeader | ReadError::Busy) => {}
-                        Err(ReadError::Halted) => panic!("seed {}: node {v} halted", self.seed),
-                    }
+                    self.read_answered(v, token, result);
                 }
                 Action::Halt { reason } => panic!("seed {}: node {v} halted: {reason}", self.seed),
             }
         }
+        self.learn(v);
+        for (op, result) in answered {
+            match result {
+                Ok(i) => {
+                    assert_eq!(
+                        self.applied.get(&i).copied().flatten(),
+                        Some(op.id()),
+                        "seed {}: op {op:?} answered Ok({i}) is not the entry applied there",
+                        self.seed
+                    );
+                    self.acked.insert(op.id(), i);
+                    self.counts.ok += 1;
+                }
+                Err(SubmitError::Dropped) => {
+                    assert!(
+                        !self.applied.values().any(|x| *x == Some(op.id())),
+                        "seed {}: op {op:?} answered Dropped was applied",
+                        self.seed
+                    );
+                    self.counts.dropped += 1;
+                }
+                Err(SubmitError::Rejected(_)) => {
+                    assert!(matches!(op, Op::Refuse { .. }), "seed {}: {op:?} refused", self.seed);
+                    self.counts.rejected += 1;
+                }
+                Err(SubmitError::NotLeader { .. } | SubmitError::Busy | SubmitError::Unknown) => {
+                    self.counts.not_leader += 1
+                }
+                Err(SubmitError::Halted) => panic!("seed {}: node {v} halted", self.seed),
+            }
+        }
         self.record_applied(v);
+    }
+
+    fn read_answered(&mut self, v: u32, token: u64, result: Result<u64, ReadError>) {
+        let floor = self.nodes[v as usize].reads.remove(&token).expect("read answered once");
+        match result {
+            Ok(i) => {
+                assert!(
+                    i >= floor,
+                    "seed {}: read on node {v} answered at {i}, before op acked at {floor}",
+                    self.seed
+                );
+                assert!(
+                    self.log(v).applied() >= i,
+                    "seed {}: read answered before applying",
+                    self.seed
+                );
+                self.counts.reads_ok += 1;
+            }
+            Err(ReadError::NoLeader | ReadError::Busy) => {}
+            Err(ReadError::Halted) => panic!("seed {}: node {v} halted", self.seed),
+        }
     }
 
     /// Records what node `v` applied (checks it against every other node).

@@ -229,6 +229,11 @@ impl Node {
     }
 
     /// Publishes the applied namespace (the metadata log, after each write).
+    /// The index of the metadata state published last.
+    pub(crate) fn meta_index(&self) -> u64 {
+        self.meta.locked().seq
+    }
+
     pub(crate) fn publish_meta(&self, st: MetaState) {
         *self.meta.locked() = st;
         self.refresh_verdicts();
@@ -599,6 +604,16 @@ impl Node {
     /// [`Node::submit`], returning the index the operation was applied at (0 when it was found
     /// applied after an unknown outcome).
     pub async fn submit_at(self: &Arc<Self>, op: MetaOp) -> Result<u64, OpError> {
+        let index = self.submit_to_leader(op).await?;
+        // Visible here too before the caller goes on.
+        self.meta_reached(index).await?;
+        Ok(index)
+    }
+
+    /// [`Node::submit_at`] without waiting for this node to apply it: answered once the leader
+    /// applied it. For a client's operation whose answer needs nothing of this node's state:
+    /// what the client asks next here catches up first (`Node::meta_fresh`).
+    pub async fn submit_to_leader(self: &Arc<Self>, op: MetaOp) -> Result<u64, OpError> {
         let deadline = Instant::now() + self.request_timeout * 3;
         let mut last = OpError::new(
             ErrorKind::Unavailable,
@@ -642,11 +657,7 @@ impl Node {
                 None => Err(SubmitError::NotLeader { leader: None }),
             };
             match outcome {
-                Ok(index) => {
-                    // Visible here too before the caller goes on.
-                    self.meta_reached(index).await?;
-                    return Ok(index);
-                }
+                Ok(index) => return Ok(index),
                 Err(SubmitError::Rejected(e)) => {
                     // Refused on a state the caller may look at next (a create refused as
                     // existing, then a lookup): this node catches up to it first.

@@ -3,7 +3,8 @@
 //! [`TICK_MS`]), the log messages peers post on the message link, submissions and reads.
 //! It carries out the machine's actions in order: a [`Persist`] is one redb transaction (with an
 //! fsync when the machine says so) before anything later is sent or answered, and the applied
-//! state is published to the node ([`Node::meta_state`]) right after it; sends go out on the
+//! state is published to the node ([`Node::meta_state`]) right after it, and after every batch
+//! (the machine writes applied changes lazily); sends go out on the
 //! message link; answers go back to the waiting callers.
 //!
 //! Group commit: every input waiting when the task wakes (up to [`MAX_BATCH`]) is handed to the
@@ -301,6 +302,10 @@ impl Replication {
                     }
                     Action::Halt { reason } => panic!("the metadata log cannot go on here: {reason}"),
                 }
+            }
+            // Applied changes the machine writes lazily are readable at once.
+            if node.meta_index() != log.state().seq {
+                node.publish_meta(log.state().clone());
             }
             let leader = log.leader();
             if known != Some((leader, log.term())) {

@@ -82,6 +82,9 @@ impl Machine for MetaState {
     fn decode(bytes: &[u8]) -> Result<Self, String> {
         MetaState::decode(bytes).map_err(|e| e.to_string())
     }
+    fn merge_changes(earlier: &mut Changes, later: Changes) {
+        earlier.merge(later)
+    }
 }
 
 /// What [`LogStore::open`] found.

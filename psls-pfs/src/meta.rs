@@ -189,6 +189,26 @@ pub struct Changes {
 }
 
 impl Changes {
+    /// Folds `later` changes into these: writing the result is writing both in order (a later
+    /// value of a key wins; a later base of a file's generation map drops the earlier deltas).
+    pub fn merge(&mut self, later: Changes) {
+        self.files.extend(later.files);
+        self.ids.extend(later.ids);
+        if !later.gens.is_empty() {
+            let rebased: BTreeSet<FileId> = later.gens.iter().map(|(id, _)| *id).collect();
+            self.gen_deltas.retain(|(id, _, _)| !rebased.contains(id));
+        }
+        self.gens.extend(later.gens);
+        self.gen_deltas.extend(later.gen_deltas);
+        self.jobs.extend(later.jobs);
+        if later.nodes.is_some() {
+            self.nodes = later.nodes;
+        }
+        if later.next_gen.is_some() {
+            self.next_gen = later.next_gen;
+        }
+    }
+
     /// Whether nothing changed.
     pub fn is_empty(&self) -> bool {
         self.files.is_empty()

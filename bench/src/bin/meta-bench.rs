@@ -44,6 +44,8 @@ struct Args {
     churn_ops: u64,
     /// How long a cluster may take to become healthy.
     up: Duration,
+    /// Client counts measured at each size.
+    clients: Vec<usize>,
 }
 
 fn args() -> Result<Args> {
@@ -62,6 +64,7 @@ fn args() -> Result<Args> {
         store_only: false,
         churn_ops: 1_000_000,
         up: Duration::from_secs(120),
+        clients: vec![1, 8],
     };
     let mut it = std::env::args().skip(1);
     while let Some(k) = it.next() {
@@ -83,7 +86,7 @@ fn args() -> Result<Args> {
                 continue;
             }
             "--help" | "-h" => {
-                println!("usage: meta-bench [--sizes 100,10000,100000] [--ops 200] [--budget-s 60] [--rounds 2] [--vectors 512] [--every 16] [--populate creates|offline] [--dir DIR] [--skip-mgs] [--skip-ops] [--up-timeout-s 120] [--catch-up] [--store-only] [--churn-ops 1000000]");
+                println!("usage: meta-bench [--sizes 100,10000,100000] [--ops 200] [--clients 1,8] [--budget-s 60] [--rounds 2] [--vectors 512] [--every 16] [--populate creates|offline] [--dir DIR] [--skip-mgs] [--skip-ops] [--up-timeout-s 120] [--catch-up] [--store-only] [--churn-ops 1000000]");
                 std::process::exit(0);
             }
             _ => {}
@@ -101,6 +104,12 @@ fn args() -> Result<Args> {
             "--up-timeout-s" => a.up = Duration::from_secs(v()?.parse().context("--up-timeout-s")?),
             "--churn-ops" => a.churn_ops = v()?.parse().context("--churn-ops")?,
             "--rounds" => a.rounds = v()?.parse().context("--rounds")?,
+            "--clients" => {
+                a.clients = v()?
+                    .split(',')
+                    .map(|s| s.parse().with_context(|| format!("--clients: {s} is not a number")))
+                    .collect::<Result<_>>()?
+            }
             "--vectors" => a.vectors = v()?.parse().context("--vectors")?,
             "--every" => a.every = v()?.parse().context("--every")?,
             "--dir" => a.dir = Some(PathBuf::from(v()?)),
@@ -336,6 +345,9 @@ mod store {
             for (i, op) in ops.iter().enumerate() {
                 self.log.submit(i as u64, op);
             }
+            self.drain()?;
+            // The applied changes are written lazily: a tick writes them.
+            self.log.handle_tick();
             self.drain()
         }
     }
@@ -439,7 +451,35 @@ mod store {
         }
         drop(one);
 
-        // 2. Disk after many operations: creates and removes churning 10,000 live files.
+        // 2. One create per write (no group commit), as a voter alone writes it: the cost of
+        //    a write, with its fsync, apart from the network; in a fresh store and in the one
+        //    holding 100,000 files.
+        for (what, dir) in [
+            ("a fresh store", tmp.path().join("single")),
+            ("100,000 files", tmp.path().to_path_buf()),
+        ] {
+            std::fs::create_dir_all(&dir)?;
+            let mut one = One::new(&dir)?;
+            let n = 2000u64;
+            let t = Instant::now();
+            let cpu = cpu_s();
+            for i in 0..n {
+                one.batch(&[MetaOp::CommitFile {
+                    meta: file(format!("single-{i}"), 5_000_000 + i, 1),
+                    replaces: None,
+                    placed_at: None,
+                }])?;
+            }
+            let wall = t.elapsed().as_secs_f64() / n as f64;
+            let cpu = (cpu_s() - cpu) / n as f64;
+            println!(
+                "one create per write, {n} writes, {what}: {:.0} µs each ({:.0} µs of CPU in this process)",
+                wall * 1e6,
+                cpu * 1e6
+            );
+        }
+
+        // 3. Disk after many operations: creates and removes churning 10,000 live files.
         let dir = tmp.path().join("churn");
         std::fs::create_dir_all(&dir)?;
         let mut one = One::new(&dir)?;
@@ -500,6 +540,20 @@ mod store {
         );
         Ok(())
     }
+}
+
+/// CPU time this process used (user and system), in seconds.
+fn cpu_s() -> f64 {
+    let mut r = std::mem::MaybeUninit::<libc::rusage>::zeroed();
+    // SAFETY: `r` is a valid, writable rusage; getrusage only writes it.
+    let rc = unsafe { libc::getrusage(libc::RUSAGE_SELF, r.as_mut_ptr()) };
+    if rc != 0 {
+        return 0.0;
+    }
+    // SAFETY: getrusage succeeded, so it filled `r` (and zeroed is a valid rusage anyway).
+    let r = unsafe { r.assume_init() };
+    let t = |v: libc::timeval| v.tv_sec as f64 + v.tv_usec as f64 * 1e-6;
+    t(r.ru_utime) + t(r.ru_stime)
 }
 
 /// Filling the store offline (the cluster stopped), for the code before issue 22.
@@ -633,7 +687,7 @@ fn run(a: &Args, bin: &Path, big: &Path, empty: &Path) -> Result<()> {
             continue;
         }
         let mut row = serde_json::json!({"files": size});
-        for clients in [1usize, 8] {
+        for &clients in &a.clients {
             let names: Vec<String> = (0..a.ops).map(|i| format!("b{size}-{clients}-{i}")).collect();
             let (c, made) = measure(big, &NODES, clients, &names, a.budget, create)?;
             let (s, _) = measure(big, &NODES, clients, &made, a.budget, stat)?;

@@ -169,7 +169,9 @@ pub async fn create(node: &Arc<Node>, caller: Caller, name: &str, size: u64, mod
     let id = new_file_id(&st);
     check_space(node, &st, id, size)?;
     let meta = FileMeta::zeroed(id, name.into(), size, caller.uid, caller.gid, mode, now_ms());
-    node.submit(MetaOp::CommitFile {
+    // Answered once the leader applied it: a map, stat or lookup that follows here catches up
+    // first.
+    node.submit_to_leader(MetaOp::CommitFile {
         meta: meta.clone(),
         replaces: None,
         placed_at: None,
