@@ -5,13 +5,10 @@
 //! order: sends, durable writes, answers to waiting callers.
 //!
 //! - [`log`]: the metadata log (raft-rs's consensus with pre-vote and check-quorum, group
-//!   commit, read index, log compaction and snapshots) and the state it applies; it replaces
-//!   [`meta`] as the daemon moves over.
-//! - [`membership`]: the failure detector over heartbeats (up, suspect, down).
-//! - [`meta`]: coordinator election with epochs and replication of the namespace metadata
-//!   (a one-slot Multi-Paxos over snapshots): committed metadata is the same on every node for
-//!   a given sequence number, at most one coordinator acts per epoch, and an acknowledged
-//!   operation is never lost while a majority of the nodes' disks survive.
+//!   commit, read index, log compaction and snapshots) and the state it applies.
+//! - [`membership`]: the failure detector over heartbeats (up, suspect, down) and the lease.
+//! - [`meta`]: the vote records of the replication before the log (a one-slot Multi-Paxos),
+//!   kept only to read stores written before the metadata log.
 //! - [`sync`]: named barriers and locks at the coordinator, and each node's table of ranks
 //!   waiting for their answers.
 //! - [`verdicts`]: which peers the coordinator declares down, which senders every node drops,
@@ -20,10 +17,11 @@
 //!   rebuilds).
 //!
 //! Seeded simulators drive them (`tests/log_sim.rs`: the metadata log with crashes, pauses,
-//! partitions, lost disks and snapshot installs; `tests/sim.rs`: membership, election and metadata;
-//! `tests/sync_sim.rs`: barriers and locks; `tests/pfs_sim.rs`: imports, disk losses and
-//! re-mirroring): they crash and restart nodes, delay and reorder messages and drop them on
-//! dead links, and check the invariants after every step.
+//! partitions, lost disks and snapshot installs; `tests/verdict_sim.rs`: the failure detector,
+//! its lease, and the verdicts and fencing it leads to; `tests/sync_sim.rs`: barriers and
+//! locks; `tests/pfs_sim.rs`: imports, disk losses and re-mirroring): they crash and restart
+//! nodes, delay and reorder messages and drop them on dead links, and check the invariants
+//! after every step.
 //!
 //! Invariant of the crate: nothing here reads a clock, touches a socket or a file, or spawns
 //! a thread; every queue is bounded.

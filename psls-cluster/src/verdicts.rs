@@ -12,10 +12,8 @@
 //! - **Fencing of oneself** ([`Verdicts::poll_fence`]): a node that learns of a verdict on its
 //!   own incarnation — from its committed metadata or from any peer's heartbeat — must stop
 //!   its ranks and rejoin as a new incarnation with an empty memory.
-//! - **Who coordinates** ([`coordinator`], [`should_claim`]): the claimer of the metadata's
-//!   newest epoch, and only while it holds its lease; a node claims when it is not fencing,
-//!   holds its lease, hears no other node claiming, and is the lowest logical id it hears; a
-//!   claimer goes on while it holds its lease.
+//! - **Who coordinates** ([`coordinator`]): the metadata log's leader, and only while it holds
+//!   its lease.
 //!
 //! Invariant: a verdict is never withdrawn; the table of committed verdicts only grows, so a
 //! sender dropped once is dropped for good.
@@ -168,39 +166,10 @@ impl Verdicts {
     }
 }
 
-/// The coordinator as node `me` sees it: the metadata's leader (`leader`, the claimer of the
-/// newest epoch this node promised, or itself from its claim), but not itself while it does
-/// not hold its lease.
+/// The coordinator as node `me` sees it: the metadata log's leader as this node knows it
+/// (`leader`), but not itself while it does not hold its lease.
 pub fn coordinator<'a>(me: &str, leader: Option<&'a str>, lease_held: bool) -> Option<&'a str> {
     leader.filter(|l| *l != me || lease_held)
-}
-
-/// What node `me` knows when it decides whether to claim the coordination.
-#[derive(Clone, Copy, Debug)]
-pub struct ClaimView {
-    /// It is fencing itself.
-    pub fencing: bool,
-    /// It heard a majority within the failure timeout.
-    pub lease_held: bool,
-    /// It claims or leads an epoch in this life (not a claim found on its disk).
-    pub claiming: bool,
-    /// Another node it hears says (in its latest heartbeat) that it claims or leads one.
-    pub other_claims: bool,
-}
-
-/// Whether node `me` should claim the coordination (or go on claiming): never while it is
-/// fencing or without its lease; a node that claims or leads goes on while it holds its lease
-/// (a lower id coming back does not unseat it); otherwise it claims only when no node it hears
-/// claims or leads, and it is the first of `reachable_in_order` (the logical map's physical
-/// nodes, in logical order, that its detector hears). Impressions all: the epochs make a
-/// wrong one safe; stickiness keeps a node that can still hear but no longer be heard (a cut
-/// of its outgoing link) from claiming against the leader it hears, which made two nodes
-/// coordinate at once.
-pub fn should_claim<'a>(me: &str, v: ClaimView, mut reachable_in_order: impl Iterator<Item = &'a str>) -> bool {
-    if v.fencing || !v.lease_held {
-        return false;
-    }
-    v.claiming || (!v.other_claims && reachable_in_order.next() == Some(me))
 }
 
 #[cfg(test)]
@@ -266,42 +235,6 @@ mod tests {
         assert_eq!(coordinator("a", Some("a"), true), Some("a"));
         assert_eq!(coordinator("a", Some("a"), false), None);
         assert_eq!(coordinator("a", Some("b"), false), Some("b"));
-        let v = ClaimView {
-            fencing: false,
-            lease_held: true,
-            claiming: false,
-            other_claims: false,
-        };
-        assert!(should_claim("a", v, ["a", "b"].into_iter()));
-        assert!(!should_claim(
-            "a",
-            ClaimView { lease_held: false, ..v },
-            ["a"].into_iter()
-        ));
-        assert!(!should_claim("a", ClaimView { fencing: true, ..v }, ["a"].into_iter()));
-        assert!(!should_claim("b", v, ["a", "b"].into_iter()));
-        // Sticky: a claimer goes on though a lower id is back; nobody claims against one heard.
-        assert!(should_claim(
-            "b",
-            ClaimView { claiming: true, ..v },
-            ["a", "b"].into_iter()
-        ));
-        assert!(!should_claim(
-            "a",
-            ClaimView {
-                other_claims: true,
-                ..v
-            },
-            ["a", "b"].into_iter()
-        ));
-        assert!(!should_claim(
-            "b",
-            ClaimView {
-                claiming: true,
-                lease_held: false,
-                ..v
-            },
-            ["b"].into_iter()
-        ));
+        assert_eq!(coordinator("a", None, true), None);
     }
 }

@@ -3,7 +3,7 @@
 //! - wire and plumbing: [`peer`] (messages), [`op`] (errors), [`failstop`], [`tls`],
 //!   [`transport`] (requests), [`link`] (one-way messages);
 //! - the core: [`node`] (identity, store, metadata, membership, peer calls) and
-//!   [`replication`] (the shell of `psls_cluster::meta`);
+//!   [`replication`] (the shell of `psls_cluster::log`);
 //! - subsystems on the core: [`pfs`] (the mirrored file system across nodes), [`svm`] (shared
 //!   virtual memory), [`sync`] and [`sync_channel`] (barriers and locks), [`launcher`] (jobs);
 //! - the top: [`dispatch`] (the daemon assembled, and what peers send routed to its

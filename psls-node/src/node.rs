@@ -74,7 +74,7 @@ pub struct Node {
     pub placement: Placement,
     pub request_timeout: Duration,
     pub euid: u32,
-    /// Coordinator election and metadata replication (the shell of `psls_cluster::meta`).
+    /// The metadata log and its leader, the coordinator (the shell of `psls_cluster::log`).
     pub replication: crate::replication::Replication,
     pub(crate) rebuild_running: AtomicBool,
     pub rebuild_done: AtomicU64,

@@ -19,8 +19,9 @@
 //! (promised epoch, accepted operation)]` (format 1, whose operations carry format-2 files,
 //! still reads); a store without one has promised nothing and accepted nothing.
 //!
-//! [`MetaState`] is the [`Replicated`] state of `psls_cluster::meta`: the coordinator
-//! election and replication protocol that orders operations across nodes.
+//! [`MetaState`] is the state the metadata log (`psls_cluster::log`) builds on every node
+//! (its `Machine`, in `crate::logstore`); it still implements the old protocol's
+//! [`Replicated`] only to read stores written before the log.
 
 use crate::disk::{Disk, DiskFile};
 use crate::error::MetaError;
