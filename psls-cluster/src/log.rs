@@ -28,8 +28,11 @@
 //!   operation answered `Ok` before the read began. Concurrent reads share one request.
 //! - **The applied state is written lazily.** Only log entries, votes and terms must reach the
 //!   disk before the next action; what applying committed entries changed (which the log
-//!   rebuilds after a crash) waits, merged, for the next write that must sync, or the next tick
-//!   (so each voter writes about once per batch of entries, not twice).
+//!   rebuilds after a crash) waits, merged, for the next tick, so the writes on an operation's
+//!   path touch the log alone, whatever the size of the state, and a tick's write carries many
+//!   operations' changes. A compaction goes with the changes it depends on (the entries it
+//!   drops are applied in the same write), and so do changes once [`MAX_UNSAVED_ENTRIES`]
+//!   entries wait.
 //! - **Log compaction.** Once the log holds more than `compact_after` applied entries, the entries
 //!   up to `keep_behind` before the applied index go; a voter that needs older ones is sent the
 //!   applied state as a snapshot.
@@ -52,7 +55,7 @@ pub trait Machine: Clone + Default {
     type Error: Clone + Debug + Display;
     /// What the shell writes to make the applied state durable (the keys changed since the last
     /// [`Machine::take_changes`], with their new values).
-    type Changes: Debug;
+    type Changes: Debug + Default;
     /// Index of the last applied entry.
     fn index(&self) -> u64;
     /// Applies `op` as entry `index` (`index() + 1`). On error nothing changes but the index.
@@ -69,6 +72,18 @@ pub trait Machine: Clone + Default {
     fn decode(bytes: &[u8]) -> Result<Self, String>;
     /// Folds `later` changes into `earlier` ones: writing the result is writing both in order.
     fn merge_changes(earlier: &mut Self::Changes, later: Self::Changes);
+}
+
+/// Entries applied but not written to the store before a write of the log takes their changes
+/// along.
+pub const MAX_UNSAVED_ENTRIES: u64 = 4096;
+
+/// Applied changes waiting to be written: merged, with the applied index they bring the store
+/// to and the compaction that must go with them.
+struct Unsaved<S: Machine> {
+    changes: S::Changes,
+    applied: (u64, u64),
+    compact_to: Option<(u64, u64)>,
 }
 
 /// Format of an entry's data: `[ENTRY_FORMAT u8][postcard operation]`.
@@ -164,7 +179,8 @@ pub struct Persist<S: Machine> {
     pub snapshot: Option<(u64, u64)>,
     /// Entries up to this index and term can go (compaction).
     pub compact_to: Option<(u64, u64)>,
-    /// The applied state's index and its entry's term.
+    /// The applied index (and its entry's term) the tables are at after this write: the
+    /// changes bring them there (a write of the log alone repeats the last one).
     pub applied: (u64, u64),
     pub changes: S::Changes,
     /// Whether the voter is still catching up after losing its disk.
@@ -407,8 +423,10 @@ pub struct Log<S: Machine, T> {
     ticks: u64,
     eligible: bool,
     halted: Option<String>,
-    /// Applied changes not written yet (a [`Persist`] that need not sync), merged.
-    unsaved: Option<Box<Persist<S>>>,
+    /// Applied changes not written yet, merged.
+    unsaved: Option<Unsaved<S>>,
+    /// The applied index (and its term) of the state the store holds.
+    written_applied: (u64, u64),
     /// The last election timeout drawn, so a new one is drawn only after raft reset its count.
     timeout_drawn: bool,
     /// After a lost disk: `Some(None)` until a leader's append says how long its log is, then
@@ -523,6 +541,7 @@ impl<S: Machine, T> Log<S, T> {
             eligible: true,
             halted: None,
             unsaved: None,
+            written_applied: (applied, applied_term),
             timeout_drawn: false,
             amnesia: amnesiac.then_some(None),
             legacy: legacy.filter(|l| *l > 0),
@@ -662,9 +681,7 @@ impl<S: Machine, T> Log<S, T> {
             return;
         }
         self.ticks += 1;
-        if let Some(p) = self.unsaved.take() {
-            self.actions.push_back(Action::Persist(p));
-        }
+        self.write_unsaved();
         if (self.eligible && self.amnesia.is_none()) || self.is_leader() {
             self.node.tick();
         }
@@ -784,6 +801,7 @@ impl<S: Machine, T> Log<S, T> {
             self.read_done(t, Err(ReadError::NoLeader));
         }
         self.unsaved = None;
+        self.written_applied = (0, 0);
         self.actions.push_back(Action::Persist(Box::new(Persist {
             sync: true,
             hard_state,
@@ -1198,43 +1216,78 @@ impl<S: Machine, T> Log<S, T> {
         cache.hard_state.commit = cache.hard_state.commit.max(applied.0);
         cache.applied = Some((self.state.clone(), applied.1));
         let hard_state = cache.hard_state.clone();
-        let p = Box::new(Persist {
+        let mut p = Box::new(Persist {
             sync,
             hard_state,
             entries,
             snapshot,
             compact_to,
             applied,
-            changes,
+            changes: S::Changes::default(),
             amnesiac: self.amnesia.is_some(),
             legacy: self.legacy,
         });
-        let lazy = !p.sync && p.entries.is_empty() && p.snapshot.is_none();
-        let p = match self.unsaved.take() {
+        if p.snapshot.is_some() {
             // A snapshot replaces every key: what waited is in it.
-            Some(_) if p.snapshot.is_some() => p,
+            self.unsaved = None;
+            p.changes = changes;
+            self.written_applied = p.applied;
+            self.actions.push_back(Action::Persist(p));
+            return;
+        }
+        // What this ready applied joins what waits to be written.
+        let u = match self.unsaved.take() {
             Some(mut u) => {
-                assert!(
-                    u.entries.is_empty() && u.snapshot.is_none(),
-                    "only applied changes wait"
-                );
-                S::merge_changes(&mut u.changes, p.changes);
-                u.sync = p.sync;
-                u.hard_state = p.hard_state;
-                u.entries = p.entries;
-                u.compact_to = p.compact_to.or(u.compact_to);
-                u.applied = p.applied;
-                u.amnesiac = p.amnesiac;
-                u.legacy = p.legacy;
+                S::merge_changes(&mut u.changes, changes);
+                u.applied = applied;
+                u.compact_to = compact_to.or(u.compact_to);
                 u
             }
-            None => p,
+            None => Unsaved {
+                changes,
+                applied,
+                compact_to,
+            },
         };
-        if lazy {
-            self.unsaved = Some(p);
-        } else {
-            self.actions.push_back(Action::Persist(p));
+        if !p.sync && p.entries.is_empty() {
+            // Only the applied state moved: written at the next tick.
+            self.unsaved = Some(u);
+            return;
         }
+        // A write that must reach the disk now (entries, votes): the applied changes go with it
+        // only when a compaction is due (the entries it drops must be applied in the same
+        // transaction) or too many wait; otherwise it writes the log alone.
+        if u.compact_to.is_some() || u.applied.0 - self.written_applied.0 > MAX_UNSAVED_ENTRIES {
+            p.changes = u.changes;
+            p.applied = u.applied;
+            p.compact_to = u.compact_to;
+            self.written_applied = u.applied;
+        } else {
+            p.applied = self.written_applied;
+            p.compact_to = None;
+            self.unsaved = Some(u);
+        }
+        self.actions.push_back(Action::Persist(p));
+    }
+
+    /// Writes the applied changes that wait (at a tick).
+    fn write_unsaved(&mut self) {
+        let Some(u) = self.unsaved.take() else {
+            return;
+        };
+        self.written_applied = u.applied;
+        let hard_state = self.node.store().hard_state.clone();
+        self.actions.push_back(Action::Persist(Box::new(Persist {
+            sync: false,
+            hard_state,
+            entries: Vec::new(),
+            snapshot: None,
+            compact_to: u.compact_to,
+            applied: u.applied,
+            changes: u.changes,
+            amnesiac: self.amnesia.is_some(),
+            legacy: self.legacy,
+        })));
     }
 
     fn answer_reads(&mut self, states: Vec<raft::ReadState>) {
