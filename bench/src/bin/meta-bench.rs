@@ -46,6 +46,8 @@ struct Args {
     up: Duration,
     /// Client counts measured at each size.
     clients: Vec<usize>,
+    /// Only the disk probe: appends against scattered pages, each with an fdatasync.
+    fsync_probe: bool,
 }
 
 fn args() -> Result<Args> {
@@ -65,6 +67,7 @@ fn args() -> Result<Args> {
         churn_ops: 1_000_000,
         up: Duration::from_secs(120),
         clients: vec![1, 8],
+        fsync_probe: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(k) = it.next() {
@@ -85,8 +88,12 @@ fn args() -> Result<Args> {
                 a.store_only = true;
                 continue;
             }
+            "--fsync-probe" => {
+                a.fsync_probe = true;
+                continue;
+            }
             "--help" | "-h" => {
-                println!("usage: meta-bench [--sizes 100,10000,100000] [--ops 200] [--clients 1,8] [--budget-s 60] [--rounds 2] [--vectors 512] [--every 16] [--populate creates|offline] [--dir DIR] [--skip-mgs] [--skip-ops] [--up-timeout-s 120] [--catch-up] [--store-only] [--churn-ops 1000000]");
+                println!("usage: meta-bench [--sizes 100,10000,100000] [--ops 200] [--clients 1,8] [--budget-s 60] [--rounds 2] [--vectors 512] [--every 16] [--populate creates|offline] [--dir DIR] [--skip-mgs] [--skip-ops] [--up-timeout-s 120] [--catch-up] [--store-only] [--churn-ops 1000000] [--fsync-probe]");
                 std::process::exit(0);
             }
             _ => {}
@@ -542,6 +549,67 @@ mod store {
     }
 }
 
+/// What one durable write costs on this disk, alone and with 5 writers at once (the voters of
+/// a 5-node cluster): a 200-byte append, as a log file's record, against 16 scattered 4 KiB
+/// pages, about what a redb commit writes; each followed by an fdatasync.
+fn fsync_probe(dir: PathBuf) -> Result<()> {
+    use std::os::unix::fs::FileExt;
+    let tmp = tempfile::tempdir_in(dir)?;
+    let writes = 400usize;
+    let mut out = serde_json::json!({"bench": "fsync-probe", "writes": writes});
+    for (what, pages) in [("append 200 B", 0usize), ("16 scattered pages", 16)] {
+        for writers in [1usize, 5] {
+            let lat: Vec<Result<Vec<f64>>> = std::thread::scope(|s| {
+                let hs: Vec<_> = (0..writers)
+                    .map(|w| {
+                        let path = tmp.path().join(format!("probe-{w}"));
+                        s.spawn(move || -> Result<Vec<f64>> {
+                            let f = std::fs::OpenOptions::new()
+                                .create(true)
+                                .truncate(true)
+                                .read(true)
+                                .write(true)
+                                .open(&path)?;
+                            f.set_len(64 << 20)?;
+                            f.sync_all()?;
+                            let page = vec![7u8; 4096];
+                            let rec = vec![7u8; 200];
+                            let mut lat = Vec::with_capacity(writes);
+                            for k in 0..writes {
+                                let t = Instant::now();
+                                if pages == 0 {
+                                    f.write_all_at(&rec, (k * rec.len()) as u64)?;
+                                } else {
+                                    for j in 0..pages {
+                                        f.write_all_at(&page, (((k * 37 + j * 997) % 16_000) * 4096) as u64)?;
+                                    }
+                                }
+                                f.sync_data()?;
+                                lat.push(t.elapsed().as_secs_f64());
+                            }
+                            Ok(lat)
+                        })
+                    })
+                    .collect();
+                hs.into_iter()
+                    .map(|h| h.join().unwrap_or_else(|_| Err(anyhow::anyhow!("a writer panicked"))))
+                    .collect()
+            });
+            let mut all = Vec::new();
+            for l in lat {
+                all.extend(l?);
+            }
+            all.sort_by(|a, b| a.total_cmp(b));
+            let p50 = all[all.len() / 2] * 1e3;
+            let mean = all.iter().sum::<f64>() / all.len() as f64 * 1e3;
+            println!("{what:20} + fdatasync, {writers} writer(s): p50 {p50:.3} ms, mean {mean:.3} ms");
+            out[format!("{what}, {writers} writers")] = serde_json::json!({"p50_ms": p50, "mean_ms": mean});
+        }
+    }
+    println!("{out}");
+    Ok(())
+}
+
 /// CPU time this process used (user and system), in seconds.
 fn cpu_s() -> f64 {
     let mut r = std::mem::MaybeUninit::<libc::rusage>::zeroed();
@@ -640,6 +708,9 @@ fn main() -> Result<()> {
     let a = args()?;
     if a.store_only {
         return store::figures(a.churn_ops);
+    }
+    if a.fsync_probe {
+        return fsync_probe(a.dir.clone().unwrap_or_else(std::env::temp_dir));
     }
     let bin = std::env::current_exe()?.parent().context("no folder")?.to_path_buf();
     for b in ["psls", "psls-node", "mgs"] {
