@@ -1,8 +1,9 @@
 //! The shell of the metadata log: one task owns this node's [`psls_cluster::log::Log`] over
 //! [`MetaState`] and its [`LogStore`], and feeds it, a batch at a time, ticks (every
 //! [`TICK_MS`]), the log messages peers post on the message link, submissions and reads.
-//! It carries out the machine's actions in order: a [`Persist`] is one redb transaction (with an
-//! fsync when the machine says so) before anything later is sent or answered, and the applied
+//! It carries out the machine's actions in order: a [`Persist`] is one write of the
+//! [`LogStore`] (an append to its log file, with an fsync when the machine says so, then the
+//! tables' changes) before anything later is sent or answered, and the applied
 //! state is published to the node ([`Node::meta_state`]) right after it, and after every batch
 //! (the machine writes applied changes lazily); sends go out on the
 //! message link; answers go back to the waiting callers.

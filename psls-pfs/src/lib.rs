@@ -27,6 +27,7 @@ pub mod meta;
 pub mod placement;
 pub mod slot;
 pub mod store;
+pub mod wal;
 
 pub use buf::{BufPool, PageBuf, PooledBuf};
 pub use disk::{Disk, DiskFile, FileDisk};

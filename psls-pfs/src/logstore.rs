@@ -1,29 +1,39 @@
-//! The metadata log's durable side on one node: the log's entries, its hard state, and the
-//! applied namespace in per-key tables, in one redb database (`meta.redb`) over a [`Disk`]
-//! (so the fault disk tests it like page data).
+//! The metadata log's durable side on one node: the log's entries and hard state in a log file
+//! of their own ([`crate::wal`]: appended records, so a write that must sync dirties only what
+//! it adds), and the applied namespace in per-key tables in a redb database (`meta.redb`), both
+//! over a [`Disk`] (so the fault disk tests them like page data).
 //!
-//! Every [`Persist`] of the log machine is one write transaction: the entries it appends (after
-//! removing any at and after their first index), its hard state, the keys its operations
-//! changed, the applied index, the compaction.
-//! A transaction the machine marks `sync` (votes, terms, entries, a snapshot) is committed with
-//! an fsync before the machine's next action; the others (only the applied state moved, which
-//! the log rebuilds) are committed without one, and become durable with the next synced one.
+//! A [`Persist`] of the log machine appends its entries and hard state to the log file (synced
+//! when the machine marks it `sync`: votes, terms, entries), then writes the keys its
+//! operations changed, the applied index and the flags in one redb transaction.
+//! That transaction is durable (fsync) when it must be: with a compaction (whose entries then
+//! leave the log file, rewritten from the entries it keeps), whenever the flags change (a
+//! voter that caught up must not come back amnesiac after a power cut of every voter, or none
+//! would vote), and every [`DURABLE_EVERY`] table writes (so redb reclaims pages and a restart
+//! re-applies little); the others become durable with the next durable one.
+//! The log file is synced before any durable table write: the tables never hold the effect of
+//! an entry the log file could lose.
 //! So a crash loses at most applied changes whose entries are durable: on restart the machine
 //! applies them again from the log.
+//! A snapshot writes the tables first (durably), then rewrites the log file after it.
 //!
-//! On-disk layout, format [`FORMAT`] (key `format` of table `misc`):
-//! - `log`: index (u64) → `[term u64 LE][entry type u8][context length u32 LE][context][data]`;
+//! On-disk layout of `meta.redb`, format [`FORMAT`] (key `format` of table `misc`):
 //! - `files`: name → postcard [`FileRecord`]; `file_ids`: id → name;
 //! - `gen_rows`: (file id, 0) → postcard [`PageGens`], the file's base generation map, and
 //!   (file id, log index) → postcard [`GenDelta`], the pages the operation at that index set,
 //!   applied over the base in key order (only files a checkpoint wrote pages of; see
 //!   [`MetaState::take_changes`] for when deltas are folded into a new base);
 //! - `jobs`: job → postcard [`JobRecord`];
-//! - `misc`: `nodes` → postcard [`NodesRecord`]; `next_gen`, `hard_state` (term, vote,
-//!   commit), `compacted` and `applied` (index, term) as u64 LE; `amnesiac` and `legacy`.
+//! - `misc`: `nodes` → postcard [`NodesRecord`]; `next_gen` and `applied` (index, term) as u64
+//!   LE; `amnesiac` and `legacy`.
+//!
+//! Format 7 kept the log in table `log` (index → `[term u64 LE][entry type u8][context length
+//! u32 LE][context][data]`, the encoding of a log file's entries too) and `hard_state` (term,
+//! vote, commit) and `compacted` (index, term) in `misc`: it is converted on open, the log
+//! file written first.
 //!
 //! Format 6 kept each file's whole map in table `file_gens` (id → postcard [`PageGens`]):
-//! it is converted on open, each map becoming a base row.
+//! it is converted on open (to format 7, then 8), each map becoming a base row.
 //!
 //! A store of an earlier format (table `meta`, key `state`: the whole namespace, and table
 //! `vote`: the one-slot Paxos vote) is converted on open, in one transaction: its committed
@@ -37,15 +47,21 @@ use crate::disk::Disk;
 use crate::error::MetaError;
 use crate::gens::PageGens;
 use crate::meta::{Changes, FileRecord, GenDelta, JobRecord, MetaOp, MetaState, NodesRecord};
+use crate::wal::Wal;
 use psls_cluster::log::{Durable, Machine, Persist};
 use raft::eraftpb::{Entry, EntryType, HardState};
 use redb::{Durability, ReadableDatabase, ReadableTable, TableDefinition};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 /// Format of the store.
-pub const FORMAT: u16 = 7;
+pub const FORMAT: u16 = 8;
 
-const LOG: TableDefinition<u64, &[u8]> = TableDefinition::new("log");
+/// Every this many table writes, one is durable.
+pub const DURABLE_EVERY: u64 = 32;
+
+/// Format 7's log table.
+const LOG_7: TableDefinition<u64, &[u8]> = TableDefinition::new("log");
 const FILES: TableDefinition<&str, &[u8]> = TableDefinition::new("files");
 const IDS: TableDefinition<u64, &str> = TableDefinition::new("file_ids");
 const GENS: TableDefinition<(u64, u64), &[u8]> = TableDefinition::new("gen_rows");
@@ -103,6 +119,17 @@ pub struct Opened {
 pub struct LogStore {
     db: redb::Database,
     file: Arc<dyn crate::disk::DiskFile>,
+    wal: Wal,
+    /// The log file's entries (what a compaction's rewrite keeps comes from here).
+    entries: BTreeMap<u64, Entry>,
+    /// What the log file and the tables hold now.
+    hard_state: HardState,
+    compacted: (u64, u64),
+    applied: (u64, u64),
+    amnesiac: bool,
+    legacy: Option<u64>,
+    /// Table writes since the last durable one.
+    lazy_writes: u64,
 }
 
 impl std::fmt::Debug for LogStore {
@@ -185,14 +212,34 @@ impl LogStore {
         disk.sync_dir()
             .map_err(|e| MetaError::Db(format!("fsync directory: {e}")))?;
         let db = redb::Database::builder().create_with_backend(crate::meta::Backend(file.clone()))?;
-        let mut store = LogStore { db, file };
-        let format = store.misc("format")?;
+        let (wal, replayed) = Wal::open(disk)?;
+        let mut store = LogStore {
+            db,
+            file,
+            wal,
+            entries: BTreeMap::new(),
+            hard_state: HardState::default(),
+            compacted: (0, 0),
+            applied: (0, 0),
+            amnesiac: false,
+            legacy: None,
+            lazy_writes: 0,
+        };
+        let mut log = replayed;
+        let mut format = store.misc("format")?;
+        if format.is_none() && store.convert()? {
+            format = store.misc("format")?;
+        }
+        if format.as_deref() == Some(6u16.to_le_bytes().as_slice()) {
+            store.convert_6()?;
+            format = store.misc("format")?;
+        }
+        if format.as_deref() == Some(7u16.to_le_bytes().as_slice()) {
+            log = Some(store.convert_7()?);
+            format = store.misc("format")?;
+        }
         let created = match format {
             Some(f) if f.as_slice() == FORMAT.to_le_bytes() => false,
-            Some(f) if f.as_slice() == 6u16.to_le_bytes() => {
-                store.convert_6()?;
-                false
-            }
             Some(f) => {
                 return Err(MetaError::Corrupt(format!(
                     "metadata store format {:?} is not {FORMAT} (written by a newer psls-node?)",
@@ -200,15 +247,17 @@ impl LogStore {
                 )))
             }
             None => {
-                if !store.convert()? {
-                    store.create(amnesiac_if_created)?;
-                    true
-                } else {
-                    false
-                }
+                store.create(amnesiac_if_created)?;
+                log = Some(crate::wal::Replayed::default());
+                true
             }
         };
-        let opened = store.load(created)?;
+        let Some(log) = log else {
+            return Err(MetaError::Corrupt(
+                "meta.redb is of the log-file format but neither meta.wal.0 nor meta.wal.1 holds a whole header".into(),
+            ));
+        };
+        let opened = store.load(created, log)?;
         Ok((store, opened))
     }
 
@@ -223,15 +272,65 @@ impl LogStore {
 
     /// A new store: the format, and whether it starts amnesiac.
     fn create(&mut self, amnesiac: bool) -> Result<(), MetaError> {
+        // The log file first: a store whose format is set always has one.
+        self.wal.rewrite((0, 0), &HardState::default(), &[])?;
         let tx = self.db.begin_write()?;
         {
             let mut m = tx.open_table(MISC)?;
             m.insert("format", FORMAT.to_le_bytes().as_slice())?;
             m.insert("amnesiac", [amnesiac as u8].as_slice())?;
-            tx.open_table(LOG)?;
         }
         tx.commit()?;
         Ok(())
+    }
+
+    /// Converts a store of format 7: its log table, hard state and compaction go to the log
+    /// file (written and synced first; a crash before the tables change redoes it), then leave
+    /// the tables.
+    fn convert_7(&mut self) -> Result<crate::wal::Replayed, MetaError> {
+        let mut log = crate::wal::Replayed::default();
+        {
+            let tx = self.db.begin_read()?;
+            let m = tx.open_table(MISC)?;
+            if let Some(b) = m.get("hard_state")? {
+                let [term, vote, commit] = u64s::<3>("hard state", b.value())?;
+                log.hard_state.term = term;
+                log.hard_state.vote = vote;
+                log.hard_state.commit = commit;
+            }
+            if let Some(b) = m.get("compacted")? {
+                let [i, t] = u64s::<2>("compacted", b.value())?;
+                log.compacted = (i, t);
+            }
+            match tx.open_table(LOG_7) {
+                Ok(t) => {
+                    for kv in t.iter()? {
+                        let (k, v) = kv?;
+                        log.entries.push(decode_entry(k.value(), v.value())?);
+                    }
+                }
+                Err(redb::TableError::TableDoesNotExist(_)) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        self.wal.rewrite(log.compacted, &log.hard_state, &log.entries)?;
+        let tx = self.db.begin_write()?;
+        {
+            match tx.delete_table(LOG_7) {
+                Ok(_) | Err(redb::TableError::TableDoesNotExist(_)) => {}
+                Err(e) => return Err(e.into()),
+            }
+            let mut m = tx.open_table(MISC)?;
+            m.remove("hard_state")?;
+            m.remove("compacted")?;
+            m.insert("format", FORMAT.to_le_bytes().as_slice())?;
+        }
+        tx.commit()?;
+        tracing::info!(
+            entries = log.entries.len(),
+            "metadata store converted from format 7 (the log in a file of its own)"
+        );
+        Ok(log)
     }
 
     /// Converts a store of format 6: each file's whole generation map becomes its base row.
@@ -257,7 +356,7 @@ impl LogStore {
                 Err(redb::TableError::TableDoesNotExist(_)) => {}
                 Err(e) => return Err(e.into()),
             }
-            tx.open_table(MISC)?.insert("format", FORMAT.to_le_bytes().as_slice())?;
+            tx.open_table(MISC)?.insert("format", 7u16.to_le_bytes().as_slice())?;
         }
         tx.commit()?;
         tracing::info!(
@@ -303,7 +402,8 @@ impl LogStore {
         {
             let term = u64::from(seq > 0);
             let mut m = tx.open_table(MISC)?;
-            m.insert("format", FORMAT.to_le_bytes().as_slice())?;
+            // Format 7's layout; its log then moves to the log file (`convert_7`).
+            m.insert("format", 7u16.to_le_bytes().as_slice())?;
             m.insert("amnesiac", [0u8].as_slice())?;
             m.insert("hard_state", le(&[term, 0, seq]).as_slice())?;
             m.insert("compacted", le(&[seq, term]).as_slice())?;
@@ -312,7 +412,7 @@ impl LogStore {
                 m.insert("legacy", le(&[seq]).as_slice())?;
             }
             drop(m);
-            tx.open_table(LOG)?;
+            tx.open_table(LOG_7)?;
             write_changes(&tx, &state.all_changes())?;
             tx.delete_table(LEGACY_META)?;
             tx.delete_table(LEGACY_VOTE)?;
@@ -327,24 +427,27 @@ impl LogStore {
     }
 
     /// Reads everything back.
-    fn load(&self, created: bool) -> Result<Opened, MetaError> {
+    fn load(&mut self, created: bool, log: crate::wal::Replayed) -> Result<Opened, MetaError> {
+        let opened = self.load_tables(created, log)?;
+        let d = &opened.durable;
+        self.entries = d.entries.iter().map(|e| (e.index, e.clone())).collect();
+        self.hard_state = d.hard_state.clone();
+        self.compacted = d.compacted;
+        self.applied = (d.state.seq, d.applied_term);
+        self.amnesiac = d.amnesiac;
+        self.legacy = d.legacy;
+        Ok(opened)
+    }
+
+    fn load_tables(&self, created: bool, log: crate::wal::Replayed) -> Result<Opened, MetaError> {
         let tx = self.db.begin_read()?;
         let m = tx.open_table(MISC)?;
         let get = |k: &str| -> Result<Option<Vec<u8>>, MetaError> { Ok(m.get(k)?.map(|v| v.value().to_vec())) };
-        let mut hard_state = HardState::default();
-        if let Some(b) = get("hard_state")? {
-            let [term, vote, commit] = u64s::<3>("hard state", &b)?;
-            hard_state.term = term;
-            hard_state.vote = vote;
-            hard_state.commit = commit;
-        }
-        let compacted = match get("compacted")? {
-            Some(b) => {
-                let [i, t] = u64s::<2>("compacted", &b)?;
-                (i, t)
-            }
-            None => (0, 0),
-        };
+        let crate::wal::Replayed {
+            compacted,
+            hard_state,
+            entries,
+        } = log;
         let applied = match get("applied")? {
             Some(b) => {
                 let [i, t] = u64s::<2>("applied", &b)?;
@@ -435,18 +538,24 @@ impl LogStore {
         state.load(changes);
         state.seq = applied.0;
         let _ = state.take_changes();
-        let mut entries = Vec::new();
-        match tx.open_table(LOG) {
-            Ok(t) => {
-                for kv in t.iter()? {
-                    let (k, v) = kv?;
-                    entries.push(decode_entry(k.value(), v.value())?);
-                }
-            }
-            Err(e) => {
-                open("log", Err(e))?;
-            }
+        if applied.0 < compacted.0 {
+            return Err(MetaError::Corrupt(format!(
+                "the tables are at index {} but the log file starts after {}: entries between are lost",
+                applied.0, compacted.0
+            )));
         }
+        // A snapshot's tables were written and the log file not yet rewritten after them (a
+        // crash between): the log starts at the tables' index, without the old log's entries.
+        let (compacted, entries) =
+            if applied.0 > compacted.0 && !entries.iter().any(|e| e.index == applied.0 && e.term == applied.1) {
+                tracing::warn!(
+                    applied = applied.0,
+                    "metadata: the log file is older than the snapshot in the tables; it starts after the snapshot"
+                );
+                (applied, Vec::new())
+            } else {
+                (compacted, entries)
+            };
         Ok(Opened {
             durable: Durable {
                 hard_state,
@@ -464,60 +573,94 @@ impl LogStore {
 
     /// Carries out one [`Persist`] of the log machine (see the module documentation).
     pub fn persist(&mut self, p: &Persist<MetaState>) -> Result<(), MetaError> {
-        let mut tx = self.db.begin_write()?;
-        tx.set_durability(if p.sync {
-            Durability::Immediate
-        } else {
-            Durability::None
-        })
-        .map_err(|e| MetaError::Db(e.to_string()))?;
-        {
-            let mut m = tx.open_table(MISC)?;
-            let hs = &p.hard_state;
-            m.insert("hard_state", le(&[hs.term, hs.vote, hs.commit]).as_slice())?;
-            m.insert("applied", le(&[p.applied.0, p.applied.1]).as_slice())?;
-            m.insert("amnesiac", [p.amnesiac as u8].as_slice())?;
-            match p.legacy {
-                Some(l) => m.insert("legacy", le(&[l]).as_slice())?,
-                None => m.remove("legacy")?,
-            };
-            if let Some((i, t)) = p.snapshot {
-                m.insert("compacted", le(&[i, t]).as_slice())?;
-            }
-            if let Some((i, t)) = p.compact_to {
-                m.insert("compacted", le(&[i, t]).as_slice())?;
-            }
-            drop(m);
-            let mut log = tx.open_table(LOG)?;
-            if p.snapshot.is_some() {
-                log.retain(|_, _| false)?;
-            }
-            if let Some(first) = p.entries.first() {
-                log.retain_in(first.index.., |_, _| false)?;
-                for e in &p.entries {
-                    log.insert(e.index, encode_entry(e).as_slice())?;
-                }
-            }
-            if let Some((i, _)) = p.compact_to {
-                log.retain_in(..=i, |_, _| false)?;
-            }
-            drop(log);
-            if p.snapshot.is_some() {
+        if let Some(snapshot) = p.snapshot {
+            // The hard state first (a newer term or vote must never be lost), then the tables,
+            // durably, then the log after the snapshot. A crash between the last two leaves
+            // tables past the old log's entries: `load` then starts the log at the tables.
+            self.wal.append(&[], Some(&p.hard_state), true)?;
+            let tx = self.begin(true)?;
+            {
                 for t in [FILES, JOBS] {
                     tx.open_table(t)?.retain(|_, _| false)?;
                 }
                 tx.open_table(IDS)?.retain(|_, _| false)?;
                 tx.open_table(GENS)?.retain(|_, _| false)?;
+                self.write_misc(&tx, p)?;
+                write_changes(&tx, &p.changes)?;
             }
-            write_changes(&tx, &p.changes)?;
+            tx.commit()?;
+            self.wal.rewrite(snapshot, &p.hard_state, &p.entries)?;
+            self.entries = p.entries.iter().map(|e| (e.index, e.clone())).collect();
+            self.hard_state = p.hard_state.clone();
+            self.compacted = snapshot;
+            self.lazy_writes = 0;
+            return Ok(());
         }
-        tx.commit()?;
+        // The log: new entries replace any at their indices and after.
+        let hs_changed = p.hard_state != self.hard_state;
+        if !p.entries.is_empty() || hs_changed || p.sync {
+            self.wal
+                .append(&p.entries, hs_changed.then_some(&p.hard_state), p.sync)?;
+            if let Some(first) = p.entries.first() {
+                self.entries.split_off(&first.index);
+                self.entries.extend(p.entries.iter().map(|e| (e.index, e.clone())));
+            }
+            self.hard_state = p.hard_state.clone();
+        }
+        // The tables.
+        let flags_changed = p.amnesiac != self.amnesiac || p.legacy != self.legacy;
+        let tables = !p.changes.is_empty() || p.applied != self.applied || flags_changed || p.compact_to.is_some();
+        if tables {
+            self.lazy_writes += 1;
+            let durable = p.compact_to.is_some() || flags_changed || self.lazy_writes >= DURABLE_EVERY;
+            if durable {
+                // The tables never hold the effect of an entry the log file could lose.
+                self.wal.append(&[], None, true)?;
+                self.lazy_writes = 0;
+            }
+            let tx = self.begin(durable)?;
+            self.write_misc(&tx, p)?;
+            write_changes(&tx, &p.changes)?;
+            tx.commit()?;
+            self.applied = p.applied;
+            self.amnesiac = p.amnesiac;
+            self.legacy = p.legacy;
+        }
+        if let Some(c) = p.compact_to {
+            assert!(c.0 <= self.applied.0, "a compaction drops only applied entries");
+            self.entries = self.entries.split_off(&(c.0 + 1));
+            let kept: Vec<Entry> = self.entries.values().cloned().collect();
+            self.wal.rewrite(c, &self.hard_state, &kept)?;
+            self.compacted = c;
+        }
         Ok(())
     }
 
-    /// Bytes the store takes on its disk.
+    fn begin(&self, durable: bool) -> Result<redb::WriteTransaction, MetaError> {
+        let mut tx = self.db.begin_write()?;
+        tx.set_durability(if durable {
+            Durability::Immediate
+        } else {
+            Durability::None
+        })
+        .map_err(|e| MetaError::Db(e.to_string()))?;
+        Ok(tx)
+    }
+
+    fn write_misc(&self, tx: &redb::WriteTransaction, p: &Persist<MetaState>) -> Result<(), MetaError> {
+        let mut m = tx.open_table(MISC)?;
+        m.insert("applied", le(&[p.applied.0, p.applied.1]).as_slice())?;
+        m.insert("amnesiac", [p.amnesiac as u8].as_slice())?;
+        match p.legacy {
+            Some(l) => m.insert("legacy", le(&[l]).as_slice())?,
+            None => m.remove("legacy")?,
+        };
+        Ok(())
+    }
+
+    /// Bytes the store takes on its disk (the tables and the log file).
     pub fn bytes_on_disk(&self) -> u64 {
-        self.file.len().unwrap_or(0)
+        self.file.len().unwrap_or(0) + self.wal.bytes()
     }
 }
 

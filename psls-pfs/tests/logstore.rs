@@ -254,6 +254,19 @@ impl Cluster {
         let n = &mut self.voters[v as usize];
         n.disk.power_cut(cut_seed);
         let (disk, store, log, state, mirror) = open(&n.dir, v, cut_seed);
+        // Every entry is written with an fsync (and compactions rewrite the log synced): the
+        // log after the cut is the log before it.
+        assert_eq!(
+            mirror.keys().collect::<Vec<_>>(),
+            n.mirror.keys().collect::<Vec<_>>(),
+            "seed {}: voter {v}'s log after a power cut",
+            self.seed
+        );
+        assert!(
+            mirror.iter().all(|(i, e)| n.mirror.get(i) == Some(e)),
+            "seed {}: voter {v}'s entries after a power cut",
+            self.seed
+        );
         // Its per-key tables are the log applied from the start up to its applied index.
         let want = &self.states[state.seq as usize];
         assert_eq!(&state, want, "seed {}: voter {v}'s tables after a power cut", self.seed);
@@ -509,9 +522,10 @@ fn a_converted_voter_ahead_of_the_leader_drops_its_state_and_catches_up() {
     assert_eq!(c.voters[2].log.state(), &want);
 }
 
-/// A store of format 6 (each file's whole generation map in one row of `file_gens`) converts:
-/// each map becomes a base row, and the namespace is the same. Format 6 is written here by
-/// hand from a store of the current format, table by table.
+/// A store of format 6 (each file's whole generation map in one row of `file_gens`, the log in
+/// table `log`) converts: each map becomes a base row, the log moves to its file, and the
+/// namespace and the log are the same. Format 6 is written here by hand from a store of the
+/// current format, table by table.
 #[test]
 fn a_store_of_format_6_converts() {
     use psls_pfs::gens::PageGens;
@@ -585,6 +599,15 @@ fn a_store_of_format_6_converts() {
     const MISC: TableDefinition<&str, &[u8]> = TableDefinition::new("misc");
     const ROWS: TableDefinition<(u64, u64), &[u8]> = TableDefinition::new("gen_rows");
     const GENS_6: TableDefinition<u64, &[u8]> = TableDefinition::new("file_gens");
+    const LOG_6: TableDefinition<u64, &[u8]> = TableDefinition::new("log");
+    // The log as format 6 kept it: a table, with the hard state and the compaction in `misc`.
+    let (_, wal) = psls_pfs::wal::Wal::open(&disk).expect("log file");
+    let wal = wal.expect("a log file");
+    assert!(!wal.entries.is_empty());
+    for name in ["meta.wal.0", "meta.wal.1"] {
+        psls_pfs::Disk::remove(&disk, name).expect("remove");
+    }
+    let le = |xs: &[u64]| -> Vec<u8> { xs.iter().flat_map(|x| x.to_le_bytes()).collect() };
     let db = redb::Database::open(tmp.path().join("meta.redb")).expect("redb");
     let mut maps: BTreeMap<u64, PageGens> = BTreeMap::new();
     {
@@ -616,17 +639,180 @@ fn a_store_of_format_6_converts() {
         }
         drop(old);
         tx.delete_table(ROWS).expect("delete");
-        tx.open_table(MISC)
-            .expect("misc")
-            .insert("format", 6u16.to_le_bytes().as_slice())
-            .expect("format");
+        let mut log = tx.open_table(LOG_6).expect("log");
+        for e in &wal.entries {
+            log.insert(e.index, psls_pfs::logstore::encode_entry(e).as_slice())
+                .expect("entry");
+        }
+        drop(log);
+        let mut m = tx.open_table(MISC).expect("misc");
+        m.insert("format", 6u16.to_le_bytes().as_slice()).expect("format");
+        let hs = &wal.hard_state;
+        m.insert("hard_state", le(&[hs.term, hs.vote, hs.commit]).as_slice())
+            .expect("hard state");
+        m.insert("compacted", le(&[wal.compacted.0, wal.compacted.1]).as_slice())
+            .expect("compacted");
     }
     tx.commit().expect("commit");
     drop(db);
 
     let (_, opened) = LogStore::open(&disk, false).expect("converts");
     assert_eq!(opened.durable.state, want, "the namespace is kept");
+    assert_eq!(opened.durable.entries, wal.entries, "the log is kept");
+    assert_eq!(opened.durable.hard_state, wal.hard_state);
     assert_eq!(opened.durable.state.files["f1"].written, want.files["f1"].written);
     let (_, again) = LogStore::open(&disk, false).expect("reopens");
     assert_eq!(again.durable.state, want);
+}
+
+/// A snapshot's write cut at every point (the disk halts after n mutations, then a power cut):
+/// the store always opens; its state is the old one or the snapshot's; once the new term was
+/// written it is never lost; its log is contiguous from its compaction point and reaches its
+/// state.
+#[test]
+fn a_snapshot_cut_at_any_point_leaves_a_store_that_opens() {
+    use psls_cluster::log::Persist;
+    use raft::eraftpb::HardState;
+    for n in 0..40i64 {
+        let tmp = tempfile::tempdir().expect("tmp");
+        let disk = FaultDisk::new(tmp.path()).expect("disk");
+        let (mut store, opened) = LogStore::open(&disk, false).expect("opens");
+        let mut log: Log<MetaState, u64> = Log::new(0, 1, limits(), opened.durable, 1).expect("starts");
+        let drain = |log: &mut Log<MetaState, u64>, store: &mut LogStore| {
+            while let Some(a) = log.poll_action() {
+                if let Action::Persist(p) = a {
+                    store.persist(&p).expect("persists");
+                }
+            }
+        };
+        for _ in 0..40 {
+            log.handle_tick();
+            drain(&mut log, &mut store);
+        }
+        assert!(log.is_leader());
+        log.submit(
+            0,
+            &MetaOp::InitMap {
+                logical: (0..1).map(|i| (i, format!("n{i}"))).collect(),
+            },
+        );
+        for i in 0..6 {
+            log.submit(
+                1 + i,
+                &MetaOp::CommitFile {
+                    meta: meta(&format!("f{i}"), 10 + i),
+                    replaces: None,
+                    placed_at: None,
+                },
+            );
+        }
+        drain(&mut log, &mut store);
+        log.handle_tick();
+        drain(&mut log, &mut store);
+        let old = log.state().clone();
+        let old_term = log.term();
+        // A leader's snapshot, further on: 3 more files, at index old + 10, a newer term.
+        let mut snap = old.clone();
+        let mut at = snap.seq;
+        for i in 0..3 {
+            at += 1;
+            snap.apply_at(
+                at,
+                &MetaOp::CommitFile {
+                    meta: meta(&format!("s{i}"), 50 + i),
+                    replaces: None,
+                    placed_at: None,
+                },
+            )
+            .expect("applies");
+        }
+        for _ in 0..7 {
+            at += 1;
+            snap.skip_to(at);
+        }
+        let _ = snap.take_changes();
+        let new_term = old_term + 3;
+        let hs = HardState {
+            term: new_term,
+            vote: 2,
+            commit: at,
+            ..Default::default()
+        };
+        let p = Persist::<MetaState> {
+            sync: true,
+            hard_state: hs,
+            entries: Vec::new(),
+            snapshot: Some((at, new_term)),
+            compact_to: None,
+            applied: (at, new_term),
+            changes: snap.all_changes(),
+            amnesiac: false,
+            legacy: None,
+        };
+        drop(log);
+        disk.halt_after(n);
+        let finished = store.persist(&p).is_ok();
+        disk.power_cut(n as u64 + 1);
+        drop(store);
+        let disk = FaultDisk::new(tmp.path()).expect("disk");
+        let (_, got) = LogStore::open(&disk, false).unwrap_or_else(|e| panic!("cut after {n}: does not open: {e}"));
+        let term = got.durable.hard_state.term;
+        // The log restarts from this (the machine checks contiguity and reach) and applies
+        // what was committed.
+        let mut log = Log::<MetaState, u64>::new(0, 1, limits(), got.durable, 1)
+            .unwrap_or_else(|e| panic!("cut after {n}: the log does not start: {e}"));
+        // Alone, it leads again and commits every entry its log file kept (all were synced).
+        for _ in 0..40 {
+            log.handle_tick();
+            while log.poll_action().is_some() {}
+        }
+        assert!(log.is_leader(), "cut after {n}: leads again");
+        let files = &log.state().files;
+        assert!(
+            *files == old.files || *files == snap.files,
+            "cut after {n}: the namespace is neither the old one nor the snapshot's"
+        );
+        if finished {
+            assert_eq!(*files, snap.files, "cut after {n}: the finished snapshot is kept");
+        }
+        if *files == snap.files {
+            assert!(term >= new_term, "cut after {n}: the snapshot's term went back");
+        }
+        assert!(term >= old_term, "cut after {n}: term {term} went back");
+        if finished {
+            break;
+        }
+    }
+}
+
+/// A voter's catching-up flag cleared by a write that needs no sync (a tick's write of the
+/// tables) survives a power cut right after it: otherwise every voter of a cluster that lost
+/// power together comes back amnesiac, none will vote, and no leader is ever elected.
+#[test]
+fn a_cleared_catching_up_flag_survives_a_power_cut() {
+    use psls_cluster::log::Persist;
+    let tmp = tempfile::tempdir().expect("tmp");
+    let disk = FaultDisk::new(tmp.path()).expect("disk");
+    let (mut store, opened) = LogStore::open(&disk, true).expect("opens");
+    assert!(
+        opened.durable.amnesiac,
+        "a store created for a node that ran before starts amnesiac"
+    );
+    let p = Persist::<MetaState> {
+        sync: false,
+        hard_state: opened.durable.hard_state.clone(),
+        entries: Vec::new(),
+        snapshot: None,
+        compact_to: None,
+        applied: (0, 0),
+        changes: Default::default(),
+        amnesiac: false,
+        legacy: None,
+    };
+    store.persist(&p).expect("persists");
+    disk.power_cut(1);
+    drop(store);
+    let disk = FaultDisk::new(tmp.path()).expect("disk");
+    let (_, got) = LogStore::open(&disk, false).expect("reopens");
+    assert!(!got.durable.amnesiac, "the cleared flag was lost in the power cut");
 }
