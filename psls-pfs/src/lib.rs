@@ -25,6 +25,7 @@ pub mod jobs;
 pub mod logstore;
 pub mod meta;
 pub mod placement;
+pub mod runs;
 pub mod slot;
 pub mod store;
 pub mod wal;

@@ -24,8 +24,12 @@
 //!   applied over the base in key order (only files a checkpoint wrote pages of; see
 //!   [`MetaState::take_changes`] for when deltas are folded into a new base);
 //! - `jobs`: job → postcard [`JobRecord`];
+//! - `job_runs`: job → postcard [`crate::runs::RunRow`] (job control: its current start or
+//!   its end);
 //! - `misc`: `nodes` → postcard [`NodesRecord`]; `next_gen` and `applied` (index, term) as u64
 //!   LE; `amnesiac` and `legacy`.
+//!
+//! Format 8 had no table `job_runs`: it is converted by setting the format.
 //!
 //! Format 7 kept the log in table `log` (index → `[term u64 LE][entry type u8][context length
 //! u32 LE][context][data]`, the encoding of a log file's entries too) and `hard_state` (term,
@@ -33,7 +37,7 @@
 //! file written first.
 //!
 //! Format 6 kept each file's whole map in table `file_gens` (id → postcard [`PageGens`]):
-//! it is converted on open (to format 7, then 8), each map becoming a base row.
+//! it is converted on open (to format 7, then on), each map becoming a base row.
 //!
 //! A store of an earlier format (table `meta`, key `state`: the whole namespace, and table
 //! `vote`: the one-slot Paxos vote) is converted on open, in one transaction: its committed
@@ -55,7 +59,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 /// Format of the store.
-pub const FORMAT: u16 = 8;
+pub const FORMAT: u16 = 9;
 
 /// Every this many table writes, one is durable.
 pub const DURABLE_EVERY: u64 = 32;
@@ -68,6 +72,7 @@ const GENS: TableDefinition<(u64, u64), &[u8]> = TableDefinition::new("gen_rows"
 /// Format 6's generation maps, one row per file.
 const GENS_6: TableDefinition<u64, &[u8]> = TableDefinition::new("file_gens");
 const JOBS: TableDefinition<&str, &[u8]> = TableDefinition::new("jobs");
+const RUNS: TableDefinition<&str, &[u8]> = TableDefinition::new("job_runs");
 const MISC: TableDefinition<&str, &[u8]> = TableDefinition::new("misc");
 /// The tables of the formats before the log.
 const LEGACY_META: TableDefinition<&str, &[u8]> = TableDefinition::new("meta");
@@ -238,6 +243,11 @@ impl LogStore {
             log = Some(store.convert_7()?);
             format = store.misc("format")?;
         }
+        if format.as_deref() == Some(8u16.to_le_bytes().as_slice()) {
+            // Format 8 had no job-control table (`job_runs`): nothing to convert.
+            store.set_format()?;
+            format = store.misc("format")?;
+        }
         let created = match format {
             Some(f) if f.as_slice() == FORMAT.to_le_bytes() => false,
             Some(f) => {
@@ -280,6 +290,14 @@ impl LogStore {
             m.insert("format", FORMAT.to_le_bytes().as_slice())?;
             m.insert("amnesiac", [amnesiac as u8].as_slice())?;
         }
+        tx.commit()?;
+        Ok(())
+    }
+
+    /// Marks the store as of [`FORMAT`] (durably).
+    fn set_format(&mut self) -> Result<(), MetaError> {
+        let tx = self.db.begin_write()?;
+        tx.open_table(MISC)?.insert("format", FORMAT.to_le_bytes().as_slice())?;
         tx.commit()?;
         Ok(())
     }
@@ -534,6 +552,19 @@ impl LogStore {
                 open("jobs", Err(e))?;
             }
         }
+        match tx.open_table(RUNS) {
+            Ok(t) => {
+                for kv in t.iter()? {
+                    let (k, v) = kv?;
+                    let row: crate::runs::RunRow =
+                        postcard::from_bytes(v.value()).map_err(|e| corrupt("job run", e))?;
+                    changes.runs.push((k.value().to_string(), Some(row)));
+                }
+            }
+            Err(e) => {
+                open("job_runs", Err(e))?;
+            }
+        }
         let mut state = MetaState::default();
         state.load(changes);
         state.seq = applied.0;
@@ -580,7 +611,7 @@ impl LogStore {
             self.wal.append(&[], Some(&p.hard_state), true)?;
             let tx = self.begin(true)?;
             {
-                for t in [FILES, JOBS] {
+                for t in [FILES, JOBS, RUNS] {
                     tx.open_table(t)?.retain(|_, _| false)?;
                 }
                 tx.open_table(IDS)?.retain(|_, _| false)?;
@@ -701,6 +732,15 @@ fn write_changes(tx: &redb::WriteTransaction, c: &Changes) -> Result<(), MetaErr
         let mut t = tx.open_table(JOBS)?;
         for (job, rec) in &c.jobs {
             match rec {
+                Some(r) => t.insert(job.as_str(), pc(r)?.as_slice())?,
+                None => t.remove(job.as_str())?,
+            };
+        }
+    }
+    if !c.runs.is_empty() {
+        let mut t = tx.open_table(RUNS)?;
+        for (job, row) in &c.runs {
+            match row {
                 Some(r) => t.insert(job.as_str(), pc(r)?.as_slice())?,
                 None => t.remove(job.as_str())?,
             };

@@ -42,9 +42,10 @@ use std::sync::Arc;
 
 const META_TABLE: TableDefinition<&str, &[u8]> = TableDefinition::new("meta");
 const STATE_KEY: &str = "state";
-/// Format of an encoded [`MetaState`] (a snapshot of the metadata log; formats up to 5 are
-/// the records of the store before it, read once to convert it).
-const SNAPSHOT_FORMAT: u16 = 6;
+/// Format of an encoded [`MetaState`] (a snapshot of the metadata log): the state, then job
+/// control's records (`runs`, `ended`). Format 6 had no job-control records; formats up to 5
+/// are the records of the store before the log, read once to convert it.
+const SNAPSHOT_FORMAT: u16 = 7;
 const VOTE_TABLE: TableDefinition<&str, &[u8]> = TableDefinition::new("vote");
 const VOTE_KEY: &str = "vote";
 const VOTE_FORMAT: u16 = 2;
@@ -107,6 +108,13 @@ pub struct MetaState {
     /// but whose last persistent checkpoint failed (job → why): `psls run --resume` only has
     /// to write it.
     pub finished: OrdMap<String, Finished>,
+    /// Each running `psls run` job's current start (see [`crate::runs`]). Encoded after the
+    /// rest of the state (format 7 of a snapshot).
+    #[serde(skip)]
+    pub runs: OrdMap<String, crate::runs::RunRecord>,
+    /// Jobs that ended, with the log index of their end (at most [`crate::runs::MAX_ENDED`]).
+    #[serde(skip)]
+    pub ended: OrdMap<String, (u64, crate::runs::JobEnd)>,
     /// File id → name (an index of `files`, rebuilt when a state is decoded).
     #[serde(skip)]
     ids: OrdMap<FileId, String>,
@@ -184,6 +192,8 @@ pub struct Changes {
     pub gen_deltas: Vec<(FileId, u64, GenDelta)>,
     /// Job → its records.
     pub jobs: Vec<(String, Option<JobRecord>)>,
+    /// Job → its current start and its end (job control's records).
+    pub runs: Vec<(String, Option<crate::runs::RunRow>)>,
     /// The node map and the verdicts, when they changed.
     pub nodes: Option<NodesRecord>,
     pub next_gen: Option<u64>,
@@ -202,6 +212,7 @@ impl Changes {
         self.gens.extend(later.gens);
         self.gen_deltas.extend(later.gen_deltas);
         self.jobs.extend(later.jobs);
+        self.runs.extend(later.runs);
         if later.nodes.is_some() {
             self.nodes = later.nodes;
         }
@@ -217,6 +228,7 @@ impl Changes {
             && self.gens.is_empty()
             && self.gen_deltas.is_empty()
             && self.jobs.is_empty()
+            && self.runs.is_empty()
             && self.nodes.is_none()
             && self.next_gen.is_none()
     }
@@ -326,6 +338,17 @@ impl MetaState {
             match rec.finished {
                 Some(f) => self.finished.insert(job, f),
                 None => self.finished.remove(&job),
+            };
+        }
+        for (job, row) in changes.runs {
+            let row = row.unwrap_or_default();
+            match row.run {
+                Some(r) => self.runs.insert(job.clone(), r),
+                None => self.runs.remove(&job),
+            };
+            match row.end {
+                Some(e) => self.ended.insert(job, e),
+                None => self.ended.remove(&job),
             };
         }
         if let Some(n) = changes.nodes {
@@ -523,6 +546,35 @@ pub enum MetaOp {
         files: Vec<FileId>,
         epoch: u64,
     },
+    /// Job control: `psls run` job `job` starts (first start, or a resume after it ended);
+    /// its record keeps what it runs and how it checkpoints, like `StartJobWith`.
+    JobStart {
+        job: String,
+        spec: Box<crate::jobs::JobSummary>,
+        options: Box<crate::jobs::JobOptions>,
+        run: Box<crate::runs::RunRecord>,
+    },
+    /// Job control: start `attempt` of `job` is followed by `run` (its number plus one).
+    JobRestart {
+        job: String,
+        attempt: u32,
+        run: Box<crate::runs::RunRecord>,
+    },
+    /// Job control: start `attempt` of `job` moves to `phase`.
+    JobPhase {
+        job: String,
+        attempt: u32,
+        phase: crate::runs::RunPhase,
+    },
+    /// Job control: `job` halts at its next safe point.
+    JobHalt {
+        job: String,
+    },
+    /// Job control: `job` ended (its start `end.attempt`).
+    JobEnd {
+        job: String,
+        end: crate::runs::JobEnd,
+    },
 }
 
 /// Format 1 of the operation in a vote record (files of format 2).
@@ -599,6 +651,14 @@ impl MetaOp {
                 .finished
                 .get(job)
                 .is_some_and(|f| f.why == *why && f.files == *files && f.epoch == *epoch),
+            MetaOp::JobStart { job, run, .. } => st.runs.get(job) == Some(&**run),
+            MetaOp::JobRestart { job, run, .. } => st.runs.get(job).is_some_and(|r| r.attempt >= run.attempt),
+            MetaOp::JobPhase { job, attempt, phase } => st
+                .runs
+                .get(job)
+                .is_some_and(|r| r.attempt == *attempt && r.phase == *phase),
+            MetaOp::JobHalt { job } => st.runs.get(job).is_none_or(|r| r.halt),
+            MetaOp::JobEnd { job, end } => st.ended.get(job).is_some_and(|(_, e)| e == end),
         }
     }
 }
@@ -876,11 +936,25 @@ impl MetaState {
         t.jobs.extend(self.jobs.keys().cloned());
         t.jobs.extend(self.job_options.keys().cloned());
         t.jobs.extend(self.finished.keys().cloned());
+        t.jobs.extend(self.runs.keys().cloned());
+        t.jobs.extend(self.ended.keys().cloned());
         self.changes_of(t)
     }
 
     fn changes_of(&self, t: Touched) -> Changes {
+        let runs = t
+            .jobs
+            .iter()
+            .map(|j| {
+                let row = crate::runs::RunRow {
+                    run: self.runs.get(j).cloned(),
+                    end: self.ended.get(j).cloned(),
+                };
+                (j.clone(), (row.run.is_some() || row.end.is_some()).then_some(row))
+            })
+            .collect();
         Changes {
+            runs,
             files: t
                 .files
                 .into_iter()
@@ -1075,6 +1149,23 @@ impl MetaState {
                 self.touch_job(job);
                 self.finished.insert(job.clone(), kept);
             }
+            MetaOp::JobStart {
+                job,
+                spec,
+                options,
+                run,
+            } => {
+                // A resume keeps a finished result to write (`finished`); a restart drops it.
+                crate::runs::apply_start(self, job, run)?;
+                crate::jobs::apply_start_with(self, job, spec, options)?
+            }
+            MetaOp::JobRestart { job, attempt, run } => crate::runs::apply_restart(self, job, *attempt, run)?,
+            MetaOp::JobPhase { job, attempt, phase } => crate::runs::apply_phase(self, job, *attempt, phase)?,
+            MetaOp::JobHalt { job } => crate::runs::apply_halt(self, job)?,
+            MetaOp::JobEnd { job, end } => {
+                let index = self.seq + 1;
+                crate::runs::apply_end(self, index, job, end)?
+            }
             MetaOp::ClaimWriter { file, job } => {
                 crate::jobs::validate_job(job)?;
                 let Some(mut f) = self.file_by_id(*file).cloned() else {
@@ -1109,6 +1200,7 @@ impl MetaState {
     pub fn encode(&self) -> Vec<u8> {
         let mut out = SNAPSHOT_FORMAT.to_le_bytes().to_vec();
         out.extend(postcard::to_stdvec(self).expect("MetaState serializes"));
+        out.extend(postcard::to_stdvec(&(&self.runs, &self.ended)).expect("job records serialize"));
         out
     }
 
@@ -1119,7 +1211,13 @@ impl MetaState {
         let v = u16::from_le_bytes([bytes[0], bytes[1]]);
         let corrupt = |e: postcard::Error| MetaError::Corrupt(e.to_string());
         match v {
-            SNAPSHOT_FORMAT => postcard::from_bytes(&bytes[2..])
+            SNAPSHOT_FORMAT => {
+                let (mut st, rest): (MetaState, _) = postcard::take_from_bytes(&bytes[2..]).map_err(corrupt)?;
+                (st.runs, st.ended) = postcard::from_bytes(rest).map_err(corrupt)?;
+                st.reindex();
+                Ok(st)
+            }
+            6 => postcard::from_bytes(&bytes[2..])
                 .map_err(corrupt)
                 .map(|mut st: MetaState| {
                     st.reindex();
