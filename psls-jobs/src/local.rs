@@ -1,0 +1,118 @@
+//! The rank nodes' side of job control: whether a node may start a job's ranks, and which of
+//! the ranks it runs must stop, decided from the committed metadata alone (the node's own
+//! records, not the word of whoever asks).
+//!
+//! Invariant: a node never runs ranks of a start other than the job's current one, nor during
+//! its rollback or stop; so once a new start is recorded, no rank of an older one runs beside
+//! it on any node that applied the record (a node that did not is either behind, and catches
+//! up before it starts anything, or declared down and fenced).
+
+use psls_pfs::meta::MetaState;
+use psls_pfs::runs::RunPhase;
+
+/// Whether this node may start ranks of start `attempt` of `job` now.
+pub fn may_spawn(st: &MetaState, job: &str, attempt: u32) -> Result<(), String> {
+    match st.runs.get(job) {
+        None => Err(format!("job {job} is not running")),
+        Some(r) if r.attempt != attempt => Err(format!("job {job} is at start {}, not {attempt}", r.attempt)),
+        Some(r) if r.phase != RunPhase::Running => Err(format!("job {job} is not starting ranks now")),
+        Some(_) => Ok(()),
+    }
+}
+
+/// Whether ranks of start `attempt` of `job` must stop: a later start is recorded, the start
+/// is being rolled back or stopped, or the job ended.
+pub fn stale(st: &MetaState, job: &str, attempt: u32) -> bool {
+    if let Some(r) = st.runs.get(job) {
+        return r.attempt > attempt
+            || (r.attempt == attempt && matches!(r.phase, RunPhase::RollingBack { .. } | RunPhase::Stopping { .. }));
+    }
+    st.ended.get(job).is_some_and(|(_, e)| e.attempt >= attempt)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use psls_pfs::meta::MetaOp;
+    use psls_pfs::runs::{EndHow, JobEnd, RunRecord};
+
+    fn apply(st: &mut MetaState, op: MetaOp) {
+        let i = st.seq + 1;
+        st.apply_at(i, &op).expect("applies");
+    }
+
+    #[test]
+    fn only_the_current_running_start_may_run() {
+        let mut st = MetaState::default();
+        apply(
+            &mut st,
+            MetaOp::InitMap {
+                logical: [(0, "n0".to_string())].into(),
+            },
+        );
+        assert!(may_spawn(&st, "j", 0).is_err(), "no record yet");
+        assert!(!stale(&st, "j", 0), "an unknown job's ranks are not stopped");
+        let run = |attempt| RunRecord {
+            attempt,
+            placement: vec![0],
+            nodes: [(0, ("n0".to_string(), 1))].into(),
+            ..RunRecord::default()
+        };
+        apply(
+            &mut st,
+            MetaOp::JobStart {
+                job: "j".into(),
+                spec: Box::default(),
+                options: Box::default(),
+                run: Box::new(run(0)),
+            },
+        );
+        assert!(may_spawn(&st, "j", 0).is_ok());
+        assert!(may_spawn(&st, "j", 1).is_err(), "not a start to come");
+        assert!(!stale(&st, "j", 0));
+        let phase = |phase| MetaOp::JobPhase {
+            job: "j".into(),
+            attempt: 0,
+            phase,
+        };
+        apply(
+            &mut st,
+            phase(RunPhase::RollingBack {
+                why: "n1 went down".into(),
+            }),
+        );
+        assert!(may_spawn(&st, "j", 0).is_err(), "not during its rollback");
+        assert!(stale(&st, "j", 0), "its ranks stop during its rollback");
+        apply(
+            &mut st,
+            MetaOp::JobRestart {
+                job: "j".into(),
+                attempt: 0,
+                run: Box::new(run(1)),
+            },
+        );
+        assert!(stale(&st, "j", 0), "an older start's ranks stop");
+        assert!(!stale(&st, "j", 1));
+        assert!(may_spawn(&st, "j", 0).is_err());
+        assert!(may_spawn(&st, "j", 1).is_ok());
+        apply(
+            &mut st,
+            MetaOp::JobPhase {
+                job: "j".into(),
+                attempt: 1,
+                phase: RunPhase::Finishing,
+            },
+        );
+        assert!(may_spawn(&st, "j", 1).is_err(), "not once finishing");
+        let end = JobEnd {
+            how: EndHow::Finished,
+            code: 0,
+            message: String::new(),
+            attempt: 1,
+            at_unix_ms: 0,
+        };
+        apply(&mut st, MetaOp::JobEnd { job: "j".into(), end });
+        assert!(stale(&st, "j", 1), "an ended job's ranks stop");
+        assert!(may_spawn(&st, "j", 1).is_err());
+    }
+}

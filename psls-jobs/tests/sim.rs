@@ -1,0 +1,909 @@
+//! The job-control simulator: the real [`Control`] on every node of a simulated cluster (4
+//! logical nodes and a spare), the real metadata records (`MetaState` applying the real
+//! operations, in one ordered log that nodes see with a lag), and the rank nodes' real rules
+//! (`psls_jobs::local`), with simulated time, ranks, checkpoints and steps.
+//!
+//! Faults at any step: a node crashes (its ranks and memory lost; it comes back as a new
+//! incarnation), pauses past the failure timeout (it wakes with its old state, fencing itself
+//! if it was declared down meanwhile), or is cut off; the driver changes (crash, pause, or an
+//! election); messages and step outcomes are delayed and lost; operators launch, halt, cancel
+//! and resume jobs.
+//!
+//! Checked after every step:
+//! - at most one node drives;
+//! - no node that is not declared down runs ranks of a start of a job beside ranks of another
+//!   start of it on any such node, nor ranks of a start that is not the job's current one once
+//!   its rollback stopped them;
+//! - every job ends at most once per start, and a job that ended finished had every rank of its
+//!   last start exit 0;
+//! - a job whose last start's ranks all exited 0 and that was not cancelled ends finished,
+//!   unwritten or halted (its result durable or resumable), never failed;
+//! - after a calm phase (no faults, one driver), every job has ended.
+//!
+//! `PSLS_SIM_SEEDS=N` runs N seeds (default 2,000), `PSLS_SIM_SEED=S` one, `PSLS_SIM_TRACE=1`
+//! prints every step.
+
+use psls_jobs::control::FinishError;
+use psls_jobs::{Action, Answer, Command, Config, Control, Done, NodeView, Report, StepError};
+use psls_pfs::jobs::{JobOptions, JobSummary};
+use psls_pfs::meta::{MetaOp, MetaState};
+use psls_pfs::runs::{EndHow, JobEnd, RunPhase};
+use psls_svm::rng::SplitMix64;
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+
+const LOGICAL: u32 = 4;
+const STEP_MS: u64 = 100;
+/// A node unreachable this long is declared down.
+const DOWN_AFTER_MS: u64 = 1_500;
+const RESPAWN_MS: u64 = 3_000;
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Rank {
+    Running {
+        left: u32,
+    },
+    Exited(i32),
+    /// Stopped (by its node's records or a stop); kept, and reported, until the job goes.
+    Killed,
+}
+
+struct Node {
+    name: String,
+    control: Control,
+    up: bool,
+    paused: bool,
+    /// Cut off from every other node.
+    cut: bool,
+    incarnation: u64,
+    /// The last log index this node applied.
+    view: usize,
+    /// When it was last reachable.
+    seen_ms: u64,
+    /// (job, rank) → (start, state).
+    ranks: BTreeMap<(String, u32), (u32, Rank)>,
+    /// The term it drives in, as it believes.
+    lead: Option<u64>,
+    /// Applies the log late until then (a follower behind), except when it must catch up.
+    slow_until_ms: u64,
+}
+
+impl Node {
+    fn reachable(&self) -> bool {
+        self.up && !self.paused && !self.cut
+    }
+}
+
+/// A message or a step's outcome on its way.
+enum Msg {
+    /// An action a driver's shell carries out (delivered to the shell of node `from`).
+    Act { from: usize, term: u64, action: Action },
+    /// A node's report to the driver it believes in.
+    Report {
+        from: usize,
+        to: usize,
+        inc: u64,
+        report: Report,
+    },
+}
+
+struct Sim {
+    rng: SplitMix64,
+    trace: bool,
+    now_ms: u64,
+    nodes: Vec<Node>,
+    /// The committed log and the state after each entry (index 0: the empty state).
+    log: Vec<MetaOp>,
+    states: Vec<MetaState>,
+    /// Submissions on their way: (submitter, its term, job, op, when).
+    submits: VecDeque<(usize, u64, String, MetaOp, u64)>,
+    msgs: VecDeque<(u64, Msg)>,
+    leader: Option<usize>,
+    term: u64,
+    /// Per job: the epoch of its newest checkpoint (a model of the checkpoint machines).
+    ckpt: BTreeMap<String, u64>,
+    /// Per (job, start, rank): the status it exited with (every exit ever).
+    exits: BTreeMap<(String, u32, u32), i32>,
+    /// Ends applied: (job, start).
+    ends: BTreeSet<(String, u32)>,
+    cancelled: BTreeSet<String>,
+    /// Starts that went to `Finishing`.
+    finishing: BTreeSet<(String, u32)>,
+    next_job: u32,
+    next_cmd: u64,
+    answers: u64,
+    calm: bool,
+}
+
+fn cfg() -> Config {
+    Config {
+        grace_ms: 1_000,
+        pass_pause_ms: 500,
+        max_passes: 8,
+        retry_ms: 2_000,
+        rebuild_timeout_ms: 5_000,
+        spares: vec!["s0".into()],
+        max_jobs: 64,
+        max_commands: 64,
+    }
+}
+
+impl Sim {
+    fn new(seed: u64) -> Sim {
+        let mut nodes = Vec::new();
+        for name in (0..LOGICAL).map(|i| format!("n{i}")).chain(["s0".to_string()]) {
+            nodes.push(Node {
+                name,
+                control: Control::new(cfg()),
+                up: true,
+                paused: false,
+                cut: false,
+                incarnation: 1,
+                view: 0,
+                seen_ms: 0,
+                ranks: BTreeMap::new(),
+                lead: None,
+                slow_until_ms: 0,
+            });
+        }
+        let mut sim = Sim {
+            rng: SplitMix64::new(seed),
+            trace: std::env::var("PSLS_SIM_TRACE").is_ok(),
+            now_ms: 0,
+            nodes,
+            log: Vec::new(),
+            states: vec![MetaState::default()],
+            submits: VecDeque::new(),
+            msgs: VecDeque::new(),
+            leader: None,
+            term: 0,
+            ckpt: BTreeMap::new(),
+            exits: BTreeMap::new(),
+            ends: BTreeSet::new(),
+            cancelled: BTreeSet::new(),
+            finishing: BTreeSet::new(),
+            next_job: 0,
+            next_cmd: 0,
+            answers: 0,
+            calm: false,
+        };
+        let logical = (0..LOGICAL).map(|i| (i, format!("n{i}"))).collect();
+        sim.commit(MetaOp::InitMap { logical }).expect("map");
+        sim
+    }
+
+    fn trace(&self, what: impl FnOnce() -> String) {
+        if self.trace {
+            eprintln!("[{:>7} ms] {}", self.now_ms, what());
+        }
+    }
+
+    fn state(&self) -> &MetaState {
+        self.states.last().expect("a state")
+    }
+
+    fn commit(&mut self, op: MetaOp) -> Result<(), String> {
+        let mut st = self.state().clone();
+        let index = st.seq + 1;
+        st.apply_at(index, &op).map_err(|e| e.to_string())?;
+        let _ = st.take_changes();
+        if let MetaOp::JobPhase {
+            job,
+            attempt,
+            phase: RunPhase::Finishing,
+        } = &op
+        {
+            // Finishing: every rank of the start exited 0, or it only writes a result kept.
+            let run = self.state().runs.get(job).cloned().expect("a running job");
+            let all_zero =
+                (0..run.placement.len() as u32).all(|r| self.exits.get(&(job.clone(), *attempt, r)) == Some(&0));
+            assert!(
+                all_zero || self.state().finished.contains_key(job),
+                "job {job} start {attempt} finishes, but not every rank exited 0 and no result was kept"
+            );
+            self.finishing.insert((job.clone(), *attempt));
+        }
+        if let MetaOp::JobEnd { job, end } = &op {
+            assert!(
+                self.ends.insert((job.clone(), end.attempt)),
+                "job {job} ended twice at start {}",
+                end.attempt
+            );
+            self.check_end(job, end);
+        }
+        self.trace(|| format!("commit #{index}: {op:?}"));
+        self.log.push(op);
+        self.states.push(st);
+        Ok(())
+    }
+
+    /// What an end may say, given what the ranks did.
+    fn check_end(&self, job: &str, end: &JobEnd) {
+        let run = self.state().runs.get(job).cloned().expect("a running job ends");
+        let ranks = run.placement.len() as u32;
+        let all_zero = (0..ranks).all(|r| self.exits.get(&(job.to_string(), run.attempt, r)) == Some(&0));
+        if end.how == EndHow::Finished {
+            assert!(
+                self.finishing.contains(&(job.to_string(), run.attempt)),
+                "job {job} ended finished without finishing start {}",
+                run.attempt
+            );
+        }
+        if all_zero && !self.cancelled.contains(job) {
+            assert!(
+                matches!(
+                    end.how,
+                    EndHow::Finished | EndHow::Unwritten | EndHow::Halted | EndHow::NodeFail
+                ),
+                "job {job}: every rank exited 0 but it ended {:?}: {}",
+                end.how,
+                end.message
+            );
+        }
+    }
+
+    fn view_of(&self, n: usize) -> MetaState {
+        self.states[self.nodes[n].view].clone()
+    }
+
+    fn node_views(&self) -> BTreeMap<String, NodeView> {
+        let st = self.state();
+        self.nodes
+            .iter()
+            .map(|n| {
+                let declared = st.is_down(&n.name, n.incarnation);
+                (
+                    n.name.clone(),
+                    NodeView {
+                        live: n.reachable() && !declared,
+                        incarnation: n.incarnation,
+                    },
+                )
+            })
+            .collect()
+    }
+
+    /// Node `n` applies the log up to `to`.
+    fn catch_up(&mut self, n: usize, to: usize) {
+        if self.nodes[n].up && to > self.nodes[n].view {
+            self.nodes[n].view = to;
+            let st = self.view_of(n);
+            self.nodes[n].control.handle_meta(&st);
+            self.pump(n);
+        }
+    }
+
+    /// Takes node `n`'s actions.
+    fn pump(&mut self, n: usize) {
+        while let Some(a) = self.nodes[n].control.poll_action() {
+            let term = self.nodes[n].lead.unwrap_or(0);
+            match a {
+                Action::Submit { job, op } => {
+                    let at = self.now_ms + STEP_MS * self.rng.below(4);
+                    self.submits.push_back((n, term, job, op, at));
+                }
+                Action::Answer { id, answer } => {
+                    self.answers += 1;
+                    self.trace(|| format!("{} answers command {id}: {answer:?}", self.nodes[n].name));
+                    if let Answer::Started { job, attempt } = &answer {
+                        let st = self.state();
+                        let known = st.runs.get(job).is_some_and(|r| r.attempt >= *attempt)
+                            || st.ended.get(job).is_some_and(|(_, e)| e.attempt >= *attempt);
+                        assert!(
+                            known,
+                            "command {id} answered started, but job {job} start {attempt} is not recorded"
+                        );
+                    }
+                }
+                action => {
+                    let late = if self.rng.chance(50) { 30 } else { 5 };
+                    let at = self.now_ms + STEP_MS * (1 + self.rng.below(late));
+                    self.msgs.push_back((at, Msg::Act { from: n, term, action }));
+                }
+            }
+        }
+    }
+
+    fn set_leader(&mut self, new: Option<usize>) {
+        if let Some(old) = self.leader.take() {
+            if self.nodes[old].up && !self.nodes[old].paused {
+                self.nodes[old].lead = None;
+                self.nodes[old].control.handle_lead(None);
+                self.pump(old);
+            }
+            // A paused old leader learns when it wakes (its lease ran out).
+        }
+        if let Some(n) = new {
+            self.term += 1;
+            self.leader = Some(n);
+            // A new leader has every committed entry before it acts (raft).
+            let to = self.states.len() - 1;
+            self.catch_up(n, to);
+            self.nodes[n].lead = Some(self.term);
+            self.nodes[n].control.handle_lead(Some(self.term));
+            self.trace(|| format!("{} drives in term {}", self.nodes[n].name, self.term));
+            self.pump(n);
+        }
+    }
+
+    fn elect(&mut self) {
+        let candidates: Vec<usize> = (0..self.nodes.len()).filter(|&i| self.nodes[i].reachable()).collect();
+        if candidates.is_empty() {
+            return self.set_leader(None);
+        }
+        let pick = candidates[self.rng.below(candidates.len() as u64) as usize];
+        self.set_leader(Some(pick));
+    }
+
+    fn crash(&mut self, n: usize) {
+        self.trace(|| format!("{} crashes", self.nodes[n].name));
+        if self.leader == Some(n) {
+            self.leader = None;
+        }
+        let node = &mut self.nodes[n];
+        node.up = false;
+        node.paused = false;
+        node.lead = None;
+        node.ranks.clear();
+        node.control = Control::new(cfg());
+        node.view = 0;
+    }
+
+    fn restart(&mut self, n: usize) {
+        let node = &mut self.nodes[n];
+        node.up = true;
+        node.incarnation += 1;
+        node.seen_ms = self.now_ms;
+        let inc = node.incarnation;
+        self.trace(|| format!("{} restarts as incarnation {inc}", self.nodes[n].name));
+        let to = self.states.len() - 1;
+        self.catch_up(n, to);
+    }
+
+    fn wake(&mut self, n: usize) {
+        self.nodes[n].paused = false;
+        self.trace(|| format!("{} wakes", self.nodes[n].name));
+        if self.nodes[n].lead.is_some() && self.leader != Some(n) {
+            self.nodes[n].lead = None;
+            self.nodes[n].control.handle_lead(None);
+            self.pump(n);
+        }
+        let (name, inc) = (self.nodes[n].name.clone(), self.nodes[n].incarnation);
+        if self.state().is_down(&name, inc) {
+            // It learns its verdict: it fences itself (its ranks die) and comes back anew.
+            self.trace(|| format!("{name} was declared down: it fences itself"));
+            self.crash(n);
+            self.restart(n);
+        }
+    }
+
+    /// Carries out action `a` of node `from`'s shell.
+    fn execute(&mut self, from: usize, term: u64, a: Action) {
+        if !self.nodes[from].up || self.nodes[from].paused {
+            return;
+        }
+        let st = self.state().clone();
+        let idx = |sim: &Sim, name: &str| sim.nodes.iter().position(|x| x.name == name);
+        match a {
+            Action::Spawn { physical, job, attempt } => {
+                let Some(t) = idx(self, &physical) else { return };
+                if !self.nodes[t].reachable() || (self.nodes[from].cut && t != from) {
+                    return;
+                }
+                // The node catches up with the leader before it checks (its read index).
+                let to = self.states.len() - 1;
+                self.catch_up(t, to);
+                if psls_jobs::local::may_spawn(&st, &job, attempt).is_err() {
+                    return;
+                }
+                let run = st.runs.get(&job).expect("may_spawn checked");
+                assert!(
+                    run.attempt == attempt && run.phase == RunPhase::Running,
+                    "ranks of {job} start {attempt} start while the records say start {} {:?}",
+                    run.attempt,
+                    run.phase
+                );
+                let Some(logical) = st.logical.iter().find(|(_, p)| **p == physical).map(|(l, _)| *l) else {
+                    return;
+                };
+                if run
+                    .nodes
+                    .get(&logical)
+                    .is_none_or(|(p, i)| *p != physical || *i != self.nodes[t].incarnation)
+                {
+                    // A node placed as another incarnation does not run the start's ranks.
+                    return;
+                }
+                for (rank, l) in run.placement.iter().enumerate() {
+                    if *l != logical {
+                        continue;
+                    }
+                    let key = (job.clone(), rank as u32);
+                    if self.nodes[t].ranks.get(&key).is_some_and(|(a, _)| *a == attempt) {
+                        continue;
+                    }
+                    let left = 1 + self.rng.below(40) as u32;
+                    self.trace(|| format!("{physical} starts rank {rank} of {job} start {attempt}"));
+                    self.nodes[t].ranks.insert(key, (attempt, Rank::Running { left }));
+                }
+                self.check_ranks();
+            }
+            Action::StopRanks { job, attempt, nodes } => {
+                let mut answered = Vec::new();
+                for p in nodes {
+                    let Some(t) = idx(self, &p) else { continue };
+                    if !self.nodes[t].reachable() || (self.nodes[from].cut && t != from) || self.rng.chance(50) {
+                        continue;
+                    }
+                    for ((j, _), (a, r)) in self.nodes[t].ranks.iter_mut() {
+                        if *j == job && *a <= attempt && matches!(r, Rank::Running { .. }) {
+                            *r = Rank::Killed;
+                        }
+                    }
+                    answered.push(p);
+                }
+                self.done(from, term, &job, attempt, Done::Stopped { nodes: answered });
+            }
+            Action::Replace {
+                job,
+                attempt,
+                logical,
+                spare,
+            } => {
+                let r = self.commit(MetaOp::Replace {
+                    logical,
+                    physical: spare.clone(),
+                });
+                let r = r.map_err(StepError::Unavailable);
+                self.done(from, term, &job, attempt, Done::Replaced(r));
+            }
+            Action::Restore { job, attempt } => {
+                let all = st
+                    .logical
+                    .values()
+                    .all(|p| idx(self, p).is_some_and(|t| self.nodes[t].reachable()));
+                let r = if all && !self.rng.chance(100) {
+                    Ok(self.ckpt.get(&job).copied().unwrap_or(0))
+                } else {
+                    Err(StepError::Unavailable("a node is not there".into()))
+                };
+                self.done(from, term, &job, attempt, Done::Restored(r));
+            }
+            Action::Finish { job, attempt, .. } => {
+                let epoch = self.ckpt.get(&job).copied().unwrap_or(0);
+                let r = match self.rng.below(20) {
+                    0 => Err(FinishError::Kept {
+                        epoch: epoch + 1,
+                        files: Vec::new(),
+                        why: "disk full".into(),
+                    }),
+                    1 => Err(FinishError::Failed {
+                        why: "disk full".into(),
+                        resumable: epoch > 0,
+                    }),
+                    _ => Ok(()),
+                };
+                if matches!(r, Err(FinishError::Kept { .. })) {
+                    self.ckpt.insert(job.clone(), epoch + 1);
+                }
+                self.done(from, term, &job, attempt, Done::Finished(r));
+            }
+            Action::Release { job, attempt, keep } => {
+                let resumable =
+                    keep && (self.ckpt.get(&job).copied().unwrap_or(0) > 0 || st.finished.contains_key(&job));
+                if !resumable {
+                    let _ = self.commit(MetaOp::EndJob { job: job.clone() });
+                }
+                self.done(from, term, &job, attempt, Done::Released { resumable });
+            }
+            Action::ForceHalt { job, attempt } => {
+                // The next safe point takes the halt checkpoint, if ranks still run.
+                let running = self.nodes.iter().any(|n| {
+                    n.ranks
+                        .iter()
+                        .any(|((j, _), (a, r))| *j == job && *a == attempt && matches!(r, Rank::Running { .. }))
+                });
+                if running && self.nodes[from].lead == Some(term) {
+                    let epoch = self.ckpt.get(&job).copied().unwrap_or(0) + 1;
+                    self.ckpt.insert(job.clone(), epoch);
+                    self.nodes[from].control.handle_halted(&job, epoch);
+                    self.pump(from);
+                }
+            }
+            Action::Submit { .. } | Action::Answer { .. } => unreachable!("taken by pump"),
+        }
+    }
+
+    fn done(&mut self, to: usize, term: u64, job: &str, attempt: u32, d: Done) {
+        if self.rng.chance(30) || self.nodes[to].lead != Some(term) {
+            return; // lost, or for a driver that is no more (it ignores it anyway)
+        }
+        self.trace(|| format!("{}: {job} start {attempt}: {d:?}", self.nodes[to].name));
+        self.nodes[to].control.handle_done(job, attempt, d);
+        self.pump(to);
+    }
+
+    /// The ranks of the job's current start, and the others, on nodes not declared down.
+    fn check_ranks(&self) {
+        let st = self.state();
+        let mut starts: BTreeMap<&str, BTreeSet<u32>> = BTreeMap::new();
+        for n in &self.nodes {
+            if !n.up || st.is_down(&n.name, n.incarnation) {
+                continue;
+            }
+            for ((job, _), (a, r)) in &n.ranks {
+                if matches!(r, Rank::Running { .. }) {
+                    starts.entry(job).or_default().insert(*a);
+                }
+            }
+        }
+        for (job, s) in starts {
+            assert!(s.len() <= 1, "job {job}: ranks of starts {s:?} run at once");
+            let a = *s.iter().next().expect("one");
+            if let Some(run) = st.runs.get(job) {
+                assert!(
+                    a <= run.attempt,
+                    "job {job}: ranks of start {a} run, beyond the record's {}",
+                    run.attempt
+                );
+            }
+        }
+        let drivers = self
+            .nodes
+            .iter()
+            .filter(|n| n.up && !n.paused && n.control.is_driving())
+            .count();
+        assert!(drivers <= 1, "{drivers} nodes drive at once");
+    }
+
+    fn command(&mut self) {
+        let Some(l) = self.leader else { return };
+        if !self.nodes[l].reachable() {
+            return;
+        }
+        let st = self.state().clone();
+        let id = self.next_cmd;
+        self.next_cmd += 1;
+        let cmd = match self.rng.below(10) {
+            0..=3 if st.runs.len() < 4 && !self.calm => {
+                self.next_job += 1;
+                let ranks = 1 + self.rng.below(6) as u32;
+                Command::Launch {
+                    job: format!("j{}", self.next_job),
+                    spec: Box::new(JobSummary {
+                        program: "/bin/mgs".into(),
+                        ranks,
+                        per_node: None,
+                        uid: 1000,
+                        max_restarts: 3,
+                        respawn_timeout_ms: RESPAWN_MS,
+                        ..JobSummary::default()
+                    }),
+                    options: Box::new(JobOptions {
+                        level: "auto".into(),
+                        ..JobOptions::default()
+                    }),
+                    env: vec![("PATH".into(), "/bin".into())],
+                }
+            }
+            4 => {
+                let Some(job) = st.runs.keys().next().cloned() else {
+                    return;
+                };
+                Command::Halt { job, uid: 1000 }
+            }
+            5 => {
+                let Some(job) = st.runs.keys().next_back().cloned() else {
+                    return;
+                };
+                if self.calm {
+                    return;
+                }
+                self.cancelled.insert(job.clone());
+                Command::Cancel { job, uid: 1000 }
+            }
+            6 => {
+                let Some(job) = st.runs.keys().next().cloned() else {
+                    return;
+                };
+                // Not the owner: refused.
+                Command::Cancel { job, uid: 1001 }
+            }
+            7 if !self.calm => {
+                let Some(job) = st.ended.keys().next().cloned() else {
+                    return;
+                };
+                self.cancelled.remove(&job);
+                Command::Resume {
+                    job,
+                    env: Vec::new(),
+                    uid: 1000,
+                }
+            }
+            _ => return,
+        };
+        self.trace(|| format!("command {id} to {}: {cmd:?}", self.nodes[l].name));
+        self.nodes[l].control.handle_command(id, cmd);
+        self.pump(l);
+    }
+
+    fn fault(&mut self) {
+        let n = self.rng.below(self.nodes.len() as u64) as usize;
+        match self.rng.below(8) {
+            0 if self.nodes[n].up => self.crash(n),
+            1 if !self.nodes[n].up => self.restart(n),
+            2 if self.nodes[n].up && !self.nodes[n].paused => {
+                self.trace(|| format!("{} pauses", self.nodes[n].name));
+                self.nodes[n].paused = true;
+                if self.leader == Some(n) {
+                    self.leader = None;
+                }
+            }
+            3 if self.nodes[n].paused => self.wake(n),
+            4 => {
+                self.nodes[n].cut = !self.nodes[n].cut;
+                let cut = self.nodes[n].cut;
+                self.trace(|| {
+                    format!(
+                        "{} {}",
+                        self.nodes[n].name,
+                        if cut { "is cut off" } else { "is reconnected" }
+                    )
+                });
+                if cut && self.leader == Some(n) {
+                    // A leader cut off loses its lease.
+                    self.set_leader(None);
+                }
+                let (name, inc) = (self.nodes[n].name.clone(), self.nodes[n].incarnation);
+                if !cut && self.nodes[n].up && !self.nodes[n].paused && self.state().is_down(&name, inc) {
+                    // Back in touch, it learns its verdict: it fences itself.
+                    self.crash(n);
+                    self.restart(n);
+                }
+            }
+            5 => self.elect(),
+            6 => {
+                // A follower falls behind the log for a while.
+                self.nodes[n].slow_until_ms = self.now_ms + STEP_MS * (10 + self.rng.below(100));
+                self.trace(|| format!("{} falls behind the log", self.nodes[n].name));
+            }
+            _ => {}
+        }
+    }
+
+    fn step(&mut self) {
+        self.now_ms += STEP_MS;
+        if !self.calm && self.rng.chance(60) {
+            self.fault();
+        }
+        if self.leader.is_none() || self.leader.is_some_and(|l| !self.nodes[l].reachable()) {
+            self.elect();
+        }
+        if self.rng.chance(150) {
+            self.command();
+        }
+        // The leader declares down the nodes unreachable too long.
+        if let Some(l) = self.leader {
+            for i in 0..self.nodes.len() {
+                if self.nodes[i].reachable() {
+                    self.nodes[i].seen_ms = self.now_ms;
+                } else if self.now_ms >= self.nodes[i].seen_ms + DOWN_AFTER_MS && self.nodes[l].reachable() {
+                    let (name, inc) = (self.nodes[i].name.clone(), self.nodes[i].incarnation);
+                    if !self.state().is_down(&name, inc) {
+                        let _ = self.commit(MetaOp::DeclareDown {
+                            physical: name,
+                            incarnation: inc,
+                        });
+                    }
+                }
+            }
+        }
+        // Rebuilds finish.
+        let rebuilding: Vec<(u32, String)> = self
+            .state()
+            .rebuilding
+            .iter()
+            .map(|(l, r)| (*l, r.physical.clone()))
+            .collect();
+        for (logical, physical) in rebuilding {
+            if self.rng.chance(200) {
+                let _ = self.commit(MetaOp::RebuildDone { logical, physical });
+            }
+        }
+        // Submissions reach the log (or are lost with their leader).
+        while let Some((n, term, job, op, at)) = self.submits.front().cloned() {
+            if at > self.now_ms {
+                break;
+            }
+            self.submits.pop_front();
+            let still = self.leader == Some(n) && self.nodes[n].lead == Some(term) && self.nodes[n].reachable();
+            if !still && self.rng.chance(500) {
+                continue; // never committed
+            }
+            if let Err(e) = self.commit(op.clone()) {
+                if self.nodes[n].up && !self.nodes[n].paused {
+                    self.nodes[n].control.handle_refused(&job, &op, &e);
+                    self.pump(n);
+                }
+            }
+        }
+        // Nodes see the log, the leader first.
+        let top = self.states.len() - 1;
+        if let Some(l) = self.leader {
+            self.catch_up(l, top);
+        }
+        for i in 0..self.nodes.len() {
+            if self.nodes[i].reachable() && self.now_ms >= self.nodes[i].slow_until_ms && self.rng.chance(500) {
+                self.catch_up(i, top);
+            }
+        }
+        // Nodes stop ranks their records say are stale.
+        for i in 0..self.nodes.len() {
+            if !self.nodes[i].up || self.nodes[i].paused {
+                continue;
+            }
+            let st = self.view_of(i);
+            for ((job, _), (a, r)) in self.nodes[i].ranks.iter_mut() {
+                if matches!(r, Rank::Running { .. }) && psls_jobs::local::stale(&st, job, *a) {
+                    *r = Rank::Killed;
+                }
+            }
+            // What a node keeps of a job goes with its end (as its records show).
+            self.nodes[i]
+                .ranks
+                .retain(|(job, _), _| st.runs.contains_key(job) || !st.ended.contains_key(job));
+        }
+        // Ranks progress, take checkpoints, exit.
+        for i in 0..self.nodes.len() {
+            if !self.nodes[i].up || self.nodes[i].paused {
+                continue;
+            }
+            let mut exited = Vec::new();
+            let mut progressed = BTreeSet::new();
+            for ((job, rank), (a, r)) in self.nodes[i].ranks.iter_mut() {
+                if let Rank::Running { left } = r {
+                    *left = left.saturating_sub(1);
+                    progressed.insert(job.clone());
+                    if *left == 0 {
+                        let code = if self.rng.chance(30) { 3 } else { 0 };
+                        *r = Rank::Exited(code);
+                        exited.push((job.clone(), *a, *rank, code));
+                    }
+                }
+            }
+            for (job, a, rank, code) in exited {
+                self.trace(|| format!("{}: rank {rank} of {job} start {a} exits {code}", self.nodes[i].name));
+                self.exits.insert((job, a, rank), code);
+            }
+            for job in progressed {
+                if self.rng.chance(20) {
+                    *self.ckpt.entry(job).or_insert(0) += 1;
+                }
+            }
+        }
+        // Nodes report their ranks to the driver they believe in.
+        if let Some(l) = self.leader {
+            for i in 0..self.nodes.len() {
+                if !self.nodes[i].reachable() || !self.rng.chance(400) {
+                    continue;
+                }
+                let mut by: BTreeMap<(String, u32), Report> = BTreeMap::new();
+                for ((job, rank), (a, r)) in &self.nodes[i].ranks {
+                    let rep = by.entry((job.clone(), *a)).or_insert_with(|| Report {
+                        job: job.clone(),
+                        attempt: *a,
+                        running: Vec::new(),
+                        exited: Vec::new(),
+                    });
+                    match r {
+                        Rank::Running { .. } => rep.running.push(*rank),
+                        Rank::Exited(c) => rep.exited.push((*rank, *c)),
+                        // A killed process exits by its signal.
+                        Rank::Killed => rep.exited.push((*rank, 137)),
+                    }
+                }
+                let inc = self.nodes[i].incarnation;
+                for report in by.into_values() {
+                    let at = self.now_ms + STEP_MS * self.rng.below(3);
+                    self.msgs.push_back((
+                        at,
+                        Msg::Report {
+                            from: i,
+                            to: l,
+                            inc,
+                            report,
+                        },
+                    ));
+                }
+            }
+        }
+        // Messages arrive (or are lost).
+        let mut later = VecDeque::new();
+        while let Some((at, m)) = self.msgs.pop_front() {
+            if at > self.now_ms {
+                later.push_back((at, m));
+                continue;
+            }
+            match m {
+                Msg::Act { from, term, action } => self.execute(from, term, action),
+                Msg::Report { from, to, inc, report } => {
+                    if self.nodes[to].reachable() && !self.nodes[from].cut && !self.rng.chance(50) {
+                        let name = self.nodes[from].name.clone();
+                        self.nodes[to].control.handle_report(&name, inc, &report);
+                        self.pump(to);
+                    }
+                }
+            }
+        }
+        self.msgs = later;
+        // Time passes for every node that runs.
+        let views = self.node_views();
+        for i in 0..self.nodes.len() {
+            if self.nodes[i].up && !self.nodes[i].paused {
+                self.nodes[i]
+                    .control
+                    .handle_tick(self.now_ms, 1_700_000_000_000 + self.now_ms, &views);
+                self.pump(i);
+            }
+        }
+        self.check_ranks();
+    }
+
+    fn calm_down(&mut self) {
+        self.calm = true;
+        for i in 0..self.nodes.len() {
+            self.nodes[i].cut = false;
+            if self.nodes[i].paused {
+                self.wake(i);
+            }
+            if !self.nodes[i].up {
+                self.restart(i);
+            }
+        }
+        self.elect();
+    }
+}
+
+fn run(seed: u64, steps: u32) {
+    let mut sim = Sim::new(seed);
+    for _ in 0..steps {
+        sim.step();
+    }
+    sim.calm_down();
+    for _ in 0..3_000 {
+        sim.step();
+        if sim.state().runs.is_empty() && sim.submits.is_empty() {
+            break;
+        }
+    }
+    let st = sim.state();
+    assert!(
+        st.runs.is_empty(),
+        "seed {seed}: after the calm phase jobs still run: {:?}",
+        st.runs
+            .iter()
+            .map(|(j, r)| (j.clone(), r.attempt, r.phase.clone()))
+            .collect::<Vec<_>>()
+    );
+}
+
+#[test]
+fn jobs_end_once_and_never_run_two_starts_at_once() {
+    if let Ok(s) = std::env::var("PSLS_SIM_SEED") {
+        let seed: u64 = s.parse().expect("PSLS_SIM_SEED is a number");
+        return run(seed, 1_500);
+    }
+    let seeds: u64 = std::env::var("PSLS_SIM_SEEDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(2_000);
+    let mut ended = 0;
+    for seed in 0..seeds {
+        let r = std::panic::catch_unwind(|| run(seed, 1_500));
+        if let Err(e) = r {
+            eprintln!("seed {seed} failed (PSLS_SIM_SEED={seed} PSLS_SIM_TRACE=1 to replay)");
+            std::panic::resume_unwind(e);
+        }
+        ended += 1;
+    }
+    assert_eq!(ended, seeds);
+}
