@@ -290,7 +290,39 @@ fn random_op(rng: &mut psls_svm::rng::SplitMix64, c: &Cluster) -> MetaOp {
     let k = rng.below(8);
     let name = format!("f{k}");
     let job = format!("j{}", rng.below(2));
-    match rng.below(9) {
+    match rng.below(11) {
+        9 => {
+            // Job control: a start, a restart or an end of a job's run record.
+            let run = |attempt| psls_pfs::runs::RunRecord {
+                attempt,
+                placement: vec![0],
+                nodes: [(0, ("n0".to_string(), 1))].into(),
+                ..Default::default()
+            };
+            match (st.runs.get(&job).map(|r| r.attempt), rng.below(2)) {
+                (None, _) => MetaOp::JobStart {
+                    run: Box::new(run(st.ended.get(&job).map_or(0, |(_, e)| e.attempt + 1))),
+                    job,
+                    spec: Box::default(),
+                    options: Box::default(),
+                },
+                (Some(a), 0) => MetaOp::JobRestart {
+                    job,
+                    attempt: a,
+                    run: Box::new(run(a + 1)),
+                },
+                (Some(a), _) => MetaOp::JobEnd {
+                    job,
+                    end: psls_pfs::runs::JobEnd {
+                        how: psls_pfs::runs::EndHow::Finished,
+                        code: 0,
+                        message: "done".into(),
+                        attempt: a,
+                        at_unix_ms: 1,
+                    },
+                },
+            }
+        }
         0 | 1 => MetaOp::CommitFile {
             meta: meta(&name, 100 + rng.below(1000)),
             replaces: st.files.get(&name).map(|f| f.id),
