@@ -15,6 +15,7 @@
 
 pub mod control;
 pub mod local;
+pub mod output;
 pub mod place;
 
 pub use control::{Action, Answer, Command, CommandError, Config, Control, Done, NodeView, Report, StepError};
