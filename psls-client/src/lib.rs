@@ -128,9 +128,10 @@ impl Client {
         }
     }
 
-    /// Runs a job (`psls run`): calls `output(rank, is_stderr, bytes)` as output arrives;
-    /// returns the job's status and a one-line summary.
-    #[allow(clippy::too_many_arguments)]
+    /// Runs a job (`psls run`): calls `started(job)` once job control recorded it, then
+    /// `output(rank, seq, is_stderr, bytes)` as its ranks' lines arrive (numbered per rank);
+    /// returns the job's status and a one-line summary. If the connection is lost after the
+    /// start, the job goes on: follow it again with [`Client::attach`], from another node.
     #[allow(clippy::too_many_arguments)]
     pub fn run(
         &mut self,
@@ -141,9 +142,9 @@ impl Client {
         env: Vec<(String, String)>,
         cwd: &str,
         checkpoint: psls_ipc::proto::CkptOptions,
-        started: impl Fn(&str),
-        note: impl Fn(&str),
-        mut output: impl FnMut(u32, bool, &[u8]),
+        started: impl FnMut(&str),
+        note: impl FnMut(&str),
+        output: impl FnMut(u32, u64, bool, &[u8]),
     ) -> Result<(i32, String), ClientError> {
         self.send(&Request::RunJob {
             program: program.into(),
@@ -154,14 +155,48 @@ impl Client {
             cwd: cwd.into(),
             checkpoint,
         })?;
+        self.follow(started, note, output)
+    }
+
+    /// Follows job `job` (`psls attach`, or `psls run` after losing its node): its notes and
+    /// its ranks' lines after `after` (rank → the last number already had), until its end.
+    pub fn attach(
+        &mut self,
+        job: &str,
+        after: &std::collections::BTreeMap<u32, u64>,
+        note: impl FnMut(&str),
+        output: impl FnMut(u32, u64, bool, &[u8]),
+    ) -> Result<(i32, String), ClientError> {
+        self.send(&Request::Attach {
+            job: job.into(),
+            after: after.iter().map(|(r, s)| (*r, *s)).collect(),
+        })?;
+        self.follow(|_| {}, note, output)
+    }
+
+    fn follow(
+        &mut self,
+        mut started: impl FnMut(&str),
+        mut note: impl FnMut(&str),
+        mut output: impl FnMut(u32, u64, bool, &[u8]),
+    ) -> Result<(i32, String), ClientError> {
         loop {
             match self.recv()? {
                 Response::JobStarted { job } => started(&job),
                 Response::JobNote { message } => note(&message),
-                Response::RankOutput { rank, err, data } => output(rank, err, &data),
+                Response::RankOutput { rank, seq, err, data } => output(rank, seq, err, &data),
                 Response::JobDone { code, message } => return Ok((code, message)),
                 r => return Err(unexpected(r)),
             }
+        }
+    }
+
+    /// `psls cancel JOB`: stops the job, keeping it resumable from its newest intact
+    /// checkpoint.
+    pub fn cancel(&mut self, job: &str) -> Result<(), ClientError> {
+        match self.call(&Request::Cancel { job: job.into() })? {
+            Response::Ok => Ok(()),
+            r => Err(unexpected(r)),
         }
     }
 

@@ -229,17 +229,20 @@ fn run_job(
     let args: Vec<String> = command.iter().skip(1).cloned().collect();
     let env: Vec<(String, String)> = std::env::vars().collect();
     let mut client = cluster::connect(&dir, cli.node.as_deref())?;
-    // Per (rank, stream): the part of a line not printed yet.
-    let mut partial: std::collections::BTreeMap<(u32, bool), Vec<u8>> = std::collections::BTreeMap::new();
     let emit = |rank: u32, err: bool, line: &[u8]| {
         let text = String::from_utf8_lossy(line);
+        let text = text.strip_suffix('\n').unwrap_or(&text);
         if err {
             eprintln!("[{rank}] {text}");
         } else {
             println!("[{rank}] {text}");
         }
     };
-    let (code, message) = client.run(
+    // Per rank, the last line printed: a follower from another node goes on after it.
+    let mut after: std::collections::BTreeMap<u32, u64> = std::collections::BTreeMap::new();
+    let mut job: Option<String> = None;
+    let note = |message: &str| eprintln!("psls: {message}");
+    let mut first = client.run(
         &program,
         &args,
         n,
@@ -247,32 +250,61 @@ fn run_job(
         env,
         &cwd.display().to_string(),
         checkpoint,
-        |job| {
+        |j| {
+            job = Some(j.to_string());
             if std::env::var_os("PSLS_QUIET").is_none() {
-                eprintln!("psls: job {job} started");
+                eprintln!("psls: job {j} started");
             }
         },
-        |message| eprintln!("psls: {message}"),
-        |rank, err, data| {
-            let buf = partial.entry((rank, err)).or_default();
-            buf.extend_from_slice(data);
-            while let Some(i) = buf.iter().position(|&b| b == b'\n') {
-                let line: Vec<u8> = buf.drain(..=i).collect();
-                emit(rank, err, &line[..line.len() - 1]);
-            }
+        note,
+        |rank, seq, err, data| {
+            after.insert(rank, seq);
+            emit(rank, err, data);
         },
-    )?;
-    for ((rank, err), rest) in partial {
-        if !rest.is_empty() {
-            emit(rank, err, &rest);
+    );
+    // The node daemon went away (killed, paused, restarted): the job goes on; follow it from
+    // any node that answers, for as long as the cluster takes to recover.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(FOLLOW_AGAIN_S);
+    let (code, message) = loop {
+        match first {
+            Ok(done) => break done,
+            Err(e) => {
+                let lost = matches!(
+                    e,
+                    psls_client::ClientError::Frame(_) | psls_client::ClientError::Connect { .. }
+                );
+                let Some(j) = job.clone().filter(|_| lost) else {
+                    return Err(e.into());
+                };
+                if std::time::Instant::now() >= deadline {
+                    return Err(anyhow::anyhow!(
+                        "lost job {j}'s node daemon ({e}) and none answered since; it may still run: `psls attach {j}`"
+                    ));
+                }
+                eprintln!("psls: lost the node daemon ({e}); following job {j} from another node");
+                std::thread::sleep(std::time::Duration::from_millis(500));
+                first = match cluster::connect(&dir, None) {
+                    Ok(mut c) => c.attach(&j, &after.clone(), note, |rank, seq, err, data| {
+                        after.insert(rank, seq);
+                        emit(rank, err, data);
+                    }),
+                    Err(ce) => Err(psls_client::ClientError::Connect {
+                        path: dir.display().to_string(),
+                        err: std::io::Error::other(ce.to_string()),
+                    }),
+                };
+            }
         }
-    }
+    };
     let _ = std::io::stdout().flush();
-    if code != 0 || message.contains("halted") {
+    if code != 0 {
         eprintln!("psls: {message}");
     }
     Ok(code)
 }
+
+/// How long `psls run` tries to follow its job again after losing its node daemon.
+const FOLLOW_AGAIN_S: u64 = 300;
 
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();

@@ -174,6 +174,18 @@ pub enum Request {
     JobRm {
         job: String,
     },
+    /// `psls attach JOB` (and `psls run` reconnecting): follow a job from any node; `after`:
+    /// per rank, the last output number the client has. Answered like `RunJob` after its
+    /// `JobStarted`: `RankOutput`s and `JobNote`s, then `JobDone`.
+    Attach {
+        job: String,
+        after: Vec<(u32, u64)>,
+    },
+    /// `psls cancel JOB` (and Ctrl-C of `psls run`): stop the job, keeping it resumable from
+    /// its newest intact checkpoint.
+    Cancel {
+        job: String,
+    },
     /// `psls run` with checkpoint options.
     RunJob {
         program: String,
@@ -410,9 +422,11 @@ pub enum Response {
     Fatal {
         message: String,
     },
-    /// Output of a rank of a `Run` (stderr if `err`).
+    /// Output of a rank of a `Run` (stderr if `err`): a line (or the piece of one a checkpoint
+    /// or the rank's end cut), numbered `seq` in the rank's output.
     RankOutput {
         rank: u32,
+        seq: u64,
         err: bool,
         #[serde(with = "serde_bytes")]
         data: Vec<u8>,

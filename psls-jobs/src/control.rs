@@ -24,6 +24,8 @@ use psls_pfs::runs::{EndHow, JobEnd, RunPhase, RunRecord, MAX_MESSAGE_LEN};
 use psls_svm::FileId;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
+/// Most reports one node sends at once (one per job with ranks there).
+pub const MAX_REPORTS: usize = 4096;
 /// The status `psls run` exits with when its job halted (resumable): `EX_TEMPFAIL`.
 pub const HALTED_STATUS: i32 = 75;
 /// The reason a resumed job's first rollback records.
@@ -78,7 +80,7 @@ pub struct NodeView {
 }
 
 /// A node's report of its ranks of one job.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Report {
     pub job: String,
     pub attempt: u32,
@@ -89,7 +91,7 @@ pub struct Report {
 }
 
 /// An operator's or a user's command.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum Command {
     /// Start job `job` (a new name).
     Launch {
@@ -111,7 +113,7 @@ pub enum Command {
 }
 
 /// Why a command is refused.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error, serde::Serialize, serde::Deserialize)]
 pub enum CommandError {
     #[error("this node does not drive jobs now")]
     NotLeader,
@@ -134,7 +136,7 @@ pub enum CommandError {
 }
 
 /// The answer to a command.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum Answer {
     /// The job's start is recorded (its ranks are being started).
     Started {
@@ -465,7 +467,9 @@ impl Control {
 
     /// A command from a user or an operator (already authenticated: `uid` is the caller's).
     pub fn handle_command(&mut self, id: u64, cmd: Command) {
-        if self.lead.is_none() {
+        // A driver whose records hold no node map yet (a new cluster) takes no command: it is
+        // sent again once the map is recorded.
+        if self.lead.is_none() || self.meta.logical.is_empty() {
             return self.answer(id, Answer::Refused(CommandError::NotLeader));
         }
         if self.waiting.len() >= self.cfg.max_commands {
@@ -1226,5 +1230,86 @@ impl Control {
             end,
         };
         self.submit(job, op);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cluster() -> (MetaState, BTreeMap<String, NodeView>) {
+        let mut st = MetaState::default();
+        let logical = (0..2).map(|i| (i, format!("n{i}"))).collect();
+        st.apply_at(1, &MetaOp::InitMap { logical }).expect("map");
+        let nodes = (0..2)
+            .map(|i| {
+                (
+                    format!("n{i}"),
+                    NodeView {
+                        live: true,
+                        incarnation: 1,
+                    },
+                )
+            })
+            .collect();
+        (st, nodes)
+    }
+
+    #[test]
+    fn a_launch_is_recorded_then_answered_and_started() {
+        let (mut st, nodes) = cluster();
+        let mut c = Control::new(Config::default());
+        c.handle_tick(0, 0, &nodes);
+        c.handle_meta(&st);
+        c.handle_lead(Some(1));
+        let cmd = Command::Launch {
+            job: "j".into(),
+            spec: Box::new(JobSummary {
+                ranks: 3,
+                ..JobSummary::default()
+            }),
+            options: Box::default(),
+            env: Vec::new(),
+        };
+        c.handle_command(7, cmd);
+        let Some(Action::Submit { op, .. }) = c.poll_action() else {
+            panic!("the launch is recorded first")
+        };
+        assert!(c.poll_action().is_none(), "nothing before the record");
+        st.apply_at(2, &op).expect("applies");
+        c.handle_meta(&st);
+        let mut spawned = Vec::new();
+        let mut answered = false;
+        while let Some(a) = c.poll_action() {
+            match a {
+                Action::Answer { id: 7, answer } => {
+                    assert_eq!(
+                        answer,
+                        Answer::Started {
+                            job: "j".into(),
+                            attempt: 0
+                        }
+                    );
+                    answered = true;
+                }
+                Action::Spawn {
+                    physical, attempt: 0, ..
+                } => spawned.push(physical),
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+        assert!(answered);
+        assert_eq!(spawned, vec!["n0".to_string(), "n1".to_string()]);
+        // A report from a node of another incarnation does not speak for the ranks.
+        let r = Report {
+            job: "j".into(),
+            attempt: 0,
+            running: Vec::new(),
+            exited: vec![(0, 0), (2, 0)],
+        };
+        c.handle_report("n0", 2, &r);
+        assert_eq!(c.activity("j").as_deref(), Some("0 of 3 ranks exited"));
+        c.handle_report("n0", 1, &r);
+        assert_eq!(c.activity("j").as_deref(), Some("2 of 3 ranks exited"));
     }
 }

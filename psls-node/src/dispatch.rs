@@ -35,6 +35,8 @@ pub struct Daemon {
     pub jobs: Arc<Jobs>,
     /// Checkpoints: this node's participant and, while it coordinates, the rounds.
     pub ckpt: Arc<CkptShell>,
+    /// Job control: its machine's task drives every job while this node leads the metadata.
+    pub jobctl: Arc<crate::jobctl::JobCtl>,
 }
 
 /// Exit status of a daemon that stopped because its disk failed (EX_IOERR).
@@ -49,6 +51,7 @@ impl Daemon {
             sync: Arc::new(SyncShell::new(node.clone())),
             channels: Arc::new(channels),
             jobs: Arc::new(Jobs::default()),
+            jobctl: Arc::new(crate::jobctl::JobCtl::default()),
             ckpt: Arc::new(CkptShell::new(
                 node.clone(),
                 svm.clone(),
@@ -106,6 +109,10 @@ impl Daemon {
             node.check_fresh_cluster();
             self.svm.sync_peers(&node);
             self.ckpt.tick();
+            {
+                let d = self.clone();
+                tokio::spawn(async move { crate::launcher::tick(&d.node, &d.jobs, &d.jobctl).await });
+            }
             crate::pfs::maybe_rebuild(&node);
             crate::pfs::maybe_auto_replace(&node).await;
         }
@@ -219,13 +226,29 @@ impl Daemon {
                 crate::sync::resolve(&self.sync, &key, &who, call, result);
                 Ok(PeerResp::Ok)
             }
-            req @ (PeerReq::Spawn { .. }
-            | PeerReq::RankOutput { .. }
-            | PeerReq::RankExit { .. }
-            | PeerReq::KillJob { .. }
-            | PeerReq::JobHalted { .. }
-            | PeerReq::JobFiles { .. }
-            | PeerReq::JobLaunched { .. }) => crate::launcher::serve(&node, &self.jobs, req).await,
+            req @ (PeerReq::StartRanks { .. }
+            | PeerReq::StopRanks { .. }
+            | PeerReq::OutputSince { .. }
+            | PeerReq::JobFiles { .. }) => crate::launcher::serve(&node, &self.jobs, req).await,
+            PeerReq::JobReport { incarnation, reports } => {
+                if reports.len() > psls_jobs::control::MAX_REPORTS {
+                    Err(OpError::new(ErrorKind::Invalid, "too many job reports"))
+                } else {
+                    self.jobctl.post(crate::jobctl::Input::Report {
+                        from: from.clone(),
+                        incarnation,
+                        reports,
+                    });
+                    Ok(PeerResp::Ok)
+                }
+            }
+            PeerReq::JobCommand { cmd } => Ok(PeerResp::JobAnswer {
+                answer: self.jobctl.command(cmd).await,
+            }),
+            PeerReq::JobHalted { job, epoch } => {
+                self.jobctl.post(crate::jobctl::Input::Halted { job, epoch });
+                Ok(PeerResp::Ok)
+            }
             PeerReq::Echo => {
                 out_payload = payload;
                 Ok(PeerResp::Ok)

@@ -1,16 +1,13 @@
-//! `psls run`: jobs of ranks spread over the cluster's nodes.
+//! The rank nodes' side of job control: this node starts its ranks of a job's start when job
+//! control asks ([`start_ranks`]), as its own caught-up records say (`psls_jobs::local`), stops
+//! them when asked or when its records call them stale ([`tick`]), keeps their exits and
+//! reports them to job control (the metadata's leader) until the job goes, and keeps their
+//! output, numbered line by line (`psls_jobs::output`), for followers on any node.
 //!
-//! The daemon the CLI talks to is the job's *launcher*: it places the ranks on the live nodes
-//! (round robin, or `per_node` consecutive ranks per node), asks each node's daemon to start
-//! its ranks (so this works when nodes are separate machines), relays every rank's output to
-//! the CLI, and ends the job with the first failing rank's status after stopping the others.
-//! After a node failure the job is rolled back and its ranks started again (`crate::recovery`
-//! does the rollback; `spawn_all` the new start, whose number `attempt` every exit carries, so
-//! the exits of the ranks stopped for the rollback are told from the new ones').
-//!
-//! Invariants: a rank's output reaches the launcher before its exit (both are sent in order,
-//! each acknowledged); once a rank fails or its node goes down, every other rank of the job is
-//! killed; the CLI's answer comes only when every rank is accounted for.
+//! Invariants: a node runs ranks of one start of a job at a time, the one its records name;
+//! a rank's output is kept before its exit is reported (the relay reads both pipes to their
+//! end first); no peer's word starts a rank (the records name the program, the user, the
+//! environment and the ranks placed here).
 
 use crate::failstop::Locked;
 use crate::node::Node;
@@ -18,7 +15,6 @@ use crate::op::OpError;
 pub use crate::peer::JobSpec;
 use crate::peer::{PeerReq, PeerResp};
 use psls_ipc::ErrorKind;
-use psls_pfs::meta::{MetaOp, MetaState};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -38,66 +34,34 @@ pub const DEFAULT_CALL_TIMEOUT_MS: u64 = 60_000;
 /// How long a rollback waits for a failed node by default.
 pub const DEFAULT_RESPAWN_TIMEOUT_MS: u64 = 60_000;
 
-/// What the launcher tells the CLI.
-#[derive(Debug)]
-pub enum JobEvent {
-    Output {
-        rank: u32,
-        err: bool,
-        data: Vec<u8>,
-    },
-    /// A rank of start `attempt` ended.
-    Exit {
-        rank: u32,
-        code: i32,
-        attempt: u32,
-    },
-    /// The job halted after checkpoint `epoch` (`psls halt`): its ranks are being stopped.
-    Halted {
-        epoch: u64,
-    },
+/// This node's ranks of one job.
+#[derive(Debug, Default)]
+struct LocalJob {
+    /// The start they belong to.
+    attempt: u32,
+    /// Running ranks: rank → pid.
+    running: BTreeMap<u32, u32>,
+    /// Ranks that exited, with their status.
+    exited: BTreeMap<u32, i32>,
 }
 
-/// Per node: the launcher's event channels and the local rank processes.
+/// Per node: the rank processes running here, their exits and their output.
 #[derive(Default)]
 pub struct Jobs {
-    /// Jobs this node launched: where their events go.
-    launched: Mutex<HashMap<String, tokio::sync::mpsc::UnboundedSender<JobEvent>>>,
-    /// Rank processes running here, per job.
-    local: Mutex<HashMap<String, Vec<u32>>>,
+    /// Ranks started here, per job (until the job's records let it go).
+    local: Mutex<HashMap<String, LocalJob>>,
     /// Rank processes running here: pid → the job and the rank.
     procs: Mutex<HashMap<u32, (JobSpec, u32)>>,
     /// Parallel files the ranks running here mapped writable, per job (its last checkpoint
     /// covers them).
     written: Mutex<HashMap<String, std::collections::BTreeSet<psls_svm::FileId>>>,
-    /// What the launcher does for a job it launched, when it is not just running it (a
-    /// rollback's step), and since when.
-    activity: Mutex<HashMap<String, (String, std::time::Instant)>>,
+    /// The ranks' output kept here.
+    output: Mutex<psls_jobs::output::Store>,
+    /// Something to report changed (a rank started or exited).
+    changed: tokio::sync::Notify,
 }
 
 impl Jobs {
-    /// `job`'s launcher is now doing `what` (`None`: nothing special any more); whether that
-    /// is new (the time counts from the change).
-    pub fn set_activity(&self, job: &str, what: Option<String>) -> bool {
-        let mut a = lock(&self.activity);
-        match what {
-            Some(w) if a.get(job).is_some_and(|(old, _)| *old == w) => false,
-            Some(w) => {
-                a.insert(job.to_string(), (w, std::time::Instant::now()));
-                true
-            }
-            None => a.remove(job).is_some(),
-        }
-    }
-
-    /// What `job`'s launcher does (empty: nothing special), and for how long.
-    pub fn activity(&self, job: &str) -> String {
-        lock(&self.activity)
-            .get(job)
-            .map(|(w, t)| format!("{w} (for {:.1} s)", t.elapsed().as_secs_f64()))
-            .unwrap_or_default()
-    }
-
     /// The spec of `job`, if a rank of it runs here.
     pub fn local_spec(&self, job: &str) -> Option<JobSpec> {
         lock(&self.procs)
@@ -125,6 +89,28 @@ impl Jobs {
         }
         files
     }
+
+    /// This node's reports of its ranks, per job.
+    pub fn reports(&self) -> Vec<psls_jobs::Report> {
+        lock(&self.local)
+            .iter()
+            .map(|(job, l)| psls_jobs::Report {
+                job: job.clone(),
+                attempt: l.attempt,
+                running: l.running.keys().copied().collect(),
+                exited: l.exited.iter().map(|(r, c)| (*r, *c)).collect(),
+            })
+            .collect()
+    }
+
+    /// Output of `job` here after the follower's numbers.
+    pub fn output_since(
+        &self,
+        job: &str,
+        after: &BTreeMap<u32, u64>,
+    ) -> (Vec<psls_jobs::output::Record>, BTreeMap<u32, u64>) {
+        lock(&self.output).since(job, after)
+    }
 }
 
 static NEXT_JOB: AtomicU64 = AtomicU64::new(1);
@@ -133,39 +119,20 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.locked()
 }
 
-/// Rank → logical node: `per_node` consecutive ranks per node, else round robin.
-pub fn place(ranks: u32, nodes: &[u32], per_node: Option<u32>) -> Result<Vec<u32>, String> {
-    if nodes.is_empty() {
-        return Err("no node is up".into());
-    }
-    if ranks == 0 || ranks > MAX_RANKS {
-        return Err(format!("-n {ranks}: a job has 1 to {MAX_RANKS} ranks"));
-    }
-    match per_node {
-        Some(0) => Err("--per-node must be at least 1".into()),
-        Some(k) => {
-            if ranks.div_ceil(k) as usize > nodes.len() {
-                return Err(format!(
-                    "{ranks} ranks at {k} per node need {} nodes; {} are up",
-                    ranks.div_ceil(k),
-                    nodes.len()
-                ));
-            }
-            Ok((0..ranks).map(|r| nodes[(r / k) as usize]).collect())
-        }
-        None => Ok((0..ranks).map(|r| nodes[r as usize % nodes.len()]).collect()),
-    }
+/// A new job's name: this node, its incarnation and a number (unique in the cluster).
+pub fn new_job_name(node: &Node) -> String {
+    format!(
+        "{}-{}-{}",
+        node.name(),
+        node.incarnation,
+        NEXT_JOB.fetch_add(1, Ordering::Relaxed)
+    )
 }
 
-/// Ranks per logical node.
-pub type Owners = BTreeMap<u32, Vec<u32>>;
-
-/// Starts a job from this node; its events come out of the returned channel (every rank's
-/// `Exit` of each start). Returns the job's spec and where its ranks run.
+/// Job control's command to launch a new job as `psls run` asked (its options checked here).
 #[allow(clippy::too_many_arguments)]
-pub async fn launch(
-    node: &Arc<Node>,
-    jobs: &Arc<Jobs>,
+pub fn launch_command(
+    node: &Node,
     ranks: u32,
     per_node: Option<u32>,
     program: String,
@@ -174,14 +141,17 @@ pub async fn launch(
     cwd: String,
     uid: u32,
     gid: u32,
-    checkpoint: psls_ipc::proto::CkptOptions,
-) -> Result<(JobSpec, Owners, tokio::sync::mpsc::UnboundedReceiver<JobEvent>), OpError> {
-    let job = format!(
-        "{}-{}-{}",
-        node.name(),
-        node.incarnation,
-        NEXT_JOB.fetch_add(1, Ordering::Relaxed)
-    );
+    checkpoint: &psls_ipc::proto::CkptOptions,
+) -> Result<psls_jobs::Command, OpError> {
+    if ranks == 0 || ranks > MAX_RANKS {
+        return Err(OpError::new(
+            ErrorKind::Invalid,
+            format!("-n {ranks}: a job has 1 to {MAX_RANKS} ranks"),
+        ));
+    }
+    if per_node == Some(0) {
+        return Err(OpError::new(ErrorKind::Invalid, "--per-node must be at least 1"));
+    }
     let secs = |s: u64, default_ms: u64| if s == 0 { default_ms } else { s.saturating_mul(1000) };
     let level: psls_ckpt::msg::Choice = checkpoint
         .level
@@ -194,8 +164,7 @@ pub async fn launch(
             .map_err(|e| OpError::new(ErrorKind::Invalid, e))?,
     };
     let spec = JobSpec {
-        job: job.clone(),
-        launcher: node.name().to_string(),
+        job: new_job_name(node),
         size: ranks,
         program,
         args,
@@ -218,36 +187,12 @@ pub async fn launch(
         attempt: 0,
         restart_epoch: 0,
     };
-    let rx = register(jobs, &job);
-    // The job's record keeps what it runs (for `psls jobs` and `psls run --resume`).
-    if let Err(e) = node
-        .submit(MetaOp::StartJobWith {
-            job: job.clone(),
-            spec: Box::new(summary(&spec, per_node, 1)),
-            options: Box::new(options(&spec)),
-        })
-        .await
-    {
-        lock(&jobs.launched).remove(&job);
-        return Err(e);
-    }
-    match spawn_all(node, &spec, per_node).await {
-        Ok(owners) => {
-            tracing::info!(node = %node.name(), %job, ranks, nodes = owners.len(), "job started");
-            Ok((spec, owners, rx))
-        }
-        Err(e) => {
-            lock(&jobs.launched).remove(&job);
-            Err(e)
-        }
-    }
-}
-
-/// This node follows `job`: its events come out of the returned channel.
-pub fn register(jobs: &Jobs, job: &str) -> tokio::sync::mpsc::UnboundedReceiver<JobEvent> {
-    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-    lock(&jobs.launched).insert(job.to_string(), tx);
-    rx
+    Ok(psls_jobs::Command::Launch {
+        job: spec.job.clone(),
+        spec: Box::new(summary(&spec, per_node, 1)),
+        options: Box::new(options(&spec)),
+        env: spec.env.clone(),
+    })
 }
 
 /// What a job's record keeps of `spec`.
@@ -264,7 +209,7 @@ pub fn summary(spec: &JobSpec, per_node: Option<u32>, starts: u32) -> psls_pfs::
         checkpoint_timeout_ms: spec.checkpoint_timeout_ms,
         max_restarts: spec.max_restarts,
         respawn_timeout_ms: spec.respawn_timeout_ms,
-        launcher: spec.launcher.clone(),
+        launcher: String::new(),
         started_unix_ms: crate::pfs::unix_ms(),
         starts,
     }
@@ -301,116 +246,8 @@ pub fn restore_options(node: &Node, spec: &mut JobSpec, o: &psls_pfs::jobs::JobO
     spec.prefetch = o.prefetch;
 }
 
-/// Whether some live node launched `job` and follows it.
-pub async fn is_running(node: &Arc<Node>, job: &str) -> bool {
-    running_activity(node, job).await.is_some()
-}
-
-/// Whether a live node launched `job` and runs it (`None`: no), and what that launcher is
-/// doing for it (empty: nothing special).
-pub async fn running_activity(node: &Arc<Node>, job: &str) -> Option<String> {
-    let st = node.meta_state();
-    for (_, phys) in node.logical_map(&st) {
-        if !node.is_live(&phys) {
-            continue;
-        }
-        let req = PeerReq::JobLaunched { job: job.to_string() };
-        if let Ok(PeerResp::Running {
-            running: true,
-            activity,
-        }) = node.call_ok(&phys, req).await
-        {
-            return Some(activity);
-        }
-    }
-    None
-}
-
-/// Places `spec`'s ranks on the live nodes and starts them (a restart: the same way, with
-/// `spec.attempt` and `spec.restart_epoch`); on a failure, stops what started.
-pub async fn spawn_all(node: &Arc<Node>, spec: &JobSpec, per_node: Option<u32>) -> Result<Owners, OpError> {
-    let st = node.meta_state();
-    let live: Vec<u32> = node
-        .logical_map(&st)
-        .into_iter()
-        .filter(|(_, p)| node.is_live(p))
-        .map(|(l, _)| l)
-        .collect();
-    let placement = place(spec.size, &live, per_node).map_err(|m| OpError::new(ErrorKind::Invalid, m))?;
-    let mut by_node: Owners = BTreeMap::new();
-    for (r, l) in placement.iter().enumerate() {
-        by_node.entry(*l).or_default().push(r as u32);
-    }
-    let mut started: Vec<String> = Vec::new();
-    for (l, rs) in &by_node {
-        let phys = node.physical_of(&st, psls_svm::NodeId(*l));
-        let req = PeerReq::Spawn {
-            spec: spec.clone(),
-            ranks: rs.clone(),
-        };
-        if let Err(e) = node.call_ok(&phys, req).await {
-            for p in started {
-                let _ = node.call(&p, PeerReq::KillJob { job: spec.job.clone() }).await;
-            }
-            return Err(OpError::new(e.kind, format!("starting ranks on {phys}: {}", e.message)));
-        }
-        started.push(phys);
-    }
-    Ok(by_node)
-}
-
-/// A `Spawn` runs what the job's record in the metadata says, under the uid and gid it names
-/// (set by the launcher from its caller's credentials): a peer's word alone starts nothing,
-/// and no certificate makes a node root on the others.
-fn check_spawn(st: &MetaState, spec: &JobSpec) -> Result<(), OpError> {
-    let Some(sum) = st.jobs.get(&spec.job).and_then(|r| r.spec.as_ref()) else {
-        return Err(OpError::new(
-            ErrorKind::Permission,
-            format!("job {} has no record: its ranks are not started", spec.job),
-        ));
-    };
-    let same = sum.uid == spec.uid
-        && sum.gid == spec.gid
-        && sum.program == spec.program
-        && sum.args == spec.args
-        && sum.cwd == spec.cwd
-        && sum.ranks == spec.size;
-    if !same {
-        return Err(OpError::new(
-            ErrorKind::Permission,
-            format!("job {}: what to start differs from the job's record", spec.job),
-        ));
-    }
-    Ok(())
-}
-
-/// Stops every rank of `job` on every node.
-pub async fn kill_everywhere(node: &Arc<Node>, job: &str) {
-    let st = node.meta_state();
-    for (_, phys) in node.logical_map(&st) {
-        if node.is_live(&phys) {
-            let _ = node.call(&phys, PeerReq::KillJob { job: job.to_string() }).await;
-        }
-    }
-}
-
 /// Most volatile segments forgotten in one message.
 pub const MAX_JOB_SEGMENTS: usize = 4096;
-
-/// The launcher forgets a finished job, and every node drops the job's volatile segments:
-/// first where they are held, then the coherence state of their managers.
-pub fn finished(node: &Arc<Node>, jobs: &Arc<Jobs>, job: &str) {
-    unlaunched(jobs, job);
-    let (node, job) = (node.clone(), job.to_string());
-    tokio::spawn(async move { drop_job_segments(&node, &job).await });
-}
-
-/// This node no longer launches `job` (its events and activity go); what the job holds on the
-/// nodes stays (a finished job's result in its memory checkpoint).
-pub fn unlaunched(jobs: &Jobs, job: &str) {
-    lock(&jobs.launched).remove(job);
-    jobs.set_activity(job, None);
-}
 
 /// Every node drops `job`'s volatile segments: first where they are held, then the coherence
 /// state of their managers.
@@ -470,27 +307,22 @@ pub async fn job_files(node: &Arc<Node>, job: &str, forget: bool) -> Vec<psls_sv
     files
 }
 
-/// A rank's output or exit arrived at the launcher.
-pub fn event(jobs: &Jobs, job: &str, ev: JobEvent) -> Result<(), OpError> {
-    match lock(&jobs.launched).get(job) {
-        Some(tx) => {
-            let _ = tx.send(ev);
-            Ok(())
-        }
-        None => Err(OpError::new(ErrorKind::NotFound, format!("no job {job} launched here"))),
-    }
-}
-
 /// Every rank process running here (of every job).
 pub fn local_ranks(jobs: &Jobs) -> Vec<u32> {
-    lock(&jobs.local).values().flatten().copied().collect()
+    lock(&jobs.local)
+        .values()
+        .flat_map(|l| l.running.values().copied())
+        .collect()
 }
 
-/// Kills this node's ranks of `job` (and their children).
-pub fn kill_local(jobs: &Jobs, job: &str) {
-    let pids = lock(&jobs.local).remove(job).unwrap_or_default();
+/// Kills this node's ranks of `job` of start `attempt` or before (and their children).
+pub fn stop_ranks(jobs: &Jobs, job: &str, attempt: u32) {
+    let pids: Vec<u32> = match lock(&jobs.local).get(job) {
+        Some(l) if l.attempt <= attempt => l.running.values().copied().collect(),
+        _ => Vec::new(),
+    };
     for pid in pids {
-        // The whole process group of the rank.
+        // The whole process group of the rank; its relay reports the exit.
         let _ = nix::sys::signal::killpg(
             nix::unistd::Pid::from_raw(pid as i32),
             nix::sys::signal::Signal::SIGKILL,
@@ -498,8 +330,139 @@ pub fn kill_local(jobs: &Jobs, job: &str) {
     }
 }
 
-/// Starts this node's `ranks` of a job.
-pub fn spawn_local(node: &Arc<Node>, jobs: &Arc<Jobs>, spec: JobSpec, ranks: Vec<u32>) -> Result<(), OpError> {
+/// Kills this node's ranks of `job`, of any start.
+pub fn kill_local(jobs: &Jobs, job: &str) {
+    stop_ranks(jobs, job, u32::MAX);
+}
+
+/// Starts this node's ranks of start `attempt` of `job`, as this node's records say once it
+/// caught up with the leader: the program, user, folder and environment of the job's record,
+/// the ranks its start placed on this node's logical id — if the start names this node's
+/// incarnation. Idempotent: ranks of that start started here already are not started again;
+/// ranks of an older start here are stopped first.
+pub async fn start_ranks(node: &Arc<Node>, jobs: &Arc<Jobs>, job: &str, attempt: u32) -> Result<(), OpError> {
+    let st = node.meta_fresh().await?;
+    psls_jobs::local::may_spawn(&st, job, attempt).map_err(|m| OpError::new(ErrorKind::Permission, m))?;
+    let refuse = |m: String| OpError::new(ErrorKind::Permission, m);
+    let run = st
+        .runs
+        .get(job)
+        .ok_or_else(|| refuse(format!("job {job} is not running")))?;
+    let Some(sum) = st.jobs.get(job).and_then(|r| r.spec.clone()) else {
+        return Err(refuse(format!("job {job} has no record: its ranks are not started")));
+    };
+    let Some(me) = node.my_logical(&st).map(|l| l.0) else {
+        return Err(refuse(format!("{} holds no logical id", node.name())));
+    };
+    match run.nodes.get(&me) {
+        Some((p, inc)) if *p == node.me.name && *inc == node.incarnation => {}
+        _ => {
+            return Err(refuse(format!(
+                "start {attempt} of job {job} does not name this node's incarnation"
+            )))
+        }
+    }
+    let mine: Vec<u32> = run
+        .placement
+        .iter()
+        .enumerate()
+        .filter(|(_, l)| **l == me)
+        .map(|(r, _)| r as u32)
+        .collect();
+    let older = lock(&jobs.local).get(job).is_some_and(|l| l.attempt < attempt);
+    if older {
+        stop_ranks(jobs, job, attempt - 1);
+    }
+    let todo: Vec<u32> = {
+        let mut local = lock(&jobs.local);
+        let l = local.entry(job.to_string()).or_default();
+        if l.attempt < attempt {
+            *l = LocalJob {
+                attempt,
+                ..LocalJob::default()
+            };
+        }
+        mine.iter()
+            .copied()
+            .filter(|r| !l.running.contains_key(r) && !l.exited.contains_key(r))
+            .collect()
+    };
+    if todo.is_empty() {
+        return Ok(());
+    }
+    let options = st.job_options.get(job).cloned().unwrap_or_default();
+    let mut spec = JobSpec {
+        job: job.to_string(),
+        size: sum.ranks,
+        program: sum.program.clone(),
+        args: sum.args.clone(),
+        env: run.env.clone(),
+        cwd: sum.cwd.clone(),
+        uid: sum.uid,
+        gid: sum.gid,
+        checkpoint_interval_ms: sum.checkpoint_interval_ms,
+        checkpoint_timeout_ms: sum.checkpoint_timeout_ms,
+        max_restarts: sum.max_restarts,
+        respawn_timeout_ms: sum.respawn_timeout_ms,
+        // As the record keeps them (below); a record of an older format: the defaults.
+        level: psls_ckpt::msg::Choice::Auto,
+        persistent_interval_ms: node.cfg.cluster.persistent_interval_s.saturating_mul(1000),
+        persistent_every: 0,
+        cleaning: node.default_cleaning(),
+        prefetch: false,
+        attempt,
+        restart_epoch: run.restart_epoch,
+    };
+    restore_options(node, &mut spec, &options);
+    tracing::info!(node = %node.name(), job, attempt, ranks = ?todo, "starting ranks");
+    spawn_local(node, jobs, spec, todo)?;
+    jobs.changed.notify_one();
+    Ok(())
+}
+
+/// Every tick: stops the ranks this node's records call stale, lets go of what the records no
+/// longer name, and reports this node's ranks to job control (at the metadata's leader).
+pub async fn tick(node: &Arc<Node>, jobs: &Arc<Jobs>, jobctl: &crate::jobctl::JobCtl) {
+    let st = node.meta_state();
+    let local: Vec<(String, u32)> = lock(&jobs.local).iter().map(|(j, l)| (j.clone(), l.attempt)).collect();
+    for (job, attempt) in &local {
+        if psls_jobs::local::stale(&st, job, *attempt) {
+            stop_ranks(jobs, job, *attempt);
+        }
+    }
+    {
+        // A job whose records ended it, with no rank running here, goes (its output stays a
+        // while longer: followers fetch the end).
+        let mut l = lock(&jobs.local);
+        l.retain(|job, lj| !lj.running.is_empty() || st.runs.contains_key(job) || !st.ended.contains_key(job));
+        let mut out = lock(&jobs.output);
+        for job in out.jobs() {
+            if !st.runs.contains_key(&job) && !l.contains_key(&job) && !st.ended.contains_key(&job) {
+                out.forget(&job);
+            }
+        }
+    }
+    let reports = jobs.reports();
+    if reports.is_empty() {
+        return;
+    }
+    let Some(leader) = node.replication.leader() else {
+        return;
+    };
+    let incarnation = node.incarnation;
+    if leader == node.me.name {
+        jobctl.post(crate::jobctl::Input::Report {
+            from: leader,
+            incarnation,
+            reports,
+        });
+    } else {
+        let _ = node.call(&leader, PeerReq::JobReport { incarnation, reports }).await;
+    }
+}
+
+/// Starts this node's `ranks` of a job (of start `spec.attempt`).
+fn spawn_local(node: &Arc<Node>, jobs: &Arc<Jobs>, spec: JobSpec, ranks: Vec<u32>) -> Result<(), OpError> {
     if spec.size == 0 || spec.size > MAX_RANKS || ranks.iter().any(|&r| r >= spec.size) {
         return Err(OpError::new(ErrorKind::Invalid, "bad rank numbers"));
     }
@@ -522,7 +485,7 @@ pub fn spawn_local(node: &Arc<Node>, jobs: &Arc<Jobs>, spec: JobSpec, ranks: Vec
             .kill_on_drop(false)
             // Its own process group, so that stopping the rank stops its children too.
             .process_group(0);
-        // A daemon running as root starts ranks as the user who asked.
+        // A daemon running as root starts ranks as the user the job's record names.
         if node.euid == 0 && spec.uid != 0 {
             cmd.uid(spec.uid).gid(spec.gid);
         }
@@ -534,11 +497,25 @@ pub fn spawn_local(node: &Arc<Node>, jobs: &Arc<Jobs>, spec: JobSpec, ranks: Vec
             Ok(c) => c,
             Err(e) => {
                 drop(procs);
-                kill_local(jobs, &spec.job);
-                return Err(OpError::new(
-                    ErrorKind::Invalid,
-                    format!("cannot start '{}': {e}", spec.program),
-                ));
+                // The rank fails at once, as a program that cannot start does (127).
+                tracing::warn!(node = %node.name(), job = %spec.job, rank, error = %e, "cannot start the rank's program");
+                let mut local = lock(&jobs.local);
+                if let Some(l) = local.get_mut(&spec.job).filter(|l| l.attempt == spec.attempt) {
+                    l.exited.insert(rank, 127);
+                }
+                let msg = format!("psls: cannot start '{}': {e}\n", spec.program);
+                let mut out = lock(&jobs.output);
+                let seq = out.last(&spec.job, rank).max(seq_base(spec.attempt)) + 1;
+                out.push(
+                    &spec.job,
+                    psls_jobs::output::Record {
+                        rank,
+                        seq,
+                        err: true,
+                        data: msg.into_bytes(),
+                    },
+                );
+                continue;
             }
         };
         if let crate::failpoint::Fire::Pause { max, release } = crate::failpoint::pass(node.name(), "launch.spawned") {
@@ -551,33 +528,46 @@ pub fn spawn_local(node: &Arc<Node>, jobs: &Arc<Jobs>, spec: JobSpec, ranks: Vec
                 }
             });
         }
-        if let Some(pid) = child.id() {
-            lock(&jobs.local).entry(spec.job.clone()).or_default().push(pid);
+        // Known before the wait: a reaped child has no id any more.
+        let child_pid = child.id();
+        if let Some(pid) = child_pid {
+            if let Some(l) = lock(&jobs.local)
+                .get_mut(&spec.job)
+                .filter(|l| l.attempt == spec.attempt)
+            {
+                l.running.insert(rank, pid);
+            }
             procs.insert(pid, (spec.clone(), rank));
         }
         drop(procs);
         let (out, err) = (child.stdout.take(), child.stderr.take());
         let (node, jobs, spec) = (node.clone(), jobs.clone(), spec.clone());
-        // Known before the wait: a reaped child has no id any more.
-        let child_pid = child.id();
         tokio::spawn(async move {
+            // Both streams of a rank share its numbers.
+            let seq = Arc::new(Mutex::new(
+                lock(&jobs.output).last(&spec.job, rank).max(seq_base(spec.attempt)),
+            ));
             let relay = |stream: Option<Box<dyn tokio::io::AsyncRead + Send + Unpin>>, is_err: bool| {
-                let (node, spec) = (node.clone(), spec.clone());
+                let (jobs, spec, seq) = (jobs.clone(), spec.clone(), seq.clone());
                 async move {
                     let Some(mut s) = stream else { return };
                     let mut buf = vec![0u8; OUTPUT_CHUNK];
+                    let mut lines = psls_jobs::output::Lines::default();
                     loop {
                         let n = match s.read(&mut buf).await {
-                            Ok(0) | Err(_) => return,
+                            Ok(0) | Err(_) => break,
                             Ok(n) => n,
                         };
-                        let req = PeerReq::RankOutput {
-                            job: spec.job.clone(),
-                            rank,
-                            err: is_err,
-                            data: buf[..n].to_vec(),
-                        };
-                        let _ = node.call(&spec.launcher, req).await;
+                        let mut seq = lock(&seq);
+                        let records = lines.feed(rank, is_err, &buf[..n], &mut seq);
+                        let mut out = lock(&jobs.output);
+                        for r in records {
+                            out.push(&spec.job, r);
+                        }
+                    }
+                    let mut seq = lock(&seq);
+                    if let Some(r) = lines.flush(rank, is_err, &mut seq) {
+                        lock(&jobs.output).push(&spec.job, r);
                     }
                 }
             };
@@ -592,71 +582,57 @@ pub fn spawn_local(node: &Arc<Node>, jobs: &Arc<Jobs>, spec: JobSpec, ranks: Vec
                 Err(_) => LOST_STATUS,
             };
             if let Some(pid) = child_pid {
-                if let Some(pids) = lock(&jobs.local).get_mut(&spec.job) {
-                    pids.retain(|p| *p != pid);
-                }
                 lock(&jobs.procs).remove(&pid);
             }
-            let req = PeerReq::RankExit {
-                job: spec.job.clone(),
-                rank,
-                code,
-                attempt: spec.attempt,
-            };
-            if let Err(e) = node.call(&spec.launcher, req).await {
-                tracing::warn!(node = %node.name(), job = %spec.job, rank, error = %e, "could not report a rank's exit");
+            if let Some(l) = lock(&jobs.local)
+                .get_mut(&spec.job)
+                .filter(|l| l.attempt == spec.attempt)
+            {
+                l.running.remove(&rank);
+                l.exited.insert(rank, code);
             }
+            tracing::info!(node = %node.name(), job = %spec.job, attempt = spec.attempt, rank, code, "rank exited");
+            jobs.changed.notify_one();
         });
     }
     Ok(())
 }
 
-/// Answers the launcher-related peer messages.
+/// The first output number of a start's ranks: each start numbers its lines above every
+/// earlier start's, so a follower takes a restarted rank's lines as new.
+fn seq_base(attempt: u32) -> u64 {
+    u64::from(attempt) << 40
+}
+
+/// Answers the rank nodes' peer messages.
 pub async fn serve(node: &Arc<Node>, jobs: &Arc<Jobs>, req: PeerReq) -> Result<PeerResp, OpError> {
     match req {
-        PeerReq::Spawn { spec, ranks } => {
-            // The launcher recorded the job just before: a node that has not applied the record
-            // yet catches up to the leader's read index and looks again.
-            if check_spawn(&node.meta_state(), &spec).is_err() {
-                check_spawn(&node.meta_fresh().await?, &spec)?;
-            }
-            spawn_local(node, jobs, spec, ranks).map(|()| PeerResp::Ok)
-        }
-        PeerReq::RankOutput { job, rank, err, data } => {
-            event(jobs, &job, JobEvent::Output { rank, err, data }).map(|()| PeerResp::Ok)
-        }
-        PeerReq::RankExit {
-            job,
-            rank,
-            code,
-            attempt,
-        } => event(jobs, &job, JobEvent::Exit { rank, code, attempt }).map(|()| PeerResp::Ok),
-        PeerReq::KillJob { job } => {
-            kill_local(jobs, &job);
+        PeerReq::StartRanks { job, attempt } => start_ranks(node, jobs, &job, attempt).await.map(|()| PeerResp::Ok),
+        PeerReq::StopRanks { job, attempt } => {
+            stop_ranks(jobs, &job, attempt);
             Ok(PeerResp::Ok)
         }
-        PeerReq::JobHalted { job, epoch } => event(jobs, &job, JobEvent::Halted { epoch }).map(|()| PeerResp::Ok),
-        PeerReq::JobLaunched { job } => Ok(PeerResp::Running {
-            running: lock(&jobs.launched).contains_key(&job),
-            activity: jobs.activity(&job),
-        }),
+        PeerReq::OutputSince { job, after } => {
+            if after.len() > MAX_RANKS as usize {
+                return Err(OpError::new(ErrorKind::Invalid, "too many ranks"));
+            }
+            let (records, gaps) = jobs.output_since(&job, &after.into_iter().collect());
+            Ok(PeerResp::Output {
+                records: records
+                    .into_iter()
+                    .map(|r| crate::peer::OutputRecord {
+                        rank: r.rank,
+                        seq: r.seq,
+                        err: r.err,
+                        data: r.data,
+                    })
+                    .collect(),
+                gaps: gaps.into_iter().collect(),
+            })
+        }
         PeerReq::JobFiles { job, forget } => Ok(PeerResp::JobFiles {
             files: jobs.written(&job, forget),
         }),
-        _ => Err(OpError::new(ErrorKind::Internal, "not a launcher request")),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::place;
-
-    #[test]
-    fn placement_round_robin_and_per_node() {
-        assert_eq!(place(6, &[0, 1, 2, 3], None).unwrap(), vec![0, 1, 2, 3, 0, 1]);
-        assert_eq!(place(5, &[0, 2, 3], Some(2)).unwrap(), vec![0, 0, 2, 2, 3]);
-        assert!(place(7, &[0, 1, 2], Some(2)).unwrap_err().contains("need 4 nodes"));
-        assert!(place(0, &[0], None).is_err());
-        assert!(place(1, &[], None).is_err());
+        _ => Err(OpError::new(ErrorKind::Internal, "not a rank node's request")),
     }
 }

@@ -17,6 +17,7 @@ pub mod failstop;
 pub mod frames;
 pub mod incarnation;
 pub mod ipc;
+pub mod jobctl;
 pub mod launcher;
 pub mod link;
 pub mod node;

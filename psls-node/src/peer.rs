@@ -32,11 +32,20 @@ pub fn batch_pool() -> &'static std::sync::Arc<psls_pfs::BufPool> {
     POOL.get_or_init(|| psls_pfs::BufPool::new((BATCH_PAGES + 2) * psls_svm::PAGE_SIZE, 32))
 }
 
+/// One record of a rank's output on the wire.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+pub struct OutputRecord {
+    pub rank: u32,
+    pub seq: u64,
+    pub err: bool,
+    #[serde(with = "serde_bytes")]
+    pub data: Vec<u8>,
+}
+
 /// What a job description holds (sent to every node that runs ranks of the job).
 #[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct JobSpec {
     pub job: String,
-    pub launcher: String,
     pub size: u32,
     pub program: String,
     pub args: Vec<String>,
@@ -327,14 +336,14 @@ pub enum PeerReq {
     CkptProgress {
         job: String,
     },
-    /// To a job's launcher: the job halted after checkpoint `epoch`; stop its ranks.
+    /// To the coordinator's job control: the job's halt checkpoint `epoch` committed.
     JobHalted {
         job: String,
         epoch: u64,
     },
-    /// Whether this node launched `job` and follows it (answered with `Running`).
-    JobLaunched {
-        job: String,
+    /// To the metadata's leader: a job-control command (answered with `JobAnswer`).
+    JobCommand {
+        cmd: psls_jobs::Command,
     },
     /// The parallel files `job`'s ranks on this node mapped writable (`forget`: then forget
     /// them); answered with `JobFiles`.
@@ -375,26 +384,22 @@ pub enum PeerReq {
         call: u64,
         error: Option<(psls_ipc::ErrorKind, String)>,
     },
-    /// From a job's launcher: start these ranks here.
-    Spawn {
-        spec: JobSpec,
-        ranks: Vec<u32>,
-    },
-    /// To a job's launcher: output of a rank (stdout, or stderr if `err`).
-    RankOutput {
+    /// From job control: start this node's ranks of start `attempt` of `job`, as this node's
+    /// own records say (idempotent).
+    StartRanks {
         job: String,
-        rank: u32,
-        err: bool,
-        #[serde(with = "serde_bytes")]
-        data: Vec<u8>,
-    },
-    /// To a job's launcher: a rank of start `attempt` ended with `code` (128 + signal if
-    /// killed).
-    RankExit {
-        job: String,
-        rank: u32,
-        code: i32,
         attempt: u32,
+    },
+    /// To a follower: the output of `job`'s ranks here after these numbers (rank → the last
+    /// number the follower has); answered with `Output`.
+    OutputSince {
+        job: String,
+        after: Vec<(u32, u64)>,
+    },
+    /// To job control: this node's (incarnation `incarnation`) ranks of each job.
+    JobReport {
+        incarnation: u64,
+        reports: Vec<psls_jobs::Report>,
     },
     /// Rollback of `job`: stop its ranks here and drop every copy of `files` and of the job's
     /// volatile segments (answered with `Dropped`: the volatile segments' ids).
@@ -420,9 +425,10 @@ pub enum PeerReq {
         job: String,
         at_least: u64,
     },
-    /// Kill this node's ranks of `job`.
-    KillJob {
+    /// Kill this node's ranks of `job` of start `attempt` or before.
+    StopRanks {
         job: String,
+        attempt: u32,
     },
     /// Answered with the payload it carries (transport round-trip measurements).
     Echo,
@@ -503,11 +509,15 @@ pub enum PeerResp {
     JobFiles {
         files: Vec<FileId>,
     },
-    /// Answer to `JobLaunched`: whether this node runs the job, and what its launcher is
-    /// doing for it (a rollback's step; empty: nothing special).
-    Running {
-        running: bool,
-        activity: String,
+    /// Answer to `JobCommand`.
+    JobAnswer {
+        answer: psls_jobs::Answer,
+    },
+    /// Answer to `OutputSince`: records (rank, number, stderr, bytes), and per rank the first
+    /// number kept when older ones went.
+    Output {
+        records: Vec<OutputRecord>,
+        gaps: Vec<(u32, u64)>,
     },
     /// Answer to `CkptProgress` (empty: no checkpoint in progress), with the job's last
     /// checkpoint this coordinator committed.

@@ -382,15 +382,15 @@ impl CkptShell {
             .all(|h| h.frames.frames() + dirty + states <= h.frame_capacity)
     }
 
-    /// A halted job: its launcher stops the ranks.
+    /// A halted job: job control (at the metadata's leader, this coordinator) stops it.
     async fn halt(&self, job: &str, epoch: u64) {
-        let launcher = self.owners.locked().get(job).map(|o| o.2.clone()).unwrap_or_default();
         let req = PeerReq::JobHalted {
             job: job.to_string(),
             epoch,
         };
-        if let Err(e) = self.node.call_ok(&launcher, req).await {
-            tracing::warn!(node = %self.node.name(), job, launcher, error = %e, "could not tell the launcher the job halted");
+        let me = self.node.me.name.clone();
+        if let Err(e) = self.node.call_ok(&me, req).await {
+            tracing::warn!(node = %self.node.name(), job, error = %e, "could not tell job control the job halted");
         }
         tracing::info!(node = %self.node.name(), job, epoch, "job halted after its checkpoint");
     }

@@ -34,12 +34,11 @@ pub(crate) enum Flow {
     Close,
     /// The connection becomes the process's lifeline.
     Lifeline(i32),
-    /// The connection follows a job it launched until its end.
-    Job {
-        spec: crate::launcher::JobSpec,
-        per_node: Option<u32>,
-        owners: crate::launcher::Owners,
-        rx: tokio::sync::mpsc::UnboundedReceiver<crate::launcher::JobEvent>,
+    /// The connection follows a job until its end (`after`: per rank, the last output number
+    /// the client has).
+    Follow {
+        job: String,
+        after: std::collections::BTreeMap<u32, u64>,
     },
 }
 

@@ -151,6 +151,8 @@ async fn client(d: Arc<Daemon>, stream: UnixStream) -> anyhow::Result<()> {
             | Request::RunJob { .. }
             | Request::Jobs
             | Request::JobRm { .. }
+            | Request::Attach { .. }
+            | Request::Cancel { .. }
             | Request::Checkpoint { .. }
             | Request::RestartState { .. }
             | Request::ForceCheckpoint { .. } => ranks::handle(&mut c, req, fds).await?,
@@ -165,12 +167,7 @@ async fn client(d: Arc<Daemon>, stream: UnixStream) -> anyhow::Result<()> {
             Flow::Sent => {}
             Flow::Close => return Ok(()),
             Flow::Lifeline(pid) => return memory::lifeline(&c.d, pid, c.r, c.w).await,
-            Flow::Job {
-                spec,
-                per_node,
-                owners,
-                rx,
-            } => return ranks::run_job(&c.d, spec, per_node, owners, rx, c.r, c.w).await,
+            Flow::Follow { job, after } => return ranks::follow(&c.d, job, after, c.r, c.w).await,
         }
     }
 }

@@ -1,6 +1,9 @@
 //! Local clients' requests as ranks of a job: a sync channel for barrier and lock calls (the
-//! short path, served by the `psls-sync` thread), the same calls on this connection, and
-//! `psls run` (the launcher's side: start the job, relay its output, end with its status).
+//! short path, served by the `psls-sync` thread), the same calls on this connection; and the
+//! users' job commands (`psls run`, `attach`, `cancel`, `halt`, `jobs`), which go to job
+//! control at the metadata's leader (`crate::jobctl`), after which the connection follows the
+//! job from here: its notes, its ranks' output fetched from their nodes, its end. A follower is
+//! only a client: its death, or this node's, leaves the job running.
 
 use super::conn::{err, misrouted, ok_or_err, send, Conn, Flow};
 use crate::dispatch::Daemon;
@@ -65,7 +68,7 @@ pub(super) async fn handle(c: &mut Conn, req: Request, mut fds: Vec<OwnedFd>) ->
             env,
             cwd,
         } => {
-            // An older client's `psls run`: no checkpoint options, no job id announced.
+            // An older client's `psls run`: no checkpoint options.
             let req = Request::RunJob {
                 program,
                 args,
@@ -75,31 +78,26 @@ pub(super) async fn handle(c: &mut Conn, req: Request, mut fds: Vec<OwnedFd>) ->
                 cwd,
                 checkpoint: Default::default(),
             };
-            return start_job(c, req, false).await;
+            return start_job(c, req).await;
         }
         Request::RunJob { env, checkpoint, .. } if !checkpoint.resume.is_empty() => {
             let job = checkpoint.resume;
-            match crate::recovery::resume(&node, &d.jobs, &d.ckpt, &job, env, (caller.uid, caller.gid)).await {
-                Ok(crate::recovery::Resumed::Written { from, written }) => {
+            let cmd = psls_jobs::Command::Resume {
+                job: job.clone(),
+                env,
+                uid: caller.uid,
+            };
+            match crate::jobctl::command(&d, cmd).await {
+                Ok(psls_jobs::Answer::Started { job, .. }) => {
                     send(&mut c.w, &Response::JobStarted { job: job.clone() }).await?;
-                    let message = format!("job {job} had finished: its result, restored from checkpoint {from}, is written by checkpoint {written}");
+                    let message = format!("job {job} resumes from its newest intact checkpoint");
                     send(&mut c.w, &Response::JobNote { message }).await?;
-                    Response::JobDone {
-                        code: 0,
-                        message: format!("job {job} written"),
-                    }
-                }
-                Ok(crate::recovery::Resumed::Running(spec, owners, per_node, rx)) => {
-                    send(&mut c.w, &Response::JobStarted { job: spec.job.clone() }).await?;
-                    let message = format!("job {job} resumed from checkpoint {}", spec.restart_epoch);
-                    send(&mut c.w, &Response::JobNote { message }).await?;
-                    return Ok(Flow::Job {
-                        spec: *spec,
-                        per_node,
-                        owners,
-                        rx,
+                    return Ok(Flow::Follow {
+                        job,
+                        after: Default::default(),
                     });
                 }
+                Ok(a) => refused(a),
                 Err(e) => err(e),
             }
         }
@@ -108,7 +106,35 @@ pub(super) async fn handle(c: &mut Conn, req: Request, mut fds: Vec<OwnedFd>) ->
             Err(e) => err(e),
         },
         Request::JobRm { job } => ok_or_err(job_rm(&d, caller, &job).await),
-        req @ Request::RunJob { .. } => return start_job(c, req, true).await,
+        req @ Request::RunJob { .. } => return start_job(c, req).await,
+        Request::Attach { job, after } => {
+            let st = node.meta_fresh().await;
+            let known = st
+                .as_ref()
+                .is_ok_and(|st| st.runs.contains_key(&job) || st.ended.contains_key(&job));
+            if !known {
+                err(OpError::new(
+                    ErrorKind::NotFound,
+                    format!("no job {job} running or ended"),
+                ))
+            } else if after.len() > crate::launcher::MAX_RANKS as usize {
+                err(OpError::new(ErrorKind::Invalid, "too many ranks"))
+            } else {
+                send(&mut c.w, &Response::JobStarted { job: job.clone() }).await?;
+                return Ok(Flow::Follow {
+                    job,
+                    after: after.into_iter().collect(),
+                });
+            }
+        }
+        Request::Cancel { job } => {
+            let cmd = psls_jobs::Command::Cancel { job, uid: caller.uid };
+            match crate::jobctl::command(&d, cmd).await {
+                Ok(psls_jobs::Answer::Accepted { .. }) => Response::Ok,
+                Ok(a) => refused(a),
+                Err(e) => err(e),
+            }
+        }
         Request::Checkpoint { state } => match pid {
             None => err(OpError::new(ErrorKind::Invalid, "no peer pid")),
             Some(pid) => {
@@ -134,15 +160,41 @@ pub(super) async fn handle(c: &mut Conn, req: Request, mut fds: Vec<OwnedFd>) ->
                 }
             }
         },
+        Request::ForceCheckpoint { job, halt: true } if node.meta_state().runs.contains_key(&job) => {
+            // A `psls run` job's halt is job control's (it holds across a rollback and a new
+            // driver).
+            let cmd = psls_jobs::Command::Halt { job, uid: caller.uid };
+            match crate::jobctl::command(&d, cmd).await {
+                Ok(psls_jobs::Answer::Accepted { .. }) => Response::Ok,
+                Ok(a) => refused(a),
+                Err(e) => err(e),
+            }
+        }
         Request::ForceCheckpoint { job, halt } => ok_or_err(d.ckpt.force(&job, halt, caller.uid).await),
         other => misrouted(&other),
     };
     Ok(Flow::Reply(resp))
 }
 
-/// Launches the job of a `RunJob` request (`announce`: its id goes to the CLI first); the
-/// connection then follows it.
-async fn start_job(c: &mut Conn, req: Request, announce: bool) -> std::io::Result<Flow> {
+/// A refusal of job control, as an error.
+fn refused(a: psls_jobs::Answer) -> Response {
+    use psls_jobs::CommandError as E;
+    let e = match a {
+        psls_jobs::Answer::Refused(e) => e,
+        other => E::Invalid(format!("unexpected answer {other:?}")),
+    };
+    let kind = match &e {
+        E::NotFound(_) => ErrorKind::NotFound,
+        E::NotOwner(_) => ErrorKind::Permission,
+        E::Running(_) => ErrorKind::Exists,
+        E::NotLeader | E::Busy => ErrorKind::Unavailable,
+        E::NotRunning(_) | E::NotResumable { .. } | E::Invalid(_) | E::Refused(_) => ErrorKind::Invalid,
+    };
+    err(OpError::new(kind, e.to_string()))
+}
+
+/// Launches the job of a `RunJob` request through job control; the connection then follows it.
+async fn start_job(c: &mut Conn, req: Request) -> std::io::Result<Flow> {
     let Request::RunJob {
         program,
         args,
@@ -156,22 +208,30 @@ async fn start_job(c: &mut Conn, req: Request, announce: bool) -> std::io::Resul
         return Ok(Flow::Reply(misrouted(&req)));
     };
     let (d, caller) = (c.d.clone(), c.caller);
-    let launched = crate::launcher::launch(
-        &d.node, &d.jobs, ranks, per_node, program, args, env, cwd, caller.uid, caller.gid, checkpoint,
-    )
-    .await;
-    match launched {
-        Ok((spec, owners, rx)) => {
-            if announce {
-                send(&mut c.w, &Response::JobStarted { job: spec.job.clone() }).await?;
-            }
-            Ok(Flow::Job {
-                spec,
-                per_node,
-                owners,
-                rx,
+    let cmd = match crate::launcher::launch_command(
+        &d.node,
+        ranks,
+        per_node,
+        program,
+        args,
+        env,
+        cwd,
+        caller.uid,
+        caller.gid,
+        &checkpoint,
+    ) {
+        Ok(cmd) => cmd,
+        Err(e) => return Ok(Flow::Reply(err(e))),
+    };
+    match crate::jobctl::command(&d, cmd).await {
+        Ok(psls_jobs::Answer::Started { job, .. }) => {
+            send(&mut c.w, &Response::JobStarted { job: job.clone() }).await?;
+            Ok(Flow::Follow {
+                job,
+                after: Default::default(),
             })
         }
+        Ok(a) => Ok(Flow::Reply(refused(a))),
         Err(e) => Ok(Flow::Reply(err(e))),
     }
 }
@@ -187,9 +247,8 @@ async fn jobs(d: &Arc<Daemon>) -> Result<Vec<psls_ipc::proto::JobInfo>, OpError>
     let mut out = Vec::new();
     for (job, rec) in &st.jobs {
         let Some(sum) = &rec.spec else { continue };
-        let launcher = crate::launcher::running_activity(&d.node, job).await;
-        let running = launcher.is_some();
-        if !running && rec.epoch == 0 {
+        let running = st.runs.contains_key(job);
+        if !running && rec.epoch == 0 && !st.finished.contains_key(job) && !st.ended.contains_key(job) {
             continue; // ended without a checkpoint: its record is on its way out
         }
         let mut command = sum.program.clone();
@@ -197,11 +256,11 @@ async fn jobs(d: &Arc<Daemon>) -> Result<Vec<psls_ipc::proto::JobInfo>, OpError>
             command.push(' ');
             command.push_str(a);
         }
-        let (activity, last) = match launcher {
-            // A rollback's step, else a checkpoint in progress.
-            Some(a) if a.is_empty() => d.ckpt.progress(job).await,
-            Some(a) => (a, None),
-            None => (String::new(), None),
+        // Job control's step (known at the driver), else a checkpoint in progress.
+        let (activity, last) = match (running, d.jobctl.activity(job)) {
+            (true, a) if a.is_empty() || a.ends_with("ranks exited") => d.ckpt.progress(job).await,
+            (true, a) => (a, None),
+            (false, _) => (String::new(), None),
         };
         let mut info = psls_ipc::proto::JobInfo {
             job: job.clone(),
@@ -242,6 +301,31 @@ async fn jobs(d: &Arc<Daemon>) -> Result<Vec<psls_ipc::proto::JobInfo>, OpError>
             info.pre_recovery_frames = c.pre_recovery;
         }
         out.push(info);
+    }
+    // Ended jobs whose record went (like `sacct`: how they ended).
+    for (job, (_, end)) in &st.ended {
+        if st.jobs.get(job).is_some_and(|r| r.spec.is_some()) {
+            continue;
+        }
+        out.push(psls_ipc::proto::JobInfo {
+            job: job.clone(),
+            state: end.how.word().into(),
+            ranks: 0,
+            command: String::new(),
+            uid: 0,
+            epoch: 0,
+            at_unix_ms: end.at_unix_ms,
+            bytes: 0,
+            level: String::new(),
+            pause_us: 0,
+            commit_us: 0,
+            recovery_frames: 0,
+            unsaved_frames: 0,
+            pre_recovery_frames: 0,
+            persistent_epoch: 0,
+            activity: end.message.clone(),
+            finished: String::new(),
+        });
     }
     Ok(out)
 }
@@ -289,7 +373,7 @@ async fn job_rm(d: &Arc<Daemon>, caller: crate::pfs::Caller, job: &str) -> Resul
             format!("job {job} belongs to {whose}: only it or root may remove it"),
         ));
     }
-    if crate::launcher::is_running(&d.node, job).await {
+    if st.runs.contains_key(job) {
         return Err(OpError::new(
             ErrorKind::Invalid,
             format!("job {job} is running (psls halt {job} stops it)"),
@@ -318,7 +402,7 @@ fn safe_call(d: &Daemon, caller: crate::pfs::Caller, pid: i32) -> crate::ckpt::S
             files,
             uid: spec.uid,
             gid: spec.gid,
-            launcher: spec.launcher,
+            launcher: d.node.name().to_string(),
             node_inc: d.node.incarnation,
         },
         None => crate::ckpt::SafeCall {
@@ -342,266 +426,164 @@ fn safe_call(d: &Daemon, caller: crate::pfs::Caller, pid: i32) -> crate::ckpt::S
     }
 }
 
-/// The incarnation of each node running ranks.
-fn incarnations(node: &crate::node::Node, owners: &crate::launcher::Owners) -> std::collections::BTreeMap<String, u64> {
-    let st = node.meta_state();
-    owners
-        .keys()
-        .map(|l| node.physical_of(&st, psls_svm::NodeId(*l)))
-        .map(|p| {
-            let inc = node.heartbeat_of(&p).map_or(0, |h| h.incarnation);
-            (p, inc)
-        })
-        .collect()
-}
+/// How often a follower looks for new output and notes.
+const FOLLOW_MS: u64 = 50;
 
-/// The nodes running ranks that went down or restarted since `incs` was taken.
-fn failed_nodes(
-    node: &crate::node::Node,
-    owners: &crate::launcher::Owners,
-    incs: &std::collections::BTreeMap<String, u64>,
-) -> Vec<String> {
-    let st = node.meta_state();
-    owners
-        .keys()
-        .map(|l| node.physical_of(&st, psls_svm::NodeId(*l)))
-        .filter(|p| {
-            node.is_declared_down(p)
-                || node.heartbeat_of(p).map_or(0, |h| h.incarnation) != incs.get(p).copied().unwrap_or(0)
-        })
-        .collect()
-}
-
-/// Every rank of `job` exited 0: a memory checkpoint keeps its result in the nodes' memories,
-/// then a last persistent checkpoint makes it durable and the job goes. If the persistent one
-/// fails, nothing finished is thrown away: the job stays resumable with the reason
-/// (`MetaOp::JobFinished`), and `psls run --resume` only has to write it. Returns the job's
-/// status and its last line.
-async fn end_finished(d: &Arc<Daemon>, job: &str, ranks: u32, pinned_persistent: bool) -> (i32, String) {
-    let node = &d.node;
-    let files = crate::launcher::job_files(node, job, true).await;
-    let done = format!("all {ranks} ranks exited with status 0");
-    let last = if files.is_empty() {
-        Ok(())
-    } else {
-        // Not when it does not fit (or fails): the persistent one is tried all the same. Not
-        // for a job pinned to persistent checkpoints (`--level persistent`).
-        let kept = if pinned_persistent {
-            Err(OpError::new(
-                ErrorKind::Invalid,
-                "the job takes persistent checkpoints only",
-            ))
-        } else {
-            d.ckpt
-                .checkpoint_at(job, files.clone(), psls_ckpt::msg::Level::Memory)
-                .await
-        };
-        if let Err(e) = &kept {
-            tracing::info!(node = %node.name(), job, error = %e, "no memory checkpoint of the finished job");
-        }
-        match d.ckpt.checkpoint(job, files.clone()).await {
-            Ok(_) => Ok(()),
-            Err(e) => Err((e, kept.ok().map(|k| k.epoch))),
-        }
-    };
-    match last {
-        Ok(()) => {
-            crate::launcher::drop_job_segments(node, job).await;
-            d.ckpt.end_job(job).await;
-            crate::launcher::finished(node, &d.jobs, job);
-            (0, done)
-        }
-        Err((e, Some(epoch))) => {
-            let why = format!("its last persistent checkpoint failed: {e}");
-            let op = psls_pfs::meta::MetaOp::JobFinished {
-                job: job.to_string(),
-                why: why.chars().take(psls_pfs::meta::MAX_WHY_LEN / 4).collect(),
-                files: files.clone(),
-                epoch,
-            };
-            // Not `finished`: the job's segments and recovery copies hold its result.
-            crate::launcher::unlaunched(&d.jobs, job);
-            match node.submit(op).await {
-                Ok(()) => {
-                    tracing::warn!(node = %node.name(), job, epoch, error = %e, "a finished job's last persistent checkpoint failed: kept, resumable");
-                    (
-                        crate::launcher::HALTED_STATUS,
-                        format!(
-                            "{done}, but {why}; the result is kept in memory checkpoint {epoch}: `psls run --resume {job}` writes it"
-                        ),
-                    )
-                }
-                Err(e2) => (1, format!("{done}, but {why}; keeping the result failed too: {e2}")),
-            }
-        }
-        Err((e, None)) => {
-            let resumable = node.meta_state().jobs.get(job).is_some_and(|r| r.epoch > 0);
-            crate::launcher::finished(node, &d.jobs, job);
-            if resumable {
-                // Its last checkpoint is from before the end: a resume runs the rest again.
-                (
-                    crate::launcher::HALTED_STATUS,
-                    format!("{done}, but the job's last checkpoint failed: {e}; `psls run --resume {job}` runs it again from its last checkpoint"),
-                )
-            } else {
-                crate::launcher::drop_job_segments(node, job).await;
-                d.ckpt.end_job(job).await;
-                (1, format!("{done}, but the job's last checkpoint failed: {e}"))
-            }
-        }
-    }
-}
-
-/// Relays a job's output to the CLI and ends with its status; kills the job if the CLI goes.
-/// A node with ranks that goes down rolls the job back and starts its ranks again (at most
-/// `max_restarts` times).
-pub(super) async fn run_job(
+/// Follows `job` for the client on this connection: its notes (a rollback, a restart), its
+/// ranks' output after the client's numbers (`after`), fetched from every live node, and its
+/// end. The client going away leaves the job running.
+pub(super) async fn follow(
     d: &Arc<Daemon>,
-    mut spec: crate::launcher::JobSpec,
-    per_node: Option<u32>,
-    mut owners: crate::launcher::Owners,
-    mut rx: tokio::sync::mpsc::UnboundedReceiver<crate::launcher::JobEvent>,
+    job: String,
+    mut after: std::collections::BTreeMap<u32, u64>,
     mut r: OwnedReadHalf,
     mut w: OwnedWriteHalf,
 ) -> anyhow::Result<()> {
     let node = &d.node;
-    let job = spec.job.clone();
-    let job = job.as_str();
-    let ranks = spec.size;
-    use crate::launcher::JobEvent;
-    let mut exited: std::collections::BTreeMap<u32, i32> = std::collections::BTreeMap::new();
-    let mut failed: Option<(u32, i32)> = None;
-    let mut halted: Option<u64> = None;
-    let mut lost: Option<String> = None;
-    let mut byte = [0u8; 1];
-    let interval_ms = node.cfg.cluster.heartbeat_interval_ms;
-    let mut tick = tokio::time::interval(std::time::Duration::from_millis(interval_ms));
+    let mut tick = tokio::time::interval(std::time::Duration::from_millis(FOLLOW_MS));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    // The incarnation of every node running ranks: a node that went down, or came back as
-    // another incarnation (its memory lost), fails the job's start.
-    let mut incs = incarnations(node, &owners);
-    // A rank that failed may have failed because a node did (a fault on a page whose manager
-    // restarted, say): its failure is judged once the failure detector had time to tell.
-    let grace = std::time::Duration::from_millis(node.cfg.cluster.heartbeat_timeout_ms + 2 * interval_ms);
-    let mut pending: Option<((u32, i32), std::time::Instant)> = None;
-    while lost.is_none() && ((exited.len() as u32) < ranks || pending.is_some()) {
-        let ev = tokio::select! {
-            ev = rx.recv() => ev,
-            _ = tick.tick() => {
-                let gone = failed_nodes(node, &owners, &incs);
-                if gone.is_empty() || failed.is_some() || halted.is_some() {
-                    if let Some((rc, since)) = pending {
-                        if since.elapsed() >= grace {
-                            pending = None;
-                            failed = Some(rc);
-                            crate::launcher::kill_everywhere(node, job).await;
-                        }
-                    }
-                    continue;
-                }
-                pending = None;
-                let why = format!("{} went down", gone.join(", "));
-                if spec.attempt >= spec.max_restarts {
-                    lost = Some(format!(
-                        "{why}; the job was restarted {} times already (--max-restarts {})",
-                        spec.attempt, spec.max_restarts
-                    ));
-                    crate::launcher::kill_everywhere(node, job).await;
-                    continue;
-                }
-                let note = format!("{why}: rolling job {job} back to its last checkpoint");
-                send(&mut w, &Response::JobNote { message: note }).await?;
-                match crate::recovery::roll_back(node, &d.ckpt, &d.jobs, &spec).await {
-                    Ok(epoch) => {
-                        spec.attempt += 1;
-                        spec.restart_epoch = epoch;
-                        match crate::launcher::spawn_all(node, &spec, per_node).await {
-                            Ok(o) => {
-                                owners = o;
-                                incs = incarnations(node, &owners);
-                                exited.clear();
-                                let from = if epoch == 0 { "its start".to_string() } else { format!("checkpoint {epoch}") };
-                                let message = format!("job {job} restarted from {from} (restart {} of at most {})", spec.attempt, spec.max_restarts);
-                                send(&mut w, &Response::JobNote { message }).await?;
-                            }
-                            Err(e) => lost = Some(format!("{why}; restarting the ranks failed: {e}")),
-                        }
-                    }
-                    Err(e) => lost = Some(format!("{why}; the rollback failed: {e}")),
-                }
-                continue;
-            }
+    let mut byte = [0u8; 1];
+    // What the client was told of the job's record: (start, phase).
+    let mut told: Option<(u32, String)> = None;
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
             _ = r.read(&mut byte) => {
-                tracing::info!(node = %node.name(), job, "the CLI went away: stopping the job");
-                crate::launcher::kill_everywhere(node, job).await;
-                crate::launcher::finished(node, &d.jobs, job);
+                tracing::info!(node = %node.name(), %job, "the follower went away; the job goes on");
                 return Ok(());
             }
-        };
-        let Some(ev) = ev else { break };
-        match ev {
-            JobEvent::Output { rank, err, data } => {
-                send(&mut w, &Response::RankOutput { rank, err, data }).await?;
-            }
-            JobEvent::Halted { epoch } => {
-                halted = Some(epoch);
-                tracing::info!(node = %node.name(), job, epoch, "job halted: stopping its ranks");
-                let (node, job) = (node.clone(), job.to_string());
-                tokio::spawn(async move { crate::launcher::kill_everywhere(&node, &job).await });
-            }
-            JobEvent::Exit { rank, code, attempt } => {
-                // Exits of the ranks stopped for a rollback are not the job's.
-                if attempt != spec.attempt || rank >= ranks || exited.contains_key(&rank) {
-                    continue;
+        }
+        let st = node.meta_state();
+        // The end is read before the last fetch: every line its ranks wrote is kept by then.
+        let end = st.ended.get(&job).map(|(_, e)| e.clone());
+        if let Some(run) = st.runs.get(&job) {
+            let phase = match &run.phase {
+                psls_pfs::runs::RunPhase::RollingBack { why } => why.clone(),
+                p => format!("{p:?}"),
+            };
+            let now = (run.attempt, phase);
+            if told.as_ref() != Some(&now) {
+                if let Some(note) = note(&st, &job, told.as_ref(), run) {
+                    send(&mut w, &Response::JobNote { message: note }).await?;
                 }
-                exited.insert(rank, code);
-                if code != 0 && failed.is_none() && pending.is_none() && halted.is_none() {
-                    pending = Some(((rank, code), std::time::Instant::now()));
-                }
+                told = Some(now);
             }
+        } else if end.is_none() {
+            let message = format!("job {job} is gone (removed)");
+            send(&mut w, &Response::JobDone { code: 1, message }).await?;
+            return Ok(());
+        }
+        fetch_output(d, &job, &mut after, &mut w).await?;
+        if let Some(end) = end {
+            send(
+                &mut w,
+                &Response::JobDone {
+                    code: end.code,
+                    message: end.message,
+                },
+            )
+            .await?;
+            return Ok(());
         }
     }
-    // A job that ended without a committed checkpoint cannot be resumed: its record, area
-    // and writer claims go; one with a checkpoint keeps them (until `psls jobs rm`).
-    let resumable = node.meta_state().jobs.get(job).is_some_and(|r| r.epoch > 0);
-    if !resumable && (lost.is_some() || failed.is_some()) {
-        // The volatile segments go as the job's (then their files in its area).
-        crate::launcher::drop_job_segments(node, job).await;
-        d.ckpt.end_job(job).await;
+}
+
+/// What to tell a follower of a change of `job`'s record (`None`: nothing worth a line).
+fn note(
+    st: &psls_pfs::meta::MetaState,
+    job: &str,
+    told: Option<&(u32, String)>,
+    run: &psls_pfs::runs::RunRecord,
+) -> Option<String> {
+    let max = st
+        .jobs
+        .get(job)
+        .and_then(|r| r.spec.as_ref())
+        .map_or(0, |s| s.max_restarts);
+    match (&run.phase, told) {
+        (psls_pfs::runs::RunPhase::RollingBack { why }, _) if why == psls_jobs::control::RESUMED => None,
+        (psls_pfs::runs::RunPhase::RollingBack { why }, _) => {
+            Some(format!("{why}: rolling job {job} back to its last checkpoint"))
+        }
+        (psls_pfs::runs::RunPhase::Running, Some((a, _))) if *a < run.attempt => {
+            let from = if run.restart_epoch == 0 {
+                "its start".to_string()
+            } else {
+                format!("checkpoint {}", run.restart_epoch)
+            };
+            Some(format!(
+                "job {job} restarted from {from} (restart {} of at most {max})",
+                run.restarts
+            ))
+        }
+        _ => None,
     }
-    if let Some(why) = lost {
-        crate::launcher::finished(node, &d.jobs, job);
-        let message = format!("job {job} failed: {why}");
+}
+
+/// Sends the client `job`'s output after its numbers, from every live node.
+async fn fetch_output(
+    d: &Arc<Daemon>,
+    job: &str,
+    after: &mut std::collections::BTreeMap<u32, u64>,
+    w: &mut OwnedWriteHalf,
+) -> anyhow::Result<()> {
+    let node = &d.node;
+    let st = node.meta_state();
+    let peers: Vec<String> = node
+        .cfg
+        .nodes
+        .iter()
+        .chain(node.cfg.spares.iter())
+        .map(|n| n.name.clone())
+        .filter(|p| *p == node.me.name || node.is_live(p))
+        .collect();
+    let _ = st;
+    let mut asks = tokio::task::JoinSet::new();
+    for p in peers {
+        let (d, job) = (d.clone(), job.to_string());
+        let after: Vec<(u32, u64)> = after.iter().map(|(r, s)| (*r, *s)).collect();
+        asks.spawn(async move {
+            if p == d.node.me.name {
+                let (records, _) = d.jobs.output_since(&job, &after.into_iter().collect());
+                return records
+                    .into_iter()
+                    .map(|r| crate::peer::OutputRecord {
+                        rank: r.rank,
+                        seq: r.seq,
+                        err: r.err,
+                        data: r.data,
+                    })
+                    .collect();
+            }
+            match d.node.call_ok(&p, PeerReq::OutputSince { job, after }).await {
+                Ok(PeerResp::Output { records, .. }) => records,
+                _ => Vec::new(),
+            }
+        });
+    }
+    let mut all = Vec::new();
+    while let Some(r) = asks.join_next().await {
+        if let Ok(records) = r {
+            all.extend(records);
+        }
+    }
+    all.sort_by_key(|r| (r.rank, r.seq));
+    for rec in all {
+        let last = after.entry(rec.rank).or_insert(0);
+        if rec.seq <= *last {
+            continue;
+        }
+        *last = rec.seq;
         send(
-            &mut w,
-            &Response::JobDone {
-                code: crate::launcher::LOST_STATUS,
-                message,
+            w,
+            &Response::RankOutput {
+                rank: rec.rank,
+                seq: rec.seq,
+                err: rec.err,
+                data: rec.data,
             },
         )
         .await?;
-        return Ok(());
     }
-    if failed.is_none() && halted.is_none() {
-        let pinned = spec.level == psls_ckpt::msg::Choice::Persistent;
-        let (code, message) = end_finished(d, job, ranks, pinned).await;
-        send(&mut w, &Response::JobDone { code, message }).await?;
-        return Ok(());
-    }
-    crate::launcher::finished(node, &d.jobs, job);
-    if let Some(epoch) = halted {
-        let message = format!("job {job} halted after checkpoint {epoch}; it can be resumed from it");
-        let code = crate::launcher::HALTED_STATUS;
-        send(&mut w, &Response::JobDone { code, message }).await?;
-        return Ok(());
-    }
-    let (code, message) = match failed {
-        None => (0, format!("all {ranks} ranks exited with status 0")),
-        Some((rank, code)) => (
-            code,
-            format!("rank {rank} exited with status {code}; the other ranks were stopped"),
-        ),
-    };
-    send(&mut w, &Response::JobDone { code, message }).await?;
     Ok(())
 }

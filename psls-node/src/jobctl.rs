@@ -1,0 +1,446 @@
+//! The shell of job control: one task owns this node's [`psls_jobs::Control`] and feeds it the
+//! committed metadata, ticks with the heartbeats' view of the nodes, the nodes' reports of
+//! their ranks, commands, and the outcomes of the steps it asked for; it carries out the
+//! machine's actions, each step in a task of its own whose outcome comes back as an input.
+//! Only the metadata's leader holding its lease drives ([`crate::node::Node::coordinator_now`]
+//! names it); every node runs the task, so the next leader takes over at once.
+//!
+//! This module makes no decision on a job: which step comes next, and whether a job goes on,
+//! rolls back or ends, is the machine's.
+//! Bounds: at most [`MAX_INPUTS`] inputs wait (a report or an outcome dropped on a full queue
+//! is sent or asked again: the machine retries what it does not hear of).
+
+use crate::dispatch::Daemon;
+use crate::failstop::Locked;
+use crate::op::OpError;
+use crate::peer::{PeerReq, PeerResp};
+use psls_ipc::ErrorKind;
+use psls_jobs::control::FinishError;
+use psls_jobs::{Action, Answer, Command, CommandError, Config, Control, Done, NodeView, Report, StepError};
+use psls_pfs::meta::MetaOp;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::sync::{mpsc, oneshot};
+
+/// Most inputs waiting for the task.
+pub const MAX_INPUTS: usize = 4096;
+
+/// What the task is told.
+pub enum Input {
+    Report {
+        from: String,
+        incarnation: u64,
+        reports: Vec<Report>,
+    },
+    Command {
+        cmd: Command,
+        reply: oneshot::Sender<Answer>,
+    },
+    Done {
+        job: String,
+        attempt: u32,
+        done: Done,
+    },
+    Refused {
+        job: String,
+        op: MetaOp,
+        why: String,
+    },
+    Halted {
+        job: String,
+        epoch: u64,
+    },
+    /// Something changed (an operation applied): look again.
+    Poke,
+}
+
+/// The handle other parts of the daemon hold.
+pub struct JobCtl {
+    tx: mpsc::Sender<Input>,
+    rx: Mutex<Option<mpsc::Receiver<Input>>>,
+    /// What the driver does for each job, for `psls jobs`.
+    activity: Mutex<BTreeMap<String, String>>,
+}
+
+impl Default for JobCtl {
+    fn default() -> JobCtl {
+        let (tx, rx) = mpsc::channel(MAX_INPUTS);
+        JobCtl {
+            tx,
+            rx: Mutex::new(Some(rx)),
+            activity: Mutex::new(BTreeMap::new()),
+        }
+    }
+}
+
+impl JobCtl {
+    /// Hands `input` to the task (dropped if its queue is full: see the module doc).
+    pub fn post(&self, input: Input) {
+        if self.tx.try_send(input).is_err() {
+            tracing::warn!("job control's queue is full: an input is dropped (it comes again)");
+        }
+    }
+
+    /// A command to this node's machine; its answer.
+    pub async fn command(&self, cmd: Command) -> Answer {
+        let (reply, rx) = oneshot::channel();
+        if self.tx.send(Input::Command { cmd, reply }).await.is_err() {
+            return Answer::Refused(CommandError::NotLeader);
+        }
+        rx.await.unwrap_or(Answer::Refused(CommandError::NotLeader))
+    }
+
+    /// What job control's driver does for `job` (empty: this node does not drive it).
+    pub fn activity(&self, job: &str) -> String {
+        self.activity.locked().get(job).cloned().unwrap_or_default()
+    }
+}
+
+/// Sends `cmd` to the metadata's leader and waits for its answer (tries again while the
+/// leader changes, for up to three request timeouts).
+pub async fn command(d: &Arc<Daemon>, cmd: Command) -> Result<Answer, OpError> {
+    let node = &d.node;
+    let deadline = Instant::now() + node.request_timeout * 3;
+    loop {
+        let answer = match node.replication.leader() {
+            Some(l) if l == node.me.name => Some(d.jobctl.command(cmd.clone()).await),
+            Some(l) => match node.call_ok(&l, PeerReq::JobCommand { cmd: cmd.clone() }).await {
+                Ok(PeerResp::JobAnswer { answer }) => Some(answer),
+                _ => None,
+            },
+            None => None,
+        };
+        match answer {
+            Some(Answer::Refused(CommandError::NotLeader)) | None => {}
+            Some(a) => return Ok(a),
+        }
+        if Instant::now() >= deadline {
+            return Err(OpError::new(
+                ErrorKind::Unavailable,
+                "job control is unavailable: no metadata leader answered",
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn config(d: &Daemon) -> Config {
+    let c = &d.node.cfg.cluster;
+    Config {
+        grace_ms: c.heartbeat_timeout_ms + 2 * c.heartbeat_interval_ms,
+        pass_pause_ms: c.heartbeat_timeout_ms,
+        max_passes: 8,
+        retry_ms: (d.node.request_timeout.as_millis() as u64).max(1_000),
+        rebuild_timeout_ms: 600_000,
+        spares: d.node.cfg.spares.iter().map(|s| s.name.clone()).collect(),
+        ..Config::default()
+    }
+}
+
+/// The task: until the daemon stops.
+pub async fn run(d: Arc<Daemon>) {
+    let Some(mut rx) = d.jobctl.rx.locked().take() else {
+        return;
+    };
+    let node = d.node.clone();
+    let mut control = Control::new(config(&d));
+    let mut replies: HashMap<u64, oneshot::Sender<Answer>> = HashMap::new();
+    let mut next_id = 0u64;
+    let mut last_seq = u64::MAX;
+    let mut init_sent = false;
+    let start = Instant::now();
+    let mut tick = tokio::time::interval(Duration::from_millis(node.cfg.cluster.heartbeat_interval_ms));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        let mut ticked = false;
+        tokio::select! {
+            i = rx.recv() => {
+                let Some(i) = i else { return };
+                match i {
+                    Input::Report { from, incarnation, reports } => {
+                        for r in &reports {
+                            control.handle_report(&from, incarnation, r);
+                        }
+                    }
+                    Input::Command { cmd, reply } => {
+                        next_id += 1;
+                        replies.insert(next_id, reply);
+                        control.handle_command(next_id, cmd);
+                    }
+                    Input::Done { job, attempt, done } => control.handle_done(&job, attempt, done),
+                    Input::Refused { job, op, why } => control.handle_refused(&job, &op, &why),
+                    Input::Halted { job, epoch } => control.handle_halted(&job, epoch),
+                    Input::Poke => {}
+                }
+            }
+            _ = tick.tick() => ticked = true,
+        }
+        let lead = match node.coordinator_now() {
+            Some((_, p)) if p == node.me.name => node.replication.leader_epoch().map(|(_, term)| term),
+            _ => None,
+        };
+        control.handle_lead(lead);
+        let st = node.meta_state();
+        if lead.is_some() && st.logical.is_empty() && !init_sent {
+            // A new cluster's node map (the configured one) is recorded before any job.
+            init_sent = true;
+            let op = MetaOp::InitMap {
+                logical: node.logical_map(&st),
+            };
+            let d2 = d.clone();
+            tokio::spawn(async move {
+                if let Err(e) = d2.node.submit(op).await {
+                    tracing::warn!(node = %d2.node.name(), error = %e, "could not record the node map");
+                }
+                d2.jobctl.post(Input::Poke);
+            });
+        }
+        if st.logical.is_empty() && ticked {
+            init_sent = false;
+        }
+        if st.seq != last_seq {
+            last_seq = st.seq;
+            control.handle_meta(&st);
+        }
+        if ticked {
+            let views = views(&d);
+            control.handle_tick(start.elapsed().as_millis() as u64, crate::pfs::unix_ms(), &views);
+            let mut a = d.jobctl.activity.locked();
+            a.clear();
+            let driven: Vec<String> = control.jobs_driven().map(|j| j.to_string()).collect();
+            for j in driven {
+                if let Some(what) = control.activity(&j) {
+                    a.insert(j, what);
+                }
+            }
+        }
+        while let Some(action) = control.poll_action() {
+            if let Action::Answer { id, answer } = action {
+                if let Some(r) = replies.remove(&id) {
+                    let _ = r.send(answer);
+                }
+                continue;
+            }
+            execute(&d, action);
+        }
+    }
+}
+
+/// Each physical node's liveness and incarnation, from the heartbeats.
+fn views(d: &Daemon) -> BTreeMap<String, NodeView> {
+    let node = &d.node;
+    node.cfg
+        .nodes
+        .iter()
+        .chain(node.cfg.spares.iter())
+        .map(|n| {
+            let incarnation = if n.name == node.me.name {
+                node.incarnation
+            } else {
+                node.heartbeat_of(&n.name).map_or(0, |h| h.incarnation)
+            };
+            (
+                n.name.clone(),
+                NodeView {
+                    live: node.is_live(&n.name),
+                    incarnation,
+                },
+            )
+        })
+        .collect()
+}
+
+fn step_error(e: OpError) -> StepError {
+    match e.kind {
+        ErrorKind::Unavailable | ErrorKind::Io | ErrorKind::Internal => StepError::Unavailable(e.message),
+        _ => StepError::Failed(e.message),
+    }
+}
+
+/// Carries out one action in a task of its own.
+fn execute(d: &Arc<Daemon>, action: Action) {
+    let d = d.clone();
+    tokio::spawn(async move {
+        let node = d.node.clone();
+        match action {
+            Action::Submit { job, op } => {
+                tracing::info!(node = %node.name(), %job, ?op, "job control records");
+                match node.submit(op.clone()).await {
+                    Ok(()) => d.jobctl.post(Input::Poke),
+                    Err(e) => {
+                        tracing::info!(node = %node.name(), %job, error = %e, "job control's record refused");
+                        d.jobctl.post(Input::Refused {
+                            job,
+                            op,
+                            why: e.message,
+                        })
+                    }
+                }
+            }
+            Action::Spawn { physical, job, attempt } => {
+                if let Err(e) = node
+                    .call_ok(
+                        &physical,
+                        PeerReq::StartRanks {
+                            job: job.clone(),
+                            attempt,
+                        },
+                    )
+                    .await
+                {
+                    tracing::warn!(node = %node.name(), %job, attempt, peer = %physical, error = %e, "could not start ranks there");
+                }
+            }
+            Action::StopRanks { job, attempt, nodes } => {
+                let mut asks = tokio::task::JoinSet::new();
+                for p in nodes {
+                    let (node, job) = (node.clone(), job.clone());
+                    asks.spawn(async move {
+                        let ok = node.call_ok(&p, PeerReq::StopRanks { job, attempt }).await.is_ok();
+                        (p, ok)
+                    });
+                }
+                let mut stopped = Vec::new();
+                while let Some(r) = asks.join_next().await {
+                    if let Ok((p, true)) = r {
+                        stopped.push(p);
+                    }
+                }
+                d.jobctl.post(Input::Done {
+                    job,
+                    attempt,
+                    done: Done::Stopped { nodes: stopped },
+                });
+            }
+            Action::Replace {
+                job,
+                attempt,
+                logical,
+                spare,
+            } => {
+                tracing::warn!(node = %node.name(), %job, logical, %spare, "node not back: a spare takes its place");
+                let r = crate::pfs::replace(&node, logical, &spare)
+                    .await
+                    .map(|_| ())
+                    .map_err(|e| {
+                        StepError::Unavailable(format!("replacing logical node {logical} by {spare}: {}", e.message))
+                    });
+                d.jobctl.post(Input::Done {
+                    job,
+                    attempt,
+                    done: Done::Replaced(r),
+                });
+            }
+            Action::Restore { job, attempt } => {
+                let r = crate::recovery::restore(&node, &d.ckpt, &job).await.map_err(step_error);
+                d.jobctl.post(Input::Done {
+                    job,
+                    attempt,
+                    done: Done::Restored(r),
+                });
+            }
+            Action::Finish {
+                job,
+                attempt,
+                persistent_only,
+            } => {
+                let r = finish(&d, &job, persistent_only).await;
+                d.jobctl.post(Input::Done {
+                    job,
+                    attempt,
+                    done: Done::Finished(r),
+                });
+            }
+            Action::Release { job, attempt, keep } => {
+                let resumable = release(&d, &job, keep).await;
+                d.jobctl.post(Input::Done {
+                    job,
+                    attempt,
+                    done: Done::Released { resumable },
+                });
+            }
+            Action::ForceHalt { job, attempt } => {
+                // The halt waits for the job's next safe point: asked until the coordinator
+                // knows the job's calls (or the job moved on).
+                loop {
+                    match d.ckpt.force(&job, true, 0).await {
+                        Ok(_) => break,
+                        Err(e) => {
+                            let st = node.meta_state();
+                            if st.runs.get(&job).is_none_or(|r| r.attempt != attempt) {
+                                break;
+                            }
+                            tracing::debug!(node = %node.name(), %job, error = %e, "halt not taken yet");
+                        }
+                    }
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
+            }
+            Action::Answer { .. } => {}
+        }
+    });
+}
+
+/// The last checkpoints of a job whose ranks all exited 0: a memory one keeps the result in the
+/// nodes' memories (unless the job takes persistent ones only), then a persistent one makes it
+/// durable.
+async fn finish(d: &Arc<Daemon>, job: &str, persistent_only: bool) -> Result<(), FinishError> {
+    let node = &d.node;
+    let st = node.meta_state();
+    let mut files: Vec<psls_svm::FileId> = crate::launcher::job_files(node, job, false).await;
+    files.extend(st.files_written_by(job).map(|f| f.id));
+    if let Some(f) = st.finished.get(job) {
+        files.extend(f.files.iter().copied());
+    }
+    files.sort_unstable();
+    files.dedup();
+    if files.is_empty() {
+        return Ok(());
+    }
+    let kept = if persistent_only {
+        None
+    } else {
+        match d
+            .ckpt
+            .checkpoint_at(job, files.clone(), psls_ckpt::msg::Level::Memory)
+            .await
+        {
+            Ok(k) => Some(k.epoch),
+            Err(e) => {
+                tracing::info!(node = %node.name(), job, error = %e, "no memory checkpoint of the finished job");
+                None
+            }
+        }
+    };
+    match d.ckpt.checkpoint(job, files.clone()).await {
+        Ok(_) => Ok(()),
+        Err(e) => match kept {
+            Some(epoch) => Err(FinishError::Kept {
+                epoch,
+                files,
+                why: e.message,
+            }),
+            None => Err(FinishError::Failed {
+                why: e.message,
+                resumable: node.meta_state().jobs.get(job).is_some_and(|r| r.epoch > 0),
+            }),
+        },
+    }
+}
+
+/// Lets a job go: with `keep`, what it holds stays if it has a checkpoint to resume from
+/// (returns true); otherwise its segments, recovery copies, area and record go.
+async fn release(d: &Arc<Daemon>, job: &str, keep: bool) -> bool {
+    let node = &d.node;
+    let st = node.meta_state();
+    let resumable = keep
+        && (st.jobs.get(job).is_some_and(|r| r.epoch > 0)
+            || st.finished.contains_key(job)
+            || crate::recovery::memory_committed(node, job).await > 0);
+    if !resumable {
+        crate::launcher::drop_job_segments(node, job).await;
+        d.ckpt.end_job(job).await;
+    }
+    resumable
+}
