@@ -271,7 +271,12 @@ fn run_job(
             Err(e) => {
                 let lost = matches!(
                     e,
-                    psls_client::ClientError::Frame(_) | psls_client::ClientError::Connect { .. }
+                    psls_client::ClientError::Frame(_)
+                        | psls_client::ClientError::Connect { .. }
+                        | psls_client::ClientError::Daemon {
+                            kind: psls_ipc::ErrorKind::Unavailable,
+                            ..
+                        }
                 );
                 let Some(j) = job.clone().filter(|_| lost) else {
                     return Err(e.into());

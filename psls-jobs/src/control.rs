@@ -47,6 +47,9 @@ pub struct Config {
     pub retry_ms: u64,
     /// How long a spare's copies may take to be re-created.
     pub rebuild_timeout_ms: u64,
+    /// The configured nodes (physical names, in logical order: the map until a replacement
+    /// is recorded).
+    pub nodes: Vec<String>,
     /// The spares (physical names) that may take a failed logical node's place.
     pub spares: Vec<String>,
     /// Most jobs driven at once.
@@ -63,6 +66,7 @@ impl Default for Config {
             max_passes: 8,
             retry_ms: 5_000,
             rebuild_timeout_ms: 600_000,
+            nodes: Vec::new(),
             spares: Vec::new(),
             max_jobs: 1024,
             max_commands: 1024,
@@ -119,6 +123,8 @@ pub enum CommandError {
     NotLeader,
     #[error("no job {0}")]
     NotFound(String),
+    #[error("no job {0} to resume")]
+    NothingToResume(String),
     #[error("job {0} belongs to another user")]
     NotOwner(String),
     #[error("job {0} is running")]
@@ -467,9 +473,7 @@ impl Control {
 
     /// A command from a user or an operator (already authenticated: `uid` is the caller's).
     pub fn handle_command(&mut self, id: u64, cmd: Command) {
-        // A driver whose records hold no node map yet (a new cluster) takes no command: it is
-        // sent again once the map is recorded.
-        if self.lead.is_none() || self.meta.logical.is_empty() {
+        if self.lead.is_none() {
             return self.answer(id, Answer::Refused(CommandError::NotLeader));
         }
         if self.waiting.len() >= self.cfg.max_commands {
@@ -673,7 +677,7 @@ impl Control {
                     .meta
                     .jobs
                     .get(&job)
-                    .ok_or_else(|| CommandError::NotFound(job.clone()))?;
+                    .ok_or_else(|| CommandError::NothingToResume(job.clone()))?;
                 let spec = rec.spec.clone().ok_or_else(|| CommandError::NotResumable {
                     job: job.clone(),
                     why: "it is not a `psls run` job".into(),
@@ -750,9 +754,8 @@ impl Control {
         env: Vec<(String, String)>,
         phase: RunPhase,
     ) -> Result<RunRecord, CommandError> {
-        let live: Vec<u32> = self
-            .meta
-            .logical
+        let logical = self.logical();
+        let live: Vec<u32> = logical
             .iter()
             .filter(|(_, p)| self.nodes.get(*p).is_some_and(|v| v.live))
             .map(|(l, _)| *l)
@@ -761,7 +764,7 @@ impl Control {
         let nodes = placement
             .iter()
             .map(|l| {
-                let p = self.meta.logical.get(l).cloned().unwrap_or_default();
+                let p = logical.get(l).cloned().unwrap_or_default();
                 let inc = self.nodes.get(&p).map_or(0, |v| v.incarnation);
                 (*l, (p, inc))
             })
@@ -859,6 +862,21 @@ impl Control {
         }
     }
 
+    /// The logical → physical map: the records', or the configured one until the records hold
+    /// one (no replacement yet).
+    fn logical(&self) -> BTreeMap<u32, String> {
+        if self.meta.logical.is_empty() {
+            self.cfg
+                .nodes
+                .iter()
+                .enumerate()
+                .map(|(i, n)| (i as u32, n.clone()))
+                .collect()
+        } else {
+            self.meta.logical.clone()
+        }
+    }
+
     /// A logical node's physical node, if it is live.
     fn live(&self, physical: &str) -> bool {
         self.nodes.get(physical).is_some_and(|v| v.live)
@@ -869,7 +887,7 @@ impl Control {
         run.nodes
             .iter()
             .filter(|(l, (p, inc))| {
-                self.meta.logical.get(l) != Some(p)
+                self.logical().get(l) != Some(p)
                     || self.meta.is_down(p, *inc)
                     || self
                         .nodes
@@ -1068,7 +1086,7 @@ impl Control {
     fn drive_rollback(&mut self, job: &str, run: &RunRecord) {
         let now = self.now_ms;
         let pause = self.cfg.pass_pause_ms;
-        let logical = self.meta.logical.clone();
+        let logical = self.logical();
         let down: Vec<(u32, String)> = logical
             .iter()
             .filter(|(_, p)| !self.live(p))
@@ -1193,7 +1211,7 @@ impl Control {
     }
 
     fn drive_stopping(&mut self, job: &str, run: &RunRecord, end: JobEnd) {
-        let live_nodes: Vec<String> = self.meta.logical.values().filter(|p| self.live(p)).cloned().collect();
+        let live_nodes: Vec<String> = self.logical().values().filter(|p| self.live(p)).cloned().collect();
         let d = self.jobs.get_mut(job).expect("driven");
         let unstopped: Vec<String> = live_nodes.iter().filter(|p| !d.stopped.contains(*p)).cloned().collect();
         if !unstopped.is_empty() {

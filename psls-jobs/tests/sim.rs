@@ -121,6 +121,7 @@ fn cfg() -> Config {
         max_passes: 8,
         retry_ms: 2_000,
         rebuild_timeout_ms: 5_000,
+        nodes: (0..LOGICAL).map(|i| format!("n{i}")).collect(),
         spares: vec!["s0".into()],
         max_jobs: 64,
         max_commands: 64,

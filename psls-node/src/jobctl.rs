@@ -133,6 +133,7 @@ fn config(d: &Daemon) -> Config {
         max_passes: 8,
         retry_ms: (d.node.request_timeout.as_millis() as u64).max(1_000),
         rebuild_timeout_ms: 600_000,
+        nodes: d.node.cfg.nodes.iter().map(|n| n.name.clone()).collect(),
         spares: d.node.cfg.spares.iter().map(|s| s.name.clone()).collect(),
         ..Config::default()
     }
@@ -148,7 +149,6 @@ pub async fn run(d: Arc<Daemon>) {
     let mut replies: HashMap<u64, oneshot::Sender<Answer>> = HashMap::new();
     let mut next_id = 0u64;
     let mut last_seq = u64::MAX;
-    let mut init_sent = false;
     let start = Instant::now();
     let mut tick = tokio::time::interval(Duration::from_millis(node.cfg.cluster.heartbeat_interval_ms));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -182,23 +182,6 @@ pub async fn run(d: Arc<Daemon>) {
         };
         control.handle_lead(lead);
         let st = node.meta_state();
-        if lead.is_some() && st.logical.is_empty() && !init_sent {
-            // A new cluster's node map (the configured one) is recorded before any job.
-            init_sent = true;
-            let op = MetaOp::InitMap {
-                logical: node.logical_map(&st),
-            };
-            let d2 = d.clone();
-            tokio::spawn(async move {
-                if let Err(e) = d2.node.submit(op).await {
-                    tracing::warn!(node = %d2.node.name(), error = %e, "could not record the node map");
-                }
-                d2.jobctl.post(Input::Poke);
-            });
-        }
-        if st.logical.is_empty() && ticked {
-            init_sent = false;
-        }
         if st.seq != last_seq {
             last_seq = st.seq;
             control.handle_meta(&st);

@@ -136,7 +136,8 @@ fn validate_run(st: &MetaState, run: &RunRecord) -> Result<(), MetaError> {
         return Err(MetaError::Invalid(format!("a job has 1 to {MAX_RANKS} ranks")));
     }
     for l in &run.placement {
-        if !st.logical.contains_key(l) {
+        // An empty map is the configured one (no replacement was recorded yet).
+        if !st.logical.is_empty() && !st.logical.contains_key(l) {
             return Err(MetaError::Invalid(format!("no logical node {l} to run a rank")));
         }
         if !run.nodes.contains_key(l) {

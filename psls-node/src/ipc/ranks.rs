@@ -90,7 +90,16 @@ pub(super) async fn handle(c: &mut Conn, req: Request, mut fds: Vec<OwnedFd>) ->
             match crate::jobctl::command(&d, cmd).await {
                 Ok(psls_jobs::Answer::Started { job, .. }) => {
                     send(&mut c.w, &Response::JobStarted { job: job.clone() }).await?;
-                    let message = format!("job {job} resumes from its newest intact checkpoint");
+                    return Ok(Flow::Follow {
+                        job,
+                        after: Default::default(),
+                    });
+                }
+                // Running already (job control went on with it after a failure, even of every
+                // node): the resume follows it.
+                Ok(psls_jobs::Answer::Refused(psls_jobs::CommandError::Running(job))) => {
+                    send(&mut c.w, &Response::JobStarted { job: job.clone() }).await?;
+                    let message = format!("job {job} is running: following it");
                     send(&mut c.w, &Response::JobNote { message }).await?;
                     return Ok(Flow::Follow {
                         job,
@@ -112,7 +121,9 @@ pub(super) async fn handle(c: &mut Conn, req: Request, mut fds: Vec<OwnedFd>) ->
             let known = st
                 .as_ref()
                 .is_ok_and(|st| st.runs.contains_key(&job) || st.ended.contains_key(&job));
-            if !known {
+            if let Err(e) = st {
+                err(e)
+            } else if !known {
                 err(OpError::new(
                     ErrorKind::NotFound,
                     format!("no job {job} running or ended"),
@@ -184,7 +195,7 @@ fn refused(a: psls_jobs::Answer) -> Response {
         other => E::Invalid(format!("unexpected answer {other:?}")),
     };
     let kind = match &e {
-        E::NotFound(_) => ErrorKind::NotFound,
+        E::NotFound(_) | E::NothingToResume(_) => ErrorKind::NotFound,
         E::NotOwner(_) => ErrorKind::Permission,
         E::Running(_) => ErrorKind::Exists,
         E::NotLeader | E::Busy => ErrorKind::Unavailable,
@@ -505,12 +516,15 @@ fn note(
         (psls_pfs::runs::RunPhase::RollingBack { why }, _) => {
             Some(format!("{why}: rolling job {job} back to its last checkpoint"))
         }
-        (psls_pfs::runs::RunPhase::Running, Some((a, _))) if *a < run.attempt => {
+        (psls_pfs::runs::RunPhase::Running, Some((a, was))) if *a < run.attempt => {
             let from = if run.restart_epoch == 0 {
                 "its start".to_string()
             } else {
                 format!("checkpoint {}", run.restart_epoch)
             };
+            if was == psls_jobs::control::RESUMED {
+                return Some(format!("job {job} resumed from {from}"));
+            }
             Some(format!(
                 "job {job} restarted from {from} (restart {} of at most {max})",
                 run.restarts
