@@ -228,6 +228,7 @@ fn run_job(
     }
     let args: Vec<String> = command.iter().skip(1).cloned().collect();
     let env: Vec<(String, String)> = std::env::vars().collect();
+    let resumed = !checkpoint.resume.is_empty();
     let mut client = cluster::connect(&dir, cli.node.as_deref())?;
     let emit = |rank: u32, err: bool, line: &[u8]| {
         let text = String::from_utf8_lossy(line);
@@ -302,7 +303,7 @@ fn run_job(
         }
     };
     let _ = std::io::stdout().flush();
-    if code != 0 {
+    if code != 0 || resumed {
         eprintln!("psls: {message}");
     }
     Ok(code)

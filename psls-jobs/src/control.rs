@@ -370,7 +370,8 @@ impl Control {
             String::new()
         };
         Some(match (&run.phase, d.step) {
-            (RunPhase::Running, _) => format!("{} of {} ranks exited", d.exits.len(), run.placement.len()),
+            // Running: nothing but running it (a checkpoint's progress is the coordinator's).
+            (RunPhase::Running, _) => return None,
             (RunPhase::RollingBack { .. }, Some((Step::Stop, _))) => format!("rolling back: stopping the ranks{pass}"),
             (RunPhase::RollingBack { .. }, Some((Step::Replace, _))) => {
                 format!("rolling back: a spare takes a failed node's place{pass}")
@@ -563,12 +564,15 @@ impl Control {
             Done::Restored(Ok(epoch)) => self.driven(job).restored = Some(epoch),
             Done::Released { resumable } => self.driven(job).released = Some(resumable),
             Done::Finished(Ok(())) => {
-                let end = self.end(
-                    EndHow::Finished,
-                    0,
-                    format!("all {ranks} ranks exited with status 0"),
-                    attempt,
-                );
+                let message = match self.meta.finished.get(job) {
+                    // A resumed job that had finished: only its kept result was written.
+                    Some(f) => format!(
+                        "job {job} had finished: its result, restored from checkpoint {}, is written",
+                        f.epoch
+                    ),
+                    None => format!("all {ranks} ranks exited with status 0"),
+                };
+                let end = self.end(EndHow::Finished, 0, message, attempt);
                 self.submit_phase(job, attempt, RunPhase::Stopping { end });
             }
             Done::Finished(Err(FinishError::Kept { epoch, files, why })) => {
@@ -1326,8 +1330,23 @@ mod tests {
             exited: vec![(0, 0), (2, 0)],
         };
         c.handle_report("n0", 2, &r);
-        assert_eq!(c.activity("j").as_deref(), Some("0 of 3 ranks exited"));
+        c.handle_report(
+            "n1",
+            1,
+            &Report {
+                exited: vec![(1, 0)],
+                ..r.clone()
+            },
+        );
+        assert!(c.poll_action().is_none(), "two of three exits count: not finishing yet");
         c.handle_report("n0", 1, &r);
-        assert_eq!(c.activity("j").as_deref(), Some("2 of 3 ranks exited"));
+        let Some(Action::Submit {
+            op: MetaOp::JobPhase { phase, .. },
+            ..
+        }) = c.poll_action()
+        else {
+            panic!("every rank exited 0: the job finishes")
+        };
+        assert_eq!(phase, RunPhase::Finishing);
     }
 }

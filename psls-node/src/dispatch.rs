@@ -242,6 +242,9 @@ impl Daemon {
                     Ok(PeerResp::Ok)
                 }
             }
+            PeerReq::JobActivity { job } => Ok(PeerResp::JobActivity {
+                text: self.jobctl.activity(&job),
+            }),
             PeerReq::JobCommand { cmd } => Ok(PeerResp::JobAnswer {
                 answer: self.jobctl.command(cmd).await,
             }),

@@ -59,8 +59,8 @@ pub enum Input {
 pub struct JobCtl {
     tx: mpsc::Sender<Input>,
     rx: Mutex<Option<mpsc::Receiver<Input>>>,
-    /// What the driver does for each job, for `psls jobs`.
-    activity: Mutex<BTreeMap<String, String>>,
+    /// What the driver does for each job, and since when, for `psls jobs`.
+    activity: Mutex<BTreeMap<String, (String, Instant)>>,
 }
 
 impl Default for JobCtl {
@@ -93,7 +93,11 @@ impl JobCtl {
 
     /// What job control's driver does for `job` (empty: this node does not drive it).
     pub fn activity(&self, job: &str) -> String {
-        self.activity.locked().get(job).cloned().unwrap_or_default()
+        self.activity
+            .locked()
+            .get(job)
+            .map(|(w, t)| format!("{w} (for {:.1} s)", t.elapsed().as_secs_f64()))
+            .unwrap_or_default()
     }
 }
 
@@ -189,12 +193,22 @@ pub async fn run(d: Arc<Daemon>) {
         if ticked {
             let views = views(&d);
             control.handle_tick(start.elapsed().as_millis() as u64, crate::pfs::unix_ms(), &views);
+        }
+        {
+            // Each job's step, and since when it is at it.
             let mut a = d.jobctl.activity.locked();
-            a.clear();
             let driven: Vec<String> = control.jobs_driven().map(|j| j.to_string()).collect();
+            a.retain(|j, _| driven.contains(j));
             for j in driven {
-                if let Some(what) = control.activity(&j) {
-                    a.insert(j, what);
+                match control.activity(&j) {
+                    Some(what) => {
+                        if a.get(&j).is_none_or(|(w, _)| *w != what) {
+                            a.insert(j, (what, Instant::now()));
+                        }
+                    }
+                    None => {
+                        a.remove(&j);
+                    }
                 }
             }
         }
@@ -317,6 +331,13 @@ fn execute(d: &Arc<Daemon>, action: Action) {
             }
             Action::Restore { job, attempt } => {
                 let r = crate::recovery::restore(&node, &d.ckpt, &job).await.map_err(step_error);
+                match &r {
+                    Ok(_) => {}
+                    Err(StepError::Unavailable(e)) => {
+                        tracing::warn!(node = %node.name(), %job, error = %e, "rollback interrupted: trying again")
+                    }
+                    Err(e) => tracing::warn!(node = %node.name(), %job, error = %e, "rollback failed"),
+                }
                 d.jobctl.post(Input::Done {
                     job,
                     attempt,

@@ -600,7 +600,7 @@ fn spawn_local(node: &Arc<Node>, jobs: &Arc<Jobs>, spec: JobSpec, ranks: Vec<u32
 
 /// The first output number of a start's ranks: each start numbers its lines above every
 /// earlier start's, so a follower takes a restarted rank's lines as new.
-fn seq_base(attempt: u32) -> u64 {
+pub fn seq_base(attempt: u32) -> u64 {
     u64::from(attempt) << 40
 }
 

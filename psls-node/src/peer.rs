@@ -345,6 +345,11 @@ pub enum PeerReq {
     JobCommand {
         cmd: psls_jobs::Command,
     },
+    /// To the metadata's leader: what job control does for `job` (answered with
+    /// `JobActivity`; empty: nothing but running it).
+    JobActivity {
+        job: String,
+    },
     /// The parallel files `job`'s ranks on this node mapped writable (`forget`: then forget
     /// them); answered with `JobFiles`.
     JobFiles {
@@ -512,6 +517,10 @@ pub enum PeerResp {
     /// Answer to `JobCommand`.
     JobAnswer {
         answer: psls_jobs::Answer,
+    },
+    /// Answer to `JobActivity`.
+    JobActivity {
+        text: String,
     },
     /// Answer to `OutputSince`: records (rank, number, stderr, bytes), and per rank the first
     /// number kept when older ones went.

@@ -181,8 +181,11 @@ impl Cluster {
 
     /// A power cut under a running `psls run` (`run`): every daemon killed at once, the job
     /// fails with them, and the cluster comes back up.
-    pub fn power_cut_during(&self, run: std::process::Child) {
+    pub fn power_cut_during(&self, mut run: std::process::Child) {
         self.kill_all();
+        // The terminal goes with the power (a `psls run` left alone waits for the cluster and
+        // follows its job again: `tests/tests/rollback.rs`).
+        let _ = run.kill();
         let o = run.wait_with_output().expect("psls run");
         assert!(!o.status.success(), "the job cannot finish without its daemons");
         self.ok(&["cluster", "up"]);

@@ -106,7 +106,9 @@ fn a_full_disk_at_a_jobs_last_checkpoint_keeps_its_result_and_resume_writes_it()
         "no rank ran again"
     );
     assert_same(&c.export(FILE, &[]), &want, "the result written by the resume");
-    assert!(!c.ok(&["jobs"]).contains(&job), "the job is over");
+    // The job is over, and listed as finished (like `sacct`).
+    let entry = c.job_entry(&job);
+    assert_eq!(entry["state"], "finished", "{entry}");
     // And the cluster goes on (once the heartbeats carry n2's freed space).
     wait_for(Duration::from_secs(30), "n2's free space in its heartbeats", || {
         c.status()

@@ -242,7 +242,7 @@ fn a_slow_checkpoint_and_a_slow_rollback_show_their_progress_in_psls_jobs() {
             }
             "rollback.drop.n2" => {
                 assert!(
-                    now.starts_with("rolling back: every node drops the pages written since checkpoint 4 (for "),
+                    now.starts_with("rolling back: restoring the newest intact checkpoint (for "),
                     "{now}"
                 );
             }

@@ -88,11 +88,19 @@ pub(super) async fn handle(c: &mut Conn, req: Request, mut fds: Vec<OwnedFd>) ->
                 uid: caller.uid,
             };
             match crate::jobctl::command(&d, cmd).await {
-                Ok(psls_jobs::Answer::Started { job, .. }) => {
+                Ok(psls_jobs::Answer::Started { job, attempt }) => {
                     send(&mut c.w, &Response::JobStarted { job: job.clone() }).await?;
+                    // The output of the starts before the resume was printed then.
+                    let ranks = node
+                        .meta_state()
+                        .jobs
+                        .get(&job)
+                        .and_then(|r| r.spec.as_ref())
+                        .map_or(0, |s| s.ranks);
+                    let base = crate::launcher::seq_base(attempt);
                     return Ok(Flow::Follow {
                         job,
-                        after: Default::default(),
+                        after: (0..ranks).map(|r| (r, base)).collect(),
                     });
                 }
                 // Running already (job control went on with it after a failure, even of every
@@ -268,8 +276,13 @@ async fn jobs(d: &Arc<Daemon>) -> Result<Vec<psls_ipc::proto::JobInfo>, OpError>
             command.push_str(a);
         }
         // Job control's step (known at the driver), else a checkpoint in progress.
-        let (activity, last) = match (running, d.jobctl.activity(job)) {
-            (true, a) if a.is_empty() || a.ends_with("ranks exited") => d.ckpt.progress(job).await,
+        let driver = if running {
+            driver_activity(d, job).await
+        } else {
+            String::new()
+        };
+        let (activity, last) = match (running, driver) {
+            (true, a) if a.is_empty() => d.ckpt.progress(job).await,
             (true, a) => (a, None),
             (false, _) => (String::new(), None),
         };
@@ -339,6 +352,19 @@ async fn jobs(d: &Arc<Daemon>) -> Result<Vec<psls_ipc::proto::JobInfo>, OpError>
         });
     }
     Ok(out)
+}
+
+/// What job control's driver (the metadata's leader) does for `job` (empty: nothing but
+/// running it, or the leader did not answer).
+async fn driver_activity(d: &Arc<Daemon>, job: &str) -> String {
+    match d.node.replication.leader() {
+        Some(l) if l == d.node.me.name => d.jobctl.activity(job),
+        Some(l) => match d.node.call_ok(&l, PeerReq::JobActivity { job: job.to_string() }).await {
+            Ok(PeerResp::JobActivity { text }) => text,
+            _ => String::new(),
+        },
+        None => String::new(),
+    }
 }
 
 /// `job`'s recovery frames over every live node, by category (a node that does not answer in
