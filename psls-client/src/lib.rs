@@ -158,6 +158,34 @@ impl Client {
         self.follow(started, note, output)
     }
 
+    /// Starts a job (`psls run --detach`) and returns its id once job control recorded it,
+    /// without following it (the job does not depend on this connection).
+    #[allow(clippy::too_many_arguments)]
+    pub fn start(
+        &mut self,
+        program: &str,
+        args: &[String],
+        ranks: u32,
+        per_node: Option<u32>,
+        env: Vec<(String, String)>,
+        cwd: &str,
+        checkpoint: psls_ipc::proto::CkptOptions,
+    ) -> Result<String, ClientError> {
+        self.send(&Request::RunJob {
+            program: program.into(),
+            args: args.to_vec(),
+            ranks,
+            per_node,
+            env,
+            cwd: cwd.into(),
+            checkpoint,
+        })?;
+        match self.recv()? {
+            Response::JobStarted { job } => Ok(job),
+            r => Err(unexpected(r)),
+        }
+    }
+
     /// Follows job `job` (`psls attach`, or `psls run` after losing its node): its notes and
     /// its ranks' lines after `after` (rank → the last number already had), until its end.
     pub fn attach(

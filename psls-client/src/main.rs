@@ -115,6 +115,10 @@ enum Cmd {
         /// many failures): its command and options are the ones it was started with.
         #[arg(long, value_name = "JOB", conflicts_with = "command")]
         resume: Option<String>,
+        /// Start the job and print its id, without following it (like sbatch): `psls attach
+        /// JOB` follows it, from any node.
+        #[arg(long)]
+        detach: bool,
         /// The program and its arguments.
         #[arg(
             required_unless_present = "resume",
@@ -132,6 +136,11 @@ enum Cmd {
     },
     /// Take a persistent checkpoint of a running job at its next safe-point call.
     Checkpoint { job: String },
+    /// Follow a running (or ended) job from any node: its output from its first kept line,
+    /// its notes, and its end (the exit status is the job's).
+    Attach { job: String },
+    /// Stop a running job, keeping it resumable from its newest intact checkpoint.
+    Cancel { job: String },
     /// Take a persistent checkpoint of a running job at its next safe-point call, then stop
     /// it (it can be resumed from that checkpoint).
     Halt { job: String },
@@ -213,6 +222,7 @@ fn run_job(
     n: u32,
     per_node: Option<u32>,
     checkpoint: psls_ipc::proto::CkptOptions,
+    detach: bool,
     command: &[String],
 ) -> Result<i32> {
     let dir = home(cli);
@@ -230,6 +240,19 @@ fn run_job(
     let env: Vec<(String, String)> = std::env::vars().collect();
     let resumed = !checkpoint.resume.is_empty();
     let mut client = cluster::connect(&dir, cli.node.as_deref())?;
+    if detach {
+        let job = client.start(
+            &program,
+            &args,
+            n,
+            per_node,
+            env,
+            &cwd.display().to_string(),
+            checkpoint,
+        )?;
+        println!("{job}");
+        return Ok(0);
+    }
     let emit = |rank: u32, err: bool, line: &[u8]| {
         let text = String::from_utf8_lossy(line);
         let text = text.strip_suffix('\n').unwrap_or(&text);
@@ -309,6 +332,62 @@ fn run_job(
     Ok(code)
 }
 
+/// `psls attach JOB`: follows the job to its end (from any node, again after losing one);
+/// returns its status.
+fn attach(dir: &Path, node: Option<&str>, job: &str) -> Result<i32> {
+    let mut after: std::collections::BTreeMap<u32, u64> = std::collections::BTreeMap::new();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(FOLLOW_AGAIN_S);
+    let mut target = node;
+    loop {
+        let r = cluster::connect(dir, target).and_then(|mut c| {
+            c.attach(
+                job,
+                &after.clone(),
+                |m| eprintln!("psls: {m}"),
+                |rank, seq, err, data| {
+                    after.insert(rank, seq);
+                    let text = String::from_utf8_lossy(data);
+                    let text = text.strip_suffix('\n').unwrap_or(&text);
+                    if err {
+                        eprintln!("[{rank}] {text}");
+                    } else {
+                        println!("[{rank}] {text}");
+                    }
+                },
+            )
+            .map_err(anyhow::Error::from)
+        });
+        match r {
+            Ok((code, message)) => {
+                let _ = std::io::stdout().flush();
+                if code != 0 {
+                    eprintln!("psls: {message}");
+                }
+                return Ok(code);
+            }
+            Err(e) => {
+                let lost = e.downcast_ref::<psls_client::ClientError>().is_some_and(|c| {
+                    matches!(
+                        c,
+                        psls_client::ClientError::Frame(_)
+                            | psls_client::ClientError::Connect { .. }
+                            | psls_client::ClientError::Daemon {
+                                kind: psls_ipc::ErrorKind::Unavailable,
+                                ..
+                            }
+                    )
+                });
+                if !lost || std::time::Instant::now() >= deadline {
+                    return Err(e);
+                }
+                eprintln!("psls: lost the node daemon ({e}); following job {job} from another node");
+                target = None;
+                std::thread::sleep(std::time::Duration::from_millis(500));
+            }
+        }
+    }
+}
+
 /// How long `psls run` tries to follow its job again after losing its node daemon.
 const FOLLOW_AGAIN_S: u64 = 300;
 
@@ -327,6 +406,7 @@ fn main() -> std::process::ExitCode {
         cleaning,
         prefetch,
         resume,
+        detach,
         command,
     } = &cli.cmd
     {
@@ -342,7 +422,7 @@ fn main() -> std::process::ExitCode {
             prefetch: *prefetch,
             resume: resume.clone().unwrap_or_default(),
         };
-        return match run_job(&cli, n.unwrap_or(0), *per_node, ckpt, command) {
+        return match run_job(&cli, n.unwrap_or(0), *per_node, ckpt, *detach, command) {
             Ok(code) => std::process::ExitCode::from(code.clamp(0, 255) as u8),
             Err(e) => {
                 eprintln!("psls: error: {e:#}");
@@ -653,6 +733,16 @@ fn run(cli: &Cli) -> Result<()> {
         Cmd::Halt { job } => {
             cluster::connect(&dir, node)?.force_checkpoint(job, true)?;
             println!("job {job} takes a checkpoint at its next safe-point call, then stops");
+        }
+        Cmd::Attach { job } => {
+            let code = attach(&dir, node, job)?;
+            if code != 0 {
+                std::process::exit(code.clamp(0, 255));
+            }
+        }
+        Cmd::Cancel { job } => {
+            cluster::connect(&dir, node)?.cancel(job)?;
+            println!("job {job} is stopping; it can be resumed from its newest intact checkpoint");
         }
         Cmd::Demo { size_mb } => demo(&dir, *size_mb)?,
         Cmd::Run { .. } => unreachable!("handled in main"),
