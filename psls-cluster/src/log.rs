@@ -429,6 +429,8 @@ pub struct Log<S: Machine, T> {
     written_applied: (u64, u64),
     /// The last election timeout drawn, so a new one is drawn only after raft reset its count.
     timeout_drawn: bool,
+    /// The election timeout set last (raft's own, drawn unseeded, differs from it).
+    timeout_set: usize,
     /// After a lost disk: `Some(None)` until a leader's append says how long its log is, then
     /// `Some(Some(index))` until this voter committed up to it. Meanwhile it neither votes nor
     /// campaigns: it may have acknowledged entries it no longer holds, and a vote of it could
@@ -543,6 +545,7 @@ impl<S: Machine, T> Log<S, T> {
             unsaved: None,
             written_applied: (applied, applied_term),
             timeout_drawn: false,
+            timeout_set: 0,
             amnesia: amnesiac.then_some(None),
             legacy: legacy.filter(|l| *l > 0),
         };
@@ -958,13 +961,17 @@ impl<S: Machine, T> Log<S, T> {
         self.actions.push_back(Action::Read { token, result });
     }
 
-    /// Draws a fresh election timeout after raft reset its count (its own is not seeded).
+    /// Draws a fresh election timeout after raft reset its count (its own is not seeded): when
+    /// the count went back to 0, or when raft's timeout is no longer the one drawn here (a
+    /// second reset before any tick, which raft redrew from its unseeded generator).
     fn draw_timeout(&mut self) {
+        let redrawn = self.node.raft.randomized_election_timeout() != self.timeout_set;
         if self.node.raft.election_elapsed == 0 {
-            if !self.timeout_drawn {
+            if !self.timeout_drawn || redrawn {
                 let e = self.limits.election_ticks;
                 let t = e + (self.rng.next() % e as u64) as usize;
                 self.node.raft.set_randomized_election_timeout(t);
+                self.timeout_set = t;
                 self.timeout_drawn = true;
             }
         } else {
