@@ -506,9 +506,14 @@ pub(super) async fn follow(
                 told = Some(now);
             }
         } else if end.is_none() {
-            let message = format!("job {job} is gone (removed)");
-            send(&mut w, &Response::JobDone { code: 1, message }).await?;
-            return Ok(());
+            // This node may be behind the leader that recorded the job: gone only once caught up.
+            let fresh = node.meta_fresh().await;
+            if fresh.is_ok_and(|st| !st.runs.contains_key(&job) && !st.ended.contains_key(&job)) {
+                let message = format!("job {job} is gone (removed)");
+                send(&mut w, &Response::JobDone { code: 1, message }).await?;
+                return Ok(());
+            }
+            continue;
         }
         fetch_output(d, &job, &mut after, &mut w).await?;
         if let Some(end) = end {
