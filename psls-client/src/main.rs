@@ -253,6 +253,10 @@ fn run_job(
         println!("{job}");
         return Ok(0);
     }
+    // Ctrl-C or SIGTERM cancels the job (it stays resumable from its newest checkpoint); a
+    // `psls run` killed otherwise leaves it running.
+    let started: std::sync::Arc<std::sync::Mutex<Option<String>>> = Default::default();
+    cancel_on_signal(&dir, cli.node.clone(), started.clone());
     let emit = |rank: u32, err: bool, line: &[u8]| {
         let text = String::from_utf8_lossy(line);
         let text = text.strip_suffix('\n').unwrap_or(&text);
@@ -276,6 +280,9 @@ fn run_job(
         checkpoint,
         |j| {
             job = Some(j.to_string());
+            if let Ok(mut s) = started.lock() {
+                *s = Some(j.to_string());
+            }
             if std::env::var_os("PSLS_QUIET").is_none() {
                 eprintln!("psls: job {j} started");
             }
@@ -330,6 +337,40 @@ fn run_job(
         eprintln!("psls: {message}");
     }
     Ok(code)
+}
+
+/// Waits, on a thread of its own, for SIGINT or SIGTERM and cancels the job named in `job`
+/// (through the node `node`, else any); the caller follows the job to its end as usual. A
+/// second signal, or one before the job has a name, ends `psls run` at once (status 130).
+fn cancel_on_signal(dir: &Path, node: Option<String>, job: std::sync::Arc<std::sync::Mutex<Option<String>>>) {
+    use nix::sys::signal::{SigSet, Signal};
+    let mut set = SigSet::empty();
+    set.add(Signal::SIGINT);
+    set.add(Signal::SIGTERM);
+    // Blocked here before any other thread exists, so only the waiter takes them.
+    if set.thread_block().is_err() {
+        return;
+    }
+    let dir = dir.to_path_buf();
+    std::thread::spawn(move || {
+        let mut cancelled = false;
+        while let Ok(sig) = set.wait() {
+            let name = job.lock().ok().and_then(|j| j.clone());
+            let Some(name) = name.filter(|_| !cancelled) else {
+                eprintln!("psls: {sig}: leaving");
+                std::process::exit(130);
+            };
+            cancelled = true;
+            eprintln!("psls: {sig}: cancelling job {name} (it stays resumable: `psls run --resume {name}`)");
+            let asked = cluster::connect(&dir, node.as_deref())
+                .or_else(|_| cluster::connect(&dir, None))
+                .and_then(|mut c| c.cancel(&name).map_err(anyhow::Error::from));
+            if let Err(e) = asked {
+                eprintln!("psls: could not cancel job {name}: {e}; it goes on (`psls cancel {name}`)");
+                std::process::exit(130);
+            }
+        }
+    });
 }
 
 /// `psls attach JOB`: follows the job to its end (from any node, again after losing one);
@@ -720,7 +761,8 @@ fn run(cli: &Cli) -> Result<()> {
                             println!("{:<24} finished computing, but {}", "", j.finished);
                         }
                         if !j.activity.is_empty() {
-                            println!("{:<24} now: {}", "", j.activity);
+                            let when = if j.state == "running" { "now" } else { "ended" };
+                            println!("{:<24} {when}: {}", "", j.activity);
                         }
                     }
                 }

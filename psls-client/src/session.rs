@@ -326,6 +326,14 @@ impl Session {
                 state.len()
             )));
         }
+        // What the rank printed before its safe point reaches its pipes first: the checkpoint
+        // keeps the number of its last line, and a rollback's reprinted lines are dropped.
+        use std::io::Write;
+        let _ = std::io::stdout().flush();
+        let _ = std::io::stderr().flush();
+        // SAFETY: fflush(NULL) flushes every C stdio output stream of this process; it takes
+        // no pointer from here and is thread-safe (stdio locks each stream).
+        unsafe { libc::fflush(std::ptr::null_mut()) };
         let req = Request::Checkpoint { state: state.to_vec() };
         match self.call(&req, None)? {
             (

@@ -255,8 +255,9 @@ pub struct JobInfo {
     pub pre_recovery_frames: u64,
     /// The last persistent checkpoint (what a power cut returns to).
     pub persistent_epoch: u64,
-    /// What the job goes through now, if anything but running: a checkpoint in progress
-    /// (its step and the nodes it waits for) or a rollback's step, and for how long.
+    /// What a running job goes through now, if anything but running: a checkpoint in
+    /// progress (its step and the nodes it waits for) or a rollback's step, and for how long.
+    /// A job not running: how its last start ended (`cancelled: ...`, `halted: ...`).
     pub activity: String,
     /// A resumable job that finished computing: why its last persistent checkpoint failed
     /// (`psls run --resume` writes its result). Empty otherwise.

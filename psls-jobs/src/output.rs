@@ -49,6 +49,15 @@ impl Store {
         self.streams.get(&(job.to_string(), rank)).map_or(0, |s| s.last)
     }
 
+    /// Per rank, the last number of `job` here.
+    pub fn last_all(&self, job: &str) -> BTreeMap<u32, u64> {
+        self.streams
+            .range((job.to_string(), 0)..)
+            .take_while(|((j, _), _)| j == job)
+            .map(|((_, rank), s)| (*rank, s.last))
+            .collect()
+    }
+
     /// Keeps record `r` of `job`; whether it was new (a number not above the rank's last is
     /// dropped).
     pub fn push(&mut self, job: &str, r: Record) -> bool {

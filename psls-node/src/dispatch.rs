@@ -229,6 +229,8 @@ impl Daemon {
             req @ (PeerReq::StartRanks { .. }
             | PeerReq::StopRanks { .. }
             | PeerReq::OutputSince { .. }
+            | PeerReq::OutputCopy { .. }
+            | PeerReq::OutputLast { .. }
             | PeerReq::JobFiles { .. }) => crate::launcher::serve(&node, &self.jobs, req).await,
             PeerReq::JobReport { incarnation, reports } => {
                 if reports.len() > psls_jobs::control::MAX_REPORTS {

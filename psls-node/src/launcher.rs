@@ -18,7 +18,6 @@ use psls_ipc::ErrorKind;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use tokio::io::AsyncReadExt;
 
 /// Most ranks in one job.
 pub const MAX_RANKS: u32 = 4096;
@@ -55,8 +54,15 @@ pub struct Jobs {
     /// Parallel files the ranks running here mapped writable, per job (its last checkpoint
     /// covers them).
     written: Mutex<HashMap<String, std::collections::BTreeSet<psls_svm::FileId>>>,
-    /// The ranks' output kept here.
+    /// The ranks' output kept here (of the ranks running here, and the copies of another
+    /// node's).
     output: Mutex<psls_jobs::output::Store>,
+    /// Output of the ranks running here not yet copied to the buddy node.
+    outbox: Mutex<Outbox>,
+    /// One copy to the buddy at a time (a safe point's waits for the tick's).
+    copying: tokio::sync::Mutex<()>,
+    /// Per rank process running here (pid): its relay, asked to take in what its pipes hold.
+    drains: Mutex<HashMap<u32, tokio::sync::mpsc::Sender<tokio::sync::oneshot::Sender<u64>>>>,
     /// Something to report changed (a rank started or exited).
     changed: tokio::sync::Notify,
 }
@@ -110,6 +116,138 @@ impl Jobs {
         after: &BTreeMap<u32, u64>,
     ) -> (Vec<psls_jobs::output::Record>, BTreeMap<u32, u64>) {
         lock(&self.output).since(job, after)
+    }
+}
+
+/// Most bytes of output waiting for the copy to the buddy node (the oldest go first: they
+/// stay kept here).
+const MAX_OUTBOX_BYTES: usize = 16 << 20;
+/// Most bytes of output in one copy message.
+const MAX_COPY_BYTES: usize = 1 << 20;
+/// Most records in one copy message.
+const MAX_COPY_RECORDS: usize = 65_536;
+/// How long a safe point waits for a rank's relay to take in its pipes.
+const DRAIN_TIMEOUT_MS: u64 = 2000;
+
+/// Output waiting for the copy to the buddy node, oldest first.
+#[derive(Default)]
+struct Outbox {
+    records: std::collections::VecDeque<(String, psls_jobs::output::Record)>,
+    bytes: usize,
+}
+
+impl Jobs {
+    /// Keeps record `r` of `job`, produced by a rank running here, and queues it for the
+    /// buddy's copy.
+    fn keep(&self, job: &str, r: psls_jobs::output::Record) {
+        if !lock(&self.output).push(job, r.clone()) {
+            return;
+        }
+        let mut o = lock(&self.outbox);
+        o.bytes += r.data.len();
+        o.records.push_back((job.to_string(), r));
+        while o.bytes > MAX_OUTBOX_BYTES {
+            let Some((_, old)) = o.records.pop_front() else { break };
+            o.bytes -= old.data.len();
+        }
+    }
+
+    /// Per rank, the last output number of `job` kept here.
+    pub fn output_last(&self, job: &str) -> BTreeMap<u32, u64> {
+        lock(&self.output).last_all(job)
+    }
+
+    /// Keeps another node's copy of `job`'s output.
+    pub fn keep_copy(&self, job: &str, records: Vec<psls_jobs::output::Record>) {
+        let mut out = lock(&self.output);
+        for r in records {
+            out.push(job, r);
+        }
+    }
+
+    /// The last output line number of rank process `pid`, once its relay took in everything
+    /// its pipes hold (what it wrote before its safe-point call); `None`: not known (not a
+    /// rank of this node, or its relay did not answer in time).
+    pub async fn output_mark(&self, pid: u32) -> Option<u64> {
+        let ask = lock(&self.drains).get(&pid).cloned()?;
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        ask.try_send(tx).ok()?;
+        tokio::time::timeout(std::time::Duration::from_millis(DRAIN_TIMEOUT_MS), rx)
+            .await
+            .ok()?
+            .ok()
+    }
+}
+
+/// Copies the output of the ranks running here to the buddy node (the next live node after
+/// this one in the configuration's order), so that it outlives this node; what cannot be
+/// sent waits for the next call.
+pub async fn copy_output(node: &Arc<Node>, jobs: &Arc<Jobs>) {
+    let _one = jobs.copying.lock().await;
+    let Some(buddy) = buddy(node) else {
+        return;
+    };
+    loop {
+        let (job, batch) = {
+            let mut o = lock(&jobs.outbox);
+            let Some((job, _)) = o.records.front() else { return };
+            let job = job.clone();
+            let mut batch = Vec::new();
+            let mut bytes = 0;
+            while let Some((j, r)) = o.records.front() {
+                if *j != job
+                    || batch.len() >= MAX_COPY_RECORDS
+                    || (bytes + r.data.len() > MAX_COPY_BYTES && !batch.is_empty())
+                {
+                    break;
+                }
+                bytes += r.data.len();
+                let Some((_, r)) = o.records.pop_front() else { break };
+                o.bytes -= r.data.len();
+                batch.push(r);
+            }
+            (job, batch)
+        };
+        let req = PeerReq::OutputCopy {
+            job: job.clone(),
+            records: batch.iter().map(wire_record).collect(),
+        };
+        if let Err(e) = node.call_ok(&buddy, req).await {
+            tracing::debug!(node = %node.name(), %buddy, %job, error = %e, "could not copy output to the buddy node");
+            let mut o = lock(&jobs.outbox);
+            for r in batch.into_iter().rev() {
+                o.bytes += r.data.len();
+                o.records.push_front((job.clone(), r));
+            }
+            return;
+        }
+    }
+}
+
+/// The node this node's ranks' output is copied to: the next live node after this one in the
+/// configuration's order (nodes, then spares).
+fn buddy(node: &Node) -> Option<String> {
+    let names: Vec<&str> = node
+        .cfg
+        .nodes
+        .iter()
+        .chain(node.cfg.spares.iter())
+        .map(|n| n.name.as_str())
+        .collect();
+    let me = names.iter().position(|n| *n == node.me.name)?;
+    (1..names.len())
+        .map(|k| names[(me + k) % names.len()])
+        .find(|p| node.is_live(p))
+        .map(str::to_string)
+}
+
+/// A record on the wire.
+pub fn wire_record(r: &psls_jobs::output::Record) -> crate::peer::OutputRecord {
+    crate::peer::OutputRecord {
+        rank: r.rank,
+        seq: r.seq,
+        err: r.err,
+        data: r.data.clone(),
     }
 }
 
@@ -414,8 +552,25 @@ pub async fn start_ranks(node: &Arc<Node>, jobs: &Arc<Jobs>, job: &str, attempt:
         restart_epoch: run.restart_epoch,
     };
     restore_options(node, &mut spec, &options);
-    tracing::info!(node = %node.name(), job, attempt, ranks = ?todo, "starting ranks");
-    spawn_local(node, jobs, spec, todo)?;
+    // A restarted rank numbers its lines on from its checkpoint's, so that a follower drops
+    // those it prints again; when that number is not known, above every earlier start's.
+    let mut first_seq = BTreeMap::new();
+    if attempt > 0 {
+        for &rank in &todo {
+            let from = match run.restart_epoch {
+                0 => Some(0),
+                epoch => crate::ckpt::restart_output_seq(node, job, rank, epoch)
+                    .await
+                    .unwrap_or_else(|e| {
+                        tracing::warn!(node = %node.name(), job, rank, epoch, error = %e, "cannot read the rank's output number at its checkpoint");
+                        None
+                    }),
+            };
+            first_seq.insert(rank, from.unwrap_or_else(|| seq_base(attempt)));
+        }
+    }
+    tracing::info!(node = %node.name(), job, attempt, ranks = ?todo, ?first_seq, "starting ranks");
+    spawn_local(node, jobs, spec, todo, &first_seq)?;
     jobs.changed.notify_one();
     Ok(())
 }
@@ -442,6 +597,7 @@ pub async fn tick(node: &Arc<Node>, jobs: &Arc<Jobs>, jobctl: &crate::jobctl::Jo
             }
         }
     }
+    copy_output(node, jobs).await;
     let reports = jobs.reports();
     if reports.is_empty() {
         return;
@@ -461,8 +617,15 @@ pub async fn tick(node: &Arc<Node>, jobs: &Arc<Jobs>, jobctl: &crate::jobctl::Jo
     }
 }
 
-/// Starts this node's `ranks` of a job (of start `spec.attempt`).
-fn spawn_local(node: &Arc<Node>, jobs: &Arc<Jobs>, spec: JobSpec, ranks: Vec<u32>) -> Result<(), OpError> {
+/// Starts this node's `ranks` of a job (of start `spec.attempt`), each numbering its output
+/// lines after its number in `first_seq` (absent: 0).
+fn spawn_local(
+    node: &Arc<Node>,
+    jobs: &Arc<Jobs>,
+    spec: JobSpec,
+    ranks: Vec<u32>,
+    first_seq: &BTreeMap<u32, u64>,
+) -> Result<(), OpError> {
     if spec.size == 0 || spec.size > MAX_RANKS || ranks.iter().any(|&r| r >= spec.size) {
         return Err(OpError::new(ErrorKind::Invalid, "bad rank numbers"));
     }
@@ -504,9 +667,8 @@ fn spawn_local(node: &Arc<Node>, jobs: &Arc<Jobs>, spec: JobSpec, ranks: Vec<u32
                     l.exited.insert(rank, 127);
                 }
                 let msg = format!("psls: cannot start '{}': {e}\n", spec.program);
-                let mut out = lock(&jobs.output);
-                let seq = out.last(&spec.job, rank).max(seq_base(spec.attempt)) + 1;
-                out.push(
+                let seq = lock(&jobs.output).last(&spec.job, rank).max(seq_base(spec.attempt)) + 1;
+                jobs.keep(
                     &spec.job,
                     psls_jobs::output::Record {
                         rank,
@@ -541,39 +703,40 @@ fn spawn_local(node: &Arc<Node>, jobs: &Arc<Jobs>, spec: JobSpec, ranks: Vec<u32
         }
         drop(procs);
         let (out, err) = (child.stdout.take(), child.stderr.take());
+        let (ask, mut asked) = tokio::sync::mpsc::channel(4);
+        if let Some(pid) = child_pid {
+            lock(&jobs.drains).insert(pid, ask);
+        }
+        let seq = first_seq.get(&rank).copied().unwrap_or(0);
         let (node, jobs, spec) = (node.clone(), jobs.clone(), spec.clone());
         tokio::spawn(async move {
             // Both streams of a rank share its numbers.
-            let seq = Arc::new(Mutex::new(
-                lock(&jobs.output).last(&spec.job, rank).max(seq_base(spec.attempt)),
-            ));
-            let relay = |stream: Option<Box<dyn tokio::io::AsyncRead + Send + Unpin>>, is_err: bool| {
-                let (jobs, spec, seq) = (jobs.clone(), spec.clone(), seq.clone());
-                async move {
-                    let Some(mut s) = stream else { return };
-                    let mut buf = vec![0u8; OUTPUT_CHUNK];
-                    let mut lines = psls_jobs::output::Lines::default();
-                    loop {
-                        let n = match s.read(&mut buf).await {
-                            Ok(0) | Err(_) => break,
-                            Ok(n) => n,
-                        };
-                        let mut seq = lock(&seq);
-                        let records = lines.feed(rank, is_err, &buf[..n], &mut seq);
-                        let mut out = lock(&jobs.output);
-                        for r in records {
-                            out.push(&spec.job, r);
-                        }
-                    }
-                    let mut seq = lock(&seq);
-                    if let Some(r) = lines.flush(rank, is_err, &mut seq) {
-                        lock(&jobs.output).push(&spec.job, r);
-                    }
+            let mut relay = Relay {
+                seq,
+                streams: [
+                    pipe(out.map(|o| o.into_owned_fd())),
+                    pipe(err.map(|e| e.into_owned_fd())),
+                ],
+                lines: Default::default(),
+            };
+            let keep = |records: Vec<psls_jobs::output::Record>| {
+                for r in records {
+                    jobs.keep(&spec.job, r);
                 }
             };
-            let out: Option<Box<dyn tokio::io::AsyncRead + Send + Unpin>> = out.map(|o| Box::new(o) as _);
-            let err: Option<Box<dyn tokio::io::AsyncRead + Send + Unpin>> = err.map(|e| Box::new(e) as _);
-            tokio::join!(relay(out, false), relay(err, true));
+            // The pipes to their end (the rank's output is kept before its exit is reported);
+            // a safe point's ask takes in what they hold at once.
+            while relay.streams.iter().any(Option::is_some) {
+                tokio::select! {
+                    r = readable(&relay.streams[0]) => keep(relay.take_in(0, r, rank)),
+                    r = readable(&relay.streams[1]) => keep(relay.take_in(1, r, rank)),
+                    Some(reply) = asked.recv() => {
+                        keep(relay.drain(rank));
+                        let _ = reply.send(relay.seq);
+                    }
+                }
+            }
+            keep(relay.drain(rank));
             let code = match child.wait().await {
                 Ok(s) => {
                     use std::os::unix::process::ExitStatusExt;
@@ -583,6 +746,7 @@ fn spawn_local(node: &Arc<Node>, jobs: &Arc<Jobs>, spec: JobSpec, ranks: Vec<u32
             };
             if let Some(pid) = child_pid {
                 lock(&jobs.procs).remove(&pid);
+                lock(&jobs.drains).remove(&pid);
             }
             if let Some(l) = lock(&jobs.local)
                 .get_mut(&spec.job)
@@ -598,8 +762,65 @@ fn spawn_local(node: &Arc<Node>, jobs: &Arc<Jobs>, spec: JobSpec, ranks: Vec<u32
     Ok(())
 }
 
-/// The first output number of a start's ranks: each start numbers its lines above every
-/// earlier start's, so a follower takes a restarted rank's lines as new.
+/// A rank's pipe, read without blocking.
+type Pipe = tokio::net::unix::pipe::Receiver;
+
+fn pipe(fd: Option<std::io::Result<std::os::fd::OwnedFd>>) -> Option<Pipe> {
+    Pipe::from_owned_fd(fd?.ok()?).ok()
+}
+
+/// Ready to read (never, for a closed stream).
+async fn readable(p: &Option<Pipe>) -> std::io::Result<()> {
+    match p {
+        Some(p) => p.readable().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// A rank's two pipes (standard output, standard error) and their numbering.
+struct Relay {
+    /// The last line number taken.
+    seq: u64,
+    streams: [Option<Pipe>; 2],
+    lines: [psls_jobs::output::Lines; 2],
+}
+
+impl Relay {
+    /// Reads what stream `k` holds (it was ready, or `ready` failed); a stream at its end or
+    /// broken is closed.
+    fn take_in(&mut self, k: usize, ready: std::io::Result<()>, rank: u32) -> Vec<psls_jobs::output::Record> {
+        let mut records = Vec::new();
+        if ready.is_err() {
+            self.streams[k] = None;
+            return records;
+        }
+        let mut buf = vec![0u8; OUTPUT_CHUNK];
+        while let Some(p) = &self.streams[k] {
+            match p.try_read(&mut buf) {
+                Ok(0) => self.streams[k] = None,
+                Ok(n) => records.extend(self.lines[k].feed(rank, k == 1, &buf[..n], &mut self.seq)),
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(_) => self.streams[k] = None,
+            }
+        }
+        records
+    }
+
+    /// Everything both pipes hold now, and what waits after their last newlines.
+    fn drain(&mut self, rank: u32) -> Vec<psls_jobs::output::Record> {
+        let mut records = self.take_in(0, Ok(()), rank);
+        records.extend(self.take_in(1, Ok(()), rank));
+        for k in 0..2 {
+            records.extend(self.lines[k].flush(rank, k == 1, &mut self.seq));
+        }
+        records
+    }
+}
+
+/// The first output number of a start's ranks when their checkpoint's is not known: above
+/// every earlier start's, so a follower takes a restarted rank's lines as new (it may see a
+/// line twice, never miss one).
 pub fn seq_base(attempt: u32) -> u64 {
     u64::from(attempt) << 40
 }
@@ -618,17 +839,36 @@ pub async fn serve(node: &Arc<Node>, jobs: &Arc<Jobs>, req: PeerReq) -> Result<P
             }
             let (records, gaps) = jobs.output_since(&job, &after.into_iter().collect());
             Ok(PeerResp::Output {
-                records: records
-                    .into_iter()
-                    .map(|r| crate::peer::OutputRecord {
-                        rank: r.rank,
-                        seq: r.seq,
-                        err: r.err,
-                        data: r.data,
-                    })
-                    .collect(),
+                records: records.iter().map(wire_record).collect(),
                 gaps: gaps.into_iter().collect(),
             })
+        }
+        PeerReq::OutputLast { job } => Ok(PeerResp::OutputLast {
+            last: jobs.output_last(&job).into_iter().collect(),
+        }),
+        PeerReq::OutputCopy { job, records } => {
+            psls_pfs::jobs::validate_job(&job).map_err(OpError::from)?;
+            let bytes: usize = records.iter().map(|r| r.data.len()).sum();
+            if records.len() > MAX_COPY_RECORDS || bytes > MAX_COPY_BYTES || records.iter().any(|r| r.rank >= MAX_RANKS)
+            {
+                return Err(OpError::new(ErrorKind::Invalid, "an output copy out of bounds"));
+            }
+            // A copy of a job this node's records do not know (yet) waits for them.
+            let known = |st: &psls_pfs::meta::MetaState| st.runs.contains_key(&job) || st.ended.contains_key(&job);
+            if !known(&node.meta_state()) && !known(&node.meta_fresh().await?) {
+                return Err(OpError::new(ErrorKind::NotFound, format!("no job {job}")));
+            }
+            let records = records
+                .into_iter()
+                .map(|r| psls_jobs::output::Record {
+                    rank: r.rank,
+                    seq: r.seq,
+                    err: r.err,
+                    data: r.data,
+                })
+                .collect();
+            jobs.keep_copy(&job, records);
+            Ok(PeerResp::Ok)
         }
         PeerReq::JobFiles { job, forget } => Ok(PeerResp::JobFiles {
             files: jobs.written(&job, forget),

@@ -401,6 +401,17 @@ pub enum PeerReq {
         job: String,
         after: Vec<(u32, u64)>,
     },
+    /// To a follower: per rank, the last output number of `job` kept here (answered with
+    /// `OutputLast`).
+    OutputLast {
+        job: String,
+    },
+    /// From a rank node to its buddy: a copy of its ranks' output of `job`, kept there too so
+    /// that it outlives the rank node (answered with `Ok`).
+    OutputCopy {
+        job: String,
+        records: Vec<OutputRecord>,
+    },
     /// To job control: this node's (incarnation `incarnation`) ranks of each job.
     JobReport {
         incarnation: u64,
@@ -521,6 +532,10 @@ pub enum PeerResp {
     /// Answer to `JobActivity`.
     JobActivity {
         text: String,
+    },
+    /// Answer to `OutputLast`.
+    OutputLast {
+        last: Vec<(u32, u64)>,
     },
     /// Answer to `OutputSince`: records (rank, number, stderr, bytes), and per rank the first
     /// number kept when older ones went.

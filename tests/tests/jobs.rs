@@ -73,4 +73,128 @@ fn a_detached_job_is_cancelled_then_resumed_from_its_checkpoint() {
     // Cancelling what is not running is refused with one clear line.
     let e = c.fails(&["cancel", &job]);
     assert!(e.contains("is not running"), "{e}");
+
+    // Ctrl-C of `psls run` cancels its job (like `psls cancel`); the job is resumable.
+    let mut run = mgs(&c, "n3", &[]);
+    let (job, err) = job_id(&mut run);
+    wait_first_checkpoint(&c, &job);
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(run.id() as i32),
+        nix::sys::signal::Signal::SIGINT,
+    )
+    .expect("SIGINT");
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut { err }, &mut rest).expect("stderr");
+    let status = run.wait().expect("wait");
+    assert_eq!(status.code(), Some(130), "{rest}");
+    assert!(rest.contains("cancelling job"), "{rest}");
+    let entry = c.job_entry(&job);
+    assert_eq!(entry["state"], "resumable", "{rest}");
+    assert!(
+        entry["activity"].as_str().is_some_and(|a| a.starts_with("cancelled: ")),
+        "{entry}"
+    );
+    c.assert_no_rank_left("after Ctrl-C");
+    let resumed = c
+        .cmd(&["run", "--resume", &job])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("psls run --resume");
+    let (got, _) = finish(resumed, "the job resumed after Ctrl-C");
+    assert_eq!(got, want);
+}
+
+const PROBE: &str = env!("CARGO_BIN_EXE_svm-probe");
+/// Steps of the line-printing job.
+const LINE_STEPS: u64 = 150;
+
+/// The probe's job of 4 ranks printing `line S` after the safe-point call of each step (a
+/// checkpoint at every call, at `level`), through `launcher`.
+fn start_lines(c: &Cluster, launcher: &str, level: &str, file: &str) -> std::process::Child {
+    let steps = LINE_STEPS.to_string();
+    c.cmd(&[
+        "--node", launcher, "run", "-n", "4", "--level", level, "--", PROBE, "steps", file, "4", &steps, "99", "8",
+        "60",
+    ])
+    .env("PROBE_LINES", "1")
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .spawn()
+    .expect("psls run")
+}
+
+/// Every rank printed `line 0` .. `line STEPS-1` once each, in order, then `done SUM` (the
+/// file held the sums of `jobs - 1` jobs before), and nothing else.
+fn assert_every_line_once(out: &str, err: &str, jobs: u64) {
+    let sum = jobs * LINE_STEPS * (LINE_STEPS + 1) / 2;
+    for r in 0..4 {
+        let prefix = format!("[{r}] ");
+        let got: Vec<&str> = out.lines().filter_map(|l| l.strip_prefix(&prefix)).collect();
+        let mut want: Vec<String> = (0..LINE_STEPS).map(|s| format!("line {s}")).collect();
+        want.push(format!("done {sum}"));
+        assert_eq!(got, want, "rank {r}'s lines:\n{out}\n{err}");
+    }
+}
+
+/// Waits for the line job's `psls run`: its stdout and stderr.
+fn wait_lines(ch: std::process::Child, mut rest: impl std::io::Read) -> (String, String) {
+    let mut err = String::new();
+    rest.read_to_string(&mut err).expect("read");
+    let o = ch.wait_with_output().expect("wait");
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert!(o.status.success(), "the job failed ({}):\n{out}\n{err}", o.status);
+    (out, err)
+}
+
+#[test]
+fn every_line_is_printed_once_after_psls_runs_daemon_is_killed_or_paused() {
+    let c = Cluster::start(4, 0);
+    let timeout = Duration::from_millis(c.config().cluster.heartbeat_timeout_ms);
+    for (k, (level, how)) in [("memory", "kill"), ("persistent", "kill"), ("memory", "stop")]
+        .into_iter()
+        .enumerate()
+    {
+        // The same file for every job: the probe adds to what it holds, so each job's result
+        // must have outlived the next job's failure.
+        let mut run = start_lines(&c, "n1", level, "ln");
+        let (job, err) = job_id(&mut run);
+        wait_first_checkpoint_any(&c, &job);
+        std::thread::sleep(Duration::from_millis(1500));
+        if how == "kill" {
+            c.kill("n1");
+            c.ok(&["cluster", "up"]);
+        } else {
+            let pid = nix::unistd::Pid::from_raw(c.pid("n1"));
+            nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGSTOP).expect("SIGSTOP");
+            std::thread::sleep(2 * timeout);
+            nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGCONT).expect("SIGCONT");
+        }
+        let t = std::time::Instant::now();
+        let (out, err) = wait_lines(run, err);
+        eprintln!("{level}/{how}: the job ended {:?} after the failure", t.elapsed());
+        assert_every_line_once(&out, &err, k as u64 + 1);
+        // The failure did reach the job: its ranks were started again.
+        let restarted = c.config().all().any(|n| {
+            c.log(&n.name).lines().any(|l| {
+                l.contains("starting ranks") && l.contains(&format!("job=\"{job}\"")) && l.contains("attempt=1")
+            })
+        });
+        assert!(restarted, "{level}/{how}: job {job} was not restarted:\n{err}");
+        assert!(err.contains("following job") || how == "stop", "{level}/{how}: {err}");
+        assert_eq!(c.job_entry(&job)["state"], "finished", "{level}/{how}");
+        c.assert_no_rank_left("after the line job");
+        c.ok(&["cluster", "up"]);
+    }
+}
+
+/// Waits until `job` committed a checkpoint of either level.
+fn wait_first_checkpoint_any(c: &Cluster, job: &str) {
+    wait_for(Duration::from_secs(60), "the job's first checkpoint", || {
+        let list: serde_json::Value = serde_json::from_str(&c.ok(&["jobs", "--json"])).unwrap_or_default();
+        list.as_array().is_some_and(|a| {
+            a.iter()
+                .any(|j| j["job"] == job && j["epoch"].as_u64().unwrap_or(0) > 0)
+        })
+    });
 }

@@ -24,5 +24,6 @@ mod writers;
 
 pub use crate::peer::SafeCall;
 pub use round::{CkptShell, Done, MAX_CKPT_FILES};
+pub use safepoint::restart_output_seq;
 pub use states::{not_reserved, state_file_name, volatile_file_name, MAX_STATE_BYTES};
 pub use writers::ext_job;

@@ -79,8 +79,9 @@ pub struct SafeOutcome {
 /// A rank waiting at the coordinator for its call's outcome.
 pub(super) type SafeWaiter = tokio::sync::oneshot::Sender<Result<SafeOutcome, OpError>>;
 
-/// A rank's private state, with the start of the job it belongs to.
-pub(super) type RankState = (u32, Vec<u8>);
+/// A rank's private state, with the start of the job it belongs to and the rank's last output
+/// line number at its safe point.
+pub(super) type RankState = (u32, Vec<u8>, Option<u64>);
 
 /// A round in progress at the coordinator: its files, the callers waiting for its outcome,
 /// when it started, the safe point's hook to answer the ranks early, and when it did.

@@ -26,9 +26,15 @@ use std::sync::Arc;
 use std::time::Duration;
 
 impl CkptShell {
-    /// On a rank's node: makes the rank's call with its `state`; returns the epoch taken (0:
-    /// none) and whether the job halts.
-    pub async fn safe_point(self: &Arc<Self>, call: SafeCall, state: Vec<u8>) -> Result<SafeOutcome, OpError> {
+    /// On a rank's node: makes the rank's call with its `state` and its last output line
+    /// number `output_seq` (kept with the state); returns the epoch taken (0: none) and
+    /// whether the job halts.
+    pub async fn safe_point(
+        self: &Arc<Self>,
+        call: SafeCall,
+        state: Vec<u8>,
+        output_seq: Option<u64>,
+    ) -> Result<SafeOutcome, OpError> {
         if state.len() > MAX_STATE_BYTES {
             return Err(OpError::new(
                 ErrorKind::Invalid,
@@ -40,7 +46,9 @@ impl CkptShell {
         }
         psls_pfs::jobs::validate_job(&call.job).map_err(OpError::from)?;
         let key = (call.job.clone(), call.rank);
-        self.states.locked().insert(key.clone(), (call.attempt, state));
+        self.states
+            .locked()
+            .insert(key.clone(), (call.attempt, state, output_seq));
         let attempt = call.attempt;
         let timeout = Duration::from_millis(call.timeout_ms + super::round::ROUND_TIMEOUT_MS + 5000);
         let req = PeerReq::CkptArrive(call);
@@ -49,7 +57,7 @@ impl CkptShell {
         // rank's newer call keeps its own).
         {
             let mut states = self.states.locked();
-            if states.get(&key).is_some_and(|(a, _)| *a == attempt) {
+            if states.get(&key).is_some_and(|(a, _, _)| *a == attempt) {
                 states.remove(&key);
             }
         }
@@ -78,8 +86,8 @@ impl CkptShell {
             .locked()
             .iter()
             .filter(|((j, _), _)| j == job)
-            .map(|((_, rank), (_, state))| {
-                let (first, data) = states::encode(*rank, epoch, state);
+            .map(|((_, rank), (_, state, output_seq))| {
+                let (first, data) = states::encode(*rank, epoch, state, *output_seq);
                 let n = (data.len() / PAGE_SIZE) as u64;
                 Taken {
                     file,
@@ -572,41 +580,64 @@ impl CkptShell {
 
     /// The state rank `rank` of `job` saved at checkpoint `epoch`.
     pub async fn restart_state(self: &Arc<Self>, job: &str, rank: u32, epoch: u64) -> Result<Vec<u8>, OpError> {
+        let (f, first, head, page) = state_header(&self.node, job, rank, epoch).await?;
         let node = &self.node;
-        // Every checkpoint record answered before the call.
-        let st = node.meta_fresh().await?;
-        let committed = st.jobs.get(job).map_or(0, |r| r.epoch);
-        // Or a memory checkpoint, as this node's rollback settled it.
-        let memory = node.frames.job(job).committed;
-        if epoch == 0 || (committed != epoch && memory != epoch) {
-            return Err(OpError::new(
-                ErrorKind::NotFound,
-                format!("job {job} has no checkpoint {epoch} (its last is {committed})"),
-            ));
-        }
-        let f = crate::pfs::lookup_file(node, &states::state_file_name(job)).await?;
-        let first = rank as u64 * states::SLOT_PAGES;
-        if first + states::SLOT_PAGES > f.pages() {
-            return Err(OpError::new(
-                ErrorKind::Invalid,
-                format!("job {job} has no rank {rank}"),
-            ));
-        }
-        let head = crate::pfs::read_page(node, &f, first).await?;
-        let (at, len) = states::header(rank, &head).map_err(|m| OpError::new(ErrorKind::Io, m))?;
-        if at != epoch {
-            return Err(OpError::new(
-                ErrorKind::Io,
-                format!("rank {rank}'s state belongs to checkpoint {at}, not {epoch}"),
-            ));
-        }
-        let mut state = Vec::with_capacity(len);
-        for k in 0..len.div_ceil(PAGE_SIZE) as u64 {
+        let mut state = Vec::with_capacity(head.len);
+        for k in 0..head.len.div_ceil(PAGE_SIZE) as u64 {
             let page = crate::pfs::read_page(node, &f, first + 1 + k).await?;
-            let want = (len - state.len()).min(PAGE_SIZE);
+            let want = (head.len - state.len()).min(PAGE_SIZE);
             state.extend_from_slice(&page[..want]);
         }
-        states::check(rank, &head, &state).map_err(|m| OpError::new(ErrorKind::Io, m))?;
+        states::check(rank, &page, &state).map_err(|m| OpError::new(ErrorKind::Io, m))?;
         Ok(state)
     }
+}
+
+/// The last output line number rank `rank` of `job` had at checkpoint `epoch` (`None`: the
+/// checkpoint's format kept none, or the rank's node could not tell it).
+pub async fn restart_output_seq(
+    node: &Arc<crate::node::Node>,
+    job: &str,
+    rank: u32,
+    epoch: u64,
+) -> Result<Option<u64>, OpError> {
+    Ok(state_header(node, job, rank, epoch).await?.2.output_seq)
+}
+
+/// The area file of `job`, the first page of rank `rank`'s slot, its header (which must
+/// belong to checkpoint `epoch`, the job's committed one) and the header's page.
+async fn state_header(
+    node: &Arc<crate::node::Node>,
+    job: &str,
+    rank: u32,
+    epoch: u64,
+) -> Result<(psls_pfs::meta::FileMeta, u64, states::Header, Vec<u8>), OpError> {
+    // Every checkpoint record answered before the call.
+    let st = node.meta_fresh().await?;
+    let committed = st.jobs.get(job).map_or(0, |r| r.epoch);
+    // Or a memory checkpoint, as this node's rollback settled it.
+    let memory = node.frames.job(job).committed;
+    if epoch == 0 || (committed != epoch && memory != epoch) {
+        return Err(OpError::new(
+            ErrorKind::NotFound,
+            format!("job {job} has no checkpoint {epoch} (its last is {committed})"),
+        ));
+    }
+    let f = crate::pfs::lookup_file(node, &states::state_file_name(job)).await?;
+    let first = rank as u64 * states::SLOT_PAGES;
+    if first + states::SLOT_PAGES > f.pages() {
+        return Err(OpError::new(
+            ErrorKind::Invalid,
+            format!("job {job} has no rank {rank}"),
+        ));
+    }
+    let page = crate::pfs::read_page(node, &f, first).await?;
+    let head = states::header(rank, &page).map_err(|m| OpError::new(ErrorKind::Io, m))?;
+    if head.epoch != epoch {
+        return Err(OpError::new(
+            ErrorKind::Io,
+            format!("rank {rank}'s state belongs to checkpoint {}, not {epoch}", head.epoch),
+        ));
+    }
+    Ok((f, first, head, page.to_vec()))
 }

@@ -35,10 +35,11 @@ pub(crate) enum Flow {
     /// The connection becomes the process's lifeline.
     Lifeline(i32),
     /// The connection follows a job until its end (`after`: per rank, the last output number
-    /// the client has).
+    /// the client has; `since`: the first start followed, an end of an earlier one is stale).
     Follow {
         job: String,
         after: std::collections::BTreeMap<u32, u64>,
+        since: u32,
     },
 }
 

@@ -167,7 +167,7 @@ async fn client(d: Arc<Daemon>, stream: UnixStream) -> anyhow::Result<()> {
             Flow::Sent => {}
             Flow::Close => return Ok(()),
             Flow::Lifeline(pid) => return memory::lifeline(&c.d, pid, c.r, c.w).await,
-            Flow::Follow { job, after } => return ranks::follow(&c.d, job, after, c.r, c.w).await,
+            Flow::Follow { job, after, since } => return ranks::follow(&c.d, job, after, since, c.r, c.w).await,
         }
     }
 }

@@ -82,6 +82,9 @@ pub(super) async fn handle(c: &mut Conn, req: Request, mut fds: Vec<OwnedFd>) ->
         }
         Request::RunJob { env, checkpoint, .. } if !checkpoint.resume.is_empty() => {
             let job = checkpoint.resume;
+            // The output kept of the starts before the resume was printed then: the follower
+            // goes on after it (a restarted rank's lines up to there are printed again).
+            let kept = output_last(&d, &job).await;
             let cmd = psls_jobs::Command::Resume {
                 job: job.clone(),
                 env,
@@ -90,17 +93,10 @@ pub(super) async fn handle(c: &mut Conn, req: Request, mut fds: Vec<OwnedFd>) ->
             match crate::jobctl::command(&d, cmd).await {
                 Ok(psls_jobs::Answer::Started { job, attempt }) => {
                     send(&mut c.w, &Response::JobStarted { job: job.clone() }).await?;
-                    // The output of the starts before the resume was printed then.
-                    let ranks = node
-                        .meta_state()
-                        .jobs
-                        .get(&job)
-                        .and_then(|r| r.spec.as_ref())
-                        .map_or(0, |s| s.ranks);
-                    let base = crate::launcher::seq_base(attempt);
                     return Ok(Flow::Follow {
                         job,
-                        after: (0..ranks).map(|r| (r, base)).collect(),
+                        after: kept,
+                        since: attempt,
                     });
                 }
                 // Running already (job control went on with it after a failure, even of every
@@ -112,6 +108,7 @@ pub(super) async fn handle(c: &mut Conn, req: Request, mut fds: Vec<OwnedFd>) ->
                     return Ok(Flow::Follow {
                         job,
                         after: Default::default(),
+                        since: 0,
                     });
                 }
                 Ok(a) => refused(a),
@@ -143,6 +140,7 @@ pub(super) async fn handle(c: &mut Conn, req: Request, mut fds: Vec<OwnedFd>) ->
                 return Ok(Flow::Follow {
                     job,
                     after: after.into_iter().collect(),
+                    since: 0,
                 });
             }
         }
@@ -158,7 +156,11 @@ pub(super) async fn handle(c: &mut Conn, req: Request, mut fds: Vec<OwnedFd>) ->
             None => err(OpError::new(ErrorKind::Invalid, "no peer pid")),
             Some(pid) => {
                 let call = safe_call(&d, caller, pid);
-                match d.ckpt.safe_point(call, state).await {
+                // What the rank printed before its call is numbered and kept on two nodes
+                // before the checkpoint can hold its number.
+                let output_seq = d.jobs.output_mark(pid as u32).await;
+                crate::launcher::copy_output(&d.node, &d.jobs).await;
+                match d.ckpt.safe_point(call, state, output_seq).await {
                     Ok(o) => Response::Checkpointed {
                         epoch: o.epoch,
                         halt: o.halt,
@@ -243,11 +245,12 @@ async fn start_job(c: &mut Conn, req: Request) -> std::io::Result<Flow> {
         Err(e) => return Ok(Flow::Reply(err(e))),
     };
     match crate::jobctl::command(&d, cmd).await {
-        Ok(psls_jobs::Answer::Started { job, .. }) => {
+        Ok(psls_jobs::Answer::Started { job, attempt }) => {
             send(&mut c.w, &Response::JobStarted { job: job.clone() }).await?;
             Ok(Flow::Follow {
                 job,
                 after: Default::default(),
+                since: attempt,
             })
         }
         Ok(a) => Ok(Flow::Reply(refused(a))),
@@ -284,7 +287,11 @@ async fn jobs(d: &Arc<Daemon>) -> Result<Vec<psls_ipc::proto::JobInfo>, OpError>
         let (activity, last) = match (running, driver) {
             (true, a) if a.is_empty() => d.ckpt.progress(job).await,
             (true, a) => (a, None),
-            (false, _) => (String::new(), None),
+            // A resumable job: how its last start ended (like `sacct`).
+            (false, _) => match st.ended.get(job) {
+                Some((_, e)) => (format!("{}: {}", e.how.word(), e.message), None),
+                None => (String::new(), None),
+            },
         };
         let mut info = psls_ipc::proto::JobInfo {
             job: job.clone(),
@@ -468,11 +475,13 @@ const FOLLOW_MS: u64 = 50;
 
 /// Follows `job` for the client on this connection: its notes (a rollback, a restart), its
 /// ranks' output after the client's numbers (`after`), fetched from every live node, and its
-/// end. The client going away leaves the job running.
+/// end (of start `since` or a later one: an earlier end is what this node's records still
+/// say before they catch up with a resume). The client going away leaves the job running.
 pub(super) async fn follow(
     d: &Arc<Daemon>,
     job: String,
     mut after: std::collections::BTreeMap<u32, u64>,
+    since: u32,
     mut r: OwnedReadHalf,
     mut w: OwnedWriteHalf,
 ) -> anyhow::Result<()> {
@@ -482,6 +491,7 @@ pub(super) async fn follow(
     let mut byte = [0u8; 1];
     // What the client was told of the job's record: (start, phase).
     let mut told: Option<(u32, String)> = None;
+    let mut stalled = std::collections::BTreeMap::new();
     loop {
         tokio::select! {
             _ = tick.tick() => {}
@@ -492,8 +502,12 @@ pub(super) async fn follow(
         }
         let st = node.meta_state();
         // The end is read before the last fetch: every line its ranks wrote is kept by then.
-        let end = st.ended.get(&job).map(|(_, e)| e.clone());
-        if let Some(run) = st.runs.get(&job) {
+        let end = st
+            .ended
+            .get(&job)
+            .map(|(_, e)| e.clone())
+            .filter(|e| e.attempt >= since);
+        if let Some(run) = st.runs.get(&job).filter(|r| r.attempt >= since) {
             let phase = match &run.phase {
                 psls_pfs::runs::RunPhase::RollingBack { why } => why.clone(),
                 p => format!("{p:?}"),
@@ -508,14 +522,19 @@ pub(super) async fn follow(
         } else if end.is_none() {
             // This node may be behind the leader that recorded the job: gone only once caught up.
             let fresh = node.meta_fresh().await;
-            if fresh.is_ok_and(|st| !st.runs.contains_key(&job) && !st.ended.contains_key(&job)) {
+            let known = |st: &psls_pfs::meta::MetaState| {
+                st.runs.get(&job).is_some_and(|r| r.attempt >= since)
+                    || st.ended.get(&job).is_some_and(|(_, e)| e.attempt >= since)
+            };
+            if fresh.is_ok_and(|st| !known(&st)) {
                 let message = format!("job {job} is gone (removed)");
                 send(&mut w, &Response::JobDone { code: 1, message }).await?;
                 return Ok(());
             }
             continue;
         }
-        fetch_output(d, &job, &mut after, &mut w).await?;
+        // At the end, until every kept line went (a fetch returns a bounded amount).
+        while fetch_output(d, &job, &mut after, &mut stalled, end.is_some(), &mut w).await? > 0 && end.is_some() {}
         if let Some(end) = end {
             send(
                 &mut w,
@@ -565,15 +584,44 @@ fn note(
     }
 }
 
-/// Sends the client `job`'s output after its numbers, from every live node.
+/// Per rank, the last output number any live node keeps of `job`.
+async fn output_last(d: &Arc<Daemon>, job: &str) -> std::collections::BTreeMap<u32, u64> {
+    let node = &d.node;
+    let mut last = d.jobs.output_last(job);
+    let peers: Vec<String> = node
+        .cfg
+        .all()
+        .map(|n| n.name.clone())
+        .filter(|p| *p != node.me.name && node.is_live(p))
+        .collect();
+    for p in peers {
+        let req = PeerReq::OutputLast { job: job.to_string() };
+        if let Ok(PeerResp::OutputLast { last: theirs }) = node.call_ok(&p, req).await {
+            for (rank, seq) in theirs {
+                let l = last.entry(rank).or_insert(0);
+                *l = (*l).max(seq);
+            }
+        }
+    }
+    last
+}
+
+/// How long a follower waits for a missing line of a rank (on a node that did not answer)
+/// before it goes on past it.
+const GAP_WAIT_MS: u64 = 2000;
+
+/// Sends the client `job`'s output after its numbers, from every live node, each rank's lines
+/// in order: a missing line (on a node that did not answer, or gone) is skipped only after
+/// [`GAP_WAIT_MS`] (`stalled`: since when a rank waits) or at the job's end (`last`).
 async fn fetch_output(
     d: &Arc<Daemon>,
     job: &str,
     after: &mut std::collections::BTreeMap<u32, u64>,
+    stalled: &mut std::collections::BTreeMap<u32, std::time::Instant>,
+    last: bool,
     w: &mut OwnedWriteHalf,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<usize> {
     let node = &d.node;
-    let st = node.meta_state();
     let peers: Vec<String> = node
         .cfg
         .nodes
@@ -582,7 +630,6 @@ async fn fetch_output(
         .map(|n| n.name.clone())
         .filter(|p| *p == node.me.name || node.is_live(p))
         .collect();
-    let _ = st;
     let mut asks = tokio::task::JoinSet::new();
     for p in peers {
         let (d, job) = (d.clone(), job.to_string());
@@ -590,15 +637,7 @@ async fn fetch_output(
         asks.spawn(async move {
             if p == d.node.me.name {
                 let (records, _) = d.jobs.output_since(&job, &after.into_iter().collect());
-                return records
-                    .into_iter()
-                    .map(|r| crate::peer::OutputRecord {
-                        rank: r.rank,
-                        seq: r.seq,
-                        err: r.err,
-                        data: r.data,
-                    })
-                    .collect();
+                return records.iter().map(crate::launcher::wire_record).collect();
             }
             match d.node.call_ok(&p, PeerReq::OutputSince { job, after }).await {
                 Ok(PeerResp::Output { records, .. }) => records,
@@ -613,12 +652,29 @@ async fn fetch_output(
         }
     }
     all.sort_by_key(|r| (r.rank, r.seq));
+    let now = std::time::Instant::now();
+    let mut blocked: Option<u32> = None;
+    let mut sent = 0;
     for rec in all {
-        let last = after.entry(rec.rank).or_insert(0);
-        if rec.seq <= *last {
+        if blocked == Some(rec.rank) {
             continue;
         }
-        *last = rec.seq;
+        let have = after.get(&rec.rank).copied().unwrap_or(0);
+        if rec.seq <= have {
+            continue;
+        }
+        if rec.seq > have + 1 {
+            let since = *stalled.entry(rec.rank).or_insert(now);
+            let waited = now.duration_since(since) >= std::time::Duration::from_millis(GAP_WAIT_MS);
+            if !(last || waited) {
+                blocked = Some(rec.rank);
+                continue;
+            }
+            tracing::info!(node = %node.name(), job, rank = rec.rank, from = have + 1, to = rec.seq - 1, "a follower skips lines no node keeps");
+        }
+        stalled.remove(&rec.rank);
+        after.insert(rec.rank, rec.seq);
+        sent += 1;
         send(
             w,
             &Response::RankOutput {
@@ -630,5 +686,5 @@ async fn fetch_output(
         )
         .await?;
     }
-    Ok(())
+    Ok(sent)
 }

@@ -187,6 +187,9 @@ fn main() {
         // checkpoint. Prints `step S epoch E` for every checkpoint taken and `done SUM`.
         // With an 8th argument `vol`, the step is also added to word 0 of the rank's page of
         // the job's volatile segment NAME.vol, and `done` prints its sum too.
+        // With PROBE_LINES=1 in the environment it prints `line S` after every step's call
+        // instead, and nothing else before `done`: the lines of a run that never failed.
+        let lines = std::env::var_os("PROBE_LINES").is_some();
         let steps: u64 = arg(4).parse().expect("STEPS");
         let mut vol = (args.get(8).map(String::as_str) == Some("vol")).then(|| {
             s.create_volatile(&format!("{name}.vol"), (pages * 4096) as u64)
@@ -203,7 +206,9 @@ fn main() {
         match s.restart_state() {
             Ok(Some((epoch, state))) => {
                 first = u64::from_le_bytes(state[..8].try_into().expect("8 bytes"));
-                println!("restarted from epoch {epoch} at step {first}");
+                if !lines {
+                    println!("restarted from epoch {epoch} at step {first}");
+                }
             }
             Ok(None) => {}
             Err(e) => {
@@ -217,7 +222,7 @@ fn main() {
                 let mut state = step.to_le_bytes().to_vec();
                 state.resize(state_bytes.max(8), 0xA5);
                 match s.checkpoint(&state) {
-                    Ok(c) if c.taken() => {
+                    Ok(c) if c.taken() && !lines => {
                         println!("step {step} epoch {}{}", c.epoch, if c.halt { " halt" } else { "" })
                     }
                     Ok(_) => {}
@@ -235,6 +240,9 @@ fn main() {
                 let v: &mut [u64] = v.as_mut_slice();
                 // SAFETY: as above, in the volatile segment.
                 unsafe { std::ptr::write_volatile(&mut v[me], std::ptr::read_volatile(&v[me]) + step + 1) };
+            }
+            if lines {
+                println!("line {step}");
             }
             std::thread::sleep(Duration::from_millis(sleep_ms));
         }
