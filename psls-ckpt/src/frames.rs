@@ -554,6 +554,32 @@ impl<D: Clone> FrameTable<D> {
         out
     }
 
+    /// The copies this node sends to re-create those the nodes in `lost` held (a rollback to
+    /// a memory checkpoint after they lost theirs): per (holder, file, role it holds them
+    /// as), the pages and this node's committed copies of them, in page order.
+    #[allow(clippy::type_complexity)]
+    pub fn copies_for_lost(
+        &self,
+        job: &str,
+        lost: &[u32],
+        placement: &psls_pfs::Placement,
+    ) -> BTreeMap<(psls_svm::NodeId, FileId, Role), Vec<(u64, Frame<D>)>> {
+        let mut out: BTreeMap<_, Vec<_>> = BTreeMap::new();
+        for (file, index, frame) in self.committed_frames(job) {
+            let role = match frame.role {
+                Role::Primary => Role::Mirror,
+                Role::Mirror => Role::Primary,
+            };
+            let other = placement.holder(file, index, role);
+            if lost.contains(&other.0) {
+                out.entry((other, file, role))
+                    .or_default()
+                    .push((index, Frame { role, ..frame }));
+            }
+        }
+        out
+    }
+
     /// Installs recovery copies re-created from the other holder (a rollback), the job's
     /// memory epoch being `committed`. Refused as a whole when they do not fit.
     pub fn install(
@@ -723,6 +749,14 @@ impl<D: Clone> FrameTable<D> {
         }
         self.files.retain(|_, f| !f.pages.is_empty());
     }
+}
+
+/// The epoch a rollback fences: above the job's metadata floor (`floor`: every epoch the
+/// metadata began or fenced), the coordinator's last started round (`started`) and every
+/// epoch a node saw (`seen`: memory epochs leave no record), so no round of the stopped run can
+/// commit later.
+pub fn fence_epoch(floor: u64, started: u64, seen: u64) -> u64 {
+    floor.max(started).max(seen)
 }
 
 /// The memory level of a rollback (DESIGN §8). `states`: per live logical node, its last

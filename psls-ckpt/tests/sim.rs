@@ -1885,7 +1885,7 @@ impl World {
         }
         // Above every epoch a node saw: memory epochs leave no record.
         let seen = self.nodes.iter().map(|n| n.part.seen(JOB)).max().unwrap_or(0);
-        let epoch = self.meta.job_floor(JOB).max(self.nodes[ci].started).max(seen);
+        let epoch = psls_ckpt::frames::fence_epoch(self.meta.job_floor(JOB), self.nodes[ci].started, seen);
         self.nodes[ci].mem_committed = 0;
         self.nodes[ci].mem_learned_term = 0;
         self.fenced = epoch;
@@ -1928,23 +1928,14 @@ impl World {
             n.frames.settle(JOB, memory, self.fenced);
         }
         if memory > 0 {
+            // Each holder sends what the nodes that lost theirs held (the daemon's
+            // `FramesReq::Recreate`).
             for h in 0..self.nodes.len() {
-                for (file, index, frame) in self.nodes[h].frames.committed_frames(JOB) {
-                    let other_role = match frame.role {
-                        Role::Primary => Role::Mirror,
-                        Role::Mirror => Role::Primary,
-                    };
-                    let o = self.placement.holder(file, index, other_role);
-                    if lost.contains(&o.0) {
-                        let f = psls_ckpt::frames::Frame {
-                            role: other_role,
-                            ..frame
-                        };
-                        self.nodes[o.0 as usize]
-                            .frames
-                            .install(JOB, memory, file, vec![(index, f)])
-                            .expect("a lost node's copies fit where they were");
-                    }
+                for ((o, file, _), pages) in self.nodes[h].frames.copies_for_lost(JOB, &lost, &self.placement) {
+                    self.nodes[o.0 as usize]
+                        .frames
+                        .install(JOB, memory, file, pages)
+                        .expect("a lost node's copies fit where they were");
                 }
             }
             self.count(Counts::MEMORY_ROLLBACKS);

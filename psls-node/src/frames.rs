@@ -123,6 +123,18 @@ impl RecoveryArea {
         self.table.locked().committed_frames(job)
     }
 
+    /// The copies this node sends to re-create those the nodes in `lost` held
+    /// (`psls_ckpt::frames::FrameTable::copies_for_lost`).
+    #[allow(clippy::type_complexity)]
+    pub fn copies_for_lost(
+        &self,
+        job: &str,
+        lost: &[u32],
+        placement: &psls_pfs::Placement,
+    ) -> std::collections::BTreeMap<(psls_svm::NodeId, FileId, psls_pfs::Role), Vec<(u64, Frame)>> {
+        self.table.locked().copies_for_lost(job, lost, placement)
+    }
+
     pub fn install(&self, job: &str, committed: u64, file: FileId, pages: Vec<(u64, Frame)>) -> Result<(), OpError> {
         self.table
             .locked()

@@ -552,12 +552,15 @@ pub async fn start_ranks(node: &Arc<Node>, jobs: &Arc<Jobs>, job: &str, attempt:
         restart_epoch: run.restart_epoch,
     };
     restore_options(node, &mut spec, &options);
-    // A restarted rank numbers its lines on from its checkpoint's, so that a follower drops
-    // those it prints again; when that number is not known, above every earlier start's.
-    let mut first_seq = BTreeMap::new();
+    // A restarted rank numbers the lines it prints again as they were numbered (its
+    // checkpoint keeps the number of its last line), so that a follower drops them; when that
+    // number is not known, above every kept line.
+    let mut numbering = BTreeMap::new();
+    let mut marks = BTreeMap::new();
     if attempt > 0 {
+        let last = output_last(node, jobs, job).await;
         for &rank in &todo {
-            let from = match run.restart_epoch {
+            let mark = match run.restart_epoch {
                 0 => Some(0),
                 epoch => crate::ckpt::restart_output_seq(node, job, rank, epoch)
                     .await
@@ -566,11 +569,16 @@ pub async fn start_ranks(node: &Arc<Node>, jobs: &Arc<Jobs>, job: &str, attempt:
                         None
                     }),
             };
-            first_seq.insert(rank, from.unwrap_or_else(|| seq_base(attempt)));
+            marks.insert(rank, mark);
+            let n = match mark {
+                Some(m) => psls_jobs::output::Numbering::replay(m, kept_lines(node, jobs, job, rank, m).await),
+                None => psls_jobs::output::Numbering::after(last.get(&rank).copied().unwrap_or(0)),
+            };
+            numbering.insert(rank, n);
         }
     }
-    tracing::info!(node = %node.name(), job, attempt, ranks = ?todo, ?first_seq, "starting ranks");
-    spawn_local(node, jobs, spec, todo, &first_seq)?;
+    tracing::info!(node = %node.name(), job, attempt, ranks = ?todo, ?marks, "starting ranks");
+    spawn_local(node, jobs, spec, todo, numbering)?;
     jobs.changed.notify_one();
     Ok(())
 }
@@ -618,13 +626,13 @@ pub async fn tick(node: &Arc<Node>, jobs: &Arc<Jobs>, jobctl: &crate::jobctl::Jo
 }
 
 /// Starts this node's `ranks` of a job (of start `spec.attempt`), each numbering its output
-/// lines after its number in `first_seq` (absent: 0).
+/// lines by its `numbering` (absent: from the first).
 fn spawn_local(
     node: &Arc<Node>,
     jobs: &Arc<Jobs>,
     spec: JobSpec,
     ranks: Vec<u32>,
-    first_seq: &BTreeMap<u32, u64>,
+    mut numbering: BTreeMap<u32, psls_jobs::output::Numbering>,
 ) -> Result<(), OpError> {
     if spec.size == 0 || spec.size > MAX_RANKS || ranks.iter().any(|&r| r >= spec.size) {
         return Err(OpError::new(ErrorKind::Invalid, "bad rank numbers"));
@@ -667,7 +675,8 @@ fn spawn_local(
                     l.exited.insert(rank, 127);
                 }
                 let msg = format!("psls: cannot start '{}': {e}\n", spec.program);
-                let seq = lock(&jobs.output).last(&spec.job, rank).max(seq_base(spec.attempt)) + 1;
+                let last = lock(&jobs.output).last(&spec.job, rank);
+                let seq = (psls_jobs::output::line_of(last) + 1) * psls_jobs::output::LINE_STEP;
                 jobs.keep(
                     &spec.job,
                     psls_jobs::output::Record {
@@ -707,12 +716,12 @@ fn spawn_local(
         if let Some(pid) = child_pid {
             lock(&jobs.drains).insert(pid, ask);
         }
-        let seq = first_seq.get(&rank).copied().unwrap_or(0);
+        let numbering = numbering.remove(&rank).unwrap_or_default();
         let (node, jobs, spec) = (node.clone(), jobs.clone(), spec.clone());
         tokio::spawn(async move {
             // Both streams of a rank share its numbers.
             let mut relay = Relay {
-                seq,
+                numbering,
                 streams: [
                     pipe(out.map(|o| o.into_owned_fd())),
                     pipe(err.map(|e| e.into_owned_fd())),
@@ -732,7 +741,7 @@ fn spawn_local(
                     r = readable(&relay.streams[1]) => keep(relay.take_in(1, r, rank)),
                     Some(reply) = asked.recv() => {
                         keep(relay.drain(rank));
-                        let _ = reply.send(relay.seq);
+                        let _ = reply.send(relay.numbering.mark());
                     }
                 }
             }
@@ -779,8 +788,7 @@ async fn readable(p: &Option<Pipe>) -> std::io::Result<()> {
 
 /// A rank's two pipes (standard output, standard error) and their numbering.
 struct Relay {
-    /// The last line number taken.
-    seq: u64,
+    numbering: psls_jobs::output::Numbering,
     streams: [Option<Pipe>; 2],
     lines: [psls_jobs::output::Lines; 2],
 }
@@ -798,7 +806,7 @@ impl Relay {
         while let Some(p) = &self.streams[k] {
             match p.try_read(&mut buf) {
                 Ok(0) => self.streams[k] = None,
-                Ok(n) => records.extend(self.lines[k].feed(rank, k == 1, &buf[..n], &mut self.seq)),
+                Ok(n) => records.extend(self.lines[k].feed(rank, k == 1, &buf[..n], &mut self.numbering)),
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
                 Err(_) => self.streams[k] = None,
@@ -812,17 +820,79 @@ impl Relay {
         let mut records = self.take_in(0, Ok(()), rank);
         records.extend(self.take_in(1, Ok(()), rank));
         for k in 0..2 {
-            records.extend(self.lines[k].flush(rank, k == 1, &mut self.seq));
+            records.extend(self.lines[k].flush(rank, k == 1, &mut self.numbering));
         }
         records
     }
 }
 
-/// The first output number of a start's ranks when their checkpoint's is not known: above
-/// every earlier start's, so a follower takes a restarted rank's lines as new (it may see a
-/// line twice, never miss one).
-pub fn seq_base(attempt: u32) -> u64 {
-    u64::from(attempt) << 40
+/// Per rank, the last output number of `job` any live node keeps.
+pub async fn output_last(node: &Arc<Node>, jobs: &Arc<Jobs>, job: &str) -> BTreeMap<u32, u64> {
+    let mut last = jobs.output_last(job);
+    for p in live_peers(node) {
+        let req = PeerReq::OutputLast { job: job.to_string() };
+        if let Ok(PeerResp::OutputLast { last: theirs }) = node.call_ok(&p, req).await {
+            for (rank, seq) in theirs {
+                let l = last.entry(rank).or_insert(0);
+                *l = (*l).max(seq);
+            }
+        }
+    }
+    last
+}
+
+/// The lines of `job`'s rank `rank` after number `after` that any live node keeps, in order.
+async fn kept_lines(
+    node: &Arc<Node>,
+    jobs: &Arc<Jobs>,
+    job: &str,
+    rank: u32,
+    after: u64,
+) -> Vec<psls_jobs::output::Record> {
+    let mut all: BTreeMap<u64, psls_jobs::output::Record> = BTreeMap::new();
+    let mut from = after;
+    loop {
+        let got = lock(&jobs.output).of_rank(job, rank, from);
+        let Some(l) = got.last() else { break };
+        from = l.seq;
+        all.extend(got.into_iter().map(|r| (r.seq, r)));
+    }
+    for p in live_peers(node) {
+        let mut from = after;
+        loop {
+            let req = PeerReq::OutputOf {
+                job: job.to_string(),
+                rank,
+                after: from,
+            };
+            let Ok(PeerResp::Output { records, .. }) = node.call_ok(&p, req).await else {
+                break;
+            };
+            let Some(l) = records.last() else { break };
+            if l.seq <= from {
+                break;
+            }
+            from = l.seq;
+            for r in records {
+                all.entry(r.seq).or_insert(psls_jobs::output::Record {
+                    rank,
+                    seq: r.seq,
+                    err: r.err,
+                    data: r.data,
+                });
+            }
+        }
+    }
+    all.into_values().collect()
+}
+
+/// The other live nodes (configured nodes and spares).
+fn live_peers(node: &Node) -> Vec<String> {
+    node.cfg
+        .all()
+        .map(|n| n.name.clone())
+        .filter(|p| *p != node.me.name && node.is_live(p))
+        .collect()
 }
 
 /// Answers the rank nodes' peer messages.
@@ -843,6 +913,14 @@ pub async fn serve(node: &Arc<Node>, jobs: &Arc<Jobs>, req: PeerReq) -> Result<P
                 gaps: gaps.into_iter().collect(),
             })
         }
+        PeerReq::OutputOf { job, rank, after } => Ok(PeerResp::Output {
+            records: lock(&jobs.output)
+                .of_rank(&job, rank, after)
+                .iter()
+                .map(wire_record)
+                .collect(),
+            gaps: Vec::new(),
+        }),
         PeerReq::OutputLast { job } => Ok(PeerResp::OutputLast {
             last: jobs.output_last(&job).into_iter().collect(),
         }),

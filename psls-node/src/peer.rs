@@ -401,6 +401,13 @@ pub enum PeerReq {
         job: String,
         after: Vec<(u32, u64)>,
     },
+    /// To a restarted rank's node: the output of `job`'s rank `rank` kept here after number
+    /// `after` (answered with `Output`, at most `psls_jobs::output::MAX_FETCH_BYTES`).
+    OutputOf {
+        job: String,
+        rank: u32,
+        after: u64,
+    },
     /// To a follower: per rank, the last output number of `job` kept here (answered with
     /// `OutputLast`).
     OutputLast {

@@ -567,3 +567,60 @@ pub fn wait_first_checkpoint(c: &Cluster, job: &str) {
         })
     });
 }
+
+/// The time a daemon's log line was written (its RFC 3339 UTC stamp), in seconds since the
+/// Unix epoch.
+pub fn log_time(line: &str) -> Option<f64> {
+    let stamp = line.split_whitespace().next()?.strip_suffix('Z')?;
+    let (date, time) = stamp.split_once('T')?;
+    let mut d = date.split('-').map(|p| p.parse::<i64>());
+    let (y, m, day) = (d.next()?.ok()?, d.next()?.ok()?, d.next()?.ok()?);
+    let mut t = time.split(':');
+    let (h, min) = (t.next()?.parse::<f64>().ok()?, t.next()?.parse::<f64>().ok()?);
+    let s = t.next()?.parse::<f64>().ok()?;
+    // Days from the civil date (H. Hinnant's algorithm).
+    let y = if m <= 2 { y - 1 } else { y };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let doy = (153 * (if m > 2 { m - 3 } else { m + 9 }) + 2) / 5 + day - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    let days = era * 146_097 + doe - 719_468;
+    Some(days as f64 * 86_400.0 + h * 3600.0 + min * 60.0 + s)
+}
+
+impl Cluster {
+    /// When the last node started its ranks of start `attempt` of `job` (seconds since the
+    /// Unix epoch, from the daemons' logs).
+    pub fn ranks_started_at(&self, job: &str, attempt: u32) -> Option<f64> {
+        let job = format!("job=\"{job}\"");
+        let attempt = format!("attempt={attempt} ");
+        self.config()
+            .all()
+            .flat_map(|n| {
+                self.log(&n.name)
+                    .lines()
+                    .filter(|l| l.contains("starting ranks") && l.contains(&job) && l.contains(&attempt))
+                    .filter_map(log_time)
+                    .collect::<Vec<_>>()
+            })
+            .reduce(f64::max)
+    }
+}
+
+/// Now, in seconds since the Unix epoch.
+pub fn unix_now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_log_stamp_reads_as_unix_time() {
+        let t = super::log_time("2026-11-26T13:31:18.568249Z  INFO psls_node::launcher: starting ranks").unwrap();
+        assert!((t - 1_795_699_878.568249).abs() < 1e-3, "{t}");
+        assert_eq!(super::log_time("1970-01-01T00:00:01.5Z x"), Some(1.5));
+        assert_eq!(super::log_time("garbage"), None);
+    }
+}

@@ -293,3 +293,56 @@ fn memory_checkpoints_killed_in_phase_1_and_in_phase_2_and_their_coordinator_bef
     assert!(c.logs_contain("recovery copies re-created"));
     assert!(!c.logs_contain("both recovery copies of some pages are lost"));
 }
+
+/// The daemon `psls run` talks to killed halfway through a persistent checkpoint's writes, then
+/// again, back up, while the rollback that follows drops the job's pages: `psls run` follows
+/// the job from another node each time, and prints every line of every rank once, in order.
+#[test]
+fn psls_runs_own_daemon_killed_in_a_checkpoints_writes_and_again_in_the_rollback() {
+    let (c, dir) = cluster("ckpt.write/n2@3,rollback.drop/n2", false);
+    let steps = STEPS.to_string();
+    let run = c
+        .cmd(&[
+            "--node",
+            "n2",
+            "run",
+            "-n",
+            "4",
+            "--level",
+            "persistent",
+            "--",
+            PROBE,
+            "steps",
+            "kp",
+            "4",
+            &steps,
+            "99",
+            "64",
+            "40",
+            "vol",
+        ])
+        .env("PROBE_LINES", "1")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("psls run");
+    let (out, err) = run_through(&c, run, &dir, &mut |_| {});
+    assert_eq!(
+        fired(&dir),
+        vec![
+            ("ckpt.write.n2".into(), "n2".into()),
+            ("rollback.drop.n2".into(), "n2".into())
+        ],
+        "{err}"
+    );
+    assert_sums(&out, &err);
+    assert!(err.contains("following job"), "{err}");
+    let sum = STEPS * (STEPS + 1) / 2;
+    for r in 0..RANKS {
+        let prefix = format!("[{r}] ");
+        let got: Vec<&str> = out.lines().filter_map(|l| l.strip_prefix(&prefix)).collect();
+        let mut want: Vec<String> = (0..STEPS).map(|s| format!("line {s}")).collect();
+        want.push(format!("done {sum} {sum}"));
+        assert_eq!(got, want, "rank {r}'s lines:\n{out}\n{err}");
+    }
+}

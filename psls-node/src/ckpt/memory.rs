@@ -17,8 +17,8 @@ use crate::svm::Taken;
 use psls_ipc::ErrorKind;
 use psls_pfs::jobs::FileRuns;
 use psls_pfs::Role;
-use psls_svm::{FileId, NodeId, PAGE_SIZE};
-use std::collections::{BTreeMap, HashMap};
+use psls_svm::{FileId, PAGE_SIZE};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 /// Most frame batches in flight from one participant.
@@ -251,23 +251,9 @@ impl CkptShell {
         let st = node.meta_state();
         let p = node.placement;
         let committed = node.frames.job(job).committed;
-        let mut batches: HashMap<(NodeId, FileId, bool), Vec<(u64, Frame)>> = HashMap::new();
-        for (file, index, frame) in node.frames.committed_frames(job) {
-            let other_role = match frame.role {
-                Role::Primary => Role::Mirror,
-                Role::Mirror => Role::Primary,
-            };
-            let other = p.holder(file, index, other_role);
-            if lost.contains(&other.0) {
-                batches
-                    .entry((other, file, other_role == Role::Primary))
-                    .or_default()
-                    .push((index, frame));
-            }
-        }
+        let batches = node.frames.copies_for_lost(job, lost, &p);
         let mut sent = 0u64;
-        for ((l, file, primary), frames) in batches {
-            let role = if primary { Role::Primary } else { Role::Mirror };
+        for ((l, file, role), frames) in batches {
             let phys = node.physical_of(&st, l);
             for chunk in frames.chunks(BATCH_PAGES) {
                 let mut data = crate::peer::batch_pool().get();

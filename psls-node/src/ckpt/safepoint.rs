@@ -562,7 +562,7 @@ impl CkptShell {
             .collect();
         self.answer(job, &waiting, Err(unavailable(format!("job {job} rolls back"))));
         let st = node.meta_state();
-        let epoch = st.job_floor(job).max(self.started_epoch(job)).max(at_least);
+        let epoch = psls_ckpt::frames::fence_epoch(st.job_floor(job), self.started_epoch(job), at_least);
         if epoch > 0 {
             node.submit(psls_pfs::meta::MetaOp::FenceCheckpoint {
                 job: job.to_string(),

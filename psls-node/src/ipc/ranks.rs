@@ -84,7 +84,7 @@ pub(super) async fn handle(c: &mut Conn, req: Request, mut fds: Vec<OwnedFd>) ->
             let job = checkpoint.resume;
             // The output kept of the starts before the resume was printed then: the follower
             // goes on after it (a restarted rank's lines up to there are printed again).
-            let kept = output_last(&d, &job).await;
+            let kept = crate::launcher::output_last(&d.node, &d.jobs, &job).await;
             let cmd = psls_jobs::Command::Resume {
                 job: job.clone(),
                 env,
@@ -584,28 +584,6 @@ fn note(
     }
 }
 
-/// Per rank, the last output number any live node keeps of `job`.
-async fn output_last(d: &Arc<Daemon>, job: &str) -> std::collections::BTreeMap<u32, u64> {
-    let node = &d.node;
-    let mut last = d.jobs.output_last(job);
-    let peers: Vec<String> = node
-        .cfg
-        .all()
-        .map(|n| n.name.clone())
-        .filter(|p| *p != node.me.name && node.is_live(p))
-        .collect();
-    for p in peers {
-        let req = PeerReq::OutputLast { job: job.to_string() };
-        if let Ok(PeerResp::OutputLast { last: theirs }) = node.call_ok(&p, req).await {
-            for (rank, seq) in theirs {
-                let l = last.entry(rank).or_insert(0);
-                *l = (*l).max(seq);
-            }
-        }
-    }
-    last
-}
-
 /// How long a follower waits for a missing line of a rank (on a node that did not answer)
 /// before it goes on past it.
 const GAP_WAIT_MS: u64 = 2000;
@@ -663,7 +641,7 @@ async fn fetch_output(
         if rec.seq <= have {
             continue;
         }
-        if rec.seq > have + 1 {
+        if psls_jobs::output::line_of(rec.seq) > psls_jobs::output::line_of(have) + 1 {
             let since = *stalled.entry(rec.rank).or_insert(now);
             let waited = now.duration_since(since) >= std::time::Duration::from_millis(GAP_WAIT_MS);
             if !(last || waited) {
