@@ -55,6 +55,9 @@ pub enum Outcome {
     Committed { level: Level, pages: u64, bytes: u64 },
     /// It did not; the previous checkpoint stands.
     Aborted(String),
+    /// A memory round did not: a participant had no room for its recovery copies (the
+    /// cleaner may take over at once); the previous checkpoint stands.
+    NoRoom(String),
 }
 
 /// What the shell must do.
@@ -500,7 +503,11 @@ impl Coordinator {
                 }
             }
             Msg::Refused {
-                why, seen, coord_inc, ..
+                why,
+                seen,
+                coord_inc,
+                no_room,
+                ..
             } if current == Some(epoch)
                 && mine(coord_inc)
                 && self
@@ -512,7 +519,15 @@ impl Coordinator {
                     let s = self.seen.entry(job.clone()).or_default();
                     *s = (*s).max(seen);
                 }
-                self.abort(&job, format!("{from} could not keep its pages: {why}"));
+                let why = format!("{from} could not keep its pages: {why}");
+                self.abort_as(
+                    &job,
+                    if no_room {
+                        Outcome::NoRoom(why)
+                    } else {
+                        Outcome::Aborted(why)
+                    },
+                );
             }
             // A participant holds a persistent epoch no round here is deciding: settle it by
             // the record. (A memory epoch has no record: the job's rollback settles it.)
@@ -602,12 +617,18 @@ impl Coordinator {
     }
 
     fn abort(&mut self, job: &str, why: String) {
+        self.abort_as(job, Outcome::Aborted(why));
+    }
+
+    /// Ends `job`'s round with `outcome` (not a commit).
+    fn abort_as(&mut self, job: &str, outcome: Outcome) {
+        debug_assert!(!matches!(outcome, Outcome::Committed { .. }));
         let Some(r) = self.rounds.remove(job) else { return };
         self.decide(job, r.epoch, false, &r.participants);
         self.actions.push_back(CoordAction::Finished {
             job: job.to_string(),
             epoch: r.epoch,
-            outcome: Outcome::Aborted(why),
+            outcome,
         });
     }
 
@@ -935,6 +956,7 @@ mod tests {
                 epoch: 1,
                 why: "disk".into(),
                 seen: 0,
+                no_room: false,
             },
         );
         let a = drain(&mut c);
@@ -1091,12 +1113,34 @@ mod tests {
                 epoch: 6,
                 why: "stale".into(),
                 seen: 9,
+                no_room: false,
             },
         );
         assert!(!c.busy("j"));
         assert_eq!(c.seen("j"), 9);
         c.forget("j");
         assert_eq!(c.seen("j"), 0);
+        // A participant with no room for its recovery copies: the outcome says so by its kind
+        // (the shell's cleaner takes over), not by its text.
+        c.start(3, "j", 10, (Level::Memory, Policy::P1), vec![], nodes(2), 9)
+            .unwrap();
+        drain(&mut c);
+        c.receive(
+            NodeId(1),
+            Msg::Refused {
+                job: "j".into(),
+                coord_inc: 0,
+                epoch: 10,
+                why: "full".into(),
+                seen: 0,
+                no_room: true,
+            },
+        );
+        let a = drain(&mut c);
+        assert!(
+            matches!(a.last(), Some(CoordAction::Finished { epoch: 10, outcome: Outcome::NoRoom(w), .. }) if w.contains("full")),
+            "{a:?}"
+        );
     }
 
     #[test]

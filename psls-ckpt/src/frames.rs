@@ -59,8 +59,8 @@ impl std::fmt::Display for FrameError {
     }
 }
 
-/// How a refusal for lack of room starts (the daemon's coordinator tells it from others: only
-/// then does the cleaner take over from a memory checkpoint that failed).
+/// How a refusal for lack of room starts (its text; callers tell it by
+/// [`FrameError::NoRoom`], `msg::Refusal::no_room` and `Outcome::NoRoom`).
 pub const NO_ROOM: &str = "no room for";
 
 /// Jobs with memory state in one table, at most.

@@ -133,13 +133,16 @@ pub enum Msg {
         bytes: u64,
     },
     /// Participant → coordinator: the pages could not be kept. `seen` is the highest epoch of
-    /// the job seen here when the `Prepare` was not above it (0 otherwise).
+    /// the job seen here when the `Prepare` was not above it (0 otherwise); `no_room`: the
+    /// memory level had no room for the recovery copies (the cleaner may take over).
     Refused {
         job: String,
         epoch: u64,
         coord_inc: u64,
         why: String,
         seen: u64,
+        #[serde(default)]
+        no_room: bool,
     },
     /// Coordinator → participant: the epoch committed (the pages taken are clean) or not
     /// (they are dirty again).
@@ -181,5 +184,25 @@ impl Msg {
             | Msg::Decide { epoch, .. }
             | Msg::InDoubt { epoch, .. } => *epoch,
         }
+    }
+}
+
+/// Why a participant could not keep its pages (the shell's write failed).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Refusal {
+    pub why: String,
+    /// No room for the memory level's recovery copies (`frames::FrameError::NoRoom`).
+    pub no_room: bool,
+}
+
+impl From<String> for Refusal {
+    fn from(why: String) -> Refusal {
+        Refusal { why, no_room: false }
+    }
+}
+
+impl From<&str> for Refusal {
+    fn from(why: &str) -> Refusal {
+        Refusal::from(why.to_string())
     }
 }

@@ -25,7 +25,7 @@
 //! - only a persistent epoch is reported in doubt to a new coordinator (its commit record
 //!   decides); a memory epoch in doubt is settled by the job's rollback.
 
-use crate::msg::{Level, Msg};
+use crate::msg::{Level, Msg, Refusal};
 use psls_pfs::jobs::FileRuns;
 use psls_svm::{FileId, NodeId};
 use std::collections::{BTreeMap, VecDeque};
@@ -280,6 +280,7 @@ impl Participant {
                         coord_inc,
                         why: format!("epoch {epoch} is not above epoch {s}, seen here"),
                         seen: s,
+                        no_room: false,
                     },
                 });
                 return;
@@ -390,7 +391,7 @@ impl Participant {
 
     /// The shell's write of `epoch` is over: durable (`Ok`: the runs written and their bytes)
     /// or failed.
-    pub fn written(&mut self, job: &str, epoch: u64, result: Result<(Vec<FileRuns>, u64), String>) {
+    pub fn written(&mut self, job: &str, epoch: u64, result: Result<(Vec<FileRuns>, u64), Refusal>) {
         let (next, level, coord_inc) = match self.jobs.get_mut(job) {
             Some(State::Writing {
                 epoch: e,
@@ -445,7 +446,7 @@ impl Participant {
                     },
                 });
             }
-            Err(why) => {
+            Err(Refusal { why, no_room }) => {
                 self.jobs.remove(job);
                 self.actions.push_back(PartAction::Restore {
                     job: job.to_string(),
@@ -460,6 +461,7 @@ impl Participant {
                         coord_inc,
                         why,
                         seen: 0,
+                        no_room,
                     },
                 });
             }
@@ -493,6 +495,7 @@ impl Participant {
                 coord_inc,
                 why,
                 seen: 0,
+                no_room: false,
             },
         };
         self.actions.push_back(PartAction::Send { to, msg });
@@ -617,7 +620,7 @@ mod tests {
             [
                 PartAction::Restore { epoch: 4, .. },
                 PartAction::Send {
-                    msg: Msg::Refused { .. },
+                    msg: Msg::Refused { no_room: false, .. },
                     ..
                 }
             ]

@@ -1321,7 +1321,7 @@ impl World {
                             self.count(Counts::MEMORY_COMMITS);
                         }
                     }
-                    Outcome::Aborted(_) => {}
+                    Outcome::Aborted(_) | Outcome::NoRoom(_) => {}
                 }
             }
         }
@@ -1537,7 +1537,9 @@ impl World {
             (runs, w.pages.len() as u64 * 4096)
         });
         self.log(|| format!("write of {epoch} at {i}: {:?}", r.as_ref().map(|_| ())));
-        self.nodes[i].part.written(JOB, epoch, r);
+        self.nodes[i]
+            .part
+            .written(JOB, epoch, r.map_err(psls_ckpt::msg::Refusal::from));
     }
 
     /// A cleaner round's flush on node `i`: its recovery copies newer than the disks that the

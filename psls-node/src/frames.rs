@@ -23,7 +23,7 @@ pub struct RecoveryArea {
 
 fn op_error(e: FrameError) -> OpError {
     let kind = match e {
-        FrameError::NoRoom { .. } => ErrorKind::Unavailable,
+        FrameError::NoRoom { .. } => ErrorKind::NoSpace,
         FrameError::Invalid(_) => ErrorKind::Invalid,
     };
     OpError::new(kind, e.to_string())

@@ -26,7 +26,7 @@ impl OpError {
 impl From<MetaError> for OpError {
     fn from(e: MetaError) -> Self {
         let kind = match &e {
-            MetaError::Exists(_) => ErrorKind::Exists,
+            MetaError::Exists(_) | MetaError::WriterBusy { .. } => ErrorKind::Exists,
             MetaError::NotFound(_) => ErrorKind::NotFound,
             MetaError::Conflict { .. } | MetaError::Invalid(_) => ErrorKind::Invalid,
             MetaError::Db(_) | MetaError::Corrupt(_) => ErrorKind::Io,

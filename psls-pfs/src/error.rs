@@ -55,6 +55,8 @@ pub enum MetaError {
     },
     #[error("invalid metadata operation: {0}")]
     Invalid(String),
+    #[error("'{name}' is mapped writable by job {job}: one job writes a file at a time (map it read-only, or wait for that job to end)")]
+    WriterBusy { name: String, job: String },
 }
 
 macro_rules! db_err {

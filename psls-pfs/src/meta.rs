@@ -1173,10 +1173,10 @@ impl MetaState {
                 };
                 match &mut f.writer {
                     Some((w, _)) if w != job => {
-                        return Err(MetaError::Invalid(format!(
-                            "'{}' is mapped writable by job {w}: one job writes a file at a time (map it read-only, or wait for that job to end)",
-                            f.name
-                        )))
+                        return Err(MetaError::WriterBusy {
+                            name: f.name.clone(),
+                            job: w.clone(),
+                        })
                     }
                     Some((_, n)) => *n = n.saturating_add(1),
                     None => f.writer = Some((job.clone(), 1)),

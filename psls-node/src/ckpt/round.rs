@@ -814,6 +814,14 @@ impl CkptShell {
                         tracing::warn!(node = %self.node.name(), job, epoch, why, "checkpoint aborted");
                         Err(unavailable(format!("checkpoint {epoch} of {job} aborted: {why}")))
                     }
+                    // (The safe point's caller tells it by its kind: the cleaner takes over.)
+                    Outcome::NoRoom(why) => {
+                        tracing::warn!(node = %self.node.name(), job, epoch, why, "memory checkpoint aborted: no room");
+                        Err(OpError::new(
+                            ErrorKind::NoSpace,
+                            format!("checkpoint {epoch} of {job} aborted: {why}"),
+                        ))
+                    }
                 };
                 for w in waiters {
                     let _ = w.send(r.clone());
@@ -846,7 +854,11 @@ impl CkptShell {
                     if let Err(e) = &r {
                         tracing::warn!(node = %me.node.name(), job, epoch, error = %e, "checkpoint pages not written");
                     }
-                    me.part.locked().written(&job, epoch, r.map_err(|e| e.message));
+                    let r = r.map_err(|e| psls_ckpt::msg::Refusal {
+                        no_room: e.kind == ErrorKind::NoSpace && level == Level::Memory,
+                        why: e.message,
+                    });
+                    me.part.locked().written(&job, epoch, r);
                     me.drive();
                 });
             }

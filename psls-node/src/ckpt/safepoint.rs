@@ -326,7 +326,7 @@ impl CkptShell {
             // checkpoint without them (the rollback that follows restores the last one). Nor
             // once the ranks went on: the pages are no longer those of the safe point, so the
             // job's next safe point takes the cleaner instead.
-            (Level::Memory, Err(e)) if e.message.contains(psls_ckpt::frames::NO_ROOM) => {
+            (Level::Memory, Err(e)) if e.kind == ErrorKind::NoSpace => {
                 if went_on {
                     tracing::info!(node = %node.name(), job, error = %e, "memory checkpoint did not fit after its ranks went on; the next one is the cleaner");
                     self.cleaner_next.locked().insert(job.to_string());

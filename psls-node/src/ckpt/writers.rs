@@ -64,14 +64,7 @@ impl CkptShell {
                 file,
                 job: job.to_string(),
             })
-            .await
-            .map_err(|e| {
-                if e.message.contains("one job writes a file at a time") {
-                    OpError::new(ErrorKind::Exists, e.message)
-                } else {
-                    e
-                }
-            })?;
+            .await?;
         self.claims
             .locked()
             .entry(pid)
