@@ -45,6 +45,31 @@ fn the_daemon_psls_run_talks_to_killed_mid_job_and_psls_run_killed_leave_the_job
     assert_eq!(got, want);
     assert_eq!(c.job_entry(&job)["state"], "finished");
     c.assert_no_rank_left("after the attached job");
+
+    // kill -9 of `psls run` during a rollback (n1 killed): the rollback goes on, the job
+    // completes, `psls attach` follows it to its end and nothing is left running.
+    let mut run = mgs(&c, "n2", &[]);
+    let (job, _err) = job_id(&mut run);
+    wait_first_checkpoint(&c, &job);
+    c.kill("n1");
+    wait_for(Duration::from_secs(30), "the rollback", || {
+        c.job_entry(&job)["activity"]
+            .as_str()
+            .is_some_and(|a| a.starts_with("rolling back"))
+    });
+    run.kill().expect("kill psls run");
+    let _ = run.wait();
+    c.ok(&["cluster", "up"]);
+    let attach = c
+        .cmd(&["--node", "n0", "attach", &job])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("psls attach");
+    let (got, _) = finish(attach, "psls attach after psls run was killed in a rollback");
+    assert_eq!(got, want);
+    assert_eq!(c.job_entry(&job)["state"], "finished");
+    c.assert_no_rank_left("after the job rolled back without its psls run");
 }
 
 #[test]
