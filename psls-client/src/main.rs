@@ -300,16 +300,7 @@ fn run_job(
         match first {
             Ok(done) => break done,
             Err(e) => {
-                let lost = matches!(
-                    e,
-                    psls_client::ClientError::Frame(_)
-                        | psls_client::ClientError::Connect { .. }
-                        | psls_client::ClientError::Daemon {
-                            kind: psls_ipc::ErrorKind::Unavailable,
-                            ..
-                        }
-                );
-                let Some(j) = job.clone().filter(|_| lost) else {
+                let Some(j) = job.clone().filter(|_| lost_daemon(&e)) else {
                     return Err(e.into());
                 };
                 if std::time::Instant::now() >= deadline {
@@ -407,17 +398,7 @@ fn attach(dir: &Path, node: Option<&str>, job: &str) -> Result<i32> {
                 return Ok(code);
             }
             Err(e) => {
-                let lost = e.downcast_ref::<psls_client::ClientError>().is_some_and(|c| {
-                    matches!(
-                        c,
-                        psls_client::ClientError::Frame(_)
-                            | psls_client::ClientError::Connect { .. }
-                            | psls_client::ClientError::Daemon {
-                                kind: psls_ipc::ErrorKind::Unavailable,
-                                ..
-                            }
-                    )
-                });
+                let lost = e.downcast_ref::<psls_client::ClientError>().is_some_and(lost_daemon);
                 if !lost || std::time::Instant::now() >= deadline {
                     return Err(e);
                 }
@@ -427,6 +408,20 @@ fn attach(dir: &Path, node: Option<&str>, job: &str) -> Result<i32> {
             }
         }
     }
+}
+
+/// Whether `e` means the node daemon went away (killed, paused, restarted) rather than a
+/// refusal: a follower then follows the job again from another node.
+fn lost_daemon(e: &psls_client::ClientError) -> bool {
+    matches!(
+        e,
+        psls_client::ClientError::Frame(_)
+            | psls_client::ClientError::Connect { .. }
+            | psls_client::ClientError::Daemon {
+                kind: psls_ipc::ErrorKind::Unavailable,
+                ..
+            }
+    )
 }
 
 /// How long `psls run` tries to follow its job again after losing its node daemon.
