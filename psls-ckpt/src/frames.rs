@@ -580,15 +580,11 @@ impl<D: Clone> FrameTable<D> {
         out
     }
 
-    /// Installs recovery copies re-created from the other holder (a rollback), the job's
-    /// memory epoch being `committed`. Refused as a whole when they do not fit.
-    pub fn install(
-        &mut self,
-        job: &str,
-        committed: u64,
-        file: FileId,
-        pages: Vec<(u64, Frame<D>)>,
-    ) -> Result<(), FrameError> {
+    /// Installs recovery copies re-created from the other holder (a rollback). Refused as a
+    /// whole when they do not fit. The job's committed epoch stays: it is [`FrameTable::adopt`]ed
+    /// once every holder sent its copies, so a restore cut short leaves this node lost, and its
+    /// copies are re-created whole by the next.
+    pub fn install(&mut self, job: &str, file: FileId, pages: Vec<(u64, Frame<D>)>) -> Result<(), FrameError> {
         let (used, capacity) = (self.frames, self.capacity);
         let ff = self.file_of(job, file)?;
         let need = pages
@@ -603,9 +599,23 @@ impl<D: Clone> FrameTable<D> {
         }
         self.frames += need;
         self.note_peak();
-        let jm = self.jobs.entry(job.to_string()).or_default();
-        jm.committed = jm.committed.max(committed);
         Ok(())
+    }
+
+    /// Every holder re-created this node's copies of `job`'s memory checkpoint `committed`:
+    /// it is committed here.
+    pub fn adopt(&mut self, job: &str, committed: u64) {
+        if let Some(jm) = self.jobs.get_mut(job) {
+            jm.committed = jm.committed.max(committed);
+        } else if self.jobs.len() < MAX_JOBS {
+            self.jobs.insert(
+                job.to_string(),
+                JobMem {
+                    committed,
+                    ..JobMem::default()
+                },
+            );
+        }
     }
 
     /// A rollback of `job` to memory epoch `target` (0: the persistent checkpoint), with every
@@ -613,7 +623,12 @@ impl<D: Clone> FrameTable<D> {
     /// go, and no store of a fenced epoch is taken any more; with `target` 0 every copy that
     /// may differ from the disks goes too — unsaved, or marked by a cleaner round (which may
     /// have committed without this node hearing it).
+    /// A node that does not hold `target` (it lost its copies: the rollback re-creates them)
+    /// keeps its older committed epoch until it [`FrameTable::adopt`]s the target, so a
+    /// rollback cut short before every copy came back finds it lost again.
     pub fn settle(&mut self, job: &str, target: u64, fenced: u64) {
+        let was = self.job(job);
+        let holds = target == 0 || was.committed == target || was.pre == Some(target);
         if target > 0 && self.job(job).pre == Some(target) {
             self.commit(job, target);
         }
@@ -643,7 +658,7 @@ impl<D: Clone> FrameTable<D> {
         self.prune();
         if self.jobs.contains_key(job) || self.jobs.len() < MAX_JOBS {
             let jm = self.jobs.entry(job.to_string()).or_default();
-            jm.committed = target;
+            jm.committed = if holds { target } else { jm.committed.min(target) };
             jm.floor = jm.floor.max(fenced).max(target);
         }
     }
@@ -911,6 +926,41 @@ mod tests {
         a.settle("j", 2, 2);
         assert_eq!(a.read(f, 5), Some(&9));
         assert_eq!(a.job("j").committed, 2);
+    }
+
+    /// Found by the checkpoint simulator: a restore cut short after the settle, with only one
+    /// of two holders' copies re-created, must find the node lost again.
+    #[test]
+    fn a_node_that_lost_its_copies_stays_lost_until_it_adopts_the_re_created_ones() {
+        let mut a: FrameTable<u8> = FrameTable::new(8);
+        let f = FileId(1);
+        a.settle("j", 3, 3);
+        assert_eq!(a.job("j").committed, 0, "a restarted node does not hold checkpoint 3");
+        a.install(
+            "j",
+            f,
+            vec![(
+                4,
+                Frame {
+                    epoch: 3,
+                    role: Role::Mirror,
+                    data: 7,
+                    saved: false,
+                    superseded_gen: 0,
+                },
+            )],
+        )
+        .unwrap();
+        assert_eq!(a.job("j").committed, 0, "one holder's copies are not all of them");
+        assert_eq!(
+            rollback_target(&[(0, 3, None), (1, a.job("j").committed, None), (2, 3, None)], 1, 3).1,
+            vec![1]
+        );
+        a.adopt("j", 3);
+        assert_eq!((a.job("j").committed, a.read(f, 4)), (3, Some(&7)));
+        // A rollback to the persistent checkpoint: every node is at 0.
+        a.settle("j", 0, 4);
+        assert_eq!(a.job("j").committed, 0);
     }
 
     #[test]

@@ -21,6 +21,8 @@
 //! - [`frames::FrameTable`]: a node's memory-checkpoint recovery copies (pre-recovery,
 //!   committed, saved to the disks or not), and [`frames::rollback_target`], the memory level
 //!   of a rollback.
+//! - [`restore::Restore`]: the order of a job's restore in a rollback (states, fence, settle,
+//!   re-create lost copies, drop the pages, serve them again), for the shell to carry out.
 //! - [`cleaning::Policy`]: which copies stay in memory after a cleaner checkpoint (no
 //!   cleaning, total, P1, P2, P3, LRU down to a threshold).
 //! - [`msg::Msg`]: what they send each other. Every message names the job and the epoch; a
@@ -41,6 +43,7 @@ pub mod memory;
 pub mod msg;
 pub mod pages;
 pub mod participant;
+pub mod restore;
 pub mod safepoint;
 
 pub use coordinator::{CoordAction, Coordinator, Outcome, Progress, Step};

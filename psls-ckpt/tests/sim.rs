@@ -34,16 +34,18 @@
 //! rank is at the safe point (no node paused) and every node is live for it (heard within the
 //! timeout, no verdict on it known: the daemon's `check_all_serving`).
 //!
-//! A crash, or a committed verdict on a node running the job, rolls the job back (the shape
-//! the daemon follows): the ranks are stopped everywhere (on a paused or cut-off node once it
-//! is awake and reachable); once every node is up, awake, not declared down (a declared one
-//! back as a new incarnation), stopped, joined both ways to the coordinator and knowing it
-//! coordinates, and no round of the coordinator is deciding, the coordinator fences every
-//! epoch begun or seen so far, and when the fence is applied with every node still there, the
-//! job returns to the newest memory checkpoint a node committed if it is newer than the
-//! committed persistent one and no page lost both recovery copies, else to the persistent one
-//! (memories dropped, recovery copies settled and re-created on the nodes that lost theirs,
-//! the pages reloaded from recovery copies or the disks).
+//! A crash, or a committed verdict on a node running the job, rolls the job back: the ranks
+//! are stopped everywhere (on a paused or cut-off node once it is awake and reachable), and the
+//! coordinator carries out the real restore machine (`psls_ckpt::restore::Restore`, the one
+//! `psls-node`'s `recovery::restore` carries out), one step a call to one node: every node's
+//! memory state, the fence of every epoch begun or seen (waiting while a round of its own
+//! decides), the states again, the settle, the re-creation of lost copies and their adoption,
+//! the drop of the job's pages, and their serving again. A call to a node that is not up,
+//! awake, undeclared, stopped, joined both ways to the coordinator and knowing it coordinates
+//! fails, and so does the restore: it is done again whole, as job control asks again; so is a
+//! restore whose coordinator changed, or that a crash or a verdict overtook. Once it is over,
+//! the job returns to the newest memory checkpoint a node committed if it is newer than the
+//! committed persistent one and no page lost both recovery copies, else to the persistent one.
 //!
 //! Checked after every step (the checks (a) to (c) at every message, page write, metadata
 //! operation and decision they concern):
@@ -77,8 +79,9 @@
 mod common;
 
 use psls_ckpt::cleaning::Policy;
-use psls_ckpt::frames::{rollback_target, FrameTable};
+use psls_ckpt::frames::FrameTable;
 use psls_ckpt::msg::Level;
+use psls_ckpt::restore::{NodeState, Restore, RestoreAction};
 use psls_ckpt::{CoordAction, Coordinator, Msg, Outcome, PartAction, Participant};
 use psls_cluster::verdicts::Verdicts;
 use psls_pfs::jobs::FileRuns;
@@ -395,8 +398,11 @@ struct World {
     app: Image,
     next_val: u64,
     /// A crash or a verdict happened: the job is stopped until a rollback completes
-    /// (`Some(true)`: its fence is submitted).
+    /// (`Some(true)`: its restore is under way).
     rollback: Option<bool>,
+    /// The restore under way: the coordinator that drives it, the machine, and an action that
+    /// waits (a fence while a round decides).
+    restore: Option<(usize, Restore, Option<RestoreAction>)>,
     /// Rollback fences submitted.
     fences: u64,
     /// Rollbacks completed: the job's run since the last one, and the run each round began in
@@ -502,6 +508,7 @@ impl World {
             app,
             next_val: 1,
             rollback: None,
+            restore: None,
             fences: 0,
             lineage: 0,
             round_lineage: BTreeMap::new(),
@@ -663,7 +670,7 @@ impl World {
         }
         // A rollback's fence submitted in the old term may be lost: the launcher tries again.
         if self.rollback == Some(true) {
-            self.rollback = Some(false);
+            self.rollback_again();
         }
         // The old coordinator, which a majority has not heard for the timeout, is declared.
         if let Some(o) = old.filter(|&o| self.nodes[o].up && self.acting() == Some(c)) {
@@ -1719,7 +1726,15 @@ impl World {
             }
         }
         match t.task {
-            Task::Rollback(k) if k == self.fences && self.rollback == Some(true) => self.finish_rollback(),
+            Task::Rollback(k) if k == self.fences && self.rollback == Some(true) => match r {
+                Ok(()) => {
+                    let (persistent, fenced) = (self.committed_epoch(), self.fenced);
+                    self.restore_mut()
+                        .handle_fenced(persistent, fenced)
+                        .expect("the restore waits for its fence");
+                }
+                Err(_) => self.rollback_again(),
+            },
             Task::Rollback(_) => {}
             Task::Declare { node, inc, paused, cut } => {
                 if alive {
@@ -1764,7 +1779,7 @@ impl World {
         // job back.
         if self.nodes[node].up && self.nodes[node].inc == inc {
             self.stop_job();
-            self.rollback = Some(false);
+            self.rollback_again();
             if paused {
                 self.rollback_after_pause = true;
             }
@@ -1805,7 +1820,7 @@ impl World {
         }
         // The job stops: its memories are dropped; a rollback follows.
         self.stop_job();
-        self.rollback = Some(false);
+        self.rollback_again();
     }
 
     /// The detector suspects node `i` while it runs (its heartbeats were late): the
@@ -1866,83 +1881,174 @@ impl World {
         m.part.forget(JOB);
     }
 
-    /// The coordinator fences every epoch begun, once every node is there and no round of its
-    /// own is deciding.
-    fn rollback_step(&mut self) {
-        if self.rollback != Some(false) {
-            return;
-        }
-        let Some(ci) = self.acting() else { return };
-        // The launcher waits for every node (a failed one back with an empty memory, a
-        // declared one as a new incarnation), its ranks stopped, reachable, answering.
-        let ready = (0..self.nodes.len()).all(|i| {
-            self.awake(i)
-                && !self.declared(i)
-                && !self.nodes[i].inbox.iter().any(|e| matches!(e, Local::Stop))
-                && self.both_ways(ci, i)
-                && self.nodes[i].view == Some(ci)
-        });
-        if !ready || self.nodes[ci].coord.busy(JOB) {
-            return;
-        }
-        // Above every epoch a node saw: memory epochs leave no record.
-        let seen = self.nodes.iter().map(|n| n.part.seen(JOB)).max().unwrap_or(0);
-        let epoch = psls_ckpt::frames::fence_epoch(self.meta.job_floor(JOB), self.nodes[ci].started, seen);
-        self.nodes[ci].mem_committed = 0;
-        self.nodes[ci].mem_learned_term = 0;
-        self.fenced = epoch;
-        self.rollback = Some(true);
+    /// A crash, a verdict or a change of coordinator: the job is stopped, and the restore under
+    /// way (if any) is dropped, to be done again whole.
+    fn rollback_again(&mut self) {
+        self.rollback = Some(false);
+        self.restore = None;
+        // A fence it submitted may still be applied: it completes no later restore.
         self.fences += 1;
-        self.submit(
-            ci,
-            MetaOp::FenceCheckpoint { job: JOB.into(), epoch },
-            Task::Rollback(self.fences),
-        );
     }
 
-    fn finish_rollback(&mut self) {
-        // A node went down, paused or got cut off meanwhile: the launcher starts its pass
-        // again.
-        let ready = self
-            .leader
-            .is_some_and(|l| (0..self.nodes.len()).all(|i| self.awake(i) && !self.declared(i) && self.both_ways(l, i)));
-        if !ready {
-            self.rollback = Some(false);
+    /// Whether coordinator `ci` reaches node `i` for a step of a restore: awake, not declared
+    /// down, its ranks stopped, joined both ways and knowing who coordinates.
+    fn restore_reaches(&self, ci: usize, i: usize) -> bool {
+        self.awake(i)
+            && !self.declared(i)
+            && !self.nodes[i].inbox.iter().any(|e| matches!(e, Local::Stop))
+            && self.both_ways(ci, i)
+            && self.nodes[i].view == Some(ci)
+    }
+
+    /// The job's restore, as the daemon carries it out (`recovery::restore`): the real
+    /// [`Restore`] machine orders the steps, each a call to one node that fails if the node is
+    /// not there (and the restore is then done again whole, as job control asks again).
+    fn rollback_step(&mut self) {
+        let Some(ci) = self.acting() else {
+            if self.restore.is_some() {
+                self.rollback_again();
+            }
+            return;
+        };
+        match self.rollback {
+            Some(false) => {
+                // Job control asks for a restore (its ranks stopped everywhere reachable).
+                let nodes: Vec<(u32, String)> = (0..self.nodes.len())
+                    .map(|i| (i as u32, NAMES[i].to_string()))
+                    .collect();
+                let files: Vec<FileId> = self.file_ids();
+                self.restore = Some((ci, Restore::new(JOB, &nodes, &files, false), None));
+                self.rollback = Some(true);
+            }
+            Some(true) => {}
+            None => return,
+        }
+        let Some((by, r, next)) = self.restore.as_mut() else {
+            return;
+        };
+        if *by != ci {
+            self.rollback_again();
             return;
         }
-        let persistent = self.committed_epoch();
-        self.lineage += 1;
-        self.stop_job();
-        for i in 0..self.nodes.len() {
-            self.nodes[i].inbox.retain(|e| !matches!(e, Local::Stop));
-            // Every node takes part: it knows who coordinates and every committed verdict.
-            self.install(i);
-        }
-        // The memory level (the daemon's `recovery::settle_memory`).
-        let states: Vec<(u32, u64, Option<u64>)> = (0..self.nodes.len())
-            .map(|l| {
-                let m = self.nodes[l].frames.job(JOB);
-                (l as u32, m.committed, m.pre)
-            })
-            .collect();
-        let (memory, lost) = rollback_target(&states, persistent, self.nodes.len() as u32);
-        for n in self.nodes.iter_mut() {
-            n.frames.settle(JOB, memory, self.fenced);
-        }
-        if memory > 0 {
-            // Each holder sends what the nodes that lost theirs held (the daemon's
-            // `FramesReq::Recreate`).
-            for h in 0..self.nodes.len() {
+        let Some(a) = next.take().or_else(|| r.poll_action()) else {
+            return;
+        };
+        self.log(|| format!("restore by {ci}: {a:?}"));
+        let node = |name: &str| node_index(name);
+        let answered = match a {
+            RestoreAction::AskState { logical, node: p } => {
+                let i = node(&p);
+                if !self.restore_reaches(ci, i) {
+                    return self.rollback_again();
+                }
+                let m = self.nodes[i].frames.job(JOB);
+                let state = NodeState {
+                    committed: m.committed,
+                    pre: m.pre,
+                    seen: self.nodes[i].part.seen(JOB),
+                    files: Vec::new(),
+                };
+                self.restore_mut().handle_state(logical, &p, state)
+            }
+            RestoreAction::Fence { seen } => {
+                if self.nodes[ci].coord.busy(JOB) {
+                    // A round of its own is deciding: the fence waits for its end.
+                    if let Some((_, _, next)) = self.restore.as_mut() {
+                        *next = Some(RestoreAction::Fence { seen });
+                    }
+                    return;
+                }
+                let epoch = psls_ckpt::frames::fence_epoch(self.meta.job_floor(JOB), self.nodes[ci].started, seen);
+                self.nodes[ci].mem_committed = 0;
+                self.nodes[ci].mem_learned_term = 0;
+                self.fenced = epoch;
+                self.fences += 1;
+                self.submit(
+                    ci,
+                    MetaOp::FenceCheckpoint { job: JOB.into(), epoch },
+                    Task::Rollback(self.fences),
+                );
+                Ok(())
+            }
+            RestoreAction::Settle {
+                node: p,
+                target,
+                fenced,
+                ..
+            } => {
+                let i = node(&p);
+                if !self.restore_reaches(ci, i) {
+                    return self.rollback_again();
+                }
+                self.nodes[i].frames.settle(JOB, target, fenced);
+                self.restore_mut().handle_settled(&p)
+            }
+            RestoreAction::Recreate { node: p, lost, .. } => {
+                let h = node(&p);
+                if !self.restore_reaches(ci, h) {
+                    return self.rollback_again();
+                }
+                // The holder sends what the nodes that lost theirs held (the daemon's
+                // `FramesReq::Recreate`).
                 for ((o, file, _), pages) in self.nodes[h].frames.copies_for_lost(JOB, &lost, &self.placement) {
                     self.nodes[o.0 as usize]
                         .frames
-                        .install(JOB, memory, file, pages)
+                        .install(JOB, file, pages)
                         .expect("a lost node's copies fit where they were");
                 }
+                self.restore_mut().handle_recreated(&p)
             }
+            RestoreAction::Adopt { node: p, target } => {
+                let i = node(&p);
+                if !self.restore_reaches(ci, i) {
+                    return self.rollback_again();
+                }
+                self.nodes[i].frames.adopt(JOB, target);
+                self.restore_mut().handle_adopted(&p)
+            }
+            RestoreAction::Drop { node: p, .. } => {
+                let i = node(&p);
+                if !self.restore_reaches(ci, i) {
+                    return self.rollback_again();
+                }
+                self.stop_node(i);
+                self.restore_mut().handle_dropped(&p, &[])
+            }
+            RestoreAction::Serve { node: p, .. } => {
+                let i = node(&p);
+                if !self.restore_reaches(ci, i) {
+                    return self.rollback_again();
+                }
+                // It takes part again: it knows who coordinates and every committed verdict.
+                self.install(i);
+                self.restore_mut().handle_served(&p)
+            }
+            RestoreAction::Prefetch { .. } => self.restore_mut().handle_prefetched(),
+            RestoreAction::Done {
+                epoch: target,
+                memory,
+                persistent,
+                lost,
+                ..
+            } => {
+                self.finish_rollback(target, memory, persistent, lost);
+                Ok(())
+            }
+        };
+        answered.expect("the simulator answers what the restore asked");
+    }
+
+    fn restore_mut(&mut self) -> &mut Restore {
+        &mut self.restore.as_mut().expect("a restore under way").1
+    }
+
+    /// The restore is over: the job runs again from checkpoint `target`.
+    fn finish_rollback(&mut self, target: u64, memory: u64, persistent: u64, lost: Vec<u32>) {
+        self.restore = None;
+        self.lineage += 1;
+        if memory > 0 {
             self.count(Counts::MEMORY_ROLLBACKS);
         }
-        let target = memory.max(persistent);
         self.app = self
             .history
             .get(&target)
@@ -2084,6 +2190,11 @@ impl World {
     /// One step of the calm phase: everything that can progress does.
     fn calm_step(&mut self) {
         self.observe();
+        // Heartbeats tell a declared node its verdict (it rejoins as a new incarnation), also
+        // while no coordinator is there to install it.
+        for _ in 0..self.nodes.len() {
+            self.heartbeat();
+        }
         for i in 0..self.nodes.len() {
             if self.awake(i) {
                 self.install(i);

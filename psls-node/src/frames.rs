@@ -135,11 +135,12 @@ impl RecoveryArea {
         self.table.locked().copies_for_lost(job, lost, placement)
     }
 
-    pub fn install(&self, job: &str, committed: u64, file: FileId, pages: Vec<(u64, Frame)>) -> Result<(), OpError> {
-        self.table
-            .locked()
-            .install(job, committed, file, pages)
-            .map_err(op_error)
+    pub fn install(&self, job: &str, file: FileId, pages: Vec<(u64, Frame)>) -> Result<(), OpError> {
+        self.table.locked().install(job, file, pages).map_err(op_error)
+    }
+
+    pub fn adopt(&self, job: &str, committed: u64) {
+        self.table.locked().adopt(job, committed)
     }
 
     pub fn settle(&self, job: &str, target: u64, fenced: u64) {

@@ -230,10 +230,12 @@ pub enum FramesReq {
     /// Send every recovery copy of `job` held here whose other holder is one of the logical
     /// ids `lost` (restarted or replaced) to that holder (answered with `Recreated`).
     Recreate { job: String, lost: Vec<u32> },
+    /// Every holder re-created this node's copies of `job`'s memory checkpoint `committed`: it
+    /// is committed here (until then a restore cut short finds this node lost again).
+    Adopt { job: String, committed: u64 },
     /// Recovery copies re-created from the other holder (payload: their pages, in order).
     Install {
         job: String,
-        committed: u64,
         file: FileId,
         role: Role,
         /// Per page: index, epoch, saved.

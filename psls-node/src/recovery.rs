@@ -1,11 +1,10 @@
 //! A job's restore, the step of its rollback after a node failure (DESIGN §8) that job control
 //! (`psls_jobs::Control`, through `crate::jobctl`) asks for once the job's ranks are stopped on
 //! every node and every logical node is live again (the failed one back with an empty memory,
-//! or a spare in its place): the coordinator fences every epoch the job began, and what is
-//! committed then — the newest memory checkpoint whose copies are intact, or the persistent
-//! one — is the checkpoint the job restarts from; every node drops every copy of the job's
-//! files and volatile segments (so each page is next loaded from that checkpoint), and once all
-//! did, their directories are rebuilt (a restarted node serves their pages again).
+//! or a spare in its place).
+//! The steps and their order are `psls_ckpt::restore::Restore`'s (the checkpoint simulator
+//! drives the same machine); this module carries them out with one peer call each and holds no
+//! decision of its own.
 //!
 //! Invariant: the epoch to restart from is fenced above every epoch begun (so no checkpoint
 //! of the stopped run can commit later), and every node dropped the job's pages, before the
@@ -20,59 +19,128 @@ use psls_ipc::ErrorKind;
 use std::sync::Arc;
 
 /// Restores `job` to its newest intact checkpoint on every node; returns its epoch (0: the
-/// job's start).
+/// job's start). The order of the steps is `psls_ckpt::restore::Restore`'s; this carries them
+/// out, one node call each, and fails at the first that fails.
 pub async fn restore(node: &Arc<Node>, ckpt: &Arc<CkptShell>, job: &str) -> Result<u64, OpError> {
+    use crate::peer::FramesReq;
+    use psls_ckpt::restore::{NodeState, Restore, RestoreAction};
     let st = node.meta_state();
-    if let Some((_, p)) = node.logical_map(&st).into_iter().find(|(_, p)| !node.is_live(p)) {
+    let map = node.logical_map(&st);
+    if let Some(p) = map.values().find(|p| !node.is_live(p)) {
         return Err(OpError::new(ErrorKind::Unavailable, format!("{p} is not live")));
     }
     let options = st.job_options.get(job).cloned().unwrap_or_default();
-    let prefetching = options.prefetch;
     let cleaning: psls_ckpt::cleaning::Policy = options.cleaning.parse().unwrap_or_else(|_| node.default_cleaning());
-    // Above every epoch a node saw: memory epochs leave no record.
-    let seen = memory_states(node, job)
-        .await?
-        .iter()
-        .map(|s| s.seen)
-        .max()
-        .unwrap_or(0);
-    let (persistent, fenced) = ckpt.rollback_fence(job, seen).await?;
-    let epoch = settle_memory(node, job, persistent, fenced).await?;
     let mut files = crate::launcher::job_files(node, job, false).await;
     if let Ok(area) = crate::pfs::lookup_file(node, &state_file_name(job)).await {
         files.push(area.id);
     }
-    files.sort_unstable();
-    files.dedup();
-    let st = node.meta_state();
-    let nodes: Vec<String> = node.logical_map(&st).into_values().collect();
-    let mut all = files.clone();
-    for p in &nodes {
-        let req = PeerReq::RollbackDrop {
-            job: job.to_string(),
-            files: files.clone(),
-        };
-        match node.call_ok(p, req).await? {
-            PeerResp::Dropped { files: volatile } => all.extend(volatile),
-            other => {
-                return Err(OpError::new(
-                    ErrorKind::Internal,
-                    format!("{p}: unexpected answer {other:?}"),
-                ))
+    let nodes: Vec<(u32, String)> = map.into_iter().collect();
+    let mut r = Restore::new(job, &nodes, &files, options.prefetch);
+    let internal = |e: psls_ckpt::restore::RestoreError| OpError::new(ErrorKind::Internal, e.to_string());
+    let unexpected =
+        |p: &str, other: PeerResp| OpError::new(ErrorKind::Internal, format!("{p}: unexpected answer {other:?}"));
+    while let Some(a) = r.poll_action() {
+        match a {
+            RestoreAction::AskState { logical, node: p } => {
+                let req = PeerReq::Frames(FramesReq::State { job: job.to_string() });
+                match node.call_ok(&p, req).await? {
+                    PeerResp::MemState {
+                        committed,
+                        pre,
+                        seen,
+                        files,
+                        ..
+                    } => {
+                        let state = NodeState {
+                            committed,
+                            pre,
+                            seen,
+                            files,
+                        };
+                        r.handle_state(logical, &p, state).map_err(internal)?;
+                    }
+                    other => return Err(unexpected(&p, other)),
+                }
+            }
+            RestoreAction::Fence { seen } => {
+                let (persistent, fenced) = ckpt.rollback_fence(job, seen).await?;
+                r.handle_fenced(persistent, fenced).map_err(internal)?;
+            }
+            RestoreAction::Settle {
+                node: p,
+                target,
+                fenced,
+                files,
+            } => {
+                let req = PeerReq::Frames(FramesReq::Settle {
+                    job: job.to_string(),
+                    target,
+                    fenced,
+                    files,
+                });
+                node.call_ok(&p, req).await?;
+                r.handle_settled(&p).map_err(internal)?;
+            }
+            RestoreAction::Recreate { node: p, lost, .. } => {
+                let req = PeerReq::Frames(FramesReq::Recreate {
+                    job: job.to_string(),
+                    lost,
+                });
+                match node.call_ok(&p, req).await? {
+                    PeerResp::Recreated { pages } => {
+                        tracing::info!(node = %node.name(), job, peer = %p, pages, "recovery copies re-created")
+                    }
+                    other => return Err(unexpected(&p, other)),
+                }
+                r.handle_recreated(&p).map_err(internal)?;
+            }
+            RestoreAction::Adopt { node: p, target } => {
+                let req = PeerReq::Frames(FramesReq::Adopt {
+                    job: job.to_string(),
+                    committed: target,
+                });
+                node.call_ok(&p, req).await?;
+                r.handle_adopted(&p).map_err(internal)?;
+            }
+            RestoreAction::Drop { node: p, files } => {
+                let req = PeerReq::RollbackDrop {
+                    job: job.to_string(),
+                    files,
+                };
+                match node.call_ok(&p, req).await? {
+                    PeerResp::Dropped { files: volatile } => r.handle_dropped(&p, &volatile).map_err(internal)?,
+                    other => return Err(unexpected(&p, other)),
+                }
+            }
+            RestoreAction::Serve { node: p, files } => {
+                node.call_ok(&p, PeerReq::RollbackServe { files }).await?;
+                r.handle_served(&p).map_err(internal)?;
+            }
+            RestoreAction::Prefetch { nodes } => {
+                let pages = prefetch(node, job, &nodes, cleaning.prefetch_limit()).await;
+                tracing::info!(node = %node.name(), job, pages, "pages prefetched after the rollback");
+                r.handle_prefetched().map_err(internal)?;
+            }
+            RestoreAction::Done {
+                epoch,
+                memory,
+                persistent,
+                lost,
+                given_up,
+            } => {
+                if given_up > 0 {
+                    tracing::warn!(node = %node.name(), job, memory = given_up, persistent, ?lost, "both recovery copies of some pages are lost: back to the persistent checkpoint");
+                }
+                tracing::warn!(node = %node.name(), job, epoch, memory, persistent, ?lost, files = files.len(), "job rolled back");
+                return Ok(epoch);
             }
         }
     }
-    all.sort_unstable();
-    all.dedup();
-    for p in &nodes {
-        node.call_ok(p, PeerReq::RollbackServe { files: all.clone() }).await?;
-    }
-    if prefetching {
-        let pages = prefetch(node, job, &nodes, cleaning.prefetch_limit()).await;
-        tracing::info!(node = %node.name(), job, epoch, pages, "pages prefetched after the rollback");
-    }
-    tracing::warn!(node = %node.name(), job, epoch, files = files.len(), "job rolled back");
-    Ok(epoch)
+    Err(OpError::new(
+        ErrorKind::Internal,
+        format!("the restore of job {job} stopped short"),
+    ))
 }
 
 /// `psls run --prefetch`: every node loads again the pages of `job` it held when the rollback
@@ -101,96 +169,16 @@ async fn prefetch(node: &Arc<Node>, job: &str, nodes: &[String], limit: Option<u
     pages
 }
 
-/// A node's memory-checkpoint state of a job (`FramesReq::State`).
-struct MemState {
-    logical: u32,
-    committed: u64,
-    pre: Option<u64>,
-    seen: u64,
-    files: Vec<psls_svm::FileId>,
-}
-
-/// Every logical node's memory-checkpoint state of `job`.
-async fn memory_states(node: &Arc<Node>, job: &str) -> Result<Vec<MemState>, OpError> {
-    let st = node.meta_state();
-    let mut out = Vec::new();
-    for (l, p) in node.logical_map(&st) {
-        let req = PeerReq::Frames(crate::peer::FramesReq::State { job: job.to_string() });
-        match node.call_ok(&p, req).await? {
-            PeerResp::MemState {
-                committed,
-                pre,
-                seen,
-                files,
-                ..
-            } => out.push(MemState {
-                logical: l,
-                committed,
-                pre,
-                seen,
-                files,
-            }),
-            other => {
-                return Err(OpError::new(
-                    ErrorKind::Internal,
-                    format!("{p}: unexpected answer {other:?}"),
-                ))
-            }
-        }
-    }
-    Ok(out)
-}
-
-/// The memory level of a rollback (DESIGN §8, `psls_ckpt::frames::rollback_target`): the
-/// job restarts from the last memory checkpoint a node committed, if it is newer than the
-/// persistent one (`persistent`) and no page lost both recovery copies; every node settles its
-/// recovery copies to it, and the copies a restarted or replaced node held are re-created from
-/// the other holder, so the next failure is tolerated at once. Returns the epoch the job
-/// restarts from.
-async fn settle_memory(node: &Arc<Node>, job: &str, persistent: u64, fenced: u64) -> Result<u64, OpError> {
-    use crate::peer::FramesReq;
-    let states = memory_states(node, job).await?;
-    let mut files: Vec<psls_svm::FileId> = states.iter().flat_map(|s| s.files.iter().copied()).collect();
-    files.sort_unstable();
-    files.dedup();
-    let table: Vec<(u32, u64, Option<u64>)> = states.iter().map(|s| (s.logical, s.committed, s.pre)).collect();
-    let nodes = states.len() as u32;
-    let (target, lost) = psls_ckpt::frames::rollback_target(&table, persistent, nodes);
-    let newest = table.iter().map(|s| s.1).max().unwrap_or(0);
-    if target == 0 && newest > persistent {
-        tracing::warn!(node = %node.name(), job, memory = newest, persistent, ?lost, "both recovery copies of some pages are lost: back to the persistent checkpoint");
-    }
-    let st = node.meta_state();
-    let map = node.logical_map(&st);
-    for p in map.values() {
-        let req = PeerReq::Frames(FramesReq::Settle {
-            job: job.to_string(),
-            target,
-            fenced,
-            files: files.clone(),
-        });
-        node.call_ok(p, req).await?;
-    }
-    if target > 0 && !lost.is_empty() {
-        let mut recreated = 0;
-        for p in map.values() {
-            let req = PeerReq::Frames(FramesReq::Recreate {
-                job: job.to_string(),
-                lost: lost.clone(),
-            });
-            if let PeerResp::Recreated { pages } = node.call_ok(p, req).await? {
-                recreated += pages;
-            }
-        }
-        tracing::info!(node = %node.name(), job, memory = target, ?lost, recreated, "recovery copies re-created");
-    }
-    Ok(target.max(persistent))
-}
-
 /// The newest memory checkpoint of `job` any node committed (0: none, or a node did not answer).
 pub async fn memory_committed(node: &Arc<Node>, job: &str) -> u64 {
-    memory_states(node, job)
-        .await
-        .map(|s| s.iter().map(|m| m.committed).max().unwrap_or(0))
-        .unwrap_or(0)
+    let st = node.meta_state();
+    let mut newest = 0;
+    for p in node.logical_map(&st).into_values() {
+        let req = PeerReq::Frames(crate::peer::FramesReq::State { job: job.to_string() });
+        match node.call_ok(&p, req).await {
+            Ok(PeerResp::MemState { committed, .. }) => newest = newest.max(committed),
+            _ => return 0,
+        }
+    }
+    newest
 }

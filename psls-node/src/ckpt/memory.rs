@@ -204,17 +204,16 @@ impl CkptShell {
                 tracing::info!(node = %node.name(), job, target, "recovery copies settled for a rollback");
                 Ok((PeerResp::Ok, none))
             }
+            FramesReq::Adopt { job, committed } => {
+                node.frames.adopt(&job, committed);
+                tracing::info!(node = %node.name(), job, committed, "re-created recovery copies adopted");
+                Ok((PeerResp::Ok, none))
+            }
             FramesReq::Recreate { job, lost } => {
                 let pages = self.recreate(&job, &lost).await?;
                 Ok((PeerResp::Recreated { pages }, none))
             }
-            FramesReq::Install {
-                job,
-                committed,
-                file,
-                role,
-                pages,
-            } => {
+            FramesReq::Install { job, file, role, pages } => {
                 if pages.len() > BATCH_PAGES || payload.len() != pages.len() * PAGE_SIZE {
                     return Err(OpError::new(
                         ErrorKind::Invalid,
@@ -238,7 +237,7 @@ impl CkptShell {
                         )
                     })
                     .collect();
-                node.frames.install(&job, committed, file, frames)?;
+                node.frames.install(&job, file, frames)?;
                 Ok((PeerResp::Ok, none))
             }
         }
@@ -250,7 +249,6 @@ impl CkptShell {
         let node = &self.node;
         let st = node.meta_state();
         let p = node.placement;
-        let committed = node.frames.job(job).committed;
         let batches = node.frames.copies_for_lost(job, lost, &p);
         let mut sent = 0u64;
         for ((l, file, role), frames) in batches {
@@ -262,7 +260,6 @@ impl CkptShell {
                 }
                 let req = PeerReq::Frames(FramesReq::Install {
                     job: job.to_string(),
-                    committed,
                     file,
                     role,
                     pages: chunk.iter().map(|(i, f)| (*i, f.epoch, f.saved)).collect(),
