@@ -10,10 +10,13 @@
 //! machine decides from it (level-triggered), so a new leader takes over every job the old one
 //! drove and finishes whatever was in flight, every step being idempotent.
 //! The rank nodes' side is in [`local`]: which ranks a node may run, given the same records.
+//! Output: [`output`] numbers and keeps the ranks' lines; [`follow::Follower`] tells a client
+//! following a job its notes, each line once and in order, and its end.
 
 #![forbid(unsafe_code)]
 
 pub mod control;
+pub mod follow;
 pub mod local;
 pub mod output;
 pub mod place;

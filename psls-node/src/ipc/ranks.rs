@@ -473,25 +473,26 @@ fn safe_call(d: &Daemon, caller: crate::pfs::Caller, pid: i32) -> crate::ckpt::S
 /// How often a follower looks for new output and notes.
 const FOLLOW_MS: u64 = 50;
 
-/// Follows `job` for the client on this connection: its notes (a rollback, a restart), its
-/// ranks' output after the client's numbers (`after`), fetched from every live node, and its
-/// end (of start `since` or a later one: an earlier end is what this node's records still
-/// say before they catch up with a resume). The client going away leaves the job running.
+/// Follows `job` for the client on this connection: carries out `psls_jobs::follow::Follower`'s
+/// actions (its notes, its ranks' output after the client's numbers `after`, fetched from every
+/// live node, and its end, of start `since` or a later one). The client going away leaves the
+/// job running.
 pub(super) async fn follow(
     d: &Arc<Daemon>,
     job: String,
-    mut after: std::collections::BTreeMap<u32, u64>,
+    after: std::collections::BTreeMap<u32, u64>,
     since: u32,
     mut r: OwnedReadHalf,
     mut w: OwnedWriteHalf,
 ) -> anyhow::Result<()> {
+    use psls_jobs::follow::{FollowAction, Follower};
     let node = &d.node;
     let mut tick = tokio::time::interval(std::time::Duration::from_millis(FOLLOW_MS));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut byte = [0u8; 1];
-    // What the client was told of the job's record: (start, phase).
-    let mut told: Option<(u32, String)> = None;
-    let mut stalled = std::collections::BTreeMap::new();
+    let started = std::time::Instant::now();
+    let now_ms = || started.elapsed().as_millis() as u64;
+    let mut f = Follower::new(&job, after, since);
     loop {
         tokio::select! {
             _ = tick.tick() => {}
@@ -500,105 +501,46 @@ pub(super) async fn follow(
                 return Ok(());
             }
         }
-        let st = node.meta_state();
-        // The end is read before the last fetch: every line its ranks wrote is kept by then.
-        let end = st
-            .ended
-            .get(&job)
-            .map(|(_, e)| e.clone())
-            .filter(|e| e.attempt >= since);
-        if let Some(run) = st.runs.get(&job).filter(|r| r.attempt >= since) {
-            let phase = match &run.phase {
-                psls_pfs::runs::RunPhase::RollingBack { why } => why.clone(),
-                p => format!("{p:?}"),
-            };
-            let now = (run.attempt, phase);
-            if told.as_ref() != Some(&now) {
-                if let Some(note) = note(&st, &job, told.as_ref(), run) {
-                    send(&mut w, &Response::JobNote { message: note }).await?;
+        f.handle_tick(&node.meta_state());
+        while let Some(a) = f.poll_action() {
+            match a {
+                FollowAction::Note(message) => send(&mut w, &Response::JobNote { message }).await?,
+                FollowAction::CheckGone => {
+                    let fresh = node.meta_fresh().await.ok();
+                    f.handle_fresh(fresh.as_ref());
                 }
-                told = Some(now);
+                FollowAction::Fetch { after } => {
+                    let records = fetch_output(d, &job, &after).await;
+                    f.handle_output(records, now_ms());
+                }
+                FollowAction::Line(rec) => {
+                    let msg = Response::RankOutput {
+                        rank: rec.rank,
+                        seq: rec.seq,
+                        err: rec.err,
+                        data: rec.data,
+                    };
+                    send(&mut w, &msg).await?;
+                }
+                FollowAction::Skipped { rank, after, next } => {
+                    tracing::info!(node = %node.name(), %job, rank, after, next, "a follower skips lines no node keeps");
+                }
+                FollowAction::End { code, message } => {
+                    send(&mut w, &Response::JobDone { code, message }).await?;
+                    return Ok(());
+                }
             }
-        } else if end.is_none() {
-            // This node may be behind the leader that recorded the job: gone only once caught up.
-            let fresh = node.meta_fresh().await;
-            let known = |st: &psls_pfs::meta::MetaState| {
-                st.runs.get(&job).is_some_and(|r| r.attempt >= since)
-                    || st.ended.get(&job).is_some_and(|(_, e)| e.attempt >= since)
-            };
-            if fresh.is_ok_and(|st| !known(&st)) {
-                let message = format!("job {job} is gone (removed)");
-                send(&mut w, &Response::JobDone { code: 1, message }).await?;
-                return Ok(());
-            }
-            continue;
-        }
-        // At the end, until every kept line went (a fetch returns a bounded amount).
-        while fetch_output(d, &job, &mut after, &mut stalled, end.is_some(), &mut w).await? > 0 && end.is_some() {}
-        if let Some(end) = end {
-            send(
-                &mut w,
-                &Response::JobDone {
-                    code: end.code,
-                    message: end.message,
-                },
-            )
-            .await?;
-            return Ok(());
         }
     }
 }
 
-/// What to tell a follower of a change of `job`'s record (`None`: nothing worth a line).
-fn note(
-    st: &psls_pfs::meta::MetaState,
-    job: &str,
-    told: Option<&(u32, String)>,
-    run: &psls_pfs::runs::RunRecord,
-) -> Option<String> {
-    let max = st
-        .jobs
-        .get(job)
-        .and_then(|r| r.spec.as_ref())
-        .map_or(0, |s| s.max_restarts);
-    match (&run.phase, told) {
-        (psls_pfs::runs::RunPhase::RollingBack { why }, _) if why == psls_jobs::control::RESUMED => None,
-        (psls_pfs::runs::RunPhase::RollingBack { why }, _) => {
-            Some(format!("{why}: rolling job {job} back to its last checkpoint"))
-        }
-        (psls_pfs::runs::RunPhase::Running, Some((a, was))) if *a < run.attempt => {
-            let from = if run.restart_epoch == 0 {
-                "its start".to_string()
-            } else {
-                format!("checkpoint {}", run.restart_epoch)
-            };
-            if was == psls_jobs::control::RESUMED {
-                return Some(format!("job {job} resumed from {from}"));
-            }
-            Some(format!(
-                "job {job} restarted from {from} (restart {} of at most {max})",
-                run.restarts
-            ))
-        }
-        _ => None,
-    }
-}
-
-/// How long a follower waits for a missing line of a rank (on a node that did not answer)
-/// before it goes on past it.
-const GAP_WAIT_MS: u64 = 2000;
-
-/// Sends the client `job`'s output after its numbers, from every live node, each rank's lines
-/// in order: a missing line (on a node that did not answer, or gone) is skipped only after
-/// [`GAP_WAIT_MS`] (`stalled`: since when a rank waits) or at the job's end (`last`).
+/// `job`'s output after `after` from every live node (a node that does not answer gives
+/// nothing: the follower waits for the lines it keeps, then goes on past them).
 async fn fetch_output(
     d: &Arc<Daemon>,
     job: &str,
-    after: &mut std::collections::BTreeMap<u32, u64>,
-    stalled: &mut std::collections::BTreeMap<u32, std::time::Instant>,
-    last: bool,
-    w: &mut OwnedWriteHalf,
-) -> anyhow::Result<usize> {
+    after: &std::collections::BTreeMap<u32, u64>,
+) -> Vec<psls_jobs::output::Record> {
     let node = &d.node;
     let peers: Vec<String> = node
         .cfg
@@ -611,14 +553,22 @@ async fn fetch_output(
     let mut asks = tokio::task::JoinSet::new();
     for p in peers {
         let (d, job) = (d.clone(), job.to_string());
-        let after: Vec<(u32, u64)> = after.iter().map(|(r, s)| (*r, *s)).collect();
+        let after = after.clone();
         asks.spawn(async move {
             if p == d.node.me.name {
-                let (records, _) = d.jobs.output_since(&job, &after.into_iter().collect());
-                return records.iter().map(crate::launcher::wire_record).collect();
+                return d.jobs.output_since(&job, &after).0;
             }
+            let after: Vec<(u32, u64)> = after.into_iter().collect();
             match d.node.call_ok(&p, PeerReq::OutputSince { job, after }).await {
-                Ok(PeerResp::Output { records, .. }) => records,
+                Ok(PeerResp::Output { records, .. }) => records
+                    .into_iter()
+                    .map(|r| psls_jobs::output::Record {
+                        rank: r.rank,
+                        seq: r.seq,
+                        err: r.err,
+                        data: r.data,
+                    })
+                    .collect(),
                 _ => Vec::new(),
             }
         });
@@ -629,40 +579,5 @@ async fn fetch_output(
             all.extend(records);
         }
     }
-    all.sort_by_key(|r| (r.rank, r.seq));
-    let now = std::time::Instant::now();
-    let mut blocked: Option<u32> = None;
-    let mut sent = 0;
-    for rec in all {
-        if blocked == Some(rec.rank) {
-            continue;
-        }
-        let have = after.get(&rec.rank).copied().unwrap_or(0);
-        if rec.seq <= have {
-            continue;
-        }
-        if psls_jobs::output::line_of(rec.seq) > psls_jobs::output::line_of(have) + 1 {
-            let since = *stalled.entry(rec.rank).or_insert(now);
-            let waited = now.duration_since(since) >= std::time::Duration::from_millis(GAP_WAIT_MS);
-            if !(last || waited) {
-                blocked = Some(rec.rank);
-                continue;
-            }
-            tracing::info!(node = %node.name(), job, rank = rec.rank, from = have + 1, to = rec.seq - 1, "a follower skips lines no node keeps");
-        }
-        stalled.remove(&rec.rank);
-        after.insert(rec.rank, rec.seq);
-        sent += 1;
-        send(
-            w,
-            &Response::RankOutput {
-                rank: rec.rank,
-                seq: rec.seq,
-                err: rec.err,
-                data: rec.data,
-            },
-        )
-        .await?;
-    }
-    Ok(sent)
+    all
 }

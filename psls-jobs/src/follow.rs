@@ -1,0 +1,298 @@
+//! [`Follower`]: what a node tells one client that follows a job (`psls run`, `psls attach`):
+//! the job's notes (a rollback, a restart), its ranks' output after what the client already
+//! has, each rank's lines once and in order, and its end.
+//!
+//! The shell (`psls-node`'s `ipc::ranks::follow`) calls [`Follower::handle_tick`] now and then
+//! with the committed metadata, fetches the output the machine asks for from every live node,
+//! and writes to the client what [`Follower::poll_action`] gives.
+//! The same machine delivers output in the job-control simulator (`tests/sim.rs`).
+//!
+//! Rules:
+//! - the end is read before the last fetch: every line its ranks wrote is kept by then, and
+//!   at the end fetches go on until one brings nothing new (a fetch returns a bounded amount);
+//! - an end of a start before `since` is ignored (what this node's records still say before
+//!   they catch up with a resume);
+//! - a line after a missing one of the same rank waits [`GAP_WAIT_MS`] for it (a node that did
+//!   not answer may keep it), then is sent with the gap skipped; at the end nothing waits;
+//! - a job this node's records do not know is gone only once a fresh read of the metadata
+//!   does not know it either (this node may be behind the leader that recorded it).
+//!
+//! Invariants (asserted): a rank's numbers sent only grow; the end is given once, last.
+
+use crate::output::{line_of, Record};
+use psls_pfs::meta::MetaState;
+use psls_pfs::runs::{RunPhase, RunRecord};
+use std::collections::{BTreeMap, VecDeque};
+
+/// How long a line waits for a missing earlier line of its rank before it goes on past it.
+pub const GAP_WAIT_MS: u64 = 2000;
+
+/// What the shell must do.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum FollowAction {
+    /// Tell the client about the job (a rollback, a restart).
+    Note(String),
+    /// Fetch the job's output after `after` (rank → last number the client has) from every
+    /// live node, then [`Follower::handle_output`].
+    Fetch { after: BTreeMap<u32, u64> },
+    /// Read the metadata fresh from the leader, then [`Follower::handle_fresh`].
+    CheckGone,
+    /// Send the client this line.
+    Line(Record),
+    /// Rank `rank`'s numbers after `after` and before `next` are skipped: no node that
+    /// answered keeps them (for the log).
+    Skipped { rank: u32, after: u64, next: u64 },
+    /// The job ended (or is gone): tell the client, and stop following.
+    End { code: i32, message: String },
+}
+
+/// What the follower waits for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Wait {
+    Tick,
+    Output,
+    Fresh,
+    Over,
+}
+
+/// One client following one job (see the module doc).
+#[derive(Debug)]
+pub struct Follower {
+    job: String,
+    since: u32,
+    after: BTreeMap<u32, u64>,
+    /// Since when a rank's next line waits for a missing one.
+    stalled: BTreeMap<u32, u64>,
+    /// What the client was told of the job's record: (start, phase).
+    told: Option<(u32, String)>,
+    /// The end read before the fetch under way.
+    end: Option<(i32, String)>,
+    wait: Wait,
+    actions: VecDeque<FollowAction>,
+}
+
+impl Follower {
+    /// A follower of `job` for a client that has each rank's lines up to `after`, following
+    /// start `since` or a later one.
+    pub fn new(job: &str, after: BTreeMap<u32, u64>, since: u32) -> Follower {
+        Follower {
+            job: job.to_string(),
+            since,
+            after,
+            stalled: BTreeMap::new(),
+            told: None,
+            end: None,
+            wait: Wait::Tick,
+            actions: VecDeque::new(),
+        }
+    }
+
+    /// The last number of each rank's lines sent.
+    pub fn delivered(&self) -> &BTreeMap<u32, u64> {
+        &self.after
+    }
+
+    /// Whether the end was given.
+    pub fn is_over(&self) -> bool {
+        self.wait == Wait::Over
+    }
+
+    /// The next action.
+    pub fn poll_action(&mut self) -> Option<FollowAction> {
+        self.actions.pop_front()
+    }
+
+    /// Time passed; `st`: this node's committed metadata now. Ignored while a fetch or a fresh
+    /// read is under way.
+    pub fn handle_tick(&mut self, st: &MetaState) {
+        if self.wait != Wait::Tick {
+            return;
+        }
+        let job = self.job.as_str();
+        self.end = st
+            .ended
+            .get(job)
+            .map(|(_, e)| e)
+            .filter(|e| e.attempt >= self.since)
+            .map(|e| (e.code, e.message.clone()));
+        if let Some(run) = st.runs.get(job).filter(|r| r.attempt >= self.since) {
+            let phase = match &run.phase {
+                RunPhase::RollingBack { why } => why.clone(),
+                p => format!("{p:?}"),
+            };
+            let now = (run.attempt, phase);
+            if self.told.as_ref() != Some(&now) {
+                if let Some(n) = note(st, job, self.told.as_ref(), run) {
+                    self.actions.push_back(FollowAction::Note(n));
+                }
+                self.told = Some(now);
+            }
+        } else if self.end.is_none() {
+            self.wait = Wait::Fresh;
+            self.actions.push_back(FollowAction::CheckGone);
+            return;
+        }
+        self.fetch();
+    }
+
+    fn fetch(&mut self) {
+        self.wait = Wait::Output;
+        self.actions.push_back(FollowAction::Fetch {
+            after: self.after.clone(),
+        });
+    }
+
+    /// A fresh read of the metadata, or `None` if it failed (the follower tries again later).
+    pub fn handle_fresh(&mut self, st: Option<&MetaState>) {
+        if self.wait != Wait::Fresh {
+            return;
+        }
+        self.wait = Wait::Tick;
+        let Some(st) = st else { return };
+        let job = self.job.as_str();
+        let known = st.runs.get(job).is_some_and(|r| r.attempt >= self.since)
+            || st.ended.get(job).is_some_and(|(_, e)| e.attempt >= self.since);
+        if !known {
+            self.over(1, format!("job {job} is gone (removed)"));
+        }
+    }
+
+    /// What the fetch brought (from every node that answered, in any order), at `now_ms`.
+    pub fn handle_output(&mut self, mut records: Vec<Record>, now_ms: u64) {
+        if self.wait != Wait::Output {
+            return;
+        }
+        records.sort_by_key(|r| (r.rank, r.seq));
+        let last = self.end.is_some();
+        let mut blocked: Option<u32> = None;
+        let mut sent = 0;
+        for rec in records {
+            if blocked == Some(rec.rank) {
+                continue;
+            }
+            let have = self.after.get(&rec.rank).copied().unwrap_or(0);
+            if rec.seq <= have {
+                continue;
+            }
+            if line_of(rec.seq) > line_of(have) + 1 {
+                let since = *self.stalled.entry(rec.rank).or_insert(now_ms);
+                if !(last || now_ms.saturating_sub(since) >= GAP_WAIT_MS) {
+                    blocked = Some(rec.rank);
+                    continue;
+                }
+                self.actions.push_back(FollowAction::Skipped {
+                    rank: rec.rank,
+                    after: have,
+                    next: rec.seq,
+                });
+            }
+            self.stalled.remove(&rec.rank);
+            assert!(rec.seq > have, "a rank's numbers sent only grow");
+            self.after.insert(rec.rank, rec.seq);
+            sent += 1;
+            self.actions.push_back(FollowAction::Line(rec));
+        }
+        match self.end.clone() {
+            // At the end, until every kept line went.
+            Some(_) if sent > 0 => self.fetch(),
+            Some((code, message)) => self.over(code, message),
+            None => self.wait = Wait::Tick,
+        }
+    }
+
+    fn over(&mut self, code: i32, message: String) {
+        assert!(self.wait != Wait::Over, "a follower ends once");
+        self.wait = Wait::Over;
+        self.actions.push_back(FollowAction::End { code, message });
+    }
+}
+
+/// What to tell a follower of a change of `job`'s record (`None`: nothing worth a line).
+fn note(st: &MetaState, job: &str, told: Option<&(u32, String)>, run: &RunRecord) -> Option<String> {
+    let max = st
+        .jobs
+        .get(job)
+        .and_then(|r| r.spec.as_ref())
+        .map_or(0, |s| s.max_restarts);
+    match (&run.phase, told) {
+        (RunPhase::RollingBack { why }, _) if why == crate::control::RESUMED => None,
+        (RunPhase::RollingBack { why }, _) => Some(format!("{why}: rolling job {job} back to its last checkpoint")),
+        (RunPhase::Running, Some((a, was))) if *a < run.attempt => {
+            let from = if run.restart_epoch == 0 {
+                "its start".to_string()
+            } else {
+                format!("checkpoint {}", run.restart_epoch)
+            };
+            if was == crate::control::RESUMED {
+                return Some(format!("job {job} resumed from {from}"));
+            }
+            Some(format!(
+                "job {job} restarted from {from} (restart {} of at most {max})",
+                run.restarts
+            ))
+        }
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::output::LINE_STEP;
+
+    fn rec(rank: u32, line: u64) -> Record {
+        Record {
+            rank,
+            seq: line * LINE_STEP,
+            err: false,
+            data: format!("r{rank} l{line}\n").into_bytes(),
+        }
+    }
+
+    fn lines(f: &mut Follower) -> Vec<(u32, u64)> {
+        std::iter::from_fn(|| f.poll_action())
+            .filter_map(|a| match a {
+                FollowAction::Line(r) => Some((r.rank, line_of(r.seq))),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_gap_waits_then_is_skipped_and_each_line_goes_once_in_order() {
+        let mut f = Follower::new("j", BTreeMap::new(), 1);
+        // The job is not in these records: a fresh read decides.
+        f.handle_tick(&MetaState::default());
+        assert_eq!(f.poll_action(), Some(FollowAction::CheckGone));
+        f.handle_fresh(None);
+        assert!(!f.is_over());
+        f.handle_tick(&MetaState::default());
+        assert_eq!(f.poll_action(), Some(FollowAction::CheckGone));
+        f.handle_fresh(Some(&MetaState::default()));
+        assert_eq!(
+            f.poll_action(),
+            Some(FollowAction::End {
+                code: 1,
+                message: "job j is gone (removed)".into()
+            })
+        );
+        // Rank 0's line 2 is missing: line 3 waits, rank 1 goes on.
+        let mut f = Follower::new("j", BTreeMap::new(), 0);
+        f.wait = Wait::Output;
+        f.handle_output(vec![rec(0, 1), rec(0, 3), rec(1, 1), rec(1, 2), rec(0, 1)], 0);
+        assert_eq!(lines(&mut f), vec![(0, 1), (1, 1), (1, 2)]);
+        f.wait = Wait::Output;
+        f.handle_output(vec![rec(0, 3)], GAP_WAIT_MS - 1);
+        assert_eq!(lines(&mut f), vec![]);
+        f.wait = Wait::Output;
+        f.handle_output(vec![rec(0, 3), rec(0, 2), rec(1, 2)], GAP_WAIT_MS - 1);
+        assert_eq!(lines(&mut f), vec![(0, 2), (0, 3)]);
+        f.wait = Wait::Output;
+        f.handle_output(vec![rec(0, 5)], 10_000);
+        assert_eq!(lines(&mut f), vec![]);
+        f.wait = Wait::Output;
+        f.handle_output(vec![rec(0, 5)], 10_000 + GAP_WAIT_MS);
+        assert_eq!(lines(&mut f), vec![(0, 5)]);
+        assert_eq!(f.delivered().get(&0), Some(&(5 * LINE_STEP)));
+    }
+}
