@@ -8,6 +8,9 @@
 //! The same machine delivers output in the job-control simulator (`tests/sim.rs`).
 //!
 //! Rules:
+//! - while the job runs, only lines kept on two nodes are given (`output::Store::since`): a
+//!   line a client printed outlives one failure, so a restarted rank printing it again is
+//!   matched to it and it is not printed twice;
 //! - the end is read before the last fetch: every line its ranks wrote is kept by then, and
 //!   at the end fetches go on until one brings nothing new (a fetch returns a bounded amount);
 //! - an end of a start before `since` is ignored (what this node's records still say before
@@ -33,8 +36,9 @@ pub enum FollowAction {
     /// Tell the client about the job (a rollback, a restart).
     Note(String),
     /// Fetch the job's output after `after` (rank → last number the client has) from every
-    /// live node, then [`Follower::handle_output`].
-    Fetch { after: BTreeMap<u32, u64> },
+    /// live node, then [`Follower::handle_output`]: only lines kept on two nodes, unless `all`
+    /// (the job ended: no rank will print them again).
+    Fetch { after: BTreeMap<u32, u64>, all: bool },
     /// Read the metadata fresh from the leader, then [`Follower::handle_fresh`].
     CheckGone,
     /// Send the client this line.
@@ -139,6 +143,7 @@ impl Follower {
         self.wait = Wait::Output;
         self.actions.push_back(FollowAction::Fetch {
             after: self.after.clone(),
+            all: self.end.is_some(),
         });
     }
 

@@ -59,6 +59,10 @@ struct Stream {
     bytes: usize,
     /// The last number taken (kept when the records go).
     last: u64,
+    /// The last number known kept on a second node too: followers are given no line above it
+    /// while the job runs (a line they print must outlive this node, so that a restarted rank
+    /// that prints it again is matched to it).
+    durable: u64,
 }
 
 /// The output kept on one node, by job and rank.
@@ -101,8 +105,24 @@ impl Store {
             .collect()
     }
 
-    /// Keeps record `r` of `job`; whether it was new (a number not above the rank's last is
-    /// dropped).
+    /// Keeps a copy of another node's record `r` of `job` (kept there too: durable); whether
+    /// it was new.
+    pub fn push_copy(&mut self, job: &str, r: Record) -> bool {
+        let (rank, seq) = (r.rank, r.seq);
+        let new = self.push(job, r);
+        self.mark_durable(job, rank, seq);
+        new
+    }
+
+    /// `job`'s rank `rank`'s records up to number `seq` are kept on a second node too.
+    pub fn mark_durable(&mut self, job: &str, rank: u32, seq: u64) {
+        if let Some(s) = self.streams.get_mut(&(job.to_string(), rank)) {
+            s.durable = s.durable.max(seq.min(s.last));
+        }
+    }
+
+    /// Keeps record `r` of `job` (not yet durable); whether it was new (a number not above the
+    /// rank's last is dropped).
     pub fn push(&mut self, job: &str, r: Record) -> bool {
         let key = (job.to_string(), r.rank);
         if !self.streams.contains_key(&key) && self.streams.len() >= MAX_STREAMS {
@@ -161,9 +181,10 @@ impl Store {
     }
 
     /// Records of `job` after the numbers in `after` (rank → last number the follower has;
-    /// absent: 0), in rank then number order, at most [`MAX_FETCH_BYTES`] (at least one record);
-    /// and, per rank, the first number kept when older ones went (a gap the follower reports).
-    pub fn since(&self, job: &str, after: &BTreeMap<u32, u64>) -> (Vec<Record>, BTreeMap<u32, u64>) {
+    /// absent: 0), in rank then number order, at most [`MAX_FETCH_BYTES`] (at least one record),
+    /// only durable ones unless `all` (the job ended); and, per rank, the first number kept
+    /// when older ones went (a gap the follower reports).
+    pub fn since(&self, job: &str, after: &BTreeMap<u32, u64>, all: bool) -> (Vec<Record>, BTreeMap<u32, u64>) {
         let mut out = Vec::new();
         let mut gaps = BTreeMap::new();
         let mut bytes = 0;
@@ -179,6 +200,9 @@ impl Store {
                 }
             }
             for r in s.records.iter().filter(|r| r.seq > have) {
+                if r.seq > s.durable && !all {
+                    break;
+                }
                 if bytes + r.data.len() > MAX_FETCH_BYTES && !out.is_empty() {
                     return (out, gaps);
                 }
@@ -351,7 +375,12 @@ mod tests {
         assert_eq!(n.mark(), 4 * L);
         let new: Vec<bool> = again.into_iter().map(|r| s.push("j", r)).collect();
         assert_eq!(new, vec![true, false, false, true], "the notice and line 4 are new");
-        let (got, gaps) = s.since("j", &[(2, L)].into());
+        // Nothing is given to a follower before a second node keeps it.
+        assert!(s.since("j", &[(2, L)].into(), false).0.is_empty());
+        s.mark_durable("j", 2, 3 * L);
+        let durable: Vec<u64> = s.since("j", &[(2, L)].into(), false).0.iter().map(|r| r.seq).collect();
+        assert_eq!(durable, vec![2 * L, 3 * L]);
+        let (got, gaps) = s.since("j", &[(2, L)].into(), true);
         assert_eq!(
             got.iter().map(|r| r.seq).collect::<Vec<_>>(),
             vec![2 * L, 3 * L, 3 * L + 1, 4 * L]
@@ -359,7 +388,11 @@ mod tests {
         let texts: Vec<&[u8]> = got.iter().map(|r| r.data.as_slice()).collect();
         assert_eq!(texts, vec![b"bb\n".as_slice(), b"c\n", b"restarted\n", b"d\n"]);
         assert!(gaps.is_empty());
-        assert!(s.since("k", &BTreeMap::new()).0.is_empty());
+        assert!(s.since("k", &BTreeMap::new(), true).0.is_empty());
+        // A copy is durable where it is kept: the other node keeps it too.
+        let mut b = Store::default();
+        b.push_copy("j", got[3].clone());
+        assert_eq!(b.since("j", &BTreeMap::new(), false).0.len(), 1);
     }
 
     #[test]
@@ -401,7 +434,7 @@ mod tests {
                 },
             );
         }
-        let (got, gaps) = s.since("j", &BTreeMap::new());
+        let (got, gaps) = s.since("j", &BTreeMap::new(), true);
         assert!(got.iter().map(|r| r.data.len()).sum::<usize>() <= MAX_FETCH_BYTES);
         assert_eq!(gaps.get(&0), Some(&(11 * LINE_STEP)), "the 10 oldest lines went");
         assert_eq!(s.last("j", 0), n * LINE_STEP);

@@ -183,6 +183,7 @@ pub async fn run(config: &Path, name: &str) -> Result<()> {
     node.initial_sync().await;
     tokio::spawn(d.clone().run_ticks());
     tokio::spawn(crate::jobctl::run(d.clone()));
+    tokio::spawn(crate::launcher::copier(d.node.clone(), d.jobs.clone()));
     tokio::spawn(crate::ipc::serve(d.clone(), listener, socket.clone()));
     tracing::info!(node = name, incarnation, addr = %me.addr, socket = %socket.display(), fault_disk = fault, "psls-node ready");
 

@@ -61,6 +61,8 @@ pub struct Jobs {
     outbox: Mutex<Outbox>,
     /// One copy to the buddy at a time (a safe point's waits for the tick's).
     copying: tokio::sync::Mutex<()>,
+    /// Output waits in the outbox: the copier sends it to the buddy.
+    copy_wanted: tokio::sync::Notify,
     /// Per rank process running here (pid): its relay, asked to take in what its pipes hold.
     drains: Mutex<HashMap<u32, tokio::sync::mpsc::Sender<tokio::sync::oneshot::Sender<u64>>>>,
     /// Something to report changed (a rank started or exited).
@@ -109,13 +111,15 @@ impl Jobs {
             .collect()
     }
 
-    /// Output of `job` here after the follower's numbers.
+    /// Output of `job` here after the follower's numbers (only what a second node keeps too,
+    /// unless `all`).
     pub fn output_since(
         &self,
         job: &str,
         after: &BTreeMap<u32, u64>,
+        all: bool,
     ) -> (Vec<psls_jobs::output::Record>, BTreeMap<u32, u64>) {
-        lock(&self.output).since(job, after)
+        lock(&self.output).since(job, after, all)
     }
 }
 
@@ -147,9 +151,12 @@ impl Jobs {
         o.bytes += r.data.len();
         o.records.push_back((job.to_string(), r));
         while o.bytes > MAX_OUTBOX_BYTES {
-            let Some((_, old)) = o.records.pop_front() else { break };
+            let Some((j, old)) = o.records.pop_front() else { break };
             o.bytes -= old.data.len();
+            // Never copied: followers get it as it is, rather than never.
+            lock(&self.output).mark_durable(&j, old.rank, old.seq);
         }
+        self.copy_wanted.notify_one();
     }
 
     /// Per rank, the last output number of `job` kept here.
@@ -161,7 +168,7 @@ impl Jobs {
     pub fn keep_copy(&self, job: &str, records: Vec<psls_jobs::output::Record>) {
         let mut out = lock(&self.output);
         for r in records {
-            out.push(job, r);
+            out.push_copy(job, r);
         }
     }
 
@@ -185,6 +192,16 @@ impl Jobs {
 pub async fn copy_output(node: &Arc<Node>, jobs: &Arc<Jobs>) {
     let _one = jobs.copying.lock().await;
     let Some(buddy) = buddy(node) else {
+        // No other node is there to keep it: followers get it as it is.
+        let waiting: Vec<(String, psls_jobs::output::Record)> = {
+            let mut o = lock(&jobs.outbox);
+            o.bytes = 0;
+            o.records.drain(..).collect()
+        };
+        let mut out = lock(&jobs.output);
+        for (job, r) in waiting {
+            out.mark_durable(&job, r.rank, r.seq);
+        }
         return;
     };
     loop {
@@ -221,6 +238,24 @@ pub async fn copy_output(node: &Arc<Node>, jobs: &Arc<Jobs>) {
             }
             return;
         }
+        let mut out = lock(&jobs.output);
+        for r in &batch {
+            out.mark_durable(&job, r.rank, r.seq);
+        }
+    }
+}
+
+/// How long the copier lets output gather before it sends it to the buddy.
+const COPY_GATHER_MS: u64 = 5;
+
+/// The task that copies the output of the ranks running here to the buddy node as it comes
+/// (followers print a line once a second node keeps it).
+pub async fn copier(node: Arc<Node>, jobs: Arc<Jobs>) {
+    loop {
+        jobs.copy_wanted.notified().await;
+        tokio::time::sleep(std::time::Duration::from_millis(COPY_GATHER_MS)).await;
+        copy_output(&node, &jobs).await;
+        // What could not be sent waits for the next line or the next tick.
     }
 }
 
@@ -903,11 +938,11 @@ pub async fn serve(node: &Arc<Node>, jobs: &Arc<Jobs>, req: PeerReq) -> Result<P
             stop_ranks(jobs, &job, attempt);
             Ok(PeerResp::Ok)
         }
-        PeerReq::OutputSince { job, after } => {
+        PeerReq::OutputSince { job, after, all } => {
             if after.len() > MAX_RANKS as usize {
                 return Err(OpError::new(ErrorKind::Invalid, "too many ranks"));
             }
-            let (records, gaps) = jobs.output_since(&job, &after.into_iter().collect());
+            let (records, gaps) = jobs.output_since(&job, &after.into_iter().collect(), all);
             Ok(PeerResp::Output {
                 records: records.iter().map(wire_record).collect(),
                 gaps: gaps.into_iter().collect(),

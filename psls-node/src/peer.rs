@@ -402,6 +402,8 @@ pub enum PeerReq {
     OutputSince {
         job: String,
         after: Vec<(u32, u64)>,
+        /// Lines kept here alone too (the job ended), not only those kept on two nodes.
+        all: bool,
     },
     /// To a restarted rank's node: the output of `job`'s rank `rank` kept here after number
     /// `after` (answered with `Output`, at most `psls_jobs::output::MAX_FETCH_BYTES`).

@@ -509,8 +509,8 @@ pub(super) async fn follow(
                     let fresh = node.meta_fresh().await.ok();
                     f.handle_fresh(fresh.as_ref());
                 }
-                FollowAction::Fetch { after } => {
-                    let records = fetch_output(d, &job, &after).await;
+                FollowAction::Fetch { after, all } => {
+                    let records = fetch_output(d, &job, &after, all).await;
                     f.handle_output(records, now_ms());
                 }
                 FollowAction::Line(rec) => {
@@ -540,6 +540,7 @@ async fn fetch_output(
     d: &Arc<Daemon>,
     job: &str,
     after: &std::collections::BTreeMap<u32, u64>,
+    all: bool,
 ) -> Vec<psls_jobs::output::Record> {
     let node = &d.node;
     let peers: Vec<String> = node
@@ -556,10 +557,10 @@ async fn fetch_output(
         let after = after.clone();
         asks.spawn(async move {
             if p == d.node.me.name {
-                return d.jobs.output_since(&job, &after).0;
+                return d.jobs.output_since(&job, &after, all).0;
             }
             let after: Vec<(u32, u64)> = after.into_iter().collect();
-            match d.node.call_ok(&p, PeerReq::OutputSince { job, after }).await {
+            match d.node.call_ok(&p, PeerReq::OutputSince { job, after, all }).await {
                 Ok(PeerResp::Output { records, .. }) => records
                     .into_iter()
                     .map(|r| psls_jobs::output::Record {
