@@ -18,6 +18,9 @@ use std::collections::{BTreeMap, VecDeque};
 /// The numbers between two lines, for lines a restarted rank prints that its earlier start
 /// did not.
 pub const LINE_STEP: u64 = 1 << 16;
+/// How many kept lines ahead a restarted rank's line is looked for (past lines only an earlier
+/// start printed, such as its restart notice).
+pub const LOOKAHEAD: usize = 64;
 /// Lines a restarted rank prints that match no kept line, in a row, before its numbering
 /// gives up matching (it then numbers on after every kept line: a line may be printed twice,
 /// none is lost).
@@ -112,6 +115,11 @@ impl Store {
         let new = self.push(job, r);
         self.mark_durable(job, rank, seq);
         new
+    }
+
+    /// The last number of `job`'s rank `rank` known kept on a second node too (0: none).
+    pub fn durable(&self, job: &str, rank: u32) -> u64 {
+        self.streams.get(&(job.to_string(), rank)).map_or(0, |s| s.durable)
     }
 
     /// `job`'s rank `rank`'s records up to number `seq` are kept on a second node too.
@@ -280,10 +288,17 @@ impl Numbering {
 
     /// The number of the next line, `data` on standard error if `err`.
     pub fn number(&mut self, err: bool, data: &[u8]) -> u64 {
-        if let Some(e) = self.expect.front() {
-            if e.err == err && e.data == data {
-                let seq = e.seq;
-                self.expect.pop_front();
+        if !self.expect.is_empty() {
+            // The next kept line, or one a little further: the kept lines between were printed
+            // only by an earlier start (its restart notice), and this start skips them.
+            let hit = self
+                .expect
+                .iter()
+                .take(LOOKAHEAD)
+                .position(|e| e.err == err && e.data == data);
+            if let Some(k) = hit {
+                self.expect.drain(..k);
+                let seq = self.expect.pop_front().map_or(self.last, |e| e.seq);
                 self.misses = 0;
                 self.last = seq;
                 return seq;
@@ -393,6 +408,36 @@ mod tests {
         let mut b = Store::default();
         b.push_copy("j", got[3].clone());
         assert_eq!(b.since("j", &BTreeMap::new(), false).0.len(), 1);
+    }
+
+    /// Found by the job-control simulator: the kept lines hold an earlier restart's notice,
+    /// which a later restart does not print again; its lines must still match theirs.
+    #[test]
+    fn a_second_restart_matches_past_the_notice_of_the_first() {
+        const L: u64 = LINE_STEP;
+        let line = |k: u64| format!("line {k}\n").into_bytes();
+        let mut kept = vec![Record {
+            rank: 0,
+            seq: 2 * L,
+            err: false,
+            data: b"restarted in start 1\n".to_vec(),
+        }];
+        kept.extend((2..=4).map(|k| Record {
+            rank: 0,
+            seq: (k + 1) * L,
+            err: false,
+            data: line(k),
+        }));
+        let mut n = Numbering::replay(L, kept);
+        assert_eq!(
+            n.number(false, b"restarted in start 2\n"),
+            5 * L + 1,
+            "a new line: above the kept ones"
+        );
+        assert_eq!(n.number(false, &line(2)), 3 * L, "past the first restart's notice");
+        assert_eq!(n.number(false, &line(3)), 4 * L);
+        assert_eq!(n.number(false, &line(4)), 5 * L);
+        assert_eq!(n.number(false, &line(5)), 6 * L);
     }
 
     #[test]
