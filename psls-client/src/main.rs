@@ -257,20 +257,11 @@ fn run_job(
     // `psls run` killed otherwise leaves it running.
     let started: std::sync::Arc<std::sync::Mutex<Option<String>>> = Default::default();
     cancel_on_signal(&dir, cli.node.clone(), started.clone());
-    let emit = |rank: u32, err: bool, line: &[u8]| {
-        let text = String::from_utf8_lossy(line);
-        let text = text.strip_suffix('\n').unwrap_or(&text);
-        if err {
-            eprintln!("[{rank}] {text}");
-        } else {
-            println!("[{rank}] {text}");
-        }
-    };
     // Per rank, the last line printed: a follower from another node goes on after it.
     let mut after: std::collections::BTreeMap<u32, u64> = std::collections::BTreeMap::new();
     let mut job: Option<String> = None;
     let note = |message: &str| eprintln!("psls: {message}");
-    let mut first = client.run(
+    let first = client.run(
         &program,
         &args,
         n,
@@ -290,38 +281,21 @@ fn run_job(
         note,
         |rank, seq, err, data| {
             after.insert(rank, seq);
-            emit(rank, err, data);
+            emit_line(rank, err, data);
         },
     );
-    // The node daemon went away (killed, paused, restarted): the job goes on; follow it from
-    // any node that answers, for as long as the cluster takes to recover.
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(FOLLOW_AGAIN_S);
-    let (code, message) = loop {
-        match first {
-            Ok(done) => break done,
-            Err(e) => {
-                let Some(j) = job.clone().filter(|_| lost_daemon(&e)) else {
-                    return Err(e.into());
-                };
-                if std::time::Instant::now() >= deadline {
-                    return Err(anyhow::anyhow!(
-                        "lost job {j}'s node daemon ({e}) and none answered since; it may still run: `psls attach {j}`"
-                    ));
-                }
+    let (code, message) = match first {
+        Ok(done) => done,
+        // The node daemon went away (killed, paused, restarted): the job goes on; follow it
+        // from any node that answers.
+        Err(e) => match job.clone().filter(|_| lost_daemon(&e)) {
+            Some(j) => {
                 eprintln!("psls: lost the node daemon ({e}); following job {j} from another node");
                 std::thread::sleep(std::time::Duration::from_millis(500));
-                first = match cluster::connect(&dir, None) {
-                    Ok(mut c) => c.attach(&j, &after.clone(), note, |rank, seq, err, data| {
-                        after.insert(rank, seq);
-                        emit(rank, err, data);
-                    }),
-                    Err(ce) => Err(psls_client::ClientError::Connect {
-                        path: dir.display().to_string(),
-                        err: std::io::Error::other(ce.to_string()),
-                    }),
-                };
+                follow_job(&dir, None, &j, &mut after, true)?
             }
-        }
+            None => return Err(e.into()),
+        },
     };
     let _ = std::io::stdout().flush();
     if code != 0 || resumed {
@@ -364,48 +338,74 @@ fn cancel_on_signal(dir: &Path, node: Option<String>, job: std::sync::Arc<std::s
     });
 }
 
-/// `psls attach JOB`: follows the job to its end (from any node, again after losing one);
-/// returns its status.
+/// `psls attach JOB`: follows the job to its end; returns its status.
 fn attach(dir: &Path, node: Option<&str>, job: &str) -> Result<i32> {
-    let mut after: std::collections::BTreeMap<u32, u64> = std::collections::BTreeMap::new();
+    let mut after = std::collections::BTreeMap::new();
+    let (code, message) = follow_job(dir, node, job, &mut after, false)?;
+    let _ = std::io::stdout().flush();
+    if code != 0 {
+        eprintln!("psls: {message}");
+    }
+    Ok(code)
+}
+
+/// Prints a rank's line as `[rank] text` (on standard error if the rank wrote it there).
+fn emit_line(rank: u32, err: bool, line: &[u8]) {
+    let text = String::from_utf8_lossy(line);
+    let text = text.strip_suffix('\n').unwrap_or(&text);
+    if err {
+        eprintln!("[{rank}] {text}");
+    } else {
+        println!("[{rank}] {text}");
+    }
+}
+
+/// Follows `job` to its end through `node` (else any node), printing each rank's lines after
+/// `after` (kept up to date); after losing its node daemon it follows again from any node that
+/// answers, for as long as the cluster takes to recover ([`FOLLOW_AGAIN_S`]). Returns the end's
+/// status and message. `psls run` and `psls attach` both follow this way; `again`: a node
+/// daemon was lost already (no node answering is then waited out too).
+fn follow_job(
+    dir: &Path,
+    node: Option<&str>,
+    job: &str,
+    after: &mut std::collections::BTreeMap<u32, u64>,
+    mut again: bool,
+) -> Result<(i32, String)> {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(FOLLOW_AGAIN_S);
     let mut target = node;
     loop {
-        let r = cluster::connect(dir, target).and_then(|mut c| {
-            c.attach(
+        let r = match cluster::connect(dir, target) {
+            Ok(mut c) => c.attach(
                 job,
                 &after.clone(),
                 |m| eprintln!("psls: {m}"),
                 |rank, seq, err, data| {
                     after.insert(rank, seq);
-                    let text = String::from_utf8_lossy(data);
-                    let text = text.strip_suffix('\n').unwrap_or(&text);
-                    if err {
-                        eprintln!("[{rank}] {text}");
-                    } else {
-                        println!("[{rank}] {text}");
-                    }
+                    emit_line(rank, err, data);
                 },
-            )
-            .map_err(anyhow::Error::from)
-        });
-        match r {
-            Ok((code, message)) => {
-                let _ = std::io::stdout().flush();
-                if code != 0 {
-                    eprintln!("psls: {message}");
-                }
-                return Ok(code);
+            ),
+            // No node answers now, after one was lost: try again until the deadline.
+            Err(_) if again && std::time::Instant::now() < deadline => {
+                std::thread::sleep(std::time::Duration::from_millis(500));
+                continue;
             }
-            Err(e) => {
-                let lost = e.downcast_ref::<psls_client::ClientError>().is_some_and(lost_daemon);
-                if !lost || std::time::Instant::now() >= deadline {
-                    return Err(e);
+            Err(e) => return Err(e),
+        };
+        match r {
+            Ok(done) => return Ok(done),
+            Err(e) if lost_daemon(&e) => {
+                if std::time::Instant::now() >= deadline {
+                    return Err(anyhow::anyhow!(
+                        "lost job {job}'s node daemon ({e}) and none answered since; it may still run: `psls attach {job}`"
+                    ));
                 }
                 eprintln!("psls: lost the node daemon ({e}); following job {job} from another node");
                 target = None;
+                again = true;
                 std::thread::sleep(std::time::Duration::from_millis(500));
             }
+            Err(e) => return Err(e.into()),
         }
     }
 }

@@ -20,6 +20,40 @@ pub fn may_spawn(st: &MetaState, job: &str, attempt: u32) -> Result<(), String> 
     }
 }
 
+/// The ranks of start `attempt` of `job` that node `physical` (incarnation `incarnation`, logical
+/// id `logical` in its records) runs, as its records say: only while the start may spawn, only
+/// if the start names this node's incarnation, only the ranks placed on its logical id.
+pub fn ranks_here(
+    st: &MetaState,
+    job: &str,
+    attempt: u32,
+    logical: Option<u32>,
+    physical: &str,
+    incarnation: u64,
+) -> Result<Vec<u32>, String> {
+    may_spawn(st, job, attempt)?;
+    let run = st.runs.get(job).ok_or_else(|| format!("job {job} is not running"))?;
+    if st.jobs.get(job).and_then(|r| r.spec.as_ref()).is_none() {
+        return Err(format!("job {job} has no record: its ranks are not started"));
+    }
+    let me = logical.ok_or_else(|| format!("{physical} holds no logical id"))?;
+    match run.nodes.get(&me) {
+        Some((p, inc)) if p == physical && *inc == incarnation => {}
+        _ => {
+            return Err(format!(
+                "start {attempt} of job {job} does not name this node's incarnation"
+            ))
+        }
+    }
+    Ok(run
+        .placement
+        .iter()
+        .enumerate()
+        .filter(|(_, l)| **l == me)
+        .map(|(r, _)| r as u32)
+        .collect())
+}
+
 /// Whether ranks of start `attempt` of `job` must stop: a later start is recorded, the start
 /// is being rolled back or stopped, or the job ended.
 pub fn stale(st: &MetaState, job: &str, attempt: u32) -> bool {
@@ -95,6 +129,17 @@ mod tests {
         assert!(!stale(&st, "j", 1));
         assert!(may_spawn(&st, "j", 0).is_err());
         assert!(may_spawn(&st, "j", 1).is_ok());
+        assert_eq!(ranks_here(&st, "j", 1, Some(0), "n0", 1), Ok(vec![0]));
+        assert!(
+            ranks_here(&st, "j", 1, Some(0), "n0", 2).is_err(),
+            "another incarnation"
+        );
+        assert!(
+            ranks_here(&st, "j", 1, Some(1), "n1", 1).is_err(),
+            "a node the start does not name"
+        );
+        assert!(ranks_here(&st, "j", 1, None, "n0", 1).is_err(), "no logical id");
+        assert!(ranks_here(&st, "j", 0, Some(0), "n0", 1).is_err(), "an older start");
         apply(
             &mut st,
             MetaOp::JobPhase {

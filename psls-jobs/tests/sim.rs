@@ -786,32 +786,21 @@ impl Sim {
                 // The node catches up with the leader before it checks (its read index).
                 let to = self.states.len() - 1;
                 self.catch_up(t, to);
-                if psls_jobs::local::may_spawn(&st, &job, attempt).is_err() {
+                // The node's own rule, on its caught-up records (the daemon's `start_ranks`).
+                let view = self.view_of(t);
+                let logical = view.logical.iter().find(|(_, p)| **p == physical).map(|(l, _)| *l);
+                let inc = self.nodes[t].incarnation;
+                let Ok(mine) = psls_jobs::local::ranks_here(&view, &job, attempt, logical, &physical, inc) else {
                     return;
-                }
-                let run = st.runs.get(&job).expect("may_spawn checked");
+                };
+                let run = view.runs.get(&job).expect("ranks_here checked").clone();
                 assert!(
                     run.attempt == attempt && run.phase == RunPhase::Running,
                     "ranks of {job} start {attempt} start while the records say start {} {:?}",
                     run.attempt,
                     run.phase
                 );
-                let Some(logical) = st.logical.iter().find(|(_, p)| **p == physical).map(|(l, _)| *l) else {
-                    return;
-                };
-                if run
-                    .nodes
-                    .get(&logical)
-                    .is_none_or(|(p, i)| *p != physical || *i != self.nodes[t].incarnation)
-                {
-                    // A node placed as another incarnation does not run the start's ranks.
-                    return;
-                }
-                for (rank, l) in run.placement.iter().enumerate() {
-                    if *l != logical {
-                        continue;
-                    }
-                    let rank = rank as u32;
+                for rank in mine {
                     let key = (job.clone(), rank);
                     if self.nodes[t].ranks.get(&key).is_some_and(|(a, _)| *a == attempt) {
                         continue;

@@ -515,33 +515,13 @@ pub fn kill_local(jobs: &Jobs, job: &str) {
 /// ranks of an older start here are stopped first.
 pub async fn start_ranks(node: &Arc<Node>, jobs: &Arc<Jobs>, job: &str, attempt: u32) -> Result<(), OpError> {
     let st = node.meta_fresh().await?;
-    psls_jobs::local::may_spawn(&st, job, attempt).map_err(|m| OpError::new(ErrorKind::Permission, m))?;
     let refuse = |m: String| OpError::new(ErrorKind::Permission, m);
-    let run = st
-        .runs
-        .get(job)
-        .ok_or_else(|| refuse(format!("job {job} is not running")))?;
-    let Some(sum) = st.jobs.get(job).and_then(|r| r.spec.clone()) else {
-        return Err(refuse(format!("job {job} has no record: its ranks are not started")));
+    let logical = node.my_logical(&st).map(|l| l.0);
+    let mine =
+        psls_jobs::local::ranks_here(&st, job, attempt, logical, &node.me.name, node.incarnation).map_err(refuse)?;
+    let (Some(run), Some(sum)) = (st.runs.get(job), st.jobs.get(job).and_then(|r| r.spec.clone())) else {
+        return Err(refuse(format!("job {job} is not running")));
     };
-    let Some(me) = node.my_logical(&st).map(|l| l.0) else {
-        return Err(refuse(format!("{} holds no logical id", node.name())));
-    };
-    match run.nodes.get(&me) {
-        Some((p, inc)) if *p == node.me.name && *inc == node.incarnation => {}
-        _ => {
-            return Err(refuse(format!(
-                "start {attempt} of job {job} does not name this node's incarnation"
-            )))
-        }
-    }
-    let mine: Vec<u32> = run
-        .placement
-        .iter()
-        .enumerate()
-        .filter(|(_, l)| **l == me)
-        .map(|(r, _)| r as u32)
-        .collect();
     let older = lock(&jobs.local).get(job).is_some_and(|l| l.attempt < attempt);
     if older {
         stop_ranks(jobs, job, attempt - 1);
