@@ -113,6 +113,12 @@ pub struct Limits {
 }
 
 impl Limits {
+    /// How many ticks short of the election timeout a leader's lease ends: the longest a
+    /// message may take (a fifth of the timeout, at least 2 ticks).
+    pub fn lease_margin_ticks(&self) -> u64 {
+        (self.election_ticks as u64 / 5).max(2)
+    }
+
     /// Limits for a failure-detector timeout of `timeout_ms` and a tick of `tick_ms`.
     pub fn for_timeout(timeout_ms: u64, tick_ms: u64) -> Limits {
         let election = (timeout_ms / tick_ms.max(1)).max(4) as usize;
@@ -421,6 +427,9 @@ pub struct Log<S: Machine, T> {
     actions: VecDeque<Action<S, T>>,
     rng: Rng,
     ticks: u64,
+    /// On a leader: the tick at which each voter last answered it in its term (the lease).
+    acked: BTreeMap<u32, u64>,
+    acked_term: u64,
     eligible: bool,
     halted: Option<String>,
     /// Applied changes not written yet, merged.
@@ -540,6 +549,8 @@ impl<S: Machine, T> Log<S, T> {
             actions: VecDeque::new(),
             rng: Rng(seed ^ (me as u64).wrapping_mul(0x2545_F491_4F6C_DD1D)),
             ticks: 0,
+            acked: BTreeMap::new(),
+            acked_term: 0,
             eligible: true,
             halted: None,
             unsaved: None,
@@ -607,6 +618,24 @@ impl<S: Machine, T> Log<S, T> {
     pub fn is_leader(&self) -> bool {
         self.node.raft.state == StateRole::Leader
     }
+    /// Whether this voter leads and holds its lease: a majority (itself included) answered it
+    /// in its term within the election timeout less a margin ([`Limits::lease_margin_ticks`]).
+    /// A voter that heard its leader within the election timeout votes for no other (raft's
+    /// check-quorum), so while this holds no other voter leads — if a message takes less than
+    /// the margin. Job control drives only then.
+    pub fn lease_held(&self) -> bool {
+        if !self.is_leader() || self.acked_term != self.term() {
+            return self.is_leader() && self.voters == 1;
+        }
+        let lease = (self.limits.election_ticks as u64).saturating_sub(self.limits.lease_margin_ticks());
+        let answered = self
+            .acked
+            .values()
+            .filter(|&&t| self.ticks.saturating_sub(t) < lease)
+            .count();
+        (answered + 1) * 2 > self.voters as usize
+    }
+
     /// Whether this voter campaigns (a candidate or pre-candidate) or leads.
     pub fn claims(&self) -> bool {
         self.node.raft.state != StateRole::Follower
@@ -718,6 +747,18 @@ impl<S: Machine, T> Log<S, T> {
         if msg.from != raft_id(from) || msg.to != raft_id(self.me) {
             tracing::warn!(from, "metadata log message naming another sender or receiver: dropped");
             return;
+        }
+        // An answer to this leader in its term renews its lease with that voter.
+        let answer = matches!(
+            msg.get_msg_type(),
+            MessageType::MsgAppendResponse | MessageType::MsgHeartbeatResponse
+        );
+        if answer && self.is_leader() && msg.term == self.term() {
+            if self.acked_term != self.term() {
+                self.acked.clear();
+                self.acked_term = self.term();
+            }
+            self.acked.insert(from, self.ticks);
         }
         // A leader that believes this voter holds more than it does (it lost its disk) would have
         // it commit entries it does not have: the commit is not taken, and the leader is told.

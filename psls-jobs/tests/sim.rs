@@ -1,12 +1,18 @@
-//! The job-control simulator: the real [`Control`] on every node of a simulated cluster (4
-//! logical nodes and a spare), the real metadata records (`MetaState` applying the real
-//! operations, in one ordered log that nodes see with a lag), and the rank nodes' real rules
-//! (`psls_jobs::local`), with simulated time, ranks, checkpoints and steps.
+//! The job-control simulator: on every node of a simulated cluster (4 logical nodes and a
+//! spare) the real [`Control`], the real metadata log (`psls_cluster::log::Log`, raft-rs, every
+//! node a voter, its entries and hard state durable across a crash, the applied state rebuilt
+//! from them) applying the real records (`MetaState`), the real failure detector
+//! (`psls_cluster::membership::Membership`, fed by heartbeats between the nodes that reach each
+//! other), and the rank nodes' real rules (`psls_jobs::local`); simulated time, ranks,
+//! checkpoints and steps. As in the daemon, a node drives while its log leads and it holds its
+//! lease (it heard a majority within the failure timeout); the driver declares down the nodes
+//! its detector has not heard for the timeout; a node starts ranks only once its log caught up.
 //!
 //! Faults at any step: a node crashes (its ranks and memory lost; it comes back as a new
-//! incarnation), pauses past the failure timeout (it wakes with its old state, fencing itself
-//! if it was declared down meanwhile), or is cut off; the driver changes (crash, pause, or an
-//! election); messages and step outcomes are delayed and lost; operators launch, halt, cancel
+//! incarnation from its disk), pauses past the failure timeout (it wakes with its old state,
+//! the messages sent to it meanwhile arriving then, fencing itself if it was declared down
+//! meanwhile), or is cut off; a node campaigns (an election); a node's links slow down; log
+//! messages, reports and step outcomes are delayed and lost; operators launch, halt, cancel
 //! and resume jobs.
 //!
 //! Output: each rank runs a program that prints its lines in order (the same in every start,
@@ -38,6 +44,8 @@
 //! `PSLS_SIM_SEEDS=N` runs N seeds (default 2,000), `PSLS_SIM_SEED=S` one, `PSLS_SIM_TRACE=1`
 //! prints every step.
 
+use psls_cluster::log::{Action as LogAction, Durable, Limits, Log, Machine, SubmitError, Wire};
+use psls_cluster::membership::Membership;
 use psls_jobs::control::FinishError;
 use psls_jobs::follow::{FollowAction, Follower};
 use psls_jobs::output::{line_of, Numbering, Record, Store};
@@ -46,9 +54,12 @@ use psls_pfs::jobs::{JobOptions, JobSummary};
 use psls_pfs::meta::{MetaOp, MetaState};
 use psls_pfs::runs::{EndHow, JobEnd, RunPhase};
 use psls_svm::rng::SplitMix64;
+use raft::eraftpb::{Entry, HardState};
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 const LOGICAL: u32 = 4;
+/// Every node votes in the metadata log (the spare too).
+const VOTERS: u32 = LOGICAL + 1;
 const STEP_MS: u64 = 100;
 /// A node unreachable this long is declared down.
 const DOWN_AFTER_MS: u64 = 1_500;
@@ -75,15 +86,21 @@ struct Node {
     /// Cut off from every other node.
     cut: bool,
     incarnation: u64,
-    /// The last log index this node applied.
-    view: usize,
+    /// Its voter of the metadata log (the real machine), what it made durable (hard state and
+    /// entries: the applied state is rebuilt from them after a crash), its failure detector
+    /// (the real one, heard through heartbeats), and the applied index its job control saw.
+    log: Log<MetaState, u64>,
+    hard: HardState,
+    entries: BTreeMap<u64, Entry>,
+    members: Membership<()>,
+    applied_seen: u64,
     /// When it was last reachable.
     seen_ms: u64,
     /// (job, rank) → (start, state).
     ranks: BTreeMap<(String, u32), (u32, Rank)>,
     /// The term it drives in, as it believes.
     lead: Option<u64>,
-    /// Applies the log late until then (a follower behind), except when it must catch up.
+    /// Its links are slow until then (a follower behind).
     slow_until_ms: u64,
     /// The ranks' output kept here (the real store), the lines of the ranks running here not
     /// yet copied to the buddy, and each rank's numbering (the real one).
@@ -137,6 +154,8 @@ struct Client {
     notices: BTreeSet<Vec<u8>>,
     /// A gap was skipped (by this client or the one it continues).
     skipped: bool,
+    /// Its last fetch was the end's (every kept line, not only those kept twice).
+    ending: bool,
     end: Option<(i32, String)>,
 }
 
@@ -144,6 +163,8 @@ struct Client {
 enum Msg {
     /// An action a driver's shell carries out (delivered to the shell of node `from`).
     Act { from: usize, term: u64, action: Action },
+    /// A metadata log message between voters.
+    Raft { from: usize, to: usize, wire: Wire },
     /// A node's report to the driver it believes in.
     Report {
         from: usize,
@@ -158,14 +179,15 @@ struct Sim {
     trace: bool,
     now_ms: u64,
     nodes: Vec<Node>,
-    /// The committed log and the state after each entry (index 0: the empty state).
-    log: Vec<MetaOp>,
-    states: Vec<MetaState>,
-    /// Submissions on their way: (submitter, its term, job, op, when).
-    submits: VecDeque<(usize, u64, String, MetaOp, u64)>,
+    /// The committed state: every entry the first node to apply it applied (checked then).
+    global: MetaState,
+    /// Submissions waiting for their answer, by token.
+    tokens: BTreeMap<u64, Pending>,
+    next_token: u64,
+    /// Down verdicts submitted and not answered.
+    declaring: BTreeSet<(String, u64)>,
     msgs: VecDeque<(u64, Msg)>,
-    leader: Option<usize>,
-    term: u64,
+    seed: u64,
     /// Per job: the epoch of its newest checkpoint (a model of the checkpoint machines), and
     /// what each checkpoint keeps per rank: its program position and its output mark.
     ckpt: BTreeMap<String, u64>,
@@ -178,6 +200,8 @@ struct Sim {
     lossy: BTreeSet<String>,
     unknowing: BTreeSet<String>,
     lines_delivered: u64,
+    /// Of `unknowing`: jobs whose unknown line was kept once, printed at the end.
+    unknowing_after_end: u64,
     /// Lines kept on two nodes at some time (job, rank, number).
     twice: BTreeSet<(String, u32, u64)>,
     /// Finished jobs whose client was checked to have printed every line.
@@ -194,6 +218,26 @@ struct Sim {
     next_cmd: u64,
     answers: u64,
     calm: bool,
+}
+
+/// What a submission to the metadata log was for.
+enum Pending {
+    /// Job control's, on node `node`.
+    Control { node: usize, job: String, op: MetaOp },
+    /// A spare takes a logical node's place (job control's step on node `node`, in `term`).
+    Replace {
+        node: usize,
+        term: u64,
+        job: String,
+        attempt: u32,
+    },
+    /// The shell's own (the map, a verdict, a rebuild's end, a job let go).
+    Plain(MetaOp),
+}
+
+/// The metadata log's tunables: the election timeout is the failure timeout, a tick a step.
+fn limits() -> Limits {
+    Limits::for_timeout(DOWN_AFTER_MS, STEP_MS)
 }
 
 fn cfg() -> Config {
@@ -213,15 +257,26 @@ fn cfg() -> Config {
 impl Sim {
     fn new(seed: u64) -> Sim {
         let mut nodes = Vec::new();
-        for name in (0..LOGICAL).map(|i| format!("n{i}")).chain(["s0".to_string()]) {
+        let names: Vec<String> = (0..LOGICAL)
+            .map(|i| format!("n{i}"))
+            .chain(["s0".to_string()])
+            .collect();
+        for (v, name) in names.iter().enumerate() {
+            let peers = names.iter().filter(|p| *p != name).cloned();
+            let log = Log::new(v as u32, VOTERS, limits(), Durable::fresh(false), seed * 100 + v as u64)
+                .expect("a fresh voter starts");
             nodes.push(Node {
-                name,
+                name: name.clone(),
                 control: Control::new(cfg()),
                 up: true,
                 paused: false,
                 cut: false,
                 incarnation: 1,
-                view: 0,
+                log,
+                hard: HardState::default(),
+                entries: BTreeMap::new(),
+                members: Membership::new(peers, DOWN_AFTER_MS, 0),
+                applied_seen: 0,
                 seen_ms: 0,
                 ranks: BTreeMap::new(),
                 lead: None,
@@ -231,23 +286,24 @@ impl Sim {
                 numbering: BTreeMap::new(),
             });
         }
-        let mut sim = Sim {
+        Sim {
             rng: SplitMix64::new(seed),
             trace: std::env::var("PSLS_SIM_TRACE").is_ok(),
             now_ms: 0,
             nodes,
-            log: Vec::new(),
-            states: vec![MetaState::default()],
-            submits: VecDeque::new(),
+            global: MetaState::default(),
+            tokens: BTreeMap::new(),
+            next_token: 0,
+            declaring: BTreeSet::new(),
             msgs: VecDeque::new(),
-            leader: None,
-            term: 0,
+            seed,
             ckpt: BTreeMap::new(),
             ckpt_ranks: BTreeMap::new(),
             clients: Vec::new(),
             lossy: BTreeSet::new(),
             unknowing: BTreeSet::new(),
             lines_delivered: 0,
+            unknowing_after_end: 0,
             twice: BTreeSet::new(),
             complete_checked: 0,
             finished_ends: 0,
@@ -259,10 +315,7 @@ impl Sim {
             next_cmd: 0,
             answers: 0,
             calm: false,
-        };
-        let logical = (0..LOGICAL).map(|i| (i, format!("n{i}"))).collect();
-        sim.commit(MetaOp::InitMap { logical }).expect("map");
-        sim
+        }
     }
 
     fn trace(&self, what: impl FnOnce() -> String) {
@@ -272,42 +325,61 @@ impl Sim {
     }
 
     fn state(&self) -> &MetaState {
-        self.states.last().expect("a state")
+        &self.global
     }
 
-    fn commit(&mut self, op: MetaOp) -> Result<(), String> {
+    /// Entry `index`, operation `op`, is committed (the first node applies it): checked, then
+    /// applied to the committed state as every node applies it.
+    fn learn_op(&mut self, index: u64, op: MetaOp) {
         let mut st = self.state().clone();
-        let index = st.seq + 1;
-        st.apply_at(index, &op).map_err(|e| e.to_string())?;
+        let r = Machine::apply(&mut st, index, &op);
         let _ = st.take_changes();
-        if let MetaOp::JobPhase {
-            job,
-            attempt,
-            phase: RunPhase::Finishing,
-        } = &op
-        {
-            // Finishing: every rank of the start exited 0, or it only writes a result kept.
-            let run = self.state().runs.get(job).cloned().expect("a running job");
-            let all_zero =
-                (0..run.placement.len() as u32).all(|r| self.exits.get(&(job.clone(), *attempt, r)) == Some(&0));
-            assert!(
-                all_zero || self.state().finished.contains_key(job),
-                "job {job} start {attempt} finishes, but not every rank exited 0 and no result was kept"
-            );
-            self.finishing.insert((job.clone(), *attempt));
+        if r.is_ok() {
+            if let MetaOp::JobPhase {
+                job,
+                attempt,
+                phase: RunPhase::Finishing,
+            } = &op
+            {
+                // Finishing: every rank of the start exited 0, or it only writes a result kept.
+                let run = self.state().runs.get(job).cloned().expect("a running job");
+                let all_zero =
+                    (0..run.placement.len() as u32).all(|r| self.exits.get(&(job.clone(), *attempt, r)) == Some(&0));
+                assert!(
+                    all_zero || self.state().finished.contains_key(job),
+                    "job {job} start {attempt} finishes, but not every rank exited 0 and no result was kept"
+                );
+                self.finishing.insert((job.clone(), *attempt));
+            }
+            if let MetaOp::JobEnd { job, end } = &op {
+                assert!(
+                    self.ends.insert((job.clone(), end.attempt)),
+                    "job {job} ended twice at start {}",
+                    end.attempt
+                );
+                self.check_end(job, end);
+            }
         }
-        if let MetaOp::JobEnd { job, end } = &op {
-            assert!(
-                self.ends.insert((job.clone(), end.attempt)),
-                "job {job} ended twice at start {}",
-                end.attempt
-            );
-            self.check_end(job, end);
+        self.trace(|| format!("commit #{index}: {op:?} ({r:?})"));
+        self.global = st;
+    }
+
+    /// What node `v` applied that no node had: committed now.
+    fn learn(&mut self, v: usize) {
+        let applied = self.nodes[v].log.applied();
+        while Machine::index(&self.global) < applied {
+            let i = Machine::index(&self.global) + 1;
+            let Some(data) = self.nodes[v].entries.get(&i).map(|e| e.data.clone()) else {
+                break;
+            };
+            if data.is_empty() {
+                // A new leader's empty entry.
+                Machine::skip(&mut self.global, i);
+                continue;
+            }
+            let op: MetaOp = psls_cluster::log::decode_op(&data).expect("an operation of this simulator");
+            self.learn_op(i, op);
         }
-        self.trace(|| format!("commit #{index}: {op:?}"));
-        self.log.push(op);
-        self.states.push(st);
-        Ok(())
     }
 
     /// What an end may say, given what the ranks did.
@@ -336,32 +408,147 @@ impl Sim {
     }
 
     fn view_of(&self, n: usize) -> MetaState {
-        self.states[self.nodes[n].view].clone()
+        self.nodes[n].log.state().clone()
     }
 
-    fn node_views(&self) -> BTreeMap<String, NodeView> {
-        let st = self.state();
+    /// The cluster as node `i`'s failure detector and records show it (the daemon's `views`).
+    fn node_views(&self, i: usize) -> BTreeMap<String, NodeView> {
+        let me = &self.nodes[i];
+        let st = me.log.state();
         self.nodes
             .iter()
             .map(|n| {
-                let declared = st.is_down(&n.name, n.incarnation);
+                let (live, incarnation) = if n.name == me.name {
+                    (true, me.incarnation)
+                } else {
+                    let inc = me.members.view(&n.name).and_then(|v| v.incarnation).unwrap_or(0);
+                    (me.members.is_live(self.now_ms, &n.name), inc)
+                };
+                let declared = st.is_down(&n.name, incarnation);
                 (
                     n.name.clone(),
                     NodeView {
-                        live: n.reachable() && !declared,
-                        incarnation: n.incarnation,
+                        live: live && !declared,
+                        incarnation,
                     },
                 )
             })
             .collect()
     }
 
-    /// Node `n` applies the log up to `to`.
-    fn catch_up(&mut self, n: usize, to: usize) {
-        if self.nodes[n].up && to > self.nodes[n].view {
-            self.nodes[n].view = to;
+    /// The node that drives jobs now, if one does (more than one is a failure of the check).
+    fn driver(&self) -> Option<usize> {
+        self.nodes
+            .iter()
+            .position(|n| n.up && !n.paused && n.control.is_driving())
+    }
+
+    /// Submits `op` to node `n`'s metadata log (refused there unless it leads).
+    fn submit(&mut self, n: usize, op: &MetaOp, p: Pending) {
+        if !self.nodes[n].up || self.nodes[n].paused {
+            return;
+        }
+        let token = self.next_token;
+        self.next_token += 1;
+        self.tokens.insert(token, p);
+        self.nodes[n].log.submit(token, op);
+    }
+
+    /// Carries out node `n`'s metadata log actions; its job control sees what it applied.
+    fn drain(&mut self, n: usize) {
+        if !self.nodes[n].up || self.nodes[n].paused {
+            return;
+        }
+        while let Some(a) = self.nodes[n].log.poll_action() {
+            match a {
+                LogAction::Persist(p) => {
+                    assert!(p.snapshot.is_none(), "no snapshot: the log is never compacted here");
+                    let node = &mut self.nodes[n];
+                    node.hard = p.hard_state.clone();
+                    if let Some(first) = p.entries.first() {
+                        let _ = node.entries.split_off(&first.index);
+                        for e in &p.entries {
+                            node.entries.insert(e.index, e.clone());
+                        }
+                    }
+                }
+                LogAction::Send { to, msg } => {
+                    let to = to as usize;
+                    if self.nodes[n].cut || self.nodes[to].cut {
+                        self.nodes[n].log.handle_unreachable(to as u32);
+                        continue;
+                    }
+                    // Lost on the way; to a node whose links are slow, often.
+                    let slow = self.now_ms < self.nodes[to].slow_until_ms;
+                    if self.rng.chance(50) || (slow && self.rng.chance(2)) {
+                        continue;
+                    }
+                    // Within a step (a lease assumes messages take less than its margin).
+                    let at = self.now_ms + STEP_MS * self.rng.below(2);
+                    self.msgs.push_back((at, Msg::Raft { from: n, to, wire: msg }));
+                }
+                LogAction::Done { token, result } => self.answered(token, result),
+                LogAction::Read { .. } => {}
+                LogAction::Halt { reason } => {
+                    panic!(
+                        "seed {}: {} halted its metadata log: {reason}",
+                        self.seed, self.nodes[n].name
+                    )
+                }
+            }
+        }
+        self.learn(n);
+        let applied = self.nodes[n].log.applied();
+        if applied != self.nodes[n].applied_seen {
+            self.nodes[n].applied_seen = applied;
             let st = self.view_of(n);
             self.nodes[n].control.handle_meta(&st);
+            self.pump(n);
+        }
+    }
+
+    /// The answer to a submission.
+    fn answered(&mut self, token: u64, result: Result<u64, SubmitError<<MetaState as Machine>::Error>>) {
+        let Some(p) = self.tokens.remove(&token) else { return };
+        match p {
+            Pending::Control { node, job, op } => {
+                if let Err(SubmitError::Rejected(e)) = &result {
+                    if self.nodes[node].up && !self.nodes[node].paused {
+                        self.nodes[node].control.handle_refused(&job, &op, &e.to_string());
+                        self.pump(node);
+                    }
+                }
+            }
+            Pending::Replace {
+                node,
+                term,
+                job,
+                attempt,
+            } => {
+                let r = result.map(|_| ()).map_err(|e| StepError::Unavailable(e.to_string()));
+                self.done(node, term, &job, attempt, Done::Replaced(r));
+            }
+            Pending::Plain(op) => {
+                if let MetaOp::DeclareDown { physical, incarnation } = &op {
+                    self.declaring.remove(&(physical.clone(), *incarnation));
+                }
+            }
+        }
+    }
+
+    /// Node `n` drives if its metadata log leads with its lease (a majority answered it within
+    /// the election timeout less a margin) and its detector heard a majority within the
+    /// failure timeout: the daemon's `jobctl` lead.
+    fn update_lead(&mut self, n: usize) {
+        let node = &self.nodes[n];
+        if !node.up || node.paused {
+            return;
+        }
+        let lead = (node.log.lease_held() && node.members.lease_held(self.now_ms)).then(|| node.log.term());
+        if lead != node.lead {
+            self.nodes[n].lead = lead;
+            self.nodes[n].control.handle_lead(lead);
+            self.trace(|| format!("{} drives: {lead:?}", self.nodes[n].name));
             self.pump(n);
         }
     }
@@ -372,8 +559,12 @@ impl Sim {
             let term = self.nodes[n].lead.unwrap_or(0);
             match a {
                 Action::Submit { job, op } => {
-                    let at = self.now_ms + STEP_MS * self.rng.below(4);
-                    self.submits.push_back((n, term, job, op, at));
+                    let p = Pending::Control {
+                        node: n,
+                        job,
+                        op: op.clone(),
+                    };
+                    self.submit(n, &op, p);
                 }
                 Action::Answer { id, answer } => {
                     self.answers += 1;
@@ -410,6 +601,7 @@ impl Sim {
             seqs: BTreeMap::new(),
             notices: BTreeSet::new(),
             skipped: false,
+            ending: false,
             end: None,
         };
         if let Some(prev) = self.clients.iter_mut().rev().find(|c| c.job == job) {
@@ -559,13 +751,11 @@ impl Sim {
             match a {
                 FollowAction::Note(_) => {}
                 FollowAction::CheckGone => {
-                    let fresh = self
-                        .leader
-                        .filter(|&l| self.nodes[l].reachable())
-                        .map(|_| self.state().clone());
+                    let fresh = self.driver().map(|_| self.state().clone());
                     self.clients[k].follower.handle_fresh(fresh.as_ref());
                 }
                 FollowAction::Fetch { after, all } => {
+                    self.clients[k].ending = all;
                     let mut records = Vec::new();
                     for (j, node) in self.nodes.iter().enumerate() {
                         if j == n || node.reachable() {
@@ -589,6 +779,14 @@ impl Sim {
         let exempt = self.unknowing.contains(&self.clients[k].job);
         let lossy = self.lossy.contains(&self.clients[k].job);
         let c = &mut self.clients[k];
+        // The durable rule: while the job runs, a line is printed once two nodes keep it.
+        assert!(
+            c.ending || self.twice.contains(&(c.job.clone(), r.rank, r.seq)),
+            "job {} rank {}: line number {} printed while the job runs, kept on one node only",
+            c.job,
+            r.rank,
+            r.seq
+        );
         c.seqs.entry(r.rank).or_default().insert(r.seq);
         match line_number(&r.data) {
             Some(line) => {
@@ -660,42 +858,8 @@ impl Sim {
         }
     }
 
-    fn set_leader(&mut self, new: Option<usize>) {
-        if let Some(old) = self.leader.take() {
-            if self.nodes[old].up && !self.nodes[old].paused {
-                self.nodes[old].lead = None;
-                self.nodes[old].control.handle_lead(None);
-                self.pump(old);
-            }
-            // A paused old leader learns when it wakes (its lease ran out).
-        }
-        if let Some(n) = new {
-            self.term += 1;
-            self.leader = Some(n);
-            // A new leader has every committed entry before it acts (raft).
-            let to = self.states.len() - 1;
-            self.catch_up(n, to);
-            self.nodes[n].lead = Some(self.term);
-            self.nodes[n].control.handle_lead(Some(self.term));
-            self.trace(|| format!("{} drives in term {}", self.nodes[n].name, self.term));
-            self.pump(n);
-        }
-    }
-
-    fn elect(&mut self) {
-        let candidates: Vec<usize> = (0..self.nodes.len()).filter(|&i| self.nodes[i].reachable()).collect();
-        if candidates.is_empty() {
-            return self.set_leader(None);
-        }
-        let pick = candidates[self.rng.below(candidates.len() as u64) as usize];
-        self.set_leader(Some(pick));
-    }
-
     fn crash(&mut self, n: usize) {
         self.trace(|| format!("{} crashes", self.nodes[n].name));
-        if self.leader == Some(n) {
-            self.leader = None;
-        }
         // A line only this node keeps is lost: for good if it was kept twice (the other copy
         // went before), or if no replay prints it again (the newest checkpoint is after it, or
         // the job's ranks are done).
@@ -739,28 +903,50 @@ impl Sim {
         node.outbox.clear();
         node.numbering.clear();
         node.control = Control::new(cfg());
-        node.view = 0;
+        // Its submissions die with it.
+        self.tokens.retain(|_, p| match p {
+            Pending::Control { node, .. } | Pending::Replace { node, .. } => *node != n,
+            Pending::Plain(_) => true,
+        });
     }
 
+    /// Node `n` starts again: its metadata log from what it made durable (the applied state is
+    /// rebuilt from the entries), its detector and job control anew.
     fn restart(&mut self, n: usize) {
         let node = &mut self.nodes[n];
         node.up = true;
         node.incarnation += 1;
         node.seen_ms = self.now_ms;
         let inc = node.incarnation;
+        let durable = Durable {
+            hard_state: node.hard.clone(),
+            compacted: (0, 0),
+            entries: node.entries.values().cloned().collect(),
+            state: MetaState::default(),
+            applied_term: 0,
+            amnesiac: false,
+            legacy: None,
+        };
+        let seed = self.seed * 100 + n as u64 + 1000 * inc;
+        node.log = Log::new(n as u32, VOTERS, limits(), durable, seed).expect("restarts from its disk");
+        node.applied_seen = u64::MAX;
+        let peers: Vec<String> = self
+            .nodes
+            .iter()
+            .filter(|p| p.name != self.nodes[n].name)
+            .map(|p| p.name.clone())
+            .collect();
+        self.nodes[n].members = Membership::new(peers, DOWN_AFTER_MS, self.now_ms);
         self.trace(|| format!("{} restarts as incarnation {inc}", self.nodes[n].name));
-        let to = self.states.len() - 1;
-        self.catch_up(n, to);
+        self.drain(n);
     }
 
     fn wake(&mut self, n: usize) {
         self.nodes[n].paused = false;
         self.trace(|| format!("{} wakes", self.nodes[n].name));
-        if self.nodes[n].lead.is_some() && self.leader != Some(n) {
-            self.nodes[n].lead = None;
-            self.nodes[n].control.handle_lead(None);
-            self.pump(n);
-        }
+        // Its detector finds it stalled; without a lease it drives nothing.
+        self.nodes[n].members.tick(self.now_ms);
+        self.update_lead(n);
         let (name, inc) = (self.nodes[n].name.clone(), self.nodes[n].incarnation);
         if self.state().is_down(&name, inc) {
             // It learns its verdict: it fences itself (its ranks die) and comes back anew.
@@ -783,9 +969,11 @@ impl Sim {
                 if !self.nodes[t].reachable() || (self.nodes[from].cut && t != from) {
                     return;
                 }
-                // The node catches up with the leader before it checks (its read index).
-                let to = self.states.len() - 1;
-                self.catch_up(t, to);
+                // The node catches up with the leader before it checks (its read index): one
+                // behind fails the call, and job control asks again.
+                if self.nodes[t].log.applied() < Machine::index(&self.global) {
+                    return;
+                }
                 // The node's own rule, on its caught-up records (the daemon's `start_ranks`).
                 let view = self.view_of(t);
                 let logical = view.logical.iter().find(|(_, p)| **p == physical).map(|(l, _)| *l);
@@ -826,18 +1014,15 @@ impl Sim {
                         .flat_map(|s| s.range(mark + 1..).copied())
                         .filter(|q| !known.contains(q))
                         .collect();
-                    for q in &unknown {
-                        // A client printed it: it was kept twice (the durable rule), so one
-                        // failure cannot have taken it.
-                        assert!(
-                            self.twice.contains(&(job.clone(), rank, *q)),
-                            "job {job} rank {rank}: a client printed line number {q}, kept on one node only, and no node keeps it now"
-                        );
-                    }
                     if !unknown.is_empty() {
                         // A client printed a line after the checkpoint that no reachable node
-                        // keeps: both nodes that kept it are gone (two failures).
-                        self.unknowing.insert(job.clone());
+                        // keeps: both nodes that kept it are gone (two failures), or only one
+                        // kept it, printed at the job's end, and it is gone (a resume after a
+                        // failure).
+                        let twice = unknown.iter().any(|q| self.twice.contains(&(job.clone(), rank, *q)));
+                        if self.unknowing.insert(job.clone()) && !twice {
+                            self.unknowing_after_end += 1;
+                        }
                     }
                     self.trace(|| {
                         format!("{physical} starts rank {rank} of {job} start {attempt} at line {pos} (mark {mark})")
@@ -877,12 +1062,17 @@ impl Sim {
                 logical,
                 spare,
             } => {
-                let r = self.commit(MetaOp::Replace {
+                let op = MetaOp::Replace {
                     logical,
                     physical: spare.clone(),
-                });
-                let r = r.map_err(StepError::Unavailable);
-                self.done(from, term, &job, attempt, Done::Replaced(r));
+                };
+                let p = Pending::Replace {
+                    node: from,
+                    term,
+                    job: job.clone(),
+                    attempt,
+                };
+                self.submit(from, &op, p);
             }
             Action::Restore { job, attempt } => {
                 let all = st
@@ -919,7 +1109,8 @@ impl Sim {
                 let resumable =
                     keep && (self.ckpt.get(&job).copied().unwrap_or(0) > 0 || st.finished.contains_key(&job));
                 if !resumable {
-                    let _ = self.commit(MetaOp::EndJob { job: job.clone() });
+                    let op = MetaOp::EndJob { job: job.clone() };
+                    self.submit(from, &op, Pending::Plain(op.clone()));
                 }
                 self.done(from, term, &job, attempt, Done::Released { resumable });
             }
@@ -984,7 +1175,7 @@ impl Sim {
     }
 
     fn command(&mut self) {
-        let Some(l) = self.leader else { return };
+        let Some(l) = self.driver() else { return };
         if !self.nodes[l].reachable() {
             return;
         }
@@ -1062,9 +1253,6 @@ impl Sim {
             2 if self.nodes[n].up && !self.nodes[n].paused => {
                 self.trace(|| format!("{} pauses", self.nodes[n].name));
                 self.nodes[n].paused = true;
-                if self.leader == Some(n) {
-                    self.leader = None;
-                }
             }
             3 if self.nodes[n].paused => self.wake(n),
             4 => {
@@ -1077,10 +1265,6 @@ impl Sim {
                         if cut { "is cut off" } else { "is reconnected" }
                     )
                 });
-                if cut && self.leader == Some(n) {
-                    // A leader cut off loses its lease.
-                    self.set_leader(None);
-                }
                 let (name, inc) = (self.nodes[n].name.clone(), self.nodes[n].incarnation);
                 if !cut && self.nodes[n].up && !self.nodes[n].paused && self.state().is_down(&name, inc) {
                     // Back in touch, it learns its verdict: it fences itself.
@@ -1088,9 +1272,13 @@ impl Sim {
                     self.restart(n);
                 }
             }
-            5 => self.elect(),
+            5 if self.nodes[n].up && !self.nodes[n].paused => {
+                // An election: the node campaigns.
+                self.nodes[n].log.campaign();
+                self.drain(n);
+            }
             6 => {
-                // A follower falls behind the log for a while.
+                // A follower's links slow down for a while: it falls behind the log.
                 self.nodes[n].slow_until_ms = self.now_ms + STEP_MS * (10 + self.rng.below(100));
                 self.trace(|| format!("{} falls behind the log", self.nodes[n].name));
             }
@@ -1103,25 +1291,60 @@ impl Sim {
         if !self.calm && self.rng.chance(60) {
             self.fault();
         }
-        if self.leader.is_none() || self.leader.is_some_and(|l| !self.nodes[l].reachable()) {
-            self.elect();
+        // Heartbeats: every node hears every node it reaches; the detectors tick.
+        for i in 0..self.nodes.len() {
+            if !self.nodes[i].reachable() {
+                continue;
+            }
+            for j in 0..self.nodes.len() {
+                if j != i && self.nodes[j].reachable() {
+                    let (name, inc) = (self.nodes[i].name.clone(), self.nodes[i].incarnation);
+                    let now = self.now_ms;
+                    self.nodes[j].members.heard(now, &name, inc, ());
+                }
+            }
         }
-        if self.rng.chance(150) {
+        for i in 0..self.nodes.len() {
+            if self.nodes[i].up && !self.nodes[i].paused {
+                let now = self.now_ms;
+                self.nodes[i].members.tick(now);
+            }
+        }
+        // The metadata log: every running voter ticks.
+        for i in 0..self.nodes.len() {
+            if self.nodes[i].up && !self.nodes[i].paused {
+                self.nodes[i].log.handle_tick();
+                self.drain(i);
+            }
+        }
+        // The cluster's map, once a leader is there.
+        if self.global.logical.is_empty() && self.now_ms.is_multiple_of(10 * STEP_MS) {
+            if let Some(l) = (0..self.nodes.len()).find(|&i| self.nodes[i].up && self.nodes[i].log.is_leader()) {
+                let op = MetaOp::InitMap {
+                    logical: (0..LOGICAL).map(|i| (i, format!("n{i}"))).collect(),
+                };
+                self.submit(l, &op, Pending::Plain(op.clone()));
+            }
+        }
+        if self.rng.chance(150) && !self.global.logical.is_empty() {
             self.command();
         }
-        // The leader declares down the nodes unreachable too long.
-        if let Some(l) = self.leader {
+        // The driver declares down the nodes its detector has not heard for the timeout.
+        if let Some(l) = self.driver() {
             for i in 0..self.nodes.len() {
-                if self.nodes[i].reachable() {
-                    self.nodes[i].seen_ms = self.now_ms;
-                } else if self.now_ms >= self.nodes[i].seen_ms + DOWN_AFTER_MS && self.nodes[l].reachable() {
-                    let (name, inc) = (self.nodes[i].name.clone(), self.nodes[i].incarnation);
-                    if !self.state().is_down(&name, inc) {
-                        let _ = self.commit(MetaOp::DeclareDown {
-                            physical: name,
-                            incarnation: inc,
-                        });
-                    }
+                let name = self.nodes[i].name.clone();
+                if i == l || self.nodes[l].members.is_live(self.now_ms, &name) {
+                    continue;
+                }
+                let Some(inc) = self.nodes[l].members.view(&name).and_then(|v| v.incarnation) else {
+                    continue;
+                };
+                if !self.state().is_down(&name, inc) && self.declaring.insert((name.clone(), inc)) {
+                    let op = MetaOp::DeclareDown {
+                        physical: name,
+                        incarnation: inc,
+                    };
+                    self.submit(l, &op, Pending::Plain(op.clone()));
                 }
             }
         }
@@ -1133,35 +1356,9 @@ impl Sim {
             .map(|(l, r)| (*l, r.physical.clone()))
             .collect();
         for (logical, physical) in rebuilding {
-            if self.rng.chance(200) {
-                let _ = self.commit(MetaOp::RebuildDone { logical, physical });
-            }
-        }
-        // Submissions reach the log (or are lost with their leader).
-        while let Some((n, term, job, op, at)) = self.submits.front().cloned() {
-            if at > self.now_ms {
-                break;
-            }
-            self.submits.pop_front();
-            let still = self.leader == Some(n) && self.nodes[n].lead == Some(term) && self.nodes[n].reachable();
-            if !still && self.rng.chance(500) {
-                continue; // never committed
-            }
-            if let Err(e) = self.commit(op.clone()) {
-                if self.nodes[n].up && !self.nodes[n].paused {
-                    self.nodes[n].control.handle_refused(&job, &op, &e);
-                    self.pump(n);
-                }
-            }
-        }
-        // Nodes see the log, the leader first.
-        let top = self.states.len() - 1;
-        if let Some(l) = self.leader {
-            self.catch_up(l, top);
-        }
-        for i in 0..self.nodes.len() {
-            if self.nodes[i].reachable() && self.now_ms >= self.nodes[i].slow_until_ms && self.rng.chance(500) {
-                self.catch_up(i, top);
+            if let Some(l) = self.driver().filter(|_| self.rng.chance(200)) {
+                let op = MetaOp::RebuildDone { logical, physical };
+                self.submit(l, &op, Pending::Plain(op.clone()));
             }
         }
         // Nodes stop ranks their records say are stale.
@@ -1222,8 +1419,8 @@ impl Sim {
                 self.copy_outbox(i);
             }
         }
-        // Nodes report their ranks to the driver they believe in.
-        if let Some(l) = self.leader {
+        // Nodes report their ranks to the driver.
+        if let Some(l) = self.driver() {
             for i in 0..self.nodes.len() {
                 if !self.nodes[i].reachable() || !self.rng.chance(400) {
                     continue;
@@ -1269,6 +1466,19 @@ impl Sim {
                 continue;
             }
             match m {
+                Msg::Raft { from, to, wire } => {
+                    let (t, f) = (&self.nodes[to], &self.nodes[from]);
+                    if !t.up || t.cut || f.cut {
+                        continue; // lost
+                    }
+                    if t.paused {
+                        // It waits in the socket until the node wakes.
+                        later.push_back((at, Msg::Raft { from, to, wire }));
+                        continue;
+                    }
+                    self.nodes[to].log.handle_message(from as u32, wire);
+                    self.drain(to);
+                }
                 Msg::Act { from, term, action } => self.execute(from, term, action),
                 Msg::Report { from, to, inc, report } => {
                     if self.nodes[to].reachable() && !self.nodes[from].cut && !self.rng.chance(50) {
@@ -1280,14 +1490,18 @@ impl Sim {
             }
         }
         self.msgs = later;
-        // Time passes for every node that runs.
-        let views = self.node_views();
+        // Who drives, and time passes for every node that runs.
+        for i in 0..self.nodes.len() {
+            self.update_lead(i);
+        }
         for i in 0..self.nodes.len() {
             if self.nodes[i].up && !self.nodes[i].paused {
+                let views = self.node_views(i);
                 self.nodes[i]
                     .control
                     .handle_tick(self.now_ms, 1_700_000_000_000 + self.now_ms, &views);
                 self.pump(i);
+                self.drain(i);
             }
         }
         for k in 0..self.clients.len() {
@@ -1306,8 +1520,8 @@ impl Sim {
             if !self.nodes[i].up {
                 self.restart(i);
             }
+            self.nodes[i].slow_until_ms = 0;
         }
-        self.elect();
     }
 }
 
@@ -1320,6 +1534,7 @@ struct Counts {
     finished: u64,
     lossy: u64,
     unknowing: u64,
+    unknowing_after_end: u64,
 }
 
 fn run(seed: u64, steps: u32) -> Counts {
@@ -1331,7 +1546,7 @@ fn run(seed: u64, steps: u32) -> Counts {
     for _ in 0..3_000 {
         sim.step();
         let followed = sim.clients.iter().all(|c| c.end.is_some());
-        if sim.state().runs.is_empty() && sim.submits.is_empty() && followed {
+        if sim.state().runs.is_empty() && followed {
             break;
         }
     }
@@ -1349,6 +1564,7 @@ fn run(seed: u64, steps: u32) -> Counts {
         finished: sim.finished_ends,
         lossy: sim.lossy.len() as u64,
         unknowing: sim.unknowing.len() as u64,
+        unknowing_after_end: sim.unknowing_after_end,
     };
     let st = sim.state();
     assert!(
@@ -1390,14 +1606,15 @@ fn jobs_end_once_and_never_run_two_starts_at_once() {
                 total.finished += c.finished;
                 total.lossy += c.lossy;
                 total.unknowing += c.unknowing;
+                total.unknowing_after_end += c.unknowing_after_end;
             }
         }
         ended += 1;
     }
     assert_eq!(ended, seeds);
     eprintln!(
-        "{seeds} seeds: {} lines printed to {} clients; of {} clients told their job finished, {} checked to have printed every line (the others: a gap skipped, a node unreachable at the end, or exempt); jobs exempt: {} lost an unprinted line with a second node, {} restarted a rank that could not learn what was printed",
-        total.lines, total.clients, total.finished, total.complete, total.lossy, total.unknowing
+        "{seeds} seeds: {} lines printed to {} clients; of {} clients told their job finished, {} checked to have printed every line (the others: a gap skipped, a node unreachable at the end, or exempt); jobs exempt: {} lost an unprinted line with a second node, {} restarted a rank that could not learn what was printed ({} of them a line kept once, printed at the job's end, then lost before a resume)",
+        total.lines, total.clients, total.finished, total.complete, total.lossy, total.unknowing, total.unknowing_after_end
     );
     // The checks ran: over many seeds, clients printed lines and whole jobs.
     if seeds >= 100 {

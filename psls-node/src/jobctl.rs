@@ -180,8 +180,12 @@ pub async fn run(d: Arc<Daemon>) {
             }
             _ = tick.tick() => ticked = true,
         }
+        // It drives while it coordinates and its metadata log leads with its lease: no other
+        // node leads then, so no two drive at once (the job-control simulator's check).
         let lead = match node.coordinator_now() {
-            Some((_, p)) if p == node.me.name => node.replication.leader_epoch().map(|(_, term)| term),
+            Some((_, p)) if p == node.me.name && node.replication.lease_held() => {
+                node.replication.leader_epoch().map(|(_, term)| term)
+            }
             _ => None,
         };
         control.handle_lead(lead);

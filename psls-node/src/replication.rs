@@ -83,6 +83,8 @@ pub struct Status {
     /// The leader of the current term, as this node knows it.
     pub leader: Option<String>,
     pub is_leader: bool,
+    /// Leader with its lease (`Log::lease_held`): no other voter leads now.
+    pub lease: bool,
     /// Candidate or leader.
     pub claims: bool,
     pub commit: u64,
@@ -131,6 +133,11 @@ impl Replication {
     /// Whether this node campaigns or leads.
     pub fn claims(&self) -> bool {
         self.status.locked().claims
+    }
+
+    /// Whether this node leads the metadata with its lease (`Log::lease_held`).
+    pub fn lease_held(&self) -> bool {
+        self.status.locked().lease
     }
 
     /// [`Replication::leader`] with its term.
@@ -324,6 +331,7 @@ impl Replication {
                 term: log.term(),
                 leader: leader.and_then(|l| repl.voters.get(l as usize).cloned()),
                 is_leader: log.is_leader(),
+                lease: log.lease_held(),
                 claims: log.claims(),
                 commit: log.commit(),
                 applied: log.applied(),

@@ -150,12 +150,19 @@ fn start_lines(c: &Cluster, launcher: &str, level: &str, file: &str) -> std::pro
 }
 
 /// Every rank printed `line 0` .. `line STEPS-1` once each, in order, then `done SUM` (the
-/// file held the sums of `jobs - 1` jobs before), and nothing else.
+/// file held the sums of `jobs - 1` jobs before), and nothing else but, at most once each, the
+/// error of a checkpoint call: a node paused for longer than a checkpoint's calls wait, and
+/// shorter than the failure timeout, fails the round, and the probe prints why and exits 3
+/// (job control then blames the paused node once it is declared down, and rolls back).
 fn assert_every_line_once(out: &str, err: &str, jobs: u64) {
     let sum = jobs * LINE_STEPS * (LINE_STEPS + 1) / 2;
     for r in 0..4 {
         let prefix = format!("[{r}] ");
-        let got: Vec<&str> = out.lines().filter_map(|l| l.strip_prefix(&prefix)).collect();
+        let all: Vec<&str> = out.lines().filter_map(|l| l.strip_prefix(&prefix)).collect();
+        let errors: Vec<&str> = all.iter().copied().filter(|l| l.starts_with("checkpoint error: ")).collect();
+        let distinct: std::collections::BTreeSet<&str> = errors.iter().copied().collect();
+        assert_eq!(distinct.len(), errors.len(), "rank {r} printed a line twice:\n{out}\n{err}");
+        let got: Vec<&str> = all.into_iter().filter(|l| !l.starts_with("checkpoint error: ")).collect();
         let mut want: Vec<String> = (0..LINE_STEPS).map(|s| format!("line {s}")).collect();
         want.push(format!("done {sum}"));
         assert_eq!(got, want, "rank {r}'s lines:\n{out}\n{err}");
