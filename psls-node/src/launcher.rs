@@ -276,6 +276,16 @@ fn buddy(node: &Node) -> Option<String> {
         .map(str::to_string)
 }
 
+/// A record from the wire.
+pub fn record_of(r: crate::peer::OutputRecord) -> psls_jobs::output::Record {
+    psls_jobs::output::Record {
+        rank: r.rank,
+        seq: r.seq,
+        err: r.err,
+        data: r.data,
+    }
+}
+
 /// A record on the wire.
 pub fn wire_record(r: &psls_jobs::output::Record) -> crate::peer::OutputRecord {
     crate::peer::OutputRecord {
@@ -951,16 +961,7 @@ pub async fn serve(node: &Arc<Node>, jobs: &Arc<Jobs>, req: PeerReq) -> Result<P
             if !known(&node.meta_state()) && !known(&node.meta_fresh().await?) {
                 return Err(OpError::new(ErrorKind::NotFound, format!("no job {job}")));
             }
-            let records = records
-                .into_iter()
-                .map(|r| psls_jobs::output::Record {
-                    rank: r.rank,
-                    seq: r.seq,
-                    err: r.err,
-                    data: r.data,
-                })
-                .collect();
-            jobs.keep_copy(&job, records);
+            jobs.keep_copy(&job, records.into_iter().map(record_of).collect());
             Ok(PeerResp::Ok)
         }
         PeerReq::JobFiles { job, forget } => Ok(PeerResp::JobFiles {

@@ -159,10 +159,21 @@ fn assert_every_line_once(out: &str, err: &str, jobs: u64) {
     for r in 0..4 {
         let prefix = format!("[{r}] ");
         let all: Vec<&str> = out.lines().filter_map(|l| l.strip_prefix(&prefix)).collect();
-        let errors: Vec<&str> = all.iter().copied().filter(|l| l.starts_with("checkpoint error: ")).collect();
+        let errors: Vec<&str> = all
+            .iter()
+            .copied()
+            .filter(|l| l.starts_with("checkpoint error: "))
+            .collect();
         let distinct: std::collections::BTreeSet<&str> = errors.iter().copied().collect();
-        assert_eq!(distinct.len(), errors.len(), "rank {r} printed a line twice:\n{out}\n{err}");
-        let got: Vec<&str> = all.into_iter().filter(|l| !l.starts_with("checkpoint error: ")).collect();
+        assert_eq!(
+            distinct.len(),
+            errors.len(),
+            "rank {r} printed a line twice:\n{out}\n{err}"
+        );
+        let got: Vec<&str> = all
+            .into_iter()
+            .filter(|l| !l.starts_with("checkpoint error: "))
+            .collect();
         let mut want: Vec<String> = (0..LINE_STEPS).map(|s| format!("line {s}")).collect();
         want.push(format!("done {sum}"));
         assert_eq!(got, want, "rank {r}'s lines:\n{out}\n{err}");

@@ -561,15 +561,7 @@ async fn fetch_output(
             }
             let after: Vec<(u32, u64)> = after.into_iter().collect();
             match d.node.call_ok(&p, PeerReq::OutputSince { job, after, all }).await {
-                Ok(PeerResp::Output { records, .. }) => records
-                    .into_iter()
-                    .map(|r| psls_jobs::output::Record {
-                        rank: r.rank,
-                        seq: r.seq,
-                        err: r.err,
-                        data: r.data,
-                    })
-                    .collect(),
+                Ok(PeerResp::Output { records, .. }) => records.into_iter().map(crate::launcher::record_of).collect(),
                 _ => Vec::new(),
             }
         });
