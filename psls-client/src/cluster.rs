@@ -81,6 +81,16 @@ pub fn running_pid(dir: &Path, name: &str) -> Option<i32> {
     (is_ours && !zombie).then_some(pid)
 }
 
+/// The pid of node `name`'s last daemon if it is still exiting (killed, its threads not all
+/// gone yet: its cmdline is empty then), or still running.
+fn exiting_pid(dir: &Path, name: &str) -> Option<i32> {
+    let pid: i32 = std::fs::read_to_string(pid_file(dir, name)).ok()?.trim().parse().ok()?;
+    let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+    // An unrelated process that took the pid over is not waited for.
+    let ours = cmd.is_empty() || cmd.split(|&b| b == 0).next().is_some_and(|a| a.ends_with(b"psls-node"));
+    (ours && !process_gone(pid)).then_some(pid)
+}
+
 /// Whether process `pid` has fully exited: gone, or a zombie all of whose threads have exited
 /// (only then are its sockets closed). A dying process's cmdline empties, and its leader turns
 /// zombie, while other threads still hold its files, so neither is enough on its own.
@@ -167,10 +177,22 @@ pub fn up(dir: &Path, timeout: Duration, quiet: bool) -> Result<()> {
     let cfg = load(dir)?;
     let mut children = Vec::new();
     let mut expected = Vec::new();
+    let mut waited = Vec::new();
     for n in cfg.all() {
-        if running_pid(dir, &n.name).is_some() {
+        if let Some(pid) = running_pid(dir, &n.name) {
             expected.push(n.clone());
+            waited.push((n.name.clone(), pid));
             continue;
+        }
+        // A daemon killed a moment ago may still be exiting: its threads hold its ports and
+        // its socket until the last one is gone, and a new one would fail to bind them.
+        if let Some(pid) = exiting_pid(dir, &n.name) {
+            if !wait_gone(pid, Duration::from_secs(10)) {
+                bail!(
+                    "{}: its previous daemon (pid {pid}) is still exiting; try again",
+                    n.name
+                );
+            }
         }
         if !cfg.data_dir(n).is_dir() {
             if !quiet {
@@ -197,6 +219,10 @@ pub fn up(dir: &Path, timeout: Duration, quiet: bool) -> Result<()> {
                     tail(&log_file(dir, name), 5)
                 );
             }
+        }
+        // A node that was running when this began and is gone now will not become healthy.
+        if let Some((name, _)) = waited.iter().find(|(name, pid)| running_pid(dir, name) != Some(*pid)) {
+            bail!("{name} stopped while the cluster came up (see {}/logs)", dir.display());
         }
         if healthy(&cfg, &expected) {
             return Ok(());
