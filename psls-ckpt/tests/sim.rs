@@ -34,18 +34,29 @@
 //! rank is at the safe point (no node paused) and every node is live for it (heard within the
 //! timeout, no verdict on it known: the daemon's `check_all_serving`).
 //!
-//! A crash, or a committed verdict on a node running the job, rolls the job back: the ranks
-//! are stopped everywhere (on a paused or cut-off node once it is awake and reachable), and the
-//! coordinator carries out the real restore machine (`psls_ckpt::restore::Restore`, the one
-//! `psls-node`'s `recovery::restore` carries out), one step a call to one node: every node's
-//! memory state, the fence of every epoch begun or seen (waiting while a round of its own
-//! decides), the states again, the settle, the re-creation of lost copies and their adoption,
-//! the drop of the job's pages, and their serving again. A call to a node that is not up,
-//! awake, undeclared, stopped, joined both ways to the coordinator and knowing it coordinates
-//! fails, and so does the restore: it is done again whole, as job control asks again; so is a
-//! restore whose coordinator changed, or that a crash or a verdict overtook. Once it is over,
-//! the job returns to the newest memory checkpoint a node committed if it is newer than the
-//! committed persistent one and no page lost both recovery copies, else to the persistent one.
+//! The job's life is the real job-control machine's (`psls_jobs::control::Control`, one on
+//! every node, as `psls-node`'s `jobctl` runs it): the coordinator drives, with the time and the
+//! nodes as its heartbeats show them and the committed metadata; its records go through the
+//! metadata like every other operation. Its client launches the job (again until answered). A
+//! node starts its ranks when job control asks and its records place them there
+//! (`psls_jobs::local::ranks_here`). A crash, or a verdict on a node running the job, loses that
+//! node's memory; job control sees the node declared down or back as a new incarnation and
+//! rolls the job back: it records the rollback, stops the ranks (a node that does not answer
+//! is asked again; the order waits in a paused node's socket), waits for every node, asks for
+//! the restore, then records the next start and starts its ranks. The restore is the real
+//! restore machine (`psls_ckpt::restore::Restore`, the one `recovery::restore` carries out),
+//! one step a call to one node: every node's memory state, the fence of every epoch begun or
+//! seen (waiting while a round of its own decides), the states again, the settle, the
+//! re-creation of lost copies and their adoption, the drop of the job's pages, and their
+//! serving again. A call to a node that is not up, awake, undeclared, stopped, joined both ways
+//! to the coordinator and knowing it coordinates fails, and so does the restore; a restore
+//! stops at its next call once its driver's term is over or the job's records moved on (the
+//! daemon's `JobCtl::drives_in`); job control does the pass again. Once it is over, the job
+//! returns to the newest memory checkpoint a node committed if it is newer than the committed
+//! persistent one and no page lost both recovery copies, else to the persistent one. The ranks
+//! go on only from a restore no failure overtook (a node it asked that crashed, restarted or
+//! was declared down before it ended): job control must see that too, or the job never
+//! resumes, which the calm phase fails.
 //!
 //! Checked after every step (the checks (a) to (c) at every message, page write, metadata
 //! operation and decision they concern):
@@ -84,8 +95,10 @@ use psls_ckpt::msg::Level;
 use psls_ckpt::restore::{NodeState, Restore, RestoreAction};
 use psls_ckpt::{CoordAction, Coordinator, Msg, Outcome, PartAction, Participant};
 use psls_cluster::verdicts::Verdicts;
-use psls_pfs::jobs::FileRuns;
+use psls_jobs::control::{self, Action, Command, Control, Done, NodeView, Report, StepError};
+use psls_pfs::jobs::{FileRuns, JobSummary};
 use psls_pfs::meta::{FileMeta, MetaOp, MetaState};
+use psls_pfs::runs::RunPhase;
 use psls_pfs::{Placement, Role};
 use psls_svm::rng::SplitMix64;
 use psls_svm::{FileId, NodeId};
@@ -209,9 +222,9 @@ struct WriteJob {
 enum Local {
     /// Its coordinator hears that a node failed.
     NodeDown(NodeId),
-    /// The launcher stops the job's ranks here (a rollback): it needs a link from the
-    /// coordinator.
-    Stop,
+    /// Job control stops the job's ranks of this start or before here (a rollback): it
+    /// needs a link from the coordinator.
+    Stop(u32),
     /// Answers to its metadata operations.
     Begun(u64, Result<(u64, u64, u64), String>),
     Committed(u64, Result<(), String>),
@@ -261,11 +274,17 @@ struct Node {
     /// As coordinator: the term in which it last learnt the newest committed memory epoch
     /// from the nodes (the daemon's `learn_mem_committed`, before its first round of a term).
     mem_learned_term: u64,
+    /// The real job-control machine: it drives the job while this node coordinates.
+    control: Control,
+    /// The metadata sequence number its job control last read.
+    control_seq: Option<u64>,
+    /// The start whose ranks run here (`None`: none, or stopped).
+    ranks: Option<u32>,
 }
 
 impl Node {
     /// Incarnation `inc` of node `i`, up, with an empty memory and disk.
-    fn new(frame_capacity: u64, i: usize, inc: u64) -> Node {
+    fn new(frame_capacity: u64, n: usize, i: usize, inc: u64) -> Node {
         Node {
             up: true,
             inc,
@@ -289,7 +308,21 @@ impl Node {
             gens: BTreeMap::new(),
             mem_committed: 0,
             mem_learned_term: 0,
+            control: Control::new(control_config(n)),
+            control_seq: None,
+            ranks: None,
         }
+    }
+}
+
+/// Job control's settings: the daemon's, but a rollback may take any number of passes (this
+/// simulator's job never ends: its ends are the job-control simulator's) and there is no
+/// spare.
+fn control_config(n: usize) -> control::Config {
+    control::Config {
+        max_passes: u32::MAX,
+        nodes: NAMES[..n].iter().map(|s| s.to_string()).collect(),
+        ..control::Config::default()
     }
 }
 
@@ -298,8 +331,10 @@ enum Task {
     Begin(u64),
     Commit(u64),
     Fence(u64),
-    /// The fence of a rollback (its number: only the last one submitted completes it).
+    /// The fence of restore `id`.
     Rollback(u64),
+    /// An operation job control recorded.
+    Job(MetaOp),
     /// A down verdict on incarnation `inc` of `node`, which was paused, or cut off (a link to
     /// or from it cut), when the coordinator declared it.
     Declare {
@@ -308,6 +343,25 @@ enum Task {
         paused: bool,
         cut: bool,
     },
+}
+
+/// A restore job control asked for, carried out by node `by` (incarnation `inc`) with the real
+/// [`Restore`] machine.
+struct Restoring {
+    id: u64,
+    by: usize,
+    inc: u64,
+    /// The term its driver drove in: it stops at its next call once that term is over (the
+    /// daemon's `JobCtl::drives_in`).
+    term: u64,
+    attempt: u32,
+    machine: Restore,
+    /// An action that waits (a fence while a round decides).
+    next: Option<RestoreAction>,
+    /// The epoch its fence fenced.
+    fenced: u64,
+    /// The incarnation of each node it asked for its state.
+    asked: BTreeMap<usize, u64>,
 }
 
 struct MetaTask {
@@ -397,14 +451,22 @@ struct World {
     /// The job's pages as it sees them (its writes since the restored checkpoint).
     app: Image,
     next_val: u64,
-    /// A crash or a verdict happened: the job is stopped until a rollback completes
-    /// (`Some(true)`: its restore is under way).
-    rollback: Option<bool>,
-    /// The restore under way: the coordinator that drives it, the machine, and an action that
-    /// waits (a fence while a round decides).
-    restore: Option<(usize, Restore, Option<RestoreAction>)>,
-    /// Rollback fences submitted.
-    fences: u64,
+    /// A crash, or a verdict on a node running the job's ranks, lost some of the job's
+    /// memory: what the nodes hold is not the job's until a restore that no failure overtook
+    /// completes. (What the world knows, for the checks and for whether the ranks can go on;
+    /// job control learns of failures only as the daemon does, from the heartbeats and the
+    /// committed verdicts.)
+    broken: bool,
+    /// The restores under way, each carried out for job control by the node that drives it.
+    restores: Vec<Restoring>,
+    /// Restores begun (their ids).
+    restores_begun: u64,
+    /// When the client last sent the job's launch (it sends it again until it is answered).
+    launch_sent_ms: Option<u64>,
+    launched: bool,
+    /// Outcomes of steps job control asked for, for its next turn (the daemon's tasks post
+    /// them back): the node, its incarnation, the start, the outcome.
+    outcomes: Vec<(usize, u64, u64, u32, Done)>,
     /// Rollbacks completed: the job's run since the last one, and the run each round began in
     /// (a checkpoint of a run rolled back must never commit).
     lineage: u64,
@@ -418,8 +480,6 @@ struct World {
     cleaning: Policy,
     /// Generations the metadata began: the only ones a disk write may carry.
     begun_gens: BTreeSet<u64>,
-    /// The epoch the last rollback fenced.
-    fenced: u64,
     /// The metadata's leader (the cluster's coordinator), its term, and who led each term
     /// (node, incarnation).
     leader: Option<usize>,
@@ -487,7 +547,9 @@ impl World {
             .flat_map(|(f, p)| (0..*p).map(move |i| ((*f, i), 0)))
             .collect();
         // Node 0 leads the first term; everyone knows it.
-        let mut nodes: Vec<Node> = (0..n as usize).map(|i| Node::new(frame_capacity, i, 1)).collect();
+        let mut nodes: Vec<Node> = (0..n as usize)
+            .map(|i| Node::new(frame_capacity, n as usize, i, 1))
+            .collect();
         for node in nodes.iter_mut() {
             node.view = Some(0);
             node.part.coordinator_changed(Some(NodeId(0)));
@@ -507,9 +569,12 @@ impl World {
             memory_images: BTreeMap::new(),
             app,
             next_val: 1,
-            rollback: None,
-            restore: None,
-            fences: 0,
+            broken: false,
+            restores: Vec::new(),
+            restores_begun: 0,
+            launch_sent_ms: None,
+            launched: false,
+            outcomes: Vec::new(),
             lineage: 0,
             round_lineage: BTreeMap::new(),
             persistent_pages: 0,
@@ -517,7 +582,6 @@ impl World {
             frame_capacity,
             cleaning,
             begun_gens: BTreeSet::new(),
-            fenced: 0,
             leader: Some(0),
             term: 1,
             term_leaders: BTreeMap::from([(1, (0, 1))]),
@@ -668,10 +732,6 @@ impl World {
         for v in voters {
             self.install(v);
         }
-        // A rollback's fence submitted in the old term may be lost: the launcher tries again.
-        if self.rollback == Some(true) {
-            self.rollback_again();
-        }
         // The old coordinator, which a majority has not heard for the timeout, is declared.
         if let Some(o) = old.filter(|&o| self.nodes[o].up && self.acting() == Some(c)) {
             let suspect = vec![(NAMES[o].to_string(), self.nodes[o].inc)];
@@ -790,7 +850,7 @@ impl World {
         let disk = std::mem::take(&mut self.nodes[i].disk);
         self.nodes[i] = Node {
             disk,
-            ..Node::new(self.frame_capacity, i, inc)
+            ..Node::new(self.frame_capacity, self.nodes.len(), i, inc)
         };
         // Its connections close: what they still held may be lost.
         if self.rng.chance(500) {
@@ -921,7 +981,7 @@ impl World {
             Local::Begun(epoch, r) => c.begun(now, JOB, epoch, r),
             Local::Committed(epoch, r) => c.committed(JOB, epoch, r),
             Local::Fenced(epoch, r) => c.fenced(JOB, epoch, r),
-            Local::Stop => self.stop_node(i),
+            Local::Stop(attempt) => self.stop_node(i, attempt),
         }
     }
 
@@ -940,7 +1000,7 @@ impl World {
             if !self.awake(i) {
                 continue;
             }
-            let stop = matches!(self.nodes[i].inbox.front(), Some(Local::Stop));
+            let stop = matches!(self.nodes[i].inbox.front(), Some(Local::Stop(_)));
             if stop && !self.leader.is_none_or(|l| self.link(l, i)) {
                 continue;
             }
@@ -960,11 +1020,25 @@ impl World {
         n.view == Some(i) && n.coord.busy(JOB) && !n.coord.released(JOB)
     }
 
-    /// Whether the job's ranks run: not stopped for a rollback, every node up and not declared
-    /// down (the ranks of a failed node restart when it is back), and not at a safe point in a
-    /// round of a node that believes it coordinates.
+    /// Whether the ranks of the job's recorded start run on every node: the start is running,
+    /// and each node of it, up in the incarnation it names, started them.
+    fn ranks_run(&self) -> bool {
+        let Some(run) = self.meta.runs.get(JOB) else {
+            return false;
+        };
+        run.phase == RunPhase::Running
+            && run.nodes.values().all(|(p, inc)| {
+                let n = &self.nodes[node_index(p)];
+                n.up && n.inc == *inc && n.ranks == Some(run.attempt)
+            })
+    }
+
+    /// Whether the job goes on: its ranks run everywhere, on a memory no failure broke, every
+    /// node up and not declared down, and not at a safe point in a round of a node that
+    /// believes it coordinates.
     fn app_runs(&self) -> bool {
-        self.rollback.is_none()
+        !self.broken
+            && self.ranks_run()
             && (0..self.nodes.len()).all(|i| self.nodes[i].up && !self.declared(i) && !self.coordinator_holds_ranks(i))
     }
 
@@ -1213,13 +1287,22 @@ impl World {
 
     /// An operation of node `by` failed, or its fate is unknown.
     fn answer_err(&mut self, by: usize, task: &Task, why: String) {
-        let ev = match *task {
-            Task::Begin(epoch) => Local::Begun(epoch, Err(why)),
-            Task::Commit(epoch) => Local::Committed(epoch, Err(why)),
-            Task::Fence(epoch) => Local::Fenced(epoch, Err(why)),
-            Task::Rollback(_) => return,
+        let ev = match task {
+            Task::Begin(epoch) => Local::Begun(*epoch, Err(why)),
+            Task::Commit(epoch) => Local::Committed(*epoch, Err(why)),
+            Task::Fence(epoch) => Local::Fenced(*epoch, Err(why)),
+            Task::Rollback(id) => {
+                if let Some(k) = self.restores.iter().position(|r| r.id == *id) {
+                    self.fail_restore(k, format!("its fence: {why}"));
+                }
+                return;
+            }
+            Task::Job(op) => {
+                self.nodes[by].control.handle_refused(JOB, op, &why);
+                return;
+            }
             Task::Declare { node, .. } => {
-                self.nodes[by].verdicts.handle_declared(NAMES[node]);
+                self.nodes[by].verdicts.handle_declared(NAMES[*node]);
                 return;
             }
         };
@@ -1259,7 +1342,7 @@ impl World {
                 // stopped for a rollback dropped what it took; its ranks do not run; a round
                 // of a run rolled back since has no ranks any more.)
                 let round = (epoch, i, self.nodes[i].inc);
-                let current = self.rollback.is_none() && self.round_lineage.get(&round) == Some(&self.lineage);
+                let current = !self.broken && self.round_lineage.get(&round) == Some(&self.lineage);
                 for (k, n) in self.nodes.iter().enumerate().filter(|_| current) {
                     assert!(
                         n.took.contains_key(&epoch),
@@ -1726,16 +1809,29 @@ impl World {
             }
         }
         match t.task {
-            Task::Rollback(k) if k == self.fences && self.rollback == Some(true) => match r {
-                Ok(()) => {
-                    let (persistent, fenced) = (self.committed_epoch(), self.fenced);
-                    self.restore_mut()
-                        .handle_fenced(persistent, fenced)
-                        .expect("the restore waits for its fence");
+            Task::Rollback(id) => {
+                let persistent = self.committed_epoch();
+                if let Some(k) = self.restores.iter().position(|r| r.id == id) {
+                    match r {
+                        Ok(()) => {
+                            let fenced = self.restores[k].fenced;
+                            self.restores[k]
+                                .machine
+                                .handle_fenced(persistent, fenced)
+                                .expect("the restore waits for its fence");
+                        }
+                        Err(e) => self.fail_restore(k, format!("the fence was refused: {e}")),
+                    }
                 }
-                Err(_) => self.rollback_again(),
-            },
-            Task::Rollback(_) => {}
+            }
+            Task::Job(op) => {
+                if let Err(e) = r {
+                    if alive {
+                        let why = e.to_string();
+                        self.nodes[by].control.handle_refused(JOB, &op, &why);
+                    }
+                }
+            }
             Task::Declare { node, inc, paused, cut } => {
                 if alive {
                     self.nodes[by].verdicts.handle_declared(NAMES[node]);
@@ -1775,11 +1871,10 @@ impl World {
             self.count(Counts::VERDICTS_CUT);
         }
         self.log(|| format!("verdict: incarnation {inc} of {node} is down"));
-        // The launcher's failure watch: a verdict on a node running the job's ranks rolls the
-        // job back.
+        // A verdict on a node running the job's ranks: its memory is lost (it fences itself
+        // when it learns it). Job control rolls the job back once it sees the verdict.
         if self.nodes[node].up && self.nodes[node].inc == inc {
-            self.stop_job();
-            self.rollback_again();
+            self.break_memory();
             if paused {
                 self.rollback_after_pause = true;
             }
@@ -1806,7 +1901,7 @@ impl World {
         self.nodes[i] = Node {
             up: false,
             disk,
-            ..Node::new(self.frame_capacity, i, inc)
+            ..Node::new(self.frame_capacity, self.nodes.len(), i, inc)
         };
         // Messages from the dead node may still arrive, or not.
         if self.rng.chance(500) {
@@ -1818,9 +1913,9 @@ impl World {
         if self.leader == Some(i) {
             self.leader = None;
         }
-        // The job stops: its memories are dropped; a rollback follows.
-        self.stop_job();
-        self.rollback_again();
+        // The job's memory there is lost. Job control rolls the job back once it sees the
+        // node gone (declared down, or back as a new incarnation).
+        self.break_memory();
     }
 
     /// The detector suspects node `i` while it runs (its heartbeats were late): the
@@ -1853,27 +1948,25 @@ impl World {
         // Its coordinator and participant are a new incarnation too.
         self.nodes[i] = Node {
             disk,
-            ..Node::new(self.frame_capacity, i, inc)
+            ..Node::new(self.frame_capacity, self.nodes.len(), i, inc)
         };
         self.log(|| format!("restart {i}"));
         // It joins through the coordinator.
         self.install(i);
     }
 
-    /// The launcher stops the job's ranks on every node (a paused or cut-off one once it is
-    /// awake and reachable).
-    fn stop_job(&mut self) {
-        for i in 0..self.nodes.len() {
-            let reachable = self.leader.is_none_or(|l| self.link(l, i));
-            if !self.nodes[i].up || (self.awake(i) && reachable && self.nodes[i].inbox.is_empty()) {
-                self.stop_node(i);
-            } else {
-                self.nodes[i].inbox.push_back(Local::Stop);
-            }
+    /// Node `i` stops the job's ranks of start `attempt` or before (a later start's stay: the
+    /// order came late), and drops what they held.
+    fn stop_node(&mut self, i: usize, attempt: u32) {
+        if self.nodes[i].ranks.is_some_and(|a| a > attempt) {
+            return;
         }
+        self.nodes[i].ranks = None;
+        self.drop_pages(i);
     }
 
-    fn stop_node(&mut self, i: usize) {
+    /// Node `i` drops the job's pages and abandons its round.
+    fn drop_pages(&mut self, i: usize) {
         let m = &mut self.nodes[i];
         m.mem.clear();
         m.taken.clear();
@@ -1881,13 +1974,13 @@ impl World {
         m.part.forget(JOB);
     }
 
-    /// A crash, a verdict or a change of coordinator: the job is stopped, and the restore under
-    /// way (if any) is dropped, to be done again whole.
-    fn rollback_again(&mut self) {
-        self.rollback = Some(false);
-        self.restore = None;
-        // A fence it submitted may still be applied: it completes no later restore.
-        self.fences += 1;
+    /// A crash or a verdict lost some of the job's memory: what the nodes hold is not the
+    /// job's any more, and no restore under way restores it whole.
+    fn break_memory(&mut self) {
+        if !self.meta.runs.contains_key(JOB) {
+            return; // nothing ran yet: nothing is lost
+        }
+        self.broken = true;
     }
 
     /// Whether coordinator `ci` reaches node `i` for a step of a restore: awake, not declared
@@ -1895,52 +1988,232 @@ impl World {
     fn restore_reaches(&self, ci: usize, i: usize) -> bool {
         self.awake(i)
             && !self.declared(i)
-            && !self.nodes[i].inbox.iter().any(|e| matches!(e, Local::Stop))
+            && !self.nodes[i].inbox.iter().any(|e| matches!(e, Local::Stop(_)))
             && self.both_ways(ci, i)
             && self.nodes[i].view == Some(ci)
     }
 
-    /// The job's restore, as the daemon carries it out (`recovery::restore`): the real
-    /// [`Restore`] machine orders the steps, each a call to one node that fails if the node is
-    /// not there (and the restore is then done again whole, as job control asks again).
-    fn rollback_step(&mut self) {
-        let Some(ci) = self.acting() else {
-            if self.restore.is_some() {
-                self.rollback_again();
+    // ---- job control ----
+
+    /// The nodes as the heartbeats show them to coordinator `l`.
+    fn views(&self, l: usize) -> BTreeMap<String, NodeView> {
+        (0..self.nodes.len())
+            .map(|j| {
+                let heard = j == l || self.now_ms.saturating_sub(self.heard_by_leader[j]) <= TIMEOUT_MS;
+                let live = self.nodes[j].up
+                    && heard
+                    && !self.declared(j)
+                    && self.nodes[l].verdicts.accepts(NAMES[j], self.nodes[j].inc);
+                let view = NodeView {
+                    live,
+                    incarnation: self.nodes[j].inc,
+                };
+                (NAMES[j].to_string(), view)
+            })
+            .collect()
+    }
+
+    /// Job control on every awake node, as the daemon runs it: each reads the committed
+    /// metadata; the coordinator drives (the daemon's driver is its metadata log's leader
+    /// holding its lease: here, the acting coordinator), with the time and the nodes as its
+    /// heartbeats show them. The job's client sends its launch until it is answered.
+    fn control_step(&mut self) {
+        let acting = self.acting();
+        let now = self.now_ms;
+        for (i, inc, term, attempt, done) in std::mem::take(&mut self.outcomes) {
+            if self.nodes[i].up && self.nodes[i].inc == inc {
+                self.nodes[i].control.handle_done(term, JOB, attempt, done);
             }
-            return;
-        };
-        match self.rollback {
-            Some(false) => {
-                // Job control asks for a restore (its ranks stopped everywhere reachable).
+        }
+        for i in 0..self.nodes.len() {
+            if !self.awake(i) {
+                continue;
+            }
+            if self.nodes[i].control_seq != Some(self.meta.seq) {
+                self.nodes[i].control_seq = Some(self.meta.seq);
+                let st = self.meta.clone();
+                self.nodes[i].control.handle_meta(&st);
+            }
+            let lead = (acting == Some(i)).then_some(self.term);
+            self.nodes[i].control.handle_lead(lead);
+            if lead.is_some() {
+                let views = self.views(i);
+                self.nodes[i].control.handle_tick(now, now, &views);
+                if !self.launched
+                    && self
+                        .launch_sent_ms
+                        .is_none_or(|t| now >= t + control::Config::default().retry_ms)
+                {
+                    self.launch_sent_ms = Some(now);
+                    let spec = JobSummary {
+                        program: "sim".into(),
+                        ranks: self.nodes.len() as u32,
+                        per_node: Some(1),
+                        max_restarts: u32::MAX,
+                        respawn_timeout_ms: 3_600_000,
+                        ..JobSummary::default()
+                    };
+                    let launch = Command::Launch {
+                        job: JOB.into(),
+                        spec: Box::new(spec),
+                        options: Box::default(),
+                        env: Vec::new(),
+                    };
+                    self.nodes[i].control.handle_command(1, launch);
+                }
+            }
+            while let Some(a) = self.nodes[i].control.poll_action() {
+                self.control_action(i, a);
+            }
+        }
+    }
+
+    /// Node `i` carries out what its job control asks, as `psls-node`'s `jobctl` does.
+    fn control_action(&mut self, i: usize, a: Action) {
+        self.log(|| format!("job control at {i}: {a:?}"));
+        match a {
+            Action::Submit { op, .. } => self.submit(i, op.clone(), Task::Job(op)),
+            Action::Spawn { physical, attempt, .. } => {
+                // A call to the node: it starts the ranks its records place on it.
+                let t = node_index(&physical);
+                if !self.awake(t) || !self.both_ways(i, t) || !self.nodes[t].inbox.is_empty() {
+                    return;
+                }
+                let inc = self.nodes[t].inc;
+                let Ok(ranks) = psls_jobs::local::ranks_here(&self.meta, JOB, attempt, Some(t as u32), &physical, inc)
+                else {
+                    return;
+                };
+                if ranks.is_empty() {
+                    return;
+                }
+                if self.nodes[t].ranks.is_none_or(|a| a < attempt) {
+                    self.log(|| format!("{t} starts its ranks of start {attempt}"));
+                    self.nodes[t].ranks = Some(attempt);
+                }
+                let report = Report {
+                    job: JOB.into(),
+                    attempt,
+                    running: ranks,
+                    exited: Vec::new(),
+                };
+                self.nodes[i].control.handle_report(&physical, inc, &report);
+            }
+            Action::StopRanks { attempt, nodes, .. } => {
+                // A call to each node: one that is paused, or whose link is cut, does not
+                // answer; the order waits in its socket if it got there.
+                let mut answered = Vec::new();
+                for p in nodes {
+                    let t = node_index(&p);
+                    if !self.nodes[t].up {
+                        continue;
+                    }
+                    if self.awake(t) && self.both_ways(i, t) && self.nodes[t].inbox.is_empty() {
+                        self.stop_node(t, attempt);
+                        answered.push(p);
+                    } else if self.link(i, t) {
+                        self.nodes[t].inbox.push_back(Local::Stop(attempt));
+                    }
+                }
+                let inc = self.nodes[i].inc;
+                let term = self.term;
+                self.outcomes
+                    .push((i, inc, term, attempt, Done::Stopped { nodes: answered }));
+            }
+            Action::Restore { attempt, .. } => {
                 let nodes: Vec<(u32, String)> = (0..self.nodes.len())
-                    .map(|i| (i as u32, NAMES[i].to_string()))
+                    .map(|k| (k as u32, NAMES[k].to_string()))
                     .collect();
-                let files: Vec<FileId> = self.file_ids();
-                self.restore = Some((ci, Restore::new(JOB, &nodes, &files, false), None));
-                self.rollback = Some(true);
+                self.restores_begun += 1;
+                let r = Restoring {
+                    id: self.restores_begun,
+                    by: i,
+                    inc: self.nodes[i].inc,
+                    term: self.term,
+                    attempt,
+                    machine: Restore::new(JOB, &nodes, &self.file_ids(), false),
+                    next: None,
+                    fenced: 0,
+                    asked: BTreeMap::new(),
+                };
+                self.restores.push(r);
             }
-            Some(true) => {}
-            None => return,
+            Action::Answer { answer, .. } => {
+                if matches!(answer, control::Answer::Started { .. }) {
+                    self.launched = true;
+                }
+            }
+            other => panic!("job control asked {other:?}: this simulator's job never ends and has no spare"),
         }
-        let Some((by, r, next)) = self.restore.as_mut() else {
-            return;
-        };
-        if *by != ci {
-            self.rollback_again();
+    }
+
+    /// Restore `k` failed: its driver's job control hears so, and does the pass again.
+    fn fail_restore(&mut self, k: usize, why: String) {
+        let r = self.restores.remove(k);
+        self.log(|| format!("restore {} by {} fails: {why}", r.id, r.by));
+        if self.nodes[r.by].up && self.nodes[r.by].inc == r.inc {
+            let done = Done::Restored(Err(StepError::Unavailable(why)));
+            self.nodes[r.by].control.handle_done(r.term, JOB, r.attempt, done);
+        }
+    }
+
+    /// A restore under way takes a few steps, as the daemon carries it out
+    /// (`recovery::restore`): the real [`Restore`] machine orders them, each a call to one node
+    /// that fails if the node is not there (and the restore with it: job control asks again).
+    /// A restore whose driver is paused waits; one whose driver crashed or does not
+    /// coordinate any more fails.
+    fn rollback_step(&mut self) {
+        if self.restores.is_empty() {
             return;
         }
-        let Some(a) = next.take().or_else(|| r.poll_action()) else {
-            return;
+        let id = self.restores[self.rng.below(self.restores.len() as u64) as usize].id;
+        let calls = 1 + self.rng.below(6);
+        for _ in 0..calls {
+            let Some(k) = self.restores.iter().position(|r| r.id == id) else {
+                return;
+            };
+            if !self.restore_call(k) {
+                return;
+            }
+        }
+    }
+
+    /// The next step of restore `k`; false if it is over, failed or waits.
+    fn restore_call(&mut self, k: usize) -> bool {
+        let (ci, id) = (self.restores[k].by, self.restores[k].id);
+        if self.paused(ci) {
+            return false;
+        }
+        let rolling_back =
+            self.meta.runs.get(JOB).is_some_and(|r| {
+                r.attempt == self.restores[k].attempt && matches!(r.phase, RunPhase::RollingBack { .. })
+            });
+        if !rolling_back {
+            self.fail_restore(k, "the job moved on".into());
+            return false;
+        }
+        if self.acting() != Some(ci) || self.nodes[ci].inc != self.restores[k].inc || self.restores[k].term != self.term
+        {
+            self.fail_restore(k, "its driver does not coordinate any more".into());
+            return false;
+        }
+        let a = {
+            let r = &mut self.restores[k];
+            r.next.take().or_else(|| r.machine.poll_action())
         };
-        self.log(|| format!("restore by {ci}: {a:?}"));
+        let Some(a) = a else { return false };
+        self.log(|| format!("restore {id} by {ci}: {a:?}"));
         let node = |name: &str| node_index(name);
+        let unreachable = |p: &str| format!("{p} does not answer");
         let answered = match a {
             RestoreAction::AskState { logical, node: p } => {
                 let i = node(&p);
                 if !self.restore_reaches(ci, i) {
-                    return self.rollback_again();
+                    self.fail_restore(k, unreachable(&p));
+                    return false;
                 }
+                let inc = self.nodes[i].inc;
+                self.restores[k].asked.insert(i, inc);
                 let m = self.nodes[i].frames.job(JOB);
                 let state = NodeState {
                     committed: m.committed,
@@ -1948,27 +2221,25 @@ impl World {
                     seen: self.nodes[i].part.seen(JOB),
                     files: Vec::new(),
                 };
-                self.restore_mut().handle_state(logical, &p, state)
+                self.restores[k].machine.handle_state(logical, &p, state)
             }
             RestoreAction::Fence { seen } => {
                 if self.nodes[ci].coord.busy(JOB) {
                     // A round of its own is deciding: the fence waits for its end.
-                    if let Some((_, _, next)) = self.restore.as_mut() {
-                        *next = Some(RestoreAction::Fence { seen });
-                    }
-                    return;
+                    self.restores[k].next = Some(RestoreAction::Fence { seen });
+                    return false;
                 }
                 let epoch = psls_ckpt::frames::fence_epoch(self.meta.job_floor(JOB), self.nodes[ci].started, seen);
                 self.nodes[ci].mem_committed = 0;
                 self.nodes[ci].mem_learned_term = 0;
-                self.fenced = epoch;
-                self.fences += 1;
+                self.restores[k].fenced = epoch;
                 self.submit(
                     ci,
                     MetaOp::FenceCheckpoint { job: JOB.into(), epoch },
-                    Task::Rollback(self.fences),
+                    Task::Rollback(id),
                 );
-                Ok(())
+                // It waits for the fence.
+                return false;
             }
             RestoreAction::Settle {
                 node: p,
@@ -1978,15 +2249,17 @@ impl World {
             } => {
                 let i = node(&p);
                 if !self.restore_reaches(ci, i) {
-                    return self.rollback_again();
+                    self.fail_restore(k, unreachable(&p));
+                    return false;
                 }
                 self.nodes[i].frames.settle(JOB, target, fenced);
-                self.restore_mut().handle_settled(&p)
+                self.restores[k].machine.handle_settled(&p)
             }
             RestoreAction::Recreate { node: p, lost, .. } => {
                 let h = node(&p);
                 if !self.restore_reaches(ci, h) {
-                    return self.rollback_again();
+                    self.fail_restore(k, unreachable(&p));
+                    return false;
                 }
                 // The holder sends what the nodes that lost theirs held (the daemon's
                 // `FramesReq::Recreate`).
@@ -1996,34 +2269,37 @@ impl World {
                         .install(JOB, file, pages)
                         .expect("a lost node's copies fit where they were");
                 }
-                self.restore_mut().handle_recreated(&p)
+                self.restores[k].machine.handle_recreated(&p)
             }
             RestoreAction::Adopt { node: p, target } => {
                 let i = node(&p);
                 if !self.restore_reaches(ci, i) {
-                    return self.rollback_again();
+                    self.fail_restore(k, unreachable(&p));
+                    return false;
                 }
                 self.nodes[i].frames.adopt(JOB, target);
-                self.restore_mut().handle_adopted(&p)
+                self.restores[k].machine.handle_adopted(&p)
             }
             RestoreAction::Drop { node: p, .. } => {
                 let i = node(&p);
                 if !self.restore_reaches(ci, i) {
-                    return self.rollback_again();
+                    self.fail_restore(k, unreachable(&p));
+                    return false;
                 }
-                self.stop_node(i);
-                self.restore_mut().handle_dropped(&p, &[])
+                self.drop_pages(i);
+                self.restores[k].machine.handle_dropped(&p, &[])
             }
             RestoreAction::Serve { node: p, .. } => {
                 let i = node(&p);
                 if !self.restore_reaches(ci, i) {
-                    return self.rollback_again();
+                    self.fail_restore(k, unreachable(&p));
+                    return false;
                 }
                 // It takes part again: it knows who coordinates and every committed verdict.
                 self.install(i);
-                self.restore_mut().handle_served(&p)
+                self.restores[k].machine.handle_served(&p)
             }
-            RestoreAction::Prefetch { .. } => self.restore_mut().handle_prefetched(),
+            RestoreAction::Prefetch { .. } => self.restores[k].machine.handle_prefetched(),
             RestoreAction::Done {
                 epoch: target,
                 memory,
@@ -2031,20 +2307,24 @@ impl World {
                 lost,
                 ..
             } => {
-                self.finish_rollback(target, memory, persistent, lost);
-                Ok(())
+                self.finish_rollback(k, target, memory, persistent, lost);
+                return false;
             }
         };
         answered.expect("the simulator answers what the restore asked");
+        true
     }
 
-    fn restore_mut(&mut self) -> &mut Restore {
-        &mut self.restore.as_mut().expect("a restore under way").1
-    }
-
-    /// The restore is over: the job runs again from checkpoint `target`.
-    fn finish_rollback(&mut self, target: u64, memory: u64, persistent: u64, lost: Vec<u32>) {
-        self.restore = None;
+    /// Restore `k` is over: the job's memory is back at checkpoint `target` (unless a failure
+    /// overtook it), and its driver's job control hears so.
+    fn finish_rollback(&mut self, k: usize, target: u64, memory: u64, persistent: u64, lost: Vec<u32>) {
+        let r = self.restores.remove(k);
+        // A node it asked that crashed, restarted or was declared down since lost (or will
+        // lose) the memory it restored.
+        let overtaken = r
+            .asked
+            .iter()
+            .any(|(&i, &inc)| !self.nodes[i].up || self.nodes[i].inc != inc || self.declared(i));
         self.lineage += 1;
         if memory > 0 {
             self.count(Counts::MEMORY_ROLLBACKS);
@@ -2055,15 +2335,25 @@ impl World {
             .or_else(|| self.memory_images.get(&target))
             .cloned()
             .unwrap_or_else(|| panic!("no image of checkpoint {target}"));
-        self.rollback = None;
+        self.broken = overtaken;
         self.count(Counts::ROLLBACKS);
         if std::mem::take(&mut self.rollback_after_pause) {
             self.count(Counts::PAUSE_ROLLBACKS);
         }
-        self.log(|| format!("rolled back to {target} (memory {memory}, persistent {persistent}, lost {lost:?})"));
+        self.log(|| {
+            format!(
+                "restore {} rolled back to {target} (memory {memory}, persistent {persistent}, lost {lost:?}, overtaken {})",
+                r.id, overtaken
+            )
+        });
         // Every page as the job now sees it: the restored checkpoint, bit for bit.
-        if self.nodes.iter().all(|n| n.up) {
+        if !overtaken && self.nodes.iter().all(|n| n.up) {
             assert_eq!(self.image(), self.app, "after the rollback to {target}");
+        }
+        if self.nodes[r.by].up && self.nodes[r.by].inc == r.inc {
+            self.nodes[r.by]
+                .control
+                .handle_done(r.term, JOB, r.attempt, Done::Restored(Ok(target)));
         }
     }
 
@@ -2100,7 +2390,7 @@ impl World {
             .map(|n| n.frames.job(JOB).committed)
             .max()
             .unwrap_or(0);
-        if self.rollback.is_none() && memory > epoch {
+        if !self.broken && memory > epoch {
             let img = &self.memory_images[&memory];
             for p in self.pages() {
                 if img[&p] == want[&p] {
@@ -2124,7 +2414,7 @@ impl World {
             }
         }
         // While the job runs, what it sees is what it wrote since the restored checkpoint.
-        if self.rollback.is_none() {
+        if !self.broken {
             for (p, val) in self.nodes.iter().filter(|n| n.up).flat_map(|n| n.mem.iter()) {
                 assert_eq!(val.0, self.app[p], "memory copy of {p:?}");
             }
@@ -2134,6 +2424,7 @@ impl World {
     fn step(&mut self) {
         self.observe();
         self.hear_leader();
+        self.control_step();
         match self.rng.below(100) {
             0..=14 if self.app_runs() => self.app_write(),
             15..=19 if self.app_runs() => self.app_read(),
@@ -2200,6 +2491,7 @@ impl World {
                 self.install(i);
             }
         }
+        self.control_step();
         self.rollback_step();
         self.deliver();
         while self.local_step() {}
@@ -2224,12 +2516,18 @@ impl World {
         }
         for _ in 0..20_000 {
             let drained = self.queue.is_empty() && self.net.is_empty() && self.nodes.iter().all(|n| n.inbox.is_empty());
-            if self.rollback.is_none() && self.app_runs() && drained {
+            if self.app_runs() && drained {
                 break;
             }
             self.calm_step();
         }
-        assert!(self.rollback.is_none() && self.app_runs(), "the job never resumed");
+        assert!(
+            self.app_runs(),
+            "the job never resumed (memory broken {}, its start {:?}, ranks {:?})",
+            self.broken,
+            self.meta.runs.get(JOB),
+            self.nodes.iter().map(|n| n.ranks).collect::<Vec<_>>()
+        );
         self.app_write();
         let before = self.committed_epoch();
         self.start_round(Some(Level::Persistent));

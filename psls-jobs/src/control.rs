@@ -32,6 +32,8 @@ pub const HALTED_STATUS: i32 = 75;
 pub const RESUMED: &str = "resumed";
 /// The status when nodes failed more often than the job may restart, or its rollback failed.
 pub const LOST_STATUS: i32 = 255;
+/// How long a node that did not answer a stop waits before it is asked again.
+pub const STOP_AGAIN_MS: u64 = 500;
 
 /// The machine's settings.
 #[derive(Clone, Debug)]
@@ -43,7 +45,9 @@ pub struct Config {
     pub pass_pause_ms: u64,
     /// Most passes of one rollback.
     pub max_passes: u32,
-    /// An action unanswered this long is done again (a lost message, a restarted node).
+    /// A spawn or a record unanswered this long is done again (a lost message, a restarted
+    /// node). A step ([`Action::StopRanks`], [`Action::Restore`], ...) is never asked again
+    /// while it runs: the shell answers each exactly once.
     pub retry_ms: u64,
     /// How long a spare's copies may take to be re-created.
     pub rebuild_timeout_ms: u64,
@@ -276,9 +280,14 @@ struct Driven {
     /// the epoch restored.
     pass: u32,
     stopped: BTreeSet<String>,
+    /// When the last stop was answered: a node that did not answer is asked again after
+    /// [`STOP_AGAIN_MS`].
+    stop_answered_ms: Option<u64>,
     down_since: BTreeMap<String, u64>,
     ready_since: Option<u64>,
     restored: Option<u64>,
+    /// The incarnation of every node when the restore was asked for.
+    restore_incarnations: BTreeMap<String, u64>,
     /// Stop: the job kept a checkpoint (after the release).
     released: Option<bool>,
     /// Finish: a memory checkpoint holds the result and its keeping is being recorded.
@@ -533,8 +542,13 @@ impl Control {
         self.drive(job);
     }
 
-    /// A step asked for start `attempt` of `job` is done.
-    pub fn handle_done(&mut self, job: &str, attempt: u32, done: Done) {
+    /// A step asked in `term` for start `attempt` of `job` is done. (One asked in another
+    /// term is not this driver's: a restore of a term this node drove before, finishing late,
+    /// must not end the pass of its new one. Found by the checkpoint simulator.)
+    pub fn handle_done(&mut self, term: u64, job: &str, attempt: u32, done: Done) {
+        if self.lead != Some(term) {
+            return;
+        }
         let Some(run) = self.meta.runs.get(job).cloned() else {
             return;
         };
@@ -555,7 +569,11 @@ impl Control {
         }
         let ranks = run.placement.len();
         match done {
-            Done::Stopped { nodes } => self.driven(job).stopped.extend(nodes),
+            Done::Stopped { nodes } => {
+                let d = self.driven(job);
+                d.stopped.extend(nodes);
+                d.stop_answered_ms = Some(now);
+            }
             Done::Replaced(Ok(())) => {}
             Done::Replaced(Err(e)) | Done::Restored(Err(e)) => {
                 let pause = self.cfg.pass_pause_ms;
@@ -932,12 +950,12 @@ impl Control {
         if now < d.not_before_ms {
             return;
         }
-        // A step waits for its outcome, within the retry time.
-        if let Some((_, at)) = d.step {
-            if now < at + self.cfg.retry_ms {
-                return;
-            }
-            d.step = None;
+        // A step waits for its outcome, however long it takes: asked again while it runs, a
+        // restore would run twice at once, and one's drop could undo what the other's
+        // restart's ranks wrote. (The simulator found it: a restore outlasting the retry
+        // time.) The shell answers every step; a driver that stops driving forgets them.
+        if d.step.is_some() {
+            return;
         }
         match &run.phase {
             RunPhase::Running => self.drive_running(job, &run),
@@ -1111,11 +1129,18 @@ impl Control {
             .find(|s| !logical.values().any(|x| x == *s) && self.live(s))
             .cloned();
         let rebuild_timeout_ms = self.cfg.rebuild_timeout_ms;
+        let incarnations: BTreeMap<String, u64> = logical
+            .values()
+            .map(|p| (p.clone(), self.nodes.get(p).map_or(0, |v| v.incarnation)))
+            .collect();
         let d = self.driven(job);
         d.pass = d.pass.max(1);
         // 1. Stop the ranks on every live node (again on a node that came back).
         let unstopped: Vec<String> = live_nodes.iter().filter(|p| !d.stopped.contains(*p)).cloned().collect();
         if !unstopped.is_empty() {
+            if d.stop_answered_ms.is_some_and(|t| now < t + STOP_AGAIN_MS) {
+                return;
+            }
             let action = Action::StopRanks {
                 job: job.to_string(),
                 attempt: run.attempt,
@@ -1141,6 +1166,21 @@ impl Control {
             }
             match spare {
                 Some(spare) => {
+                    // The node it replaces may only be paused, and wake with the job's ranks:
+                    // the records first hold a verdict on it (as this start named it, or as
+                    // last heard), which it obeys when it wakes. (A driver that restarted
+                    // since never heard it, and its detector cannot declare it: found by the
+                    // simulator, ranks of two starts running at once.)
+                    let named = run.nodes.values().filter(|(x, _)| *x == p).map(|(_, i)| *i).max();
+                    let heard = self.nodes.get(&p).map_or(0, |v| v.incarnation);
+                    let incarnation = named.unwrap_or(0).max(heard);
+                    if incarnation > 0 && !self.meta.is_down(&p, incarnation) {
+                        let op = MetaOp::DeclareDown {
+                            physical: p,
+                            incarnation,
+                        };
+                        return self.submit(job, op);
+                    }
                     let action = Action::Replace {
                         job: job.to_string(),
                         attempt: run.attempt,
@@ -1170,12 +1210,24 @@ impl Control {
         }
         // 3. Restore the newest intact checkpoint.
         let Some(epoch) = d.restored else {
+            d.restore_incarnations = incarnations;
             let action = Action::Restore {
                 job: job.to_string(),
                 attempt: run.attempt,
             };
             return self.ask(job, Step::Restore, action);
         };
+        // A node that restarted, or was declared down, since the restore began lost the memory
+        // it restored: the pass is done again. (Found by the checkpoint simulator driving this
+        // machine: ranks restarted on a memory a node had lost meanwhile.)
+        let asked = d.restore_incarnations.clone();
+        let changed = asked
+            .iter()
+            .find(|(p, inc)| incarnations.get(*p) != Some(*inc) || self.meta.is_down(p, **inc));
+        if let Some((p, _)) = changed {
+            let e = StepError::Unavailable(format!("{p} failed during the restore"));
+            return self.pass_failed(job, run.attempt, e, 0);
+        }
         // 4. A finished job restored to its result only has it written; any other starts again.
         if self
             .meta
@@ -1216,9 +1268,13 @@ impl Control {
 
     fn drive_stopping(&mut self, job: &str, run: &RunRecord, end: JobEnd) {
         let live_nodes: Vec<String> = self.logical().values().filter(|p| self.live(p)).cloned().collect();
+        let now = self.now_ms;
         let d = self.jobs.get_mut(job).expect("driven");
         let unstopped: Vec<String> = live_nodes.iter().filter(|p| !d.stopped.contains(*p)).cloned().collect();
         if !unstopped.is_empty() {
+            if d.stop_answered_ms.is_some_and(|t| now < t + STOP_AGAIN_MS) {
+                return;
+            }
             self.ask(
                 job,
                 Step::Stop,

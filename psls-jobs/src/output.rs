@@ -13,7 +13,7 @@
 //! the rank's last is dropped (a line printed again after a rollback); the bytes kept per rank,
 //! the ranks kept and the bytes of the whole store are bounded.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 /// The numbers between two lines, for lines a restarted rank prints that its earlier start
 /// did not.
@@ -62,10 +62,12 @@ struct Stream {
     bytes: usize,
     /// The last number taken (kept when the records go).
     last: u64,
-    /// The last number known kept on a second node too: followers are given no line above it
-    /// while the job runs (a line they print must outlive this node, so that a restarted rank
-    /// that prints it again is matched to it).
-    durable: u64,
+    /// The numbers kept here not yet known kept on a second node too: followers are given no
+    /// line from the first of them on while the job runs (a line they print must outlive this
+    /// node, so that a restarted rank that prints it again is matched to it). Per record, not a
+    /// mark: a restarted rank's line matched to a kept one may come after a higher-numbered
+    /// line of its own (its notice), and is not durable because that one is.
+    pending: BTreeSet<u64>,
 }
 
 /// The output kept on one node, by job and rank.
@@ -117,37 +119,59 @@ impl Store {
         new
     }
 
-    /// The last number of `job`'s rank `rank` known kept on a second node too (0: none).
+    /// The last number of `job`'s rank `rank` such that every record kept here up to it is
+    /// known kept on a second node too (0: none).
     pub fn durable(&self, job: &str, rank: u32) -> u64 {
-        self.streams.get(&(job.to_string(), rank)).map_or(0, |s| s.durable)
+        self.streams
+            .get(&(job.to_string(), rank))
+            .map_or(0, |s| match s.pending.first() {
+                Some(p) => s
+                    .records
+                    .iter()
+                    .map(|r| r.seq)
+                    .take_while(|q| q < p)
+                    .last()
+                    .unwrap_or(0),
+                None => s.last,
+            })
     }
 
-    /// `job`'s rank `rank`'s records up to number `seq` are kept on a second node too.
+    /// `job`'s rank `rank`'s record number `seq` is kept on a second node too.
     pub fn mark_durable(&mut self, job: &str, rank: u32, seq: u64) {
         if let Some(s) = self.streams.get_mut(&(job.to_string(), rank)) {
-            s.durable = s.durable.max(seq.min(s.last));
+            s.pending.remove(&seq);
         }
     }
 
-    /// Keeps record `r` of `job` (not yet durable); whether it was new (a number not above the
-    /// rank's last is dropped).
+    /// Keeps record `r` of `job` (not yet durable), in order; whether it was new (a number
+    /// kept already is dropped).
     pub fn push(&mut self, job: &str, r: Record) -> bool {
         let key = (job.to_string(), r.rank);
         if !self.streams.contains_key(&key) && self.streams.len() >= MAX_STREAMS {
             return false;
         }
         let s = self.streams.entry(key).or_default();
-        if r.seq <= s.last {
-            return false;
-        }
-        s.last = r.seq;
+        let at = if r.seq > s.last {
+            s.records.len()
+        } else {
+            // Below the last: a restarted rank's line matched to a kept number after a line of
+            // its own above it, or a copy sent again.
+            match s.records.binary_search_by_key(&r.seq, |x| x.seq) {
+                Ok(_) => return false,
+                Err(at) => at,
+            }
+        };
+        s.last = s.last.max(r.seq);
         s.bytes += r.data.len();
         self.bytes += r.data.len();
-        s.records.push_back(r);
+        // (Bounded with the records: every pending number is a kept record's.)
+        s.pending.insert(r.seq);
+        s.records.insert(at, r);
         while s.bytes > MAX_RANK_BYTES {
             let Some(old) = s.records.pop_front() else { break };
             s.bytes -= old.data.len();
             self.bytes -= old.data.len();
+            s.pending.remove(&old.seq);
         }
         if self.bytes > MAX_STORE_BYTES {
             self.shrink();
@@ -177,6 +201,7 @@ impl Store {
         for st in self.streams.values_mut() {
             while st.bytes > cap {
                 let Some(old) = st.records.pop_front() else { break };
+                st.pending.remove(&old.seq);
                 st.bytes -= old.data.len();
                 self.bytes -= old.data.len();
             }
@@ -208,7 +233,7 @@ impl Store {
                 }
             }
             for r in s.records.iter().filter(|r| r.seq > have) {
-                if r.seq > s.durable && !all {
+                if s.pending.contains(&r.seq) && !all {
                     break;
                 }
                 if bytes + r.data.len() > MAX_FETCH_BYTES && !out.is_empty() {
@@ -393,6 +418,11 @@ mod tests {
         // Nothing is given to a follower before a second node keeps it.
         assert!(s.since("j", &[(2, L)].into(), false).0.is_empty());
         s.mark_durable("j", 2, 3 * L);
+        assert!(
+            s.since("j", &[(2, L)].into(), false).0.is_empty(),
+            "line 2 is not known kept elsewhere: nothing after it either"
+        );
+        s.mark_durable("j", 2, 2 * L);
         let durable: Vec<u64> = s.since("j", &[(2, L)].into(), false).0.iter().map(|r| r.seq).collect();
         assert_eq!(durable, vec![2 * L, 3 * L]);
         let (got, gaps) = s.since("j", &[(2, L)].into(), true);

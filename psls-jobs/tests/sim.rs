@@ -12,8 +12,8 @@
 //! incarnation from its disk), pauses past the failure timeout (it wakes with its old state,
 //! the messages sent to it meanwhile arriving then, fencing itself if it was declared down
 //! meanwhile), or is cut off; a node campaigns (an election); a node's links slow down; log
-//! messages, reports and step outcomes are delayed and lost; operators launch, halt, cancel
-//! and resume jobs.
+//! messages and reports are delayed and lost (a step's outcome only with its driver: the
+//! daemon's tasks post every one back); operators launch, halt, cancel and resume jobs.
 //!
 //! Output: each rank runs a program that prints its lines in order (the same in every start,
 //! plus a notice in a restarted start), numbered by the real `output::Numbering` (a restarted
@@ -48,7 +48,7 @@ use psls_cluster::log::{Action as LogAction, Durable, Limits, Log, Machine, Subm
 use psls_cluster::membership::Membership;
 use psls_jobs::control::FinishError;
 use psls_jobs::follow::{FollowAction, Follower};
-use psls_jobs::output::{line_of, Numbering, Record, Store};
+use psls_jobs::output::{line_of, Numbering, Record, Store, LINE_STEP};
 use psls_jobs::{Action, Answer, Command, Config, Control, Done, NodeView, Report, StepError};
 use psls_pfs::jobs::{JobOptions, JobSummary};
 use psls_pfs::meta::{MetaOp, MetaState};
@@ -1014,6 +1014,21 @@ impl Sim {
                         .flat_map(|s| s.range(mark + 1..).copied())
                         .filter(|q| !known.contains(q))
                         .collect();
+                    // Or no reachable node keeps some line of the earlier start between the
+                    // checkpoint and the last kept one (lost with two failures before any
+                    // client printed it): the restarted rank prints it again, after the kept
+                    // lines, out of order.
+                    let slots: BTreeSet<u64> = kept
+                        .iter()
+                        .filter(|r| r.seq % LINE_STEP == 0)
+                        .map(|r| line_of(r.seq))
+                        .collect();
+                    let gap = slots
+                        .last()
+                        .is_some_and(|&top| (line_of(mark) + 1..=top).any(|l| !slots.contains(&l)));
+                    if gap {
+                        self.unknowing.insert(job.clone());
+                    }
                     if !unknown.is_empty() {
                         // A client printed a line after the checkpoint that no reachable node
                         // keeps: both nodes that kept it are gone (two failures), or only one
@@ -1133,11 +1148,12 @@ impl Sim {
     }
 
     fn done(&mut self, to: usize, term: u64, job: &str, attempt: u32, d: Done) {
-        if self.rng.chance(30) || self.nodes[to].lead != Some(term) {
-            return; // lost, or for a driver that is no more (it ignores it anyway)
+        // The daemon's tasks post every outcome back: none is lost but with its driver.
+        if self.nodes[to].lead != Some(term) {
+            return;
         }
         self.trace(|| format!("{}: {job} start {attempt}: {d:?}", self.nodes[to].name));
-        self.nodes[to].control.handle_done(job, attempt, d);
+        self.nodes[to].control.handle_done(term, job, attempt, d);
         self.pump(to);
     }
 

@@ -38,6 +38,8 @@ pub enum Input {
         reply: oneshot::Sender<Answer>,
     },
     Done {
+        /// The term the step was asked in.
+        term: u64,
         job: String,
         attempt: u32,
         done: Done,
@@ -61,6 +63,9 @@ pub struct JobCtl {
     rx: Mutex<Option<mpsc::Receiver<Input>>>,
     /// What the driver does for each job, and since when, for `psls jobs`.
     activity: Mutex<BTreeMap<String, (String, Instant)>>,
+    /// The term this node drives in (0: it does not): a step checks it before each call, so
+    /// that a driver deposed (or paused) mid-step stops there.
+    lead_term: std::sync::atomic::AtomicU64,
 }
 
 impl Default for JobCtl {
@@ -70,11 +75,17 @@ impl Default for JobCtl {
             tx,
             rx: Mutex::new(Some(rx)),
             activity: Mutex::new(BTreeMap::new()),
+            lead_term: std::sync::atomic::AtomicU64::new(0),
         }
     }
 }
 
 impl JobCtl {
+    /// Whether this node still drives in `term`.
+    pub fn drives_in(&self, term: u64) -> bool {
+        term != 0 && self.lead_term.load(std::sync::atomic::Ordering::SeqCst) == term
+    }
+
     /// Hands `input` to the task (dropped if its queue is full: see the module doc).
     pub fn post(&self, input: Input) {
         if self.tx.try_send(input).is_err() {
@@ -172,7 +183,12 @@ pub async fn run(d: Arc<Daemon>) {
                         replies.insert(next_id, reply);
                         control.handle_command(next_id, cmd);
                     }
-                    Input::Done { job, attempt, done } => control.handle_done(&job, attempt, done),
+                    Input::Done {
+                        term,
+                        job,
+                        attempt,
+                        done,
+                    } => control.handle_done(term, &job, attempt, done),
                     Input::Refused { job, op, why } => control.handle_refused(&job, &op, &why),
                     Input::Halted { job, epoch } => control.handle_halted(&job, epoch),
                     Input::Poke => {}
@@ -188,6 +204,9 @@ pub async fn run(d: Arc<Daemon>) {
             }
             _ => None,
         };
+        d.jobctl
+            .lead_term
+            .store(lead.unwrap_or(0), std::sync::atomic::Ordering::SeqCst);
         control.handle_lead(lead);
         let st = node.meta_state();
         if st.seq != last_seq {
@@ -262,6 +281,8 @@ fn step_error(e: OpError) -> StepError {
 /// Carries out one action in a task of its own.
 fn execute(d: &Arc<Daemon>, action: Action) {
     let d = d.clone();
+    // The term the step was asked in: a restore stops at its next call once it is over.
+    let term = d.jobctl.lead_term.load(std::sync::atomic::Ordering::SeqCst);
     tokio::spawn(async move {
         let node = d.node.clone();
         match action {
@@ -309,6 +330,7 @@ fn execute(d: &Arc<Daemon>, action: Action) {
                     }
                 }
                 d.jobctl.post(Input::Done {
+                    term,
                     job,
                     attempt,
                     done: Done::Stopped { nodes: stopped },
@@ -328,13 +350,25 @@ fn execute(d: &Arc<Daemon>, action: Action) {
                         StepError::Unavailable(format!("replacing logical node {logical} by {spare}: {}", e.message))
                     });
                 d.jobctl.post(Input::Done {
+                    term,
                     job,
                     attempt,
                     done: Done::Replaced(r),
                 });
             }
             Action::Restore { job, attempt } => {
-                let r = crate::recovery::restore(&node, &d.ckpt, &job).await.map_err(step_error);
+                // Only while this node drives in the term it was asked in, and the records are
+                // still at this start's rollback (a late record of an earlier driver may have
+                // moved the job on).
+                let driving = || {
+                    d.jobctl.drives_in(term)
+                        && node.meta_state().runs.get(&job).is_some_and(|r| {
+                            r.attempt == attempt && matches!(r.phase, psls_pfs::runs::RunPhase::RollingBack { .. })
+                        })
+                };
+                let r = crate::recovery::restore(&node, &d.ckpt, &job, &driving)
+                    .await
+                    .map_err(step_error);
                 match &r {
                     Ok(_) => {}
                     Err(StepError::Unavailable(e)) => {
@@ -343,6 +377,7 @@ fn execute(d: &Arc<Daemon>, action: Action) {
                     Err(e) => tracing::warn!(node = %node.name(), %job, error = %e, "rollback failed"),
                 }
                 d.jobctl.post(Input::Done {
+                    term,
                     job,
                     attempt,
                     done: Done::Restored(r),
@@ -355,6 +390,7 @@ fn execute(d: &Arc<Daemon>, action: Action) {
             } => {
                 let r = finish(&d, &job, persistent_only).await;
                 d.jobctl.post(Input::Done {
+                    term,
                     job,
                     attempt,
                     done: Done::Finished(r),
@@ -363,6 +399,7 @@ fn execute(d: &Arc<Daemon>, action: Action) {
             Action::Release { job, attempt, keep } => {
                 let resumable = release(&d, &job, keep).await;
                 d.jobctl.post(Input::Done {
+                    term,
                     job,
                     attempt,
                     done: Done::Released { resumable },

@@ -21,7 +21,12 @@ use std::sync::Arc;
 /// Restores `job` to its newest intact checkpoint on every node; returns its epoch (0: the
 /// job's start). The order of the steps is `psls_ckpt::restore::Restore`'s; this carries them
 /// out, one node call each, and fails at the first that fails.
-pub async fn restore(node: &Arc<Node>, ckpt: &Arc<CkptShell>, job: &str) -> Result<u64, OpError> {
+pub async fn restore(
+    node: &Arc<Node>,
+    ckpt: &Arc<CkptShell>,
+    job: &str,
+    driving: &(dyn Fn() -> bool + Sync),
+) -> Result<u64, OpError> {
     use crate::peer::FramesReq;
     use psls_ckpt::restore::{NodeState, Restore, RestoreAction};
     let st = node.meta_state();
@@ -41,6 +46,14 @@ pub async fn restore(node: &Arc<Node>, ckpt: &Arc<CkptShell>, job: &str) -> Resu
     let unexpected =
         |p: &str, other: PeerResp| OpError::new(ErrorKind::Internal, format!("{p}: unexpected answer {other:?}"));
     while let Some(a) = r.poll_action() {
+        // A driver deposed or paused mid-restore stops before its next call: the next driver
+        // restores again whole, and a late drop of this one must not undo its restart.
+        if !driving() {
+            return Err(OpError::new(
+                ErrorKind::Unavailable,
+                "this node no longer drives the job: the restore stops",
+            ));
+        }
         match a {
             RestoreAction::AskState { logical, node: p } => {
                 let req = PeerReq::Frames(FramesReq::State { job: job.to_string() });
