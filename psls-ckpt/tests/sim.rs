@@ -2184,11 +2184,7 @@ impl World {
         if self.paused(ci) {
             return false;
         }
-        let rolling_back =
-            self.meta.runs.get(JOB).is_some_and(|r| {
-                r.attempt == self.restores[k].attempt && matches!(r.phase, RunPhase::RollingBack { .. })
-            });
-        if !rolling_back {
+        if !psls_jobs::local::rolling_back(&self.meta, JOB, self.restores[k].attempt) {
             self.fail_restore(k, "the job moved on".into());
             return false;
         }

@@ -54,6 +54,14 @@ pub fn ranks_here(
         .collect())
 }
 
+/// Whether the records still stand at the rollback of start `attempt` of `job`: a restore for
+/// it goes on only then (a late record of an earlier driver may have moved the job on).
+pub fn rolling_back(st: &MetaState, job: &str, attempt: u32) -> bool {
+    st.runs
+        .get(job)
+        .is_some_and(|r| r.attempt == attempt && matches!(r.phase, RunPhase::RollingBack { .. }))
+}
+
 /// Whether ranks of start `attempt` of `job` must stop: a later start is recorded, the start
 /// is being rolled back or stopped, or the job ended.
 pub fn stale(st: &MetaState, job: &str, attempt: u32) -> bool {

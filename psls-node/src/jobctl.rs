@@ -360,12 +360,8 @@ fn execute(d: &Arc<Daemon>, action: Action) {
                 // Only while this node drives in the term it was asked in, and the records are
                 // still at this start's rollback (a late record of an earlier driver may have
                 // moved the job on).
-                let driving = || {
-                    d.jobctl.drives_in(term)
-                        && node.meta_state().runs.get(&job).is_some_and(|r| {
-                            r.attempt == attempt && matches!(r.phase, psls_pfs::runs::RunPhase::RollingBack { .. })
-                        })
-                };
+                let driving =
+                    || d.jobctl.drives_in(term) && psls_jobs::local::rolling_back(&node.meta_state(), &job, attempt);
                 let r = crate::recovery::restore(&node, &d.ckpt, &job, &driving)
                     .await
                     .map_err(step_error);
