@@ -350,10 +350,14 @@ pub fn gone(sh: &SyncShell, who: String) -> Result<(), OpError> {
     send(sh, &coord, PeerReq::SyncGone { who })
 }
 
-/// Delivers notices: to this node's waits, or posted to the waiter's node.
+/// Delivers notices: posted to the waiter's node, then to this node's waits. The remote ones
+/// go first: a local rank woken first could take this 2-core machine's other core while the
+/// remote release, a whole hop longer, still waits to be sent. (A rank has one call at a time,
+/// so no rank's notices change order.)
 fn deliver(sh: &SyncShell, notices: Vec<Notice>) {
     let node = &sh.node;
-    for (key, who, call, result) in notices {
+    let (local, remote): (Vec<Notice>, Vec<Notice>) = notices.into_iter().partition(|n| node_of(&n.1) == node.name());
+    for (key, who, call, result) in remote.into_iter().chain(local) {
         let result = result.map_err(OpError::from);
         let target = node_of(&who).to_string();
         if target == node.name() {
