@@ -9,9 +9,11 @@
 //! on a restart) takes a number between the last kept line and the next one, so it is printed
 //! once, after what was printed before.
 //!
-//! Invariants: a rank's records are kept in sequence order; a record whose number is not above
-//! the rank's last is dropped (a line printed again after a rollback); the bytes kept per rank,
-//! the ranks kept and the bytes of the whole store are bounded.
+//! Invariants: a rank's records are kept in sequence order, a record whose number is kept
+//! already is dropped (a line printed again after a rollback, a copy sent again), and one below
+//! the last goes in its place; a follower is given a rank's lines only up to the first one not
+//! yet known kept on a second node; the bytes kept per rank, the ranks kept and the bytes of
+//! the whole store are bounded.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
@@ -546,5 +548,33 @@ mod tests {
         let kept: Vec<usize> = s.streams.values().map(|x| x.bytes).collect();
         let (lo, hi) = (kept.iter().min().unwrap(), kept.iter().max().unwrap());
         assert!(hi - lo <= 2 * line.len(), "{lo} .. {hi}");
+    }
+
+    /// Found by the job-control simulator: a restarted rank's line matched to a kept number
+    /// comes after its own notice, numbered above it; it is kept in its place, and a follower
+    /// gets neither before both are copied.
+    #[test]
+    fn a_line_numbered_below_the_last_is_kept_in_order_and_durable_by_itself() {
+        const L: u64 = LINE_STEP;
+        let rec = |seq: u64, text: &str| Record {
+            rank: 0,
+            seq,
+            err: false,
+            data: text.as_bytes().to_vec(),
+        };
+        let mut s = Store::default();
+        assert!(s.push("j", rec(L + 1, "restarted\n")));
+        assert!(s.push("j", rec(L, "line 1\n")), "below the last, not kept yet: kept");
+        assert!(!s.push("j", rec(L, "line 1\n")), "kept already: dropped");
+        s.mark_durable("j", 0, L + 1);
+        assert!(
+            s.since("j", &BTreeMap::new(), false).0.is_empty(),
+            "line 1 is not copied yet"
+        );
+        assert_eq!(s.durable("j", 0), 0);
+        s.mark_durable("j", 0, L);
+        let seqs: Vec<u64> = s.since("j", &BTreeMap::new(), false).0.iter().map(|r| r.seq).collect();
+        assert_eq!(seqs, vec![L, L + 1]);
+        assert_eq!(s.durable("j", 0), L + 1);
     }
 }
