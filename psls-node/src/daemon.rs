@@ -122,14 +122,23 @@ pub async fn run(config: &Path, name: &str) -> Result<()> {
         .collect();
     let known: Vec<String> = cfg.all().map(|n| n.name.clone()).collect();
     let reset_key = crate::tls::reset_key(&cfg.cert_dir(), name)?;
-    let net =
-        Transport::bind((me.addr, link_of(&me)), server, client, reset_key, peers, known.clone()).map_err(|e| {
-            if e.kind() == std::io::ErrorKind::AddrInUse {
-                anyhow::anyhow!("cannot listen on {} and {}: a port is in use", me.addr, link_of(&me))
-            } else {
-                anyhow::anyhow!("cannot listen on {} and {}: {e}", me.addr, link_of(&me))
-            }
-        })?;
+    let link_tls = crate::tls::link_configs(&cfg.cert_dir(), name)?;
+    let net = Transport::bind(
+        (me.addr, link_of(&me)),
+        server,
+        client,
+        reset_key,
+        link_tls,
+        peers,
+        known.clone(),
+    )
+    .map_err(|e| {
+        if e.kind() == std::io::ErrorKind::AddrInUse {
+            anyhow::anyhow!("cannot listen on {} and {}: a port is in use", me.addr, link_of(&me))
+        } else {
+            anyhow::anyhow!("cannot listen on {} and {}: {e}", me.addr, link_of(&me))
+        }
+    })?;
     let socket = cfg.socket_path(&me);
     let listener = crate::ipc::bind(&socket)?;
 

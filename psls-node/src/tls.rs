@@ -1,4 +1,4 @@
-//! Mutual TLS for the QUIC transport: every node presents its certificate signed by the
+//! Mutual TLS for both transports (QUIC requests, the TCP message link): every node presents its certificate signed by the
 //! cluster CA and accepts only peers whose certificate chains to that CA. The peer's node name
 //! is read from its certificate (`NAME.psls`), never from what it claims in a message.
 
@@ -59,8 +59,9 @@ pub const MAX_UDP_PAYLOAD: u16 = 65_535 - 28;
 /// Ethernet) settles at its own size.
 pub const MAX_DISCOVERED_PAYLOAD: u16 = MAX_UDP_PAYLOAD / 10;
 
-/// QUIC server and client configurations of node `name`.
-pub fn configs(dir: &Path, name: &str) -> Result<(quinn::ServerConfig, quinn::ClientConfig)> {
+/// The TLS server and client configurations of node `name`, as both transports use them:
+/// TLS 1.3, the cluster CA both ways, the peer protocol's version as ALPN.
+fn tls_configs(dir: &Path, name: &str) -> Result<(rustls::ServerConfig, rustls::ClientConfig)> {
     let (roots, certs, key) = load(dir, name)?;
     let roots = Arc::new(roots);
     let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(roots.clone(), provider())
@@ -78,6 +79,22 @@ pub fn configs(dir: &Path, name: &str) -> Result<(quinn::ServerConfig, quinn::Cl
         .with_client_auth_cert(certs, key)
         .context("node certificate/key")?;
     client.alpn_protocols = vec![ALPN.to_vec()];
+    Ok((server, client))
+}
+
+/// The message link's TLS configurations of node `name` (over TCP): no session tickets and no
+/// resumption (a link connection lives as long as both nodes do), so nothing but handshake and
+/// application records ever crosses it.
+pub fn link_configs(dir: &Path, name: &str) -> Result<(Arc<rustls::ServerConfig>, Arc<rustls::ClientConfig>)> {
+    let (mut server, mut client) = tls_configs(dir, name)?;
+    server.send_tls13_tickets = 0;
+    client.resumption = rustls::client::Resumption::disabled();
+    Ok((Arc::new(server), Arc::new(client)))
+}
+
+/// QUIC server and client configurations of node `name`.
+pub fn configs(dir: &Path, name: &str) -> Result<(quinn::ServerConfig, quinn::ClientConfig)> {
+    let (server, client) = tls_configs(dir, name)?;
 
     let mut transport = quinn::TransportConfig::default();
     transport
@@ -132,6 +149,11 @@ pub fn peer_name(conn: &quinn::Connection) -> Option<String> {
 pub fn peer_name_of(identity: Option<Box<dyn std::any::Any>>) -> Option<String> {
     let any = identity?;
     let chain = any.downcast::<Vec<CertificateDer<'static>>>().ok()?;
+    name_in_chain(&chain)
+}
+
+/// The node name in a verified certificate chain (`NAME.psls` in the leaf's names).
+pub fn name_in_chain(chain: &[CertificateDer<'_>]) -> Option<String> {
     let (_, cert) = x509_parser::parse_x509_certificate(chain.first()?.as_ref()).ok()?;
     let san = cert.subject_alternative_name().ok()??;
     san.value.general_names.iter().find_map(|g| match g {

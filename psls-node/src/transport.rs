@@ -3,8 +3,7 @@
 //! peer's name comes from its certificate.
 //!
 //! One-way messages ([`Transport::post`]: the coherence protocol's, barriers', locks') do not
-//! go through here but through the node's message link ([`crate::link`]), a second QUIC
-//! endpoint driven without async tasks.
+//! go through here but through the node's message link ([`crate::link`]), TLS over TCP.
 
 use crate::failstop::Locked;
 pub use crate::peer::NetError;
@@ -32,22 +31,22 @@ pub struct Transport {
 }
 
 impl Transport {
-    /// Binds the node's UDP addresses: `addr` for requests, `link` for one-way messages.
+    /// Binds the node's addresses: `addr` (UDP) for requests, `link` (TCP) for one-way messages.
     /// `peers`: every other node's two addresses; `known`: every node name of the cluster.
     pub fn bind(
         (addr, link): (SocketAddr, SocketAddr),
         server: quinn::ServerConfig,
         client: quinn::ClientConfig,
         reset_key: Arc<ring::hmac::Key>,
+        link_tls: (Arc<rustls::ServerConfig>, Arc<rustls::ClientConfig>),
         peers: HashMap<String, (SocketAddr, SocketAddr)>,
         known: Vec<String>,
     ) -> std::io::Result<Transport> {
         let stamp = Arc::new(peer::Stamp::default());
         let link = crate::link::Link::bind(
             link,
-            server.clone(),
-            client.clone(),
-            reset_key.clone(),
+            link_tls.0,
+            link_tls.1,
             peers.iter().map(|(k, v)| (k.clone(), v.1)).collect(),
             known,
         )?

@@ -33,13 +33,19 @@ fn free_addr() -> SocketAddr {
     s.local_addr().unwrap()
 }
 
+fn free_tcp_addr() -> SocketAddr {
+    let s = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    s.local_addr().unwrap()
+}
+
 fn transport(certs: &std::path::Path, me: &str, addr: SocketAddr, peers: HashMap<String, SocketAddr>) -> Transport {
     let (server, client) = psls_node::tls::configs(certs, me).unwrap();
     let key = psls_node::tls::reset_key(certs, me).unwrap();
-    // The message link (a second endpoint) is not under test here: any free port will do.
-    let peers = peers.into_iter().map(|(k, a)| (k, (a, free_addr()))).collect();
+    let link_tls = psls_node::tls::link_configs(certs, me).unwrap();
+    // The message link (TCP) is not under test here: any free port will do.
+    let peers = peers.into_iter().map(|(k, a)| (k, (a, free_tcp_addr()))).collect();
     let known = vec!["n0".to_string(), "n1".to_string()];
-    Transport::bind((addr, free_addr()), server, client, key, peers, known).unwrap()
+    Transport::bind((addr, free_tcp_addr()), server, client, key, link_tls, peers, known).unwrap()
 }
 
 /// A raw QUIC stream exchange as node `me` (certs from `certs`) with the server at `addr`.

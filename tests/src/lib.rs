@@ -383,6 +383,7 @@ impl Peer {
             .expect("runtime");
         let (server, client) = psls_node::tls::configs(&cfg.cert_dir(), me).expect("node certificate");
         let key = psls_node::tls::reset_key(&cfg.cert_dir(), me).expect("node key");
+        let link_tls = psls_node::tls::link_configs(&cfg.cert_dir(), me).expect("node certificate");
         let peers = cfg
             .all()
             .filter(|n| n.name != me)
@@ -392,7 +393,8 @@ impl Peer {
         let any: std::net::SocketAddr = "127.0.0.1:0".parse().expect("address");
         let net = {
             let _g = rt.enter();
-            psls_node::transport::Transport::bind((any, any), server, client, key, peers, known).expect("bind")
+            psls_node::transport::Transport::bind((any, any), server, client, key, link_tls, peers, known)
+                .expect("bind")
         };
         net.stamp
             .set(NEW_INCARNATION, std::sync::Arc::new(|_: &str, _: u64| false));

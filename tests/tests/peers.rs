@@ -28,6 +28,13 @@ const PROBE: &str = env!("CARGO_BIN_EXE_svm-probe");
 /// A QUIC client configuration that trusts the CA in `roots` (`ca.pem`) and presents the
 /// certificate of `identity` (folder and node name), or none.
 fn client_config(roots: &Path, identity: Option<(&Path, &str)>) -> quinn::ClientConfig {
+    quinn::ClientConfig::new(Arc::new(
+        quinn::crypto::rustls::QuicClientConfig::try_from(tls_client(roots, identity)).unwrap(),
+    ))
+}
+
+/// The same as a TLS client configuration (the message link's).
+fn tls_client(roots: &Path, identity: Option<(&Path, &str)>) -> rustls::ClientConfig {
     let mut store = rustls::RootCertStore::empty();
     for c in CertificateDer::pem_file_iter(roots.join("ca.pem")).unwrap() {
         store.add(c.unwrap()).unwrap();
@@ -48,9 +55,7 @@ fn client_config(roots: &Path, identity: Option<(&Path, &str)>) -> quinn::Client
         None => builder.with_no_client_auth(),
     };
     cfg.alpn_protocols = vec![psls_node::tls::ALPN.to_vec()];
-    quinn::ClientConfig::new(Arc::new(
-        quinn::crypto::rustls::QuicClientConfig::try_from(cfg).unwrap(),
-    ))
+    cfg
 }
 
 /// One request over a fresh connection to node `server` at `addr`; its answer or why none came.
@@ -92,19 +97,18 @@ fn link(
     c: &Cluster,
     me: &str,
     addr: SocketAddr,
-    client: quinn::ClientConfig,
+    client: rustls::ClientConfig,
 ) -> (Arc<Link>, Receiver<(String, PeerReq)>) {
     let cfg = c.config();
-    let (server, _) = psls_node::tls::configs(&cfg.cert_dir(), me).unwrap();
+    let (server, _) = psls_node::tls::link_configs(&cfg.cert_dir(), me).unwrap();
     let peers = cfg
         .all()
         .filter(|n| n.name != me)
         .map(|n| (n.name.clone(), n.link().unwrap()))
         .collect();
     let known = cfg.all().map(|n| n.name.clone()).collect();
-    let key = psls_node::tls::reset_key(&cfg.cert_dir(), me).unwrap();
     let l = Arc::new(
-        Link::bind(addr, server, client, key, peers, known)
+        Link::bind(addr, server, Arc::new(client), peers, known)
             .unwrap()
             .stamped(psls_tests::new_incarnation()),
     );
@@ -209,7 +213,7 @@ fn a_client_trusting_the_cluster_ca_with_a_foreign_certificate_is_refused() {
     // Message link. The test takes s0's link address with s0's certificate: whatever a
     // daemon posts to s0 (a pong) arrives here. The control: s0's ping is answered.
     let s0_link = cfg.entry("s0").unwrap().link().unwrap();
-    let (me, rx) = link(&c, "s0", s0_link, client_config(&certs, Some((&certs, "s0"))));
+    let (me, rx) = link(&c, "s0", s0_link, tls_client(&certs, Some((&certs, "s0"))));
     let mut seen = Vec::new();
     ping(&me, "n0", 1, &rx, &mut seen);
     // Each intruder pings n0 for a while (a new connection after each refusal); a delivered
@@ -217,7 +221,7 @@ fn a_client_trusting_the_cluster_ca_with_a_foreign_certificate_is_refused() {
     let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
     let mut fakes = Vec::new();
     for (k, (_, id)) in intruders.into_iter().enumerate() {
-        let (fake, _) = link(&c, "s0", any, client_config(&certs, id));
+        let (fake, _) = link(&c, "s0", any, tls_client(&certs, id));
         for j in 0..10u64 {
             fake.post(
                 "n0",
@@ -291,7 +295,7 @@ fn invalid_coherence_messages_are_refused_and_the_daemon_serves_on() {
         &c,
         "n1",
         "127.0.0.1:0".parse().unwrap(),
-        client_config(&cfg.cert_dir(), Some((&cfg.cert_dir(), "n1"))),
+        tls_client(&cfg.cert_dir(), Some((&cfg.cert_dir(), "n1"))),
     );
     let env = |msg: Msg| Envelope {
         from: NodeId(1),
@@ -563,7 +567,7 @@ fn a_peer_cannot_speak_for_another_node_in_coherence_messages() {
         &c,
         "s0",
         s0_link,
-        client_config(&cfg.cert_dir(), Some((&cfg.cert_dir(), "s0"))),
+        tls_client(&cfg.cert_dir(), Some((&cfg.cert_dir(), "s0"))),
     );
     // The forged message, then a ping: once s0 has its pong, n0 handled the forgery.
     let forged = Envelope {

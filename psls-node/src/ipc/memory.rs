@@ -148,7 +148,7 @@ pub(super) async fn handle(c: &mut Conn, req: Request, mut fds: Vec<OwnedFd>) ->
                     ("joined_reads".into(), st.joined_reads),
                     ("implied_grants".into(), st.implied_grants),
                     ("posted_messages".into(), node.net.posted()),
-                    ("link_datagrams".into(), node.net.link.datagrams()),
+                    ("link_writes".into(), node.net.link.writes()),
                     ("sync_channels".into(), d.channels.len() as u64),
                     ("sync_waits".into(), d.sync.waits() as u64),
                     (

@@ -1,6 +1,7 @@
 //! The message link against real sockets on loopback: order, certificates, bounds, restarts.
 
 use super::*;
+use std::path::Path;
 
 struct Collect(std::sync::mpsc::Sender<(String, PeerReq, Bytes)>);
 impl LinkHandler for Collect {
@@ -12,13 +13,11 @@ impl LinkHandler for Collect {
 /// A link of node `me` (certificates in `certs`) on `addr`, knowing one peer; the cluster
 /// lists nodes "a" and "b".
 fn link(certs: &Path, me: &str, addr: SocketAddr, peer: &str, peer_addr: SocketAddr) -> Arc<Link> {
-    let (s, c) = crate::tls::configs(certs, me).unwrap();
     Arc::new(
-        Link::bind(
+        Link::for_node(
+            certs,
+            me,
             addr,
-            s,
-            c,
-            crate::tls::reset_key(certs, me).unwrap(),
             [(peer.to_string(), peer_addr)].into(),
             vec!["a".into(), "b".into()],
         )
