@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # PSLS against MPI in one run, on a local 4-node cluster (issue 24's figures): the step
 # micro-benchmark (a barrier; rank 0 writes 2 pages, a barrier, the other rank reads them)
-# against MPI_Barrier and an 8 KiB MPI_Bcast, and MGS 1024x1024 at 2 ranks against the same
+# against MPI_Barrier and an 8 KiB MPI_Bcast, barriers during memory checkpoints against
+# barriers without, and MGS 1024x1024 at 2 ranks against the same
 # kernel in MPI (bench/mpi/) and on plain threads; every figure a ratio to its baseline, run
 # after run, the rounds alternated. MPI is MPICH from the distribution's packages (installed
 # when mpicc is missing), forced onto TCP (UCX_TLS=tcp,self MPIR_CVAR_NOLOCAL=1) as PSLS's
@@ -41,11 +42,18 @@ ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (b > 0) printf "%.2f", a / b; else
 echo "round,what,psls,baseline,ratio"
 for r in $(seq 1 "$rounds"); do
     m=$(mpirun -n 2 "$bin/step_mpi" --iters 2000)
-    p=$("$bin/psls" --dir "$dir" run -n 2 -- "$bin/step-bench" --iters 2000 | grep '"bench":"step"' | sed 's/^\[[0-9]*\] //')
+    p=$("$bin/psls" --dir "$dir" run -n 2 --level memory -- "$bin/step-bench" --iters 2000 --ckpt-pages 256 --ckpt-every 50 | grep '"bench":"step"' | sed 's/^\[[0-9]*\] //')
     for w in barrier_p50_us barrier_p90_us step_p50_us step_p90_us; do
         a=$(field "$p" "$w")
         b=$(field "$m" "$w")
         echo "$r,$w (MPI),$a,$b,$(ratio "$a" "$b")"
+    done
+    # Barriers while each rank's 256 pages are copied by a memory checkpoint every 50
+    # barriers, against the barriers of the same run without checkpoints.
+    for q in p50 p90; do
+        a=$(field "$p" "ckpt_barrier_${q}_us")
+        b=$(field "$p" "barrier_${q}_us")
+        echo "$r,barrier_${q}_us during memory checkpoints (without),$a,$b,$(ratio "$a" "$b")"
     done
     m=$(mpirun -n 2 "$bin/mgs_mpi" --vectors "$vectors" --dim "$vectors")
     p=$("$bin/psls" --dir "$dir" run -n 2 -- "$bin/mgs" --vectors "$vectors" --dim "$vectors" | grep '"bench":"mgs"' | sed 's/^\[[0-9]*\] //')

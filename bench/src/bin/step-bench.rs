@@ -8,6 +8,12 @@
 //!   the last rank from the barrier that starts the iteration to the end of its reads, as
 //!   `step_mpi` times an 8 KiB `MPI_Bcast` on its last rank.
 //!
+//! - with `--ckpt-pages N` (run under `psls run --level memory`), barriers while memory
+//!   checkpoints are copied: every `--ckpt-every K` iterations each rank writes the N pages of
+//!   a file of its own and makes the safe-point call (a memory checkpoint whose copies go on
+//!   after the call returns); only the barriers are timed, so the figure shows what the
+//!   checkpoints' traffic costs the job's control messages.
+//!
 //! The last rank prints one JSON line: the median and the 90th percentile of each, in µs.
 
 use anyhow::{bail, Context, Result};
@@ -23,9 +29,19 @@ fn percentile(v: &mut [f64], p: f64) -> f64 {
 
 fn main() -> Result<()> {
     let mut iters = 2000usize;
+    let mut ckpt_pages = 0usize;
+    let mut ckpt_every = 50usize;
     let mut it = std::env::args().skip(1);
+    let number = |it: &mut std::iter::Skip<std::env::Args>, what: &str| -> Result<usize> {
+        it.next()
+            .with_context(|| format!("{what} needs a value"))?
+            .parse()
+            .with_context(|| format!("{what}: not a number"))
+    };
     while let Some(k) = it.next() {
         match k.as_str() {
+            "--ckpt-pages" => ckpt_pages = number(&mut it, "--ckpt-pages")?,
+            "--ckpt-every" => ckpt_every = number(&mut it, "--ckpt-every")?,
             "--iters" => {
                 iters = it
                     .next()
@@ -34,14 +50,19 @@ fn main() -> Result<()> {
                     .context("--iters: not a number")?
             }
             "-h" | "--help" => {
-                println!("usage: psls run -n 2 -- step-bench [--iters N]");
+                println!(
+                    "usage: psls run -n 2 [--level memory] -- step-bench [--iters N] [--ckpt-pages N] [--ckpt-every K]"
+                );
                 return Ok(());
             }
-            _ => bail!("unknown argument {k} (use --iters N)"),
+            _ => bail!("unknown argument {k} (use --iters N, --ckpt-pages N, --ckpt-every K)"),
         }
     }
     if iters < 10 {
         bail!("--iters must be at least 10");
+    }
+    if ckpt_every == 0 || ckpt_pages > 1 << 20 {
+        bail!("--ckpt-every must be at least 1 and --ckpt-pages at most 1048576");
     }
     let s = Session::connect().context("connecting to the node daemon")?;
     let (rank, size) = (s.rank() as usize, s.size() as usize);
@@ -82,9 +103,46 @@ fn main() -> Result<()> {
             step_us.push(t.elapsed().as_secs_f64() * 1e6);
         }
     }
+    // Barriers while memory checkpoints are copied.
+    let mut ckpt_barrier_us = Vec::new();
+    let mut checkpoints = 0u64;
+    if ckpt_pages > 0 {
+        let own = format!("{name}-ckpt-{rank}");
+        let mut c = s
+            .map(&own, (ckpt_pages * PAGE) as u64, true)
+            .context("mapping the checkpointed pages")?;
+        let words: &mut [u64] = c.as_mut_slice();
+        ckpt_barrier_us.reserve(iters);
+        for i in 0..iters {
+            if i % ckpt_every == 0 {
+                for p in 0..ckpt_pages {
+                    words[p * (PAGE / 8)] = i as u64;
+                }
+                if s.checkpoint(&(i as u64).to_le_bytes()).context("checkpoint")?.epoch > 0 {
+                    checkpoints += 1;
+                }
+            }
+            let t = Instant::now();
+            s.barrier("c")?;
+            ckpt_barrier_us.push(t.elapsed().as_secs_f64() * 1e6);
+        }
+    }
     s.barrier("end")?;
     if rank == last {
+        let (cp50, cp90) = if ckpt_barrier_us.is_empty() {
+            (0.0, 0.0)
+        } else {
+            (
+                percentile(&mut ckpt_barrier_us, 0.5),
+                percentile(&mut ckpt_barrier_us, 0.9),
+            )
+        };
         let j = serde_json::json!({
+            "ckpt_pages": ckpt_pages,
+            "ckpt_every": ckpt_every,
+            "checkpoints": checkpoints,
+            "ckpt_barrier_p50_us": cp50,
+            "ckpt_barrier_p90_us": cp90,
             "bench": "step",
             "ranks": size,
             "iters": iters,
