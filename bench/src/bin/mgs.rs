@@ -401,7 +401,7 @@ fn main() -> Result<()> {
                 "bytes_moved": pages_moved * 4096,
                 "messages": posted,
                 "messages_per_step": posted as f64 / a.vectors as f64,
-                "datagrams": datagrams,
+                "link_writes": datagrams,
                 "disk_pages_written": disk_pages,
             })
         );
