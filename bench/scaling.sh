@@ -4,7 +4,8 @@
 # - MGS VECTORS² with N ranks on N nodes (N = 2, 4, 8) against plain threads in the same run,
 #   and the link messages per step;
 # - MGS VECTORS² at 4 ranks on 4 nodes with a memory checkpoint every 50 and every 250
-#   vectors against no checkpoint (`psls run --level memory`), the runs alternated.
+#   vectors against no checkpoint (`psls run --level memory`), the runs alternated, with the
+#   write-protect faults of the node that took most.
 # Usage: bench/scaling.sh [ROUNDS] [VECTORS]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -33,6 +34,8 @@ run() {
     cleanup
     dir=""
 }
+# The largest per-node write-protect fault count of an MGS line.
+wp_max() { grep -o '"wp_faults":[0-9]*' <<<"$1" | cut -d: -f2 | sort -n | tail -1; }
 field() { grep -o "\"$2\":[^,}]*" <<<"$1" | head -1 | cut -d: -f2 | tr -d '"'; }
 ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (b > 0) printf "%.2f", a / b; else print "n/a" }'; }
 echo "round,what,psls,baseline,ratio"
@@ -46,10 +49,12 @@ for r in $(seq 1 "$rounds"); do
     done
     o=$(run 4 4 --level memory -- "$bin/mgs" --vectors "$vectors" --dim "$vectors" --no-baseline)
     base=$(field "$o" time_s)
+    echo "$r,wp_faults per node at most without checkpoints,$(wp_max "$o"),,"
     for k in 50 250; do
         o=$(run 4 4 --level memory -- "$bin/mgs" --vectors "$vectors" --dim "$vectors" --no-baseline --checkpoint-every "$k")
         a=$(field "$o" time_s)
         echo "$r,mgs_s memory checkpoint every $k (none),$a,$base,$(ratio "$a" "$base")"
         echo "$r,checkpoint_bytes every $k ($(field "$o" checkpoints) checkpoints),$(field "$o" checkpoint_bytes),,"
+        echo "$r,wp_faults per node at most every $k,$(wp_max "$o"),,"
     done
 done

@@ -305,6 +305,7 @@ fn main() -> Result<()> {
             "frames_peak",
             "frames_peak_recovery",
             "frames_peak_pre_recovery",
+            "wp_faults",
         ];
         let base = rank * SLOT;
         if base + SLOT <= slots.len() {
@@ -364,6 +365,7 @@ fn main() -> Result<()> {
                     "frames_peak": slots[b + 11],
                     "frames_peak_recovery": slots[b + 12],
                     "frames_peak_pre_recovery": slots[b + 13],
+                    "wp_faults": slots[b + 14],
                 }),
             );
         }

@@ -138,6 +138,7 @@ pub(super) async fn handle(c: &mut Conn, req: Request, mut fds: Vec<OwnedFd>) ->
                 node: node.name().to_string(),
                 counters: vec![
                     ("local_faults".into(), st.local_faults),
+                    ("wp_faults".into(), d.svm.wp_faults()),
                     ("read_requests".into(), st.read_requests),
                     ("write_requests".into(), st.write_requests),
                     ("pages_in".into(), st.pages_in),

@@ -25,7 +25,13 @@ impl SvmShell {
             next_lifeline: std::sync::atomic::AtomicU64::new(0),
             runtime,
             active: Mutex::new(HashMap::new()),
+            wp_faults: std::sync::atomic::AtomicU64::new(0),
         }
+    }
+
+    /// Write-protect faults taken since start.
+    pub fn wp_faults(&self) -> u64 {
+        self.wp_faults.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
@@ -380,6 +386,9 @@ impl SvmShell {
                             message: format!("segment {} is gone (its job ended): fault on page {index}", map.file),
                         });
                         continue;
+                    }
+                    if kind == FaultKind::WriteProtected {
+                        self.wp_faults.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     }
                     let access = if rw == ReadWrite::Write || kind == FaultKind::WriteProtected {
                         Access::Write

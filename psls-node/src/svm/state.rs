@@ -255,6 +255,9 @@ pub struct SvmShell {
     /// Per job, the pages of its files this node held when a rollback dropped them (what
     /// `psls run --prefetch` loads again before the ranks restart).
     pub(super) active: Mutex<HashMap<String, Vec<psls_svm::PageId>>>,
+    /// Write-protect faults taken since start (a store to a page mapped read-only here: after
+    /// a checkpoint, or a page this node may only read).
+    pub(super) wp_faults: std::sync::atomic::AtomicU64,
 }
 
 pub(super) fn errno_of(e: &std::io::Error) -> i32 {
