@@ -56,6 +56,37 @@ impl LinkHandler for Hand {
     }
 }
 
+/// 100 warm-up round trips (handshakes, first allocations), then `rounds` timed ones: `send`
+/// sends message `id`, and its echo of `size` bytes comes back on `rx`. (p50 RTT µs, CPU µs
+/// per message of the whole process.)
+fn ping_pong(
+    size: usize,
+    rounds: usize,
+    rx: &mpsc::Receiver<Bytes>,
+    mut send: impl FnMut(u64) -> Result<()>,
+) -> Result<(f64, f64)> {
+    let mut echo = |id: u64| -> Result<()> {
+        send(id)?;
+        let back = rx.recv_timeout(Duration::from_secs(10)).context("no echo in 10 s")?;
+        if back.len() != size {
+            bail!("echo of {} bytes, not {size}", back.len());
+        }
+        Ok(())
+    };
+    for id in 0..100 {
+        echo(id)?;
+    }
+    let mut rtt = Vec::with_capacity(rounds);
+    let cpu0 = cpu_us();
+    for id in 0..rounds as u64 {
+        let t = Instant::now();
+        echo(id)?;
+        rtt.push(t.elapsed().as_secs_f64() * 1e6);
+    }
+    let cpu = (cpu_us() - cpu0) / (2 * rounds) as f64;
+    Ok((p50(&mut rtt), cpu))
+}
+
 /// A loopback address with a port free for both TCP and UDP (at the time of asking).
 fn free_addr() -> Result<SocketAddr> {
     for _ in 0..100 {
@@ -97,24 +128,10 @@ fn link_run(sizes: &[usize], rounds: usize) -> Result<Vec<(f64, f64)>> {
     let mut out = Vec::new();
     for &size in sizes {
         let payload = Bytes::from(vec![7u8; size]);
-        let mut rtt = Vec::with_capacity(rounds);
-        // Warm-up: the handshake and the first allocations.
-        for id in 0..100 {
+        out.push(ping_pong(size, rounds, &rx, |id| {
             a.post("b", &PeerReq::LinkPing { id }, payload.clone())?;
-            rx.recv_timeout(Duration::from_secs(10)).context("no echo in 10 s")?;
-        }
-        let cpu0 = cpu_us();
-        for id in 0..rounds as u64 {
-            let t = Instant::now();
-            a.post("b", &PeerReq::LinkPing { id }, payload.clone())?;
-            let back = rx.recv_timeout(Duration::from_secs(10)).context("no echo in 10 s")?;
-            rtt.push(t.elapsed().as_secs_f64() * 1e6);
-            if back.len() != size {
-                bail!("echo of {} bytes, not {size}", back.len());
-            }
-        }
-        let cpu = (cpu_us() - cpu0) / (2 * rounds) as f64;
-        out.push((p50(&mut rtt), cpu));
+            Ok(())
+        })?);
     }
     a.close();
     b.close();
@@ -165,23 +182,7 @@ fn raw_run(sizes: &[usize], rounds: usize) -> Result<Vec<(f64, f64)>> {
     for &size in sizes {
         let mut msg = (size as u32).to_le_bytes().to_vec();
         msg.extend(std::iter::repeat_n(7u8, size));
-        for _ in 0..100 {
-            s.write_all(&msg)?;
-            rx.recv_timeout(Duration::from_secs(10)).context("no echo in 10 s")?;
-        }
-        let mut rtt = Vec::with_capacity(rounds);
-        let cpu0 = cpu_us();
-        for _ in 0..rounds {
-            let t = Instant::now();
-            s.write_all(&msg)?;
-            let back = rx.recv_timeout(Duration::from_secs(10)).context("no echo in 10 s")?;
-            rtt.push(t.elapsed().as_secs_f64() * 1e6);
-            if back.len() != size {
-                bail!("echo of {} bytes, not {size}", back.len());
-            }
-        }
-        let cpu = (cpu_us() - cpu0) / (2 * rounds) as f64;
-        out.push((p50(&mut rtt), cpu));
+        out.push(ping_pong(size, rounds, &rx, |_| Ok(s.write_all(&msg)?))?);
     }
     s.shutdown(std::net::Shutdown::Both)?;
     let _ = echo.join();
