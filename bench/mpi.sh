@@ -33,7 +33,7 @@ cleanup() {
     rm -rf "$dir"
 }
 trap cleanup EXIT
-port=$((20000 + RANDOM % 20000))
+port=$((20000 + RANDOM % 12000))
 "$bin/psls" cluster init --dir "$dir" --nodes 4 --spares 0 --memory-mb 1024 --base-port "$port" >/dev/null
 "$bin/psls" cluster up --dir "$dir" >/dev/null
 # A number from a JSON line: field NAME.

@@ -27,7 +27,7 @@ run() {
     local nodes=$1 ranks=$2
     shift 2
     dir="$(mktemp -d)"
-    local port=$((20000 + RANDOM % 20000))
+    local port=$((20000 + RANDOM % 12000))
     "$bin/psls" cluster init --dir "$dir" --nodes "$nodes" --spares 0 --memory-mb 1024 --base-port "$port" >/dev/null
     "$bin/psls" cluster up --dir "$dir" >/dev/null
     "$bin/psls" --dir "$dir" run -n "$ranks" "$@" | grep '"bench":"mgs"' | sed 's/^\[[0-9]*\] //'

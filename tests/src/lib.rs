@@ -37,13 +37,28 @@ pub fn psls_bin() -> PathBuf {
 
 static NEXT: AtomicU32 = AtomicU32::new(0);
 
-/// A base port with `count` free UDP ports after it.
+/// A base port with `count` ports after it free for both UDP (requests) and TCP (the link).
+///
+/// Ports are taken from 20000..32000, below Linux's ephemeral range (32768 and up): a port
+/// there can be taken at any moment by some other cluster's outgoing TCP connection, and a
+/// daemon starting later would then find its link port in use.
 fn free_ports(count: u16) -> u16 {
+    const FIRST_PORT: u32 = 20000;
+    const SPAN_PORTS: u32 = 12000;
+    const STRIDE_PORTS: u32 = 32;
+    assert!(
+        u32::from(count) <= STRIDE_PORTS,
+        "a test cluster of {count} ports does not fit a stride"
+    );
+    let free = |port: u16| {
+        std::net::UdpSocket::bind(("127.0.0.1", port)).is_ok()
+            && std::net::TcpListener::bind(("127.0.0.1", port)).is_ok()
+    };
     loop {
         let k = NEXT.fetch_add(1, Ordering::SeqCst);
-        let base = 20000 + ((std::process::id() % 400) * 160 + k * 16) as u16 % 40000;
-        let ok = (0..count).all(|i| std::net::UdpSocket::bind(("127.0.0.1", base + i)).is_ok());
-        if ok {
+        let offset = ((std::process::id() % 375) * STRIDE_PORTS + k * STRIDE_PORTS) % SPAN_PORTS;
+        let base = (FIRST_PORT + offset) as u16;
+        if (0..count).all(|i| free(base + i)) {
             return base;
         }
     }
