@@ -12,7 +12,7 @@
 //! [[node]]                      # logical ids are the order of [[node]] entries
 //! name = "n0"
 //! addr = "127.0.0.1:7400"       # QUIC: requests, page transfers, heartbeats
-//! link_addr = "127.0.0.1:7500"  # QUIC: the message link (coherence, barriers, locks);
+//! link_addr = "127.0.0.1:7500"  # TCP+TLS: the message link (coherence, barriers, locks);
 //!                               # default: addr's IP, port + 100
 //! data_dir = "data/n0"
 //! socket = "run/n0.sock"
