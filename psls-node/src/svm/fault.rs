@@ -195,6 +195,7 @@ pub(super) fn apply(g: &mut Inner, node: &Node, a: Action, out: &mut Vec<Outgoin
                 None => {
                     // The latest version, if this copy was it, now lives where it went.
                     seg.dirty.clear(page.index);
+                    seg.shadows.remove(&page.index);
                     let r = nix::fcntl::fallocate(
                         &seg.memfd,
                         nix::fcntl::FallocateFlags::FALLOC_FL_PUNCH_HOLE
@@ -220,11 +221,24 @@ pub(super) fn apply(g: &mut Inner, node: &Node, a: Action, out: &mut Vec<Outgoin
                             }
                         }
                     }
+                    // A page a checkpoint left writable: written since, it is dirty (compared
+                    // now that no client can write it any more).
+                    if let Some(taken) = seg.shadows.remove(&page.index) {
+                        let mut now = vec![0u8; PAGE_SIZE];
+                        let same = seg.memfd.read_exact_at(&mut now, page.index * PAGE_SIZE as u64).is_ok()
+                            && now[..] == taken[..];
+                        if !same {
+                            seg.dirty.set(page.index);
+                        }
+                    }
                 }
                 // Write access may come with another node's dirty version (a write moves the
                 // page here and drops the other copies, with their dirty bits): this copy is
                 // the one a checkpoint must take.
-                Some(Access::Write) => seg.dirty.set(page.index),
+                Some(Access::Write) => {
+                    seg.dirty.set(page.index);
+                    seg.shadows.remove(&page.index);
+                }
             }
         }
         Action::Resolve { waiter, page, .. } => {

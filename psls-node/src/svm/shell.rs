@@ -217,6 +217,7 @@ impl SvmShell {
                 backing,
                 maps: Vec::new(),
                 dirty: Dirty::new(pages),
+                shadows: HashMap::new(),
                 known_at_open,
             },
         );

@@ -58,6 +58,12 @@ pub(super) struct Segment {
     /// cleared when the copy is dropped or a checkpoint takes it. So every page whose latest
     /// version is not on the disks has its bit set on a node holding that version.
     pub(super) dirty: Dirty,
+    /// Pages a checkpoint took while this node held them writable and left writable (not
+    /// write-protected), with the bytes it took: such a page may have been written since
+    /// without its dirty bit set, and the next checkpoint compares it with these bytes. A page
+    /// has an entry only while this node holds it with write access (an access change compares
+    /// and drops it: `fault::apply`). Bounded over all segments by [`super::dirty::MAX_SHADOW_PAGES`].
+    pub(super) shadows: HashMap<u64, Box<[u8]>>,
     /// The incarnation of every logical node the coherence state knew when the segment opened
     /// (a restarted manager asks whether it was opened before its restart: `fence_answer`).
     pub(super) known_at_open: Vec<psls_svm::Incarnation>,
@@ -88,6 +94,9 @@ impl Dirty {
                 .filter(move |b| w & (1 << b) != 0)
                 .map(move |b| k as u64 * 64 + b)
         })
+    }
+    pub(super) fn is_set(&self, i: u64) -> bool {
+        self.0.get((i / 64) as usize).is_some_and(|w| w & (1 << (i % 64)) != 0)
     }
     pub(super) fn count(&self) -> u64 {
         self.0.iter().map(|w| w.count_ones() as u64).sum()
@@ -213,6 +222,7 @@ impl Segment {
             std::process::abort();
         }
         self.dirty = Dirty::new(self.pages);
+        self.shadows.clear();
     }
 }
 
