@@ -8,8 +8,12 @@
 //! (user + system, `getrusage`) over the whole run, so the figure includes every thread's
 //! wake-ups, and divide it by the messages sent (two per round trip).
 //!
+//! A second baseline gives each direction a plain TCP connection of its own, as the link does:
+//! what a connection carrying both directions would save.
+//!
 //! Prints one CSV line per payload size: `size_bytes,link_rtt_p50_us,raw_rtt_p50_us,
-//! link_cpu_us_per_msg,raw_cpu_us_per_msg,cpu_ratio`.
+//! link_cpu_us_per_msg,raw_cpu_us_per_msg,cpu_ratio,raw_one_way_rtt_p50_us,
+//! raw_one_way_cpu_us_per_msg`.
 
 use anyhow::{bail, Context, Result};
 use bytes::Bytes;
@@ -140,13 +144,22 @@ fn link_run(sizes: &[usize], rounds: usize) -> Result<Vec<(f64, f64)>> {
     Ok(out)
 }
 
-/// Round trips over plain TCP with the same threads: (p50 RTT µs, CPU µs per message).
-fn raw_run(sizes: &[usize], rounds: usize) -> Result<Vec<(f64, f64)>> {
+/// Round trips over plain TCP with the same threads: (p50 RTT µs, CPU µs per message). With
+/// `one_way`, each direction has a connection of its own, as the link has: no acknowledgement
+/// can ride on data going back.
+fn raw_run(sizes: &[usize], rounds: usize, one_way: bool) -> Result<Vec<(f64, f64)>> {
     let listener = TcpListener::bind("127.0.0.1:0")?;
     let addr = listener.local_addr()?;
     let echo = std::thread::spawn(move || -> std::io::Result<()> {
         let (mut s, _) = listener.accept()?;
         s.set_nodelay(true)?;
+        let mut out = if one_way {
+            let (o, _) = listener.accept()?;
+            o.set_nodelay(true)?;
+            o
+        } else {
+            s.try_clone()?
+        };
         let mut buf = vec![0u8; 1 << 20];
         loop {
             let mut len = [0u8; 4];
@@ -157,12 +170,19 @@ fn raw_run(sizes: &[usize], rounds: usize) -> Result<Vec<(f64, f64)>> {
             s.read_exact(&mut buf[..n])?;
             let mut msg = len.to_vec();
             msg.extend_from_slice(&buf[..n]);
-            s.write_all(&msg)?;
+            out.write_all(&msg)?;
         }
     });
     let mut s = TcpStream::connect(addr)?;
     s.set_nodelay(true)?;
-    let mut r = s.try_clone()?;
+    let mut r = if one_way {
+        let r = TcpStream::connect(addr)?;
+        r.set_nodelay(true)?;
+        r
+    } else {
+        s.try_clone()?
+    };
+    let r_close = r.try_clone()?;
     let (tx, rx) = mpsc::channel::<Bytes>();
     let reader = std::thread::spawn(move || {
         let mut buf = vec![0u8; 1 << 20];
@@ -185,6 +205,9 @@ fn raw_run(sizes: &[usize], rounds: usize) -> Result<Vec<(f64, f64)>> {
         out.push(ping_pong(size, rounds, &rx, |_| Ok(s.write_all(&msg)?))?);
     }
     s.shutdown(std::net::Shutdown::Both)?;
+    if one_way {
+        r_close.shutdown(std::net::Shutdown::Both)?;
+    }
     let _ = echo.join();
     let _ = reader.join();
     Ok(out)
@@ -223,11 +246,12 @@ fn main() -> Result<()> {
         bail!("--rounds must be at least 100 and sizes at most 1 MiB\n{USAGE}");
     }
     let link = link_run(&sizes, rounds)?;
-    let raw = raw_run(&sizes, rounds)?;
-    println!("size_bytes,link_rtt_p50_us,raw_rtt_p50_us,link_cpu_us_per_msg,raw_cpu_us_per_msg,cpu_ratio");
+    let raw = raw_run(&sizes, rounds, false)?;
+    let one_way = raw_run(&sizes, rounds, true)?;
+    println!("size_bytes,link_rtt_p50_us,raw_rtt_p50_us,link_cpu_us_per_msg,raw_cpu_us_per_msg,cpu_ratio,raw_one_way_rtt_p50_us,raw_one_way_cpu_us_per_msg");
     for (k, &size) in sizes.iter().enumerate() {
-        let ((lr, lc), (rr, rc)) = (link[k], raw[k]);
-        println!("{size},{lr:.1},{rr:.1},{lc:.2},{rc:.2},{:.2}", lc / rc);
+        let ((lr, lc), (rr, rc), (or, oc)) = (link[k], raw[k], one_way[k]);
+        println!("{size},{lr:.1},{rr:.1},{lc:.2},{rc:.2},{:.2},{or:.1},{oc:.2}", lc / rc);
     }
     Ok(())
 }
