@@ -10,11 +10,16 @@
 //! certificates both ways, the peer's name read from its certificate). Requests that wait for
 //! an answer and bulk transfers stay on QUIC ([`crate::transport`]).
 //!
-//! Connections: a node sends only on the connection it dialled to a peer and receives on the
-//! connections peers dialled. Whoever posts encrypts and writes to the socket itself (the
-//! peer's mutex held); the link thread reads every incoming connection, drives handshakes and
-//! writes what a full socket buffer left behind. An incoming connection whose certificate names
-//! no node of the cluster is closed before anything it sent is read. Messages are frames
+//! Connections: one per node pair, carrying both directions, so that the kernel's
+//! acknowledgements ride on messages going back (an answer, a release) instead of costing a
+//! segment of their own. A node with nothing to send on yet dials the peer; the peer, once the
+//! handshake named the dialler, *adopts* that connection and sends on it too, unless it dialled
+//! one of its own meanwhile (then each direction keeps its own connection, and both are read).
+//! A node sends on one connection per peer until it is lost, so messages to a peer stay in
+//! order. Whoever posts encrypts and writes to the socket itself (the peer's mutex held); the
+//! link thread reads every connection (a peer's under its mutex), drives handshakes and writes
+//! what a full socket buffer left behind. A connection whose certificate names no node of the
+//! cluster is closed before anything it sent is read. Messages are frames
 //! (`u32` little-endian length, then a [`peer`] header and payload) of at most
 //! [`MAX_PEER_MSG`] bytes; a longer one closes the connection. Delivery is in order and at most
 //! once: messages queued on a connection that is lost are dropped (the protocols learn of dead
@@ -90,13 +95,20 @@ thread_local! {
     static CORK: RefCell<Option<(usize, Vec<usize>)>> = const { RefCell::new(None) };
 }
 
-/// A connection this node dialled: what it sends to one peer.
-struct Outgoing {
+/// The connection this node sends on to one peer (dialled here, or adopted from the peer),
+/// and reads the peer's messages from.
+struct Conn {
     sock: TcpStream,
-    tls: rustls::ClientConnection,
+    tls: rustls::Connection,
     /// Chunks not yet handed to TLS, and their bytes.
     queue: VecDeque<Bytes>,
     queued_bytes: usize,
+    /// The start of an incoming frame not yet whole.
+    buf: BytesMut,
+    /// Dialled by this node (else adopted: the peer dialled it).
+    dialled: bool,
+    /// The peer (known from the start: its certificate must name it).
+    peer: Option<String>,
 }
 
 struct Peer {
@@ -107,15 +119,16 @@ struct Peer {
 
 #[derive(Default)]
 struct Out {
-    conn: Option<Outgoing>,
+    conn: Option<Conn>,
     /// Bumped at every dial: events of an earlier connection are ignored.
     generation: u32,
 }
 
-/// A connection a peer dialled (owned by the link thread).
+/// A connection a peer dialled that this node does not send on (owned by the link thread):
+/// until its handshake names the peer, or for good when this node dialled the peer itself.
 struct Incoming {
     sock: TcpStream,
-    tls: rustls::ServerConnection,
+    tls: rustls::Connection,
     /// The node its certificate names, once the handshake is done. Nothing is read before.
     peer: Option<String>,
     /// The start of a frame not yet whole.
@@ -127,6 +140,8 @@ struct Incoming {
     want_out: bool,
     /// Its slot in the link thread's table (in its epoll token).
     slot: usize,
+    /// Offered for adoption once authenticated (kept receive-only if it was not taken).
+    offered: bool,
 }
 
 pub struct Link {
@@ -315,7 +330,7 @@ impl Link {
 
     /// Dials peer `k` (without waiting for the connection) and registers it with the link
     /// thread.
-    fn dial(&self, k: usize, generation: u32) -> std::io::Result<Outgoing> {
+    fn dial(&self, k: usize, generation: u32) -> std::io::Result<Conn> {
         let p = &self.peers[k];
         let sock = socket2::Socket::new(
             socket2::Domain::for_address(p.addr),
@@ -347,11 +362,14 @@ impl Link {
             token(TOKEN_OUT, generation, k),
         )?;
         tracing::debug!(peer = %p.name, addr = %p.addr, "message link: dialling");
-        Ok(Outgoing {
+        Ok(Conn {
             sock,
-            tls,
+            tls: rustls::Connection::Client(tls),
             queue: VecDeque::new(),
             queued_bytes: 0,
+            buf: BytesMut::new(),
+            dialled: true,
+            peer: Some(p.name.clone()),
         })
     }
 
@@ -400,20 +418,42 @@ impl Link {
         let mut scratch = vec![0u8; 64 << 10];
         let mut rbuf = vec![0u8; 256 << 10];
         let me = Arc::as_ptr(&self) as usize;
+        // Connections whose read stopped at its budget: read again after the next wait.
+        let mut again: Vec<u64> = Vec::new();
         while !self.stop.load(Ordering::Acquire) {
-            // SAFETY: a live array of EVENTS_PER_WAIT events; no timeout.
-            let n =
-                unsafe { libc::epoll_wait(self.epoll.as_raw_fd(), events.as_mut_ptr(), EVENTS_PER_WAIT as i32, -1) };
+            let retry = std::mem::take(&mut again);
+            let timeout_ms = if retry.is_empty() { -1 } else { 0 };
+            // SAFETY: a live array of EVENTS_PER_WAIT events.
+            let n = unsafe {
+                libc::epoll_wait(
+                    self.epoll.as_raw_fd(),
+                    events.as_mut_ptr(),
+                    EVENTS_PER_WAIT as i32,
+                    timeout_ms,
+                )
+            };
             if n < 0 {
                 let e = std::io::Error::last_os_error();
                 if e.kind() != std::io::ErrorKind::Interrupted {
                     tracing::warn!(error = %e, "message link: epoll_wait failed");
                     std::thread::sleep(Duration::from_millis(10));
                 }
+                again = retry;
                 continue;
             }
-            for ev in events.iter().take(n as usize) {
-                let (bits, data) = (ev.events, ev.u64);
+            let mut cx = ReadCtx {
+                known: &self.known,
+                stamp: &self.stamp,
+                rbuf: &mut rbuf,
+                scratch: &mut scratch,
+                inbox: &mut inbox,
+            };
+            let ready = events
+                .iter()
+                .take(n.max(0) as usize)
+                .map(|ev| (ev.events, ev.u64))
+                .chain(retry.into_iter().map(|t| (libc::EPOLLIN as u32, t)));
+            for (bits, data) in ready {
                 let (kind, generation, k) = untoken(data);
                 match kind {
                     TOKEN_WAKE => {
@@ -422,16 +462,21 @@ impl Link {
                         unsafe { libc::read(self.wake.as_raw_fd(), v.as_mut_ptr().cast(), v.len()) };
                     }
                     TOKEN_LISTENER => self.accept(&mut incoming, max_incoming, &mut next_seq),
-                    TOKEN_OUT => self.on_outgoing(k, generation, bits),
+                    TOKEN_OUT => self.on_conn(k, generation, bits, &mut cx, &mut again),
                     TOKEN_IN => {
-                        let keep = match incoming.get_mut(k).and_then(Option::as_mut) {
+                        let (keep, offer) = match incoming.get_mut(k).and_then(Option::as_mut) {
                             Some(c) if c.generation == generation => {
-                                self.on_incoming(c, bits, &mut rbuf, &mut scratch, &mut inbox)
+                                let keep = self.on_incoming(c, bits, &mut cx);
+                                let offer = keep && c.peer.is_some() && !c.offered;
+                                c.offered |= offer;
+                                (keep, offer)
                             }
-                            _ => true,
+                            _ => (true, false),
                         };
                         if !keep {
                             incoming[k] = None;
+                        } else if offer {
+                            self.adopt(&mut incoming, k);
                         }
                     }
                     _ => {}
@@ -512,136 +557,56 @@ impl Link {
             }
             incoming[slot] = Some(Incoming {
                 sock,
-                tls,
+                tls: rustls::Connection::Server(tls),
                 peer: None,
                 buf: BytesMut::new(),
                 generation,
                 seq: *next_seq,
                 want_out: false,
                 slot,
+                offered: false,
             });
             *next_seq += 1;
         }
     }
 
-    /// Handles readiness of the connection this node dialled to peer `k`: the handshake's
-    /// answers, what a full socket left, the end of the connection.
-    fn on_outgoing(&self, k: usize, generation: u32, bits: u32) {
+    /// Handles readiness of the connection this node sends on to peer `k`: the peer's
+    /// messages (into `cx.inbox`), the handshake's answers, what a full socket left, the end
+    /// of the connection. A read cut short by its budget is asked again through `again`
+    /// (the connection is edge-triggered).
+    fn on_conn(&self, k: usize, generation: u32, bits: u32, cx: &mut ReadCtx<'_>, again: &mut Vec<u64>) {
         let Some(p) = self.peers.get(k) else { return };
         let mut out = p.out.locked();
         if out.generation != generation {
             return;
         }
         let Some(c) = out.conn.as_mut() else { return };
-        let res = (|| -> Result<(), String> {
-            // The peer sends nothing but handshake records: read them all.
-            for _ in 0..1024 {
-                match c.tls.read_tls(&mut c.sock) {
-                    Ok(0) => return Err("closed by the peer".into()),
-                    Ok(_) => {
-                        c.tls.process_new_packets().map_err(|e| e.to_string())?;
-                        let mut sink = [0u8; 256];
-                        if c.tls.reader().read(&mut sink).is_ok_and(|n| n > 0) {
-                            return Err("the peer sent data on a connection it did not dial".into());
-                        }
-                    }
-                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
-                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-                    Err(e) => return Err(e.to_string()),
-                }
+        let res = (|| -> Result<ReadEnd, String> {
+            let end = read_frames(&c.sock, &mut c.tls, &mut c.buf, &mut c.peer, cx)
+                .map_err(|()| "failed or refused (logged)".to_string())?;
+            if end == ReadEnd::Eof {
+                return Err("closed by the peer".into());
             }
             if bits & (libc::EPOLLERR | libc::EPOLLHUP) as u32 != 0 {
                 return Err(socket_error(&c.sock));
             }
-            flush(c, &self.writes).map_err(|e| e.to_string())
+            flush(c, &self.writes).map_err(|e| e.to_string())?;
+            Ok(end)
         })();
-        if let Err(e) = res {
-            lost(p, &mut out, &e);
+        match res {
+            Ok(ReadEnd::Budget) => again.push(token(TOKEN_OUT, generation, k)),
+            Ok(_) => {}
+            Err(e) => lost(p, &mut out, &e),
         }
     }
 
-    /// Handles readiness of a connection a peer dialled; whole messages go to `inbox`. False:
-    /// the connection is done with (closed by the peer, failed, or refused).
-    fn on_incoming(
-        &self,
-        c: &mut Incoming,
-        bits: u32,
-        rbuf: &mut [u8],
-        scratch: &mut [u8],
-        inbox: &mut Vec<(String, PeerReq, Bytes)>,
-    ) -> bool {
-        let mut read = 0usize;
-        let mut eof = false;
-        // One read takes what the socket holds (up to the buffer), and TLS is fed from memory:
-        // a message costs one read system call, not one per 4 KiB TLS reads plus a last one
-        // that finds the socket empty.
-        while read < READ_BUDGET_BYTES {
-            let n = match (&c.sock).read(rbuf) {
-                Ok(0) => {
-                    eof = true;
-                    0
-                }
-                Ok(n) => n,
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-                Err(e) => {
-                    tracing::debug!(peer = c.peer.as_deref().unwrap_or("?"), error = %e, "message link: connection failed");
-                    return false;
-                }
-            };
-            read += n;
-            let mut rest = &rbuf[..n];
-            while !rest.is_empty() {
-                if let Err(e) = c.tls.read_tls(&mut rest) {
-                    tracing::warn!(peer = c.peer.as_deref().unwrap_or("?"), error = %e, "message link: TLS refused input; connection closed");
-                    return false;
-                }
-                if let Err(e) = c.tls.process_new_packets() {
-                    tracing::warn!(peer = c.peer.as_deref().unwrap_or("?"), remote = ?c.sock.peer_addr().ok(), error = %e, "message link: TLS failed; connection closed");
-                    // The alert, if it fits.
-                    let _ = c.tls.write_tls(&mut NoSignal(&c.sock));
-                    return false;
-                }
-                if c.peer.is_none() && !c.tls.is_handshaking() {
-                    match c
-                        .tls
-                        .peer_certificates()
-                        .and_then(crate::tls::name_in_chain)
-                        .filter(|n| self.known.contains(n))
-                    {
-                        Some(name) => c.peer = Some(name),
-                        None => {
-                            tracing::warn!(remote = ?c.sock.peer_addr().ok(), "message link: refused peer, its certificate names no node of this cluster");
-                            return false;
-                        }
-                    }
-                }
-                if let Some(from) = c.peer.as_deref() {
-                    // Every plaintext byte TLS holds, so it can read on.
-                    loop {
-                        match c.tls.reader().read(scratch) {
-                            Ok(0) => break,
-                            Ok(k) => {
-                                c.buf.extend_from_slice(&scratch[..k]);
-                                if let Err(message) = cut_frames(&mut c.buf, &self.stamp, from, inbox) {
-                                    tracing::warn!(peer = %from, %message, "message link: dropped the connection");
-                                    return false;
-                                }
-                            }
-                            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
-                            Err(_) => {
-                                eof = true;
-                                break;
-                            }
-                        }
-                    }
-                }
-            }
-            // A short read emptied the socket (epoll says when more comes).
-            if eof || n < rbuf.len() {
-                break;
-            }
-        }
+    /// Handles readiness of a connection a peer dialled that this node does not send on;
+    /// whole messages go to `cx.inbox`. False: the connection is done with (closed by the
+    /// peer, failed, or refused).
+    fn on_incoming(&self, c: &mut Incoming, bits: u32, cx: &mut ReadCtx<'_>) -> bool {
+        let Ok(end) = read_frames(&c.sock, &mut c.tls, &mut c.buf, &mut c.peer, cx) else {
+            return false;
+        };
         // The handshake's answers.
         let mut flushed = true;
         while c.tls.wants_write() {
@@ -666,7 +631,156 @@ impl Link {
         if bits & libc::EPOLLERR as u32 != 0 {
             return false;
         }
-        !eof
+        end != ReadEnd::Eof
+    }
+
+    /// Offers the authenticated connection in `slot` of `incoming` to its peer's sending side.
+    /// It is taken when this node has no connection to the peer, or only one the peer dialled
+    /// before (the peer dialled again: it lost that one, or restarted). It stays receive-only
+    /// when this node dialled the peer itself.
+    fn adopt(&self, incoming: &mut [Option<Incoming>], slot: usize) {
+        let Some(c) = incoming.get(slot).and_then(Option::as_ref) else {
+            return;
+        };
+        let Some(&k) = c.peer.as_deref().and_then(|n| self.index.get(n)) else {
+            return;
+        };
+        let p = &self.peers[k];
+        let mut out = p.out.locked();
+        if out.conn.as_ref().is_some_and(|c| c.dialled) {
+            return;
+        }
+        let generation = out.generation.wrapping_add(1);
+        // Edge-triggered from now on, as a dialled connection (the change re-polls: data
+        // already in the socket is reported).
+        let events = (libc::EPOLLIN | libc::EPOLLOUT | libc::EPOLLRDHUP | libc::EPOLLET) as u32;
+        if let Err(e) = epoll_mod(
+            self.epoll.as_raw_fd(),
+            c.sock.as_raw_fd(),
+            events,
+            token(TOKEN_OUT, generation, k),
+        ) {
+            tracing::warn!(peer = %p.name, error = %e, "message link: cannot send on the peer's connection; it stays receive-only");
+            return;
+        }
+        let Some(c) = incoming[slot].take() else { return };
+        if let Some(old) = out.conn.take() {
+            if !old.queue.is_empty() {
+                tracing::warn!(peer = %p.name, chunks = old.queue.len(), "message link: the peer dialled again; messages queued on its previous connection dropped");
+            }
+        }
+        out.generation = generation;
+        out.conn = Some(Conn {
+            sock: c.sock,
+            tls: c.tls,
+            queue: VecDeque::new(),
+            queued_bytes: 0,
+            buf: c.buf,
+            dialled: false,
+            peer: c.peer,
+        });
+        tracing::debug!(peer = %p.name, "message link: sending on the connection the peer dialled");
+    }
+}
+
+/// How reading a connection ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum ReadEnd {
+    /// The socket is empty (epoll says when more comes).
+    Drained,
+    /// The read budget is spent; more may wait.
+    Budget,
+    /// The peer closed its side.
+    Eof,
+}
+
+/// What reading a connection needs besides the connection: the link thread's buffers and
+/// inbox, and what to test incoming messages against.
+struct ReadCtx<'a> {
+    known: &'a [String],
+    stamp: &'a peer::Stamp,
+    rbuf: &'a mut [u8],
+    scratch: &'a mut [u8],
+    inbox: &'a mut Vec<(String, PeerReq, Bytes)>,
+}
+
+/// Reads what `sock` holds, within [`READ_BUDGET_BYTES`], and cuts whole frames into the inbox
+/// once the handshake named the peer (`peer`: a dialled connection knows it from the start;
+/// an accepted one learns it from the certificate, which must name a node of the cluster).
+/// One read takes what the socket holds (up to the buffer), and TLS is fed from memory: a
+/// message costs one read system call, not one per 4 KiB TLS reads plus a last one that finds
+/// the socket empty. Err: the connection is done with (failed, refused or a bad frame;
+/// logged here).
+fn read_frames(
+    sock: &TcpStream,
+    tls: &mut rustls::Connection,
+    buf: &mut BytesMut,
+    peer: &mut Option<String>,
+    cx: &mut ReadCtx<'_>,
+) -> Result<ReadEnd, ()> {
+    let mut read = 0usize;
+    loop {
+        if read >= READ_BUDGET_BYTES {
+            return Ok(ReadEnd::Budget);
+        }
+        let n = match (&*sock).read(cx.rbuf) {
+            Ok(0) => return Ok(ReadEnd::Eof),
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(ReadEnd::Drained),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => {
+                tracing::debug!(peer = peer.as_deref().unwrap_or("?"), error = %e, "message link: connection failed");
+                return Err(());
+            }
+        };
+        read += n;
+        let mut rest = &cx.rbuf[..n];
+        while !rest.is_empty() {
+            if let Err(e) = tls.read_tls(&mut rest) {
+                tracing::warn!(peer = peer.as_deref().unwrap_or("?"), error = %e, "message link: TLS refused input; connection closed");
+                return Err(());
+            }
+            if let Err(e) = tls.process_new_packets() {
+                tracing::warn!(peer = peer.as_deref().unwrap_or("?"), remote = ?sock.peer_addr().ok(), error = %e, "message link: TLS failed; connection closed");
+                // The alert, if it fits.
+                let _ = tls.write_tls(&mut NoSignal(sock));
+                return Err(());
+            }
+            if peer.is_none() && !tls.is_handshaking() {
+                match tls
+                    .peer_certificates()
+                    .and_then(crate::tls::name_in_chain)
+                    .filter(|n| cx.known.contains(n))
+                {
+                    Some(name) => *peer = Some(name),
+                    None => {
+                        tracing::warn!(remote = ?sock.peer_addr().ok(), "message link: refused peer, its certificate names no node of this cluster");
+                        return Err(());
+                    }
+                }
+            }
+            if let Some(from) = peer.as_deref() {
+                // Every plaintext byte TLS holds, so it can read on.
+                loop {
+                    match tls.reader().read(cx.scratch) {
+                        Ok(0) => break,
+                        Ok(k) => {
+                            buf.extend_from_slice(&cx.scratch[..k]);
+                            if let Err(message) = cut_frames(buf, cx.stamp, from, cx.inbox) {
+                                tracing::warn!(peer = %from, %message, "message link: dropped the connection");
+                                return Err(());
+                            }
+                        }
+                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                        Err(_) => return Ok(ReadEnd::Eof),
+                    }
+                }
+            }
+        }
+        // A short read emptied the socket (epoll says when more comes).
+        if n < cx.rbuf.len() {
+            return Ok(ReadEnd::Drained);
+        }
     }
 }
 
@@ -716,7 +830,7 @@ fn evict(incoming: &mut [Option<Incoming>]) -> bool {
 }
 
 /// Writes what `c` has: TLS records first, then more of the queue while the socket takes it.
-fn flush(c: &mut Outgoing, writes: &AtomicU64) -> std::io::Result<()> {
+fn flush(c: &mut Conn, writes: &AtomicU64) -> std::io::Result<()> {
     // Bounded by the queue; the bound only guards against a bug.
     for _ in 0..(QUEUE_CHUNKS + 1024) {
         while c.tls.wants_write() {

@@ -203,3 +203,66 @@ fn bad_frames_are_dropped_or_close_the_connection() {
     ta.join().unwrap();
     tb.join().unwrap();
 }
+
+/// Echoes every message back to its sender through the link it is given.
+struct Echo(std::sync::OnceLock<Arc<Link>>);
+impl LinkHandler for Echo {
+    fn deliver(&self, from: &str, req: PeerReq, payload: Bytes) {
+        if let Some(l) = self.0.get() {
+            l.post(from, &req, payload).unwrap();
+        }
+    }
+}
+
+/// One connection carries both directions: `b` answers `a` on the connection `a` dialled
+/// (the address `b` has for `a` takes no connection, so an answer that needed a dial of its
+/// own would never arrive), in order, whole; and on the next one `a` dials after losing the
+/// first.
+#[test]
+fn the_peer_answers_on_the_connection_that_was_dialled() {
+    let dir = tempfile::tempdir().unwrap();
+    psls_ipc::certs::generate(dir.path(), "t", &["a".to_string(), "b".to_string()]).unwrap();
+    let nowhere: SocketAddr = "127.0.0.1:9".parse().unwrap();
+    let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
+    let b = link(dir.path(), "b", any, "a", nowhere);
+    let a = link(dir.path(), "a", any, "b", b.local_addr().unwrap());
+    let echo = Arc::new(Echo(std::sync::OnceLock::new()));
+    let _ = echo.0.set(b.clone());
+    let b2 = b.clone();
+    let tb = std::thread::spawn(move || b2.run(echo));
+    let (tx, rx) = std::sync::mpsc::channel();
+    let a2 = a.clone();
+    let ta = std::thread::spawn(move || a2.run(Arc::new(Collect(tx))));
+    let n = 2000u64;
+    for i in 0..n {
+        let payload = Bytes::from(vec![(i % 251) as u8; (i as usize * 53) % 9000]);
+        a.post("b", &PeerReq::LinkPing { id: i }, payload).unwrap();
+    }
+    for i in 0..n {
+        let (from, req, payload) = rx.recv_timeout(TEST_WAIT).expect("an answer");
+        assert_eq!(from, "b");
+        assert!(matches!(req, PeerReq::LinkPing { id } if id == i), "{req:?} at {i}");
+        assert_eq!(payload.len(), (i as usize * 53) % 9000);
+        assert!(payload.iter().all(|&x| x == (i % 251) as u8));
+    }
+    assert_eq!(b.posted(), n, "b answered each message once");
+    // a forgets the connection (as if it had restarted) and dials again: b answers on the
+    // new connection (it could not dial a itself).
+    a.drop_peer("b");
+    let deadline = std::time::Instant::now() + TEST_WAIT;
+    let mut id = n;
+    loop {
+        a.post("b", &PeerReq::LinkPing { id }, Bytes::new()).unwrap();
+        if let Ok((_, PeerReq::LinkPing { id: back }, _)) = rx.recv_timeout(Duration::from_millis(200)) {
+            assert!((n..=id).contains(&back), "answer {back} after {n}..={id}");
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "no answer on the new connection");
+        id += 1;
+    }
+    for l in [&a, &b] {
+        l.close();
+    }
+    ta.join().unwrap();
+    tb.join().unwrap();
+}
