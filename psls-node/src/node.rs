@@ -792,10 +792,11 @@ impl Node {
             // answered, and learns its verdict from the answer).
             return;
         }
-        let restarted = self.members.locked().heard(now_ms, peer, hb.incarnation, hb);
+        let incarnation = hb.incarnation;
+        let restarted = self.members.locked().heard(now_ms, peer, incarnation, hb);
         if restarted {
-            tracing::info!(node = %self.me.name, peer, "peer restarted with a new incarnation");
-            self.net.peer_restarted(peer);
+            tracing::info!(node = %self.me.name, peer, incarnation, "peer restarted with a new incarnation");
+            self.net.peer_restarted(peer, incarnation);
         }
     }
 

@@ -168,10 +168,10 @@ impl Transport {
         r
     }
 
-    /// `peer` restarted: forgets both cached connections to it (messages still queued on the
-    /// link were for its previous incarnation).
-    pub fn peer_restarted(&self, peer: &str) {
-        self.link.drop_peer(peer);
+    /// `peer` restarted as `incarnation`: forgets both cached connections to it (messages
+    /// still queued on the link were for its previous incarnation).
+    pub fn peer_restarted(&self, peer: &str, incarnation: u64) {
+        self.link.drop_peer(peer, incarnation);
         self.drop_connection(peer);
     }
 

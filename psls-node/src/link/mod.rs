@@ -14,9 +14,11 @@
 //! acknowledgements ride on messages going back (an answer, a release) instead of costing a
 //! segment of their own. A node with nothing to send on yet dials the peer; the peer, once the
 //! handshake named the dialler, *adopts* that connection and sends on it too, unless it dialled
-//! one of its own meanwhile (then each direction keeps its own connection, and both are read).
-//! A node sends on one connection per peer until it is lost, so messages to a peer stay in
-//! order. Whoever posts encrypts and writes to the socket itself (the peer's mutex held); the
+//! one of its own meanwhile (then each direction keeps its own connection, both are read, and
+//! the peer's is sent on once this node's own is lost, rather than dialling again). A node
+//! sends on one connection per peer until it is lost, so messages to a peer stay in order.
+//! News that a peer restarted drops a connection this node dialled, and one adopted from the
+//! peer only if its frames came from an older incarnation. Whoever posts encrypts and writes to the socket itself (the peer's mutex held); the
 //! link thread reads every connection (a peer's under its mutex), drives handshakes and writes
 //! what a full socket buffer left behind. A connection whose certificate names no node of the
 //! cluster is closed before anything it sent is read. Messages are frames
@@ -103,12 +105,25 @@ struct Conn {
     /// Chunks not yet handed to TLS, and their bytes.
     queue: VecDeque<Bytes>,
     queued_bytes: usize,
-    /// The start of an incoming frame not yet whole.
-    buf: BytesMut,
+    /// What was read and not yet delivered, and who sends (known from the start: its
+    /// certificate must name the peer).
+    rx: Rx,
     /// Dialled by this node (else adopted: the peer dialled it).
     dialled: bool,
-    /// The peer (known from the start: its certificate must name it).
+    /// In its epoll token.
+    generation: u32,
+}
+
+/// The receiving side of a connection.
+#[derive(Default)]
+struct Rx {
+    /// The start of a frame not yet whole.
+    buf: BytesMut,
+    /// The node at the other end, once its certificate named it.
     peer: Option<String>,
+    /// The latest incarnation its frames carried (a connection adopted from an incarnation
+    /// that restarted since is dropped: [`Link::drop_peer`]).
+    incarnation: Option<u64>,
 }
 
 struct Peer {
@@ -119,20 +134,31 @@ struct Peer {
 
 #[derive(Default)]
 struct Out {
+    /// The connection this node sends on.
     conn: Option<Conn>,
-    /// Bumped at every dial: events of an earlier connection are ignored.
+    /// A connection the peer dialled while this node sent on one it dialled itself: read, and
+    /// sent on once that one is lost (rather than dialling again).
+    spare: Option<Conn>,
+    /// Bumped for every connection that comes here (dialled or adopted), within 24 bits:
+    /// events of a connection no longer here are ignored.
     generation: u32,
 }
 
-/// A connection a peer dialled that this node does not send on (owned by the link thread):
-/// until its handshake names the peer, or for good when this node dialled the peer itself.
+impl Out {
+    /// A generation for a new connection of this peer.
+    fn next_generation(&mut self) -> u32 {
+        self.generation = self.generation.wrapping_add(1) & 0xff_ffff;
+        self.generation
+    }
+}
+
+/// A connection a peer dialled, owned by the link thread until its handshake names the peer
+/// (then it goes to the peer's side: [`Link::adopt`]).
 struct Incoming {
     sock: TcpStream,
     tls: rustls::Connection,
-    /// The node its certificate names, once the handshake is done. Nothing is read before.
-    peer: Option<String>,
-    /// The start of a frame not yet whole.
-    buf: BytesMut,
+    /// What was read: nothing is cut into messages before the handshake named a node.
+    rx: Rx,
     generation: u32,
     /// Accepted as the `seq`th connection (the oldest is evicted first when full).
     seq: u64,
@@ -290,12 +316,14 @@ impl Link {
         let p = &self.peers[k];
         let mut out = p.out.locked();
         if out.conn.is_none() {
-            let generation = out.generation.wrapping_add(1);
+            out.conn = out.spare.take();
+        }
+        if out.conn.is_none() {
+            let generation = out.next_generation();
             let conn = self.dial(k, generation).map_err(|e| NetError::Unreachable {
                 peer: p.name.clone(),
                 message: e.to_string(),
             })?;
-            out.generation = generation;
             out.conn = Some(conn);
         }
         let c = out.conn.as_mut().expect("dialled above");
@@ -367,9 +395,12 @@ impl Link {
             tls: rustls::Connection::Client(tls),
             queue: VecDeque::new(),
             queued_bytes: 0,
-            buf: BytesMut::new(),
+            rx: Rx {
+                peer: Some(p.name.clone()),
+                ..Rx::default()
+            },
             dialled: true,
-            peer: Some(p.name.clone()),
+            generation,
         })
     }
 
@@ -382,11 +413,21 @@ impl Link {
         }
     }
 
-    /// Forgets the connection to `peer` (it restarted: messages still queued were for its
-    /// previous incarnation); the next message dials afresh.
-    pub fn drop_peer(&self, peer: &str) {
+    /// `peer` restarted as `incarnation`: forgets the connection this node sends to it on,
+    /// if it may lead to the previous incarnation (messages still queued were for it); the
+    /// next message dials afresh. A connection this node dialled goes; one adopted from the
+    /// peer goes only if its frames came from an older incarnation: one the new incarnation
+    /// dialled (before its heartbeat told of it) carries its messages, which must not be lost.
+    pub fn drop_peer(&self, peer: &str, incarnation: u64) {
         if let Some(&k) = self.index.get(peer) {
-            self.peers[k].out.locked().conn = None;
+            let mut out = self.peers[k].out.locked();
+            let stale = |c: &Conn| c.dialled || c.rx.incarnation.is_some_and(|i| i < incarnation);
+            if out.conn.as_ref().is_some_and(stale) {
+                out.conn = None;
+            }
+            if out.spare.as_ref().is_some_and(stale) {
+                out.spare = None;
+            }
         }
     }
 
@@ -394,7 +435,9 @@ impl Link {
     pub fn close(&self) {
         self.stop.store(true, Ordering::Release);
         for p in &self.peers {
-            p.out.locked().conn = None;
+            let mut out = p.out.locked();
+            out.conn = None;
+            out.spare = None;
         }
         self.wake();
     }
@@ -467,7 +510,7 @@ impl Link {
                         let (keep, offer) = match incoming.get_mut(k).and_then(Option::as_mut) {
                             Some(c) if c.generation == generation => {
                                 let keep = self.on_incoming(c, bits, &mut cx);
-                                let offer = keep && c.peer.is_some() && !c.offered;
+                                let offer = keep && c.rx.peer.is_some() && !c.offered;
                                 c.offered |= offer;
                                 (keep, offer)
                             }
@@ -558,8 +601,7 @@ impl Link {
             incoming[slot] = Some(Incoming {
                 sock,
                 tls: rustls::Connection::Server(tls),
-                peer: None,
-                buf: BytesMut::new(),
+                rx: Rx::default(),
                 generation,
                 seq: *next_seq,
                 want_out: false,
@@ -577,12 +619,15 @@ impl Link {
     fn on_conn(&self, k: usize, generation: u32, bits: u32, cx: &mut ReadCtx<'_>, again: &mut Vec<u64>) {
         let Some(p) = self.peers.get(k) else { return };
         let mut out = p.out.locked();
-        if out.generation != generation {
-            return;
-        }
-        let Some(c) = out.conn.as_mut() else { return };
+        let sending = out.conn.as_ref().is_some_and(|c| c.generation == generation);
+        let c = if sending {
+            out.conn.as_mut()
+        } else {
+            out.spare.as_mut().filter(|c| c.generation == generation)
+        };
+        let Some(c) = c else { return };
         let res = (|| -> Result<ReadEnd, String> {
-            let end = read_frames(&c.sock, &mut c.tls, &mut c.buf, &mut c.peer, cx)
+            let end = read_frames(&c.sock, &mut c.tls, &mut c.rx, cx)
                 .map_err(|()| "failed or refused (logged)".to_string())?;
             if end == ReadEnd::Eof {
                 return Err("closed by the peer".into());
@@ -596,7 +641,11 @@ impl Link {
         match res {
             Ok(ReadEnd::Budget) => again.push(token(TOKEN_OUT, generation, k)),
             Ok(_) => {}
-            Err(e) => lost(p, &mut out, &e),
+            Err(e) if sending => lost(p, &mut out, &e),
+            Err(e) => {
+                tracing::debug!(peer = %p.name, error = %e, "message link: spare connection lost");
+                out.spare = None;
+            }
         }
     }
 
@@ -604,7 +653,7 @@ impl Link {
     /// whole messages go to `cx.inbox`. False: the connection is done with (closed by the
     /// peer, failed, or refused).
     fn on_incoming(&self, c: &mut Incoming, bits: u32, cx: &mut ReadCtx<'_>) -> bool {
-        let Ok(end) = read_frames(&c.sock, &mut c.tls, &mut c.buf, &mut c.peer, cx) else {
+        let Ok(end) = read_frames(&c.sock, &mut c.tls, &mut c.rx, cx) else {
             return false;
         };
         // The handshake's answers.
@@ -634,23 +683,21 @@ impl Link {
         end != ReadEnd::Eof
     }
 
-    /// Offers the authenticated connection in `slot` of `incoming` to its peer's sending side.
-    /// It is taken when this node has no connection to the peer, or only one the peer dialled
-    /// before (the peer dialled again: it lost that one, or restarted). It stays receive-only
-    /// when this node dialled the peer itself.
+    /// Hands the authenticated connection in `slot` of `incoming` to its peer's side. It is
+    /// sent on when this node has no connection to the peer, or only one the peer dialled
+    /// before (the peer dialled again: it lost that one, or restarted). When this node sends
+    /// on one it dialled itself, it becomes the spare: read, and sent on once that one is lost.
     fn adopt(&self, incoming: &mut [Option<Incoming>], slot: usize) {
         let Some(c) = incoming.get(slot).and_then(Option::as_ref) else {
             return;
         };
-        let Some(&k) = c.peer.as_deref().and_then(|n| self.index.get(n)) else {
+        let Some(&k) = c.rx.peer.as_deref().and_then(|n| self.index.get(n)) else {
             return;
         };
         let p = &self.peers[k];
         let mut out = p.out.locked();
-        if out.conn.as_ref().is_some_and(|c| c.dialled) {
-            return;
-        }
-        let generation = out.generation.wrapping_add(1);
+        let spare = out.conn.as_ref().is_some_and(|c| c.dialled);
+        let generation = out.next_generation();
         // Edge-triggered from now on, as a dialled connection (the change re-polls: data
         // already in the socket is reported).
         let events = (libc::EPOLLIN | libc::EPOLLOUT | libc::EPOLLRDHUP | libc::EPOLLET) as u32;
@@ -664,21 +711,28 @@ impl Link {
             return;
         }
         let Some(c) = incoming[slot].take() else { return };
-        if let Some(old) = out.conn.take() {
-            if !old.queue.is_empty() {
-                tracing::warn!(peer = %p.name, chunks = old.queue.len(), "message link: the peer dialled again; messages queued on its previous connection dropped");
-            }
+        // What this node sends on it must not wait for ever on a host that went away.
+        if let Err(e) = socket2::SockRef::from(&c.sock).set_tcp_user_timeout(Some(USER_TIMEOUT)) {
+            tracing::debug!(peer = %p.name, error = %e, "message link: no user timeout on an adopted connection");
         }
-        out.generation = generation;
-        out.conn = Some(Conn {
+        let conn = Conn {
             sock: c.sock,
             tls: c.tls,
             queue: VecDeque::new(),
             queued_bytes: 0,
-            buf: c.buf,
+            rx: c.rx,
             dialled: false,
-            peer: c.peer,
-        });
+            generation,
+        };
+        if spare {
+            out.spare = Some(conn);
+            return;
+        }
+        if let Some(old) = out.conn.replace(conn) {
+            if !old.queue.is_empty() {
+                tracing::warn!(peer = %p.name, chunks = old.queue.len(), "message link: the peer dialled again; messages queued on its previous connection dropped");
+            }
+        }
         tracing::debug!(peer = %p.name, "message link: sending on the connection the peer dialled");
     }
 }
@@ -714,10 +768,10 @@ struct ReadCtx<'a> {
 fn read_frames(
     sock: &TcpStream,
     tls: &mut rustls::Connection,
-    buf: &mut BytesMut,
-    peer: &mut Option<String>,
+    rx: &mut Rx,
     cx: &mut ReadCtx<'_>,
 ) -> Result<ReadEnd, ()> {
+    let Rx { buf, peer, incarnation } = rx;
     let mut read = 0usize;
     loop {
         if read >= READ_BUDGET_BYTES {
@@ -766,7 +820,7 @@ fn read_frames(
                         Ok(0) => break,
                         Ok(k) => {
                             buf.extend_from_slice(&cx.scratch[..k]);
-                            if let Err(message) = cut_frames(buf, cx.stamp, from, cx.inbox) {
+                            if let Err(message) = cut_frames(buf, incarnation, cx.stamp, from, cx.inbox) {
                                 tracing::warn!(peer = %from, %message, "message link: dropped the connection");
                                 return Err(());
                             }
@@ -806,10 +860,10 @@ fn evict(incoming: &mut [Option<Incoming>]) -> bool {
             .min()
             .map(|(_, k)| k)
     };
-    let victim = oldest(&|c| c.peer.is_none()).or_else(|| {
+    let victim = oldest(&|c| c.rx.peer.is_none()).or_else(|| {
         let mut per_peer: HashMap<&str, usize> = HashMap::new();
         for c in incoming.iter().flatten() {
-            if let Some(p) = c.peer.as_deref() {
+            if let Some(p) = c.rx.peer.as_deref() {
                 *per_peer.entry(p).or_default() += 1;
             }
         }
@@ -818,7 +872,7 @@ fn evict(incoming: &mut [Option<Incoming>]) -> bool {
             .filter(|&(_, n)| n > 1)
             .map(|(p, _)| p.to_string())
             .collect();
-        oldest(&|c| c.peer.as_ref().is_some_and(|p| crowded.contains(p)))
+        oldest(&|c| c.rx.peer.as_ref().is_some_and(|p| crowded.contains(p)))
     });
     match victim {
         Some(k) => {
@@ -879,6 +933,7 @@ fn flush(c: &mut Conn, writes: &AtomicU64) -> std::io::Result<()> {
 /// limit (the connection is then dropped).
 fn cut_frames(
     buf: &mut BytesMut,
+    incarnation: &mut Option<u64>,
     stamp: &peer::Stamp,
     from: &str,
     inbox: &mut Vec<(String, PeerReq, Bytes)>,
@@ -897,7 +952,11 @@ fn cut_frames(
             return Ok(());
         }
         let frame = buf.split_to(4 + len).freeze().slice(4..);
-        match peer::decode_request(frame) {
+        let decoded = peer::decode_request(frame);
+        if let Ok((inc, _, _)) = &decoded {
+            *incarnation = (*incarnation).max(Some(*inc));
+        }
+        match decoded {
             Ok((inc, _, _)) if stamp.fenced(from, inc) => {
                 tracing::debug!(peer = %from, incarnation = inc, "message link: dropped a message of an incarnation declared down");
             }

@@ -146,7 +146,7 @@ fn a_restarted_peer_is_reached_again() {
     drop(b);
     let b = bind("b", baddr, "a", "127.0.0.1:9".parse().unwrap());
     let (tb, rb) = start(&b);
-    a.drop_peer("b");
+    a.drop_peer("b", 0);
     ping(2);
     assert_eq!(got(&rb), 2, "delivered to the new incarnation after drop_peer");
     // Restart again, this time without drop_peer: the first message may be lost on the
@@ -204,6 +204,22 @@ fn bad_frames_are_dropped_or_close_the_connection() {
     tb.join().unwrap();
 }
 
+/// Posts pings to "b" with ids from `first` until an answer comes back on `rx` (a message may
+/// be lost on a connection that is being closed); fails after [`TEST_WAIT`].
+fn ping_back(a: &Link, rx: &std::sync::mpsc::Receiver<(String, PeerReq, Bytes)>, first: u64, what: &str) {
+    let deadline = std::time::Instant::now() + TEST_WAIT;
+    let mut id = first;
+    loop {
+        a.post("b", &PeerReq::LinkPing { id }, Bytes::new()).unwrap();
+        if let Ok((_, PeerReq::LinkPing { id: back }, _)) = rx.recv_timeout(Duration::from_millis(200)) {
+            assert!((first..=id).contains(&back), "answer {back} after {first}..={id}");
+            return;
+        }
+        assert!(std::time::Instant::now() < deadline, "{what}");
+        id += 1;
+    }
+}
+
 /// Echoes every message back to its sender through the link it is given.
 struct Echo(std::sync::OnceLock<Arc<Link>>);
 impl LinkHandler for Echo {
@@ -216,8 +232,9 @@ impl LinkHandler for Echo {
 
 /// One connection carries both directions: `b` answers `a` on the connection `a` dialled
 /// (the address `b` has for `a` takes no connection, so an answer that needed a dial of its
-/// own would never arrive), in order, whole; and on the next one `a` dials after losing the
-/// first.
+/// own would never arrive), in order, whole. News that `a` restarted drops that connection only
+/// if its frames came from an older incarnation. `b` answers again on the connection `a` dials
+/// after losing the first.
 #[test]
 fn the_peer_answers_on_the_connection_that_was_dialled() {
     let dir = tempfile::tempdir().unwrap();
@@ -246,20 +263,28 @@ fn the_peer_answers_on_the_connection_that_was_dialled() {
         assert!(payload.iter().all(|&x| x == (i % 251) as u8));
     }
     assert_eq!(b.posted(), n, "b answered each message once");
+    // b hears that a runs as the incarnation its frames came from (a restart whose
+    // connection came before its heartbeat): the connection stays, and answers still come.
+    b.drop_peer("a", 0);
+    b.post("a", &PeerReq::LinkPing { id: n }, Bytes::new()).unwrap();
+    match rx.recv_timeout(TEST_WAIT) {
+        Ok((_, PeerReq::LinkPing { id }, _)) => assert_eq!(id, n),
+        other => panic!("nothing from b after news of the same incarnation: {other:?}"),
+    }
+    // News of a later incarnation: b drops the connection (a sees it closed); what b sends
+    // next needs a connection of its own, to an address where nobody listens.
+    b.drop_peer("a", 1);
+    b.post("a", &PeerReq::LinkPing { id: n + 1 }, Bytes::new()).unwrap();
+    assert!(
+        rx.recv_timeout(Duration::from_millis(300)).is_err(),
+        "b still sent on the dropped connection"
+    );
+    // a dials again; b, whose own connection failed, answers on a's.
+    ping_back(&a, &rx, n + 2, "no answer after b dropped the connection");
     // a forgets the connection (as if it had restarted) and dials again: b answers on the
     // new connection (it could not dial a itself).
-    a.drop_peer("b");
-    let deadline = std::time::Instant::now() + TEST_WAIT;
-    let mut id = n;
-    loop {
-        a.post("b", &PeerReq::LinkPing { id }, Bytes::new()).unwrap();
-        if let Ok((_, PeerReq::LinkPing { id: back }, _)) = rx.recv_timeout(Duration::from_millis(200)) {
-            assert!((n..=id).contains(&back), "answer {back} after {n}..={id}");
-            break;
-        }
-        assert!(std::time::Instant::now() < deadline, "no answer on the new connection");
-        id += 1;
-    }
+    a.drop_peer("b", 0);
+    ping_back(&a, &rx, n + 1000, "no answer on the new connection");
     for l in [&a, &b] {
         l.close();
     }
