@@ -5,7 +5,8 @@
 #   and the link messages per step;
 # - MGS VECTORS² at 4 ranks on 4 nodes with a memory checkpoint every 50 and every 250
 #   vectors against no checkpoint (`psls run --level memory`), the runs alternated, with the
-#   write-protect faults of the node that took most.
+#   write-protect faults of the node that took most and the recovery copies sent to other
+#   nodes per page checkpointed.
 # Usage: bench/scaling.sh [ROUNDS] [VECTORS]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -56,5 +57,6 @@ for r in $(seq 1 "$rounds"); do
         echo "$r,mgs_s memory checkpoint every $k (none),$a,$base,$(ratio "$a" "$base")"
         echo "$r,checkpoint_bytes every $k ($(field "$o" checkpoints) checkpoints),$(field "$o" checkpoint_bytes),,"
         echo "$r,wp_faults per node at most every $k,$(wp_max "$o"),,"
+        echo "$r,recovery copies sent per checkpointed page every $k,$(field "$o" ckpt_transfers_per_page),,"
     done
 done

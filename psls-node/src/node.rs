@@ -82,6 +82,10 @@ pub struct Node {
     /// Pages written to this node's page store, and its fsyncs (for the "no disk I/O during a
     /// memory checkpoint" figures).
     pub store_page_writes: AtomicU64,
+    /// Pages this node's memory-checkpoint writes took, and the recovery copies of them it
+    /// sent to other nodes (a copy kept here is no transfer).
+    pub ckpt_pages_taken: AtomicU64,
+    pub ckpt_pages_sent: AtomicU64,
     disk_used: AtomicU64,
     disk_free: AtomicU64,
     pub shutdown: tokio::sync::Notify,
@@ -143,6 +147,8 @@ impl Node {
             rebuild_done: AtomicU64::new(0),
             rebuild_total: AtomicU64::new(0),
             store_page_writes: AtomicU64::new(0),
+            ckpt_pages_taken: AtomicU64::new(0),
+            ckpt_pages_sent: AtomicU64::new(0),
             disk_used: AtomicU64::new(0),
             disk_free: AtomicU64::new(0),
             shutdown: tokio::sync::Notify::new(),

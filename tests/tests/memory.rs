@@ -90,6 +90,12 @@ fn memory_checkpoints_write_nothing_to_the_disks_and_persistent_ones_do() {
             "{memory}"
         );
     }
+    // Each page checkpointed in memory has two recovery copies, on its two holders: a copy
+    // on the node that took it is no transfer, so between 1 and 2 go over the network.
+    let taken = memory["ckpt_pages_taken"].as_u64().unwrap_or(0);
+    let sent = memory["ckpt_pages_sent"].as_u64().unwrap_or(0);
+    assert!(taken > 2048 && sent >= taken && sent <= 2 * taken, "{memory}");
+    assert_eq!(persistent["ckpt_pages_taken"], 0, "{persistent}");
     // A checkpoint leaves the pages a node holds writable writable (it compares them at the
     // next one): the ranks' writes after it take no write-protect fault. Each node's ranks
     // write 512 pages between checkpoints, 20 times; protecting them cost about 5,000 faults

@@ -56,7 +56,7 @@ fn args() -> Result<Args> {
 
 /// Doubles between vector starts: each vector starts on a page.
 /// Words per rank in the stats segment: the node's number, then its counters.
-const SLOT: usize = 16;
+const SLOT: usize = 18;
 
 fn stride(dim: usize) -> usize {
     (dim * 8).div_ceil(4096) * 4096 / 8
@@ -306,6 +306,8 @@ fn main() -> Result<()> {
             "frames_peak_recovery",
             "frames_peak_pre_recovery",
             "wp_faults",
+            "ckpt_pages_taken",
+            "ckpt_pages_sent",
         ];
         let base = rank * SLOT;
         if base + SLOT <= slots.len() {
@@ -335,6 +337,7 @@ fn main() -> Result<()> {
         let mut posted = 0u64;
         let mut datagrams = 0u64;
         let mut disk_pages = 0u64;
+        let (mut ckpt_taken, mut ckpt_sent) = (0u64, 0u64);
         for r in 0..size.min(slots.len() / SLOT) {
             let b = r * SLOT;
             if slots[b] == 0 {
@@ -347,6 +350,8 @@ fn main() -> Result<()> {
             }
             pages_moved += slots[b + 4];
             disk_pages += slots[b + 10];
+            ckpt_taken += slots[b + 15];
+            ckpt_sent += slots[b + 16];
             posted += slots[b + 8];
             datagrams += slots[b + 9];
             per_node.insert(
@@ -366,6 +371,8 @@ fn main() -> Result<()> {
                     "frames_peak_recovery": slots[b + 12],
                     "frames_peak_pre_recovery": slots[b + 13],
                     "wp_faults": slots[b + 14],
+                    "ckpt_pages_taken": slots[b + 15],
+                    "ckpt_pages_sent": slots[b + 16],
                 }),
             );
         }
@@ -405,6 +412,9 @@ fn main() -> Result<()> {
                 "messages_per_step": posted as f64 / a.vectors as f64,
                 "link_writes": datagrams,
                 "disk_pages_written": disk_pages,
+                "ckpt_pages_taken": ckpt_taken,
+                "ckpt_pages_sent": ckpt_sent,
+                "ckpt_transfers_per_page": j(ckpt_sent as f64 / ckpt_taken as f64),
             })
         );
         if !ok {

@@ -47,12 +47,18 @@ impl CkptShell {
         } = self.take_and_tell(job, epoch, files, &st).await?;
         let mut inflight = tokio::task::JoinSet::new();
         let mut halfway = super::batches::Halfway::new(&taken);
+        node.ckpt_pages_taken
+            .fetch_add(pages, std::sync::atomic::Ordering::Relaxed);
         for b in super::batches::batches(node.placement, &taken) {
             while inflight.len() >= STORES_IN_FLIGHT {
                 reap(&mut inflight).await?;
             }
             halfway.next(node.name(), b.indices.len(), "ckpt.mem.write").await;
             let phys = node.physical_of(&st, b.holder);
+            if phys != node.me.name {
+                node.ckpt_pages_sent
+                    .fetch_add(b.indices.len() as u64, std::sync::atomic::Ordering::Relaxed);
+            }
             let req = PeerReq::Frames(FramesReq::Store {
                 job: job.to_string(),
                 epoch,

@@ -156,6 +156,14 @@ pub(super) async fn handle(c: &mut Conn, req: Request, mut fds: Vec<OwnedFd>) ->
                         "store_page_writes".into(),
                         node.store_page_writes.load(std::sync::atomic::Ordering::Relaxed),
                     ),
+                    (
+                        "ckpt_pages_taken".into(),
+                        node.ckpt_pages_taken.load(std::sync::atomic::Ordering::Relaxed),
+                    ),
+                    (
+                        "ckpt_pages_sent".into(),
+                        node.ckpt_pages_sent.load(std::sync::atomic::Ordering::Relaxed),
+                    ),
                     ("frames_recovery".into(), frames.recovery),
                     ("frames_pre_recovery".into(), frames.pre_recovery),
                     ("frames_unsaved".into(), frames.unsaved),
