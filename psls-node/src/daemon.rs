@@ -166,7 +166,7 @@ pub async fn run(config: &Path, name: &str) -> Result<()> {
     ));
     let (link, handler) = (
         node.net.link.clone(),
-        Arc::new(crate::dispatch::LinkDelivery(d.clone())),
+        Arc::new(crate::dispatch::LinkDelivery::new(d.clone())),
     );
     std::thread::Builder::new()
         .name("psls-link".into())

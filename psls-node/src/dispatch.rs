@@ -19,7 +19,7 @@ use crate::sync::SyncShell;
 use crate::sync_channel::Channels;
 use crate::transport::{BoxFuture, Handler};
 use psls_ipc::ErrorKind;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 /// A running daemon: the core and its subsystems.
@@ -308,6 +308,16 @@ impl Daemon {
                     ))
                 }
             }
+            PeerReq::SvmBatch(envs) => match envs.iter().find(|e| !node.speaks_for(&from, e.from)) {
+                None => {
+                    self.svm.on_messages(&node, envs, payload);
+                    Ok(PeerResp::Ok)
+                }
+                Some(e) => Err(OpError::new(
+                    ErrorKind::Permission,
+                    format!("{from} may not send coherence messages as node {}", e.from),
+                )),
+            },
             PeerReq::LinkPing { .. } | PeerReq::LinkPong { .. } | PeerReq::Ckpt(_) => Err(OpError::new(
                 ErrorKind::Invalid,
                 "link pings and checkpoint messages go over the message link",
@@ -372,21 +382,50 @@ impl Daemon {
     }
 }
 
-/// Delivers the message link's messages to the node (on the link thread).
-pub struct LinkDelivery(pub Arc<Daemon>);
+/// Delivers the message link's messages to the node (on the link thread). What the coherence
+/// messages of one wake-up set off is sent when the link has delivered them all
+/// ([`crate::link::LinkHandler::delivered`]), so that messages for one node go together.
+pub struct LinkDelivery {
+    daemon: Arc<Daemon>,
+    /// Taken only by the link thread.
+    later: Mutex<crate::svm::Deferred>,
+}
+
+impl LinkDelivery {
+    pub fn new(daemon: Arc<Daemon>) -> LinkDelivery {
+        LinkDelivery {
+            daemon,
+            later: Mutex::new(crate::svm::Deferred::default()),
+        }
+    }
+}
 
 impl crate::link::LinkHandler for LinkDelivery {
+    fn delivered(&self) {
+        let later = std::mem::take(&mut *self.later.locked());
+        self.daemon.svm.dispatch_deferred(&self.daemon.node, later);
+    }
+
     fn deliver(&self, from: &str, req: PeerReq, payload: bytes::Bytes) {
-        let d = &self.0;
+        let d = &self.daemon;
         let node = &d.node;
         match req {
             PeerReq::Svm(env) => {
                 if node.speaks_for(from, env.from) {
-                    d.svm.on_message(node, env, payload)
+                    d.svm
+                        .on_messages_deferred(node, vec![env], payload, &mut self.later.locked())
                 } else {
                     tracing::warn!(node = %node.name(), peer = from, claimed = %env.from, "coherence message sent in another node's name: dropped");
                 }
             }
+            PeerReq::SvmBatch(envs) => match envs.iter().find(|e| !node.speaks_for(from, e.from)) {
+                None => d
+                    .svm
+                    .on_messages_deferred(node, envs, payload, &mut self.later.locked()),
+                Some(e) => {
+                    tracing::warn!(node = %node.name(), peer = from, claimed = %e.from, "coherence messages sent in another node's name: dropped")
+                }
+            },
             req @ (PeerReq::BarrierArrive { .. }
             | PeerReq::LockAcquire { .. }
             | PeerReq::LockRelease { .. }

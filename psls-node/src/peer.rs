@@ -22,6 +22,8 @@ pub enum NetError {
 
 /// Largest accepted peer message body.
 pub const MAX_PEER_MSG: usize = 8 * 1024 * 1024;
+/// At most this many coherence messages travel in one [`PeerReq::SvmBatch`].
+pub const MAX_SVM_BATCH: usize = 64;
 /// Pages per write/read batch (1 MiB of data).
 pub const BATCH_PAGES: usize = 256;
 
@@ -308,6 +310,9 @@ pub enum PeerReq {
     },
     /// A coherence protocol message (one-way); payload: the page's 4096 bytes for `Data`.
     Svm(psls_svm::coherence::Envelope),
+    /// Coherence messages to one node that became ready together, handled in this order (at
+    /// most [`MAX_SVM_BATCH`]); payload: the pages of their `Data` messages, in order.
+    SvmBatch(Vec<psls_svm::coherence::Envelope>),
     /// A checkpoint protocol message (one-way, on the message link).
     Ckpt(psls_ckpt::Msg),
     /// Memory checkpoints' recovery copies (this node is the pages' `role` holder).

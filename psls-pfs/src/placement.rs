@@ -46,8 +46,8 @@ impl Placement {
     pub fn nodes(&self) -> u32 {
         self.n
     }
-    /// The home node: the page's PFS primary and its coherence manager (one definition, in
-    /// `psls_svm::coherence::home_node`).
+    /// The home node: the page's PFS primary (one definition, in
+    /// `psls_svm::coherence::home_node`; its coherence manager is that of its run of pages).
     pub fn home(&self, file: FileId, index: u64) -> NodeId {
         psls_svm::coherence::home_node(file, index, self.n)
     }

@@ -7,25 +7,25 @@
 //! and executed by the shell **in order**.
 //!
 //! # Roles
-//! - The **manager** of a page is its home node. It records the page's *owner* (the node whose
-//!   copy is the latest and which supplies it), the *copyset* (every node with a copy, the owner
-//!   included), whether the owner may write, and whether the page was written since it was
-//!   loaded from disk. It orders requests per page: a write transaction runs alone and the
-//!   next starts only after its requester reported `Done`; reads served by a live owner may
-//!   run together (they commute), and a write waits until all of them are done.
-//! - A **requester** asks its manager for read or write access on a local fault, collects the
-//!   grant, the page data (from the owner, or from disk) and the invalidation acks, then sets
-//!   its access and wakes the faulting clients.
+//! - The **manager** of a page is the home node of its run of pages ([`manager_node`]).
+//!   It records the page's *owner* (the node whose copy is the latest and which supplies it), the *copyset* (every node with a copy, the owner included), whether the owner may write, and whether the page was written since it was loaded from disk.
+//!   It orders requests per page: a write transaction runs alone and the next starts only after its requester reported `Done`.
+//!   A read the owner serves is over at the manager as soon as it is forwarded: the requester joins the copyset then, and sends no `Done`.
+//! - A **requester** asks its manager for read or write access on a local fault, collects the grant, the page data (from the owner, or from disk) and the invalidation acks, then sets its access and wakes the faulting clients.
 //!
 //! # Messages of one transaction
-//! Read: `Req` → manager; `Fwd` → owner, which downgrades and sends `Data` to the requester.
-//! Write: as read, but the owner sends its data and drops its copy, and every other holder gets
-//! `Inval` and acks the requester directly (`InvalAck`). When the owner is the source, its
-//! `Data` is the grant (it carries the acks to collect, which the manager put in the `Fwd`);
-//! otherwise the manager sends a `Grant`: a requester that already holds a copy gets no data
-//! (`Source::Have`), and a page in no memory is loaded from disk by the requester
-//! (`Source::Disk`). The requester reports `Done` to the manager. Latency: 1.5 round trips for
-//! a remote fault, whatever the copyset.
+//! Read: `Req` → manager; `Fwd` → owner, which downgrades and sends `Data` to the requester: three messages, one and a half round trips.
+//! Write: as read, but the owner sends its data and drops its copy, and every other holder gets `Inval` and acks the requester directly (`InvalAck`).
+//! When the owner is the source, its `Data` is the grant (it carries the acks to collect, which the manager put in the `Fwd`).
+//! Otherwise the manager sends a `Grant`: a requester that already holds a copy gets no data (`Source::Have`), and a page in no memory is loaded from disk by the requester (`Source::Disk`).
+//! The requester reports `Done` to the manager, except for a read the owner's data granted.
+//!
+//! # Reads without `Done`
+//! The manager may start a write while a read it forwarded is still on the way, so three races need an answer:
+//! - The write's `Inval` reaches the reader before the data: a read with neither grant nor data is abandoned and asked for again (the data, arriving later, belongs to no pending transaction and is dropped).
+//!   A request says whether the requester holds a copy (`have`); one without drops the requester from the copyset first, so the directory heals.
+//! - The owner dies before its data gets out: the manager keeps the reads it forwarded since the last write started (`forwarded`), and turns those of the dead owner into transactions in progress with a late `Grant`, as for any transaction whose source died; each reader reports `Done` (a reader whose read is over reports whether it holds the page).
+//! - An owner that took over after a death turns out to have no copy (`Nack`): the read is served again.
 //!
 //! # Invariants (asserted by the simulator after every step)
 //! - At most one node has write access to a page; while one has, no other node has any access.
@@ -61,11 +61,22 @@ const MAX_ACTIONS: usize = 1 << 20;
 /// previous incarnation ([`Action::CheckFence`]); beyond this, it refuses them at once.
 pub const MAX_PARKED_REQUESTS: usize = 1 << 16;
 
-/// The home (manager and PFS primary) node of page `index` of `file` in a cluster of `nodes`:
+/// The home (PFS primary) node of page `index` of `file` in a cluster of `nodes`:
 /// `(hash(file) + index) mod N` (DESIGN §3). `nodes` must be ≥ 1.
 pub fn home_node(file: FileId, index: u64, nodes: u32) -> NodeId {
     let n = nodes.max(1) as u64;
     NodeId(((crate::rng::mix64(file.0) % n + index % n) % n) as u32)
+}
+
+/// Consecutive pages share a manager in aligned runs of this many (64 KiB): the requests,
+/// forwards, data and reports of a fault and its prefetch then go to the same nodes, and
+/// the shell sends them in one link message.
+pub const MANAGER_RUN_PAGES: u64 = 16;
+
+/// The coherence manager of page `index` of `file` in a cluster of `nodes`: the home node of
+/// its run of [`MANAGER_RUN_PAGES`] (runs spread over the nodes as pages spread over homes).
+pub fn manager_node(file: FileId, index: u64, nodes: u32) -> NodeId {
+    home_node(file, index / MANAGER_RUN_PAGES, nodes)
 }
 
 /// Access a node (or a fault) needs: reading, or reading and writing.
@@ -112,8 +123,15 @@ pub enum FaultError {
 /// A protocol message between nodes (the payload of `Data` travels beside it).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Msg {
-    /// Requester → manager.
-    Req { page: PageId, txn: TxnId, access: Access },
+    /// Requester → manager. `have`: the requester holds a read copy (an upgrade); without
+    /// one, the manager drops it from the copyset if it is there (its copy went, or a read
+    /// forwarded to it was abandoned).
+    Req {
+        page: PageId,
+        txn: TxnId,
+        access: Access,
+        have: bool,
+    },
     /// Manager → requester: the transaction may go ahead.
     Grant {
         page: PageId,
@@ -286,7 +304,7 @@ pub struct Stats {
     /// Faults that failed.
     pub failed_faults: u64,
     /// Read transactions this node, as manager, started while other reads of the page were
-    /// still in progress.
+    /// still in progress, or forwarded since the last write.
     pub joined_reads: u64,
     /// Transactions this node, as manager, started without a `Grant` (the owner's `Data`
     /// granted), and those of them it had to grant after all because the owner died.
@@ -295,6 +313,15 @@ pub struct Stats {
     /// Late grants this node, as requester, received after the owner's `Data` had granted
     /// while it still collected acknowledgements.
     pub redundant_grants: u64,
+    /// Reads this node, as manager, forwarded to the owner with no `Done` to wait for; reads
+    /// this node, as requester, abandoned because an invalidation overtook their data; and
+    /// forwarded reads it asked for again because the owner by its books had no copy.
+    pub reads_without_done: u64,
+    pub abandoned_reads: u64,
+    pub reforwarded_reads: u64,
+    /// Protocol messages this node sent to other nodes (the shell may carry several in one
+    /// link message).
+    pub messages_out: u64,
 }
 
 /// This node's side of one page: its access and its own pending request.
@@ -335,7 +362,21 @@ struct Directory {
     /// a page do not conflict, so they are not serialized behind each other; a write waits
     /// for all of them, and they for it).
     busy: Vec<Busy>,
-    queue: VecDeque<(TxnId, Access)>,
+    queue: VecDeque<Queued>,
+    /// Reads forwarded to the owner since the last write started, with no `Done` to wait
+    /// for: the transaction, and the owner (incarnation) asked to send the data. At most one
+    /// per requester. Should that owner die, they become transactions in progress again
+    /// (granted late, so that each requester says whether its data got out).
+    forwarded: Vec<(TxnId, NodeId, Incarnation)>,
+}
+
+/// A request waiting at the manager.
+#[derive(Debug, Clone, Copy)]
+struct Queued {
+    txn: TxnId,
+    access: Access,
+    /// The requester holds a read copy.
+    have: bool,
 }
 
 impl Directory {
@@ -421,7 +462,7 @@ pub struct Svm {
     rebuilt: HashSet<FileId>,
     /// While recovering: requests for pages of files being checked ([`Action::CheckFence`]),
     /// in arrival order.
-    parked: HashMap<FileId, Vec<(PageId, TxnId, Access)>>,
+    parked: HashMap<FileId, Vec<(PageId, Queued)>>,
     /// Per node, the files this node held pages or directory entries of when it learnt of
     /// that node's latest incarnation (what [`Svm::fence_answer`] says; the shell tells of
     /// its segments).
@@ -558,10 +599,11 @@ impl Svm {
         if clean && self.recovering {
             self.rebuilt.insert(file);
         }
-        for (page, txn, access) in reqs {
+        for (page, q) in reqs {
+            let txn = q.txn;
             if self.serves(file) {
                 // Checked when parked; the state has not changed for it since.
-                if let Err(e) = self.on_request(page, txn, access, txn.node) {
+                if let Err(e) = self.on_request(page, q, txn.node) {
                     debug_assert!(false, "{e}");
                 }
             } else {
@@ -601,7 +643,7 @@ impl Svm {
     }
     /// The manager of `page`.
     pub fn manager(&self, page: PageId) -> NodeId {
-        home_node(page.file, page.index, self.nodes)
+        manager_node(page.file, page.index, self.nodes)
     }
     /// This node's access to `page`.
     pub fn access(&self, page: PageId) -> Option<Access> {
@@ -654,6 +696,7 @@ impl Svm {
         if matches!(msg, Msg::Data { .. }) {
             self.stats.pages_out += 1;
         }
+        self.stats.messages_out += (to != self.me) as u64;
         self.push(Action::Send {
             to,
             env: Envelope {
@@ -804,6 +847,7 @@ impl Svm {
                 page,
                 txn,
                 access: need,
+                have: have.is_some(),
             },
         );
     }
@@ -887,14 +931,18 @@ impl Svm {
             return;
         }
         let (txn, access) = (p.txn, p.access);
+        // A read the owner's data granted is over at the manager already.
+        let report = !(access == Access::Read && p.granted_by_data);
         l.pending = None;
         l.access = Some(access);
         self.push(Action::SetAccess {
             page,
             access: Some(access),
         });
-        let manager = self.manager(page);
-        self.send(manager, Msg::Done { page, txn, ok: true });
+        if report {
+            let manager = self.manager(page);
+            self.send(manager, Msg::Done { page, txn, ok: true });
+        }
         self.request_if_needed(page);
     }
 
@@ -962,15 +1010,34 @@ impl Svm {
         }
         // As manager.
         for reqs in self.parked.values_mut() {
-            reqs.retain(|(_, t, _)| t.node != n);
+            reqs.retain(|(_, q)| q.txn.node != n);
         }
         self.parked.retain(|_, reqs| !reqs.is_empty());
         let mut pages: Vec<PageId> = self.dir.keys().copied().collect();
         pages.sort();
         for page in pages {
             let Some(d) = self.dir.get_mut(&page) else { continue };
-            d.queue.retain(|(t, _)| t.node != n);
+            d.queue.retain(|q| q.txn.node != n);
             d.copyset.remove(&n);
+            // Reads the dead node was forwarded to serve: in progress again, granted late
+            // below, so that each requester says whether its data got out.
+            d.forwarded.retain(|(t, _, _)| t.node != n);
+            let mut k = 0;
+            while k < d.forwarded.len() {
+                let (txn, o, inc) = d.forwarded[k];
+                if o == n {
+                    d.forwarded.swap_remove(k);
+                    d.busy.push(Busy {
+                        txn,
+                        access: Access::Read,
+                        source: Source::Owner(o, inc),
+                        implied: true,
+                        acks: Vec::new(),
+                    });
+                } else {
+                    k += 1;
+                }
+            }
             let owner_gone = d.owner == Some(n);
             // Requesters that died mid-transaction. After a write transaction every other copy
             // may be gone already, and the requester may have written (its `Done` died with
@@ -1055,7 +1122,7 @@ impl Svm {
         let page = env.msg.page();
         let manager = self.manager(page);
         match env.msg {
-            Msg::Req { txn, access, .. } => {
+            Msg::Req { txn, access, have, .. } => {
                 ensure!(
                     manager == self.me,
                     from,
@@ -1068,7 +1135,7 @@ impl Svm {
                     page,
                     "request for another node's transaction"
                 );
-                self.on_request(page, txn, access, from)?;
+                self.on_request(page, Queued { txn, access, have }, from)?;
                 Ok(Receipt::Accepted)
             }
             Msg::Done { txn, ok, .. } => {
@@ -1143,12 +1210,27 @@ impl Svm {
                     "invalidation from a node that does not manage the page"
                 );
                 let l = self.local.entry(page).or_default();
-                if l.access.is_some() {
-                    l.access = None;
+                let dropped = l.access.take().is_some();
+                // A read with neither grant nor data may have been forwarded already (the
+                // manager then counts this node in the copyset, and the write this ack lets
+                // go on may be served before the owner sends to us): its data can no longer
+                // be trusted. Ask again.
+                let abandon = l
+                    .pending
+                    .as_ref()
+                    .is_some_and(|p| p.access == Access::Read && p.grant.is_none() && !p.data && !p.aborted);
+                if abandon {
+                    l.pending = None;
+                    self.stats.abandoned_reads += 1;
+                }
+                if dropped {
                     self.stats.invalidations += 1;
                     self.push(Action::SetAccess { page, access: None });
                 }
                 self.send(txn.node, Msg::InvalAck { page, txn });
+                if abandon {
+                    self.request_if_needed(page);
+                }
                 Ok(Receipt::Accepted)
             }
             Msg::InvalAck { txn, .. } => {
@@ -1225,11 +1307,31 @@ impl Svm {
             Source::Owner(o, inc) => alive(self, o, inc),
             _ => true,
         };
-        let Some(l) = self.local.get_mut(&page) else {
+        let mine = txn.node == self.me && txn.incarnation == self.incarnation && txn.seq < self.next_seq;
+        let held = self.local.get(&page).and_then(|l| l.access);
+        let pending = self
+            .local
+            .get(&page)
+            .and_then(|l| l.pending.as_ref())
+            .is_some_and(|p| p.txn == txn);
+        if !pending {
+            // A transaction of this node that is over here (completed by the owner's data, or
+            // abandoned), granted late by a manager that waits for its report: whether this
+            // node holds the page says whether the data got here (nothing else can have
+            // changed it while the manager waits).
+            if mine {
+                self.send(
+                    from,
+                    Msg::Done {
+                        page,
+                        txn,
+                        ok: held.is_some(),
+                    },
+                );
+            }
             return Ok(());
-        };
-        let held = l.access;
-        let Some(p) = l.pending.as_mut().filter(|p| p.txn == txn) else {
+        }
+        let Some(p) = self.local.get_mut(&page).and_then(|l| l.pending.as_mut()) else {
             return Ok(());
         };
         if p.granted_by_data {
@@ -1333,16 +1435,25 @@ impl Svm {
 
     // ----- manager side -----
 
-    fn on_request(&mut self, page: PageId, txn: TxnId, access: Access, from: NodeId) -> Result<(), ProtocolError> {
+    fn on_request(&mut self, page: PageId, q: Queued, from: NodeId) -> Result<(), ProtocolError> {
+        let txn = q.txn;
+        // An older request of the same requester still waiting here was abandoned (an
+        // invalidation overtook the read it asked for): the new one takes its place.
+        let older = |t: &TxnId| t.node == from && t.incarnation == txn.incarnation && t.seq < txn.seq;
         let d = self.dir.entry(page).or_default();
+        d.queue.retain(|w| !older(&w.txn));
+        if let Some(reqs) = self.parked.get_mut(&page.file) {
+            reqs.retain(|(p, w)| !(*p == page && older(&w.txn)));
+        }
         // One request per node at a time. (Its previous transaction may still be busy here: the
         // `Done` and this request can cross; the request then waits in the queue.)
+        let d = self.dir.entry(page).or_default();
         let dup = d.busy.iter().any(|b| b.txn == txn)
-            || d.queue.iter().any(|(t, _)| t.node == from)
+            || d.queue.iter().any(|w| w.txn.node == from)
             || self
                 .parked
                 .get(&page.file)
-                .is_some_and(|r| r.iter().any(|(p, t, _)| *p == page && t.node == from));
+                .is_some_and(|r| r.iter().any(|(p, w)| *p == page && w.txn.node == from));
         ensure!(!dup, from, page, "a second request while one is in progress");
         if d.lost {
             let error = FaultError::PageLost;
@@ -1359,43 +1470,54 @@ impl Svm {
             if self.parked.get(&page.file).is_none_or(Vec::is_empty) {
                 self.push(Action::CheckFence { file: page.file });
             }
-            self.parked.entry(page.file).or_default().push((page, txn, access));
+            self.parked.entry(page.file).or_default().push((page, q));
             return Ok(());
         }
         let bound = self.nodes as usize;
         let d = self.dir.entry(page).or_default();
         assert!(d.queue.len() < bound, "more queued requests than nodes");
-        d.queue.push_back((txn, access));
+        d.queue.push_back(q);
         self.next_in_queue(page);
         Ok(())
     }
 
     /// Starts the next queued transactions of `page`: the first one if it is idle, and while
     /// only reads served by a live owner are in progress, further reads (from nodes with no
-    /// transaction in progress here).
+    /// transaction in progress here). A read the owner serves is over here once forwarded:
+    /// the requester joins the copyset at once and sends no `Done` (see [`Directory::forwarded`]).
     fn next_in_queue(&mut self, page: PageId) {
         loop {
             let Some(d) = self.dir.get_mut(&page) else { return };
-            let Some(&(front, front_access)) = d.queue.front() else {
+            let Some(&front) = d.queue.front() else {
                 return;
             };
             if !d.busy.is_empty() {
-                let joins = front_access == Access::Read
+                let joins = front.access == Access::Read
                     && d.owner.is_some()
                     && !d.lost
                     && d.busy
                         .iter()
-                        .all(|b| b.access == Access::Read && b.txn.node != front.node);
+                        .all(|b| b.access == Access::Read && b.txn.node != front.txn.node);
                 if !joins {
                     return;
                 }
             }
-            let joined = !d.busy.is_empty();
-            let Some((txn, access)) = d.queue.pop_front() else {
+            let Some(Queued { txn, access, have }) = d.queue.pop_front() else {
                 return;
             };
+            let r = txn.node;
+            // Its new request supersedes what the requester asked before.
+            d.forwarded.retain(|(t, _, _)| t.node != r);
+            let joined = access == Access::Read && (!d.busy.is_empty() || !d.forwarded.is_empty());
             self.stats.joined_reads += joined as u64;
-            let Some(d) = self.dir.get_mut(&page) else { return };
+            if !have && d.copyset.remove(&r) && d.owner == Some(r) {
+                // The owner by these books has no copy: as if it had lost it.
+                d.owner = None;
+                d.writable = false;
+                if d.busy.is_empty() {
+                    d.reassign_or_lose();
+                }
+            }
             if d.lost {
                 self.send(
                     txn.node,
@@ -1407,7 +1529,6 @@ impl Svm {
                 );
                 continue;
             }
-            let r = txn.node;
             let source = match d.owner {
                 None => Source::Disk,
                 Some(_) if d.copyset.contains(&r) => Source::Have,
@@ -1426,6 +1547,9 @@ impl Svm {
                     .copied()
                     .filter(|&c| c != r && Some(c) != forwarder)
                     .collect();
+                // Every forwarded reader is in the copyset: it is invalidated, and abandons
+                // its read if the data has not come yet.
+                d.forwarded.clear();
             }
             let acks: Vec<(NodeId, Incarnation)> = invals
                 .iter()
@@ -1436,13 +1560,28 @@ impl Svm {
             // to wait for.
             let implied = matches!(source, Source::Owner(..));
             self.stats.implied_grants += implied as u64;
-            d.busy.push(Busy {
-                txn,
-                access,
-                source,
-                implied,
-                acks: acks.clone(),
-            });
+            match source {
+                Source::Owner(o, inc) if access == Access::Read => {
+                    // Over here: the owner keeps its copy (read-only) and the requester will
+                    // hold one. Should the data not reach it, an invalidation or a late grant
+                    // sorts it out (the requester re-requests, or reports it failed).
+                    d.copyset.insert(r);
+                    d.writable = false;
+                    d.forwarded.push((txn, o, inc));
+                    assert!(
+                        d.forwarded.len() <= self.nodes as usize,
+                        "a forwarded read per node at most"
+                    );
+                    self.stats.reads_without_done += 1;
+                }
+                _ => d.busy.push(Busy {
+                    txn,
+                    access,
+                    source,
+                    implied,
+                    acks: acks.clone(),
+                }),
+            }
             // The forward first: its path (owner, then the page's bytes to the requester) is
             // the longest, and the shell sends in this order.
             if let Source::Owner(o, _) = source {
@@ -1511,12 +1650,16 @@ impl Svm {
                 d.dirty = true;
             }
             (false, Access::Read) => {
-                // Nothing changed hands, except that a forwarding owner downgraded.
+                // Nothing changed hands, except that a forwarding owner downgraded. (A read
+                // forwarded without a `Done` put the requester in the copyset.)
+                // Without an owner (it died), another holder takes over once no transaction
+                // is in progress (`settle`): a requester still in one may not have the data.
+                d.copyset.remove(&r);
+                if d.owner == Some(r) {
+                    d.owner = None;
+                }
                 if matches!(b.source, Source::Owner(..)) {
                     d.writable = false;
-                    if d.owner.is_none() {
-                        d.reassign_or_lose();
-                    }
                 }
             }
             (false, Access::Write) => {
@@ -1536,6 +1679,32 @@ impl Svm {
 
     fn on_nack(&mut self, page: PageId, txn: TxnId, from: NodeId) {
         let Some(d) = self.dir.get_mut(&page) else { return };
+        if let Some(k) = d.forwarded.iter().position(|&(t, o, _)| t == txn && o == from) {
+            // A read forwarded to an owner (by these books) that has no copy: one that took over
+            // after a death and had itself abandoned its read. No write started since (it would
+            // have cleared the record), so the requester still waits: it is served again.
+            d.forwarded.swap_remove(k);
+            d.copyset.remove(&from);
+            d.copyset.remove(&txn.node);
+            if d.owner == Some(from) {
+                d.owner = None;
+                d.writable = false;
+                if d.busy.is_empty() {
+                    d.reassign_or_lose();
+                }
+            }
+            let bound = self.nodes as usize;
+            if d.queue.len() < bound && !d.queue.iter().any(|w| w.txn.node == txn.node) {
+                d.queue.push_front(Queued {
+                    txn,
+                    access: Access::Read,
+                    have: false,
+                });
+            }
+            self.stats.reforwarded_reads += 1;
+            self.next_in_queue(page);
+            return;
+        }
         let Some(i) = d.busy.iter().position(|b| b.txn == txn) else {
             return;
         };

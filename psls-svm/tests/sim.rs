@@ -83,7 +83,8 @@
 //! - The manager's directory covers every node that holds the page: a holder is in the
 //!   copyset (a writer is the writable owner and the only member), unless its own transaction
 //!   is still in progress at the manager (its `Done` is on the way), or the page is lost and
-//!   an `Inval` or write `Fwd` on the way will drop the copy. Between transactions, a live
+//!   an `Inval` or write `Fwd` on the way will drop the copy, or it is the owner and a read
+//!   `Fwd` on the way will downgrade it (the manager counts a forwarded read as done). Between transactions, a live
 //!   owner the manager knows holds the page. A manager that restarted and refuses its pages
 //!   has no directory to check.
 //! - A page is marked lost (or a `Deny` says so) only if a node that died may have taken its
@@ -300,6 +301,10 @@ struct Counts {
     joined: u64,
     late: u64,
     redundant: u64,
+    /// Reads abandoned because an invalidation overtook their data, and forwarded reads
+    /// served again because the owner by the manager's books had no copy.
+    abandoned: u64,
+    reforwarded: u64,
     /// Pauses shorter and longer than the failure timeout, and what the paused node was:
     /// the manager of a page with a directory entry, a page's owner by its manager's books,
     /// the requester of a transaction in flight, a node loading a page.
@@ -354,6 +359,8 @@ impl Counts {
             joined,
             late,
             redundant,
+            abandoned,
+            reforwarded,
             pauses_short,
             pauses_long,
             paused_managers,
@@ -497,12 +504,13 @@ impl World {
         w
     }
 
-    /// The current job's pages (each job its own files).
+    /// The current job's pages (each job its own files). Indices 5 apart: some pages share a
+    /// run of pages (a manager), others do not.
     fn job_pages(&self) -> Vec<PageId> {
         (0..self.npages)
             .map(|k| PageId {
                 file: FileId(100 + 16 * self.job + (k % self.files) as u64),
-                index: k as u64,
+                index: 5 * k as u64,
             })
             .collect()
     }
@@ -1533,7 +1541,25 @@ impl World {
                     Access::Read => copyset.contains(&me),
                     Access::Write => owner == Some(me) && writable && copyset == [me],
                 };
-                if !(recorded || in_txn || leaving) {
+                // A read forwarded to the owner is over at the manager (the reader is in the
+                // copyset, the owner no longer writable) while the forward, which downgrades
+                // the owner before the data goes out, is on the way to it.
+                let downgrading = a == Access::Write
+                    && owner == Some(me)
+                    && copyset.contains(&me)
+                    && self.net.iter().any(|(to, e, _)| {
+                        *to == h
+                            && e.to_incarnation == inc
+                            && e.msg.page() == page
+                            && matches!(
+                                e.msg,
+                                Msg::Fwd {
+                                    access: Access::Read,
+                                    ..
+                                }
+                            )
+                    });
+                if !(recorded || in_txn || leaving || downgrading) {
                     self.fail(format!(
                         "n{h} holds {page} ({a:?}) but the directory at n{m} says owner {owner:?} copyset \
                          {copyset:?} writable {writable} lost {lost}, in progress {prog:?}"
@@ -1831,6 +1857,8 @@ fn run_seed(seed: u64) -> Counts {
     c.joined = w.nodes.iter().map(|n| n.svm.stats().joined_reads).sum();
     c.late = w.nodes.iter().map(|n| n.svm.stats().late_grants).sum();
     c.redundant = w.nodes.iter().map(|n| n.svm.stats().redundant_grants).sum();
+    c.abandoned = w.nodes.iter().map(|n| n.svm.stats().abandoned_reads).sum();
+    c.reforwarded = w.nodes.iter().map(|n| n.svm.stats().reforwarded_reads).sum();
     c
 }
 
@@ -1896,6 +1924,8 @@ fn random_schedules_keep_memory_sequentially_consistent() {
         assert!(t.interleaved > 0, "no client acted between two actions of its shell");
         // Concurrent reads of one page really happen (so their checks above ran).
         assert!(t.joined > count, "only {} joined reads over {count} seeds", t.joined);
+        // Invalidations overtake forwarded reads' data (so the requesters' re-requests ran).
+        assert!(t.abandoned > 0, "no read abandoned over {count} seeds");
         // Owners die between a forward and their data (so the manager's late grants ran).
         assert!(t.late > 0, "no late grant over {count} seeds");
         // ... also after their `Data` granted a write that still collected acks (so the
@@ -1975,6 +2005,17 @@ type Driven = (Vec<(usize, usize, &'static str)>, Vec<(usize, WaiterId)>);
 /// returns every message sent (to another node or to the sender itself) and every fault
 /// resolved. A failed fault panics.
 fn drive_fifo(nodes: &mut [Svm], mem: &mut [Option<u64>]) -> Driven {
+    drive_fifo_holding(nodes, mem, &|_, _| false, &mut Vec::new())
+}
+
+/// [`drive_fifo`], holding back the messages `hold(sender, message)` picks: they go to `held`
+/// as (sender, destination, message), undelivered.
+fn drive_fifo_holding(
+    nodes: &mut [Svm],
+    mem: &mut [Option<u64>],
+    hold: &dyn Fn(usize, &Envelope) -> bool,
+    held: &mut Vec<(usize, usize, Envelope)>,
+) -> Driven {
     let mut queue: std::collections::VecDeque<(usize, Action)> = std::collections::VecDeque::new();
     let mut sent = Vec::new();
     let mut resolved = Vec::new();
@@ -1988,6 +2029,7 @@ fn drive_fifo(nodes: &mut [Svm], mem: &mut [Option<u64>]) -> Driven {
             return (sent, resolved);
         };
         match a {
+            Action::Send { to, env } if hold(i, &env) => held.push((i, to.0 as usize, env)),
             Action::Send { to, env } => {
                 let to = to.0 as usize;
                 let kind = match env.msg {
@@ -2076,6 +2118,95 @@ fn an_invalidating_write_is_granted_by_the_owners_data() {
         assert_eq!(nodes[i].access(page), None, "n{i} still has a copy");
     }
     assert_eq!(nodes[writer].access(page), Some(Access::Write));
+}
+
+/// A read the owner serves is over at the manager once forwarded: request, forward, data —
+/// no `Done`. The manager counts the reader in the copyset at once, so the next write
+/// invalidates it. Exact messages.
+#[test]
+fn a_read_served_by_the_owner_takes_three_messages() {
+    let n = 3;
+    let (mut nodes, page, m) = fresh_nodes(n);
+    let (owner, reader) = ((m + 1) % n, (m + 2) % n);
+    let mut mem = vec![None; n];
+    nodes[owner].fault(page, Access::Write, 0);
+    drive_fifo(&mut nodes, &mut mem);
+    mem[owner] = Some(1);
+    nodes[reader].fault(page, Access::Read, 0);
+    let (sent, resolved) = drive_fifo(&mut nodes, &mut mem);
+    assert_eq!(
+        sent,
+        vec![(reader, m, "Req"), (m, owner, "Fwd"), (owner, reader, "Data")]
+    );
+    assert_eq!(resolved, vec![(reader, 0)]);
+    assert_eq!(mem[reader], Some(1));
+    assert!(nodes[m].is_quiet(), "the manager waits for nothing");
+    let (o, copyset, writable, _) = nodes[m].directory(page).expect("a directory entry");
+    assert_eq!(o, Some(NodeId(owner as u32)));
+    assert_eq!(copyset.len(), 2);
+    assert!(!writable);
+    assert_eq!(nodes[owner].access(page), Some(Access::Read));
+    // The owner writes again: the reader's copy goes.
+    nodes[owner].fault(page, Access::Write, 1);
+    drive_fifo(&mut nodes, &mut mem);
+    assert_eq!(nodes[reader].access(page), None);
+    assert_eq!(nodes[owner].access(page), Some(Access::Write));
+}
+
+/// An invalidation that overtakes the data of a forwarded read: the reader acks, drops the
+/// read, and asks again; the data that arrives later is ignored, and the read returns the
+/// value written after it.
+#[test]
+fn a_read_overtaken_by_an_invalidation_asks_again() {
+    let n = 3;
+    let (mut nodes, page, m) = fresh_nodes(n);
+    let (owner, reader) = ((m + 1) % n, (m + 2) % n);
+    let mut mem = vec![None; n];
+    nodes[owner].fault(page, Access::Write, 0);
+    drive_fifo(&mut nodes, &mut mem);
+    mem[owner] = Some(1);
+    // The reader's request reaches the manager, which forwards it to the owner.
+    nodes[reader].fault(page, Access::Read, 7);
+    let deliver = |nodes: &mut [Svm], from: usize| -> Vec<(usize, Envelope)> {
+        std::iter::from_fn(|| nodes[from].poll_action())
+            .filter_map(|a| match a {
+                Action::Send { to, env } => Some((to.0 as usize, env)),
+                _ => None,
+            })
+            .collect()
+    };
+    let reqs = deliver(&mut nodes, reader);
+    assert_eq!(reqs.len(), 1);
+    let _ = nodes[m].receive(reqs[0].1.clone()).expect("request");
+    let fwds = deliver(&mut nodes, m);
+    assert!(matches!(fwds[..], [(o, Envelope { msg: Msg::Fwd { .. }, .. })] if o == owner));
+    // The owner serves it: the data is on the way (held back).
+    let _ = nodes[owner].receive(fwds[0].1.clone()).expect("forward");
+    let late_data: Vec<_> = std::iter::from_fn(|| nodes[owner].poll_action())
+        .filter_map(|a| match a {
+            Action::Send { to, env } => Some((to.0 as usize, env)),
+            _ => None,
+        })
+        .collect();
+    assert!(matches!(late_data[..], [(r, Envelope { msg: Msg::Data { .. }, .. })] if r == reader));
+    // The owner writes 2: the manager invalidates the reader, whose ack lets the write go on.
+    // The reader asks again at once (its request held back here until the write is done).
+    let again = |from: usize, e: &Envelope| from == reader && matches!(e.msg, Msg::Req { .. });
+    let mut held = Vec::new();
+    nodes[owner].fault(page, Access::Write, 1);
+    drive_fifo_holding(&mut nodes, &mut mem, &again, &mut held);
+    mem[owner] = Some(2);
+    assert_eq!(nodes[owner].access(page), Some(Access::Write));
+    assert_eq!(nodes[reader].stats().abandoned_reads, 1);
+    assert_eq!(held.len(), 1, "the reader's new request");
+    // The old data arrives: ignored. The reader's new request is served with the new value.
+    let r = nodes[reader].receive(late_data[0].1.clone()).expect("late data");
+    assert_eq!(r, Receipt::Dropped);
+    let _ = nodes[m].receive(held.remove(0).2).expect("request");
+    let (_, resolved) = drive_fifo(&mut nodes, &mut mem);
+    assert_eq!(resolved, vec![(reader, 7)]);
+    assert_eq!(mem[reader], Some(2), "the read returns the latest write");
+    assert_eq!(nodes[reader].access(page), Some(Access::Read));
 }
 
 /// A `Data` for a page its receiver already holds is a protocol violation, refused without
@@ -2316,6 +2447,7 @@ fn a_restarted_manager_serves_a_file_nobody_held_and_refuses_one_held_before() {
                 seq,
             },
             access: Access::Write,
+            have: false,
         },
     };
     n0.receive(req(old, 10)).expect("req");

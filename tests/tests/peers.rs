@@ -259,10 +259,10 @@ fn a_client_trusting_the_cluster_ca_with_a_foreign_certificate_is_refused() {
     assert_same(&c.export("f", &[]), &data, "export after the intruders");
 }
 
-/// The first page index from `from` whose manager (home node) among 4 is `node`.
+/// The first page index from `from` whose manager among 4 is `node`.
 fn managed_by(file: FileId, node: u32, from: u64) -> PageId {
     let index = (from..)
-        .find(|&i| psls_svm::coherence::home_node(file, i, 4) == NodeId(node))
+        .find(|&i| psls_svm::coherence::manager_node(file, i, 4) == NodeId(node))
         .unwrap();
     PageId { file, index }
 }
@@ -283,8 +283,8 @@ fn invalid_coherence_messages_are_refused_and_the_daemon_serves_on() {
             String::from_utf8_lossy(&o.stderr)
         );
     };
-    // Pages of "shm" in n2's memory, managed all over the cluster.
-    run_ok("n2", &["fill", "shm", "16", "1"]);
+    // Pages of "shm" in n2's memory, managed all over the cluster (four runs of 16 pages).
+    run_ok("n2", &["fill", "shm", "64", "1"]);
     let shm = file_id(&c, "shm");
     let st = c.status();
     let inc = |n: &str| Incarnation(st.nodes.iter().find(|s| s.name == n).unwrap().incarnation);
@@ -309,7 +309,7 @@ fn invalid_coherence_messages_are_refused_and_the_daemon_serves_on() {
         seq,
     };
     let unknown = FileId(0xdead_beef);
-    let far = u64::MAX - 8;
+    let far = u64::MAX - 4096;
     let page4 = Bytes::from(vec![0x5a; 4096]);
     let mut bad: Vec<(&str, Envelope, Bytes)> = vec![
         (
@@ -318,6 +318,7 @@ fn invalid_coherence_messages_are_refused_and_the_daemon_serves_on() {
                 page: managed_by(unknown, 0, 0),
                 txn: txn(1, 1),
                 access: Access::Write,
+                have: false,
             }),
             Bytes::new(),
         ),
@@ -327,6 +328,7 @@ fn invalid_coherence_messages_are_refused_and_the_daemon_serves_on() {
                 page: managed_by(shm, 0, far),
                 txn: txn(1, 2),
                 access: Access::Read,
+                have: false,
             }),
             Bytes::new(),
         ),
@@ -435,6 +437,7 @@ fn invalid_coherence_messages_are_refused_and_the_daemon_serves_on() {
                     page: managed_by(shm, 0, 1),
                     txn: txn(1, 5),
                     access: Access::Write,
+                    have: false,
                 })
             },
             Bytes::new(),
@@ -447,6 +450,7 @@ fn invalid_coherence_messages_are_refused_and_the_daemon_serves_on() {
                     page: managed_by(shm, 0, 1),
                     txn: txn(1, 6),
                     access: Access::Write,
+                    have: false,
                 })
             },
             Bytes::new(),
@@ -463,6 +467,7 @@ fn invalid_coherence_messages_are_refused_and_the_daemon_serves_on() {
                         seq: 7,
                     },
                     access: Access::Write,
+                    have: false,
                 })
             },
             Bytes::new(),
@@ -473,6 +478,7 @@ fn invalid_coherence_messages_are_refused_and_the_daemon_serves_on() {
                 page: managed_by(unknown, 0, 5),
                 txn: txn(0, 8),
                 access: Access::Read,
+                have: false,
             }),
             Bytes::new(),
         ),
@@ -482,7 +488,7 @@ fn invalid_coherence_messages_are_refused_and_the_daemon_serves_on() {
     let marker = PageId {
         file: FileId(0x4d41_524b),
         index: (4_242_000..)
-            .find(|&i| psls_svm::coherence::home_node(FileId(0x4d41_524b), i, 4) == NodeId(3))
+            .find(|&i| psls_svm::coherence::manager_node(FileId(0x4d41_524b), i, 4) == NodeId(3))
             .unwrap(),
     };
     bad.push((
@@ -491,12 +497,32 @@ fn invalid_coherence_messages_are_refused_and_the_daemon_serves_on() {
             page: marker,
             txn: txn(1, 9),
             access: Access::Read,
+            have: false,
         }),
         Bytes::new(),
     ));
-    for (_, e, payload) in &bad {
+    for (_, e, payload) in &bad[..bad.len() - 1] {
         l.post("n0", &PeerReq::Svm(e.clone()), payload.clone()).unwrap();
     }
+    // Batches: two pages' data with one page of payload, and more messages than a batch may
+    // carry. Each is dropped whole, with a line of its own.
+    let data = |seq| {
+        env(Msg::Data {
+            page: managed_by(shm, 1, 0),
+            txn: txn(0, seq),
+            grant: None,
+        })
+    };
+    l.post(
+        "n0",
+        &PeerReq::SvmBatch(vec![data(999_990), data(999_989)]),
+        page4.clone(),
+    )
+    .unwrap();
+    let many = vec![bad[0].1.clone(); psls_node::peer::MAX_SVM_BATCH + 1];
+    l.post("n0", &PeerReq::SvmBatch(many), Bytes::new()).unwrap();
+    let (_, e, payload) = &bad[bad.len() - 1];
+    l.post("n0", &PeerReq::Svm(e.clone()), payload.clone()).unwrap();
     let marker_line = format!("on page {marker}: request sent to a node that does not manage the page");
     wait_for(Duration::from_secs(20), "n0 never handled the messages", || {
         let alive = psls_client::cluster::running_pid(&c.dir, "n0") == Some(pid);
@@ -510,6 +536,12 @@ fn invalid_coherence_messages_are_refused_and_the_daemon_serves_on() {
         log.matches("coherence message rejected").count() >= 3,
         "n0 logged too few refusals:\n{log}"
     );
+    for line in [
+        "coherence messages with page data of the wrong size: dropped",
+        "more coherence messages in one batch than allowed: dropped",
+    ] {
+        assert_eq!(log.matches(line).count(), 1, "n0 did not log {line:?} once:\n{log}");
+    }
     assert_eq!(c.pid("n0"), pid, "n0 restarted");
     assert!(
         c.status().nodes.iter().all(|n| n.state.to_string() == "up"),
@@ -517,11 +549,11 @@ fn invalid_coherence_messages_are_refused_and_the_daemon_serves_on() {
     );
     // n0 (and the real n1, which got answers to transactions it never started) serve on:
     // reads of n2's pages, a write on n0, reads of it elsewhere, a new file.
-    run_ok("n0", &["check", "shm", "16", "1"]);
-    run_ok("n1", &["check", "shm", "16", "1"]);
-    run_ok("n0", &["fill", "shm", "16", "2"]);
+    run_ok("n0", &["check", "shm", "64", "1"]);
+    run_ok("n1", &["check", "shm", "64", "1"]);
+    run_ok("n0", &["fill", "shm", "64", "2"]);
     for n in ["n1", "n2", "n3"] {
-        run_ok(n, &["check", "shm", "16", "2"]);
+        run_ok(n, &["check", "shm", "64", "2"]);
     }
     run_ok("n1", &["fill", "after", "8", "3"]);
     run_ok("n0", &["check", "after", "8", "3"]);
@@ -557,7 +589,7 @@ fn a_peer_cannot_speak_for_another_node_in_coherence_messages() {
             String::from_utf8_lossy(&o.stderr)
         );
     };
-    run("n2", &["fill", "shm", "16", "1"]);
+    run("n2", &["fill", "shm", "64", "1"]);
     c.kill("s0");
     let st = c.status();
     let inc = |n: &str| Incarnation(st.nodes.iter().find(|s| s.name == n).unwrap().incarnation);
@@ -582,14 +614,15 @@ fn a_peer_cannot_speak_for_another_node_in_coherence_messages() {
                 seq: 1,
             },
             access: Access::Read,
+            have: false,
         },
     };
     l.post("n0", &PeerReq::Svm(forged), Bytes::new()).unwrap();
     ping(&l, "n0", 1, &rx, &mut Vec::new());
     l.close();
-    // The real n1 reads every page of shm: a quarter of them are managed by n0.
-    run("n1", &["check", "shm", "16", "1"]);
-    run("n0", &["check", "shm", "16", "1"]);
+    // The real n1 reads every page of shm: a run of 16 of them is managed by n0.
+    run("n1", &["check", "shm", "64", "1"]);
+    run("n0", &["check", "shm", "64", "1"]);
 }
 
 /// `fault-bench`'s round trips through a daemon: a request/response on the request transport

@@ -56,7 +56,7 @@ fn args() -> Result<Args> {
 
 /// Doubles between vector starts: each vector starts on a page.
 /// Words per rank in the stats segment: the node's number, then its counters.
-const SLOT: usize = 18;
+const SLOT: usize = 19;
 
 fn stride(dim: usize) -> usize {
     (dim * 8).div_ceil(4096) * 4096 / 8
@@ -308,6 +308,7 @@ fn main() -> Result<()> {
             "wp_faults",
             "ckpt_pages_taken",
             "ckpt_pages_sent",
+            "coherence_messages",
         ];
         let base = rank * SLOT;
         if base + SLOT <= slots.len() {
@@ -338,6 +339,7 @@ fn main() -> Result<()> {
         let mut datagrams = 0u64;
         let mut disk_pages = 0u64;
         let (mut ckpt_taken, mut ckpt_sent) = (0u64, 0u64);
+        let mut coherence = 0u64;
         for r in 0..size.min(slots.len() / SLOT) {
             let b = r * SLOT;
             if slots[b] == 0 {
@@ -352,6 +354,7 @@ fn main() -> Result<()> {
             disk_pages += slots[b + 10];
             ckpt_taken += slots[b + 15];
             ckpt_sent += slots[b + 16];
+            coherence += slots[b + 17];
             posted += slots[b + 8];
             datagrams += slots[b + 9];
             per_node.insert(
@@ -373,6 +376,7 @@ fn main() -> Result<()> {
                     "wp_faults": slots[b + 14],
                     "ckpt_pages_taken": slots[b + 15],
                     "ckpt_pages_sent": slots[b + 16],
+                    "coherence_messages": slots[b + 17],
                 }),
             );
         }
@@ -410,6 +414,7 @@ fn main() -> Result<()> {
                 "bytes_moved": pages_moved * 4096,
                 "messages": posted,
                 "messages_per_step": posted as f64 / a.vectors as f64,
+                "coherence_messages_per_step": coherence as f64 / a.vectors as f64,
                 "link_writes": datagrams,
                 "disk_pages_written": disk_pages,
                 "ckpt_pages_taken": ckpt_taken,

@@ -149,6 +149,7 @@ pub(super) async fn handle(c: &mut Conn, req: Request, mut fds: Vec<OwnedFd>) ->
                     ("joined_reads".into(), st.joined_reads),
                     ("implied_grants".into(), st.implied_grants),
                     ("posted_messages".into(), node.net.posted()),
+                    ("coherence_messages".into(), st.messages_out),
                     ("link_writes".into(), node.net.link.writes()),
                     ("sync_channels".into(), d.channels.len() as u64),
                     ("sync_waits".into(), d.sync.waits() as u64),

@@ -52,6 +52,8 @@ pub trait LinkHandler: Send + Sync + 'static {
     /// A message from node `from` (the name in its certificate). Runs on the link thread:
     /// must not block (it may post).
     fn deliver(&self, from: &str, req: PeerReq, payload: Bytes);
+    /// Every message of this wake-up was delivered (their posts are still written together).
+    fn delivered(&self) {}
 }
 
 /// Chunks (a message is one or two) queued for one peer, at most.
@@ -533,6 +535,7 @@ impl Link {
             for (from, req, payload) in inbox.drain(..) {
                 handler.deliver(&from, req, payload);
             }
+            handler.delivered();
             let dirty = CORK
                 .with(|cork| cork.borrow_mut().take())
                 .map(|(_, d)| d)

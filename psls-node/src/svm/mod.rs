@@ -30,7 +30,7 @@ mod state;
 
 pub use dirty::Taken;
 pub use fault::svm_incarnation;
-pub use state::{continue_page, Backing, ClientMap, SvmShell, MAX_SEGMENT_BYTES};
+pub use state::{continue_page, Backing, ClientMap, Deferred, SvmShell, MAX_SEGMENT_BYTES};
 
 #[cfg(test)]
 mod tests {

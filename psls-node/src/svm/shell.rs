@@ -7,7 +7,7 @@ use super::state::*;
 use crate::failstop::Locked;
 use crate::node::Node;
 use crate::op::OpError;
-use crate::peer::{PeerReq, PeerResp};
+use crate::peer::{PeerReq, PeerResp, MAX_SVM_BATCH};
 use psls_ipc::ErrorKind;
 use psls_svm::coherence::{Access, Envelope, FenceAnswer, Receipt, Svm, TxnId};
 use psls_svm::{FileId, Incarnation, NodeId, PageId, PAGE_SIZE};
@@ -440,34 +440,70 @@ impl SvmShell {
 
     /// A coherence message from a peer.
     pub fn on_message(self: &Arc<Self>, node: &Arc<Node>, env: Envelope, payload: bytes::Bytes) {
-        let mut out = Vec::new();
+        self.on_messages(node, vec![env], payload)
+    }
+
+    /// Coherence messages from one peer that it sent together ([`PeerReq::SvmBatch`]),
+    /// handled in order as if they had come one by one; `payload` holds the pages of their
+    /// `Data` messages in order. A batch whose payload does not match is dropped whole.
+    pub fn on_messages(self: &Arc<Self>, node: &Arc<Node>, envs: Vec<Envelope>, payload: bytes::Bytes) {
+        let mut later = Deferred::default();
+        self.on_messages_deferred(node, envs, payload, &mut later);
+        self.dispatch_deferred(node, later);
+    }
+
+    /// [`SvmShell::on_messages`], leaving what must be done outside the lock in `later`, for
+    /// [`SvmShell::dispatch_deferred`]: the link thread handles every message a wake-up
+    /// brought before it sends, so that what they set off for one node goes together (the
+    /// forwards of several readers' requests to one owner, say).
+    pub fn on_messages_deferred(
+        self: &Arc<Self>,
+        node: &Arc<Node>,
+        envs: Vec<Envelope>,
+        payload: bytes::Bytes,
+        later: &mut Deferred,
+    ) {
+        let out = &mut later.0;
+        let from = envs.first().map(|e| e.from);
+        if envs.len() > MAX_SVM_BATCH {
+            tracing::warn!(node = %node.name(), peer = ?from, messages = envs.len(), "more coherence messages in one batch than allowed: dropped");
+            return;
+        }
+        let pages = envs.iter().filter(|e| e.msg.has_payload()).count();
+        if envs.len() > 1 && pages * PAGE_SIZE != payload.len() {
+            tracing::warn!(node = %node.name(), peer = ?from, messages = envs.len(), pages, len = payload.len(), "coherence messages with page data of the wrong size: dropped");
+            return;
+        }
         {
             let mut g = self.lock();
             if ensure_svm(&mut g, node).is_err() {
                 return;
             }
-            let from = env.from;
-            let r = g.svm.as_mut().map(|s| s.receive(env));
-            match r {
-                Some(Ok(Receipt::Install(page))) => {
-                    if payload.len() != PAGE_SIZE {
-                        tracing::error!(node = %node.name(), %page, len = payload.len(), "page data of the wrong size");
-                    } else if let Some(seg) = g.segs.get(&page.file) {
-                        if let Err(e) = seg.memfd.write_all_at(&payload, page.index * PAGE_SIZE as u64) {
-                            tracing::error!(node = %node.name(), %page, error = %e, "installing a page failed");
-                        }
-                    } else {
-                        tracing::error!(node = %node.name(), %page, "page data for a segment not held here");
-                    }
-                }
-                Some(Ok(_)) | None => {}
-                Some(Err(e)) => {
-                    tracing::warn!(node = %node.name(), peer = %from, error = %e, "coherence message rejected")
-                }
+            let alone = envs.len() == 1;
+            let mut at = 0;
+            for env in envs {
+                // A message alone carries its payload as it came (`receive_one` checks its
+                // size); a batch's payload was checked above to hold one page per `Data`.
+                let data = if alone {
+                    payload.clone()
+                } else if env.msg.has_payload() && at + PAGE_SIZE <= payload.len() {
+                    at += PAGE_SIZE;
+                    payload.slice(at - PAGE_SIZE..at)
+                } else {
+                    bytes::Bytes::new()
+                };
+                receive_one(&mut g, node, env, &data);
+                // Each message's actions run before the next message: as if they came apart.
+                run(&mut g, node, out);
             }
-            run(&mut g, node, &mut out);
         }
-        self.dispatch(node, out);
+    }
+
+    /// Does what [`SvmShell::on_messages_deferred`] left.
+    pub fn dispatch_deferred(self: &Arc<Self>, node: &Arc<Node>, later: Deferred) {
+        if !later.0.is_empty() {
+            self.dispatch(node, later.0);
+        }
     }
 
     /// This node restarted while others held shared pages, and a request came for a page of
@@ -586,15 +622,14 @@ impl SvmShell {
         // next round. Each round completes at least one transaction, so this ends.
         let mut zeros: Vec<(PageId, TxnId)> = Vec::new();
         for _ in 0..MAX_STEPS {
+            // Messages to one node that are ready together go in one link message (in order).
+            let mut sends: Vec<(NodeId, Vec<(Envelope, bytes::Bytes)>)> = Vec::new();
             for o in out.drain(..) {
                 match o {
-                    Outgoing::Send { to, env, payload } => {
-                        let phys = node.physical_now(to);
-                        let req = PeerReq::Svm(env);
-                        if let Err(e) = node.net.post(&phys, &req, payload) {
-                            tracing::warn!(node = %node.name(), peer = %phys, error = %e, "coherence message not sent");
-                        }
-                    }
+                    Outgoing::Send { to, env, payload } => match sends.iter_mut().find(|(t, _)| *t == to) {
+                        Some((_, msgs)) => msgs.push((env, payload)),
+                        None => sends.push((to, vec![(env, payload)])),
+                    },
                     Outgoing::Load { page, txn, backing } => match backing.kept_in().cloned() {
                         None => zeros.push((page, txn)),
                         // The page's generation now, not when the segment opened: checkpoints
@@ -620,6 +655,9 @@ impl SvmShell {
                         self.runtime.spawn(async move { me.check_fence(&node, file).await });
                     }
                 }
+            }
+            for (to, msgs) in sends {
+                post_coherence(node, to, msgs);
             }
             if zeros.is_empty() {
                 return;
@@ -664,5 +702,53 @@ impl SvmShell {
         }
         run(&mut g, node, &mut out);
         out
+    }
+}
+
+/// Sends coherence messages to node `to`, in order: one link message for those that fit in a
+/// batch together, a plain one for a message alone.
+fn post_coherence(node: &Node, to: NodeId, mut msgs: Vec<(Envelope, bytes::Bytes)>) {
+    let phys = node.physical_now(to);
+    while !msgs.is_empty() {
+        let rest = msgs.split_off(msgs.len().min(MAX_SVM_BATCH));
+        let (req, payload) = if msgs.len() == 1 {
+            let (env, payload) = msgs.remove(0);
+            (PeerReq::Svm(env), payload)
+        } else {
+            let len = msgs.iter().map(|(_, p)| p.len()).sum();
+            let mut payload = bytes::BytesMut::with_capacity(len);
+            let mut envs = Vec::with_capacity(msgs.len());
+            for (env, p) in msgs.drain(..) {
+                payload.extend_from_slice(&p);
+                envs.push(env);
+            }
+            (PeerReq::SvmBatch(envs), payload.freeze())
+        };
+        if let Err(e) = node.net.post(&phys, &req, payload) {
+            tracing::warn!(node = %node.name(), peer = %phys, error = %e, "coherence message not sent");
+        }
+        msgs = rest;
+    }
+}
+
+/// Hands one coherence message to the state machine and installs its page if it says so.
+fn receive_one(g: &mut Inner, node: &Node, env: Envelope, payload: &[u8]) {
+    let from = env.from;
+    match g.svm.as_mut().map(|s| s.receive(env)) {
+        Some(Ok(Receipt::Install(page))) => {
+            if payload.len() != PAGE_SIZE {
+                tracing::error!(node = %node.name(), %page, len = payload.len(), "page data of the wrong size");
+            } else if let Some(seg) = g.segs.get(&page.file) {
+                if let Err(e) = seg.memfd.write_all_at(payload, page.index * PAGE_SIZE as u64) {
+                    tracing::error!(node = %node.name(), %page, error = %e, "installing a page failed");
+                }
+            } else {
+                tracing::error!(node = %node.name(), %page, "page data for a segment not held here");
+            }
+        }
+        Some(Ok(_)) | None => {}
+        Some(Err(e)) => {
+            tracing::warn!(node = %node.name(), peer = %from, error = %e, "coherence message rejected")
+        }
     }
 }

@@ -178,6 +178,11 @@ pub(super) struct Waiter {
     pub(super) kind: FaultKind,
 }
 
+/// What coherence messages set off that must be done outside the shell's lock, gathered over
+/// several messages ([`SvmShell::on_messages_deferred`]).
+#[derive(Default)]
+pub struct Deferred(pub(super) Vec<Outgoing>);
+
 /// What must be done outside the lock.
 pub(super) enum Outgoing {
     Send {
