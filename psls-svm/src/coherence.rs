@@ -397,9 +397,20 @@ impl Directory {
         debug_assert!(self.owner.is_some() || self.copyset.is_empty());
     }
     /// The owner is gone: another holder of a read copy takes over, or every copy is gone.
+    /// A holder whose data is confirmed comes first: not one a read was forwarded to, whose
+    /// data may not have come (it may even have abandoned the read).
     fn reassign_or_lose(&mut self) {
-        match self.copyset.iter().next() {
-            Some(&c) if !self.writable => self.owner = Some(c),
+        let unconfirmed = |c: &NodeId| {
+            self.forwarded.iter().any(|(t, _, _)| t.node == *c) || self.busy.iter().any(|b| b.txn.node == *c)
+        };
+        let pick = self
+            .copyset
+            .iter()
+            .find(|c| !unconfirmed(c))
+            .or_else(|| self.copyset.iter().next())
+            .copied();
+        match pick {
+            Some(c) if !self.writable => self.owner = Some(c),
             _ => self.forget_copies(),
         }
     }
@@ -1064,8 +1075,10 @@ impl Svm {
                 }
             }
             if owner_gone {
-                if d.busy.iter().any(|b| matches!(b.source, Source::Owner(o, _) if o == n)) {
-                    // The requesters' `Done`s say whether the data got out before it died.
+                if !d.busy.is_empty() {
+                    // The requesters' `Done`s say whether the data got out before it died (a
+                    // requester in a transaction may not have its data yet): another holder
+                    // takes over once none is in progress (`settle`).
                     d.owner = None;
                     d.writable = false;
                 } else {
@@ -1719,8 +1732,9 @@ impl Svm {
             d.forget_copies();
             d.lost = true;
         } else {
+            // Another holder takes over once no transaction is in progress (`settle`).
             d.owner = None;
-            d.reassign_or_lose();
+            d.writable = false;
         }
         d.busy.swap_remove(i);
         if d.busy.is_empty() {
