@@ -2078,6 +2078,31 @@ fn fresh_nodes(n: usize) -> (Vec<Svm>, PageId, usize) {
     (nodes, page, m)
 }
 
+/// Three fresh nodes ([`fresh_nodes`]) where the node after the manager (the owner) wrote the
+/// page and holds it writable; the next one (the reader) holds nothing. Returns the nodes, the
+/// page, the manager, the owner, the reader, and the nodes' copies of the page.
+#[allow(clippy::type_complexity)]
+fn owner_wrote() -> (Vec<Svm>, PageId, usize, usize, usize, Vec<Option<u64>>) {
+    let n = 3;
+    let (mut nodes, page, m) = fresh_nodes(n);
+    let (owner, reader) = ((m + 1) % n, (m + 2) % n);
+    let mut mem = vec![None; n];
+    nodes[owner].fault(page, Access::Write, 0);
+    drive_fifo(&mut nodes, &mut mem);
+    (nodes, page, m, owner, reader, mem)
+}
+
+/// The messages node `i`'s pending actions send, as (destination, message); its other actions
+/// are dropped.
+fn sends(nodes: &mut [Svm], i: usize) -> Vec<(usize, Envelope)> {
+    std::iter::from_fn(|| nodes[i].poll_action())
+        .filter_map(|a| match a {
+            Action::Send { to, env } => Some((to.0 as usize, env)),
+            _ => None,
+        })
+        .collect()
+}
+
 /// A write that must invalidate copies is granted by the owner's `Data`, which carries the
 /// acknowledgements to collect: the writer waits for the data and one ack per other copy, and
 /// no `Grant`. Exact messages.
@@ -2125,12 +2150,7 @@ fn an_invalidating_write_is_granted_by_the_owners_data() {
 /// invalidates it. Exact messages.
 #[test]
 fn a_read_served_by_the_owner_takes_three_messages() {
-    let n = 3;
-    let (mut nodes, page, m) = fresh_nodes(n);
-    let (owner, reader) = ((m + 1) % n, (m + 2) % n);
-    let mut mem = vec![None; n];
-    nodes[owner].fault(page, Access::Write, 0);
-    drive_fifo(&mut nodes, &mut mem);
+    let (mut nodes, page, m, owner, reader, mut mem) = owner_wrote();
     mem[owner] = Some(1);
     nodes[reader].fault(page, Access::Read, 0);
     let (sent, resolved) = drive_fifo(&mut nodes, &mut mem);
@@ -2158,36 +2178,18 @@ fn a_read_served_by_the_owner_takes_three_messages() {
 /// value written after it.
 #[test]
 fn a_read_overtaken_by_an_invalidation_asks_again() {
-    let n = 3;
-    let (mut nodes, page, m) = fresh_nodes(n);
-    let (owner, reader) = ((m + 1) % n, (m + 2) % n);
-    let mut mem = vec![None; n];
-    nodes[owner].fault(page, Access::Write, 0);
-    drive_fifo(&mut nodes, &mut mem);
+    let (mut nodes, page, m, owner, reader, mut mem) = owner_wrote();
     mem[owner] = Some(1);
     // The reader's request reaches the manager, which forwards it to the owner.
     nodes[reader].fault(page, Access::Read, 7);
-    let deliver = |nodes: &mut [Svm], from: usize| -> Vec<(usize, Envelope)> {
-        std::iter::from_fn(|| nodes[from].poll_action())
-            .filter_map(|a| match a {
-                Action::Send { to, env } => Some((to.0 as usize, env)),
-                _ => None,
-            })
-            .collect()
-    };
-    let reqs = deliver(&mut nodes, reader);
+    let reqs = sends(&mut nodes, reader);
     assert_eq!(reqs.len(), 1);
     let _ = nodes[m].receive(reqs[0].1.clone()).expect("request");
-    let fwds = deliver(&mut nodes, m);
+    let fwds = sends(&mut nodes, m);
     assert!(matches!(fwds[..], [(o, Envelope { msg: Msg::Fwd { .. }, .. })] if o == owner));
     // The owner serves it: the data is on the way (held back).
     let _ = nodes[owner].receive(fwds[0].1.clone()).expect("forward");
-    let late_data: Vec<_> = std::iter::from_fn(|| nodes[owner].poll_action())
-        .filter_map(|a| match a {
-            Action::Send { to, env } => Some((to.0 as usize, env)),
-            _ => None,
-        })
-        .collect();
+    let late_data = sends(&mut nodes, owner);
     assert!(matches!(late_data[..], [(r, Envelope { msg: Msg::Data { .. }, .. })] if r == reader));
     // The owner writes 2: the manager invalidates the reader, whose ack lets the write go on.
     // The reader asks again at once (its request held back here until the write is done).
@@ -2214,12 +2216,7 @@ fn a_read_overtaken_by_an_invalidation_asks_again() {
 /// message), and the real grant still completes it.
 #[test]
 fn a_refused_data_changes_nothing() {
-    let n = 3;
-    let (mut nodes, page, m) = fresh_nodes(n);
-    let (owner, reader) = ((m + 1) % n, (m + 2) % n);
-    let mut mem = vec![None; n];
-    nodes[owner].fault(page, Access::Write, 0);
-    drive_fifo(&mut nodes, &mut mem);
+    let (mut nodes, page, m, owner, reader, mut mem) = owner_wrote();
     nodes[reader].fault(page, Access::Read, 0);
     drive_fifo(&mut nodes, &mut mem);
     assert_eq!(nodes[reader].access(page), Some(Access::Read));
