@@ -2,10 +2,21 @@
 //! one behind a lock (`psls-node`'s recovery area, with page bytes), the checkpoint simulator
 //! one per simulated node (with a value per page).
 //!
-//! A page of a memory checkpoint has its two recovery copies on the page's two PFS holders
-//! (home and mirror, the same logical ids as its disk copies), so whoever must find them —
-//! a page load after a rollback, the re-creation of a lost copy, the cleaner — knows where
-//! without asking anyone, and the loss of both is the loss of two neighbouring logical ids.
+//! A page of a memory checkpoint has two recovery copies ([`Site`]): one on its primary PFS
+//! holder (its home), the other on its mirror holder when one of the two holders wrote it,
+//! else on the node that wrote it — the writer keeps its own copy, so a checkpointed page
+//! crosses the network once (DESIGN §6, as in the paper: a unique page becomes pre-recovery
+//! data where it is, and one replica is made on another node). Whoever must read a copy (a
+//! page load after a rollback) asks the holders, the primary first; the primary holder knows
+//! where the other copy is, and each copy's node knows its partner, so a rollback re-creates
+//! the copies a lost node held from the survivors' word, with no per-page record anywhere.
+//! The mirror holder is told when a round keeps the mirror copy on the writer instead
+//! ([`FrameTable::store_moved`]): its own, older copy goes with the round's commit, so a
+//! holder never keeps a copy older than the checkpoint. A writer's copy may be older than
+//! a later writer's (it is never read nor flushed; a re-creation takes the newest epoch),
+//! and every writer's copy goes when a cleaner commits (the disks then hold the page).
+//! Two lost nodes may have held both copies of some page, and nothing left says which: a
+//! memory checkpoint survives the loss of one node ([`rollback_target`]).
 //! Per page a table keeps at most two frames: `cur`, the copy of the last committed memory
 //! checkpoint that wrote it (readable recovery while the page is unchanged since, pure
 //! recovery once written again), and `pre`, the copy of the round in progress
@@ -69,13 +80,51 @@ pub const MAX_JOBS: usize = 4096;
 /// Files marked as taking memory checkpoints, at most.
 pub const MAX_MEMORY_FILES: usize = 1 << 18;
 
+/// Where a recovery copy is among its page's two.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Site {
+    /// On the page's holder of the frame's role; the other copy is on the other holder.
+    Holder,
+    /// On the page's primary holder; the other copy (standing for the mirror's) is on the
+    /// page's writer, logical node `.0`, which holds neither of the page's disk copies.
+    HolderWithWriter(u32),
+    /// On the page's writer, which holds neither of its disk copies: it stands for the mirror
+    /// copy (its role is `Mirror`); the other copy is on the primary holder.
+    Writer,
+}
+
+/// Where a copy of page `index` of `file` in role `role`, stored on logical node `me` at the
+/// word of logical node `from` (its writer, or the survivor re-creating it), stands; `None`
+/// when `me` is not where such a copy goes (a peer's request to refuse).
+pub fn site_of(p: &psls_pfs::Placement, file: FileId, index: u64, role: Role, me: u32, from: u32) -> Option<Site> {
+    let primary = p.holder(file, index, Role::Primary).0;
+    let mirror = p.holder(file, index, Role::Mirror).0;
+    let other = if role == Role::Primary { mirror } else { primary };
+    let holder = if role == Role::Primary { primary } else { mirror };
+    if me == holder {
+        if from == me || from == other {
+            Some(Site::Holder)
+        } else if role == Role::Primary {
+            Some(Site::HolderWithWriter(from))
+        } else {
+            None
+        }
+    } else if role == Role::Mirror && me != primary && (from == me || from == primary) {
+        Some(Site::Writer)
+    } else {
+        None
+    }
+}
+
 /// One recovery copy of a page.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Frame<D> {
     /// The memory checkpoint that took it.
     pub epoch: u64,
-    /// Which of the page's two holders this node is.
+    /// Which of the page's two disk copies it stands for.
     pub role: Role,
+    /// Where it is among the page's two copies.
+    pub site: Site,
     pub data: D,
     /// Equal to the page's copy on the disks.
     pub saved: bool,
@@ -91,6 +140,9 @@ struct Slots<D> {
     /// What a cleaner round at this generation wrote to this node's disk (kept aside for a
     /// policy that keeps the pages it wrote in memory).
     written: Option<(u64, Frame<D>)>,
+    /// The memory round of this epoch keeps the page's mirror copy on its writer: the copy
+    /// held here goes when it commits (see [`FrameTable::store_moved`]).
+    moved: Option<u64>,
 }
 
 impl<D> Default for Slots<D> {
@@ -99,6 +151,7 @@ impl<D> Default for Slots<D> {
             cur: None,
             pre: None,
             written: None,
+            moved: None,
         }
     }
 }
@@ -106,6 +159,10 @@ impl<D> Default for Slots<D> {
 impl<D> Slots<D> {
     fn count(&self) -> u64 {
         self.cur.is_some() as u64 + self.pre.is_some() as u64 + self.written.is_some() as u64
+    }
+
+    fn is_empty(&self) -> bool {
+        self.count() == 0 && self.moved.is_none()
     }
 }
 
@@ -225,20 +282,19 @@ impl<D: Clone> FrameTable<D> {
         committed: u64,
         file: FileId,
         role: Role,
+        site: Site,
         indices: &[u64],
         data: Vec<D>,
     ) -> Result<(), FrameError> {
         if data.len() != indices.len() {
             return Err(FrameError::Invalid("one page of data per index is needed".into()));
         }
-        self.settle_pre(job, committed, epoch);
-        let jm = self.jobs.get(job).copied().unwrap_or_default();
-        if epoch <= jm.committed || epoch <= jm.floor || jm.pre.is_some_and(|p| p != epoch) {
-            return Err(FrameError::Invalid(format!(
-                "recovery copies of epoch {epoch} of {job}: epoch {} is held here",
-                jm.pre.unwrap_or(jm.committed.max(jm.floor))
-            )));
+        if (site == Site::Writer && role != Role::Mirror)
+            || (matches!(site, Site::HolderWithWriter(_)) && role != Role::Primary)
+        {
+            return Err(FrameError::Invalid(format!("a {role:?} copy cannot be at {site:?}")));
         }
+        self.check_round(job, epoch, committed)?;
         let (used, capacity) = (self.frames, self.capacity);
         let ff = self.file_of(job, file)?;
         let need = indices
@@ -252,6 +308,7 @@ impl<D: Clone> FrameTable<D> {
             ff.pages.entry(i).or_default().pre = Some(Frame {
                 epoch,
                 role,
+                site,
                 data: d,
                 saved: false,
                 superseded_gen: 0,
@@ -259,6 +316,42 @@ impl<D: Clone> FrameTable<D> {
         }
         self.frames += need;
         self.note_peak();
+        self.jobs.entry(job.to_string()).or_default().pre = Some(epoch);
+        Ok(())
+    }
+
+    /// Settles the rounds before `epoch` of `job` (see [`FrameTable::settle_pre`]) and checks
+    /// that a store of `epoch` is taken: above the epoch committed here and every fenced one,
+    /// and the round whose copies are held here, if any.
+    fn check_round(&mut self, job: &str, epoch: u64, committed: u64) -> Result<(), FrameError> {
+        self.settle_pre(job, committed, epoch);
+        let jm = self.jobs.get(job).copied().unwrap_or_default();
+        if epoch <= jm.committed || epoch <= jm.floor || jm.pre.is_some_and(|p| p != epoch) {
+            return Err(FrameError::Invalid(format!(
+                "recovery copies of epoch {epoch} of {job}: epoch {} is held here",
+                jm.pre.unwrap_or(jm.committed.max(jm.floor))
+            )));
+        }
+        Ok(())
+    }
+
+    /// Memory epoch `epoch` of `job` keeps the mirror copies of `indices` of `file` on their
+    /// writer (this node is their mirror holder): the copies held here go when the epoch
+    /// commits, and stay if it does not. Taken and refused as [`FrameTable::store_pre`] is;
+    /// needs no frame.
+    pub fn store_moved(
+        &mut self,
+        job: &str,
+        epoch: u64,
+        committed: u64,
+        file: FileId,
+        indices: &[u64],
+    ) -> Result<(), FrameError> {
+        self.check_round(job, epoch, committed)?;
+        let ff = self.file_of(job, file)?;
+        for &i in indices {
+            ff.pages.entry(i).or_default().moved = Some(epoch);
+        }
         self.jobs.entry(job.to_string()).or_default().pre = Some(epoch);
         Ok(())
     }
@@ -281,6 +374,16 @@ impl<D: Clone> FrameTable<D> {
         }
         for ff in self.files.values_mut().filter(|f| f.job == job) {
             for s in ff.pages.values_mut() {
+                match s.moved {
+                    Some(e) if e == epoch => {
+                        if s.cur.take().is_some() {
+                            self.frames -= 1;
+                        }
+                        s.moved = None;
+                    }
+                    Some(e) if e < epoch => s.moved = None,
+                    _ => {}
+                }
                 match s.pre.as_ref().map(|p| p.epoch) {
                     Some(e) if e == epoch => {
                         if s.cur.is_some() {
@@ -317,6 +420,9 @@ impl<D: Clone> FrameTable<D> {
                 if s.pre.as_ref().is_some_and(|p| which(p.epoch)) {
                     s.pre = None;
                     self.frames -= 1;
+                }
+                if s.moved.is_some_and(&which) {
+                    s.moved = None;
                 }
             }
         }
@@ -380,21 +486,29 @@ impl<D: Clone> FrameTable<D> {
         }
     }
 
-    /// The recovery copies of `job` a cleaner round at `gen` writes to this node's disk, per
-    /// (file, role).
+    /// The recovery copies of `job` a cleaner round at `gen` writes to the disks, per (file,
+    /// role): this node's holder copies to its own disk, and the mirror copies of the pages
+    /// whose other copy is on their writer to their mirror holders' (a writer's copy is never
+    /// written: the primary holder's is the same or newer).
     pub fn to_flush(&self, job: &str, gen: u64) -> Vec<Run<D>> {
         let mut out: BTreeMap<(FileId, bool), Run<D>> = BTreeMap::new();
         for (file, ff) in self.files.iter().filter(|(_, f)| f.job == job) {
             for (i, s) in &ff.pages {
                 let Some(f) = &s.cur else { continue };
-                if f.saved || f.superseded_gen == gen {
+                if f.saved || f.superseded_gen == gen || f.site == Site::Writer {
                     continue;
                 }
-                let e = out
-                    .entry((*file, f.role == Role::Mirror))
-                    .or_insert_with(|| (*file, f.role, Vec::new(), Vec::new()));
-                e.2.push(*i);
-                e.3.push(f.data.clone());
+                let mut roles = vec![f.role];
+                if matches!(f.site, Site::HolderWithWriter(_)) {
+                    roles.push(Role::Mirror);
+                }
+                for role in roles {
+                    let e = out
+                        .entry((*file, role == Role::Mirror))
+                        .or_insert_with(|| (*file, role, Vec::new(), Vec::new()));
+                    e.2.push(*i);
+                    e.3.push(f.data.clone());
+                }
             }
         }
         out.into_values().collect()
@@ -450,6 +564,7 @@ impl<D: Clone> FrameTable<D> {
             let frame = Frame {
                 epoch: 0,
                 role,
+                site: Site::Holder,
                 data: d,
                 saved: true,
                 superseded_gen: 0,
@@ -473,12 +588,15 @@ impl<D: Clone> FrameTable<D> {
         for ff in self.files.values_mut().filter(|f| f.job == job) {
             for s in ff.pages.values_mut() {
                 if let Some(f) = s.cur.as_mut() {
-                    if !keep_before || f.superseded_gen == gen {
+                    // A writer's copy goes whatever the policy: the disks hold its page now
+                    // (flushed from the primary holder's copy, or newer).
+                    if !keep_before || f.superseded_gen == gen || f.site == Site::Writer {
                         s.cur = None;
                         self.frames -= 1;
                     } else {
                         f.saved = true;
                         f.superseded_gen = 0;
+                        f.site = Site::Holder;
                     }
                 }
                 if let Some((g, w)) = s.written.take() {
@@ -554,48 +672,69 @@ impl<D: Clone> FrameTable<D> {
         out
     }
 
-    /// The copies this node sends to re-create those the nodes in `lost` held (a rollback to
-    /// a memory checkpoint after they lost theirs): per (holder, file, role it holds them
-    /// as), the pages and this node's committed copies of them, in page order.
+    /// The copies this node (logical `me`) sends to re-create those the nodes in `lost` held
+    /// (a rollback to a memory checkpoint after they lost theirs): per (node, file, role it
+    /// holds them as), the pages and this node's committed copies of them, in page order, each
+    /// at the site it has there. A page's copy goes to where its other copy was: the other
+    /// holder, the writer (from the primary holder), or the primary holder (from the writer).
     #[allow(clippy::type_complexity)]
     pub fn copies_for_lost(
         &self,
         job: &str,
         lost: &[u32],
         placement: &psls_pfs::Placement,
+        me: u32,
     ) -> BTreeMap<(psls_svm::NodeId, FileId, Role), Vec<(u64, Frame<D>)>> {
         let mut out: BTreeMap<_, Vec<_>> = BTreeMap::new();
         for (file, index, frame) in self.committed_frames(job) {
-            let role = match frame.role {
-                Role::Primary => Role::Mirror,
-                Role::Mirror => Role::Primary,
+            let (to, role, site) = match frame.site {
+                Site::Holder => {
+                    let role = match frame.role {
+                        Role::Primary => Role::Mirror,
+                        Role::Mirror => Role::Primary,
+                    };
+                    (placement.holder(file, index, role), role, Site::Holder)
+                }
+                Site::HolderWithWriter(w) => (psls_svm::NodeId(w), Role::Mirror, Site::Writer),
+                Site::Writer => (
+                    placement.holder(file, index, Role::Primary),
+                    Role::Primary,
+                    Site::HolderWithWriter(me),
+                ),
             };
-            let other = placement.holder(file, index, role);
-            if lost.contains(&other.0) {
-                out.entry((other, file, role))
+            if lost.contains(&to.0) {
+                out.entry((to, file, role))
                     .or_default()
-                    .push((index, Frame { role, ..frame }));
+                    .push((index, Frame { role, site, ..frame }));
             }
         }
         out
     }
 
-    /// Installs recovery copies re-created from the other holder (a rollback). Refused as a
-    /// whole when they do not fit. The job's committed epoch stays: it is [`FrameTable::adopt`]ed
-    /// once every holder sent its copies, so a restore cut short leaves this node lost, and its
-    /// copies are re-created whole by the next.
+    /// Installs recovery copies re-created from the other copy (a rollback). Refused as a
+    /// whole when they do not fit. Where two survivors send a copy of one page (a writer's
+    /// copy may be older than a later writer's), the newest epoch stays. The job's committed
+    /// epoch stays: it is [`FrameTable::adopt`]ed once every survivor sent its copies, so a
+    /// restore cut short leaves this node lost, and its copies are re-created whole by the next.
     pub fn install(&mut self, job: &str, file: FileId, pages: Vec<(u64, Frame<D>)>) -> Result<(), FrameError> {
         let (used, capacity) = (self.frames, self.capacity);
         let ff = self.file_of(job, file)?;
-        let need = pages
+        let mut fresh: Vec<u64> = pages
             .iter()
             .filter(|(i, _)| ff.pages.get(i).is_none_or(|s| s.cur.is_none()))
-            .count() as u64;
+            .map(|(i, _)| *i)
+            .collect();
+        fresh.sort_unstable();
+        fresh.dedup();
+        let need = fresh.len() as u64;
         if used + need > capacity {
             return Err(FrameError::NoRoom { need, used, capacity });
         }
         for (i, f) in pages {
-            ff.pages.entry(i).or_default().cur = Some(f);
+            let s = ff.pages.entry(i).or_default();
+            if s.cur.as_ref().is_none_or(|c| c.epoch <= f.epoch) {
+                s.cur = Some(f);
+            }
         }
         self.frames += need;
         self.note_peak();
@@ -626,7 +765,10 @@ impl<D: Clone> FrameTable<D> {
     /// A node that does not hold `target` (it lost its copies: the rollback re-creates them)
     /// keeps its older committed epoch until it [`FrameTable::adopt`]s the target, so a
     /// rollback cut short before every copy came back finds it lost again.
-    pub fn settle(&mut self, job: &str, target: u64, fenced: u64) {
+    /// A writer's copy of an epoch up to `persistent` (the job's persistent checkpoint) goes
+    /// too: the disks hold its page, or a newer version (a node that missed a cleaner's commit
+    /// keeps its writer's copies).
+    pub fn settle(&mut self, job: &str, target: u64, fenced: u64, persistent: u64) {
         let was = self.job(job);
         let holds = target == 0 || was.committed == target || was.pre == Some(target);
         if target > 0 && self.job(job).pre == Some(target) {
@@ -639,7 +781,7 @@ impl<D: Clone> FrameTable<D> {
                     if target == 0 {
                         !f.saved || f.superseded_gen != 0
                     } else {
-                        f.epoch > target
+                        f.epoch > target || (f.site == Site::Writer && f.epoch <= persistent)
                     }
                 });
                 if stale {
@@ -760,7 +902,7 @@ impl<D: Clone> FrameTable<D> {
 
     fn prune(&mut self) {
         for ff in self.files.values_mut() {
-            ff.pages.retain(|_, s| s.count() > 0);
+            ff.pages.retain(|_, s| !s.is_empty());
         }
         self.files.retain(|_, f| !f.pages.is_empty());
     }
@@ -779,9 +921,10 @@ pub fn fence_epoch(floor: u64, started: u64, seen: u64) -> u64 {
 /// the job's last persistent checkpoint; `nodes`: how many logical nodes. Returns the memory
 /// epoch to return to (0: the persistent checkpoint) and the nodes that lost their copies
 /// (every live node heard every memory commit, or holds its pre-recovery copies; one that
-/// did neither restarted, or is a spare in a lost node's place). When two neighbouring
-/// logical ids both lost theirs, the pages they held as home and mirror have no copy left:
-/// back to the persistent checkpoint.
+/// did neither restarted, or is a spare in a lost node's place). A page's two copies are on
+/// its primary holder and on its mirror holder or its writer: two nodes that both lost theirs
+/// may have held both copies of some page, and no survivor knows which: back to the
+/// persistent checkpoint.
 pub fn rollback_target(states: &[(u32, u64, Option<u64>)], persistent: u64, nodes: u32) -> (u64, Vec<u32>) {
     let newest = states.iter().map(|s| s.1).max().unwrap_or(0);
     let lost: Vec<u32> = states
@@ -789,10 +932,7 @@ pub fn rollback_target(states: &[(u32, u64, Option<u64>)], persistent: u64, node
         .filter(|(_, c, pre)| *c < newest && *pre != Some(newest))
         .map(|s| s.0)
         .collect();
-    if newest <= persistent || nodes == 0 {
-        return (0, lost);
-    }
-    if lost.iter().any(|l| lost.contains(&((l + 1) % nodes))) {
+    if newest <= persistent || nodes == 0 || lost.len() > 1 {
         return (0, lost);
     }
     (newest, lost)
@@ -806,7 +946,8 @@ mod tests {
     fn pre_commit_abort_flush_and_settle() {
         let mut a: FrameTable<u8> = FrameTable::new(4);
         let f = FileId(7);
-        a.store_pre("j", 1, 0, f, Role::Primary, &[0, 1], vec![1, 2]).unwrap();
+        a.store_pre("j", 1, 0, f, Role::Primary, Site::Holder, &[0, 1], vec![1, 2])
+            .unwrap();
         assert_eq!(a.read(f, 0), None, "a pre-recovery copy serves no read");
         assert_eq!(a.counts().pre_recovery, 2);
         a.commit("j", 1);
@@ -820,14 +961,15 @@ mod tests {
             }
         );
         // Epoch 2 rewrites page 0: the old copy stays until the commit.
-        a.store_pre("j", 2, 1, f, Role::Primary, &[0], vec![3]).unwrap();
+        a.store_pre("j", 2, 1, f, Role::Primary, Site::Holder, &[0], vec![3])
+            .unwrap();
         assert_eq!(a.frames(), 3);
         // The peak, with what it was made of: two recovery copies and one pre-recovery.
         let c = a.counts();
         assert_eq!((c.peak, c.peak_recovery, c.peak_pre_recovery), (3, 2, 1));
         assert_eq!(a.job_counts("j").recovery, 2);
         assert_eq!(a.job_counts("other"), FrameCounts::default());
-        let err = a.store_pre("j", 2, 1, f, Role::Primary, &[2, 3], vec![0, 0]);
+        let err = a.store_pre("j", 2, 1, f, Role::Primary, Site::Holder, &[2, 3], vec![0, 0]);
         assert_eq!(
             err,
             Err(FrameError::NoRoom {
@@ -837,12 +979,16 @@ mod tests {
             })
         );
         assert_eq!(a.frames(), 3, "a refusal stores nothing");
-        assert!(a.store_pre("other", 1, 0, f, Role::Primary, &[9], vec![0]).is_err());
+        assert!(a
+            .store_pre("other", 1, 0, f, Role::Primary, Site::Holder, &[9], vec![0])
+            .is_err());
         a.abort("j", 2);
         assert_eq!((a.frames(), a.read(f, 0)), (2, Some(&1)));
         // Epoch 3's store arrives before epoch 2's decision: settled by what the round says.
-        a.store_pre("j", 3, 1, f, Role::Primary, &[0], vec![4]).unwrap();
-        a.store_pre("j", 4, 3, f, Role::Primary, &[1], vec![5]).unwrap();
+        a.store_pre("j", 3, 1, f, Role::Primary, Site::Holder, &[0], vec![4])
+            .unwrap();
+        a.store_pre("j", 4, 3, f, Role::Primary, Site::Holder, &[1], vec![5])
+            .unwrap();
         assert_eq!(
             (a.read(f, 0), a.job("j").committed),
             (Some(&4), 3),
@@ -861,16 +1007,20 @@ mod tests {
         assert_eq!((a.frames(), a.counts().unsaved), (1, 0));
         assert!(a.to_flush("j", 12).is_empty());
         // A rollback to the persistent checkpoint keeps saved copies, drops the rest.
-        a.store_pre("j", 5, 3, f, Role::Primary, &[2], vec![5]).unwrap();
+        a.store_pre("j", 5, 3, f, Role::Primary, Site::Holder, &[2], vec![5])
+            .unwrap();
         a.commit("j", 5);
-        a.store_pre("j", 6, 5, f, Role::Primary, &[3], vec![6]).unwrap();
-        a.settle("j", 5, 6);
+        a.store_pre("j", 6, 5, f, Role::Primary, Site::Holder, &[3], vec![6])
+            .unwrap();
+        a.settle("j", 5, 6, 0);
         assert_eq!(a.frames(), 2, "the pre-recovery copy of 6 went");
-        a.settle("j", 0, 6);
+        a.settle("j", 0, 6, 0);
         assert_eq!(a.frames(), 1);
         assert_eq!(a.read(f, 0), Some(&4));
         // A late store of a fenced epoch is refused.
-        assert!(a.store_pre("j", 6, 0, f, Role::Primary, &[9], vec![1]).is_err());
+        assert!(a
+            .store_pre("j", 6, 0, f, Role::Primary, Site::Holder, &[9], vec![1])
+            .is_err());
         a.mark_memory("j", &[f]);
         assert!(a.in_memory(f));
         a.end_job("j");
@@ -890,7 +1040,8 @@ mod tests {
             let mut a: FrameTable<u8> = FrameTable::new(16);
             a.set_policy("j", policy);
             a.mark_memory("j", &[f]);
-            a.store_pre("j", 3, 2, f, Role::Primary, &[0, 1], vec![10, 11]).unwrap();
+            a.store_pre("j", 3, 2, f, Role::Primary, Site::Holder, &[0, 1], vec![10, 11])
+                .unwrap();
             a.commit("j", 3);
             a.supersede(f, &[1, 2], 9);
             a.keep_written(f, Role::Primary, &[1, 2], 9, vec![21, 22]);
@@ -922,8 +1073,9 @@ mod tests {
     fn a_rollback_commits_a_pre_recovery_copy_of_its_target() {
         let mut a: FrameTable<u8> = FrameTable::new(8);
         let f = FileId(1);
-        a.store_pre("j", 2, 0, f, Role::Mirror, &[5], vec![9]).unwrap();
-        a.settle("j", 2, 2);
+        a.store_pre("j", 2, 0, f, Role::Mirror, Site::Holder, &[5], vec![9])
+            .unwrap();
+        a.settle("j", 2, 2, 0);
         assert_eq!(a.read(f, 5), Some(&9));
         assert_eq!(a.job("j").committed, 2);
     }
@@ -934,7 +1086,7 @@ mod tests {
     fn a_node_that_lost_its_copies_stays_lost_until_it_adopts_the_re_created_ones() {
         let mut a: FrameTable<u8> = FrameTable::new(8);
         let f = FileId(1);
-        a.settle("j", 3, 3);
+        a.settle("j", 3, 3, 0);
         assert_eq!(a.job("j").committed, 0, "a restarted node does not hold checkpoint 3");
         a.install(
             "j",
@@ -944,6 +1096,7 @@ mod tests {
                 Frame {
                     epoch: 3,
                     role: Role::Mirror,
+                    site: Site::Holder,
                     data: 7,
                     saved: false,
                     superseded_gen: 0,
@@ -959,21 +1112,133 @@ mod tests {
         a.adopt("j", 3);
         assert_eq!((a.job("j").committed, a.read(f, 4)), (3, Some(&7)));
         // A rollback to the persistent checkpoint: every node is at 0.
-        a.settle("j", 0, 4);
+        a.settle("j", 0, 4, 0);
         assert_eq!(a.job("j").committed, 0);
     }
 
     #[test]
-    fn the_rollback_target_is_the_newest_memory_epoch_unless_two_neighbours_lost_theirs() {
+    fn the_rollback_target_is_the_newest_memory_epoch_unless_two_nodes_lost_theirs() {
         // Node 1 restarted (nothing), node 2 missed the decision of 5 but holds its copies.
         let s = [(0, 5, None), (1, 0, None), (2, 4, Some(5)), (3, 5, None)];
         assert_eq!(rollback_target(&s, 3, 4), (5, vec![1]));
         // Older than the persistent checkpoint: that one.
         assert_eq!(rollback_target(&s, 5, 4).0, 0);
-        // Nodes 3 and 0 are neighbours (3 + 1 = 0 mod 4): pages homed on 3 lost both copies.
+        // Two nodes lost theirs, neighbours or not: some page may have had both copies there.
         let s = [(0, 0, None), (1, 5, None), (2, 5, None), (3, 0, None)];
         assert_eq!(rollback_target(&s, 3, 4), (0, vec![0, 3]));
         let s = [(0, 0, None), (1, 5, None), (2, 0, None), (3, 5, None)];
-        assert_eq!(rollback_target(&s, 3, 4), (5, vec![0, 2]));
+        assert_eq!(rollback_target(&s, 3, 4), (0, vec![0, 2]));
+    }
+
+    /// Four nodes; page 0 of `F` is homed on 0 and mirrored on 1 (placement), written by node
+    /// 2, which holds neither disk copy.
+    const F: FileId = FileId(11);
+
+    fn holders(p: &psls_pfs::Placement, i: u64) -> (u32, u32) {
+        (p.holder(F, i, Role::Primary).0, p.holder(F, i, Role::Mirror).0)
+    }
+
+    #[test]
+    fn a_page_written_by_neither_holder_keeps_one_copy_on_its_writer() {
+        let p = psls_pfs::Placement::new(4).expect("4 nodes");
+        let (h1, h2) = holders(&p, 0);
+        let w = (0..4).find(|n| *n != h1 && *n != h2).unwrap();
+        // Where each copy stands, as the nodes work it out from who sends it.
+        assert_eq!(site_of(&p, F, 0, Role::Primary, h1, w), Some(Site::HolderWithWriter(w)));
+        assert_eq!(site_of(&p, F, 0, Role::Primary, h1, h2), Some(Site::Holder));
+        assert_eq!(site_of(&p, F, 0, Role::Primary, h1, h1), Some(Site::Holder));
+        assert_eq!(site_of(&p, F, 0, Role::Mirror, h2, h1), Some(Site::Holder));
+        assert_eq!(site_of(&p, F, 0, Role::Mirror, w, w), Some(Site::Writer));
+        assert_eq!(
+            site_of(&p, F, 0, Role::Mirror, w, h1),
+            Some(Site::Writer),
+            "re-created by the primary holder"
+        );
+        assert_eq!(
+            site_of(&p, F, 0, Role::Mirror, h2, w),
+            None,
+            "the writer sends no mirror copy"
+        );
+        assert_eq!(site_of(&p, F, 0, Role::Primary, w, w), None);
+        assert_eq!(site_of(&p, F, 0, Role::Mirror, w, h2), None);
+        // Epoch 1: the mirror holder wrote the page (both copies on the holders).
+        let mut t: Vec<FrameTable<u8>> = (0..4).map(|_| FrameTable::new(8)).collect();
+        t[h1 as usize]
+            .store_pre("j", 1, 0, F, Role::Primary, Site::Holder, &[0], vec![1])
+            .unwrap();
+        t[h2 as usize]
+            .store_pre("j", 1, 0, F, Role::Mirror, Site::Holder, &[0], vec![1])
+            .unwrap();
+        t.iter_mut().for_each(|a| a.commit("j", 1));
+        // Epoch 2: node w wrote it: its own copy, one to the primary holder, and word to the
+        // mirror holder, whose copy goes only when the epoch commits.
+        t[w as usize]
+            .store_pre("j", 2, 1, F, Role::Mirror, Site::Writer, &[0], vec![2])
+            .unwrap();
+        t[h1 as usize]
+            .store_pre("j", 2, 1, F, Role::Primary, Site::HolderWithWriter(w), &[0], vec![2])
+            .unwrap();
+        t[h2 as usize].store_moved("j", 2, 1, F, &[0]).unwrap();
+        assert_eq!(t[h2 as usize].job("j").pre, Some(2));
+        let mut aborted: Vec<FrameTable<u8>> = (0..4).map(|_| FrameTable::new(8)).collect();
+        aborted[h2 as usize]
+            .store_pre("j", 1, 0, F, Role::Mirror, Site::Holder, &[0], vec![1])
+            .unwrap();
+        aborted[h2 as usize].commit("j", 1);
+        aborted[h2 as usize].store_moved("j", 2, 1, F, &[0]).unwrap();
+        aborted[h2 as usize].abort("j", 2);
+        assert_eq!(
+            aborted[h2 as usize].read(F, 0),
+            Some(&1),
+            "an aborted round moves nothing"
+        );
+        t.iter_mut().for_each(|a| a.commit("j", 2));
+        assert_eq!(t[h1 as usize].read(F, 0), Some(&2));
+        assert_eq!(t[w as usize].read(F, 0), Some(&2));
+        assert_eq!(t[h2 as usize].read(F, 0), None, "the mirror holder keeps no older copy");
+        assert_eq!(t.iter().map(FrameTable::frames).sum::<u64>(), 2);
+        // The writer lost its copies: the primary holder re-creates it there, as a writer's.
+        let c = t[h1 as usize].copies_for_lost("j", &[w], &p, h1);
+        let ((to, file, role), pages) = c.into_iter().next().unwrap();
+        assert_eq!((to.0, file, role), (w, F, Role::Mirror));
+        assert_eq!((pages[0].1.site, pages[0].1.data), (Site::Writer, 2));
+        assert!(t[h1 as usize].copies_for_lost("j", &[h2], &p, h1).is_empty());
+        // The primary holder lost its copies: the writer re-creates it; an older writer's copy
+        // sent too (another node wrote the page at epoch 1) loses to the newer.
+        let c = t[w as usize].copies_for_lost("j", &[h1], &p, w);
+        let ((to, _, role), pages) = c.into_iter().next().unwrap();
+        assert_eq!(
+            (to.0, role, pages[0].1.site),
+            (h1, Role::Primary, Site::HolderWithWriter(w))
+        );
+        let mut fresh: FrameTable<u8> = FrameTable::new(8);
+        fresh.install("j", F, pages.clone()).unwrap();
+        let older = Frame {
+            epoch: 1,
+            data: 1,
+            ..pages[0].1.clone()
+        };
+        fresh.install("j", F, vec![(0, older)]).unwrap();
+        assert_eq!((fresh.read(F, 0), fresh.frames()), (Some(&2), 1));
+        // A cleaner: the primary holder writes both disk copies; the writer's copy is never
+        // written, and goes when the cleaner commits.
+        assert_eq!(
+            t[h1 as usize].to_flush("j", 9),
+            vec![
+                (F, Role::Primary, vec![0], vec![2]),
+                (F, Role::Mirror, vec![0], vec![2])
+            ]
+        );
+        assert!(t[w as usize].to_flush("j", 9).is_empty());
+        t.iter_mut().for_each(|a| a.persistent_committed("j", 9));
+        assert_eq!((t[w as usize].frames(), t[h1 as usize].frames()), (0, 1));
+        // A writer that missed a cleaner's commit drops its copies older than the persistent
+        // checkpoint when settling a rollback.
+        let mut late: FrameTable<u8> = FrameTable::new(8);
+        late.store_pre("j", 2, 1, F, Role::Mirror, Site::Writer, &[0], vec![2])
+            .unwrap();
+        late.commit("j", 2);
+        late.settle("j", 4, 4, 3);
+        assert_eq!(late.frames(), 0);
     }
 }

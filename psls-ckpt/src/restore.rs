@@ -51,11 +51,13 @@ pub enum RestoreAction {
     /// persistent checkpoint and the fenced epoch.
     Fence { seen: u64 },
     /// Settle node `node`'s recovery copies to memory epoch `target` (0: none), dropping those
-    /// of epochs up to `fenced` that did not commit; `files`: the job's checkpointed files.
+    /// of epochs up to `fenced` that did not commit, and writers' copies of epochs up to the
+    /// persistent checkpoint `persistent`; `files`: the job's checkpointed files.
     Settle {
         node: String,
         target: u64,
         fenced: u64,
+        persistent: u64,
         files: Vec<FileId>,
     },
     /// Node `node` sends the copies of memory checkpoint `target` whose other holder is one of
@@ -281,11 +283,12 @@ impl Restore {
             .collect::<BTreeSet<_>>()
             .into_iter()
             .collect();
-        let (fenced, target) = (self.fenced, self.target);
+        let (fenced, target, persistent) = (self.fenced, self.target, self.persistent);
         self.all(Stage::Settle, |p| RestoreAction::Settle {
             node: p.to_string(),
             target,
             fenced,
+            persistent,
             files: files.clone(),
         });
     }

@@ -90,7 +90,7 @@
 mod common;
 
 use psls_ckpt::cleaning::Policy;
-use psls_ckpt::frames::FrameTable;
+use psls_ckpt::frames::{site_of, FrameTable, Site};
 use psls_ckpt::msg::Level;
 use psls_ckpt::restore::{NodeState, Restore, RestoreAction};
 use psls_ckpt::{CoordAction, Coordinator, Msg, Outcome, PartAction, Participant};
@@ -382,7 +382,7 @@ struct Envelope {
 }
 
 /// What a run counts; over many seeds, each must have happened.
-const COUNTED: [&str; 20] = [
+const COUNTED: [&str; 22] = [
     "persistent checkpoints committed",
     "memory checkpoints committed",
     "rollbacks",
@@ -403,6 +403,8 @@ const COUNTED: [&str; 20] = [
     "nodes that fenced themselves",
     "rollbacks after a verdict on a paused node",
     "rounds a coordinator already declared down went on with to their end",
+    "pages whose mirror recovery copy stayed on their writer",
+    "recovery copies re-created from or on a writer",
 ];
 
 #[derive(Default)]
@@ -429,6 +431,8 @@ impl Counts {
     const SELF_FENCES: usize = 17;
     const PAUSE_ROLLBACKS: usize = 18;
     const DECLARED_ROUNDS: usize = 19;
+    const WRITER_COPIES: usize = 20;
+    const WRITER_RECREATIONS: usize = 21;
 }
 
 struct World {
@@ -1543,21 +1547,50 @@ impl World {
             self.count(Counts::LATE_ACTS);
         }
         let result = match w.stage {
-            // A memory round: each page to the pre-recovery copies of its two holders; no disk.
+            // A memory round: each page to the pre-recovery copies of its two holders, or of
+            // its primary holder and of its writer when that holds neither disk copy (its
+            // mirror holder is told its copy goes); no disk.
             Stage::Taken if w.level == Level::Memory => {
                 let mut r = Ok(());
                 for &(p, val) in &w.pages {
-                    for role in [Role::Primary, Role::Mirror] {
-                        let h = self.placement.holder(p.0, p.1, role).0 as usize;
+                    let h1 = self.placement.holder(p.0, p.1, Role::Primary).0 as usize;
+                    let h2 = self.placement.holder(p.0, p.1, Role::Mirror).0 as usize;
+                    let targets = if i == h1 || i == h2 {
+                        [(h1, Role::Primary, true), (h2, Role::Mirror, true)]
+                    } else {
+                        [(h1, Role::Primary, true), (i, Role::Mirror, true)]
+                    };
+                    let moved = (i != h1 && i != h2).then_some(h2);
+                    if moved.is_some() {
+                        self.count(Counts::WRITER_COPIES);
+                    }
+                    for (h, role, _) in targets {
                         if let Err(e) = self.write_reaches(i, h) {
                             r = Err(e);
                             continue;
                         }
-                        let stored =
-                            self.nodes[h]
-                                .frames
-                                .store_pre(JOB, w.epoch, w.committed, p.0, role, &[p.1], vec![val]);
+                        let site = site_of(&self.placement, p.0, p.1, role, h as u32, i as u32)
+                            .expect("the writer stores where the copies go");
+                        let stored = self.nodes[h].frames.store_pre(
+                            JOB,
+                            w.epoch,
+                            w.committed,
+                            p.0,
+                            role,
+                            site,
+                            &[p.1],
+                            vec![val],
+                        );
                         if let Err(e) = stored {
+                            r = Err(e.to_string());
+                        }
+                    }
+                    if let Some(h) = moved {
+                        if let Err(e) = self.write_reaches(i, h) {
+                            r = Err(e);
+                            continue;
+                        }
+                        if let Err(e) = self.nodes[h].frames.store_moved(JOB, w.epoch, w.committed, p.0, &[p.1]) {
                             r = Err(e.to_string());
                         }
                     }
@@ -1639,17 +1672,30 @@ impl World {
         let todo = self.nodes[i].frames.to_flush(JOB, gen);
         let mut runs: BTreeMap<FileId, Vec<(u64, u64)>> = BTreeMap::new();
         let mut r = Ok(());
+        let mut synced = BTreeSet::from([i]);
         for (file, role, indices, vals) in todo {
             for (idx, val) in indices.into_iter().zip(vals) {
                 let p = (file, idx);
                 let keep = self.page_gen(p);
-                if let Err(e) = self.nodes[i].disk.write((p, role), gen, keep, val) {
+                // The mirror copy of a page whose other copy is on its writer goes to the
+                // mirror holder's disk.
+                let h = self.placement.holder(file, idx, role).0 as usize;
+                if h != i {
+                    if let Err(e) = self.write_reaches(i, h) {
+                        r = Err(e);
+                        continue;
+                    }
+                    synced.insert(h);
+                }
+                if let Err(e) = self.nodes[h].disk.write((p, role), gen, keep, val) {
                     r = Err(e);
                 }
                 runs.entry(file).or_default().push((idx, idx + 1));
             }
         }
-        self.nodes[i].disk.sync();
+        for h in synced {
+            self.nodes[h].disk.sync();
+        }
         let r = r.map(|()| {
             (
                 runs.into_iter().map(|(file, runs)| FileRuns { file, runs }).collect(),
@@ -2241,6 +2287,7 @@ impl World {
                 node: p,
                 target,
                 fenced,
+                persistent,
                 ..
             } => {
                 let i = node(&p);
@@ -2248,7 +2295,7 @@ impl World {
                     self.fail_restore(k, unreachable(&p));
                     return false;
                 }
-                self.nodes[i].frames.settle(JOB, target, fenced);
+                self.nodes[i].frames.settle(JOB, target, fenced, persistent);
                 self.restores[k].machine.handle_settled(&p)
             }
             RestoreAction::Recreate { node: p, lost, .. } => {
@@ -2259,7 +2306,12 @@ impl World {
                 }
                 // The holder sends what the nodes that lost theirs held (the daemon's
                 // `FramesReq::Recreate`).
-                for ((o, file, _), pages) in self.nodes[h].frames.copies_for_lost(JOB, &lost, &self.placement) {
+                for ((o, file, _), pages) in self.nodes[h]
+                    .frames
+                    .copies_for_lost(JOB, &lost, &self.placement, h as u32)
+                {
+                    let writers = pages.iter().filter(|(_, f)| f.site != Site::Holder).count();
+                    self.counts.0[Counts::WRITER_RECREATIONS] += writers as u64;
                     self.nodes[o.0 as usize]
                         .frames
                         .install(JOB, file, pages)
@@ -2392,8 +2444,8 @@ impl World {
                 if img[&p] == want[&p] {
                     continue;
                 }
-                for role in [Role::Primary, Role::Mirror] {
-                    let h = self.placement.holder(p.0, p.1, role).0 as usize;
+                // Its primary holder and one other node (the mirror holder or its writer).
+                let holds = |h: usize| {
                     let n = &self.nodes[h];
                     let cur = n.frames.read(p.0, p.1).copied();
                     let pre = n
@@ -2401,12 +2453,27 @@ impl World {
                         .read_pre(p.0, p.1)
                         .filter(|f| f.epoch == memory)
                         .map(|f| f.data);
-                    assert!(
-                        n.up && (cur == Some(img[&p]) || pre == Some(img[&p])),
-                        "{role:?} recovery copy of {p:?} at node {h} after memory checkpoint {memory}: {cur:?} / {pre:?}, not {}",
-                        img[&p]
-                    );
-                }
+                    n.up && (cur == Some(img[&p]) || pre == Some(img[&p]))
+                };
+                let h1 = self.placement.holder(p.0, p.1, Role::Primary).0 as usize;
+                assert!(
+                    holds(h1),
+                    "primary recovery copy of {p:?} at node {h1} after memory checkpoint {memory}: not {}",
+                    img[&p]
+                );
+                let others: Vec<usize> = (0..self.nodes.len()).filter(|&h| h != h1 && holds(h)).collect();
+                assert!(
+                    !others.is_empty(),
+                    "{p:?} has one recovery copy (at {h1}) after memory checkpoint {memory}"
+                );
+                // The mirror holder, once it heard the checkpoint commit, holds no older copy.
+                let h2 = self.placement.holder(p.0, p.1, Role::Mirror).0 as usize;
+                let stale = self.nodes[h2].frames.read(p.0, p.1).filter(|v| **v != img[&p]);
+                assert!(
+                    stale.is_none() || self.nodes[h2].frames.job(JOB).committed < memory,
+                    "the mirror holder {h2} of {p:?} keeps {stale:?} after memory checkpoint {memory} ({})",
+                    img[&p]
+                );
             }
         }
         // While the job runs, what it sees is what it wrote since the restored checkpoint.

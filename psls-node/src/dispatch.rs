@@ -177,7 +177,7 @@ impl Daemon {
                 out_payload = data;
                 PeerResp::Pages(states)
             }),
-            PeerReq::Frames(req) => match self.ckpt.serve_frames(req, payload).await {
+            PeerReq::Frames(req) => match self.ckpt.serve_frames(&from, req, payload).await {
                 Ok((resp, data)) => {
                     out_payload = data;
                     Ok(resp)

@@ -11,7 +11,7 @@ use psls_pfs::Role;
 use psls_svm::{FileId, PAGE_SIZE};
 use std::sync::Mutex;
 
-pub use psls_ckpt::frames::{FrameCounts, JobMem};
+pub use psls_ckpt::frames::{FrameCounts, JobMem, Site};
 
 /// A recovery copy with its page's bytes.
 pub type Frame = psls_ckpt::frames::Frame<bytes::Bytes>;
@@ -51,6 +51,7 @@ impl RecoveryArea {
         committed: u64,
         file: FileId,
         role: Role,
+        site: Site,
         indices: &[u64],
         data: &[u8],
     ) -> Result<(), OpError> {
@@ -63,7 +64,23 @@ impl RecoveryArea {
         let pages = data.chunks(PAGE_SIZE).map(bytes::Bytes::copy_from_slice).collect();
         self.table
             .locked()
-            .store_pre(job, epoch, committed, file, role, indices, pages)
+            .store_pre(job, epoch, committed, file, role, site, indices, pages)
+            .map_err(op_error)
+    }
+
+    /// Memory epoch `epoch` of `job` keeps the mirror copies of `indices` of `file` on their
+    /// writer: this node's copies go at its commit (see `FrameTable::store_moved`).
+    pub fn store_moved(
+        &self,
+        job: &str,
+        epoch: u64,
+        committed: u64,
+        file: FileId,
+        indices: &[u64],
+    ) -> Result<(), OpError> {
+        self.table
+            .locked()
+            .store_moved(job, epoch, committed, file, indices)
             .map_err(op_error)
     }
 
@@ -131,8 +148,9 @@ impl RecoveryArea {
         job: &str,
         lost: &[u32],
         placement: &psls_pfs::Placement,
+        me: u32,
     ) -> std::collections::BTreeMap<(psls_svm::NodeId, FileId, psls_pfs::Role), Vec<(u64, Frame)>> {
-        self.table.locked().copies_for_lost(job, lost, placement)
+        self.table.locked().copies_for_lost(job, lost, placement, me)
     }
 
     pub fn install(&self, job: &str, file: FileId, pages: Vec<(u64, Frame)>) -> Result<(), OpError> {
@@ -143,8 +161,8 @@ impl RecoveryArea {
         self.table.locked().adopt(job, committed)
     }
 
-    pub fn settle(&self, job: &str, target: u64, fenced: u64) {
-        self.table.locked().settle(job, target, fenced)
+    pub fn settle(&self, job: &str, target: u64, fenced: u64, persistent: u64) {
+        self.table.locked().settle(job, target, fenced, persistent)
     }
 
     pub fn mark_memory(&self, job: &str, files: &[FileId]) {

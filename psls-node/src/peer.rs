@@ -216,26 +216,38 @@ pub enum FramesReq {
         role: Role,
         indices: Vec<u64>,
     },
+    /// Memory epoch `epoch` of `job` keeps the mirror copies of `indices` of `file` on their
+    /// writer (the sender): the copies this node holds as their mirror holder go when it
+    /// commits.
+    Moved {
+        job: String,
+        epoch: u64,
+        committed: u64,
+        file: FileId,
+        indices: Vec<u64>,
+    },
     /// The committed recovery copy of a page, if held (answered with `Frame`).
     Read { file: FileId, index: u64 },
     /// The job's memory-checkpoint state here (answered with `MemState`).
     State { job: String },
     /// A rollback of `job` to memory epoch `target` (0: its persistent checkpoint), every
-    /// epoch up to `fenced` fenced; with a memory epoch, loads of `files` look for recovery
-    /// copies first.
+    /// epoch up to `fenced` fenced, `persistent` its persistent checkpoint; with a memory
+    /// epoch, loads of `files` look for recovery copies first.
     Settle {
         job: String,
         target: u64,
         fenced: u64,
+        persistent: u64,
         files: Vec<FileId>,
     },
-    /// Send every recovery copy of `job` held here whose other holder is one of the logical
-    /// ids `lost` (restarted or replaced) to that holder (answered with `Recreated`).
+    /// Send every recovery copy of `job` held here whose other copy was on one of the logical
+    /// ids `lost` (restarted or replaced) there (answered with `Recreated`).
     Recreate { job: String, lost: Vec<u32> },
     /// Every holder re-created this node's copies of `job`'s memory checkpoint `committed`: it
     /// is committed here (until then a restore cut short finds this node lost again).
     Adopt { job: String, committed: u64 },
-    /// Recovery copies re-created from the other holder (payload: their pages, in order).
+    /// Recovery copies re-created from their other copy, on the sender (payload: their pages,
+    /// in order); where each stands here follows from who sends it.
     Install {
         job: String,
         file: FileId,

@@ -84,12 +84,14 @@ pub async fn restore(
                 node: p,
                 target,
                 fenced,
+                persistent,
                 files,
             } => {
                 let req = PeerReq::Frames(FramesReq::Settle {
                     job: job.to_string(),
                     target,
                     fenced,
+                    persistent,
                     files,
                 });
                 node.call_ok(&p, req).await?;
@@ -143,7 +145,7 @@ pub async fn restore(
                 given_up,
             } => {
                 if given_up > 0 {
-                    tracing::warn!(node = %node.name(), job, memory = given_up, persistent, ?lost, "both recovery copies of some pages are lost: back to the persistent checkpoint");
+                    tracing::warn!(node = %node.name(), job, memory = given_up, persistent, ?lost, "recovery copies lost on more than one node (both copies of some pages may be gone): back to the persistent checkpoint");
                 }
                 tracing::warn!(node = %node.name(), job, epoch, memory, persistent, ?lost, files = files.len(), "job rolled back");
                 return Ok(epoch);

@@ -291,7 +291,7 @@ fn memory_checkpoints_killed_in_phase_1_and_in_phase_2_and_their_coordinator_bef
     assert!(from[1] > from[0] && from[2] > from[1], "{from:?}\n{err}");
     // No persistent checkpoint: every rollback was in memory (recovery copies re-created).
     assert!(c.logs_contain("recovery copies re-created"));
-    assert!(!c.logs_contain("both recovery copies of some pages are lost"));
+    assert!(!c.logs_contain("recovery copies lost on more than one node"));
 }
 
 /// The daemon `psls run` talks to killed halfway through a persistent checkpoint's writes, then

@@ -1,8 +1,8 @@
 //! How a participant sends the pages it took: per page, to its two holders (primary and
 //! mirror, by placement), in batches of at most [`BATCH_PAGES`] pages per holder, each
 //! batch's bytes gathered into a pooled buffer only when it is reached (so a checkpoint never
-//! holds a second copy of all its pages). Both levels send this way: to the holders' disks
-//! (`round`) or to their recovery areas (`memory`).
+//! holds a second copy of all its pages). The persistent level sends this way, to the holders'
+//! disks (`round`); the memory level keeps a copy on the writer (`memory::plan`).
 
 use crate::peer::BATCH_PAGES;
 use crate::svm::Taken;

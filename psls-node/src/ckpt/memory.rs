@@ -1,16 +1,17 @@
 //! The memory level in the daemon (DESIGN §7): a participant's write of a memory checkpoint
-//! (its dirty pages to the pre-recovery copies of their two holders, no disk touched), a
-//! cleaner round's flush of the recovery copies newer than the disks, the recovery-area
-//! requests peers make (`FramesReq`), and a rollback's steps on the recovery copies (settle
-//! the epoch, re-create the copies a lost node held).
+//! (each dirty page's two pre-recovery copies, one of them kept by the writer when it holds
+//! neither disk copy: a page crosses the network once; no disk touched), a cleaner round's
+//! flush of the recovery copies newer than the disks, the recovery-area requests peers make
+//! (`FramesReq`), and a rollback's steps on the recovery copies (settle the epoch, re-create
+//! the copies a lost node held).
 //!
-//! A page's recovery copies live on its PFS holders (home and mirror logical ids), so this
-//! module needs no directory of where they are: `crate::frames` is the store, placement says
-//! where.
+//! Where a page's copies are is no record: its primary holder always has one (so a load asks
+//! the holders), and each copy's node knows where the other is (`psls_ckpt::frames::Site`),
+//! worked out from the placement and from who sent it, never from a peer's word.
 
 use super::round::{runs_of, CkptShell};
 use crate::failstop::Locked;
-use crate::frames::Frame;
+use crate::frames::{Frame, Site};
 use crate::op::OpError;
 use crate::peer::{FramesReq, PeerReq, PeerResp, WriteGen, BATCH_PAGES};
 use crate::svm::Taken;
@@ -26,8 +27,10 @@ const STORES_IN_FLIGHT: usize = 8;
 
 impl CkptShell {
     /// A participant's write of memory epoch `epoch`: takes the dirty pages of `files` (and
-    /// the ranks' states saved here), sends each to the recovery areas of its two holders as
-    /// pre-recovery copies; returns the runs kept and their bytes (one copy).
+    /// the ranks' states saved here) and makes each page's two pre-recovery copies ([`plan`]):
+    /// one on each holder when this node is one, else one here and one on the primary holder
+    /// (the mirror holder is told its copy goes); returns the runs kept and their bytes (one
+    /// copy).
     pub(super) async fn write_memory(
         self: &Arc<Self>,
         job: &str,
@@ -38,6 +41,9 @@ impl CkptShell {
         let node = &self.node;
         let t0 = std::time::Instant::now();
         let st = node.meta_state();
+        let me = node
+            .my_logical(&st)
+            .ok_or_else(|| OpError::new(ErrorKind::Unavailable, format!("{} holds no logical id", node.name())))?;
         let super::round::Took {
             taken,
             runs,
@@ -49,35 +55,61 @@ impl CkptShell {
         let mut halfway = super::batches::Halfway::new(&taken);
         node.ckpt_pages_taken
             .fetch_add(pages, std::sync::atomic::Ordering::Relaxed);
-        for b in super::batches::batches(node.placement, &taken) {
-            while inflight.len() >= STORES_IN_FLIGHT {
-                reap(&mut inflight).await?;
+        let mut local_pages = 0u64;
+        for t in &taken {
+            for b in plan(node.placement, me, t) {
+                while inflight.len() >= STORES_IN_FLIGHT {
+                    reap(&mut inflight).await?;
+                }
+                halfway.next(node.name(), b.indices.len(), "ckpt.mem.write").await;
+                let data = || {
+                    let mut data = crate::peer::batch_pool().get();
+                    for &k in &b.ks {
+                        data.extend_from_slice(&t.data[k * PAGE_SIZE..][..PAGE_SIZE]);
+                    }
+                    data
+                };
+                let req = match b.what {
+                    Copy::Here(role, site) => {
+                        node.frames
+                            .store_pre(job, epoch, committed, t.file, role, site, &b.indices, &data())?;
+                        local_pages += b.indices.len() as u64;
+                        continue;
+                    }
+                    Copy::To(role) => PeerReq::Frames(FramesReq::Store {
+                        job: job.to_string(),
+                        epoch,
+                        committed,
+                        file: t.file,
+                        role,
+                        indices: b.indices,
+                    }),
+                    Copy::Moved => PeerReq::Frames(FramesReq::Moved {
+                        job: job.to_string(),
+                        epoch,
+                        committed,
+                        file: t.file,
+                        indices: b.indices,
+                    }),
+                };
+                let payload = match b.what {
+                    Copy::To(_) => {
+                        node.ckpt_pages_sent
+                            .fetch_add(b.ks.len() as u64, std::sync::atomic::Ordering::Relaxed);
+                        bytes::Bytes::from_owner(data())
+                    }
+                    _ => bytes::Bytes::new(),
+                };
+                let phys = node.physical_of(&st, b.holder);
+                let node = node.clone();
+                inflight.spawn(async move { node.call_data_ok(&phys, req, payload).await.map(|_| ()) });
             }
-            halfway.next(node.name(), b.indices.len(), "ckpt.mem.write").await;
-            let phys = node.physical_of(&st, b.holder);
-            if phys != node.me.name {
-                node.ckpt_pages_sent
-                    .fetch_add(b.indices.len() as u64, std::sync::atomic::Ordering::Relaxed);
-            }
-            let req = PeerReq::Frames(FramesReq::Store {
-                job: job.to_string(),
-                epoch,
-                committed,
-                file: b.file,
-                role: b.role,
-                indices: b.indices,
-            });
-            let node = node.clone();
-            inflight.spawn(async move {
-                let r = node.call_data_ok(&phys, req, bytes::Bytes::from_owner(b.data)).await;
-                r.map(|_| ())
-            });
         }
         while !inflight.is_empty() {
             reap(&mut inflight).await?;
         }
         let store_us = t0.elapsed().as_micros() as u64 - take_us - go_us;
-        tracing::info!(node = %node.name(), job, epoch, pages, take_us, go_us, store_us, "memory checkpoint pages kept");
+        tracing::info!(node = %node.name(), job, epoch, pages, local_pages, take_us, go_us, store_us, "memory checkpoint pages kept");
         Ok((runs, pages * PAGE_SIZE as u64))
     }
 
@@ -106,37 +138,67 @@ impl CkptShell {
     }
 
     /// A cleaner round's flush here: the job's recovery copies held here that are newer than
-    /// the disks and that the round did not write from a newer copy go to this node's disk at
-    /// `gen`, durably. Returns the runs written and their bytes (primary copies only, so a
-    /// page counts once).
+    /// the disks and that the round did not write from a newer copy go to the disks at `gen`,
+    /// durably: to this node's disk, and the mirror copies of pages whose other copy is on
+    /// their writer to their mirror holders' (a holder that restarted between the write and
+    /// its sync fails the flush). Returns the runs written and their bytes (primary copies
+    /// only, so a page counts once).
     pub(super) async fn flush(&self, job: &str, gen: u64, seq: u64) -> Result<(Vec<FileRuns>, u64), OpError> {
         let node = &self.node;
         let todo = node.frames.to_flush(job, gen);
+        let st = node.meta_state();
         let mut runs: BTreeMap<FileId, Vec<u64>> = BTreeMap::new();
         let mut bytes = 0u64;
+        let mut local = false;
+        let mut remote: BTreeMap<String, u64> = BTreeMap::new();
         for (file, role, indices, data) in todo {
-            for (ks, ds) in indices.chunks(BATCH_PAGES).zip(data.chunks(BATCH_PAGES)) {
-                let mut buf = crate::peer::batch_pool().get();
-                for d in ds {
-                    buf.extend_from_slice(d);
+            let mut by_holder: BTreeMap<psls_svm::NodeId, Vec<usize>> = BTreeMap::new();
+            for (k, &i) in indices.iter().enumerate() {
+                by_holder
+                    .entry(node.placement.holder(file, i, role))
+                    .or_default()
+                    .push(k);
+            }
+            for (holder, ks) in by_holder {
+                let phys = node.physical_of(&st, holder);
+                for chunk in ks.chunks(BATCH_PAGES) {
+                    let mut buf = crate::peer::batch_pool().get();
+                    for &k in chunk {
+                        buf.extend_from_slice(&data[k]);
+                    }
+                    let idx: Vec<u64> = chunk.iter().map(|&k| indices[k]).collect();
+                    let data = bytes::Bytes::from_owner(buf);
+                    let gen = WriteGen::New { gen, seq };
+                    if phys == node.me.name {
+                        node.write_pages(file, role, gen, idx, data).await?;
+                        local = true;
+                    } else {
+                        let inc = crate::pfs::write_to_phys(&self.node, &phys, file, role, gen, idx, data).await?;
+                        if remote.insert(phys.clone(), inc).is_some_and(|was| was != inc) {
+                            return Err(OpError::new(
+                                ErrorKind::Unavailable,
+                                format!("{phys} restarted during the flush"),
+                            ));
+                        }
+                    }
                 }
-                node.write_pages(
-                    file,
-                    role,
-                    WriteGen::New { gen, seq },
-                    ks.to_vec(),
-                    bytes::Bytes::from_owner(buf),
-                )
-                .await?;
             }
             if role == Role::Primary {
                 bytes += (indices.len() * PAGE_SIZE) as u64;
             }
             runs.entry(file).or_default().extend(indices);
         }
-        if !runs.is_empty() {
+        if local {
             let store = node.store.clone();
             crate::op::blocking(move || store.sync()).await??;
+        }
+        for (phys, inc) in remote {
+            if crate::pfs::sync_on(&self.node, &phys).await? != inc {
+                return Err(OpError::new(
+                    ErrorKind::Unavailable,
+                    format!("{phys} restarted during the flush"),
+                ));
+            }
         }
         let runs = runs
             .into_iter()
@@ -152,9 +214,49 @@ impl CkptShell {
         Ok((runs, bytes))
     }
 
-    /// A peer's request on this node's recovery area.
+    /// Where copies of `indices` of `file` in `role` sent by node `from` stand here: one site
+    /// for all of them, worked out from the placement and who sends them (never from the
+    /// sender's word); refused when this node is not where such copies go.
+    fn site_here(&self, from: &str, file: FileId, role: Role, indices: &[u64]) -> Result<Site, OpError> {
+        let node = &self.node;
+        let (me, sender) = self.logical_ids(from)?;
+        let mut site = None;
+        for &i in indices {
+            let s = psls_ckpt::frames::site_of(&node.placement, file, i, role, me, sender);
+            if s.is_none() || (site.is_some() && site != s) {
+                return Err(OpError::new(
+                    ErrorKind::Invalid,
+                    format!(
+                        "{from} cannot keep a {role:?} recovery copy of page {file}:{i} on {}",
+                        node.name()
+                    ),
+                ));
+            }
+            site = s;
+        }
+        site.ok_or_else(|| OpError::new(ErrorKind::Invalid, "a batch of no pages"))
+    }
+
+    /// The logical ids of this node and of peer `from`, as this node's metadata says.
+    fn logical_ids(&self, from: &str) -> Result<(u32, u32), OpError> {
+        let node = &self.node;
+        let st = node.meta_state();
+        let map = node.logical_map(&st);
+        let logical = |name: &str| map.iter().find(|(_, p)| *p == name).map(|(l, _)| *l);
+        match (logical(node.name()), logical(from)) {
+            (Some(me), Some(sender)) => Ok((me, sender)),
+            _ => Err(OpError::new(
+                ErrorKind::Invalid,
+                format!("{from} or {} holds no logical id", node.name()),
+            )),
+        }
+    }
+
+    /// A peer's request on this node's recovery area (`from`: the peer, as its certificate
+    /// names it).
     pub async fn serve_frames(
         self: &Arc<Self>,
+        from: &str,
         req: FramesReq,
         payload: bytes::Bytes,
     ) -> Result<(PeerResp, bytes::Bytes), OpError> {
@@ -172,9 +274,35 @@ impl CkptShell {
                 if indices.len() > BATCH_PAGES {
                     return Err(OpError::new(ErrorKind::Invalid, "too many pages in one batch"));
                 }
-                node.check_holder(file, role, indices.iter().copied())?;
+                let site = self.site_here(from, file, role, &indices)?;
                 node.frames
-                    .store_pre(&job, epoch, committed, file, role, &indices, &payload)?;
+                    .store_pre(&job, epoch, committed, file, role, site, &indices, &payload)?;
+                Ok((PeerResp::Ok, none))
+            }
+            FramesReq::Moved {
+                job,
+                epoch,
+                committed,
+                file,
+                indices,
+            } => {
+                if indices.len() > BATCH_PAGES {
+                    return Err(OpError::new(ErrorKind::Invalid, "too many pages in one batch"));
+                }
+                // This node is their mirror holder, and the sender their writer: it keeps the
+                // mirror copies itself.
+                node.check_holder(file, Role::Mirror, indices.iter().copied())?;
+                let (_, sender) = self.logical_ids(from)?;
+                if let Some(i) = indices
+                    .iter()
+                    .find(|&&i| node.placement.holder(file, i, Role::Primary).0 == sender)
+                {
+                    return Err(OpError::new(
+                        ErrorKind::Invalid,
+                        format!("{from} holds page {file}:{i}: it keeps no copy as its writer"),
+                    ));
+                }
+                node.frames.store_moved(&job, epoch, committed, file, &indices)?;
                 Ok((PeerResp::Ok, none))
             }
             FramesReq::Read { file, index } => Ok(match node.frames.read(file, index) {
@@ -198,12 +326,13 @@ impl CkptShell {
                 job,
                 target,
                 fenced,
+                persistent,
                 files,
             } => {
                 if files.len() > super::MAX_CKPT_FILES {
                     return Err(OpError::new(ErrorKind::Invalid, "too many files"));
                 }
-                node.frames.settle(&job, target, fenced);
+                node.frames.settle(&job, target, fenced, persistent);
                 if target > 0 {
                     node.frames.mark_memory(&job, &files);
                 }
@@ -226,7 +355,8 @@ impl CkptShell {
                         "a batch of recovery copies of the wrong size",
                     ));
                 }
-                node.check_holder(file, role, pages.iter().map(|p| p.0))?;
+                let indices: Vec<u64> = pages.iter().map(|p| p.0).collect();
+                let site = self.site_here(from, file, role, &indices)?;
                 let frames = pages
                     .iter()
                     .enumerate()
@@ -236,6 +366,7 @@ impl CkptShell {
                             Frame {
                                 epoch,
                                 role,
+                                site,
                                 data: bytes::Bytes::copy_from_slice(&payload[k * PAGE_SIZE..][..PAGE_SIZE]),
                                 saved,
                                 superseded_gen: 0,
@@ -249,13 +380,16 @@ impl CkptShell {
         }
     }
 
-    /// Sends every recovery copy of `job` held here whose other holder is one of `lost` to
-    /// that holder (now a restarted node or a spare under the same logical id).
+    /// Sends every recovery copy of `job` held here whose other copy was on one of `lost`
+    /// there (now a restarted node or a spare under the same logical id).
     async fn recreate(&self, job: &str, lost: &[u32]) -> Result<u64, OpError> {
         let node = &self.node;
         let st = node.meta_state();
         let p = node.placement;
-        let batches = node.frames.copies_for_lost(job, lost, &p);
+        let me = node
+            .my_logical(&st)
+            .ok_or_else(|| OpError::new(ErrorKind::Unavailable, format!("{} holds no logical id", node.name())))?;
+        let batches = node.frames.copies_for_lost(job, lost, &p, me.0);
         let mut sent = 0u64;
         for ((l, file, role), frames) in batches {
             let phys = node.physical_of(&st, l);
@@ -276,6 +410,72 @@ impl CkptShell {
         }
         Ok(sent)
     }
+}
+
+/// What one batch of a memory checkpoint does with its pages.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Copy {
+    /// Stored here, as the copy of this role at this site.
+    Here(Role, Site),
+    /// Sent to the holder of this role.
+    To(Role),
+    /// The holder (the mirror one) is told its copies go at the commit: they are kept here.
+    Moved,
+}
+
+/// One batch of a memory checkpoint: pages of one file (their indices, and their positions
+/// `ks` in what was taken) for one node.
+#[derive(Debug)]
+struct MemBatch {
+    what: Copy,
+    holder: psls_svm::NodeId,
+    indices: Vec<u64>,
+    ks: Vec<usize>,
+}
+
+/// Where the writer `me` puts the two copies of each page it took of one file, in batches of
+/// at most [`BATCH_PAGES`]: a page this node holds on disk (as primary or mirror) has a copy
+/// here and one on its other holder; any other page one here, standing for the mirror copy,
+/// and one on its primary holder, and its mirror holder is told (no data). Each page crosses
+/// the network once.
+fn plan(p: psls_pfs::Placement, me: psls_svm::NodeId, t: &Taken) -> Vec<MemBatch> {
+    let mut groups: BTreeMap<(psls_svm::NodeId, Copy), Vec<usize>> = BTreeMap::new();
+    for (k, &i) in t.indices.iter().enumerate() {
+        let primary = p.holder(t.file, i, Role::Primary);
+        let mirror = p.holder(t.file, i, Role::Mirror);
+        let copies = if me == primary {
+            [
+                (me, Copy::Here(Role::Primary, Site::Holder)),
+                (mirror, Copy::To(Role::Mirror)),
+            ]
+        } else if me == mirror {
+            [
+                (me, Copy::Here(Role::Mirror, Site::Holder)),
+                (primary, Copy::To(Role::Primary)),
+            ]
+        } else {
+            groups.entry((mirror, Copy::Moved)).or_default().push(k);
+            [
+                (me, Copy::Here(Role::Mirror, Site::Writer)),
+                (primary, Copy::To(Role::Primary)),
+            ]
+        };
+        for c in copies {
+            groups.entry(c).or_default().push(k);
+        }
+    }
+    let mut out = Vec::new();
+    for ((holder, what), ks) in groups {
+        for chunk in ks.chunks(BATCH_PAGES) {
+            out.push(MemBatch {
+                what,
+                holder,
+                indices: chunk.iter().map(|&k| t.indices[k]).collect(),
+                ks: chunk.to_vec(),
+            });
+        }
+    }
+    out
 }
 
 async fn reap(inflight: &mut tokio::task::JoinSet<Result<(), OpError>>) -> Result<(), OpError> {
