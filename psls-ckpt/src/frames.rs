@@ -673,19 +673,32 @@ impl<D: Clone> FrameTable<D> {
     }
 
     /// The copies this node (logical `me`) sends to re-create those the nodes in `lost` held
-    /// (a rollback to a memory checkpoint after they lost theirs): per (node, file, role it
-    /// holds them as), the pages and this node's committed copies of them, in page order, each
-    /// at the site it has there. A page's copy goes to where its other copy was: the other
-    /// holder, the writer (from the primary holder), or the primary holder (from the writer).
+    /// (a rollback to memory checkpoint `target` after they lost theirs): per (node, file, role
+    /// it holds them as), the pages and this node's committed copies of them, in page order,
+    /// each at the site it has there. A page's copy goes to where its other copy was: the
+    /// other holder, the writer (from the primary holder), or the primary holder (from the
+    /// writer). A lost node sends nothing; any other that does not hold `target` (it restarted
+    /// since the rollback asked its state: found by the simulator, a lost node then adopted the
+    /// checkpoint without the copies this one had) refuses, and the rollback starts again.
     #[allow(clippy::type_complexity)]
     pub fn copies_for_lost(
         &self,
         job: &str,
+        target: u64,
         lost: &[u32],
         placement: &psls_pfs::Placement,
         me: u32,
-    ) -> BTreeMap<(psls_svm::NodeId, FileId, Role), Vec<(u64, Frame<D>)>> {
+    ) -> Result<BTreeMap<(psls_svm::NodeId, FileId, Role), Vec<(u64, Frame<D>)>>, FrameError> {
         let mut out: BTreeMap<_, Vec<_>> = BTreeMap::new();
+        if lost.contains(&me) {
+            return Ok(out);
+        }
+        let held = self.job(job).committed;
+        if held != target {
+            return Err(FrameError::Invalid(format!(
+                "recovery copies of {job}: this node holds checkpoint {held}, not {target}"
+            )));
+        }
         for (file, index, frame) in self.committed_frames(job) {
             let (to, role, site) = match frame.site {
                 Site::Holder => {
@@ -708,7 +721,7 @@ impl<D: Clone> FrameTable<D> {
                     .push((index, Frame { role, site, ..frame }));
             }
         }
-        out
+        Ok(out)
     }
 
     /// Installs recovery copies re-created from the other copy (a rollback). Refused as a
@@ -1198,14 +1211,28 @@ mod tests {
         assert_eq!(t[h2 as usize].read(F, 0), None, "the mirror holder keeps no older copy");
         assert_eq!(t.iter().map(FrameTable::frames).sum::<u64>(), 2);
         // The writer lost its copies: the primary holder re-creates it there, as a writer's.
-        let c = t[h1 as usize].copies_for_lost("j", &[w], &p, h1);
+        let c = t[h1 as usize].copies_for_lost("j", 2, &[w], &p, h1).unwrap();
         let ((to, file, role), pages) = c.into_iter().next().unwrap();
         assert_eq!((to.0, file, role), (w, F, Role::Mirror));
         assert_eq!((pages[0].1.site, pages[0].1.data), (Site::Writer, 2));
-        assert!(t[h1 as usize].copies_for_lost("j", &[h2], &p, h1).is_empty());
+        assert!(t[h1 as usize]
+            .copies_for_lost("j", 2, &[h2], &p, h1)
+            .unwrap()
+            .is_empty());
+        assert!(
+            t[h1 as usize].copies_for_lost("j", 3, &[w], &p, h1).is_err(),
+            "checkpoint 3 is not held here"
+        );
+        assert!(
+            FrameTable::<u8>::new(1)
+                .copies_for_lost("j", 2, &[w], &p, w)
+                .unwrap()
+                .is_empty(),
+            "a lost node sends nothing"
+        );
         // The primary holder lost its copies: the writer re-creates it; an older writer's copy
         // sent too (another node wrote the page at epoch 1) loses to the newer.
-        let c = t[w as usize].copies_for_lost("j", &[h1], &p, w);
+        let c = t[w as usize].copies_for_lost("j", 2, &[h1], &p, w).unwrap();
         let ((to, _, role), pages) = c.into_iter().next().unwrap();
         assert_eq!(
             (to.0, role, pages[0].1.site),

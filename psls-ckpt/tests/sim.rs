@@ -2298,18 +2298,25 @@ impl World {
                 self.nodes[i].frames.settle(JOB, target, fenced, persistent);
                 self.restores[k].machine.handle_settled(&p)
             }
-            RestoreAction::Recreate { node: p, lost, .. } => {
+            RestoreAction::Recreate { node: p, target, lost } => {
                 let h = node(&p);
                 if !self.restore_reaches(ci, h) {
                     self.fail_restore(k, unreachable(&p));
                     return false;
                 }
-                // The holder sends what the nodes that lost theirs held (the daemon's
+                // The survivor sends what the nodes that lost theirs held (the daemon's
                 // `FramesReq::Recreate`).
-                for ((o, file, _), pages) in self.nodes[h]
+                let copies = match self.nodes[h]
                     .frames
-                    .copies_for_lost(JOB, &lost, &self.placement, h as u32)
+                    .copies_for_lost(JOB, target, &lost, &self.placement, h as u32)
                 {
+                    Ok(c) => c,
+                    Err(e) => {
+                        self.fail_restore(k, e.to_string());
+                        return false;
+                    }
+                };
+                for ((o, file, _), pages) in copies {
                     let writers = pages.iter().filter(|(_, f)| f.site != Site::Holder).count();
                     self.counts.0[Counts::WRITER_RECREATIONS] += writers as u64;
                     self.nodes[o.0 as usize]

@@ -146,11 +146,16 @@ impl RecoveryArea {
     pub fn copies_for_lost(
         &self,
         job: &str,
+        target: u64,
         lost: &[u32],
         placement: &psls_pfs::Placement,
         me: u32,
-    ) -> std::collections::BTreeMap<(psls_svm::NodeId, FileId, psls_pfs::Role), Vec<(u64, Frame)>> {
-        self.table.locked().copies_for_lost(job, lost, placement, me)
+    ) -> Result<std::collections::BTreeMap<(psls_svm::NodeId, FileId, psls_pfs::Role), Vec<(u64, Frame)>>, OpError>
+    {
+        self.table
+            .locked()
+            .copies_for_lost(job, target, lost, placement, me)
+            .map_err(op_error)
     }
 
     pub fn install(&self, job: &str, file: FileId, pages: Vec<(u64, Frame)>) -> Result<(), OpError> {

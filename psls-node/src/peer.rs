@@ -240,9 +240,10 @@ pub enum FramesReq {
         persistent: u64,
         files: Vec<FileId>,
     },
-    /// Send every recovery copy of `job` held here whose other copy was on one of the logical
-    /// ids `lost` (restarted or replaced) there (answered with `Recreated`).
-    Recreate { job: String, lost: Vec<u32> },
+    /// Send every recovery copy of `job`'s memory checkpoint `target` held here whose other
+    /// copy was on one of the logical ids `lost` (restarted or replaced) there (answered with
+    /// `Recreated`; refused by a node that does not hold `target`).
+    Recreate { job: String, target: u64, lost: Vec<u32> },
     /// Every holder re-created this node's copies of `job`'s memory checkpoint `committed`: it
     /// is committed here (until then a restore cut short finds this node lost again).
     Adopt { job: String, committed: u64 },

@@ -97,9 +97,10 @@ pub async fn restore(
                 node.call_ok(&p, req).await?;
                 r.handle_settled(&p).map_err(internal)?;
             }
-            RestoreAction::Recreate { node: p, lost, .. } => {
+            RestoreAction::Recreate { node: p, target, lost } => {
                 let req = PeerReq::Frames(FramesReq::Recreate {
                     job: job.to_string(),
+                    target,
                     lost,
                 });
                 match node.call_ok(&p, req).await? {

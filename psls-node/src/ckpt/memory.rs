@@ -344,8 +344,8 @@ impl CkptShell {
                 tracing::info!(node = %node.name(), job, committed, "re-created recovery copies adopted");
                 Ok((PeerResp::Ok, none))
             }
-            FramesReq::Recreate { job, lost } => {
-                let pages = self.recreate(&job, &lost).await?;
+            FramesReq::Recreate { job, target, lost } => {
+                let pages = self.recreate(&job, target, &lost).await?;
                 Ok((PeerResp::Recreated { pages }, none))
             }
             FramesReq::Install { job, file, role, pages } => {
@@ -382,14 +382,14 @@ impl CkptShell {
 
     /// Sends every recovery copy of `job` held here whose other copy was on one of `lost`
     /// there (now a restarted node or a spare under the same logical id).
-    async fn recreate(&self, job: &str, lost: &[u32]) -> Result<u64, OpError> {
+    async fn recreate(&self, job: &str, target: u64, lost: &[u32]) -> Result<u64, OpError> {
         let node = &self.node;
         let st = node.meta_state();
         let p = node.placement;
         let me = node
             .my_logical(&st)
             .ok_or_else(|| OpError::new(ErrorKind::Unavailable, format!("{} holds no logical id", node.name())))?;
-        let batches = node.frames.copies_for_lost(job, lost, &p, me.0);
+        let batches = node.frames.copies_for_lost(job, target, lost, &p, me.0)?;
         let mut sent = 0u64;
         for ((l, file, role), frames) in batches {
             let phys = node.physical_of(&st, l);
