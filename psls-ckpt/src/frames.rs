@@ -183,6 +183,12 @@ pub struct JobMem {
     /// began, or a rollback fenced them), and a late store must not become part of another
     /// checkpoint.
     pub floor: u64,
+    /// A rollback to this memory epoch settled this node without it (it lost its copies):
+    /// re-created copies are installed and the epoch adopted only while it is set. A node
+    /// that restarts in the middle has it no more, so it never adopts a checkpoint with the
+    /// copies of only the survivors that sent theirs after its restart (found by the
+    /// simulator).
+    pub recreating: Option<u64>,
 }
 
 /// Frame counts by category, over every job.
@@ -730,6 +736,17 @@ impl<D: Clone> FrameTable<D> {
     /// epoch stays: it is [`FrameTable::adopt`]ed once every survivor sent its copies, so a
     /// restore cut short leaves this node lost, and its copies are re-created whole by the next.
     pub fn install(&mut self, job: &str, file: FileId, pages: Vec<(u64, Frame<D>)>) -> Result<(), FrameError> {
+        let Some(target) = self.job(job).recreating else {
+            return Err(FrameError::Invalid(format!(
+                "recovery copies of {job} re-created here, where no rollback awaits them"
+            )));
+        };
+        if let Some((i, f)) = pages.iter().find(|(_, f)| f.epoch > target) {
+            return Err(FrameError::Invalid(format!(
+                "a re-created copy of page {file}:{i} of epoch {} is newer than the rollback's {target}",
+                f.epoch
+            )));
+        }
         let (used, capacity) = (self.frames, self.capacity);
         let ff = self.file_of(job, file)?;
         let mut fresh: Vec<u64> = pages
@@ -754,19 +771,19 @@ impl<D: Clone> FrameTable<D> {
         Ok(())
     }
 
-    /// Every holder re-created this node's copies of `job`'s memory checkpoint `committed`:
-    /// it is committed here.
-    pub fn adopt(&mut self, job: &str, committed: u64) {
-        if let Some(jm) = self.jobs.get_mut(job) {
-            jm.committed = jm.committed.max(committed);
-        } else if self.jobs.len() < MAX_JOBS {
-            self.jobs.insert(
-                job.to_string(),
-                JobMem {
-                    committed,
-                    ..JobMem::default()
-                },
-            );
+    /// Every survivor re-created this node's copies of `job`'s memory checkpoint `committed`:
+    /// it is committed here. Refused unless the rollback that settled this node to it is the
+    /// one re-creating them ([`JobMem::recreating`]).
+    pub fn adopt(&mut self, job: &str, committed: u64) -> Result<(), FrameError> {
+        match self.jobs.get_mut(job) {
+            Some(jm) if jm.recreating == Some(committed) => {
+                jm.committed = jm.committed.max(committed);
+                jm.recreating = None;
+                Ok(())
+            }
+            _ => Err(FrameError::Invalid(format!(
+                "checkpoint {committed} of {job} is not being re-created here (a restart since the rollback settled it?)"
+            ))),
         }
     }
 
@@ -815,6 +832,7 @@ impl<D: Clone> FrameTable<D> {
             let jm = self.jobs.entry(job.to_string()).or_default();
             jm.committed = if holds { target } else { jm.committed.min(target) };
             jm.floor = jm.floor.max(fenced).max(target);
+            jm.recreating = (!holds).then_some(target);
         }
     }
 
@@ -970,7 +988,8 @@ mod tests {
             JobMem {
                 committed: 1,
                 pre: None,
-                floor: 1
+                floor: 1,
+                recreating: None,
             }
         );
         // Epoch 2 rewrites page 0: the old copy stays until the commit.
@@ -1122,8 +1141,27 @@ mod tests {
             rollback_target(&[(0, 3, None), (1, a.job("j").committed, None), (2, 3, None)], 1, 3).1,
             vec![1]
         );
-        a.adopt("j", 3);
+        assert!(a.adopt("j", 2).is_err(), "2 is not the rollback's checkpoint");
+        a.adopt("j", 3).unwrap();
         assert_eq!((a.job("j").committed, a.read(f, 4)), (3, Some(&7)));
+        // Found by the simulator: a lost node that restarts while its copies are re-created
+        // takes no more of them, and adopts nothing.
+        let mut b: FrameTable<u8> = FrameTable::new(8);
+        let frame = Frame {
+            epoch: 3,
+            role: Role::Mirror,
+            site: Site::Holder,
+            data: 7,
+            saved: false,
+            superseded_gen: 0,
+        };
+        assert!(b.install("j", f, vec![(4, frame.clone())]).is_err());
+        assert!(b.adopt("j", 3).is_err());
+        b.settle("j", 3, 3, 0);
+        assert!(
+            b.install("j", f, vec![(4, Frame { epoch: 4, ..frame })]).is_err(),
+            "newer than the target"
+        );
         // A rollback to the persistent checkpoint: every node is at 0.
         a.settle("j", 0, 4, 0);
         assert_eq!(a.job("j").committed, 0);
@@ -1239,6 +1277,7 @@ mod tests {
             (h1, Role::Primary, Site::HolderWithWriter(w))
         );
         let mut fresh: FrameTable<u8> = FrameTable::new(8);
+        fresh.settle("j", 2, 2, 0);
         fresh.install("j", F, pages.clone()).unwrap();
         let older = Frame {
             epoch: 1,

@@ -90,7 +90,7 @@
 mod common;
 
 use psls_ckpt::cleaning::Policy;
-use psls_ckpt::frames::{site_of, FrameTable, Site};
+use psls_ckpt::frames::{site_of, FrameError, FrameTable, Site};
 use psls_ckpt::msg::Level;
 use psls_ckpt::restore::{NodeState, Restore, RestoreAction};
 use psls_ckpt::{CoordAction, Coordinator, Msg, Outcome, PartAction, Participant};
@@ -382,7 +382,7 @@ struct Envelope {
 }
 
 /// What a run counts; over many seeds, each must have happened.
-const COUNTED: [&str; 22] = [
+const COUNTED: [&str; 23] = [
     "persistent checkpoints committed",
     "memory checkpoints committed",
     "rollbacks",
@@ -405,6 +405,7 @@ const COUNTED: [&str; 22] = [
     "rounds a coordinator already declared down went on with to their end",
     "pages whose mirror recovery copy stayed on their writer",
     "recovery copies re-created from or on a writer",
+    "re-created copies refused by a lost node restarted since its settle",
 ];
 
 #[derive(Default)]
@@ -433,6 +434,7 @@ impl Counts {
     const DECLARED_ROUNDS: usize = 19;
     const WRITER_COPIES: usize = 20;
     const WRITER_RECREATIONS: usize = 21;
+    const REFUSED_RECREATIONS: usize = 22;
 }
 
 struct World {
@@ -2319,10 +2321,14 @@ impl World {
                 for ((o, file, _), pages) in copies {
                     let writers = pages.iter().filter(|(_, f)| f.site != Site::Holder).count();
                     self.counts.0[Counts::WRITER_RECREATIONS] += writers as u64;
-                    self.nodes[o.0 as usize]
-                        .frames
-                        .install(JOB, file, pages)
-                        .expect("a lost node's copies fit where they were");
+                    // Refused only by a lost node that restarted since it was settled (its
+                    // copies fit where they were).
+                    if let Err(e) = self.nodes[o.0 as usize].frames.install(JOB, file, pages) {
+                        assert!(matches!(e, FrameError::Invalid(_)), "{e}");
+                        self.count(Counts::REFUSED_RECREATIONS);
+                        self.fail_restore(k, e.to_string());
+                        return false;
+                    }
                 }
                 self.restores[k].machine.handle_recreated(&p)
             }
@@ -2332,7 +2338,10 @@ impl World {
                     self.fail_restore(k, unreachable(&p));
                     return false;
                 }
-                self.nodes[i].frames.adopt(JOB, target);
+                if let Err(e) = self.nodes[i].frames.adopt(JOB, target) {
+                    self.fail_restore(k, e.to_string());
+                    return false;
+                }
                 self.restores[k].machine.handle_adopted(&p)
             }
             RestoreAction::Drop { node: p, .. } => {

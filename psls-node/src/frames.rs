@@ -162,8 +162,8 @@ impl RecoveryArea {
         self.table.locked().install(job, file, pages).map_err(op_error)
     }
 
-    pub fn adopt(&self, job: &str, committed: u64) {
-        self.table.locked().adopt(job, committed)
+    pub fn adopt(&self, job: &str, committed: u64) -> Result<(), OpError> {
+        self.table.locked().adopt(job, committed).map_err(op_error)
     }
 
     pub fn settle(&self, job: &str, target: u64, fenced: u64, persistent: u64) {

@@ -340,7 +340,7 @@ impl CkptShell {
                 Ok((PeerResp::Ok, none))
             }
             FramesReq::Adopt { job, committed } => {
-                node.frames.adopt(&job, committed);
+                node.frames.adopt(&job, committed)?;
                 tracing::info!(node = %node.name(), job, committed, "re-created recovery copies adopted");
                 Ok((PeerResp::Ok, none))
             }
