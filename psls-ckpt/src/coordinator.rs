@@ -290,6 +290,14 @@ impl Coordinator {
                 participants.len()
             )));
         }
+        // A round at or below the committed memory epoch would abort, and its abort would take
+        // that epoch's pre-recovery copies from a node that missed the commit (found by the
+        // simulator, once writers kept a copy of their own).
+        if epoch <= committed {
+            return Err(StartError::Invalid(format!(
+                "epoch {epoch} is not above the committed epoch {committed}"
+            )));
+        }
         self.rounds.insert(
             job.to_string(),
             Round {

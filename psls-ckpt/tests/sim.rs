@@ -1188,12 +1188,6 @@ impl World {
         } else {
             Level::Persistent
         });
-        let epoch = self
-            .meta
-            .job_floor(JOB)
-            .max(self.nodes[ci].started)
-            .max(self.nodes[ci].coord.seen(JOB))
-            + 1;
         let all: BTreeSet<NodeId> = (0..self.nodes.len()).map(|i| NodeId(i as u32)).collect();
         let files = self.file_ids();
         let now = self.now_ms;
@@ -1211,6 +1205,14 @@ impl World {
             c.mem_learned_term = self.term;
         }
         let committed = self.committed_epoch().max(self.nodes[ci].mem_committed);
+        // Above every epoch begun, seen or committed (the daemon's `run_round_once`).
+        let epoch = self
+            .meta
+            .job_floor(JOB)
+            .max(self.nodes[ci].started)
+            .max(self.nodes[ci].coord.seen(JOB))
+            .max(committed)
+            + 1;
         if self.nodes[ci]
             .coord
             .start(now, JOB, epoch, (level, self.cleaning), files, all, committed)
@@ -2642,7 +2644,7 @@ fn run(seed: u64) -> Counts {
 fn checkpoints_and_rollbacks_keep_exactly_one_checkpoint_on_the_disks() {
     let mut total = Counts::default();
     let seeds = common::seeds(10_000);
-    let many = seeds.end - seeds.start >= 100;
+    let seeds_run = seeds.end - seeds.start;
     for seed in seeds {
         let r = std::panic::catch_unwind(|| run(seed));
         match r {
@@ -2665,10 +2667,15 @@ fn checkpoints_and_rollbacks_keep_exactly_one_checkpoint_on_the_disks() {
         .map(|(what, c)| format!("{c} {what}"))
         .collect();
     println!("{}", said.join("; "));
-    // Every kind of step happened (a single seed need not have them all).
-    if many {
-        for (what, c) in COUNTED.iter().zip(total.0) {
-            assert!(c > 0, "no {what} over the seeds run");
-        }
+    // Every kind of step happened (a single seed need not have them all); the rare ones only
+    // over runs long enough to have them: a writer's copy re-created (about 1 seed in 100), a
+    // lost node restarting between its settle and its copies' re-creation (about 1 in 10,000).
+    let needs = |k: usize| match k {
+        Counts::WRITER_RECREATIONS => 2_000,
+        Counts::REFUSED_RECREATIONS => 50_000,
+        _ => 100,
+    };
+    for (k, (what, c)) in COUNTED.iter().zip(total.0).enumerate() {
+        assert!(c > 0 || seeds_run < needs(k), "no {what} over the seeds run");
     }
 }

@@ -394,13 +394,15 @@ impl CkptShell {
                     }
                     let mut started = self.started.locked();
                     let mut coord = self.coord.locked();
+                    let committed = self.known_committed(&job, &st);
+                    // Above every epoch begun, seen or committed.
                     let epoch = st
                         .job_floor(&job)
                         .max(started.get(&job).copied().unwrap_or(0))
                         .max(coord.seen(&job))
+                        .max(committed)
                         + 1;
                     let participants: BTreeSet<NodeId> = node.logical_map(&st).keys().map(|l| NodeId(*l)).collect();
-                    let committed = self.known_committed(&job, &st);
                     let cleaning = self.cleaning_of(&job);
                     coord
                         .start(
