@@ -1,7 +1,29 @@
 //! `psls-bench`: benchmarks and the benchmark applications. Every figure is reported as a
 //! ratio to a baseline measured in the same run, because this machine is shared and noisy.
-//! Binaries: `pfs-bench` (PFS import/export throughput), `mgs` (the MGS job, run with
-//! `psls run`), `fault-bench` (fault latencies).
+//! Binaries (each answers `--help`): `pfs-bench` (PFS import/export throughput), `mgs` (the
+//! MGS job, run with `psls run`), `fault-bench` (fault latencies), `step-bench` (barrier and
+//! step against MPI, run with `psls run`), `link-bench` (a link message against plain TCP),
+//! `ckpt-bench` and `mem-bench` (checkpoint costs on MGS), `figures` (the paper's Figures 5
+//! and 6), `meta-bench` (metadata as the namespace grows).
+
+/// A command-line count that must be at least 1 (clap's value parser for such arguments).
+pub fn positive(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(0) => Err("must be at least 1".into()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// An MGS size for the checkpoint benchmarks: at least 50 vectors (one checkpoint at the
+/// smallest K).
+pub fn vectors(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(n) if n >= 50 => Ok(n),
+        Ok(_) => Err("must be at least 50".into()),
+        Err(e) => Err(e.to_string()),
+    }
+}
 
 /// Median of a non-empty sample.
 pub fn median(v: &mut [f64]) -> f64 {

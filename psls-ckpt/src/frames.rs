@@ -1118,24 +1118,17 @@ mod tests {
     fn a_node_that_lost_its_copies_stays_lost_until_it_adopts_the_re_created_ones() {
         let mut a: FrameTable<u8> = FrameTable::new(8);
         let f = FileId(1);
+        let frame = Frame {
+            epoch: 3,
+            role: Role::Mirror,
+            site: Site::Holder,
+            data: 7,
+            saved: false,
+            superseded_gen: 0,
+        };
         a.settle("j", 3, 3, 0);
         assert_eq!(a.job("j").committed, 0, "a restarted node does not hold checkpoint 3");
-        a.install(
-            "j",
-            f,
-            vec![(
-                4,
-                Frame {
-                    epoch: 3,
-                    role: Role::Mirror,
-                    site: Site::Holder,
-                    data: 7,
-                    saved: false,
-                    superseded_gen: 0,
-                },
-            )],
-        )
-        .unwrap();
+        a.install("j", f, vec![(4, frame.clone())]).unwrap();
         assert_eq!(a.job("j").committed, 0, "one holder's copies are not all of them");
         assert_eq!(
             rollback_target(&[(0, 3, None), (1, a.job("j").committed, None), (2, 3, None)], 1, 3).1,
@@ -1147,14 +1140,6 @@ mod tests {
         // Found by the simulator: a lost node that restarts while its copies are re-created
         // takes no more of them, and adopts nothing.
         let mut b: FrameTable<u8> = FrameTable::new(8);
-        let frame = Frame {
-            epoch: 3,
-            role: Role::Mirror,
-            site: Site::Holder,
-            data: 7,
-            saved: false,
-            superseded_gen: 0,
-        };
         assert!(b.install("j", f, vec![(4, frame.clone())]).is_err());
         assert!(b.adopt("j", 3).is_err());
         b.settle("j", 3, 3, 0);

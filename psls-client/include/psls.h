@@ -46,10 +46,12 @@ int psls_map_ro(const char *name, size_t size, const void **addr);
 /* Unmaps a mapping of psls_map or psls_map_ro. */
 int psls_unmap(const void *addr);
 /* The safe-point call: every rank calls it at the same point of its main loop with its
- * private state (at most 1 MiB). Once all have, the coordinator decides for all: a persistent
- * checkpoint of the job's files and states (the job's --checkpoint-interval elapsed, or
- * `psls checkpoint` / `psls halt` asked), or nothing. Returns the checkpoint's epoch, 0 when
- * none was taken, or a negative error. After `psls halt` the job's ranks are stopped. */
+ * private state (at most 1 MiB). Once all have, the coordinator decides for all: a checkpoint
+ * of the job's files and states (the job's --checkpoint-interval elapsed, or `psls checkpoint`
+ * / `psls halt` asked) at the job's --level: in the nodes' memories, or persistent on the
+ * mirrored disks (auto: memory, and persistent now and then), or nothing. Returns the
+ * checkpoint's epoch, 0 when none was taken, or a negative error. After `psls halt` (which
+ * asks for a persistent one) the job's ranks are stopped. */
 int psls_checkpoint(const void *state, size_t len);
 /* Whether this rank restarted from a checkpoint: 1 with the state it saved copied to `buf`
  * and its length in *len; 0 on a fresh start; negative on error (PSLS_EINVAL when `cap` is

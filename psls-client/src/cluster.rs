@@ -28,6 +28,48 @@ pub fn load(dir: &Path) -> Result<ClusterConfig> {
     Ok(ClusterConfig::load(&p)?)
 }
 
+/// `psls config check`: the cluster folder's config parses and keeps every rule (an error
+/// names the first rule broken), and what would trouble the daemons on this machine, as
+/// warnings: ports the kernel also hands out to outgoing connections (its ephemeral range), and
+/// missing certificates or keys. Returns the config and the warnings.
+pub fn check(dir: &Path) -> Result<(ClusterConfig, Vec<String>)> {
+    let cfg = load(dir)?;
+    let mut warnings = Vec::new();
+    let range = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|t| {
+            let mut it = t.split_whitespace().map(|x| x.parse::<u16>().ok());
+            Some((it.next()??, it.next()??))
+        });
+    for n in cfg.all() {
+        let link = n.link().map(|l| l.port());
+        for (what, port) in [("addr", Some(n.addr.port())), ("link_addr", link)] {
+            if let (Some(port), Some((lo, hi))) = (port, range) {
+                if (lo..=hi).contains(&port) {
+                    warnings.push(format!(
+                        "node {}: {what} port {port} is in this machine's ephemeral port range {lo}-{hi} \
+                         (net.ipv4.ip_local_port_range): an outgoing connection may hold it when the daemon starts",
+                        n.name
+                    ));
+                }
+            }
+        }
+    }
+    let certs = cfg.cert_dir();
+    let names = ["ca".to_string()].into_iter().chain(cfg.all().map(|n| n.name.clone()));
+    for name in names {
+        // The CA's key signs new certificates only; a node needs the CA's certificate.
+        let exts: &[&str] = if name == "ca" { &["pem"] } else { &["pem", "key"] };
+        for ext in exts {
+            let f = certs.join(format!("{name}.{ext}"));
+            if !f.exists() {
+                warnings.push(format!("{} is missing", f.display()));
+            }
+        }
+    }
+    Ok((cfg, warnings))
+}
+
 /// `psls cluster init`.
 pub fn init(dir: &Path, nodes: u32, spares: u32, memory_mb: u64, base_port: u16, force: bool) -> Result<ClusterConfig> {
     if config_path(dir).exists() && !force {
@@ -263,27 +305,61 @@ fn healthy(cfg: &ClusterConfig, expected: &[NodeEntry]) -> bool {
         && coordinators.windows(2).all(|w| w[0] == w[1])
 }
 
-/// `psls cluster down`: SIGTERM every daemon, SIGKILL after 10 s.
+/// `psls cluster down`: SIGTERM every daemon, SIGKILL after 10 s. Returns the nodes whose
+/// daemons stopped; fails, naming each, when a daemon could not be signalled (another user's,
+/// say) or outlived its SIGKILL, or when its pid file could not be read: those daemons still
+/// run, and their pid files stay.
 pub fn down(dir: &Path) -> Result<Vec<String>> {
+    use nix::errno::Errno;
     use nix::sys::signal::{kill, Signal};
     use nix::unistd::Pid;
     let cfg = load(dir)?;
     let mut stopped = Vec::new();
+    let mut failed: Vec<String> = Vec::new();
     let mut pids = Vec::new();
     for n in cfg.all() {
+        if let Err(e) = std::fs::read_to_string(pid_file(dir, &n.name)) {
+            if e.kind() != std::io::ErrorKind::NotFound {
+                failed.push(format!("{} ({}: {e})", n.name, pid_file(dir, &n.name).display()));
+            }
+            continue;
+        }
         if let Some(pid) = running_pid(dir, &n.name) {
-            let _ = kill(Pid::from_raw(pid), Signal::SIGTERM);
-            pids.push((n.name.clone(), pid));
+            match kill(Pid::from_raw(pid), Signal::SIGTERM) {
+                Ok(()) => pids.push((n.name.clone(), pid)),
+                Err(Errno::ESRCH) => pids.push((n.name.clone(), pid)),
+                Err(e) => failed.push(format!("{} (pid {pid}): {}", n.name, e.desc())),
+            }
         }
     }
     let deadline = Instant::now() + Duration::from_secs(10);
     for (name, pid) in pids {
         if !wait_gone(pid, deadline.saturating_duration_since(Instant::now())) {
-            let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
-            wait_gone(pid, Duration::from_secs(5));
+            if let Err(e) = kill(Pid::from_raw(pid), Signal::SIGKILL) {
+                if e != Errno::ESRCH {
+                    failed.push(format!("{name} (pid {pid}): {}", e.desc()));
+                    continue;
+                }
+            }
+            if !wait_gone(pid, Duration::from_secs(5)) {
+                failed.push(format!("{name} (pid {pid}): still running 5 s after SIGKILL"));
+                continue;
+            }
         }
         let _ = std::fs::remove_file(pid_file(dir, &name));
         stopped.push(name);
+    }
+    if !failed.is_empty() {
+        let done = if stopped.is_empty() {
+            String::new()
+        } else {
+            format!(" (stopped: {})", stopped.join(", "))
+        };
+        bail!(
+            "could not stop {} of the cluster's daemons: {}{done}; they still run (stop them as their user, or as root)",
+            failed.len(),
+            failed.join("; ")
+        );
     }
     Ok(stopped)
 }

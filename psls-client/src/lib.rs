@@ -48,10 +48,11 @@ fn unexpected(r: Response) -> ClientError {
 
 impl Client {
     pub fn connect(path: &Path) -> Result<Client, ClientError> {
-        let s = UnixStream::connect(path).map_err(|err| ClientError::Connect {
+        let mut s = UnixStream::connect(path).map_err(|err| ClientError::Connect {
             path: path.display().to_string(),
             err,
         })?;
+        s.write_all(&proto::hello()).map_err(|e| ClientError::Frame(e.into()))?;
         let r = BufReader::with_capacity(1 << 20, s.try_clone().map_err(|e| ClientError::Frame(e.into()))?);
         Ok(Client {
             r,

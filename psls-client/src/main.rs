@@ -30,10 +30,14 @@ enum Cmd {
     /// Node administration.
     #[command(subcommand, name = "node")]
     NodeAdmin(NodeCmd),
+    /// The cluster's config.
+    #[command(subcommand)]
+    Config(ConfigCmd),
     /// Create a zero-filled parallel file.
     Create {
         name: String,
-        #[arg(long)]
+        /// Size: bytes, or with a unit (4K, 1M, 2G, 1T; binary: 1M = 1 MiB).
+        #[arg(long, value_parser = parse_size)]
         size: u64,
         /// Permission bits, octal.
         #[arg(long, default_value = "644", value_parser = parse_mode)]
@@ -76,37 +80,37 @@ enum Cmd {
         /// Place this many consecutive ranks per node (default: round robin).
         #[arg(long)]
         per_node: Option<u32>,
-        /// A safe-point call (psls_checkpoint) takes a persistent checkpoint when this many
-        /// seconds passed since the job's last one (0: every call).
-        #[arg(long, default_value_t = 0)]
+        /// A safe-point call (psls_checkpoint) takes a checkpoint when this long passed since
+        /// the job's last one (0: every call). Durations: seconds, or with units (90s, 2m, 1h).
+        #[arg(long, value_name = "DURATION", default_value = "0", value_parser = parse_duration_s)]
         checkpoint_interval: u64,
-        /// A safe-point call fails when not every rank made it within this many seconds.
-        #[arg(long, default_value_t = 60)]
+        /// A safe-point call fails when not every rank made it within this long.
+        #[arg(long, value_name = "DURATION", default_value = "60s", value_parser = parse_duration_s)]
         checkpoint_timeout: u64,
         /// After a node failure the job is rolled back to its last checkpoint and restarted,
         /// at most this many times.
         #[arg(long, default_value_t = 3)]
         max_restarts: u32,
-        /// How long a rollback waits for a failed node to come back, in seconds.
-        #[arg(long, default_value_t = 60)]
+        /// How long a rollback waits for a failed node to come back.
+        #[arg(long, value_name = "DURATION", default_value = "60s", value_parser = parse_duration_s)]
         respawn_timeout: u64,
         /// Which level a safe point's checkpoint takes: auto (memory checkpoints, and the
         /// cleaner when the persistent interval elapsed or memory runs short), memory or
         /// persistent.
         #[arg(long, default_value = "auto", value_parser = ["auto", "memory", "persistent"])]
         level: String,
-        /// With --level auto, take a persistent checkpoint when this many seconds passed since
-        /// the job's last one (default: the cluster's, 60).
-        #[arg(long, default_value_t = 0)]
-        persistent_interval: u64,
+        /// With --level auto, take a persistent checkpoint when this long passed since the
+        /// job's last one [default: the cluster's, 60s].
+        #[arg(long, value_name = "DURATION", value_parser = parse_duration_s)]
+        persistent_interval: Option<u64>,
         /// With --level auto, also make every N-th checkpoint a persistent one, whatever the
         /// time (as SCR's flush frequency; 0: by the interval only).
         #[arg(long, default_value_t = 0, value_name = "N")]
         persistent_every: u32,
         /// What stays in memory after a persistent checkpoint: none, total, p1, p2, p3 or
-        /// lru:FRAMES (default: the cluster's, p1).
-        #[arg(long, default_value = "")]
-        cleaning: String,
+        /// lru:FRAMES [default: the cluster's, p1].
+        #[arg(long)]
+        cleaning: Option<String>,
         /// After a rollback, load again the pages each node held (as many as the cleaning
         /// policy keeps in memory) before the ranks restart.
         #[arg(long)]
@@ -170,7 +174,8 @@ enum ClusterCmd {
     },
     /// Start every daemon that is not running; wait until the cluster is healthy.
     Up {
-        #[arg(long, default_value_t = 30)]
+        /// How long to wait for the cluster to become healthy.
+        #[arg(long = "timeout", visible_alias = "timeout-s", value_name = "DURATION", default_value = "30s", value_parser = parse_duration_s)]
         timeout_s: u64,
     },
     /// Stop every daemon.
@@ -180,6 +185,14 @@ enum ClusterCmd {
         #[arg(long)]
         json: bool,
     },
+}
+
+#[derive(Subcommand)]
+enum ConfigCmd {
+    /// Check the cluster folder's cluster.toml: every rule (errors), and what would trouble
+    /// the daemons on this machine (warnings: ports in the ephemeral range, missing
+    /// certificates). Exits 1 on an error, 0 otherwise.
+    Check,
 }
 
 #[derive(Subcommand)]
@@ -199,6 +212,45 @@ enum NodeCmd {
         #[arg(long)]
         no_wait: bool,
     },
+}
+
+/// A size: bytes, or a number with a binary unit (K, M, G, T, optionally followed by `iB` or
+/// `B`: 1M = 1MiB = 1MB = 1,048,576 bytes).
+fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let digits = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(digits);
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("'{s}' is not a size (bytes, or a number with K, M, G or T)"))?;
+    let shift = match unit
+        .trim()
+        .to_ascii_uppercase()
+        .trim_end_matches("IB")
+        .trim_end_matches('B')
+    {
+        "" => 0,
+        "K" => 10,
+        "M" => 20,
+        "G" => 30,
+        "T" => 40,
+        _ => return Err(format!("'{s}': unknown unit '{unit}' (use K, M, G or T)")),
+    };
+    n.checked_mul(1u64 << shift)
+        .ok_or_else(|| format!("'{s}' is too large"))
+}
+
+/// A duration in whole seconds: a number of seconds, or with units (`90s`, `2m`, `1h 30m`).
+fn parse_duration_s(s: &str) -> Result<u64, String> {
+    if let Ok(n) = s.trim().parse::<u64>() {
+        return Ok(n);
+    }
+    let d =
+        humantime::parse_duration(s).map_err(|e| format!("'{s}' is not a duration (seconds, or 90s, 2m, 1h): {e}"))?;
+    if d.subsec_nanos() != 0 {
+        return Err(format!("'{s}': whole seconds only"));
+    }
+    Ok(d.as_secs())
 }
 
 fn parse_mode(s: &str) -> Result<u32, String> {
@@ -452,9 +504,9 @@ fn main() -> std::process::ExitCode {
             max_restarts: *max_restarts,
             respawn_timeout_s: (*respawn_timeout).max(1),
             level: level.clone(),
-            persistent_interval_s: *persistent_interval,
+            persistent_interval_s: persistent_interval.unwrap_or(0),
             persistent_every: *persistent_every,
-            cleaning: cleaning.clone(),
+            cleaning: cleaning.clone().unwrap_or_default(),
             prefetch: *prefetch,
             resume: resume.clone().unwrap_or_default(),
         };
@@ -575,6 +627,23 @@ fn run(cli: &Cli) -> Result<()> {
         Cmd::Cluster(ClusterCmd::Up { timeout_s }) => {
             cluster::up(&dir, Duration::from_secs(*timeout_s), false)?;
             println!("cluster is up");
+        }
+        Cmd::Config(ConfigCmd::Check) => {
+            let (cfg, warnings) = cluster::check(&dir)?;
+            for w in &warnings {
+                eprintln!("warning: {w}");
+            }
+            println!(
+                "{}: valid ({} nodes, {} spares){}",
+                cluster::config_path(&dir).display(),
+                cfg.nodes.len(),
+                cfg.spares.len(),
+                if warnings.is_empty() {
+                    String::new()
+                } else {
+                    format!(", {} warnings", warnings.len())
+                }
+            );
         }
         Cmd::Cluster(ClusterCmd::Down) => {
             let stopped = cluster::down(&dir)?;
@@ -933,4 +1002,34 @@ fn utc(ms: u64) -> String {
         rem / 60 % 60,
         rem % 60
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{parse_duration_s, parse_size};
+
+    #[test]
+    fn sizes_take_binary_units() {
+        assert_eq!(parse_size("4096"), Ok(4096));
+        assert_eq!(parse_size("4K"), Ok(4096));
+        for s in ["1M", "1m", "1MiB", "1MB", "1 M"] {
+            assert_eq!(parse_size(s), Ok(1 << 20), "{s}");
+        }
+        assert_eq!(parse_size("2G"), Ok(2 << 30));
+        assert_eq!(parse_size("1T"), Ok(1 << 40));
+        assert!(parse_size("1Q").is_err_and(|e| e.contains("unknown unit")));
+        assert!(parse_size("M").is_err());
+        assert!(parse_size("-1").is_err());
+        assert!(parse_size("99999999999T").is_err_and(|e| e.contains("too large")));
+    }
+
+    #[test]
+    fn durations_are_seconds_or_take_units() {
+        assert_eq!(parse_duration_s("60"), Ok(60));
+        assert_eq!(parse_duration_s("90s"), Ok(90));
+        assert_eq!(parse_duration_s("2m"), Ok(120));
+        assert_eq!(parse_duration_s("1h 30m"), Ok(5400));
+        assert!(parse_duration_s("1.5s").is_err());
+        assert!(parse_duration_s("soon").is_err());
+    }
 }

@@ -71,10 +71,11 @@ struct Conn {
 
 impl Conn {
     fn connect(path: &Path) -> Result<Conn, ClientError> {
-        let sock = UnixStream::connect(path).map_err(|err| ClientError::Connect {
+        let mut sock = UnixStream::connect(path).map_err(|err| ClientError::Connect {
             path: path.display().to_string(),
             err,
         })?;
+        sock.write_all(&proto::hello()).map_err(frame_err)?;
         Ok(Conn { sock })
     }
 

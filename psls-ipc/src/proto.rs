@@ -1,5 +1,10 @@
 //! Client ↔ daemon protocol on the node's Unix stream socket.
 //!
+//! Handshake: a client's first 8 bytes on a connection are [`hello`]: `PSLS` and the
+//! protocol's fingerprint ([`PROTOCOL`], a hash of this file, so two builds whose messages may
+//! differ never misread each other). A daemon answers a mismatch with one `Error` naming both
+//! fingerprints and its version, and closes the connection; a match gets no answer.
+//!
 //! Framing: `[length u32 LE][postcard body]`, length ≤ [`MAX_FRAME`]. Requests and responses
 //! alternate, except the two streams:
 //! - import: `ImportBegin`, any number of `ImportData` (page-sized pieces, in order), then
@@ -18,6 +23,44 @@
 
 use serde::{Deserialize, Serialize};
 use std::io::{self, Read, Write};
+
+/// The client protocol's fingerprint: FNV-1a of this file's text, cut to 32 bits. Any change
+/// to the messages changes it (so does one to a comment: builds of one release pair up).
+pub const PROTOCOL: u32 = {
+    let text = include_bytes!("proto.rs");
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut i = 0;
+    while i < text.len() {
+        h ^= text[i] as u64;
+        h = h.wrapping_mul(0x0100_0000_01b3);
+        i += 1;
+    }
+    (h ^ (h >> 32)) as u32
+};
+
+/// What a client sends first on a connection: `PSLS` and [`PROTOCOL`] (little-endian).
+pub fn hello() -> [u8; 8] {
+    let mut b = [0u8; 8];
+    b[..4].copy_from_slice(b"PSLS");
+    b[4..].copy_from_slice(&PROTOCOL.to_le_bytes());
+    b
+}
+
+/// Why a connection's first bytes are refused, in words for the client: `None` when they are
+/// this build's [`hello`].
+pub fn check_hello(got: &[u8; 8], daemon_version: &str) -> Option<String> {
+    if got[..4] != *b"PSLS" {
+        return Some(format!(
+            "the client did not open with the PSLS handshake (a client older than this daemon, psls-node {daemon_version}, protocol {PROTOCOL:08x}, or not a PSLS client): use the psls of the same build"
+        ));
+    }
+    let theirs = u32::from_le_bytes([got[4], got[5], got[6], got[7]]);
+    (theirs != PROTOCOL).then(|| {
+        format!(
+            "client protocol {theirs:08x} does not match this daemon's, {PROTOCOL:08x} (psls-node {daemon_version}): use the psls of the same build"
+        )
+    })
+}
 
 /// Upper bound of one frame body (a 4 MiB data chunk plus headers).
 pub const MAX_FRAME: usize = 4 * 1024 * 1024 + 4096;
@@ -625,6 +668,18 @@ pub fn data_range(body: &[u8]) -> Option<std::ops::Range<usize>> {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn the_handshake_refuses_another_build_and_a_client_without_it() {
+        assert_eq!(check_hello(&hello(), "1.0"), None);
+        let mut other = hello();
+        other[7] ^= 0x80;
+        let why = check_hello(&other, "1.0").expect("refused");
+        assert!(why.contains(&format!("{PROTOCOL:08x} (psls-node 1.0)")), "{why}");
+        let old = [5, 0, 0, 0, 1, 2, 3, 4];
+        assert!(check_hello(&old, "1.0").is_some_and(|w| w.contains("did not open with the PSLS handshake")));
+    }
+
     use super::*;
 
     #[test]

@@ -20,13 +20,31 @@ struct Args {
 
 fn main() -> std::process::ExitCode {
     let args = Args::parse();
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("PSLS_LOG").unwrap_or_else(|_| "info,quinn=warn".into()),
-        )
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
+    // Logs: `PSLS_LOG` filters them (tracing's EnvFilter syntax, default `info,quinn=warn`),
+    // `PSLS_LOG_FORMAT` says `text` (the default) or `json` (one object per line).
+    let filter = match std::env::var("PSLS_LOG") {
+        Err(_) => tracing_subscriber::EnvFilter::new("info,quinn=warn"),
+        Ok(f) => match tracing_subscriber::EnvFilter::try_new(&f) {
+            Ok(filter) => filter,
+            Err(e) => {
+                eprintln!("psls-node: PSLS_LOG={f:?} is not a log filter (e.g. info, or debug,quinn=warn): {e}");
+                return std::process::ExitCode::from(2);
+            }
+        },
+    };
+    let logs = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match std::env::var("PSLS_LOG_FORMAT").as_deref() {
+        Ok("json") => logs.json().init(),
+        Err(_) | Ok("text") => logs
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+            .init(),
+        Ok(other) => {
+            eprintln!("psls-node: PSLS_LOG_FORMAT={other:?}: use text or json");
+            return std::process::ExitCode::from(2);
+        }
+    }
     let mut b = tokio::runtime::Builder::new_multi_thread();
     if let Some(n) = args.workers {
         b.worker_threads(n as usize);

@@ -32,8 +32,36 @@ fn daemon_refuses_bad_config_missing_dir_and_busy_port() {
     let cfg_path = c.dir.join("cluster.toml");
     let good = std::fs::read_to_string(&cfg_path).unwrap();
 
+    // `psls config check` says what is wrong before any daemon starts.
+    assert!(c
+        .ok(&["config", "check"])
+        .contains("cluster.toml: valid (2 nodes, 0 spares)"));
     std::fs::write(&cfg_path, good.replace("[cluster]", "[cluster]\nbogus_key = 1")).unwrap();
+    assert!(c.fails(&["config", "check"]).contains("bogus_key"));
     daemon_fails(&cfg_path, "n0", "bogus_key");
+    // Warnings: a port in the kernel's ephemeral range, a missing certificate.
+    std::fs::write(&cfg_path, &good).unwrap();
+    let range = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").unwrap();
+    let low: u16 = range.split_whitespace().next().unwrap().parse().unwrap();
+    let n0_port = c.config().entry("n0").unwrap().addr.port();
+    let ephemeral = good.replacen(&format!(":{n0_port}\""), &format!(":{}\"", low + 7), 1);
+    assert_ne!(ephemeral, good);
+    std::fs::write(&cfg_path, &ephemeral).unwrap();
+    let cert = c.config().cert_dir().join("n1.pem");
+    std::fs::rename(&cert, c.path("n1.pem")).unwrap();
+    let o = c.run(&["config", "check"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(String::from_utf8_lossy(&o.stdout).contains("valid (2 nodes, 0 spares), 2 warnings"));
+    assert!(
+        err.contains(&format!(
+            "node n0: addr port {} is in this machine's ephemeral port range",
+            low + 7
+        )),
+        "{err}"
+    );
+    assert!(err.contains("n1.pem is missing"), "{err}");
+    std::fs::rename(c.path("n1.pem"), &cert).unwrap();
     std::fs::write(
         &cfg_path,
         good.replace("heartbeat_timeout_ms = 1500", "heartbeat_timeout_ms = \"soon\""),
@@ -42,6 +70,36 @@ fn daemon_refuses_bad_config_missing_dir_and_busy_port() {
     daemon_fails(&cfg_path, "n0", "heartbeat_timeout_ms");
     std::fs::write(&cfg_path, &good).unwrap();
     daemon_fails(&cfg_path, "n9", "not in");
+    // Logs as JSON, one object a line, for operators' collectors; a bad log setting is refused.
+    let logged = |envs: &[(&str, &str)]| {
+        let o = Command::new(node_bin())
+            .arg("--config")
+            .arg(&cfg_path)
+            .args(["--node", "n9"])
+            .envs(envs.iter().copied())
+            .output()
+            .unwrap();
+        (o.status.code(), String::from_utf8_lossy(&o.stderr).into_owned())
+    };
+    let (code, err) = logged(&[("PSLS_LOG_FORMAT", "json")]);
+    assert_eq!(code, Some(2), "{err}");
+    let line = err
+        .lines()
+        .find(|l| l.starts_with('{'))
+        .unwrap_or_else(|| panic!("no JSON log line: {err}"));
+    let j: serde_json::Value = serde_json::from_str(line).unwrap_or_else(|e| panic!("{e}: {line}"));
+    assert_eq!(j["level"], "ERROR", "{line}");
+    assert!(
+        j["fields"]["message"].as_str().is_some_and(|m| m.contains("not in")),
+        "{line}"
+    );
+    let (code, err) = logged(&[("PSLS_LOG_FORMAT", "xml")]);
+    assert!(
+        code == Some(2) && err.contains("PSLS_LOG_FORMAT=\"xml\": use text or json"),
+        "{err}"
+    );
+    let (code, err) = logged(&[("PSLS_LOG", "info,quinn=loud")]);
+    assert!(code == Some(2) && err.contains("is not a log filter"), "{err}");
     let err = c.fails(&["cluster", "status", "--dir", "/nonexistent/psls"]);
     assert!(err.contains("no cluster at"), "{err}");
 
@@ -91,6 +149,11 @@ fn cli_errors_leave_files_intact() {
         ),
         (&["create", "m", "--size", "10", "--mode", "999"], "octal"),
         (&["create", "m", "--size", "ten"], "ten"),
+        (&["create", "m", "--size", "1Q"], "unknown unit 'Q'"),
+        (
+            &["run", "-n", "1", "--checkpoint-timeout", "soon", "--", "true"],
+            "'soon' is not a duration",
+        ),
         (&["node", "replace", "1", "--with", "s0"], "is up"),
         (&["node", "replace", "7", "--with", "s0"], "no logical node 7"),
         (&["node", "replace", "1", "--with", "n2"], "already holds"),
@@ -151,11 +214,31 @@ fn permissions_follow_owner_and_mode() {
     assert!(!ok && err.contains("permission denied"), "{err}");
     let (ok, err) = nobody(&["node", "replace", "1", "--with", "n1"]);
     assert!(!ok && err.contains("permission denied"), "{err}");
+    // `cluster down` as another user stops nothing, and says so (it said "stopped 2 daemons").
+    let o = Command::new(psls_bin())
+        .arg("--dir")
+        .arg(&c.dir)
+        .args(["cluster", "down"])
+        .current_dir("/")
+        .uid(65534)
+        .gid(65534)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success()
+            && err.contains("could not stop 2 of the cluster's daemons")
+            && err.contains("n0 (pid ")
+            && err.contains("Operation not permitted"),
+        "{err}"
+    );
+    assert!(c.status().nodes.iter().all(|n| n.state.to_string() == "up"));
     // Files nobody creates belong to nobody.
-    let (ok, err) = nobody(&["create", "mine", "--size", "4096", "--mode", "600"]);
+    let (ok, err) = nobody(&["create", "mine", "--size", "8K", "--mode", "600"]);
     assert!(ok, "{err}");
     let stat: serde_json::Value = serde_json::from_str(&c.ok(&["stat", "mine", "--json"])).unwrap();
     assert_eq!(stat["file"]["uid"], 65534);
+    assert_eq!(stat["file"]["size"], 8192);
     assert_eq!(c.ok(&["ls"]).lines().count(), 3);
     assert_same(&c.export("private", &[]), &data, "private file");
 }
@@ -165,13 +248,31 @@ fn malformed_and_oversized_client_messages_are_refused() {
     let c = Cluster::start(2, 0);
     let sock = c.config().socket_path(c.config().entry("n1").unwrap());
     // One request, one answer frame (the daemon keeps the connection open after an error).
-    let reply = |bytes: &[u8]| -> String {
+    let reply_raw = |bytes: &[u8]| -> String {
         let mut s = std::os::unix::net::UnixStream::connect(&sock).unwrap();
         s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
         s.write_all(bytes).unwrap();
         let r: psls_ipc::Response = psls_ipc::proto::read_frame(&mut s).expect("an answer frame");
         format!("{r:?}")
     };
+    let reply = |bytes: &[u8]| reply_raw(&[&psls_ipc::proto::hello()[..], bytes].concat());
+    // A client of another build, or of none, is refused before its request is read.
+    let ls = psls_ipc::proto::encode(&psls_ipc::Request::Ls).unwrap();
+    let r = reply_raw(&ls);
+    assert!(r.contains("did not open with the PSLS handshake"), "{r}");
+    let mut other = psls_ipc::proto::hello();
+    other[4] ^= 1;
+    let r = reply_raw(&[&other[..], &ls].concat());
+    let ours = format!("{:08x}", psls_ipc::proto::PROTOCOL);
+    let theirs = format!("{:08x}", u32::from_le_bytes([other[4], other[5], other[6], other[7]]));
+    assert!(
+        r.contains(&format!(
+            "client protocol {theirs} does not match this daemon's, {ours}"
+        )),
+        "{r}"
+    );
+    let r = reply(&ls);
+    assert!(r.contains("Files"), "{r}");
     let r = reply(&u32::MAX.to_le_bytes());
     assert!(r.contains("exceeds the limit"), "{r}");
     let r = reply(&[5, 0, 0, 0, 0xee, 0xee, 0xee, 0xee, 0xee]);
@@ -181,6 +282,7 @@ fn malformed_and_oversized_client_messages_are_refused() {
     assert!(r.contains("without ImportBegin"), "{r}");
     // More data than announced.
     let mut s = std::os::unix::net::UnixStream::connect(&sock).unwrap();
+    s.write_all(&psls_ipc::proto::hello()).unwrap();
     s.write_all(
         &psls_ipc::proto::encode(&psls_ipc::Request::ImportBegin {
             name: "x".into(),
@@ -272,7 +374,8 @@ fn sync_channel_bad_input_gets_clear_errors_and_the_channel_goes_on() {
     use std::os::fd::{AsRawFd, OwnedFd};
     let c = Cluster::start(2, 0);
     let sock = c.config().socket_path(c.config().entry("n1").unwrap());
-    let conn = std::os::unix::net::UnixStream::connect(&sock).unwrap();
+    let mut conn = std::os::unix::net::UnixStream::connect(&sock).unwrap();
+    conn.write_all(&proto::hello()).unwrap();
     conn.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     // SyncChannel on `conn` with the given descriptors; the daemon's answer.
     let register_on = |conn: &std::os::unix::net::UnixStream, fds: &[i32]| -> String {
@@ -357,7 +460,8 @@ fn sync_channel_bad_input_gets_clear_errors_and_the_channel_goes_on() {
     let r = call(&req(&barrier));
     assert!(r.contains("one call at a time"), "{r}");
     let (mine2, theirs2) = pair();
-    let conn2 = std::os::unix::net::UnixStream::connect(&sock).unwrap();
+    let mut conn2 = std::os::unix::net::UnixStream::connect(&sock).unwrap();
+    conn2.write_all(&proto::hello()).unwrap();
     assert_eq!(register_on(&conn2, &[theirs2.as_raw_fd()]), "Ok");
     // A second channel of the same process (the daemon names ranks by pid): arriving there
     // too is this rank arriving twice, which is refused.
@@ -445,6 +549,7 @@ fn a_thousand_idle_client_connections_cost_little_and_the_next_client_is_served(
     for i in 0..1000 {
         let mut s = std::os::unix::net::UnixStream::connect(&socket).expect("connect");
         if i % 2 == 1 {
+            s.write_all(&psls_ipc::proto::hello()).expect("hello");
             s.write_all(&(psls_ipc::proto::MAX_FRAME as u32).to_le_bytes())
                 .expect("prefix");
         }

@@ -444,14 +444,31 @@ fn the_c_example_counts_exactly_through_the_c_abi() {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     let lib = psls_tests::bin_dir().join("libpsls_client.a");
     assert!(lib.exists(), "{} missing: cargo build --workspace --lib", lib.display());
+    // The flags come from the psls.pc the build wrote beside the library, as the README says.
+    let pc = std::process::Command::new("pkg-config")
+        .args(["--cflags", "--libs", "psls"])
+        .env("PKG_CONFIG_PATH", psls_tests::bin_dir())
+        .output()
+        .expect("run pkg-config");
+    assert!(
+        pc.status.success(),
+        "pkg-config: {}",
+        String::from_utf8_lossy(&pc.stderr)
+    );
+    let flags = String::from_utf8_lossy(&pc.stdout).into_owned();
+    assert!(
+        flags.contains("-lpsls_client") && flags.contains("-Wl,-rpath,"),
+        "{flags}"
+    );
     let exe = c.path("counter");
     let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
     let o = std::process::Command::new(cc)
-        .args(["-O2", "-Wall", "-Werror", "-I"])
-        .arg(root.join("psls-client/include"))
+        .args(["-O2", "-Wall", "-Werror"])
         .arg(root.join("psls-client/examples/c/counter.c"))
-        .arg(&lib)
-        .args(["-lpthread", "-ldl", "-lm", "-o"])
+        // The shared library, found at run time through the rpath psls.pc gives (the ranks
+        // start with a clean environment).
+        .args(flags.split_whitespace())
+        .arg("-o")
         .arg(&exe)
         .output()
         .expect("run the C compiler");

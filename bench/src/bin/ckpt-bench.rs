@@ -25,39 +25,26 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+/// MGS with persistent checkpoints against none, on a local cluster.
+#[derive(clap::Parser)]
+#[command(name = "ckpt-bench", version, about)]
 struct Args {
+    /// Rounds of runs.
+    #[arg(long, default_value_t = 3, value_parser = psls_bench::positive)]
     rounds: usize,
+    /// MGS vectors (at least 50).
+    #[arg(long, default_value_t = 1024, value_parser = psls_bench::vectors)]
     vectors: usize,
+    /// Folder for the cluster (default: a temporary one).
+    #[arg(long)]
     dir: Option<PathBuf>,
     /// Keep the cluster folder (its daemons' logs time every checkpoint's steps).
+    #[arg(long)]
     keep: bool,
 }
 
 fn args() -> Result<Args> {
-    let mut a = Args {
-        rounds: 3,
-        vectors: 1024,
-        dir: None,
-        keep: false,
-    };
-    let mut it = std::env::args().skip(1);
-    while let Some(k) = it.next() {
-        if k == "--keep" {
-            a.keep = true;
-            continue;
-        }
-        let mut v = || it.next().with_context(|| format!("{k} needs a value"));
-        match k.as_str() {
-            "--rounds" => a.rounds = v()?.parse().context("--rounds")?,
-            "--vectors" => a.vectors = v()?.parse().context("--vectors")?,
-            "--dir" => a.dir = Some(PathBuf::from(v()?)),
-            _ => bail!("unknown argument {k} (use --rounds N, --vectors N, --dir DIR, --keep)"),
-        }
-    }
-    if a.rounds == 0 || a.vectors < 50 {
-        bail!("--rounds must be > 0 and --vectors >= 50");
-    }
-    Ok(a)
+    Ok(<Args as clap::Parser>::parse())
 }
 
 /// One MGS run's figures.

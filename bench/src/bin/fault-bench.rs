@@ -260,25 +260,27 @@ fn serve_bare(uffd: &userfaultfd::Uffd, file: &std::fs::File, b: usize, n: usize
     Ok(())
 }
 
+/// Page-fault latencies of PSLS against local and userfaultfd baselines, on a local cluster.
+#[derive(clap::Parser)]
+#[command(name = "fault-bench", version, about)]
+struct Args {
+    /// Pages faulted per kind and round (at least 2).
+    #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(2..))]
+    pages: u64,
+    /// Rounds.
+    #[arg(long, default_value_t = 5, value_parser = psls_bench::positive)]
+    rounds: usize,
+}
+
 fn main() -> Result<()> {
-    let args: Vec<String> = std::env::args().collect();
-    if args.get(1).map(String::as_str) == Some("--child") {
-        let pages = args.get(4).context("pages")?.parse()?;
-        return child(&args[2], &args[3], pages);
+    // The benchmark runs a copy of itself as the faulting client (`--child`, not for users).
+    let argv: Vec<String> = std::env::args().collect();
+    if argv.get(1).map(String::as_str) == Some("--child") {
+        let pages = argv.get(4).context("pages")?.parse()?;
+        return child(&argv[2], &argv[3], pages);
     }
-    let mut pages = 1000usize;
-    let mut rounds = 5usize;
-    let mut it = args.iter().skip(1);
-    while let Some(k) = it.next() {
-        match k.as_str() {
-            "--pages" => pages = it.next().context("--pages N")?.parse()?,
-            "--rounds" => rounds = it.next().context("--rounds N")?.parse()?,
-            _ => bail!("unknown argument {k} (use --pages N, --rounds N)"),
-        }
-    }
-    if pages < 2 || rounds == 0 {
-        bail!("--pages must be at least 2 and --rounds at least 1");
-    }
+    let a = <Args as clap::Parser>::parse();
+    let (pages, rounds) = (a.pages as usize, a.rounds);
     let exe = std::env::current_exe()?;
     if !exe.with_file_name("psls-node").exists() {
         bail!(

@@ -12,32 +12,30 @@ use plotters::prelude::*;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+/// Draws the paper's Figures 5 and 6 from `mem-bench`'s CSVs, as PNG.
+#[derive(clap::Parser)]
+#[command(name = "figures", version, about)]
 struct Args {
+    /// Figure 5's CSV (memory against persistent checkpoints per K).
+    #[arg(long, value_name = "CSV", default_value = "mem-bench.csv")]
     fig5: PathBuf,
+    /// Figure 6's CSV (the cleaning policies), if drawn.
+    #[arg(long, value_name = "CSV")]
     fig6: Option<PathBuf>,
+    /// Where the PNG files go.
+    #[arg(long, value_name = "DIR", default_value = ".")]
     out: PathBuf,
+    /// The font the text is drawn with.
+    #[arg(
+        long,
+        value_name = "FILE",
+        default_value = "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf"
+    )]
     font: PathBuf,
 }
 
 fn args() -> Result<Args> {
-    let mut a = Args {
-        fig5: PathBuf::from("mem-bench.csv"),
-        fig6: None,
-        out: PathBuf::from("."),
-        font: PathBuf::from("/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf"),
-    };
-    let mut it = std::env::args().skip(1);
-    while let Some(k) = it.next() {
-        let mut v = || it.next().with_context(|| format!("{k} needs a value"));
-        match k.as_str() {
-            "--fig5" => a.fig5 = PathBuf::from(v()?),
-            "--fig6" => a.fig6 = Some(PathBuf::from(v()?)),
-            "--out" => a.out = PathBuf::from(v()?),
-            "--font" => a.font = PathBuf::from(v()?),
-            _ => bail!("unknown argument {k} (use --fig5 CSV, --fig6 CSV, --out DIR, --font FILE)"),
-        }
-    }
-    Ok(a)
+    Ok(<Args as clap::Parser>::parse())
 }
 
 /// A CSV's lines as maps from its header's names to the values.

@@ -25,8 +25,6 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-const USAGE: &str = "usage: link-bench [--rounds N] [--sizes S,S,...]";
-
 /// CPU time (user + system) of the whole process so far, in µs.
 fn cpu_us() -> f64 {
     // SAFETY: getrusage fills the zeroed struct it is given.
@@ -213,38 +211,22 @@ fn raw_run(sizes: &[usize], rounds: usize, one_way: bool) -> Result<Vec<(f64, f6
     Ok(out)
 }
 
+/// CPU and round trip of a message on the link against plain TCP, in one process.
+#[derive(clap::Parser)]
+#[command(name = "link-bench", version, about)]
+struct Args {
+    /// Round trips per size (at least 100).
+    #[arg(long, default_value_t = 20_000, value_parser = clap::value_parser!(u64).range(100..))]
+    rounds: u64,
+    /// Message sizes in bytes, comma-separated (each at most 1 MiB).
+    #[arg(long, value_delimiter = ',', default_values_t = [64, 4096], value_parser = clap::value_parser!(u64).range(0..=1 << 20))]
+    sizes: Vec<u64>,
+}
+
 fn main() -> Result<()> {
-    let mut rounds = 20_000usize;
-    let mut sizes = vec![64usize, 4096];
-    let mut it = std::env::args().skip(1);
-    while let Some(k) = it.next() {
-        match k.as_str() {
-            "--rounds" => {
-                rounds = it
-                    .next()
-                    .context("--rounds needs a value")?
-                    .parse()
-                    .context("--rounds: not a number")?
-            }
-            "--sizes" => {
-                sizes = it
-                    .next()
-                    .context("--sizes needs a value")?
-                    .split(',')
-                    .map(|s| s.parse::<usize>())
-                    .collect::<Result<_, _>>()
-                    .context("--sizes: a list of numbers")?
-            }
-            "-h" | "--help" => {
-                println!("{USAGE}");
-                return Ok(());
-            }
-            _ => bail!("unknown argument {k}\n{USAGE}"),
-        }
-    }
-    if rounds < 100 || sizes.is_empty() || sizes.iter().any(|&s| s > 1 << 20) {
-        bail!("--rounds must be at least 100 and sizes at most 1 MiB\n{USAGE}");
-    }
+    let a = <Args as clap::Parser>::parse();
+    let rounds = a.rounds as usize;
+    let sizes: Vec<usize> = a.sizes.iter().map(|&s| s as usize).collect();
     let link = link_run(&sizes, rounds)?;
     let raw = raw_run(&sizes, rounds, false)?;
     let one_way = raw_run(&sizes, rounds, true)?;

@@ -28,61 +28,42 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+/// Memory against persistent checkpoints on MGS per K, or each cleaning policy in a small
+/// memory (Figures 5 and 6), as CSV.
+#[derive(clap::Parser)]
+#[command(name = "mem-bench", version, about)]
 struct Args {
     /// Keep the cluster folder (its daemons' logs time every checkpoint's steps).
+    #[arg(long)]
     keep: bool,
-    /// Figure 6: these cleaning policies, on nodes of `memory_mb`.
+    /// Figure 6: these cleaning policies (comma-separated), on nodes of `--memory-mb`.
+    #[arg(long, value_delimiter = ',')]
     policies: Vec<String>,
+    /// Each node's memory for recovery copies, in MiB (with `--policies`).
+    #[arg(long, default_value_t = 10)]
     memory_mb: u64,
+    /// Seconds between persistent checkpoints (with `--policies`).
+    #[arg(long = "persistent-interval", value_name = "SECONDS", default_value_t = 1)]
     persistent_interval_s: u64,
+    /// Rounds of runs.
+    #[arg(long, default_value_t = 3, value_parser = psls_bench::positive)]
     rounds: usize,
+    /// MGS vectors (at least 50).
+    #[arg(long, default_value_t = 1024, value_parser = psls_bench::vectors)]
     vectors: usize,
+    /// The checkpoint intervals K, in vectors (comma-separated).
+    #[arg(long, value_delimiter = ',', default_values_t = [50, 250], value_parser = psls_bench::positive)]
     ks: Vec<usize>,
+    /// Where the CSV goes.
+    #[arg(long, default_value = "mem-bench.csv")]
     csv: PathBuf,
+    /// Folder for the cluster (default: a temporary one).
+    #[arg(long)]
     dir: Option<PathBuf>,
 }
 
 fn args() -> Result<Args> {
-    let mut a = Args {
-        keep: false,
-        policies: Vec::new(),
-        memory_mb: 10,
-        persistent_interval_s: 1,
-        rounds: 3,
-        vectors: 1024,
-        ks: vec![50, 250],
-        csv: PathBuf::from("mem-bench.csv"),
-        dir: None,
-    };
-    let mut it = std::env::args().skip(1);
-    while let Some(k) = it.next() {
-        if k == "--keep" {
-            a.keep = true;
-            continue;
-        }
-        let mut v = || it.next().with_context(|| format!("{k} needs a value"));
-        match k.as_str() {
-            "--rounds" => a.rounds = v()?.parse().context("--rounds")?,
-            "--vectors" => a.vectors = v()?.parse().context("--vectors")?,
-            "--ks" => {
-                a.ks = v()?
-                    .split(',')
-                    .map(|x| x.trim().parse::<usize>())
-                    .collect::<Result<_, _>>()
-                    .context("--ks: numbers separated by commas")?
-            }
-            "--csv" => a.csv = PathBuf::from(v()?),
-            "--policies" => a.policies = v()?.split(',').map(|p| p.trim().to_string()).collect(),
-            "--memory-mb" => a.memory_mb = v()?.parse().context("--memory-mb")?,
-            "--persistent-interval" => a.persistent_interval_s = v()?.parse().context("--persistent-interval")?,
-            "--dir" => a.dir = Some(PathBuf::from(v()?)),
-            _ => bail!("unknown argument {k} (use --rounds N, --vectors N, --ks K,K.., --csv FILE, --dir DIR, --keep)"),
-        }
-    }
-    if a.rounds == 0 || a.vectors < 50 || a.ks.is_empty() || a.ks.contains(&0) {
-        bail!("--rounds must be > 0, --vectors >= 50, and every K > 0");
-    }
-    Ok(a)
+    Ok(<Args as clap::Parser>::parse())
 }
 
 /// One configuration: a series (a level or a policy; "none" with K = 0: no checkpoints), a K,

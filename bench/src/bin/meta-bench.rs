@@ -16,8 +16,7 @@
 //! Each measurement stops after `--ops` operations or `--budget-s` seconds, whichever comes
 //! first (its count is reported).
 //!
-//! Usage: meta-bench [--sizes 100,10000,100000] [--ops 200] [--budget-s 60] [--rounds 2]
-//! [--vectors 512] [--every 16] [--populate creates|offline] [--dir DIR] [--skip-mgs] [--skip-ops] [--up-timeout-s 120]
+//! `meta-bench --help` lists its options.
 //! Needs `psls`, `psls-node` and `mgs` next to this binary (`cargo build --release --workspace --bins`).
 
 use anyhow::{bail, Context, Result};
@@ -50,90 +49,83 @@ struct Args {
     fsync_probe: bool,
 }
 
+/// Metadata operations, MGS and the store as the namespace grows, on local clusters.
+#[derive(clap::Parser)]
+#[command(name = "meta-bench", version, about)]
+struct Cli {
+    /// Namespace sizes (files), increasing, comma-separated.
+    #[arg(long, value_delimiter = ',', default_values_t = [100, 10_000, 100_000], value_parser = psls_bench::positive)]
+    sizes: Vec<usize>,
+    /// Operations timed per kind and size (at least 8).
+    #[arg(long, default_value_t = 200, value_parser = clap::value_parser!(u64).range(8..))]
+    ops: u64,
+    /// Time budget per size, in seconds.
+    #[arg(long = "budget-s", value_name = "SECONDS", default_value_t = 60)]
+    budget_s: u64,
+    /// Rounds.
+    #[arg(long, default_value_t = 2, value_parser = psls_bench::positive)]
+    rounds: usize,
+    /// MGS vectors.
+    #[arg(long, default_value_t = 512, value_parser = psls_bench::positive)]
+    vectors: usize,
+    /// A persistent checkpoint every K vectors in the MGS runs.
+    #[arg(long, value_name = "K", default_value_t = 16, value_parser = psls_bench::positive)]
+    every: usize,
+    /// How the namespace is filled: by `creates` through the daemons, or `offline` in the store.
+    #[arg(long, value_parser = ["creates", "offline"], default_value = "creates")]
+    populate: String,
+    /// Folder for the clusters (default: a temporary one).
+    #[arg(long)]
+    dir: Option<PathBuf>,
+    /// Skip the MGS runs.
+    #[arg(long)]
+    skip_mgs: bool,
+    /// Skip the operation latencies.
+    #[arg(long)]
+    skip_ops: bool,
+    /// How long a cluster may take to become healthy, in seconds.
+    #[arg(long = "up-timeout-s", value_name = "SECONDS", default_value_t = 120)]
+    up_timeout_s: u64,
+    /// Keep n3 down while the store fills to the largest size, then time its catch-up.
+    #[arg(long)]
+    catch_up: bool,
+    /// Only the store figures (in process): bytes per checkpoint record, disk after many ops.
+    #[arg(long)]
+    store_only: bool,
+    /// Operations of the store figures' churn.
+    #[arg(long, default_value_t = 1_000_000)]
+    churn_ops: u64,
+    /// Client counts measured at each size, comma-separated.
+    #[arg(long, value_delimiter = ',', default_values_t = [1, 8], value_parser = psls_bench::positive)]
+    clients: Vec<usize>,
+    /// Only the disk probe: appends against scattered pages, each with an fdatasync.
+    #[arg(long)]
+    fsync_probe: bool,
+}
+
 fn args() -> Result<Args> {
-    let mut a = Args {
-        sizes: vec![100, 10_000, 100_000],
-        ops: 200,
-        budget: Duration::from_secs(60),
-        rounds: 2,
-        vectors: 512,
-        every: 16,
-        offline: false,
-        dir: None,
-        skip_mgs: false,
-        skip_ops: false,
-        catch_up: false,
-        store_only: false,
-        churn_ops: 1_000_000,
-        up: Duration::from_secs(120),
-        clients: vec![1, 8],
-        fsync_probe: false,
-    };
-    let mut it = std::env::args().skip(1);
-    while let Some(k) = it.next() {
-        match k.as_str() {
-            "--skip-mgs" => {
-                a.skip_mgs = true;
-                continue;
-            }
-            "--skip-ops" => {
-                a.skip_ops = true;
-                continue;
-            }
-            "--catch-up" => {
-                a.catch_up = true;
-                continue;
-            }
-            "--store-only" => {
-                a.store_only = true;
-                continue;
-            }
-            "--fsync-probe" => {
-                a.fsync_probe = true;
-                continue;
-            }
-            "--help" | "-h" => {
-                println!("usage: meta-bench [--sizes 100,10000,100000] [--ops 200] [--clients 1,8] [--budget-s 60] [--rounds 2] [--vectors 512] [--every 16] [--populate creates|offline] [--dir DIR] [--skip-mgs] [--skip-ops] [--up-timeout-s 120] [--catch-up] [--store-only] [--churn-ops 1000000] [--fsync-probe]");
-                std::process::exit(0);
-            }
-            _ => {}
-        }
-        let mut v = || it.next().with_context(|| format!("{k} needs a value"));
-        match k.as_str() {
-            "--sizes" => {
-                a.sizes = v()?
-                    .split(',')
-                    .map(|s| s.parse().with_context(|| format!("--sizes: {s} is not a number")))
-                    .collect::<Result<_>>()?
-            }
-            "--ops" => a.ops = v()?.parse().context("--ops")?,
-            "--budget-s" => a.budget = Duration::from_secs(v()?.parse().context("--budget-s")?),
-            "--up-timeout-s" => a.up = Duration::from_secs(v()?.parse().context("--up-timeout-s")?),
-            "--churn-ops" => a.churn_ops = v()?.parse().context("--churn-ops")?,
-            "--rounds" => a.rounds = v()?.parse().context("--rounds")?,
-            "--clients" => {
-                a.clients = v()?
-                    .split(',')
-                    .map(|s| s.parse().with_context(|| format!("--clients: {s} is not a number")))
-                    .collect::<Result<_>>()?
-            }
-            "--vectors" => a.vectors = v()?.parse().context("--vectors")?,
-            "--every" => a.every = v()?.parse().context("--every")?,
-            "--dir" => a.dir = Some(PathBuf::from(v()?)),
-            "--populate" => {
-                a.offline = match v()?.as_str() {
-                    "offline" => true,
-                    "creates" => false,
-                    o => bail!("--populate: {o} is neither creates nor offline"),
-                }
-            }
-            _ => bail!("unknown argument {k} (see --help)"),
-        }
+    let c = <Cli as clap::Parser>::parse();
+    if c.sizes.is_empty() || !c.sizes.windows(2).all(|w| w[0] < w[1]) {
+        bail!("--sizes must be increasing");
     }
-    if a.ops < 8 || a.sizes.is_empty() || !a.sizes.windows(2).all(|w| w[0] < w[1]) {
-        bail!("--ops must be >= 8 and --sizes increasing");
-    }
-    Ok(a)
+    Ok(Args {
+        sizes: c.sizes,
+        ops: c.ops as usize,
+        budget: Duration::from_secs(c.budget_s),
+        rounds: c.rounds,
+        vectors: c.vectors,
+        every: c.every,
+        offline: c.populate == "offline",
+        dir: c.dir,
+        skip_mgs: c.skip_mgs,
+        skip_ops: c.skip_ops,
+        catch_up: c.catch_up,
+        store_only: c.store_only,
+        churn_ops: c.churn_ops,
+        up: Duration::from_secs(c.up_timeout_s),
+        clients: c.clients,
+        fsync_probe: c.fsync_probe,
+    })
 }
 
 /// Latencies in seconds, sorted.

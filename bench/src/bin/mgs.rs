@@ -18,38 +18,35 @@ use anyhow::{bail, Context, Result};
 use psls_client::Session;
 use std::time::Instant;
 
+/// Modified Gram-Schmidt on a PSLS file, run as a job: `psls run -n 4 -- mgs`.
+#[derive(clap::Parser)]
+#[command(name = "mgs", version, about)]
 struct Args {
+    /// Vectors to orthogonalize.
+    #[arg(long, default_value_t = 1024, value_parser = psls_bench::positive)]
     vectors: usize,
+    /// Doubles per vector (at least the number of vectors).
+    #[arg(long, default_value_t = 1024, value_parser = psls_bench::positive)]
     dim: usize,
+    /// The PSLS file to keep the vectors in (default: one named after the job).
+    #[arg(long, value_name = "NAME")]
     file: Option<String>,
+    /// Skip the plain-threads baseline.
+    #[arg(long)]
     no_baseline: bool,
+    /// Make the safe-point call every K steps (0: never).
+    #[arg(long, value_name = "K", default_value_t = 0)]
     checkpoint_every: usize,
 }
 
 fn args() -> Result<Args> {
-    let mut a = Args {
-        vectors: 1024,
-        dim: 1024,
-        file: None,
-        no_baseline: false,
-        checkpoint_every: 0,
-    };
-    let mut it = std::env::args().skip(1);
-    while let Some(k) = it.next() {
-        let mut v = || it.next().with_context(|| format!("{k} needs a value"));
-        match k.as_str() {
-            "--vectors" => a.vectors = v()?.parse().context("--vectors")?,
-            "--dim" => a.dim = v()?.parse().context("--dim")?,
-            "--file" => a.file = Some(v()?),
-            "--no-baseline" => a.no_baseline = true,
-            "--checkpoint-every" => a.checkpoint_every = v()?.parse().context("--checkpoint-every")?,
-            _ => bail!(
-                "unknown argument {k} (use --vectors N, --dim N, --file NAME, --no-baseline, --checkpoint-every K)"
-            ),
-        }
-    }
-    if a.vectors == 0 || a.dim == 0 || a.vectors > a.dim {
-        bail!("need 0 < vectors <= dim (got {} vectors of {})", a.vectors, a.dim);
+    let a = <Args as clap::Parser>::parse();
+    if a.vectors > a.dim {
+        bail!(
+            "--vectors must be at most --dim (got {} vectors of {})",
+            a.vectors,
+            a.dim
+        );
     }
     Ok(a)
 }

@@ -13,38 +13,29 @@
 //! Usage: pfs-bench [--size-mb 256] [--rounds 3] [--dir DIR]
 //! Needs `psls-node` next to this binary (`cargo build --release --workspace --bins`).
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use psls_bench::{median, random_bytes};
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+/// PFS import and export throughput against plain files on the same disk.
+#[derive(clap::Parser)]
+#[command(name = "pfs-bench", version, about)]
 struct Args {
+    /// Size of the file imported and exported, in MiB.
+    #[arg(long, default_value_t = 256, value_parser = psls_bench::positive)]
     size_mb: usize,
+    /// Rounds, each alternating PSLS and the baseline.
+    #[arg(long, default_value_t = 3, value_parser = psls_bench::positive)]
     rounds: usize,
+    /// Folder for the cluster and the baseline's files (default: a temporary one).
+    #[arg(long)]
     dir: Option<PathBuf>,
 }
 
 fn args() -> Result<Args> {
-    let mut a = Args {
-        size_mb: 256,
-        rounds: 3,
-        dir: None,
-    };
-    let mut it = std::env::args().skip(1);
-    while let Some(k) = it.next() {
-        let mut v = || it.next().with_context(|| format!("{k} needs a value"));
-        match k.as_str() {
-            "--size-mb" => a.size_mb = v()?.parse().context("--size-mb")?,
-            "--rounds" => a.rounds = v()?.parse().context("--rounds")?,
-            "--dir" => a.dir = Some(PathBuf::from(v()?)),
-            _ => bail!("unknown argument {k} (use --size-mb N, --rounds N, --dir DIR)"),
-        }
-    }
-    if a.size_mb == 0 || a.rounds == 0 {
-        bail!("--size-mb and --rounds must be > 0");
-    }
-    Ok(a)
+    Ok(<Args as clap::Parser>::parse())
 }
 
 /// Baseline write: the bytes to two plain files, 1 MiB writes, fsync each. Seconds.

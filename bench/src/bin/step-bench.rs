@@ -27,43 +27,24 @@ fn percentile(v: &mut [f64], p: f64) -> f64 {
     v[((v.len() - 1) as f64 * p) as usize]
 }
 
+/// The step micro-benchmark, run as a job: `psls run -n 2 [--level memory] -- step-bench`.
+#[derive(clap::Parser)]
+#[command(name = "step-bench", version, about)]
+struct Args {
+    /// Iterations (at least 10).
+    #[arg(long, default_value_t = 2000, value_parser = clap::value_parser!(u64).range(10..))]
+    iters: u64,
+    /// Pages each rank writes and checkpoints during the barrier run (0: no checkpoints).
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=1 << 20))]
+    ckpt_pages: u64,
+    /// A checkpoint every K barriers (with `--ckpt-pages`).
+    #[arg(long, value_name = "K", default_value_t = 50, value_parser = psls_bench::positive)]
+    ckpt_every: usize,
+}
+
 fn main() -> Result<()> {
-    let mut iters = 2000usize;
-    let mut ckpt_pages = 0usize;
-    let mut ckpt_every = 50usize;
-    let mut it = std::env::args().skip(1);
-    let number = |it: &mut std::iter::Skip<std::env::Args>, what: &str| -> Result<usize> {
-        it.next()
-            .with_context(|| format!("{what} needs a value"))?
-            .parse()
-            .with_context(|| format!("{what}: not a number"))
-    };
-    while let Some(k) = it.next() {
-        match k.as_str() {
-            "--ckpt-pages" => ckpt_pages = number(&mut it, "--ckpt-pages")?,
-            "--ckpt-every" => ckpt_every = number(&mut it, "--ckpt-every")?,
-            "--iters" => {
-                iters = it
-                    .next()
-                    .context("--iters needs a value")?
-                    .parse()
-                    .context("--iters: not a number")?
-            }
-            "-h" | "--help" => {
-                println!(
-                    "usage: psls run -n 2 [--level memory] -- step-bench [--iters N] [--ckpt-pages N] [--ckpt-every K]"
-                );
-                return Ok(());
-            }
-            _ => bail!("unknown argument {k} (use --iters N, --ckpt-pages N, --ckpt-every K)"),
-        }
-    }
-    if iters < 10 {
-        bail!("--iters must be at least 10");
-    }
-    if ckpt_every == 0 || ckpt_pages > 1 << 20 {
-        bail!("--ckpt-every must be at least 1 and --ckpt-pages at most 1048576");
-    }
+    let a = <Args as clap::Parser>::parse();
+    let (iters, ckpt_pages, ckpt_every) = (a.iters as usize, a.ckpt_pages as usize, a.ckpt_every);
     let s = Session::connect().context("connecting to the node daemon")?;
     let (rank, size) = (s.rank() as usize, s.size() as usize);
     if size < 2 {

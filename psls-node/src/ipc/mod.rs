@@ -86,7 +86,26 @@ async fn client(d: Arc<Daemon>, stream: UnixStream) -> anyhow::Result<()> {
         uid: cred.uid(),
         gid: cred.gid(),
     };
-    let (r, w) = stream.into_split();
+    let (mut r, mut w) = stream.into_split();
+    // The handshake: a client of another build is refused with both protocols named. Its
+    // magic first: an older client's request (at least 5 bytes) is answered at once.
+    let mut hello = [0u8; 8];
+    for part in [0..4, 4..8] {
+        let bad_magic = part.start == 4 && hello[..4] != *b"PSLS";
+        if bad_magic {
+            break;
+        }
+        match tokio::io::AsyncReadExt::read_exact(&mut r, &mut hello[part]).await {
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
+            Err(e) => return Err(e.into()),
+        }
+    }
+    if let Some(why) = psls_ipc::proto::check_hello(&hello, env!("CARGO_PKG_VERSION")) {
+        tracing::warn!(uid = caller.uid, pid = ?cred.pid(), "{why}");
+        let _ = send(&mut w, &err(OpError::new(ErrorKind::Invalid, why))).await;
+        return Ok(());
+    }
     let mut c = Conn {
         d,
         caller,
