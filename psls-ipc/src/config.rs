@@ -1,4 +1,5 @@
 //! The cluster configuration (TOML). Relative paths are relative to the config file's folder.
+//! `deploy/README.md` is the reference of every key, its default and bounds.
 //!
 //! ```toml
 //! [cluster]
@@ -106,9 +107,9 @@ impl Default for ClusterSection {
 pub struct NodeEntry {
     pub name: String,
     pub addr: SocketAddr,
-    /// UDP address of the node's message link (coherence, barrier and lock messages: a second
-    /// QUIC endpoint, served by its own thread). Default: [`NodeEntry::DEFAULT_LINK_OFFSET`]
-    /// ports above `addr`.
+    /// TCP address of the node's message link (TLS: coherence, barrier, lock and metadata-log
+    /// messages, served by its own thread). Default: [`NodeEntry::DEFAULT_LINK_OFFSET`] ports
+    /// above `addr`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub link_addr: Option<SocketAddr>,
     pub data_dir: PathBuf,
