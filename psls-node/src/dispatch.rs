@@ -4,8 +4,8 @@
 //! one [`Daemon`], and the dispatch of what peers send: requests on the transport
 //! ([`Handler`]) and one-way messages on the message link ([`LinkDelivery`]), each to the
 //! subsystem it concerns. Also the periodic duties (heartbeats, metadata catch-up, shared
-//! memory bookkeeping, rebuild and automatic replacement). The top of the daemon: nothing but
-//! `daemon` and `ipc` import it.
+//! memory bookkeeping, rebuild and automatic replacement). The top of the daemon: `daemon`,
+//! `ipc` and job control (`jobctl`, which drives every subsystem) import it.
 
 use crate::ckpt::CkptShell;
 use crate::failstop::Locked;
@@ -177,6 +177,16 @@ impl Daemon {
                 out_payload = data;
                 PeerResp::Pages(states)
             }),
+            PeerReq::RankInput { job, offset, eof } => {
+                if payload.len() > psls_ipc::proto::INPUT_CHUNK {
+                    Err(OpError::new(ErrorKind::Invalid, "an input chunk over its bound"))
+                } else {
+                    self.jobs
+                        .input(&job, offset, &payload, eof)
+                        .await
+                        .map(|()| PeerResp::Ok)
+                }
+            }
             PeerReq::Frames(req) => match self.ckpt.serve_frames(&from, req, payload).await {
                 Ok((resp, data)) => {
                     out_payload = data;

@@ -1,5 +1,6 @@
 //! `psls-node`: the daemon run on every cluster node, the I/O shell around the PSLS protocol
-//! and storage crates. Layered bottom to top, with no import circle:
+//! and storage crates. Layered bottom to top (job control and the launcher call each other,
+//! and `jobctl` reaches up to the assembled daemon for the subsystems it drives):
 //! - wire and plumbing: [`peer`] (messages), [`op`] (errors), [`failstop`], [`tls`],
 //!   [`transport`] (requests), [`link`] (one-way messages);
 //! - the core: [`node`] (identity, store, metadata, membership, peer calls) and

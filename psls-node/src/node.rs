@@ -299,11 +299,10 @@ impl Node {
         self.physical_of(&m, logical)
     }
 
-    /// The coordinator: the leader of the metadata's current epoch — this node only while it
-    /// leads an epoch a quorum promised and holds its lease (hears a majority); another node
-    /// as the claimer of the newest epoch this node promised. Barriers, locks, checkpoint
+    /// The coordinator: the metadata log's leader as this node knows it — this node only while
+    /// its failure detector's lease holds (it hears a majority). Barriers, locks, checkpoint
     /// rounds and metadata submissions all go there; no choice of coordinator is made from a
-    /// local view of who is alive.
+    /// local view of who is alive. (Job control also needs the log's own lease: `jobctl`.)
     pub fn coordinator_now(&self) -> Option<(u32, String)> {
         let leader = self.replication.leader()?;
         let leader = verdicts::coordinator(&self.me.name, Some(&leader), self.holds_lease())?.to_string();

@@ -42,7 +42,7 @@
 //! Messages from a node this one holds down, or from or to another incarnation, are dropped.
 //! When a peer goes down, transactions that waited on its data fail; acks it owed are no longer
 //! needed (its memory is gone). A page whose only up-to-date copy was on a lost node is *lost*:
-//! faults on it fail until a checkpoint rollback restores it (a later issue). A page that was not
+//! faults on it fail until a checkpoint rollback restores it. A page that was not
 //! written since it was loaded is simply reloaded from disk.
 //!
 //! Why one file of this size: it is one state machine whose handlers share one set of

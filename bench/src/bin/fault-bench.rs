@@ -7,9 +7,10 @@
 //!
 //! next to, measured in the same run: a bare userfaultfd round trip (a minimal in-process
 //! handler resolving a memfd mapping's faults like the daemon does: pwrite, then
-//! `UFFDIO_CONTINUE`) and 4 KiB round trips over the daemons' own QUIC transports: over the
-//! message link, which the faults' messages travel on (the remote-fault target is set against
-//! this one), and, for reference, a request and its response over the request transport.
+//! `UFFDIO_CONTINUE`) and 4 KiB round trips over the daemons' own transports: over the message
+//! link (TCP with TLS), which the faults' messages travel on (the remote-fault target is set
+//! against this one), and, for reference, a request and its response over the request
+//! transport (QUIC).
 //! Prints p50/p99 of each, the targets, and one JSON line. The measurements run in rounds
 //! (default 5 of 1000 pages); each round's faults are set against that round's baselines and
 //! the ratios reported are the medians over rounds. On this VM a fault round trip is bimodal,
