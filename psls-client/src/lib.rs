@@ -222,21 +222,6 @@ impl Client {
 
     /// `psls cancel JOB`: stops the job, keeping it resumable from its newest intact
     /// checkpoint.
-    /// `psls run`'s standard input for rank 0 of `job`'s first start: `data` after the first
-    /// `offset` bytes (at most `proto::INPUT_CHUNK`), or its end (`eof`).
-    pub fn job_input(&mut self, job: &str, offset: u64, data: &[u8], eof: bool) -> Result<(), ClientError> {
-        let req = Request::JobInput {
-            job: job.into(),
-            offset,
-            data: data.to_vec(),
-            eof,
-        };
-        match self.call(&req)? {
-            Response::Ok => Ok(()),
-            r => Err(unexpected(r)),
-        }
-    }
-
     pub fn cancel(&mut self, job: &str) -> Result<(), ClientError> {
         match self.call(&Request::Cancel { job: job.into() })? {
             Response::Ok => Ok(()),

@@ -303,10 +303,6 @@ fn run_job(
             checkpoint,
         )?;
         println!("{job}");
-        // Nobody gives a detached job input: rank 0 reads its end.
-        if !resumed {
-            end_input(&dir, cli.node.as_deref(), &job);
-        }
         return Ok(0);
     }
     // Ctrl-C or SIGTERM cancels the job (it stays resumable from its newest checkpoint); a
@@ -329,10 +325,6 @@ fn run_job(
             job = Some(j.to_string());
             if let Ok(mut s) = started.lock() {
                 *s = Some(j.to_string());
-            }
-            // Standard input goes to rank 0 of the job's first start, as mpirun's and srun's.
-            if !resumed {
-                forward_input(&dir, cli.node.clone(), j.to_string());
             }
             if std::env::var_os("PSLS_QUIET").is_none() {
                 eprintln!("psls: job {j} started");
@@ -362,72 +354,6 @@ fn run_job(
         eprintln!("psls: {message}");
     }
     Ok(code)
-}
-
-/// How long `psls run` keeps offering a chunk of its input to a rank 0 that has not started
-/// (or a daemon that does not answer).
-const INPUT_PATIENCE: std::time::Duration = std::time::Duration::from_secs(120);
-
-/// Sends one chunk of input (or its end) to rank 0 of `job`, through `node` (else any node),
-/// again while rank 0 has not started or no daemon answers, for [`INPUT_PATIENCE`]. False
-/// when the input can go no further (rank 0 exited or closed it, the job restarted or ended).
-fn send_input(dir: &Path, node: Option<&str>, job: &str, offset: u64, data: &[u8], eof: bool) -> bool {
-    let deadline = std::time::Instant::now() + INPUT_PATIENCE;
-    let mut client: Option<psls_client::Client> = None;
-    while std::time::Instant::now() < deadline {
-        let c = match client.take() {
-            Some(c) => Some(c),
-            None => cluster::connect(dir, node)
-                .or_else(|_| cluster::connect(dir, None))
-                .ok(),
-        };
-        let Some(mut c) = c else {
-            std::thread::sleep(std::time::Duration::from_millis(200));
-            continue;
-        };
-        match c.job_input(job, offset, data, eof) {
-            Ok(()) => return true,
-            // Rank 0 has not started, or this daemon has not applied the job's start yet.
-            Err(psls_client::ClientError::Daemon {
-                kind: psls_ipc::ErrorKind::Unavailable | psls_ipc::ErrorKind::NotFound,
-                ..
-            }) => {
-                client = Some(c);
-                std::thread::sleep(std::time::Duration::from_millis(50));
-            }
-            Err(e) if lost_daemon(&e) => std::thread::sleep(std::time::Duration::from_millis(200)),
-            Err(_) => return false,
-        }
-    }
-    false
-}
-
-/// Forwards `psls run`'s standard input to rank 0 of `job`'s first start, on a thread of its
-/// own, chunk by chunk (each acknowledged: a slow reader holds the reading back), then its end.
-fn forward_input(dir: &Path, node: Option<String>, job: String) {
-    let dir = dir.to_path_buf();
-    std::thread::spawn(move || {
-        use std::io::Read;
-        let mut stdin = std::io::stdin().lock();
-        let mut buf = vec![0u8; psls_ipc::proto::INPUT_CHUNK];
-        let mut offset = 0u64;
-        loop {
-            let n = match stdin.read(&mut buf) {
-                Ok(n) => n,
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-                Err(_) => 0,
-            };
-            if !send_input(&dir, node.as_deref(), &job, offset, &buf[..n], n == 0) || n == 0 {
-                return;
-            }
-            offset += n as u64;
-        }
-    });
-}
-
-/// Ends the input of rank 0 of `job`'s first start (a detached job's).
-fn end_input(dir: &Path, node: Option<&str>, job: &str) {
-    send_input(dir, node, job, 0, &[], true);
 }
 
 /// Waits, on a thread of its own, for SIGINT or SIGTERM and cancels the job named in `job`

@@ -68,8 +68,6 @@ pub const MAX_FRAME: usize = 4 * 1024 * 1024 + 4096;
 pub const MAX_SYNC_MSG: usize = 8 * 1024;
 /// The largest private state a rank saves with a checkpoint (`Session::checkpoint`).
 pub const MAX_CKPT_STATE: usize = 1 << 20;
-/// Most bytes of standard input in one `JobInput`.
-pub const INPUT_CHUNK: usize = 64 * 1024;
 /// Data chunk size used by the CLI for import and by the daemon for export.
 pub const CHUNK: usize = 1024 * 1024;
 
@@ -230,17 +228,6 @@ pub enum Request {
     /// its newest intact checkpoint.
     Cancel {
         job: String,
-    },
-    /// `psls run`: bytes of its standard input for rank 0 of the job's first start, after the
-    /// first `offset` bytes (at most [`INPUT_CHUNK`]; a chunk sent again is written once), or
-    /// its end (`eof`). Answered `Ok`; `Unavailable` while rank 0 has not started (ask again);
-    /// `Invalid` once rank 0 exited or closed its input, or the job restarted.
-    JobInput {
-        job: String,
-        offset: u64,
-        #[serde(with = "serde_bytes")]
-        data: Vec<u8>,
-        eof: bool,
     },
     /// `psls run` with checkpoint options.
     RunJob {

@@ -177,16 +177,6 @@ impl Daemon {
                 out_payload = data;
                 PeerResp::Pages(states)
             }),
-            PeerReq::RankInput { job, offset, eof } => {
-                if payload.len() > psls_ipc::proto::INPUT_CHUNK {
-                    Err(OpError::new(ErrorKind::Invalid, "an input chunk over its bound"))
-                } else {
-                    self.jobs
-                        .input(&job, offset, &payload, eof)
-                        .await
-                        .map(|()| PeerResp::Ok)
-                }
-            }
             PeerReq::Frames(req) => match self.ckpt.serve_frames(&from, req, payload).await {
                 Ok((resp, data)) => {
                     out_payload = data;

@@ -67,74 +67,9 @@ pub struct Jobs {
     drains: Mutex<HashMap<u32, tokio::sync::mpsc::Sender<tokio::sync::oneshot::Sender<u64>>>>,
     /// Something to report changed (a rank started or exited).
     changed: tokio::sync::Notify,
-    /// Rank 0's standard input, per job whose first start's rank 0 runs here (see
-    /// [`Jobs::input`]).
-    inputs: Mutex<HashMap<String, Arc<tokio::sync::Mutex<Input>>>>,
-}
-
-/// Rank 0's standard input: the pipe (closed at the end of the input) and the bytes written.
-struct Input {
-    pipe: Option<tokio::process::ChildStdin>,
-    written: u64,
 }
 
 impl Jobs {
-    /// Writes bytes of `psls run`'s standard input to rank 0 of `job`'s first start, running
-    /// here: `data` is what came after the first `offset` bytes (a retried chunk is written
-    /// once), `eof` ends the input. `Unavailable` while rank 0 has not started (the caller
-    /// asks again); `Invalid` once it exited or closed its input. A slow reader holds the
-    /// caller back (the pipe is the bound).
-    pub async fn input(&self, job: &str, offset: u64, data: &[u8], eof: bool) -> Result<(), OpError> {
-        let input = lock(&self.inputs).get(job).cloned();
-        let Some(input) = input else {
-            let exited = lock(&self.local)
-                .get(job)
-                .is_some_and(|l| l.attempt > 0 || l.exited.contains_key(&0));
-            return Err(if exited {
-                OpError::new(
-                    ErrorKind::Invalid,
-                    format!("rank 0 of job {job} exited: its input ends"),
-                )
-            } else {
-                OpError::new(
-                    ErrorKind::Unavailable,
-                    format!("rank 0 of job {job} has not started yet"),
-                )
-            });
-        };
-        let mut input = input.lock().await;
-        if offset > input.written {
-            return Err(OpError::new(
-                ErrorKind::Invalid,
-                format!("input at byte {offset}, but only {} were written", input.written),
-            ));
-        }
-        let skip = usize::try_from(input.written - offset)
-            .unwrap_or(usize::MAX)
-            .min(data.len());
-        let rest = &data[skip..];
-        if !rest.is_empty() {
-            let Some(pipe) = input.pipe.as_mut() else {
-                return Err(OpError::new(
-                    ErrorKind::Invalid,
-                    format!("the input of job {job} already ended"),
-                ));
-            };
-            if let Err(e) = tokio::io::AsyncWriteExt::write_all(pipe, rest).await {
-                input.pipe = None;
-                return Err(OpError::new(
-                    ErrorKind::Invalid,
-                    format!("rank 0 of job {job} closed its input: {e}"),
-                ));
-            }
-            input.written += rest.len() as u64;
-        }
-        if eof {
-            input.pipe = None;
-        }
-        Ok(())
-    }
-
     /// The spec of `job`, if a rank of it runs here.
     pub fn local_spec(&self, job: &str) -> Option<JobSpec> {
         lock(&self.procs)
@@ -740,13 +675,7 @@ fn spawn_local(
             .env("PSLS_NODE", node.name())
             .env("PSLS_RESTART_EPOCH", spec.restart_epoch.to_string())
             .current_dir(&spec.cwd)
-            // Rank 0 of the job's first start reads `psls run`'s standard input
-            // ([`Jobs::input`]); every other rank, and a restarted rank 0, reads nothing.
-            .stdin(if rank == 0 && spec.attempt == 0 {
-                std::process::Stdio::piped()
-            } else {
-                std::process::Stdio::null()
-            })
+            .stdin(std::process::Stdio::null())
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::piped())
             .kill_on_drop(false)
@@ -808,13 +737,6 @@ fn spawn_local(
         }
         drop(procs);
         let (out, err) = (child.stdout.take(), child.stderr.take());
-        if let Some(pipe) = child.stdin.take() {
-            let input = Input {
-                pipe: Some(pipe),
-                written: 0,
-            };
-            lock(&jobs.inputs).insert(spec.job.clone(), Arc::new(tokio::sync::Mutex::new(input)));
-        }
         let (ask, mut asked) = tokio::sync::mpsc::channel(4);
         if let Some(pid) = child_pid {
             lock(&jobs.drains).insert(pid, ask);
@@ -866,9 +788,6 @@ fn spawn_local(
             {
                 l.running.remove(&rank);
                 l.exited.insert(rank, code);
-            }
-            if rank == 0 {
-                lock(&jobs.inputs).remove(&spec.job);
             }
             tracing::info!(node = %node.name(), job = %spec.job, attempt = spec.attempt, rank, code, "rank exited");
             jobs.changed.notify_one();

@@ -475,13 +475,6 @@ pub enum PeerReq {
         job: String,
         attempt: u32,
     },
-    /// Bytes of `psls run`'s standard input for rank 0 of `job`'s first start, running here
-    /// (payload: what comes after the first `offset` bytes; `eof`: the input ends).
-    RankInput {
-        job: String,
-        offset: u64,
-        eof: bool,
-    },
     /// Answered with the payload it carries (transport round-trip measurements).
     Echo,
     /// Message link round-trip measurement: answered by a `LinkPong` with the same id and

@@ -98,39 +98,6 @@ fn a_detached_job_is_cancelled_then_resumed_from_its_checkpoint() {
     // Cancelling what is not running is refused with one clear line.
     let e = c.fails(&["cancel", &job]);
     assert!(e.contains("is not running"), "{e}");
-    // `psls run`'s standard input goes to rank 0 (the other ranks read nothing), through the
-    // daemon `psls run` talks to, whichever node runs rank 0; a slow reader holds it back.
-    let input = |node: &str, args: &[&str], data: &[u8]| -> String {
-        use std::io::Write;
-        let mut all = vec!["--node", node, "run"];
-        all.extend_from_slice(args);
-        let mut ch = c
-            .cmd(&all)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("psls run");
-        let mut stdin = ch.stdin.take().expect("stdin");
-        stdin.write_all(data).expect("write psls run's input");
-        drop(stdin);
-        let o = ch.wait_with_output().expect("psls run");
-        let out = String::from_utf8_lossy(&o.stdout).into_owned();
-        assert!(o.status.success(), "{out}\n{}", String::from_utf8_lossy(&o.stderr));
-        out
-    };
-    let out = input("n3", &["-n", "2", "--", "cat"], b"hello\nworld\n");
-    assert_eq!(out, "[0] hello\n[0] world\n");
-    let big = psls_svm::rng::random_bytes(1 << 20, 7);
-    for node in ["n0", "n2"] {
-        let out = input(node, &["-n", "1", "--", "wc", "-c"], &big);
-        assert_eq!(out.trim(), format!("[0] {}", 1 << 20), "through {node}");
-    }
-    // A detached job's rank 0 reads the end of its input at once.
-    let job = c.ok(&["run", "--detach", "-n", "1", "--", "cat"]).trim().to_string();
-    wait_for(Duration::from_secs(30), "the detached cat's end", || {
-        c.job_entry(&job)["state"] != "running"
-    });
 
     // Ctrl-C of `psls run` cancels its job (like `psls cancel`); the job is resumable.
     let mut run = mgs(&c, "n3", &[]);

@@ -172,7 +172,6 @@ async fn client(d: Arc<Daemon>, stream: UnixStream) -> anyhow::Result<()> {
             | Request::JobRm { .. }
             | Request::Attach { .. }
             | Request::Cancel { .. }
-            | Request::JobInput { .. }
             | Request::Checkpoint { .. }
             | Request::RestartState { .. }
             | Request::ForceCheckpoint { .. } => ranks::handle(&mut c, req, fds).await?,

@@ -144,7 +144,6 @@ pub(super) async fn handle(c: &mut Conn, req: Request, mut fds: Vec<OwnedFd>) ->
                 });
             }
         }
-        Request::JobInput { job, offset, data, eof } => ok_or_err(job_input(&d, caller, &job, offset, data, eof).await),
         Request::Cancel { job } => {
             let cmd = psls_jobs::Command::Cancel { job, uid: caller.uid };
             match crate::jobctl::command(&d, cmd).await {
@@ -396,62 +395,6 @@ async fn job_frames(node: &Arc<crate::node::Node>, job: &str) -> crate::frames::
         }
     }
     sum
-}
-
-/// `psls run`'s standard input for rank 0 of `job`'s first start (its owner's or root's), to
-/// the node that runs it.
-async fn job_input(
-    d: &Arc<Daemon>,
-    caller: crate::pfs::Caller,
-    job: &str,
-    offset: u64,
-    data: Vec<u8>,
-    eof: bool,
-) -> Result<(), OpError> {
-    if data.len() > psls_ipc::proto::INPUT_CHUNK {
-        return Err(OpError::new(ErrorKind::Invalid, "an input chunk over its bound"));
-    }
-    let st = d.node.meta_state();
-    let owner = st.jobs.get(job).and_then(|r| r.spec.as_ref()).map(|s| s.uid);
-    let Some(owner) = owner else {
-        return Err(OpError::new(ErrorKind::NotFound, format!("no job {job}")));
-    };
-    if caller.uid != 0 && caller.uid != owner {
-        return Err(OpError::new(
-            ErrorKind::Permission,
-            format!("job {job} belongs to uid {owner}: only it or root may give it input"),
-        ));
-    }
-    let Some(run) = st.runs.get(job) else {
-        return Err(OpError::new(
-            ErrorKind::Invalid,
-            format!("job {job} is not running: its input ends"),
-        ));
-    };
-    if run.attempt > 0 {
-        return Err(OpError::new(
-            ErrorKind::Invalid,
-            format!("job {job} restarted: rank 0's input ended with its first start"),
-        ));
-    }
-    let Some((phys, _)) = run.placement.first().and_then(|l| run.nodes.get(l)) else {
-        return Err(OpError::new(
-            ErrorKind::Unavailable,
-            format!("rank 0 of job {job} is not placed yet"),
-        ));
-    };
-    if *phys == d.node.me.name {
-        return d.jobs.input(job, offset, &data, eof).await;
-    }
-    let req = PeerReq::RankInput {
-        job: job.to_string(),
-        offset,
-        eof,
-    };
-    d.node
-        .call_data_ok(phys, req, bytes::Bytes::from(data))
-        .await
-        .map(|_| ())
 }
 
 /// `psls jobs rm JOB`: drops a job that is not running (its owner or root).
