@@ -295,6 +295,13 @@ impl<D: Clone> FrameTable<D> {
         if data.len() != indices.len() {
             return Err(FrameError::Invalid("one page of data per index is needed".into()));
         }
+        // A page twice would be counted twice (a peer's malformed batch: refused whole).
+        let mut seen = std::collections::HashSet::with_capacity(indices.len());
+        if let Some(i) = indices.iter().find(|i| !seen.insert(**i)) {
+            return Err(FrameError::Invalid(format!(
+                "page {file}:{i} appears twice in one batch"
+            )));
+        }
         if (site == Site::Writer && role != Role::Mirror)
             || (matches!(site, Site::HolderWithWriter(_)) && role != Role::Primary)
         {
@@ -1014,6 +1021,14 @@ mod tests {
         assert!(a
             .store_pre("other", 1, 0, f, Role::Primary, Site::Holder, &[9], vec![0])
             .is_err());
+        // Found by a review: a page twice in one batch was counted twice (the daemon's count
+        // check then panicked); the batch is refused whole.
+        let twice = a.store_pre("j", 2, 1, f, Role::Primary, Site::Holder, &[2, 2], vec![7, 8]);
+        assert!(
+            matches!(twice, Err(FrameError::Invalid(ref m)) if m.contains("appears twice")),
+            "{twice:?}"
+        );
+        assert_eq!((a.frames(), a.counts().frames()), (3, 3), "a refusal stores nothing");
         a.abort("j", 2);
         assert_eq!((a.frames(), a.read(f, 0)), (2, Some(&1)));
         // Epoch 3's store arrives before epoch 2's decision: settled by what the round says.
