@@ -81,10 +81,10 @@ pub fn init(dir: &Path, nodes: u32, spares: u32, memory_mb: u64, base_port: u16,
     if !(2..=1024).contains(&nodes) {
         bail!("--nodes must be between 2 and 1024");
     }
-    if base_port as u32 + 2 * (nodes + spares) > 65535 || base_port == 0 {
+    if base_port as u32 + 3 * (nodes + spares) > 65535 || base_port == 0 {
         bail!(
             "--base-port {base_port} leaves no room for {} ports",
-            2 * (nodes + spares)
+            3 * (nodes + spares)
         );
     }
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;

@@ -5,6 +5,7 @@
 pub mod capi;
 pub mod cluster;
 pub mod session;
+pub mod slurm;
 
 pub use session::{Checkpoint, Mapping, ReadOnlyMapping, Session};
 

@@ -74,8 +74,8 @@ enum Cmd {
     /// node's daemon with PSLS_RANK, PSLS_SIZE and PSLS_SOCKET set; output is prefixed with
     /// the rank; the exit status is the first failing rank's.
     Run {
-        /// Number of ranks.
-        #[arg(short = 'n', long = "ranks", required_unless_present = "resume")]
+        /// Number of ranks [default inside a Slurm allocation: SLURM_NTASKS].
+        #[arg(short = 'n', long = "ranks")]
         n: Option<u32>,
         /// Place this many consecutive ranks per node (default: round robin).
         #[arg(long)]
@@ -123,9 +123,26 @@ enum Cmd {
         /// JOB` follows it, from any node.
         #[arg(long)]
         detach: bool,
+        /// Run job NAME to its end, whatever link of a chain this is: start it under that name
+        /// if there is no such job, follow it if it runs, resume it if it was halted, cancelled
+        /// or lost its nodes, and exit 0 at once if it finished. One batch script serves
+        /// every job of a Slurm dependency chain.
+        #[arg(long, value_name = "NAME", conflicts_with = "resume")]
+        job: Option<String>,
+        /// Run the ranks on these PSLS nodes only (a hostlist: names, or the `host` keys of
+        /// cluster.toml, as in n[0-3,7]) [default inside a Slurm allocation: its nodes,
+        /// SLURM_JOB_NODELIST].
+        #[arg(long, value_name = "HOSTLIST")]
+        nodes: Option<String>,
+        /// Halt the job this long before the allocation ends (SLURM_JOB_END_TIME, else the
+        /// time left squeue reports): a persistent checkpoint at its next safe-point call,
+        /// then it stops and `psls run` exits 75, resumable. SIGUSR1 (`sbatch
+        /// --signal=B:USR1@SECONDS`) halts it the same way at any time.
+        #[arg(long, value_name = "DURATION", value_parser = parse_duration_s, conflicts_with = "detach")]
+        halt_before: Option<u64>,
         /// The program and its arguments.
         #[arg(
-            required_unless_present = "resume",
+            required_unless_present_any = ["resume", "job"],
             trailing_var_arg = true,
             allow_hyphen_values = true
         )]
@@ -268,56 +285,161 @@ fn home(cli: &Cli) -> PathBuf {
         .unwrap_or_else(|| PathBuf::from(".psls"))
 }
 
-/// `psls run`: relays the ranks' output, prefixed, and returns the job's status.
-fn run_job(
-    cli: &Cli,
-    n: u32,
+/// What `psls run` was asked, beside its checkpoint options.
+struct RunAsk<'a> {
+    n: Option<u32>,
     per_node: Option<u32>,
-    checkpoint: psls_ipc::proto::CkptOptions,
     detach: bool,
-    command: &[String],
-) -> Result<i32> {
+    job: Option<&'a str>,
+    nodes: Option<&'a str>,
+    halt_before_s: Option<u64>,
+    command: &'a [String],
+}
+
+/// Which link of a chain `psls run --job NAME` is.
+#[derive(Debug, PartialEq, Eq)]
+enum Chain {
+    /// No job NAME: start it.
+    Start,
+    /// Halted, cancelled, lost its nodes, or its result unwritten: resume it.
+    Resume,
+    /// It runs (a `psls run` of it was killed, or runs elsewhere): follow it.
+    Follow,
+    /// It finished: nothing to do.
+    Finished,
+}
+
+/// What `psls run --job NAME` does with `job`, as `psls jobs` shows it (`None`: no such job).
+fn chain_step(name: &str, job: Option<&psls_ipc::proto::JobInfo>) -> Result<Chain> {
+    let Some(j) = job else { return Ok(Chain::Start) };
+    Ok(match (j.state.as_str(), j.end.as_str()) {
+        ("running", _) => Chain::Follow,
+        (_, "failed") => bail!(
+            "job {name} failed ({}); `psls run --resume {name}` runs it again from its last checkpoint",
+            j.activity
+        ),
+        ("resumable", _) => Chain::Resume,
+        (_, "finished") => Chain::Finished,
+        // It ended and kept nothing to resume from (cancelled before its first checkpoint):
+        // it starts again.
+        _ => Chain::Start,
+    })
+}
+
+fn unix_s() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// `psls run`: relays the ranks' output, prefixed, and returns the job's status.
+fn run_job(cli: &Cli, ask: RunAsk, mut checkpoint: psls_ipc::proto::CkptOptions) -> Result<i32> {
     let dir = home(cli);
+    // Ctrl-C or SIGTERM cancels the job (it stays resumable from its newest checkpoint);
+    // SIGUSR1 and the allocation's end halt it; a `psls run` killed otherwise leaves it
+    // running. The signals are taken before anything else can arrive.
+    let started: std::sync::Arc<std::sync::Mutex<Option<String>>> = Default::default();
+    if !ask.detach {
+        on_signals(&dir, cli.node.clone(), started.clone());
+    }
     let cwd = std::env::current_dir().context("current folder")?;
+    let slurm = psls_client::slurm::allocation(
+        |k| std::env::var(k).ok(),
+        unix_s(),
+        psls_client::slurm::squeue_time_left,
+    )?;
+    // Where the ranks run: the nodes asked for, else the allocation's, else any.
+    let hosts = match (ask.nodes, &slurm) {
+        (Some(list), _) => Some(psls_client::slurm::expand_hostlist(list)?),
+        (None, Some(a)) => Some(a.hosts.clone()),
+        (None, None) => None,
+    };
+    if let Some(hosts) = hosts {
+        checkpoint.nodes = psls_client::slurm::nodes_on(&cluster::load(&dir)?, &hosts)?;
+    }
+    let halt_at_unix_s = match ask.halt_before_s {
+        None => None,
+        Some(before) => {
+            let end = slurm.as_ref().and_then(|a| a.end_unix_s).context(
+                "--halt-before counts from the allocation's end: run inside a Slurm job with a time limit (SLURM_JOB_END_TIME, or squeue's time left)",
+            )?;
+            Some(end.saturating_sub(before))
+        }
+    };
+    let mut client = cluster::connect(&dir, cli.node.as_deref())?;
+    let mut follow_only = None;
+    if let Some(name) = ask.job {
+        let jobs = client.jobs()?;
+        match chain_step(name, jobs.iter().find(|j| j.job == name))? {
+            Chain::Start => checkpoint.job = name.to_string(),
+            Chain::Resume => checkpoint.resume = name.to_string(),
+            Chain::Follow => follow_only = Some(name.to_string()),
+            Chain::Finished => {
+                eprintln!("psls: job {name} finished already");
+                return Ok(0);
+            }
+        }
+        if checkpoint.resume.is_empty() && follow_only.is_none() && ask.command.is_empty() {
+            bail!("there is no job {name} yet: give the command that starts it");
+        }
+    }
     // A resumed job runs the command it was started with.
-    let mut program = if checkpoint.resume.is_empty() {
-        command.first().cloned().context("no program given")?
-    } else {
+    let resumed = !checkpoint.resume.is_empty();
+    let n = match ask.n.or(slurm.as_ref().and_then(|a| a.ntasks)) {
+        Some(n) => n,
+        None if resumed || follow_only.is_some() => 0,
+        None => bail!("how many ranks? give -n (inside a Slurm allocation, SLURM_NTASKS gives it)"),
+    };
+    let mut program = if resumed || follow_only.is_some() {
         String::new()
+    } else {
+        ask.command.first().cloned().context("no program given")?
     };
     if program.contains('/') && !program.starts_with('/') {
         program = cwd.join(&program).display().to_string();
     }
-    let args: Vec<String> = command.iter().skip(1).cloned().collect();
+    let args: Vec<String> = ask.command.iter().skip(1).cloned().collect();
     let env: Vec<(String, String)> = std::env::vars().collect();
-    let resumed = !checkpoint.resume.is_empty();
-    let mut client = cluster::connect(&dir, cli.node.as_deref())?;
-    if detach {
-        let job = client.start(
-            &program,
-            &args,
-            n,
-            per_node,
-            env,
-            &cwd.display().to_string(),
-            checkpoint,
-        )?;
+    if ask.detach {
+        let job = match follow_only {
+            Some(j) => j,
+            None => client.start(
+                &program,
+                &args,
+                n,
+                ask.per_node,
+                env,
+                &cwd.display().to_string(),
+                checkpoint,
+            )?,
+        };
         println!("{job}");
         return Ok(0);
     }
-    // Ctrl-C or SIGTERM cancels the job (it stays resumable from its newest checkpoint); a
-    // `psls run` killed otherwise leaves it running.
-    let started: std::sync::Arc<std::sync::Mutex<Option<String>>> = Default::default();
-    cancel_on_signal(&dir, cli.node.clone(), started.clone());
+    if let Some(at) = halt_at_unix_s {
+        halt_at(&dir, cli.node.clone(), started.clone(), at);
+    }
     // Per rank, the last line printed: a follower from another node goes on after it.
     let mut after: std::collections::BTreeMap<u32, u64> = std::collections::BTreeMap::new();
+    if let Some(j) = follow_only {
+        if let Ok(mut s) = started.lock() {
+            *s = Some(j.clone());
+        }
+        eprintln!("psls: job {j} is running: following it");
+        let (code, message) = follow_job(&dir, cli.node.as_deref(), &j, &mut after, false)?;
+        let _ = std::io::stdout().flush();
+        if code != 0 {
+            eprintln!("psls: {message}");
+        }
+        return Ok(code);
+    }
     let mut job: Option<String> = None;
     let note = |message: &str| eprintln!("psls: {message}");
     let first = client.run(
         &program,
         &args,
         n,
-        per_node,
+        ask.per_node,
         env,
         &cwd.display().to_string(),
         checkpoint,
@@ -356,14 +478,59 @@ fn run_job(
     Ok(code)
 }
 
+/// Asks job `name` to halt: a persistent checkpoint at its next safe-point call, then it stops
+/// (through the node `node`, else any). `why` says what asked.
+fn ask_halt(dir: &Path, node: Option<&str>, name: &str, why: &str) {
+    let asked = cluster::connect(dir, node)
+        .or_else(|_| cluster::connect(dir, None))
+        .and_then(|mut c| c.force_checkpoint(name, true).map_err(anyhow::Error::from));
+    match asked {
+        Ok(()) => eprintln!(
+            "psls: {why}: halting job {name} at its next safe-point call (a persistent checkpoint; then `psls run --resume {name}` or `--job {name}` goes on)"
+        ),
+        Err(e) => eprintln!("psls: {why}: could not halt job {name}: {e}"),
+    }
+}
+
+/// The job's name once it is known (waiting for it).
+fn job_name(job: &std::sync::Mutex<Option<String>>) -> String {
+    loop {
+        if let Some(n) = job.lock().ok().and_then(|j| j.clone()) {
+            return n;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+}
+
+/// Halts the job named in `job` at `at_unix_s` (seconds since the Unix epoch), on a thread of
+/// its own.
+fn halt_at(dir: &Path, node: Option<String>, job: std::sync::Arc<std::sync::Mutex<Option<String>>>, at_unix_s: u64) {
+    let dir = dir.to_path_buf();
+    let now = unix_s();
+    if at_unix_s <= now {
+        eprintln!(
+            "psls: the allocation ends before --halt-before allows a run: the job halts at its first safe-point call"
+        );
+    }
+    std::thread::spawn(move || {
+        while unix_s() < at_unix_s {
+            std::thread::sleep(std::time::Duration::from_millis(250));
+        }
+        let name = job_name(&job);
+        ask_halt(&dir, node.as_deref(), &name, "the allocation ends soon");
+    });
+}
+
 /// Waits, on a thread of its own, for SIGINT or SIGTERM and cancels the job named in `job`
-/// (through the node `node`, else any); the caller follows the job to its end as usual. A
-/// second signal, or one before the job has a name, ends `psls run` at once (status 130).
-fn cancel_on_signal(dir: &Path, node: Option<String>, job: std::sync::Arc<std::sync::Mutex<Option<String>>>) {
+/// (through the node `node`, else any), or for SIGUSR1 and halts it; the caller follows the
+/// job to its end as usual. A second SIGINT or SIGTERM, or one before the job has a name, ends
+/// `psls run` at once (status 130).
+fn on_signals(dir: &Path, node: Option<String>, job: std::sync::Arc<std::sync::Mutex<Option<String>>>) {
     use nix::sys::signal::{SigSet, Signal};
     let mut set = SigSet::empty();
     set.add(Signal::SIGINT);
     set.add(Signal::SIGTERM);
+    set.add(Signal::SIGUSR1);
     // Blocked here before any other thread exists, so only the waiter takes them.
     if set.thread_block().is_err() {
         return;
@@ -373,6 +540,15 @@ fn cancel_on_signal(dir: &Path, node: Option<String>, job: std::sync::Arc<std::s
         let mut cancelled = false;
         while let Ok(sig) = set.wait() {
             let name = job.lock().ok().and_then(|j| j.clone());
+            if sig == Signal::SIGUSR1 {
+                // Before the job has a name, the halt waits for it.
+                let (dir, node, job) = (dir.clone(), node.clone(), job.clone());
+                std::thread::spawn(move || {
+                    let name = name.unwrap_or_else(|| job_name(&job));
+                    ask_halt(&dir, node.as_deref(), &name, "SIGUSR1");
+                });
+                continue;
+            }
             let Some(name) = name.filter(|_| !cancelled) else {
                 eprintln!("psls: {sig}: leaving");
                 std::process::exit(130);
@@ -495,6 +671,9 @@ fn main() -> std::process::ExitCode {
         prefetch,
         resume,
         detach,
+        job,
+        nodes,
+        halt_before,
         command,
     } = &cli.cmd
     {
@@ -509,8 +688,19 @@ fn main() -> std::process::ExitCode {
             cleaning: cleaning.clone().unwrap_or_default(),
             prefetch: *prefetch,
             resume: resume.clone().unwrap_or_default(),
+            job: String::new(),
+            nodes: Vec::new(),
         };
-        return match run_job(&cli, n.unwrap_or(0), *per_node, ckpt, *detach, command) {
+        let ask = RunAsk {
+            n: *n,
+            per_node: *per_node,
+            detach: *detach,
+            job: job.as_deref(),
+            nodes: nodes.as_deref(),
+            halt_before_s: *halt_before,
+            command,
+        };
+        return match run_job(&cli, ask, ckpt) {
             Ok(code) => std::process::ExitCode::from(code.clamp(0, 255) as u8),
             Err(e) => {
                 eprintln!("psls: error: {e:#}");
@@ -621,7 +811,7 @@ fn run(cli: &Cli) -> Result<()> {
                 nodes,
                 spares,
                 base_port,
-                *base_port as u32 + 2 * (nodes + spares) - 1
+                *base_port as u32 + 3 * (nodes + spares) - 1
             );
         }
         Cmd::Cluster(ClusterCmd::Up { timeout_s }) => {
@@ -1031,5 +1221,47 @@ mod tests {
         assert_eq!(parse_duration_s("1h 30m"), Ok(5400));
         assert!(parse_duration_s("1.5s").is_err());
         assert!(parse_duration_s("soon").is_err());
+    }
+}
+
+#[cfg(test)]
+mod chain_tests {
+    use super::*;
+
+    fn info(state: &str, end: &str) -> psls_ipc::proto::JobInfo {
+        psls_ipc::proto::JobInfo {
+            job: "j".into(),
+            state: state.into(),
+            ranks: 1,
+            command: String::new(),
+            uid: 0,
+            epoch: 0,
+            at_unix_ms: 0,
+            bytes: 0,
+            level: String::new(),
+            pause_us: 0,
+            commit_us: 0,
+            recovery_frames: 0,
+            unsaved_frames: 0,
+            pre_recovery_frames: 0,
+            persistent_epoch: 0,
+            activity: String::new(),
+            finished: String::new(),
+            end: end.into(),
+        }
+    }
+
+    #[test]
+    fn a_chain_link_starts_follows_resumes_or_stops() {
+        let step = |state: &str, end: &str| chain_step("j", Some(&info(state, end))).ok();
+        assert_eq!(chain_step("j", None).ok(), Some(Chain::Start));
+        assert_eq!(step("running", ""), Some(Chain::Follow));
+        for end in ["halted", "cancelled", "node_fail", "unwritten"] {
+            assert_eq!(step("resumable", end), Some(Chain::Resume), "{end}");
+        }
+        assert_eq!(step("finished", "finished"), Some(Chain::Finished));
+        assert_eq!(step("cancelled", "cancelled"), Some(Chain::Start));
+        assert_eq!(step("resumable", "failed"), None);
+        assert_eq!(step("failed", "failed"), None);
     }
 }

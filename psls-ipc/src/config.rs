@@ -116,11 +116,24 @@ pub struct NodeEntry {
     pub socket: PathBuf,
     #[serde(default = "default_memory_mb")]
     pub memory_mb: u64,
+    /// The host's name as the batch system knows it (Slurm's node name): `psls run` inside an
+    /// allocation runs ranks on the nodes whose `host` its node list names. Default: `name`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host: Option<String>,
+    /// Where the node serves its metrics (HTTP, Prometheus text format, `GET /metrics`);
+    /// none: no metrics.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metrics_addr: Option<SocketAddr>,
 }
 
 impl NodeEntry {
     /// How far above `addr`'s port the message link listens when `link_addr` is not given.
     pub const DEFAULT_LINK_OFFSET: u16 = 100;
+
+    /// The host's name as the batch system knows it ([`NodeEntry::host`]).
+    pub fn host_name(&self) -> &str {
+        self.host.as_deref().unwrap_or(&self.name)
+    }
 
     /// The message link's address (see [`NodeEntry::link_addr`]); `None` when the default
     /// would pass port 65535.
@@ -222,6 +235,20 @@ impl ClusterConfig {
             if n.memory_mb == 0 {
                 return Err(format!("node {}: memory_mb must be > 0", n.name));
             }
+            if let Some(m) = n.metrics_addr {
+                if !addrs.insert(m) {
+                    return Err(format!("address {m} (node {}'s metrics) appears twice", n.name));
+                }
+            }
+            if n.host
+                .as_ref()
+                .is_some_and(|h| h.is_empty() || h.len() > 255 || h.contains(|c: char| c.is_whitespace() || c == ','))
+            {
+                return Err(format!(
+                    "node {}: host must be 1..255 bytes, without spaces or commas",
+                    n.name
+                ));
+            }
         }
         Ok(())
     }
@@ -254,8 +281,8 @@ impl ClusterConfig {
     }
 
     /// The default local cluster: `nodes` daemons and `spares` spares on loopback, on the
-    /// `2 × (nodes + spares)` ports from `base_port`: first every node's `addr`, then every
-    /// node's `link_addr`.
+    /// `3 × (nodes + spares)` ports from `base_port`: first every node's `addr`, then every
+    /// node's `link_addr`, then every node's `metrics_addr`.
     pub fn local(nodes: u32, spares: u32, memory_mb: u64, base_port: u16) -> ClusterConfig {
         let total = nodes + spares;
         let entry = |name: String, i: u32| NodeEntry {
@@ -267,6 +294,11 @@ impl ClusterConfig {
             data_dir: PathBuf::from("data").join(&name),
             socket: PathBuf::from("run").join(format!("{name}.sock")),
             memory_mb,
+            host: None,
+            metrics_addr: Some(SocketAddr::from((
+                [127, 0, 0, 1],
+                base_port.wrapping_add((2 * total + i) as u16),
+            ))),
             name,
         };
         ClusterConfig {

@@ -270,6 +270,11 @@ pub struct CkptOptions {
     /// `psls run --resume JOB`: start job JOB again from its last checkpoint (its command and
     /// options come from its record; the other fields are ignored).
     pub resume: String,
+    /// `psls run --job NAME`: the new job's name (empty: the daemon makes one).
+    pub job: String,
+    /// The physical nodes the ranks may run on (`psls run --nodes`, or the Slurm allocation's);
+    /// empty: any node. A resume takes these too.
+    pub nodes: Vec<String>,
 }
 
 /// A job, as `psls jobs` shows it.
@@ -305,6 +310,9 @@ pub struct JobInfo {
     /// A resumable job that finished computing: why its last persistent checkpoint failed
     /// (`psls run --resume` writes its result). Empty otherwise.
     pub finished: String,
+    /// How its last start ended (`finished`, `unwritten`, `failed`, `node_fail`, `halted`,
+    /// `cancelled`); empty while it runs, or if no start of it ended.
+    pub end: String,
 }
 
 /// Class of an error, so that callers can react without parsing text.

@@ -107,12 +107,16 @@ pub enum Command {
         spec: Box<JobSummary>,
         options: Box<JobOptions>,
         env: Vec<(String, String)>,
+        /// The physical nodes its ranks may run on (empty: any).
+        hosts: Vec<String>,
     },
-    /// Start an ended job again from its newest intact checkpoint (as user `uid`).
+    /// Start an ended job again from its newest intact checkpoint (as user `uid`), its ranks
+    /// on `hosts` (physical nodes; empty: any).
     Resume {
         job: String,
         env: Vec<(String, String)>,
         uid: u32,
+        hosts: Vec<String>,
     },
     /// Halt a running job after a persistent checkpoint at its next safe point.
     Halt { job: String, uid: u32 },
@@ -491,9 +495,11 @@ impl Control {
         }
         // A launch sent again (its answer lost with a driver) is answered as the first was.
         if let Command::Launch { job, spec, .. } = &cmd {
+            // A launch made after the job of that name ended is a new start (`psls run --job`
+            // of a job that kept nothing to resume from), not the ended one sent again.
             let attempt = match (self.meta.runs.get(job), self.meta.ended.get(job)) {
                 (Some(r), _) => Some(r.attempt),
-                (None, Some((_, e))) => Some(e.attempt),
+                (None, Some((_, e))) if spec.started_unix_ms <= e.at_unix_ms => Some(e.attempt),
                 _ => None,
             };
             let same = self
@@ -669,6 +675,7 @@ impl Control {
                 spec,
                 options,
                 env,
+                hosts,
             } => {
                 psls_pfs::jobs::validate_job(&job).map_err(|e| CommandError::Invalid(e.to_string()))?;
                 if self.meta.runs.contains_key(&job) || self.waiting.iter().any(|w| w.job == job) {
@@ -682,7 +689,7 @@ impl Control {
                 if self.meta.runs.len() >= self.cfg.max_jobs {
                     return Err(CommandError::Busy);
                 }
-                let run = self.new_run(0, 0, spec.ranks, spec.per_node, env, RunPhase::Running)?;
+                let run = self.new_run(0, 0, spec.ranks, spec.per_node, env, hosts, RunPhase::Running)?;
                 let op = MetaOp::JobStart {
                     job: job.clone(),
                     spec,
@@ -691,7 +698,7 @@ impl Control {
                 };
                 Ok((job, Wait::Start(0), op))
             }
-            Command::Resume { job, env, uid } => {
+            Command::Resume { job, env, uid, hosts } => {
                 if self.meta.runs.contains_key(&job) || self.waiting.iter().any(|w| w.job == job) {
                     return Err(CommandError::Running(job));
                 }
@@ -726,6 +733,7 @@ impl Control {
                     spec.ranks,
                     spec.per_node,
                     env,
+                    hosts,
                     RunPhase::RollingBack { why: RESUMED.into() },
                 )?;
                 let op = MetaOp::JobStart {
@@ -767,6 +775,7 @@ impl Control {
     }
 
     /// A new start's record: ranks placed on the live logical nodes.
+    #[allow(clippy::too_many_arguments)]
     fn new_run(
         &self,
         attempt: u32,
@@ -774,14 +783,28 @@ impl Control {
         ranks: u32,
         per_node: Option<u32>,
         env: Vec<(String, String)>,
+        hosts: Vec<String>,
         phase: RunPhase,
     ) -> Result<RunRecord, CommandError> {
         let logical = self.logical();
+        if let Some(h) = hosts
+            .iter()
+            .find(|h| !self.cfg.nodes.contains(h) && !self.cfg.spares.contains(h))
+        {
+            return Err(CommandError::Invalid(format!("no node named {h} in the cluster")));
+        }
         let live: Vec<u32> = logical
             .iter()
             .filter(|(_, p)| self.nodes.get(*p).is_some_and(|v| v.live))
+            .filter(|(_, p)| hosts.is_empty() || hosts.contains(p))
             .map(|(l, _)| *l)
             .collect();
+        if live.is_empty() && !hosts.is_empty() {
+            return Err(CommandError::Invalid(format!(
+                "none of the job's nodes ({}) is up",
+                hosts.join(", ")
+            )));
+        }
         let placement = crate::place::place(ranks, &live, per_node).map_err(CommandError::Invalid)?;
         let nodes = placement
             .iter()
@@ -801,6 +824,7 @@ impl Control {
             phase,
             halt: false,
             since_unix_ms: self.unix_ms,
+            hosts,
         })
     }
 
@@ -1250,6 +1274,7 @@ impl Control {
             ranks,
             per_node,
             run.env.clone(),
+            run.hosts.clone(),
             RunPhase::Running,
         ) {
             Ok(mut next) => {
@@ -1348,6 +1373,7 @@ mod tests {
             }),
             options: Box::default(),
             env: Vec::new(),
+            hosts: Vec::new(),
         };
         c.handle_command(7, cmd);
         let Some(Action::Submit { op, .. }) = c.poll_action() else {

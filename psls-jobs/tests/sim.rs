@@ -335,6 +335,19 @@ impl Sim {
         let r = Machine::apply(&mut st, index, &op);
         let _ = st.take_changes();
         if r.is_ok() {
+            // A confined start's ranks run only on its nodes.
+            if let MetaOp::JobStart { job, run, .. } | MetaOp::JobRestart { job, run, .. } = &op {
+                if !run.hosts.is_empty() {
+                    for l in &run.placement {
+                        let p = run.nodes.get(l).map(|(p, _)| p.clone()).unwrap_or_default();
+                        assert!(
+                            run.hosts.contains(&p),
+                            "job {job}: a rank on {p}, outside its nodes {:?}",
+                            run.hosts
+                        );
+                    }
+                }
+            }
             if let MetaOp::JobPhase {
                 job,
                 attempt,
@@ -1218,6 +1231,22 @@ impl Sim {
                         ..JobOptions::default()
                     }),
                     env: vec![("PATH".into(), "/bin".into())],
+                    // A third of the jobs are confined to some nodes (a Slurm allocation).
+                    hosts: if self.rng.below(3) == 0 {
+                        let mut h: Vec<String> = (0..LOGICAL)
+                            .filter(|_| self.rng.below(2) == 0)
+                            .map(|i| format!("n{i}"))
+                            .collect();
+                        if h.is_empty() {
+                            h.push(format!("n{}", self.rng.below(LOGICAL as u64)));
+                        }
+                        if self.rng.below(2) == 0 {
+                            h.push("s0".into());
+                        }
+                        h
+                    } else {
+                        Vec::new()
+                    },
                 }
             }
             4 => {
@@ -1252,6 +1281,7 @@ impl Sim {
                     job,
                     env: Vec::new(),
                     uid: 1000,
+                    hosts: Vec::new(),
                 }
             }
             _ => return,

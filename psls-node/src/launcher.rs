@@ -312,6 +312,30 @@ pub fn new_job_name(node: &Node) -> String {
     )
 }
 
+/// Most bytes of a job name a user chooses (`psls run --job NAME`).
+pub const MAX_USER_JOB_NAME: usize = 64;
+
+/// A job name a user chooses: 1 to [`MAX_USER_JOB_NAME`] letters, digits, `.`, `_` or `-`,
+/// beginning with a letter or a digit (it names files, and comes from a command line).
+pub fn check_job_name(name: &str) -> Result<(), OpError> {
+    let ok = !name.is_empty()
+        && name.len() <= MAX_USER_JOB_NAME
+        && name.starts_with(|c: char| c.is_ascii_alphanumeric())
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'));
+    if ok {
+        Ok(())
+    } else {
+        Err(OpError::new(
+            ErrorKind::Invalid,
+            format!(
+                "job name {name:?}: 1 to {MAX_USER_JOB_NAME} letters, digits, '.', '_' or '-', beginning with a letter or a digit"
+            ),
+        ))
+    }
+}
+
 /// Job control's command to launch a new job as `psls run` asked (its options checked here).
 #[allow(clippy::too_many_arguments)]
 pub fn launch_command(
@@ -346,8 +370,14 @@ pub fn launch_command(
             .parse::<psls_ckpt::cleaning::Policy>()
             .map_err(|e| OpError::new(ErrorKind::Invalid, e))?,
     };
+    let job = if checkpoint.job.is_empty() {
+        new_job_name(node)
+    } else {
+        check_job_name(&checkpoint.job)?;
+        checkpoint.job.clone()
+    };
     let spec = JobSpec {
-        job: new_job_name(node),
+        job,
         size: ranks,
         program,
         args,
@@ -375,6 +405,7 @@ pub fn launch_command(
         spec: Box::new(summary(&spec, per_node, 1)),
         options: Box::new(options(&spec)),
         env: spec.env.clone(),
+        hosts: checkpoint.nodes.clone(),
     })
 }
 

@@ -22,6 +22,9 @@ pub const MAX_ENDED: usize = 1024;
 pub const MAX_ENV_BYTES: usize = 256 * 1024;
 /// Most ranks a job has.
 pub const MAX_RANKS: u32 = 4096;
+/// Most nodes a start may be confined to ([`RunRecord::hosts`]), and the longest name.
+pub const MAX_HOSTS: usize = 2048;
+pub const MAX_HOST_LEN: usize = 255;
 /// Longest message kept with a phase or an end, in bytes.
 pub const MAX_MESSAGE_LEN: usize = 2048;
 
@@ -50,6 +53,9 @@ pub struct RunRecord {
     pub halt: bool,
     /// When this start was decided (ms since the Unix epoch, the leader's clock).
     pub since_unix_ms: u64,
+    /// The physical nodes this start's ranks, and its restarts' ranks, may run on (`psls run
+    /// --nodes`, or the Slurm allocation's); empty: any node.
+    pub hosts: Vec<String>,
 }
 
 /// Where a start is.
@@ -145,6 +151,11 @@ fn validate_run(st: &MetaState, run: &RunRecord) -> Result<(), MetaError> {
                 "logical node {l} runs ranks but has no incarnation"
             )));
         }
+    }
+    if run.hosts.len() > MAX_HOSTS || run.hosts.iter().any(|h| h.len() > MAX_HOST_LEN) {
+        return Err(MetaError::Invalid(format!(
+            "a start names at most {MAX_HOSTS} nodes of at most {MAX_HOST_LEN} bytes each"
+        )));
     }
     let env: usize = run.env.iter().map(|(k, v)| k.len() + v.len() + 2).sum();
     if env > MAX_ENV_BYTES {

@@ -77,7 +77,7 @@ impl Cluster {
     pub fn init(nodes: u32, spares: u32, tune: impl FnOnce(&mut ClusterConfig)) -> Cluster {
         let tmp = tempfile::tempdir().expect("tempdir");
         let dir = tmp.path().join("c");
-        let base = free_ports(2 * (nodes + spares) as u16);
+        let base = free_ports(3 * (nodes + spares) as u16);
         let c = Cluster {
             tmp,
             dir,

@@ -89,6 +89,7 @@ pub(super) async fn handle(c: &mut Conn, req: Request, mut fds: Vec<OwnedFd>) ->
                 job: job.clone(),
                 env,
                 uid: caller.uid,
+                hosts: checkpoint.nodes,
             };
             match crate::jobctl::command(&d, cmd).await {
                 Ok(psls_jobs::Answer::Started { job, attempt }) => {
@@ -315,6 +316,10 @@ async fn jobs(d: &Arc<Daemon>) -> Result<Vec<psls_ipc::proto::JobInfo>, OpError>
             persistent_epoch: rec.epoch,
             activity,
             finished: st.finished.get(job).map(|f| f.why.clone()).unwrap_or_default(),
+            end: match (running, st.ended.get(job)) {
+                (false, Some((_, e))) => e.how.word().into(),
+                _ => String::new(),
+            },
         };
         // A running job's later checkpoints, memory ones too, as its coordinator saw them.
         if let Some(l) = last.filter(|l| l.epoch >= rec.epoch) {
@@ -356,6 +361,7 @@ async fn jobs(d: &Arc<Daemon>) -> Result<Vec<psls_ipc::proto::JobInfo>, OpError>
             persistent_epoch: 0,
             activity: end.message.clone(),
             finished: String::new(),
+            end: end.how.word().into(),
         });
     }
     Ok(out)
