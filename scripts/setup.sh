@@ -20,3 +20,16 @@ if [ ${#need[@]} -gt 0 ]; then
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need[@]}" >/dev/null
 fi
+# Outside systems some tests run for real (each skips with one line where it is missing):
+# Slurm and munge (tests/tests/slurm.rs), promtool (tests/tests/metrics.rs).
+optional=()
+[ -x /usr/sbin/slurmctld ] && [ -x /usr/sbin/slurmd ] && [ -x /usr/sbin/munged ] || optional+=(slurm-wlm munge)
+command -v promtool >/dev/null 2>&1 || optional+=(prometheus)
+if [ ${#optional[@]} -gt 0 ]; then
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  echo "setup: installing ${optional[*]}"
+  if ! { DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${optional[@]}" >/dev/null 2>&1 \
+      || { $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${optional[@]}" >/dev/null; }; }; then
+    echo "setup: could not install ${optional[*]}: the tests that need them skip"
+  fi
+fi

@@ -2108,6 +2108,7 @@ impl World {
                         spec: Box::new(spec),
                         options: Box::default(),
                         env: Vec::new(),
+                        hosts: Vec::new(),
                     };
                     self.nodes[i].control.handle_command(1, launch);
                 }

@@ -41,7 +41,8 @@ pub fn check(dir: &Path) -> Result<(ClusterConfig, Vec<String>)> {
             let mut it = t.split_whitespace().map(|x| x.parse::<u16>().ok());
             Some((it.next()??, it.next()??))
         });
-    for n in cfg.all() {
+    // A host has only its own nodes' certificates and keys, and binds only its own ports.
+    for n in cfg.all().filter(|n| is_local(n)) {
         let link = n.link().map(|l| l.port());
         for (what, port) in [("addr", Some(n.addr.port())), ("link_addr", link)] {
             if let (Some(port), Some((lo, hi))) = (port, range) {
@@ -55,8 +56,20 @@ pub fn check(dir: &Path) -> Result<(ClusterConfig, Vec<String>)> {
             }
         }
     }
+    for n in cfg.all() {
+        if let Some(m) = n.metrics_addr {
+            if m.ip().is_loopback() && !n.addr.ip().is_loopback() {
+                warnings.push(format!(
+                    "node {}: metrics_addr {m} is on loopback: only this host can scrape it",
+                    n.name
+                ));
+            }
+        }
+    }
     let certs = cfg.cert_dir();
-    let names = ["ca".to_string()].into_iter().chain(cfg.all().map(|n| n.name.clone()));
+    let names = ["ca".to_string()]
+        .into_iter()
+        .chain(cfg.all().filter(|n| is_local(n)).map(|n| n.name.clone()));
     for name in names {
         // The CA's key signs new certificates only; a node needs the CA's certificate.
         let exts: &[&str] = if name == "ca" { &["pem"] } else { &["pem", "key"] };
@@ -100,6 +113,11 @@ pub fn init(dir: &Path, nodes: u32, spares: u32, memory_mb: u64, base_port: u16,
     std::fs::create_dir_all(dir.join("logs"))?;
     std::fs::write(config_path(dir), cfg.to_toml())?;
     Ok(cfg)
+}
+
+/// Whether node `n`'s address is one of this machine's (its daemon runs here).
+pub fn is_local(n: &NodeEntry) -> bool {
+    std::net::UdpSocket::bind((n.addr.ip(), 0)).is_ok()
 }
 
 fn pid_file(dir: &Path, name: &str) -> PathBuf {
@@ -193,10 +211,15 @@ fn workers_per_daemon(daemons: usize) -> usize {
 
 /// Starts daemon `n` in the background with `workers` async worker threads.
 fn spawn(dir: &Path, n: &NodeEntry, workers: usize) -> Result<std::process::Child> {
+    let path = log_file(dir, &n.name);
+    if let Some(logs) = path.parent() {
+        std::fs::create_dir_all(logs).with_context(|| format!("creating {}", logs.display()))?;
+    }
     let log = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
-        .open(log_file(dir, &n.name))?;
+        .open(&path)
+        .with_context(|| format!("opening {}", path.display()))?;
     let child = Command::new(node_binary()?)
         .arg("--config")
         .arg(config_path(dir))
@@ -210,7 +233,11 @@ fn spawn(dir: &Path, n: &NodeEntry, workers: usize) -> Result<std::process::Chil
         .process_group(0)
         .spawn()
         .context("starting psls-node")?;
-    std::fs::write(pid_file(dir, &n.name), child.id().to_string())?;
+    let pid = pid_file(dir, &n.name);
+    if let Some(run) = pid.parent() {
+        std::fs::create_dir_all(run).with_context(|| format!("creating {}", run.display()))?;
+    }
+    std::fs::write(&pid, child.id().to_string()).with_context(|| format!("writing {}", pid.display()))?;
     Ok(child)
 }
 
@@ -220,7 +247,14 @@ pub fn up(dir: &Path, timeout: Duration, quiet: bool) -> Result<()> {
     let mut children = Vec::new();
     let mut expected = Vec::new();
     let mut waited = Vec::new();
-    for n in cfg.all() {
+    if !cfg.all().any(is_local) {
+        bail!(
+            "no node of {} has an address of this machine: start each daemon on its own host (deploy/README.md)",
+            config_path(dir).display()
+        );
+    }
+    // On a cluster of separate hosts, each host starts its own daemons (under systemd).
+    for n in cfg.all().filter(|n| is_local(n)) {
         if let Some(pid) = running_pid(dir, &n.name) {
             expected.push(n.clone());
             waited.push((n.name.clone(), pid));
@@ -246,7 +280,10 @@ pub fn up(dir: &Path, timeout: Duration, quiet: bool) -> Result<()> {
             }
             continue;
         }
-        children.push((n.name.clone(), spawn(dir, n, workers_per_daemon(cfg.all().count()))?));
+        children.push((
+            n.name.clone(),
+            spawn(dir, n, workers_per_daemon(cfg.all().filter(|n| is_local(n)).count()))?,
+        ));
         expected.push(n.clone());
         if !quiet {
             println!("started {}", n.name);
@@ -374,7 +411,18 @@ pub fn connect(dir: &Path, node: Option<&str>) -> Result<Client> {
         let n = cfg
             .entry(name)
             .ok_or_else(|| anyhow!("no node named '{name}' in {}", config_path(dir).display()))?;
-        return Ok(Client::connect(&cfg.socket_path(n))?);
+        let path = cfg.socket_path(n);
+        let mut c = Client::connect(&path)?;
+        // On a cluster of separate hosts every node may have the same socket path: the daemon
+        // that answers here is this host's.
+        let (me, _) = c.whoami()?;
+        if me != name {
+            bail!(
+                "{} is node {me}'s socket: node {name} runs on another host (run psls there, or use --node {me})",
+                path.display()
+            );
+        }
+        return Ok(c);
     }
     for n in cfg.all() {
         if let Ok(c) = Client::connect(&cfg.socket_path(n)) {

@@ -61,6 +61,14 @@ impl Client {
         })
     }
 
+    /// The daemon's node name and cluster name.
+    pub fn whoami(&mut self) -> Result<(String, String), ClientError> {
+        match self.call(&Request::Whoami)? {
+            Response::Node { name, cluster } => Ok((name, cluster)),
+            r => Err(unexpected(r)),
+        }
+    }
+
     fn send(&mut self, req: &Request) -> Result<(), ClientError> {
         proto::write_frame(&mut self.w, req).map_err(ClientError::Frame)?;
         self.w.flush().map_err(|e| ClientError::Frame(e.into()))

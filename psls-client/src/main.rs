@@ -656,6 +656,12 @@ fn lost_daemon(e: &psls_client::ClientError) -> bool {
 const FOLLOW_AGAIN_S: u64 = 300;
 
 fn main() -> std::process::ExitCode {
+    // `psls ... | head` ends quietly, as a Unix tool does, instead of panicking in println!.
+    // SAFETY: setting a signal's disposition to its default before any thread exists touches
+    // no memory of ours.
+    unsafe {
+        let _ = nix::sys::signal::signal(nix::sys::signal::Signal::SIGPIPE, nix::sys::signal::SigHandler::SigDfl);
+    }
     let cli = Cli::parse();
     if let Cmd::Run {
         n,
@@ -837,7 +843,11 @@ fn run(cli: &Cli) -> Result<()> {
         }
         Cmd::Cluster(ClusterCmd::Down) => {
             let stopped = cluster::down(&dir)?;
-            println!("stopped {} daemons", stopped.len());
+            if stopped.is_empty() {
+                println!("no daemon that `psls cluster up` started here runs (a daemon under systemd: `systemctl stop psls-node`)");
+            } else {
+                println!("stopped {} daemons", stopped.len());
+            }
         }
         Cmd::Cluster(ClusterCmd::Status { json }) => {
             let s = cluster::connect(&dir, node)?.status()?;

@@ -232,6 +232,14 @@ impl ClusterConfig {
             if !addrs.insert(link) {
                 return Err(format!("address {link} (node {}'s link) appears twice", n.name));
             }
+            // The other nodes reach both: one on loopback and one not is a half-edited config
+            // (`cluster init` writes loopback addresses for both).
+            if link.ip().is_loopback() != n.addr.ip().is_loopback() {
+                return Err(format!(
+                    "node {}: addr {} and link_addr {link} must both be loopback or both not (set link_addr to the node's address too)",
+                    n.name, n.addr
+                ));
+            }
             if n.memory_mb == 0 {
                 return Err(format!("node {}: memory_mb must be > 0", n.name));
             }

@@ -74,6 +74,8 @@ pub const CHUNK: usize = 1024 * 1024;
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Request {
     Status,
+    /// Which node this daemon is: answered by `Node`.
+    Whoami,
     Create {
         name: String,
         size: u64,
@@ -443,6 +445,11 @@ pub struct ScrubReport {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Response {
     Ok,
+    /// The daemon's node (its physical name) and cluster.
+    Node {
+        name: String,
+        cluster: String,
+    },
     Error {
         kind: ErrorKind,
         message: String,

@@ -59,6 +59,40 @@ fn watch_fail_sync(dir: &Path, fault: Arc<FaultDisk>) -> Result<()> {
 }
 
 /// Raises this process's soft limit on open descriptors to its hard limit.
+/// Takes the data folder's lock (`DIR/lock`, an exclusive `flock` held until the process
+/// ends), with this daemon's pid in the file.
+fn lock_data_dir(dir: &Path) -> Result<()> {
+    use std::io::{Read, Seek, Write};
+    let path = dir.join("lock");
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&path)
+        .with_context(|| format!("opening {}", path.display()))?;
+    match nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusiveNonblock) {
+        Ok(mut f) => {
+            f.set_len(0)?;
+            f.seek(std::io::SeekFrom::Start(0))?;
+            writeln!(f, "{}", std::process::id())?;
+            // Held for the daemon's life: the kernel lets go when the process ends, however.
+            std::mem::forget(f);
+            Ok(())
+        }
+        Err((mut file, nix::errno::Errno::EWOULDBLOCK)) => {
+            let mut pid = String::new();
+            let _ = file.read_to_string(&mut pid);
+            bail!(
+                "data dir {} is in use by another psls-node (pid {}): one daemon per node",
+                dir.display(),
+                pid.trim()
+            )
+        }
+        Err((_, e)) => bail!("cannot lock {}: {e}", path.display()),
+    }
+}
+
 fn raise_fd_limit() {
     let mut lim = libc::rlimit {
         rlim_cur: 0,
@@ -95,6 +129,9 @@ pub async fn run(config: &Path, name: &str) -> Result<()> {
         );
     }
     check_marker(&dir, &cfg.cluster.name, name)?;
+    // One daemon per data folder: a second one (a `psls cluster up` on the wrong host, a
+    // daemon started twice) stops here, before it touches the incarnation or the metadata.
+    lock_data_dir(&dir)?;
     let incarnation = crate::incarnation::next(&dir)?;
     // PSLS_FAULT_DISK=1 keeps unsynced writes in memory: a kill -9 is then a power cut.
     let fault = std::env::var("PSLS_FAULT_DISK").is_ok_and(|v| v == "1");

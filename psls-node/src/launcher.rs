@@ -42,6 +42,31 @@ struct LocalJob {
     running: BTreeMap<u32, u32>,
     /// Ranks that exited, with their status.
     exited: BTreeMap<u32, i32>,
+    /// Ranks a start request is starting now (it awaits other nodes before it spawns them):
+    /// a second request for the same start (job control asks again when the first one's
+    /// answer is late) leaves them to it.
+    starting: std::collections::BTreeSet<u32>,
+}
+
+/// Gives up a start request's claim on its ranks ([`LocalJob::starting`]) however the request
+/// ends.
+struct Claim<'a> {
+    jobs: &'a Jobs,
+    job: String,
+    attempt: u32,
+    ranks: Vec<u32>,
+}
+
+impl Drop for Claim<'_> {
+    fn drop(&mut self) {
+        if let Some(l) = lock(&self.jobs.local).get_mut(&self.job) {
+            if l.attempt == self.attempt {
+                for r in &self.ranks {
+                    l.starting.remove(r);
+                }
+            }
+        }
+    }
 }
 
 /// Per node: the rank processes running here, their exits and their output.
@@ -576,14 +601,23 @@ pub async fn start_ranks(node: &Arc<Node>, jobs: &Arc<Jobs>, job: &str, attempt:
                 ..LocalJob::default()
             };
         }
-        mine.iter()
+        let todo: Vec<u32> = mine
+            .iter()
             .copied()
-            .filter(|r| !l.running.contains_key(r) && !l.exited.contains_key(r))
-            .collect()
+            .filter(|r| !l.running.contains_key(r) && !l.exited.contains_key(r) && !l.starting.contains(r))
+            .collect();
+        l.starting.extend(todo.iter().copied());
+        todo
     };
     if todo.is_empty() {
         return Ok(());
     }
+    let _claim = Claim {
+        jobs,
+        job: job.to_string(),
+        attempt,
+        ranks: todo.clone(),
+    };
     let options = st.job_options.get(job).cloned().unwrap_or_default();
     let mut spec = JobSpec {
         job: job.to_string(),
@@ -730,7 +764,18 @@ fn spawn_local(
                 if let Some(l) = local.get_mut(&spec.job).filter(|l| l.attempt == spec.attempt) {
                     l.exited.insert(rank, 127);
                 }
-                let msg = format!("psls: cannot start '{}': {e}\n", spec.program);
+                // The folder is the usual cause on a cluster of separate hosts: it must exist,
+                // at the same path, on every node that runs ranks (as under Slurm).
+                let msg = if std::fs::metadata(&spec.cwd).map(|m| m.is_dir()).unwrap_or(false) {
+                    format!("psls: cannot start '{}' on node {}: {e}\n", spec.program, node.name())
+                } else {
+                    format!(
+                        "psls: cannot start '{}' on node {}: the job's folder {} is not there (the folder psls run ran in must exist on every node)\n",
+                        spec.program,
+                        node.name(),
+                        spec.cwd
+                    )
+                };
                 let last = lock(&jobs.output).last(&spec.job, rank);
                 let seq = (psls_jobs::output::line_of(last) + 1) * psls_jobs::output::LINE_STEP;
                 jobs.keep(
@@ -885,9 +930,15 @@ impl Relay {
 /// Per rank, the last output number of `job` any live node keeps.
 pub async fn output_last(node: &Arc<Node>, jobs: &Arc<Jobs>, job: &str) -> BTreeMap<u32, u64> {
     let mut last = jobs.output_last(job);
+    // Asked of every live node at once: a node that does not answer (down, not yet suspected)
+    // costs one request timeout, not one per such node.
+    let mut asks = tokio::task::JoinSet::new();
     for p in live_peers(node) {
-        let req = PeerReq::OutputLast { job: job.to_string() };
-        if let Ok(PeerResp::OutputLast { last: theirs }) = node.call_ok(&p, req).await {
+        let (node, req) = (node.clone(), PeerReq::OutputLast { job: job.to_string() });
+        asks.spawn(async move { node.call_ok(&p, req).await });
+    }
+    while let Some(r) = asks.join_next().await {
+        if let Ok(Ok(PeerResp::OutputLast { last: theirs })) = r {
             for (rank, seq) in theirs {
                 let l = last.entry(rank).or_insert(0);
                 *l = (*l).max(seq);

@@ -16,7 +16,7 @@ use crate::dispatch::Daemon;
 use crate::op::OpError;
 use crate::pfs::Caller;
 use conn::{err, read_req_with_fds, send, Conn, Flow};
-use psls_ipc::proto::Request;
+use psls_ipc::proto::{Request, Response};
 use psls_ipc::ErrorKind;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
@@ -175,6 +175,10 @@ async fn client(d: Arc<Daemon>, stream: UnixStream) -> anyhow::Result<()> {
             | Request::Checkpoint { .. }
             | Request::RestartState { .. }
             | Request::ForceCheckpoint { .. } => ranks::handle(&mut c, req, fds).await?,
+            Request::Whoami => Flow::Reply(Response::Node {
+                name: c.d.node.name().to_string(),
+                cluster: c.d.node.cfg.cluster.name.clone(),
+            }),
             Request::Status
             | Request::Scrub
             | Request::NodeReplace { .. }
