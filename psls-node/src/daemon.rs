@@ -135,7 +135,13 @@ pub async fn run(config: &Path, name: &str) -> Result<()> {
     let incarnation = crate::incarnation::next(&dir)?;
     // PSLS_FAULT_DISK=1 keeps unsynced writes in memory: a kill -9 is then a power cut.
     let fault = std::env::var("PSLS_FAULT_DISK").is_ok_and(|v| v == "1");
-    let meta_disk = open_disk(&dir, fault)?;
+    let metrics = Arc::new(crate::metrics::Metrics::new());
+    metrics.know_peers(cfg.all().map(|n| n.name.as_str()).filter(|n| *n != name));
+    let meta_disk: Arc<dyn Disk> = Arc::new(crate::metrics::MeteredDisk::new(
+        open_disk(&dir, fault)?,
+        "meta",
+        &metrics,
+    ));
     let pages_disk: Arc<dyn Disk> = if fault {
         let f = Arc::new(FaultDisk::new(dir.join("pages"))?);
         watch_fail_sync(&dir, f.clone())?;
@@ -143,6 +149,7 @@ pub async fn run(config: &Path, name: &str) -> Result<()> {
     } else {
         Arc::new(FileDisk::new(dir.join("pages"))?)
     };
+    let pages_disk: Arc<dyn Disk> = Arc::new(crate::metrics::MeteredDisk::new(pages_disk, "pages", &metrics));
     let store = Arc::new(PageStore::new(pages_disk));
     // A store created now may belong to a node that lost its disk: it takes no part in elections
     // until it caught up, or heartbeats show the cluster is new.
@@ -176,6 +183,20 @@ pub async fn run(config: &Path, name: &str) -> Result<()> {
             anyhow::anyhow!("cannot listen on {} and {}: {e}", me.addr, link_of(&me))
         }
     })?;
+    let metrics_listener = match me.metrics_addr {
+        None => None,
+        Some(a) => {
+            let l = std::net::TcpListener::bind(a).map_err(|e| {
+                if e.kind() == std::io::ErrorKind::AddrInUse {
+                    anyhow::anyhow!("cannot serve metrics on {a}: the port is in use")
+                } else {
+                    anyhow::anyhow!("cannot serve metrics on {a}: {e}")
+                }
+            })?;
+            l.set_nonblocking(true)?;
+            Some(tokio::net::TcpListener::from_std(l)?)
+        }
+    };
     let socket = cfg.socket_path(&me);
     let listener = crate::ipc::bind(&socket)?;
 
@@ -187,6 +208,7 @@ pub async fn run(config: &Path, name: &str) -> Result<()> {
         meta,
         net,
         Instant::now(),
+        metrics,
     ));
     let channels = crate::sync_channel::Channels::new().context("creating the sync channels' epoll")?;
     let d = Daemon::new(node.clone(), channels);
@@ -195,6 +217,9 @@ pub async fn run(config: &Path, name: &str) -> Result<()> {
         incarnation,
         Arc::new(move |from: &str, inc: u64| fenced_node.upgrade().is_some_and(|n| n.fenced_sender(from, inc))),
     );
+    if let Some(l) = metrics_listener {
+        tokio::spawn(crate::metrics::serve(d.clone(), l));
+    }
     tokio::spawn(transport::serve(
         node.net.endpoint().clone(),
         d.clone(),

@@ -365,13 +365,18 @@ fn execute(d: &Arc<Daemon>, action: Action) {
                 let r = crate::recovery::restore(&node, &d.ckpt, &job, &driving)
                     .await
                     .map_err(step_error);
-                match &r {
-                    Ok(_) => {}
+                let outcome = match &r {
+                    Ok(_) => "restored",
                     Err(StepError::Unavailable(e)) => {
-                        tracing::warn!(node = %node.name(), %job, error = %e, "rollback interrupted: trying again")
+                        tracing::warn!(node = %node.name(), %job, error = %e, "rollback interrupted: trying again");
+                        "interrupted"
                     }
-                    Err(e) => tracing::warn!(node = %node.name(), %job, error = %e, "rollback failed"),
-                }
+                    Err(e) => {
+                        tracing::warn!(node = %node.name(), %job, error = %e, "rollback failed");
+                        "failed"
+                    }
+                };
+                node.metrics.rollbacks.with_label_values(&[outcome]).inc();
                 d.jobctl.post(Input::Done {
                     term,
                     job,

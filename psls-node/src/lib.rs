@@ -21,6 +21,7 @@ pub mod ipc;
 pub mod jobctl;
 pub mod launcher;
 pub mod link;
+pub mod metrics;
 pub mod node;
 pub mod op;
 pub mod peer;

@@ -58,6 +58,8 @@ pub struct SvmFigures {
 /// PFS operations, barriers and locks, the launcher) is built on it and gets it as its door;
 /// it knows none of them.
 pub struct Node {
+    /// What the node counts for Prometheus (`crate::metrics`).
+    pub metrics: Arc<crate::metrics::Metrics>,
     pub cfg: Arc<ClusterConfig>,
     pub me: NodeEntry,
     pub incarnation: u64,
@@ -121,6 +123,7 @@ impl Node {
         meta: (LogStore, Opened),
         net: Transport,
         now: Instant,
+        metrics: Arc<crate::metrics::Metrics>,
     ) -> Node {
         let peers = cfg.all().filter(|n| n.name != me.name).map(|n| n.name.clone());
         let members = Membership::new(peers, cfg.cluster.heartbeat_timeout_ms, 0);
@@ -160,6 +163,7 @@ impl Node {
             verdicts: Mutex::new(verdicts),
             fencer: OnceLock::new(),
             fencing: AtomicBool::new(false),
+            metrics,
         }
     }
 
@@ -476,6 +480,7 @@ impl Node {
                 };
                 match me.submit(op).await {
                     Ok(()) => {
+                        me.metrics.verdicts.with_label_values(&[peer.as_str()]).inc();
                         tracing::warn!(node = %me.me.name, peer = %peer, incarnation = inc, "node declared down (committed)")
                     }
                     Err(e) => {
@@ -619,6 +624,18 @@ impl Node {
     /// applied it. For a client's operation whose answer needs nothing of this node's state:
     /// what the client asks next here catches up first (`Node::meta_fresh`).
     pub async fn submit_to_leader(self: &Arc<Self>, op: MetaOp) -> Result<u64, OpError> {
+        let kind = op.kind();
+        let r = self.submit_to_leader_uncounted(op).await;
+        let outcome = match &r {
+            Ok(_) => "applied",
+            Err(e) if e.kind == ErrorKind::Unavailable => "unavailable",
+            Err(_) => "refused",
+        };
+        self.metrics.meta_ops.with_label_values(&[kind, outcome]).inc();
+        r
+    }
+
+    async fn submit_to_leader_uncounted(self: &Arc<Self>, op: MetaOp) -> Result<u64, OpError> {
         let deadline = Instant::now() + self.request_timeout * 3;
         let mut last = OpError::new(
             ErrorKind::Unavailable,

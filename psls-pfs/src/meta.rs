@@ -623,6 +623,32 @@ impl From<MetaOpV1> for MetaOp {
 }
 
 impl MetaOp {
+    /// The operation's name (metrics and logs): `commit_file`, `declare_down`, ...
+    pub fn kind(&self) -> &'static str {
+        match self {
+            MetaOp::InitMap { .. } => "init_map",
+            MetaOp::CommitFile { .. } => "commit_file",
+            MetaOp::RemoveFile { .. } => "remove_file",
+            MetaOp::Replace { .. } => "replace",
+            MetaOp::RebuildDone { .. } => "rebuild_done",
+            MetaOp::BeginCheckpoint { .. } => "begin_checkpoint",
+            MetaOp::Checkpoint { .. } => "checkpoint",
+            MetaOp::FenceCheckpoint { .. } => "fence_checkpoint",
+            MetaOp::EndJob { .. } => "end_job",
+            MetaOp::StartJob { .. } => "start_job",
+            MetaOp::ClaimWriter { .. } => "claim_writer",
+            MetaOp::ReleaseWriter { .. } => "release_writer",
+            MetaOp::StartJobWith { .. } => "start_job_with",
+            MetaOp::DeclareDown { .. } => "declare_down",
+            MetaOp::JobFinished { .. } => "job_finished",
+            MetaOp::JobStart { .. } => "job_start",
+            MetaOp::JobRestart { .. } => "job_restart",
+            MetaOp::JobPhase { .. } => "job_phase",
+            MetaOp::JobHalt { .. } => "job_halt",
+            MetaOp::JobEnd { .. } => "job_end",
+        }
+    }
+
     /// Whether `st` shows this operation's effect (a submitter whose coordinator changed
     /// mid-operation looks there to learn whether it was applied).
     pub fn reflected_in(&self, st: &MetaState) -> bool {

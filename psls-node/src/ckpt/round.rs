@@ -809,15 +809,20 @@ impl CkptShell {
                                 self.mem_since_persistent.locked().insert(job.clone(), 0);
                             }
                         }
+                        self.node
+                            .metrics
+                            .checkpoint(&level.to_string(), released_us.unwrap_or(commit_us), commit_us);
                         tracing::info!(node = %self.node.name(), job, epoch, %level, pages, bytes, "checkpoint committed");
                         Ok(Done { epoch, pages, bytes })
                     }
                     Outcome::Aborted(why) => {
+                        self.node.metrics.ckpt_aborted.inc();
                         tracing::warn!(node = %self.node.name(), job, epoch, why, "checkpoint aborted");
                         Err(unavailable(format!("checkpoint {epoch} of {job} aborted: {why}")))
                     }
                     // (The safe point's caller tells it by its kind: the cleaner takes over.)
                     Outcome::NoRoom(why) => {
+                        self.node.metrics.ckpt_aborted.inc();
                         tracing::warn!(node = %self.node.name(), job, epoch, why, "memory checkpoint aborted: no room");
                         Err(OpError::new(
                             ErrorKind::NoSpace,

@@ -6,7 +6,7 @@
 //! handler of its area: [`files`], [`memory`] (shared memory), [`ranks`] (barriers, locks,
 //! jobs), [`admin`]. A handler answers, or takes the connection over (a lifeline, a job).
 
-mod admin;
+pub(crate) mod admin;
 mod conn;
 mod files;
 mod memory;

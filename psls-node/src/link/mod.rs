@@ -132,6 +132,17 @@ struct Peer {
     name: String,
     addr: SocketAddr,
     out: Mutex<Out>,
+    /// Messages and bytes (frames, with their length prefix) sent to it and received from it.
+    counts: LinkCounts,
+}
+
+/// A peer's message counts ([`Link::counts`]).
+#[derive(Debug, Default)]
+pub struct LinkCounts {
+    pub sent_messages: AtomicU64,
+    pub sent_bytes: AtomicU64,
+    pub received_messages: AtomicU64,
+    pub received_bytes: AtomicU64,
 }
 
 #[derive(Default)]
@@ -232,6 +243,7 @@ impl Link {
                 name,
                 addr,
                 out: Mutex::new(Out::default()),
+                counts: LinkCounts::default(),
             })
             .collect();
         Ok(Link {
@@ -278,6 +290,11 @@ impl Link {
         self.posted.load(Ordering::Relaxed)
     }
 
+    /// Every peer's message counts since start.
+    pub fn counts(&self) -> impl Iterator<Item = (&str, &LinkCounts)> {
+        self.peers.iter().map(|p| (p.name.as_str(), &p.counts))
+    }
+
     /// Socket writes since start (messages, several at once where they were batched, and
     /// handshakes).
     pub fn writes(&self) -> u64 {
@@ -301,6 +318,9 @@ impl Link {
         let mut head = Vec::with_capacity(4 + header.len());
         head.extend_from_slice(&(len as u32).to_le_bytes());
         head.extend_from_slice(&header);
+        let c = &self.peers[k].counts;
+        c.sent_messages.fetch_add(1, Ordering::Relaxed);
+        c.sent_bytes.fetch_add(4 + len as u64, Ordering::Relaxed);
         self.enqueue(k, head.into(), payload)
     }
 
@@ -457,7 +477,7 @@ impl Link {
         let mut incoming: Vec<Option<Incoming>> = Vec::new();
         let max_incoming = 4 * self.known.len() + 8;
         let mut next_seq = 0u64;
-        let mut inbox: Vec<(String, PeerReq, Bytes)> = Vec::new();
+        let mut inbox: Vec<(String, PeerReq, Bytes, usize)> = Vec::new();
         // SAFETY: epoll_event is plain data; all zeros is a valid value.
         let mut events: [libc::epoll_event; EVENTS_PER_WAIT] = unsafe { std::mem::zeroed() };
         let mut scratch = vec![0u8; 64 << 10];
@@ -532,7 +552,12 @@ impl Link {
             }
             // The handlers' posts are queued and written together afterwards.
             CORK.with(|cork| *cork.borrow_mut() = Some((me, Vec::new())));
-            for (from, req, payload) in inbox.drain(..) {
+            for (from, req, payload, bytes) in inbox.drain(..) {
+                if let Some(&k) = self.index.get(&from) {
+                    let c = &self.peers[k].counts;
+                    c.received_messages.fetch_add(1, Ordering::Relaxed);
+                    c.received_bytes.fetch_add(bytes as u64, Ordering::Relaxed);
+                }
                 handler.deliver(&from, req, payload);
             }
             handler.delivered();
@@ -758,7 +783,7 @@ struct ReadCtx<'a> {
     stamp: &'a peer::Stamp,
     rbuf: &'a mut [u8],
     scratch: &'a mut [u8],
-    inbox: &'a mut Vec<(String, PeerReq, Bytes)>,
+    inbox: &'a mut Vec<(String, PeerReq, Bytes, usize)>,
 }
 
 /// Reads what `sock` holds, within [`READ_BUDGET_BYTES`], and cuts whole frames into the inbox
@@ -939,7 +964,7 @@ fn cut_frames(
     incarnation: &mut Option<u64>,
     stamp: &peer::Stamp,
     from: &str,
-    inbox: &mut Vec<(String, PeerReq, Bytes)>,
+    inbox: &mut Vec<(String, PeerReq, Bytes, usize)>,
 ) -> Result<(), String> {
     loop {
         if buf.len() < 4 {
@@ -963,7 +988,7 @@ fn cut_frames(
             Ok((inc, _, _)) if stamp.fenced(from, inc) => {
                 tracing::debug!(peer = %from, incarnation = inc, "message link: dropped a message of an incarnation declared down");
             }
-            Ok((_, req, payload)) => inbox.push((from.to_string(), req, payload)),
+            Ok((_, req, payload)) => inbox.push((from.to_string(), req, payload, 4 + len)),
             // The frame boundary is known: the next message is still read.
             Err(e) => tracing::warn!(peer = %from, error = %e, "message link: dropped a malformed message"),
         }

@@ -251,6 +251,7 @@ pub(super) fn apply(g: &mut Inner, node: &Node, a: Action, out: &mut Vec<Outgoin
                 }
             }
             resolve(&w, node_access);
+            node.metrics.fault(w.label, w.since.elapsed());
         }
         Action::CheckFence { file } => out.push(Outgoing::CheckFence { file }),
         Action::Fail { waiter, page, error } => {

@@ -413,6 +413,12 @@ impl SvmShell {
                             map: map.clone(),
                             addr: map.addr_of(index),
                             kind,
+                            since: std::time::Instant::now(),
+                            label: match (kind, access) {
+                                (FaultKind::WriteProtected, _) => "write_protect",
+                                (_, Access::Write) => "write",
+                                (_, Access::Read) => "read",
+                            },
                         },
                     );
                     if let Some(svm) = g.svm.as_mut() {

@@ -176,6 +176,9 @@ pub(super) struct Waiter {
     pub(super) map: Arc<ClientMap>,
     pub(super) addr: usize,
     pub(super) kind: FaultKind,
+    /// When the fault came, and its kind for the metrics (`read`, `write`, `write_protect`).
+    pub(super) since: std::time::Instant,
+    pub(super) label: &'static str,
 }
 
 /// What coherence messages set off that must be done outside the shell's lock, gathered over
