@@ -59,6 +59,29 @@ fn watch_fail_sync(dir: &Path, fault: Arc<FaultDisk>) -> Result<()> {
 }
 
 /// Raises this process's soft limit on open descriptors to its hard limit.
+/// Tells the service manager `state` (`sd_notify(3)`'s protocol: a datagram to the Unix socket
+/// `$NOTIFY_SOCKET`, `@` standing for the abstract namespace); nothing when it is not set.
+fn sd_notify(name: &str, state: &str) {
+    let Some(path) = std::env::var_os("NOTIFY_SOCKET") else {
+        return;
+    };
+    let sent = (|| -> std::io::Result<usize> {
+        let sock = std::os::unix::net::UnixDatagram::unbound()?;
+        let bytes = std::os::unix::ffi::OsStrExt::as_bytes(path.as_os_str());
+        match bytes.strip_prefix(b"@") {
+            Some(abstract_name) => {
+                use std::os::linux::net::SocketAddrExt;
+                let addr = std::os::unix::net::SocketAddr::from_abstract_name(abstract_name)?;
+                sock.send_to_addr(state.as_bytes(), &addr)
+            }
+            None => sock.send_to(state.as_bytes(), &path),
+        }
+    })();
+    if let Err(e) = sent {
+        tracing::warn!(node = name, error = %e, "cannot notify the service manager (NOTIFY_SOCKET)");
+    }
+}
+
 /// Takes the data folder's lock (`DIR/lock`, an exclusive `flock` held until the process
 /// ends), with this daemon's pid in the file.
 fn lock_data_dir(dir: &Path) -> Result<()> {
@@ -257,6 +280,14 @@ pub async fn run(config: &Path, name: &str) -> Result<()> {
     tokio::spawn(crate::launcher::copier(d.node.clone(), d.jobs.clone()));
     tokio::spawn(crate::ipc::serve(d.clone(), listener, socket.clone()));
     tracing::info!(node = name, incarnation, addr = %me.addr, socket = %socket.display(), fault_disk = fault, "psls-node ready");
+    // systemd's Type=notify: the unit is started once clients can talk to the daemon.
+    sd_notify(
+        name,
+        &format!(
+            "READY=1\nSTATUS=node {name}, incarnation {incarnation}, serving {}",
+            socket.display()
+        ),
+    );
 
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     tokio::select! {
@@ -264,6 +295,7 @@ pub async fn run(config: &Path, name: &str) -> Result<()> {
         _ = tokio::signal::ctrl_c() => tracing::info!(node = name, "SIGINT: stopping"),
         _ = node.shutdown.notified() => tracing::info!(node = name, "shutdown requested"),
     }
+    sd_notify(name, "STOPPING=1");
     let _ = std::fs::remove_file(&socket);
     node.net.endpoint().close(0u32.into(), b"shutdown");
     node.net.link.close();
