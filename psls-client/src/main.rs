@@ -18,8 +18,41 @@ struct Cli {
     /// Talk to this node's daemon (default: the first that answers, or $PSLS_SOCKET).
     #[arg(long, global = true)]
     node: Option<String>,
+    /// Output: `table` (for people) or `json` (for scripts: one document with a
+    /// `schema_version`, ids as strings); `--json` on a command is the same as `--output json`.
+    #[arg(long, global = true, value_enum, default_value_t = Output::Table)]
+    output: Output,
     #[command(subcommand)]
     cmd: Cmd,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum Output {
+    Table,
+    Json,
+}
+
+/// The version of every JSON document the CLI prints: it changes when a field changes meaning
+/// or goes (new fields may come without it).
+const SCHEMA_VERSION: u32 = 1;
+
+/// Prints `doc` (an object) as JSON with the schema version first, pretty.
+fn print_json(mut doc: serde_json::Value) -> Result<()> {
+    let mut out = serde_json::Map::new();
+    out.insert("schema_version".into(), SCHEMA_VERSION.into());
+    if let serde_json::Value::Object(fields) = doc.take() {
+        out.extend(fields);
+    }
+    println!("{}", serde_json::to_string_pretty(&serde_json::Value::Object(out))?);
+    Ok(())
+}
+
+/// A file as JSON: its 64-bit id as a decimal string (a JSON number loses its low digits in
+/// most readers, `jq` among them).
+fn file_json(f: &psls_ipc::proto::FileInfo) -> Result<serde_json::Value> {
+    let mut v = serde_json::to_value(f)?;
+    v["id"] = f.id.to_string().into();
+    Ok(v)
 }
 
 #[derive(Subcommand)]
@@ -851,8 +884,8 @@ fn run(cli: &Cli) -> Result<()> {
         }
         Cmd::Cluster(ClusterCmd::Status { json }) => {
             let s = cluster::connect(&dir, node)?.status()?;
-            if *json {
-                println!("{}", serde_json::to_string_pretty(&s)?);
+            if *json || cli.output == Output::Json {
+                print_json(serde_json::to_value(&s)?)?;
             } else {
                 print_status(&s);
             }
@@ -925,8 +958,9 @@ fn run(cli: &Cli) -> Result<()> {
         }
         Cmd::Ls { json } => {
             let files = cluster::connect(&dir, node)?.ls()?;
-            if *json {
-                println!("{}", serde_json::to_string_pretty(&files)?);
+            if *json || cli.output == Output::Json {
+                let files = files.iter().map(file_json).collect::<Result<Vec<_>>>()?;
+                print_json(serde_json::json!({ "files": files }))?;
             } else {
                 for f in files {
                     println!("{:>4o} {:>6} {:>6} {:>14} {}", f.mode, f.uid, f.gid, f.size, f.name);
@@ -935,8 +969,8 @@ fn run(cli: &Cli) -> Result<()> {
         }
         Cmd::Stat { name, json } => {
             let (f, stripes) = cluster::connect(&dir, node)?.stat(name)?;
-            if *json {
-                println!("{}", serde_json::json!({ "file": f, "stripes": stripes }));
+            if *json || cli.output == Output::Json {
+                print_json(serde_json::json!({ "file": file_json(&f)?, "stripes": stripes }))?;
             } else {
                 println!("name: {}\nid: {:016x}\nsize: {} bytes\npages: {}\nowner: uid {} gid {}\nmode: {:o}\ngeneration: {}", f.name, f.id, f.size, f.pages, f.uid, f.gid, f.mode, f.gen);
                 println!("stripes (pages first, first+N, ...):");
@@ -969,8 +1003,8 @@ fn run(cli: &Cli) -> Result<()> {
             }
             None => {
                 let list = cluster::connect(&dir, node)?.jobs()?;
-                if *json {
-                    println!("{}", serde_json::to_string_pretty(&list)?);
+                if *json || cli.output == Output::Json {
+                    print_json(serde_json::json!({ "jobs": list }))?;
                 } else {
                     println!(
                         "{:<24} {:<10} {:>5} {:>6} {:<10} {:>21} {:>12} {:>10} {:>10} {:>6} {:>17}  COMMAND",

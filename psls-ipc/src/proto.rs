@@ -330,7 +330,9 @@ pub enum ErrorKind {
     Internal,
 }
 
+/// Spelt in JSON as in tables: `up`, `suspect`, `down`, `replaced`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum NodeState {
     Up,
     Suspect,

@@ -208,7 +208,8 @@ impl Cluster {
 
     /// `job`'s entry in `psls jobs --json` (it must be listed).
     pub fn job_entry(&self, job: &str) -> serde_json::Value {
-        let list: serde_json::Value = serde_json::from_str(&self.ok(&["jobs", "--json"])).expect("json");
+        let list: serde_json::Value =
+            serde_json::from_str::<serde_json::Value>(&self.ok(&["jobs", "--json"])).expect("json")["jobs"].clone();
         list.as_array()
             .and_then(|a| a.iter().find(|j| j["job"] == job))
             .cloned()
@@ -577,7 +578,8 @@ fn finished(ch: std::process::Child, err: String, what: &str) -> (serde_json::Va
 /// Waits until `job` committed a checkpoint (its first is persistent).
 pub fn wait_first_checkpoint(c: &Cluster, job: &str) {
     wait_for(Duration::from_secs(60), "the job's first checkpoint", || {
-        let list: serde_json::Value = serde_json::from_str(&c.ok(&["jobs", "--json"])).unwrap_or_default();
+        let list: serde_json::Value =
+            serde_json::from_str::<serde_json::Value>(&c.ok(&["jobs", "--json"])).unwrap_or_default()["jobs"].clone();
         list.as_array().is_some_and(|a| {
             a.iter()
                 .any(|j| j["job"] == job && j["persistent_epoch"].as_u64().unwrap_or(0) > 0)

@@ -296,7 +296,10 @@ fn a_checkpointed_page_bad_on_one_copy_is_served_from_the_other_and_repaired_and
     want[5 * 4096..6 * 4096].copy_from_slice(&pattern(7, 8)[5 * 4096..6 * 4096]);
     assert_same(&c.export("cs", &[]), &want, "before any damage");
     let stat: serde_json::Value = serde_json::from_str(&c.ok(&["stat", "cs", "--json"])).expect("json");
-    let id = stat["file"]["id"].as_u64().expect("id");
+    let id = stat["file"]["id"]
+        .as_str()
+        .and_then(|s| s.parse::<u64>().ok())
+        .expect("id");
     // Page 5 is the second page of its stripe on its home and mirror (4 nodes: local index 1).
     let stripe = stat["stripes"]
         .as_array()

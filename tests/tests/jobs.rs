@@ -244,7 +244,8 @@ fn every_line_is_printed_once_after_psls_runs_daemon_is_killed_or_paused() {
 /// Waits until `job` committed a checkpoint of either level.
 fn wait_first_checkpoint_any(c: &Cluster, job: &str) {
     wait_for(Duration::from_secs(60), "the job's first checkpoint", || {
-        let list: serde_json::Value = serde_json::from_str(&c.ok(&["jobs", "--json"])).unwrap_or_default();
+        let list: serde_json::Value =
+            serde_json::from_str::<serde_json::Value>(&c.ok(&["jobs", "--json"])).unwrap_or_default()["jobs"].clone();
         list.as_array().is_some_and(|a| {
             a.iter()
                 .any(|j| j["job"] == job && j["epoch"].as_u64().unwrap_or(0) > 0)

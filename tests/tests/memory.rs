@@ -27,7 +27,8 @@ fn start(c: &Cluster, launcher: &str, extra: &[&str]) -> Child {
 
 /// `job`'s entry in `psls jobs --json`, if listed.
 fn entry(c: &Cluster, job: &str) -> Option<serde_json::Value> {
-    let list: serde_json::Value = serde_json::from_str(&c.ok(&["jobs", "--json"])).unwrap_or_default();
+    let list: serde_json::Value =
+        serde_json::from_str::<serde_json::Value>(&c.ok(&["jobs", "--json"])).unwrap_or_default()["jobs"].clone();
     list.as_array()?.iter().find(|j| j["job"] == job).cloned()
 }
 

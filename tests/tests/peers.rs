@@ -137,7 +137,7 @@ fn ping(l: &Link, to: &str, id: u64, rx: &Receiver<(String, PeerReq)>, seen: &mu
 
 fn file_id(c: &Cluster, name: &str) -> FileId {
     let stat: serde_json::Value = serde_json::from_str(&c.ok(&["stat", name, "--json"])).unwrap();
-    FileId(stat["file"]["id"].as_u64().unwrap())
+    FileId(stat["file"]["id"].as_str().and_then(|s| s.parse::<u64>().ok()).unwrap())
 }
 
 /// Store files of file `id` on `node`.

@@ -141,7 +141,7 @@ fn corrupted_pages_are_detected_served_from_mirror_and_scrubbed() {
     let local = c.write_local("in.bin", &data);
     c.ok(&["import", &local, "f"]);
     let stat: serde_json::Value = serde_json::from_str(&c.ok(&["stat", "f", "--json"])).unwrap();
-    let id = stat["file"]["id"].as_u64().unwrap();
+    let id = stat["file"]["id"].as_str().and_then(|s| s.parse::<u64>().ok()).unwrap();
     let pages = stat["file"]["pages"].as_u64().unwrap();
     assert_eq!(pages, 512);
     assert_eq!(stat["stripes"].as_array().unwrap().len(), 4);
@@ -599,4 +599,42 @@ fn storage_node_restart_during_import_fails_the_import() {
             2 * MIB / 4096
         )
     );
+}
+
+#[test]
+fn json_documents_carry_a_schema_version_ids_as_strings_and_the_tables_state_words() {
+    let c = Cluster::start(2, 0);
+    c.ok(&["create", "j", "--size", "8K"]);
+    let doc = |args: &[&str]| -> serde_json::Value {
+        let out = c.ok(args);
+        serde_json::from_str(&out).unwrap_or_else(|e| panic!("{args:?}: {e}\n{out}"))
+    };
+    // The global --output json and each command's --json print the same document.
+    for args in [&["--output", "json", "ls"][..], &["ls", "--json"][..]] {
+        let ls = doc(args);
+        assert_eq!(ls["schema_version"], 1, "{ls}");
+        let f = &ls["files"][0];
+        let id = f["id"].as_str().expect("the id is a string");
+        assert!(id.parse::<u64>().is_ok(), "{f}");
+    }
+    let stat = doc(&["--output", "json", "stat", "j"]);
+    assert_eq!(stat["schema_version"], 1);
+    assert_eq!(stat["file"]["id"], doc(&["ls", "--json"])["files"][0]["id"]);
+    let status = doc(&["--output", "json", "cluster", "status"]);
+    assert_eq!(status["schema_version"], 1);
+    let table = c.ok(&["cluster", "status"]);
+    for n in status["nodes"].as_array().expect("nodes") {
+        let state = n["state"].as_str().expect("a state word");
+        assert_eq!(state, "up", "{n}");
+        assert!(table.contains(state), "{table}");
+    }
+    let jobs = doc(&["--output", "json", "jobs"]);
+    assert_eq!(
+        (jobs["schema_version"].as_u64(), jobs["jobs"].is_array()),
+        (Some(1), true),
+        "{jobs}"
+    );
+    // A bad value names the choices.
+    let e = c.fails(&["--output", "yaml", "ls"]);
+    assert!(e.contains("possible values: table, json"), "{e}");
 }
