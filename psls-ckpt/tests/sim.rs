@@ -2109,6 +2109,7 @@ impl World {
                         options: Box::default(),
                         env: Vec::new(),
                         hosts: Vec::new(),
+                        stdin: false,
                     };
                     self.nodes[i].control.handle_command(1, launch);
                 }

@@ -61,6 +61,20 @@ impl Client {
         })
     }
 
+    /// Sends bytes `offset..` of the input forwarded to rank 0 of `job` (`eof`: it ends after
+    /// them); returns how many bytes rank 0's node took in all, and whether its queue is full.
+    pub fn stdin(&mut self, job: &str, offset: u64, data: &[u8], eof: bool) -> Result<(u64, bool), ClientError> {
+        match self.call(&Request::Stdin {
+            job: job.into(),
+            offset,
+            data: data.to_vec(),
+            eof,
+        })? {
+            Response::StdinAck { received, full } => Ok((received, full)),
+            r => Err(unexpected(r)),
+        }
+    }
+
     /// The daemon's node name and cluster name.
     pub fn whoami(&mut self) -> Result<(String, String), ClientError> {
         match self.call(&Request::Whoami)? {

@@ -418,6 +418,10 @@ fn run_job(cli: &Cli, ask: RunAsk, mut checkpoint: psls_ipc::proto::CkptOptions)
     }
     // A resumed job runs the command it was started with.
     let resumed = !checkpoint.resume.is_empty();
+    // A first start followed here reads this process's input at rank 0 (as under mpirun and
+    // srun); a detached, resumed or followed job's ranks read an empty input.
+    checkpoint.stdin = !ask.detach && !resumed && follow_only.is_none();
+    let forward = checkpoint.stdin;
     let n = match ask.n.or(slurm.as_ref().and_then(|a| a.ntasks)) {
         Some(n) => n,
         None if resumed || follow_only.is_some() => 0,
@@ -481,6 +485,9 @@ fn run_job(cli: &Cli, ask: RunAsk, mut checkpoint: psls_ipc::proto::CkptOptions)
             if let Ok(mut s) = started.lock() {
                 *s = Some(j.to_string());
             }
+            if forward {
+                forward_stdin(dir.clone(), cli.node.clone(), j.to_string());
+            }
             if std::env::var_os("PSLS_QUIET").is_none() {
                 eprintln!("psls: job {j} started");
             }
@@ -509,6 +516,112 @@ fn run_job(cli: &Cli, ask: RunAsk, mut checkpoint: psls_ipc::proto::CkptOptions)
         eprintln!("psls: {message}");
     }
     Ok(code)
+}
+
+/// How long the input forwarder goes on trying while no node takes its input (rank 0 not
+/// started yet, its node or ours restarting).
+const STDIN_TRY_S: u64 = 30;
+
+/// Where the forwarding of the input stands.
+struct Forward {
+    client: Option<psls_client::Client>,
+    /// Bytes rank 0's node took.
+    sent: u64,
+    /// The input ended, or rank 0 reads no more: nothing more to send.
+    done: bool,
+}
+
+/// Forwards this process's standard input to rank 0 of `job`, on threads of its own: chunks
+/// with their offset (sent again while rank 0's queue is full), a sign of life every
+/// `STDIN_ALIVE` while the input stays open (without them rank 0's input ends, as when this
+/// process is killed), and the end of the input last. Stops quietly once rank 0 reads no more.
+fn forward_stdin(dir: PathBuf, node: Option<String>, job: String) {
+    use std::sync::{Arc, Mutex};
+    let fwd = Arc::new(Mutex::new(Forward {
+        client: None,
+        sent: 0,
+        done: false,
+    }));
+    // Sends `data` (the bytes after `sent`), and the end if `eof`; false: stop forwarding.
+    let send = {
+        let (dir, job) = (dir.clone(), job.clone());
+        move |f: &mut Forward, mut data: &[u8], eof: bool| -> bool {
+            let mut since = Instant::now();
+            loop {
+                if f.client.is_none() {
+                    f.client = cluster::connect(&dir, node.as_deref())
+                        .or_else(|_| cluster::connect(&dir, None))
+                        .ok();
+                }
+                let r = match f.client.as_mut() {
+                    Some(c) => c.stdin(&job, f.sent, data, eof),
+                    None => Err(psls_client::ClientError::Daemon {
+                        kind: psls_ipc::ErrorKind::Unavailable,
+                        message: "no node daemon answers".into(),
+                    }),
+                };
+                match r {
+                    Ok((received, full)) => {
+                        let took = (received.saturating_sub(f.sent) as usize).min(data.len());
+                        f.sent += took as u64;
+                        data = &data[took..];
+                        since = Instant::now();
+                        if data.is_empty() && !full {
+                            return true;
+                        }
+                        std::thread::sleep(Duration::from_millis(20));
+                    }
+                    Err(psls_client::ClientError::Daemon {
+                        kind: psls_ipc::ErrorKind::Unavailable,
+                        ..
+                    })
+                    | Err(psls_client::ClientError::Frame(_))
+                    | Err(psls_client::ClientError::Connect { .. }) => {
+                        if since.elapsed() > Duration::from_secs(STDIN_TRY_S) {
+                            return false;
+                        }
+                        f.client = None;
+                        std::thread::sleep(Duration::from_millis(100));
+                    }
+                    // Rank 0 reads no more (it exited, the job restarted or ended).
+                    Err(_) => return false,
+                }
+            }
+        }
+    };
+    let send = Arc::new(send);
+    {
+        let (fwd, send) = (fwd.clone(), send.clone());
+        std::thread::spawn(move || {
+            let mut buf = vec![0u8; psls_ipc::proto::MAX_STDIN_CHUNK];
+            let mut input = std::io::stdin().lock();
+            loop {
+                let n = match std::io::Read::read(&mut input, &mut buf) {
+                    Ok(n) => n,
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                    Err(_) => 0,
+                };
+                let Ok(mut f) = fwd.lock() else { return };
+                let go_on = send(&mut f, &buf[..n], n == 0);
+                if n == 0 || !go_on {
+                    f.done = true;
+                    return;
+                }
+            }
+        });
+    }
+    std::thread::spawn(move || loop {
+        std::thread::sleep(Duration::from_secs(2));
+        // A send in progress is a sign of life already.
+        let Ok(mut f) = fwd.try_lock() else { continue };
+        if f.done {
+            return;
+        }
+        if !send(&mut f, &[], false) {
+            f.done = true;
+            return;
+        }
+    });
 }
 
 /// Asks job `name` to halt: a persistent checkpoint at its next safe-point call, then it stops
@@ -729,6 +842,7 @@ fn main() -> std::process::ExitCode {
             resume: resume.clone().unwrap_or_default(),
             job: String::new(),
             nodes: Vec::new(),
+            stdin: false,
         };
         let ask = RunAsk {
             n: *n,

@@ -73,6 +73,16 @@ pub const CHUNK: usize = 1024 * 1024;
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Request {
+    /// Bytes of `psls run`'s standard input for rank 0 of the first start of `job`, from
+    /// byte `offset` of the input (`data` at most [`MAX_STDIN_CHUNK`] bytes; empty: a sign of
+    /// life, which keeps the input open); `eof`: the input ends after them. Answered by
+    /// `StdinAck`.
+    Stdin {
+        job: String,
+        offset: u64,
+        data: Vec<u8>,
+        eof: bool,
+    },
     Status,
     /// Which node this daemon is: answered by `Node`.
     Whoami,
@@ -243,6 +253,9 @@ pub enum Request {
     },
 }
 
+/// Most bytes of standard input in one `Request::Stdin`.
+pub const MAX_STDIN_CHUNK: usize = 64 * 1024;
+
 /// A job's checkpoint options (`psls run`).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CkptOptions {
@@ -277,6 +290,9 @@ pub struct CkptOptions {
     /// The physical nodes the ranks may run on (`psls run --nodes`, or the Slurm allocation's);
     /// empty: any node. A resume takes these too.
     pub nodes: Vec<String>,
+    /// `psls run` forwards its standard input to rank 0 (`Request::Stdin`); else every rank
+    /// reads an empty input.
+    pub stdin: bool,
 }
 
 /// A job, as `psls jobs` shows it.
@@ -447,6 +463,12 @@ pub struct ScrubReport {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Response {
     Ok,
+    /// Rank 0 took the input up to byte `received`; `full`: its buffer is full now (send the
+    /// rest again later).
+    StdinAck {
+        received: u64,
+        full: bool,
+    },
     /// The daemon's node (its physical name) and cluster.
     Node {
         name: String,

@@ -109,6 +109,8 @@ pub enum Command {
         env: Vec<(String, String)>,
         /// The physical nodes its ranks may run on (empty: any).
         hosts: Vec<String>,
+        /// Its rank 0 reads the input `psls run` forwards.
+        stdin: bool,
     },
     /// Start an ended job again from its newest intact checkpoint (as user `uid`), its ranks
     /// on `hosts` (physical nodes; empty: any).
@@ -676,6 +678,7 @@ impl Control {
                 options,
                 env,
                 hosts,
+                stdin,
             } => {
                 psls_pfs::jobs::validate_job(&job).map_err(|e| CommandError::Invalid(e.to_string()))?;
                 if self.meta.runs.contains_key(&job) || self.waiting.iter().any(|w| w.job == job) {
@@ -689,7 +692,8 @@ impl Control {
                 if self.meta.runs.len() >= self.cfg.max_jobs {
                     return Err(CommandError::Busy);
                 }
-                let run = self.new_run(0, 0, spec.ranks, spec.per_node, env, hosts, RunPhase::Running)?;
+                let mut run = self.new_run(0, 0, spec.ranks, spec.per_node, env, hosts, RunPhase::Running)?;
+                run.stdin = stdin;
                 let op = MetaOp::JobStart {
                     job: job.clone(),
                     spec,
@@ -825,6 +829,7 @@ impl Control {
             halt: false,
             since_unix_ms: self.unix_ms,
             hosts,
+            stdin: false,
         })
     }
 
@@ -1374,6 +1379,7 @@ mod tests {
             options: Box::default(),
             env: Vec::new(),
             hosts: Vec::new(),
+            stdin: false,
         };
         c.handle_command(7, cmd);
         let Some(Action::Submit { op, .. }) = c.poll_action() else {

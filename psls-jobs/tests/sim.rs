@@ -1231,6 +1231,7 @@ impl Sim {
                         ..JobOptions::default()
                     }),
                     env: vec![("PATH".into(), "/bin".into())],
+                    stdin: self.rng.below(2) == 0,
                     // A third of the jobs are confined to some nodes (a Slurm allocation).
                     hosts: if self.rng.below(3) == 0 {
                         let mut h: Vec<String> = (0..LOGICAL)

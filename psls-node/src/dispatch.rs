@@ -231,6 +231,7 @@ impl Daemon {
             | PeerReq::OutputSince { .. }
             | PeerReq::OutputCopy { .. }
             | PeerReq::OutputLast { .. }
+            | PeerReq::Stdin { .. }
             | PeerReq::OutputOf { .. }
             | PeerReq::JobFiles { .. }) => crate::launcher::serve(&node, &self.jobs, req).await,
             PeerReq::JobReport { incarnation, reports } => {

@@ -18,6 +18,7 @@ use psls_ipc::ErrorKind;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 /// Most ranks in one job.
 pub const MAX_RANKS: u32 = 4096;
@@ -92,6 +93,27 @@ pub struct Jobs {
     drains: Mutex<HashMap<u32, tokio::sync::mpsc::Sender<tokio::sync::oneshot::Sender<u64>>>>,
     /// Something to report changed (a rank started or exited).
     changed: tokio::sync::Notify,
+    /// The forwarded input of each job whose rank 0 runs here and reads it.
+    stdin: Mutex<HashMap<String, Feed>>,
+}
+
+/// How many chunks of a rank 0's forwarded input wait for it to read them (each at most
+/// `MAX_STDIN_CHUNK`): more is answered `full`.
+pub const STDIN_QUEUE_CHUNKS: usize = 16;
+/// A rank 0's input ends when the `psls run` forwarding it was not heard for this long
+/// (killed, or its node daemon): it sends a sign of life every [`STDIN_ALIVE`].
+pub const STDIN_LEASE: Duration = Duration::from_secs(10);
+pub const STDIN_ALIVE: Duration = Duration::from_secs(2);
+
+/// A rank 0's forwarded input (see `Request::Stdin`).
+struct Feed {
+    attempt: u32,
+    /// Bytes taken so far.
+    received: u64,
+    /// To the task writing into rank 0's pipe; none once the input ended.
+    tx: Option<tokio::sync::mpsc::Sender<bytes::Bytes>>,
+    /// When the forwarder was last heard.
+    heard: Arc<Mutex<Instant>>,
 }
 
 impl Jobs {
@@ -402,6 +424,7 @@ pub fn launch_command(
         checkpoint.job.clone()
     };
     let spec = JobSpec {
+        stdin: checkpoint.stdin,
         job,
         size: ranks,
         program,
@@ -431,6 +454,7 @@ pub fn launch_command(
         options: Box::new(options(&spec)),
         env: spec.env.clone(),
         hosts: checkpoint.nodes.clone(),
+        stdin: checkpoint.stdin,
     })
 }
 
@@ -640,6 +664,8 @@ pub async fn start_ranks(node: &Arc<Node>, jobs: &Arc<Jobs>, job: &str, attempt:
         prefetch: false,
         attempt,
         restart_epoch: run.restart_epoch,
+        // Only the first start's rank 0: a restarted rank 0 cannot read its input again.
+        stdin: run.stdin && attempt == 0,
     };
     restore_options(node, &mut spec, &options);
     // A restarted rank numbers the lines it prints again as they were numbered (its
@@ -688,6 +714,7 @@ pub async fn tick(node: &Arc<Node>, jobs: &Arc<Jobs>, jobctl: &crate::jobctl::Jo
         // while longer: followers fetch the end).
         let mut l = lock(&jobs.local);
         l.retain(|job, lj| !lj.running.is_empty() || st.runs.contains_key(job) || !st.ended.contains_key(job));
+        lock(&jobs.stdin).retain(|job, _| l.contains_key(job));
         let mut out = lock(&jobs.output);
         for job in out.jobs() {
             if !st.runs.contains_key(&job) && !l.contains_key(&job) && !st.ended.contains_key(&job) {
@@ -715,6 +742,106 @@ pub async fn tick(node: &Arc<Node>, jobs: &Arc<Jobs>, jobctl: &crate::jobctl::Jo
     }
 }
 
+/// Rank 0 of `spec` reads the forwarded input from `input`: a task writes what
+/// [`feed_stdin`] queues, and closes the pipe at the input's end, when the forwarder was not
+/// heard for [`STDIN_LEASE`], or when rank 0 stops reading (its pipe broke).
+fn start_feed(node: &Arc<Node>, jobs: &Arc<Jobs>, spec: &JobSpec, mut input: tokio::process::ChildStdin) {
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<bytes::Bytes>(STDIN_QUEUE_CHUNKS);
+    let heard = Arc::new(Mutex::new(Instant::now()));
+    lock(&jobs.stdin).insert(
+        spec.job.clone(),
+        Feed {
+            attempt: spec.attempt,
+            received: 0,
+            tx: Some(tx),
+            heard: heard.clone(),
+        },
+    );
+    let (node, jobs, job, attempt) = (node.clone(), jobs.clone(), spec.job.clone(), spec.attempt);
+    tokio::spawn(async move {
+        use tokio::io::AsyncWriteExt;
+        let why = loop {
+            match tokio::time::timeout(STDIN_ALIVE, rx.recv()).await {
+                Ok(Some(chunk)) => {
+                    if let Err(e) = input.write_all(&chunk).await {
+                        break format!("rank 0 stopped reading: {e}");
+                    }
+                }
+                Ok(None) => break "the input ended".to_string(),
+                Err(_) if lock(&heard).elapsed() > STDIN_LEASE => {
+                    break format!("psls run was not heard for {} s", STDIN_LEASE.as_secs())
+                }
+                Err(_) => {}
+            }
+        };
+        drop(input);
+        // Later chunks are refused: the input is over for this start.
+        if let Some(f) = lock(&jobs.stdin).get_mut(&job).filter(|f| f.attempt == attempt) {
+            f.tx = None;
+        }
+        tracing::debug!(node = %node.name(), job, attempt, why, "rank 0's forwarded input closed");
+    });
+}
+
+/// Queues `data`, bytes `offset..` of the input forwarded to rank 0 of start `attempt` of
+/// `job` (running here); `eof`: the input ends after them. Returns the bytes taken in all and
+/// whether the queue was full (the caller sends the rest again later). Bytes sent again are
+/// taken once.
+pub fn feed_stdin(
+    jobs: &Jobs,
+    job: &str,
+    attempt: u32,
+    offset: u64,
+    data: Vec<u8>,
+    eof: bool,
+) -> Result<(u64, bool), OpError> {
+    if data.len() > psls_ipc::proto::MAX_STDIN_CHUNK {
+        return Err(OpError::new(ErrorKind::Invalid, "an input chunk over the limit"));
+    }
+    let mut feeds = lock(&jobs.stdin);
+    let Some(f) = feeds.get_mut(job).filter(|f| f.attempt == attempt) else {
+        return Err(OpError::new(
+            ErrorKind::Unavailable,
+            format!("rank 0 of job {job} does not run here yet"),
+        ));
+    };
+    *lock(&f.heard) = Instant::now();
+    let Some(tx) = f.tx.clone() else {
+        return Err(OpError::new(
+            ErrorKind::NotFound,
+            format!("rank 0 of job {job} reads no more input"),
+        ));
+    };
+    if offset > f.received {
+        return Err(OpError::new(
+            ErrorKind::Invalid,
+            format!("input from byte {offset}, but only {} came", f.received),
+        ));
+    }
+    let skip = ((f.received - offset) as usize).min(data.len());
+    if skip < data.len() {
+        let len = data.len() - skip;
+        let mut data = data;
+        data.drain(..skip);
+        match tx.try_send(bytes::Bytes::from(data)) {
+            Ok(()) => f.received += len as u64,
+            Err(tokio::sync::mpsc::error::TrySendError::Full(_)) => return Ok((f.received, true)),
+            Err(tokio::sync::mpsc::error::TrySendError::Closed(_)) => {
+                f.tx = None;
+                return Err(OpError::new(
+                    ErrorKind::NotFound,
+                    format!("rank 0 of job {job} reads no more input"),
+                ));
+            }
+        }
+    }
+    if eof {
+        // The writer drains what is queued, then closes the pipe.
+        f.tx = None;
+    }
+    Ok((f.received, false))
+}
+
 /// Starts this node's `ranks` of a job (of start `spec.attempt`), each numbering its output
 /// lines by its `numbering` (absent: from the first).
 fn spawn_local(
@@ -740,7 +867,11 @@ fn spawn_local(
             .env("PSLS_NODE", node.name())
             .env("PSLS_RESTART_EPOCH", spec.restart_epoch.to_string())
             .current_dir(&spec.cwd)
-            .stdin(std::process::Stdio::null())
+            .stdin(if spec.stdin && rank == 0 {
+                std::process::Stdio::piped()
+            } else {
+                std::process::Stdio::null()
+            })
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::piped())
             .kill_on_drop(false)
@@ -812,6 +943,9 @@ fn spawn_local(
             procs.insert(pid, (spec.clone(), rank));
         }
         drop(procs);
+        if let Some(input) = child.stdin.take() {
+            start_feed(node, jobs, &spec, input);
+        }
         let (out, err) = (child.stdout.take(), child.stderr.take());
         let (ask, mut asked) = tokio::sync::mpsc::channel(4);
         if let Some(pid) = child_pid {
@@ -1028,6 +1162,16 @@ pub async fn serve(node: &Arc<Node>, jobs: &Arc<Jobs>, req: PeerReq) -> Result<P
                 .collect(),
             gaps: Vec::new(),
         }),
+        PeerReq::Stdin {
+            job,
+            attempt,
+            offset,
+            data,
+            eof,
+        } => {
+            let (received, full) = feed_stdin(jobs, &job, attempt, offset, data, eof)?;
+            Ok(PeerResp::StdinAck { received, full })
+        }
         PeerReq::OutputLast { job } => Ok(PeerResp::OutputLast {
             last: jobs.output_last(&job).into_iter().collect(),
         }),

@@ -77,6 +77,8 @@ pub struct JobSpec {
     pub attempt: u32,
     /// The checkpoint the ranks restart from (0: a fresh start).
     pub restart_epoch: u64,
+    /// Rank 0 reads the input `psls run` forwards (`crate::launcher::feed_stdin`).
+    pub stdin: bool,
 }
 
 /// A job's last checkpoint, as its coordinator saw it commit.
@@ -430,6 +432,15 @@ pub enum PeerReq {
         rank: u32,
         after: u64,
     },
+    /// To rank 0's node: bytes of `psls run`'s input for rank 0 of start `attempt` of `job`
+    /// (see `Request::Stdin`; answered with `StdinAck`).
+    Stdin {
+        job: String,
+        attempt: u32,
+        offset: u64,
+        data: Vec<u8>,
+        eof: bool,
+    },
     /// To a follower: per rank, the last output number of `job` kept here (answered with
     /// `OutputLast`).
     OutputLast {
@@ -561,6 +572,11 @@ pub enum PeerResp {
     /// Answer to `JobActivity`.
     JobActivity {
         text: String,
+    },
+    /// Answer to `Stdin`.
+    StdinAck {
+        received: u64,
+        full: bool,
     },
     /// Answer to `OutputLast`.
     OutputLast {

@@ -56,6 +56,9 @@ pub struct RunRecord {
     /// The physical nodes this start's ranks, and its restarts' ranks, may run on (`psls run
     /// --nodes`, or the Slurm allocation's); empty: any node.
     pub hosts: Vec<String>,
+    /// Rank 0 of this start reads what `psls run` forwards of its standard input (a first
+    /// start followed by `psls run`); else every rank reads an empty input.
+    pub stdin: bool,
 }
 
 /// Where a start is.

@@ -252,3 +252,89 @@ fn wait_first_checkpoint_any(c: &Cluster, job: &str) {
         })
     });
 }
+
+/// The SHA-256 of `data` as `sha256sum` prints it.
+fn sha256sum(data: &[u8]) -> String {
+    let mut ch = std::process::Command::new("sha256sum")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("sha256sum");
+    std::io::Write::write_all(&mut ch.stdin.take().expect("stdin"), data).expect("feed sha256sum");
+    let o = ch.wait_with_output().expect("sha256sum ends");
+    String::from_utf8_lossy(&o.stdout)
+        .split_whitespace()
+        .next()
+        .expect("a hash")
+        .to_string()
+}
+
+#[test]
+fn psls_run_forwards_its_input_to_rank_0_and_rank_0_reads_an_end_when_psls_run_dies() {
+    let c = Cluster::start(3, 0);
+    // 4 MiB, more than rank 0's node queues (1 MiB), to a rank 0 that waits before it reads
+    // and runs on another node than the daemon psls run talks to; rank 1 reads nothing.
+    let data = random_bytes(4 << 20, 17);
+    let mut run = c
+        .cmd(&[
+            "--node",
+            "n0",
+            "run",
+            "--nodes",
+            "n1,n2",
+            "-n",
+            "2",
+            "--",
+            "sh",
+            "-c",
+            "if [ $PSLS_RANK = 0 ]; then sleep 2; sha256sum; else wc -c; fi",
+        ])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("psls run");
+    let mut input = run.stdin.take().expect("stdin");
+    let feed = {
+        let data = data.clone();
+        std::thread::spawn(move || std::io::Write::write_all(&mut input, &data).expect("feed psls run"))
+    };
+    let o = run.wait_with_output().expect("psls run ends");
+    feed.join().expect("fed");
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{out}{}", String::from_utf8_lossy(&o.stderr));
+    assert!(out.contains(&format!("[0] {}  -", sha256sum(&data))), "{out}");
+    assert!(out.contains("[1] 0"), "{out}");
+
+    // A detached job's rank 0 reads an empty input at once: nothing waits for psls run.
+    let t = std::time::Instant::now();
+    let job = c.ok(&["run", "--detach", "-n", "1", "--", "sh", "-c", "cat; echo read-all"]);
+    let out = c.ok(&["attach", job.trim()]);
+    assert!(out.contains("[0] read-all"), "{out}");
+    assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
+
+    // psls run killed -9 while rank 0 reads its input (still open): rank 0's input ends once
+    // psls run was not heard for the lease (10 s), and the job finishes.
+    let mut run = c
+        .cmd(&["run", "-n", "1", "--", "sh", "-c", "cat; echo got-eof"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("psls run");
+    let mut input = run.stdin.take().expect("stdin");
+    std::io::Write::write_all(&mut input, b"first line\n").expect("feed");
+    let (job, _err) = job_id(&mut run);
+    std::thread::sleep(Duration::from_millis(500));
+    run.kill().expect("kill -9 psls run");
+    let _ = run.wait();
+    let t = std::time::Instant::now();
+    let out = c.ok(&["attach", &job]);
+    assert!(out.contains("[0] first line") && out.contains("[0] got-eof"), "{out}");
+    assert!(
+        t.elapsed() < Duration::from_secs(20),
+        "the input ended {:?} after psls run died",
+        t.elapsed()
+    );
+    drop(input);
+}

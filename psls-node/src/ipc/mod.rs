@@ -168,6 +168,7 @@ async fn client(d: Arc<Daemon>, stream: UnixStream) -> anyhow::Result<()> {
             | Request::Unlock { .. }
             | Request::Run { .. }
             | Request::RunJob { .. }
+            | Request::Stdin { .. }
             | Request::Jobs
             | Request::JobRm { .. }
             | Request::Attach { .. }

@@ -116,6 +116,10 @@ pub(super) async fn handle(c: &mut Conn, req: Request, mut fds: Vec<OwnedFd>) ->
                 Err(e) => err(e),
             }
         }
+        Request::Stdin { job, offset, data, eof } => match stdin(&d, caller, &job, offset, data, eof).await {
+            Ok((received, full)) => Response::StdinAck { received, full },
+            Err(e) => err(e),
+        },
         Request::Jobs => match jobs(&d).await {
             Ok(list) => Response::Jobs(list),
             Err(e) => err(e),
@@ -262,6 +266,62 @@ async fn start_job(c: &mut Conn, req: Request) -> std::io::Result<Flow> {
 /// The `psls run` job process `pid` is a rank of, and which start of it.
 fn start_of(d: &Daemon, pid: i32) -> Option<(String, u32)> {
     d.jobs.rank_of(pid as u32).map(|(spec, _)| (spec.job, spec.attempt))
+}
+
+/// `psls run`'s input for rank 0 of `job` (see `Request::Stdin`): checked against the job's
+/// record (its owner, whether its start reads forwarded input), then queued at rank 0's node.
+async fn stdin(
+    d: &Arc<Daemon>,
+    caller: crate::pfs::Caller,
+    job: &str,
+    offset: u64,
+    data: Vec<u8>,
+    eof: bool,
+) -> Result<(u64, bool), OpError> {
+    if data.len() > psls_ipc::proto::MAX_STDIN_CHUNK {
+        return Err(OpError::new(ErrorKind::Invalid, "an input chunk over the limit"));
+    }
+    let mut st = d.node.meta_state();
+    if !st.runs.contains_key(job) {
+        st = d.node.meta_fresh().await?;
+    }
+    let none = || {
+        OpError::new(
+            ErrorKind::NotFound,
+            format!("job {job}'s rank 0 reads no forwarded input"),
+        )
+    };
+    let run = st.runs.get(job).ok_or_else(none)?;
+    let owner = st.jobs.get(job).and_then(|r| r.spec.as_ref()).map(|s| s.uid);
+    if caller.uid != 0 && owner != Some(caller.uid) {
+        return Err(OpError::new(
+            ErrorKind::Permission,
+            format!("job {job} belongs to another user"),
+        ));
+    }
+    if !run.stdin || run.attempt != 0 {
+        return Err(none());
+    }
+    let at = run
+        .placement
+        .first()
+        .and_then(|l| run.nodes.get(l))
+        .map(|(p, _)| p.clone())
+        .ok_or_else(none)?;
+    if at == d.node.me.name {
+        return crate::launcher::feed_stdin(&d.jobs, job, run.attempt, offset, data, eof);
+    }
+    let req = PeerReq::Stdin {
+        job: job.to_string(),
+        attempt: run.attempt,
+        offset,
+        data,
+        eof,
+    };
+    match d.node.call_ok(&at, req).await? {
+        PeerResp::StdinAck { received, full } => Ok((received, full)),
+        r => Err(OpError::new(ErrorKind::Internal, format!("unexpected answer {r:?}"))),
+    }
 }
 
 /// `psls jobs`: every job with a record (a `psls run` job), running or resumable.
