@@ -42,7 +42,7 @@ pub fn check(dir: &Path) -> Result<(ClusterConfig, Vec<String>)> {
             Some((it.next()??, it.next()??))
         });
     // A host has only its own nodes' certificates and keys, and binds only its own ports.
-    for n in cfg.all().filter(|n| is_local(n)) {
+    for n in local_nodes(&cfg) {
         let link = n.link().map(|l| l.port());
         for (what, port) in [("addr", Some(n.addr.port())), ("link_addr", link)] {
             if let (Some(port), Some((lo, hi))) = (port, range) {
@@ -69,7 +69,7 @@ pub fn check(dir: &Path) -> Result<(ClusterConfig, Vec<String>)> {
     let certs = cfg.cert_dir();
     let names = ["ca".to_string()]
         .into_iter()
-        .chain(cfg.all().filter(|n| is_local(n)).map(|n| n.name.clone()));
+        .chain(local_nodes(&cfg).into_iter().map(|n| n.name.clone()));
     for name in names {
         // The CA's key signs new certificates only; a node needs the CA's certificate.
         let exts: &[&str] = if name == "ca" { &["pem"] } else { &["pem", "key"] };
@@ -118,6 +118,18 @@ pub fn init(dir: &Path, nodes: u32, spares: u32, memory_mb: u64, base_port: u16,
 /// Whether node `n`'s address is one of this machine's (its daemon runs here).
 pub fn is_local(n: &NodeEntry) -> bool {
     std::net::UdpSocket::bind((n.addr.ip(), 0)).is_ok()
+}
+
+/// The nodes whose daemons run on this machine: those with an address of this machine, or
+/// every node when none has one (`PSLS_NODE_BIN` may start them elsewhere, in network
+/// namespaces say).
+pub fn local_nodes(cfg: &ClusterConfig) -> Vec<&NodeEntry> {
+    let here: Vec<&NodeEntry> = cfg.all().filter(|n| is_local(n)).collect();
+    if here.is_empty() {
+        cfg.all().collect()
+    } else {
+        here
+    }
 }
 
 fn pid_file(dir: &Path, name: &str) -> PathBuf {
@@ -247,14 +259,9 @@ pub fn up(dir: &Path, timeout: Duration, quiet: bool) -> Result<()> {
     let mut children = Vec::new();
     let mut expected = Vec::new();
     let mut waited = Vec::new();
-    if !cfg.all().any(is_local) {
-        bail!(
-            "no node of {} has an address of this machine: start each daemon on its own host (deploy/README.md)",
-            config_path(dir).display()
-        );
-    }
     // On a cluster of separate hosts, each host starts its own daemons (under systemd).
-    for n in cfg.all().filter(|n| is_local(n)) {
+    let here = local_nodes(&cfg);
+    for n in here.iter().copied() {
         if let Some(pid) = running_pid(dir, &n.name) {
             expected.push(n.clone());
             waited.push((n.name.clone(), pid));
@@ -280,10 +287,7 @@ pub fn up(dir: &Path, timeout: Duration, quiet: bool) -> Result<()> {
             }
             continue;
         }
-        children.push((
-            n.name.clone(),
-            spawn(dir, n, workers_per_daemon(cfg.all().filter(|n| is_local(n)).count()))?,
-        ));
+        children.push((n.name.clone(), spawn(dir, n, workers_per_daemon(here.len()))?));
         expected.push(n.clone());
         if !quiet {
             println!("started {}", n.name);
