@@ -280,6 +280,9 @@ pub async fn run(config: &Path, name: &str) -> Result<()> {
     tokio::spawn(crate::launcher::copier(d.node.clone(), d.jobs.clone()));
     tokio::spawn(crate::ipc::serve(d.clone(), listener, socket.clone()));
     tracing::info!(node = name, incarnation, addr = %me.addr, socket = %socket.display(), fault_disk = fault, "psls-node ready");
+    // Taken before READY=1: a SIGTERM right after it (systemctl stop) stops the daemon cleanly
+    // rather than by the signal's default action.
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     // systemd's Type=notify: the unit is started once clients can talk to the daemon.
     sd_notify(
         name,
@@ -289,7 +292,6 @@ pub async fn run(config: &Path, name: &str) -> Result<()> {
         ),
     );
 
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     tokio::select! {
         _ = term.recv() => tracing::info!(node = name, "SIGTERM: stopping"),
         _ = tokio::signal::ctrl_c() => tracing::info!(node = name, "SIGINT: stopping"),
