@@ -1390,22 +1390,8 @@ mod chain_tests {
         psls_ipc::proto::JobInfo {
             job: "j".into(),
             state: state.into(),
-            ranks: 1,
-            command: String::new(),
-            uid: 0,
-            epoch: 0,
-            at_unix_ms: 0,
-            bytes: 0,
-            level: String::new(),
-            pause_us: 0,
-            commit_us: 0,
-            recovery_frames: 0,
-            unsaved_frames: 0,
-            pre_recovery_frames: 0,
-            persistent_epoch: 0,
-            activity: String::new(),
-            finished: String::new(),
             end: end.into(),
+            ..Default::default()
         }
     }
 

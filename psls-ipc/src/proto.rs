@@ -296,7 +296,7 @@ pub struct CkptOptions {
 }
 
 /// A job, as `psls jobs` shows it.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct JobInfo {
     pub job: String,
     /// `running`, or `resumable` (it has a checkpoint and no launcher runs it).

@@ -424,6 +424,16 @@ struct Meter {
     fsync: prometheus::Histogram,
 }
 
+impl Meter {
+    /// Runs the fsync `f`, timing it.
+    fn timed(&self, f: impl FnOnce() -> std::io::Result<()>) -> std::io::Result<()> {
+        let t = std::time::Instant::now();
+        let r = f();
+        self.fsync.observe(t.elapsed().as_secs_f64());
+        r
+    }
+}
+
 impl MeteredDisk {
     /// `inner`, counted as disk `label` (`pages`, `meta`).
     pub fn new(inner: Arc<dyn psls_pfs::Disk>, label: &str, metrics: &Metrics) -> MeteredDisk {
@@ -456,10 +466,7 @@ impl psls_pfs::DiskFile for MeteredFile {
         Ok(())
     }
     fn sync(&self) -> std::io::Result<()> {
-        let t = std::time::Instant::now();
-        let r = self.inner.sync();
-        self.meter.fsync.observe(t.elapsed().as_secs_f64());
-        r
+        self.meter.timed(|| self.inner.sync())
     }
     fn len(&self) -> std::io::Result<u64> {
         self.inner.len()
@@ -483,10 +490,7 @@ impl psls_pfs::Disk for MeteredDisk {
         self.inner.list()
     }
     fn sync_dir(&self) -> std::io::Result<()> {
-        let t = std::time::Instant::now();
-        let r = self.inner.sync_dir();
-        self.meter.fsync.observe(t.elapsed().as_secs_f64());
-        r
+        self.meter.timed(|| self.inner.sync_dir())
     }
     fn used_bytes(&self) -> std::io::Result<u64> {
         self.inner.used_bytes()

@@ -406,22 +406,10 @@ async fn jobs(d: &Arc<Daemon>) -> Result<Vec<psls_ipc::proto::JobInfo>, OpError>
         out.push(psls_ipc::proto::JobInfo {
             job: job.clone(),
             state: end.how.word().into(),
-            ranks: 0,
-            command: String::new(),
-            uid: 0,
-            epoch: 0,
             at_unix_ms: end.at_unix_ms,
-            bytes: 0,
-            level: String::new(),
-            pause_us: 0,
-            commit_us: 0,
-            recovery_frames: 0,
-            unsaved_frames: 0,
-            pre_recovery_frames: 0,
-            persistent_epoch: 0,
             activity: end.message.clone(),
-            finished: String::new(),
             end: end.how.word().into(),
+            ..Default::default()
         });
     }
     Ok(out)
