@@ -326,6 +326,9 @@ pub fn up(dir: &Path, timeout: Duration, quiet: bool) -> Result<()> {
 fn healthy(cfg: &ClusterConfig, expected: &[NodeEntry]) -> bool {
     let mut seqs = Vec::new();
     let mut coordinators = Vec::new();
+    // Each node's own incarnation, and every incarnation each node knows of the others.
+    let mut own: std::collections::BTreeMap<String, u64> = std::collections::BTreeMap::new();
+    let mut seen: Vec<(String, u64)> = Vec::new();
     let all_up = expected.iter().all(|n| {
         let Ok(mut c) = Client::connect(&cfg.socket_path(n)) else {
             return false;
@@ -333,14 +336,24 @@ fn healthy(cfg: &ClusterConfig, expected: &[NodeEntry]) -> bool {
         let Ok(st) = c.status() else { return false };
         seqs.push(st.meta_seq);
         coordinators.push(st.coordinator.clone());
+        for s in &st.nodes {
+            if s.name == n.name {
+                own.insert(s.name.clone(), s.incarnation);
+            } else if s.state == NodeState::Up {
+                seen.push((s.name.clone(), s.incarnation));
+            }
+        }
         expected.iter().all(|e| {
             st.nodes
                 .iter()
                 .any(|s| s.name == e.name && (s.state == NodeState::Up || s.state == NodeState::Replaced))
         })
     });
-    // Every node knows the same coordinator (the metadata's leader), and holds the same metadata.
+    // Every node knows the same coordinator (the metadata's leader), holds the same metadata,
+    // and knows every other up node as the incarnation it runs (a node restarted a moment ago
+    // is known as such everywhere before a job starts).
     all_up
+        && seen.iter().all(|(name, inc)| own.get(name).is_none_or(|o| o == inc))
         && seqs.windows(2).all(|w| w[0] == w[1])
         && coordinators.first().is_some_and(|c| c.is_some())
         && coordinators.windows(2).all(|w| w[0] == w[1])

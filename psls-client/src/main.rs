@@ -1256,15 +1256,6 @@ fn demo(dir: &Path, size_mb: u64) -> Result<()> {
     }
     cluster::up(dir, Duration::from_secs(30), true)?;
     println!("[2/7] cluster is up");
-    // MGS (step 7) starts from a fresh file: the previous run's pages leave every node's
-    // memory with its file, before a node is killed below (a node that restarts while others
-    // hold shared pages refuses the pages it manages: their directory died with it).
-    let previous = "mgs-1024x1024";
-    let mut c = cluster::connect(dir, Some("n0"))?;
-    if c.ls()?.iter().any(|f| f.name == previous) {
-        c.rm(previous)
-            .with_context(|| format!("removing the previous run's {previous}"))?;
-    }
     let size = size_mb * 1024 * 1024;
     let data = psls_svm::rng::random_bytes(size as usize, 2026);
     let t = Instant::now();
@@ -1312,6 +1303,8 @@ fn demo(dir: &Path, size_mb: u64) -> Result<()> {
             .arg(dir)
             .args(["run", "-n", "4", "--"])
             .arg(&mgs)
+            // One file across demo runs: a node restarted since the last run costs nothing.
+            .args(["--file", "mgs-demo"])
             .status()
             .context("running MGS")?;
         if !status.success() {

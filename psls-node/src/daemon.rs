@@ -276,6 +276,17 @@ pub async fn run(config: &Path, name: &str) -> Result<()> {
     tokio::spawn(crate::replication::Replication::run(node.clone()));
     node.initial_sync().await;
     tokio::spawn(d.clone().run_ticks());
+    {
+        // Shared memory learns of a restarted peer at once: its settled copies of the pages
+        // that peer manages go before a new job can claim their file.
+        let d = d.clone();
+        tokio::spawn(async move {
+            loop {
+                d.node.peer_restarted.notified().await;
+                d.svm.sync_peers(&d.node);
+            }
+        });
+    }
     tokio::spawn(crate::jobctl::run(d.clone()));
     tokio::spawn(crate::launcher::copier(d.node.clone(), d.jobs.clone()));
     tokio::spawn(crate::ipc::serve(d.clone(), listener, socket.clone()));

@@ -181,6 +181,10 @@ pub async fn run(d: Arc<Daemon>) {
                     Input::Command { cmd, reply } => {
                         next_id += 1;
                         replies.insert(next_id, reply);
+                        // A start records its nodes' incarnations: as the heartbeats say now,
+                        // not as at the last tick (a node restarted since would look lost at
+                        // once, and the new job roll back).
+                        control.handle_tick(start.elapsed().as_millis() as u64, crate::pfs::unix_ms(), &views(&d));
                         control.handle_command(next_id, cmd);
                     }
                     Input::Done {

@@ -91,6 +91,9 @@ pub struct Node {
     disk_used: AtomicU64,
     disk_free: AtomicU64,
     pub shutdown: tokio::sync::Notify,
+    /// Told each time a peer is heard as a new incarnation: the subsystems that keep their own
+    /// view of the peers (shared memory) catch up at once, not at their next tick.
+    pub peer_restarted: tokio::sync::Notify,
     /// Told each time committed metadata is installed here (for [`Node::meta_reached`]).
     meta_installed: tokio::sync::Notify,
     /// The daemon's request handler, for the requests a node sends itself (set at start-up).
@@ -155,6 +158,7 @@ impl Node {
             disk_used: AtomicU64::new(0),
             disk_free: AtomicU64::new(0),
             shutdown: tokio::sync::Notify::new(),
+            peer_restarted: tokio::sync::Notify::new(),
             meta_installed: tokio::sync::Notify::new(),
             local: OnceLock::new(),
             beat: OnceLock::new(),
@@ -819,6 +823,7 @@ impl Node {
         if restarted {
             tracing::info!(node = %self.me.name, peer, incarnation, "peer restarted with a new incarnation");
             self.net.peer_restarted(peer, incarnation);
+            self.peer_restarted.notify_one();
         }
     }
 

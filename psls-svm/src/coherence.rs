@@ -116,7 +116,7 @@ pub enum FaultError {
     LoadFailed,
     #[error("too many faults waiting on one page")]
     TooManyWaiters,
-    #[error("the page's manager node restarted and lost its directory: its pages are refused until no node holds shared pages (remove the files, or restart every daemon)")]
+    #[error("the page's manager node restarted while a job was writing the file: its pages are refused until that job rolls back or ends")]
     ManagerRestarted,
 }
 
@@ -464,8 +464,9 @@ pub struct Svm {
     next_seq: u64,
     stats: Stats,
     /// Restarted: the directory of the pages this node manages died with the previous
-    /// incarnation, so it cannot tell where their latest versions are. It refuses requests for
-    /// them until a rollback rebuilds the directory.
+    /// incarnation, so it cannot tell where their latest versions are. It serves a file again
+    /// once every other node says it holds nothing the old incarnation granted (settled files:
+    /// their holders drop their copies), or once a rollback rebuilt the file's directory.
     recovering: bool,
     /// While recovering: files whose directory is known empty and true — a rollback rebuilt
     /// it (every node forgot them), or no node held any of their pages managed here when it
@@ -478,6 +479,12 @@ pub struct Svm {
     /// that node's latest incarnation (what [`Svm::fence_answer`] says; the shell tells of
     /// its segments).
     fenced_files: Vec<HashSet<FileId>>,
+    /// Parallel files with no writer job (the shell reads it from the metadata:
+    /// [`Svm::set_settled`]): every memory copy equals the disks' persistent checkpoint, so a
+    /// copy that dies loses nothing and a restarted manager's directory is rebuilt by the
+    /// holders dropping their copies. Any other file (a job writes it, a volatile segment)
+    /// may hold its only current version in memory.
+    settled: HashSet<FileId>,
 }
 
 /// Returns a protocol error unless `cond` holds.
@@ -518,6 +525,7 @@ impl Svm {
             stats: Stats::default(),
             recovering: false,
             rebuilt: HashSet::new(),
+            settled: HashSet::new(),
         }
     }
 
@@ -544,6 +552,80 @@ impl Svm {
         files.sort();
         for f in files {
             self.fence_checked(f, true);
+        }
+    }
+
+    /// Whether `file` has no writer job ([`Svm::set_settled`]).
+    pub fn is_settled(&self, file: FileId) -> bool {
+        self.settled.contains(&file)
+    }
+
+    /// The files this node holds pages or directory entries of.
+    pub fn files(&self) -> Vec<FileId> {
+        let mut v: Vec<FileId> = self.local.keys().chain(self.dir.keys()).map(|p| p.file).collect();
+        v.sort();
+        v.dedup();
+        v
+    }
+
+    /// Whether parallel file `file` has no writer job (`settled`), as the metadata says: its
+    /// memory copies then equal the disks' persistent checkpoint. When a file becomes settled,
+    /// what its writer left behind is let go: as manager, a page is no longer *written since
+    /// loaded* nor lost (the disks hold its latest version); as holder, copies of pages whose
+    /// manager restarted meanwhile are dropped, so that manager serves them again from the
+    /// disks (its directory is true once no node holds what its old incarnation granted).
+    ///
+    /// Only the change to settled lets go: a write granted while settled comes from a writer
+    /// whose claim the shell has not seen yet, and stays written until the next settling.
+    /// (Should the shell see a writer's release after a next writer's first writes, those are
+    /// let go too; that writer's node failing then rolls the job back all the same, and only
+    /// its ranks on other nodes read the disks' version meanwhile instead of failing.)
+    pub fn set_settled(&mut self, file: FileId, settled: bool) {
+        if !settled {
+            self.settled.remove(&file);
+            return;
+        }
+        if !self.settled.insert(file) {
+            return;
+        }
+        for (page, d) in self.dir.iter_mut() {
+            if page.file == file && d.busy.is_empty() {
+                d.dirty = false;
+                d.lost = false;
+            }
+        }
+        let restarted: Vec<NodeId> = (0..self.nodes)
+            .map(NodeId)
+            .filter(|n| self.fenced_files[n.0 as usize].contains(&file))
+            .collect();
+        for n in restarted {
+            self.fenced_files[n.0 as usize].remove(&file);
+            self.drop_managed_by(n, |f| f == file);
+        }
+    }
+
+    /// Drops this node's copies of the pages of files `which` selects that `manager`
+    /// manages, with no transaction of this node in progress on them (the manager restarted:
+    /// it no longer knows of them, and these copies equal the disks').
+    fn drop_managed_by(&mut self, manager: NodeId, which: impl Fn(FileId) -> bool) {
+        let nodes = self.nodes;
+        let mut pages: Vec<PageId> = self
+            .local
+            .iter()
+            .filter(|(p, l)| {
+                which(p.file)
+                    && l.access.is_some()
+                    && l.pending.is_none()
+                    && manager_node(p.file, p.index, nodes) == manager
+            })
+            .map(|(p, _)| *p)
+            .collect();
+        pages.sort();
+        for page in pages {
+            if let Some(l) = self.local.get_mut(&page) {
+                l.access = None;
+            }
+            self.push(Action::SetAccess { page, access: None });
         }
     }
 
@@ -584,11 +666,13 @@ impl Svm {
                 FenceAnswer::Clean
             };
         }
+        // A settled file's copies equal the disks' (what this node held of it when it learnt
+        // of the restart went then, or when it settled): a segment of it saw nothing newer.
         let held = self
             .fenced_files
             .get(manager.0 as usize)
             .is_some_and(|f| f.contains(&file))
-            || segment.is_some_and(|k| k < incarnation);
+            || (segment.is_some_and(|k| k < incarnation) && !self.settled.contains(&file));
         if held {
             FenceAnswer::Held
         } else {
@@ -771,6 +855,7 @@ impl Svm {
         for f in &mut self.fenced_files {
             f.remove(&file);
         }
+        self.settled.remove(&file);
         before - self.local.len() - self.dir.len()
     }
 
@@ -969,7 +1054,8 @@ impl Svm {
         }
         self.peers[n.0 as usize] = Peer { incarnation, up: false };
         if p.up {
-            self.node_failed(n);
+            let retry = self.node_failed(n, false);
+            debug_assert!(retry.is_empty(), "a request retried with a node down");
         }
     }
 
@@ -986,27 +1072,50 @@ impl Svm {
             self.fenced[n.0 as usize] = incarnation;
         }
         // The files the new incarnation may not serve from the disks as if nobody held them:
-        // those this node holds pages or directory entries of (the shell tells of segments).
-        let files: HashSet<FileId> = self.local.keys().chain(self.dir.keys()).map(|pg| pg.file).collect();
+        // those this node holds pages or directory entries of (the shell tells of segments),
+        // but settled ones, whose copies here go below.
+        let files: HashSet<FileId> = self
+            .local
+            .keys()
+            .chain(self.dir.keys())
+            .map(|pg| pg.file)
+            .filter(|f| !self.settled.contains(f))
+            .collect();
         self.fenced_files[n.0 as usize] = files;
         self.peers[n.0 as usize] = Peer { incarnation, up: false };
-        if p.up {
-            self.node_failed(n);
-        }
+        let retry = if p.up { self.node_failed(n, true) } else { Vec::new() };
         self.peers[n.0 as usize].up = true;
+        let settled = std::mem::take(&mut self.settled);
+        self.drop_managed_by(n, |f| settled.contains(&f));
+        self.settled = settled;
+        // Requests the old incarnation never granted go to the new one.
+        for page in retry {
+            self.request_if_needed(page);
+        }
     }
 
-    fn node_failed(&mut self, n: NodeId) {
+    /// Node `n`'s incarnation failed (`restarted`: it runs again as a new one). Returns the
+    /// pages whose faults wait for a request to be sent again to the new incarnation.
+    fn node_failed(&mut self, n: NodeId, restarted: bool) -> Vec<PageId> {
+        let mut retry = Vec::new();
         // As requester.
         let mut pages: Vec<PageId> = self.local.keys().copied().collect();
         pages.sort();
         for page in pages {
             let manager = self.manager(page);
+            let settled = self.settled.contains(&page.file);
             let Some(p) = self.local.get_mut(&page).and_then(|l| l.pending.as_mut()) else {
                 continue;
             };
             let waits_data = matches!(p.grant, Some((Source::Owner(o, _), _)) if o == n) && !p.data;
-            if manager == n {
+            if manager == n && restarted && settled && p.grant.is_none() && !p.data {
+                // A settled file's request the old manager never granted (no copy moved for
+                // it): asked again of the new incarnation, which rebuilds its directory.
+                if let Some(l) = self.local.get_mut(&page) {
+                    l.pending = None;
+                }
+                retry.push(page);
+            } else if manager == n {
                 // The manager's state is gone with it: nothing more will come, and no one is
                 // left to tell (its invalidations may have been dropped as stale, too).
                 if let Some(l) = self.local.get_mut(&page) {
@@ -1103,6 +1212,7 @@ impl Svm {
                 self.next_in_queue(page);
             }
         }
+        retry
     }
 
     // ----- messages -----

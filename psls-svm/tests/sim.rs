@@ -2475,3 +2475,142 @@ fn a_restarted_manager_serves_a_file_nobody_held_and_refuses_one_held_before() {
     assert_eq!(replies.len(), 2, "{replies:?}");
     assert!(n0.serves(new.file) && !n0.serves(old.file));
 }
+
+/// Runs every action of `nodes` to completion in FIFO order, answering a restarted manager's
+/// fence checks from the other nodes' books; returns the loads and the failed faults.
+fn drive_all(nodes: &mut [Svm]) -> (usize, Vec<FaultError>) {
+    let (mut loads, mut fails) = (0, Vec::new());
+    for _ in 0..1000 {
+        let mut any = false;
+        for i in 0..nodes.len() {
+            while let Some(act) = nodes[i].poll_action() {
+                any = true;
+                match act {
+                    Action::Send { to, env } => {
+                        nodes[to.0 as usize].receive(env).expect("no violation");
+                    }
+                    Action::Load { page, txn } => {
+                        loads += 1;
+                        nodes[i].loaded(page, txn, true);
+                    }
+                    Action::Fail { error, .. } => fails.push(error),
+                    Action::CheckFence { file } => {
+                        let (me, inc) = (nodes[i].me(), nodes[i].incarnation());
+                        let clean = nodes[i]
+                            .fence_askees()
+                            .into_iter()
+                            .all(|n| nodes[n.0 as usize].fence_answer(me, inc, file, None) == FenceAnswer::Clean);
+                        nodes[i].fence_checked(file, clean);
+                    }
+                    _ => {}
+                }
+            }
+        }
+        if !any {
+            return (loads, fails);
+        }
+    }
+    panic!("did not settle");
+}
+
+/// A settled file (no job writes it: its memory copies equal the disks') loses nothing when a
+/// node restarts. A written page whose owner restarted is reloaded, not lost, and so is one
+/// lost while a job still wrote it once the file settles. The holders of pages a restarted
+/// manager managed drop them when they learn of the restart, so that manager serves the file
+/// at once; a file a job writes stays refused until it settles (its copies go then).
+#[test]
+fn a_settled_file_is_served_after_any_restart() {
+    let one = Incarnation(1);
+    let mut nodes: Vec<Svm> = (0..3).map(|i| Svm::new(NodeId(i), one, vec![Some(one); 3])).collect();
+    let managed_by_n0 = |file: u64| {
+        (0..64)
+            .map(move |index| PageId {
+                file: FileId(file),
+                index,
+            })
+            .find(|p| psls_svm::coherence::manager_node(p.file, p.index, 3) == NodeId(0))
+            .expect("a page managed by n0")
+    };
+    // The owner restarts. n1 writes page p of file 1 (managed by n0); while a job writes the
+    // file, its only current copy dies with n1 and the page is lost; once the file settles, the
+    // disks hold its latest version and it is loaded again.
+    let p = managed_by_n0(1);
+    nodes[1].fault(p, Access::Write, 1);
+    assert_eq!(drive_all(&mut nodes), (1, vec![]));
+    nodes[0].peer_up(NodeId(1), Incarnation(2));
+    nodes[2].peer_up(NodeId(1), Incarnation(2));
+    nodes[1] = Svm::new(
+        NodeId(1),
+        Incarnation(2),
+        vec![Some(one), Some(Incarnation(2)), Some(one)],
+    );
+    nodes[2].fault(p, Access::Read, 2);
+    assert_eq!(drive_all(&mut nodes), (0, vec![FaultError::PageLost]));
+    nodes[0].set_settled(p.file, true);
+    nodes[2].fault(p, Access::Read, 3);
+    assert_eq!(drive_all(&mut nodes), (1, vec![]), "loaded from the disks");
+    // Written again, then settled before its owner restarts: never lost.
+    for n in nodes.iter_mut() {
+        n.set_settled(p.file, false);
+    }
+    nodes[1].fault(p, Access::Write, 4);
+    assert_eq!(drive_all(&mut nodes), (0, vec![]), "n2's copy is current");
+    for n in nodes.iter_mut() {
+        n.set_settled(p.file, true);
+    }
+    nodes[0].peer_up(NodeId(1), Incarnation(3));
+    nodes[2].peer_up(NodeId(1), Incarnation(3));
+    nodes[1] = Svm::new(
+        NodeId(1),
+        Incarnation(3),
+        vec![Some(one), Some(Incarnation(3)), Some(one)],
+    );
+    nodes[2].fault(p, Access::Read, 5);
+    assert_eq!(drive_all(&mut nodes), (1, vec![]));
+    assert_eq!(nodes[2].access(p), Some(Access::Read));
+
+    // The manager restarts. n1 and n2 read page q of settled file 2, n2 also page r of file 3,
+    // which a job writes; both managed by n0.
+    let (q, r) = (managed_by_n0(2), managed_by_n0(3));
+    for n in nodes.iter_mut() {
+        n.set_settled(q.file, true);
+    }
+    nodes[1].fault(q, Access::Read, 6);
+    nodes[2].fault(q, Access::Read, 7);
+    nodes[2].fault(r, Access::Read, 8);
+    assert_eq!(drive_all(&mut nodes).1, vec![]);
+    let two = Incarnation(2);
+    nodes[0] = Svm::restarted(NodeId(0), two, vec![Some(two), Some(Incarnation(3)), Some(one)]);
+    for n in nodes[1..].iter_mut() {
+        n.peer_up(NodeId(0), two);
+    }
+    // The settled files' copies went (zapped in the clients), the written file's stayed.
+    let zapped: Vec<Action> = std::iter::from_fn(|| nodes[2].poll_action()).collect();
+    assert_eq!(
+        zapped,
+        vec![
+            Action::SetAccess { page: p, access: None },
+            Action::SetAccess { page: q, access: None }
+        ]
+    );
+    assert_eq!((nodes[1].access(q), nodes[2].access(q)), (None, None));
+    assert_eq!(nodes[2].access(r), Some(Access::Read));
+    while nodes[1].poll_action().is_some() {}
+    assert_eq!(nodes[2].fence_answer(NodeId(0), two, q.file, None), FenceAnswer::Clean);
+    assert_eq!(nodes[2].fence_answer(NodeId(0), two, r.file, None), FenceAnswer::Held);
+    // The restarted manager serves the settled file at once (from the disks), and refuses the
+    // written one until it settles.
+    nodes[1].fault(q, Access::Write, 9);
+    nodes[1].fault(r, Access::Read, 10);
+    assert_eq!(drive_all(&mut nodes), (1, vec![FaultError::ManagerRestarted]));
+    assert_eq!(nodes[1].access(q), Some(Access::Write));
+    nodes[2].set_settled(r.file, true);
+    assert_eq!(
+        std::iter::from_fn(|| nodes[2].poll_action()).collect::<Vec<_>>(),
+        vec![Action::SetAccess { page: r, access: None }]
+    );
+    assert_eq!(nodes[2].fence_answer(NodeId(0), two, r.file, None), FenceAnswer::Clean);
+    nodes[1].fault(r, Access::Read, 11);
+    assert_eq!(drive_all(&mut nodes), (1, vec![]));
+    assert_eq!(nodes[1].access(r), Some(Access::Read));
+}

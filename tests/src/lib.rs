@@ -513,7 +513,9 @@ pub fn mgs_bin() -> String {
 }
 
 /// MGS 1024² with a safe-point call every 50 vectors: the job the failure tests run.
-pub const MGS_ARGS: [&str; 7] = [
+pub const MGS_ARGS: [&str; 9] = [
+    "--file",
+    "mgs-1024x1024",
     "--vectors",
     "1024",
     "--dim",

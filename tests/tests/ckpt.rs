@@ -1,5 +1,5 @@
 //! Persistent checkpoints with real daemons: what a process writes through a mapping reaches
-//! both disk copies at its last unmap or its `sync`, and only then; exports and new mappings
+//! both disk copies at its last unmap, its `sync` or its end, and only then; exports and new mappings
 //! after a restart of every daemon read it back. The ranks' safe-point call: one decision for
 //! all ranks, intervals, `psls checkpoint`, `psls halt`, and bad calls.
 
@@ -38,20 +38,46 @@ fn writes_reach_the_disks_at_the_last_unmap_and_survive_a_restart_of_every_daemo
 }
 
 #[test]
-fn sync_makes_writes_durable_and_later_writes_stay_off_the_disks() {
+fn sync_makes_writes_durable_later_writes_stay_off_the_disks_and_the_process_end_makes_them_durable() {
     let c = Cluster::start(4, 0);
-    // Fill with 3, sync, overwrite the second half with 4, exit without unmapping.
-    let out = probe(&c, "n0", &["fillsync", "s", "32", "3", "4", "16"]);
-    assert!(out.contains("synced 32"), "{out}");
-    // The disks hold exactly the synced version: the writes after it reached no disk.
+    // Fill with 3, sync, overwrite the second half with 4, wait, exit without unmapping.
+    let marker = c.tmp.path().join("fillsync-go");
+    let marker_arg = marker.display().to_string();
+    let mut writer = c
+        .client("n0", PROBE)
+        .args(["fillsync", "s", "32", "3", "4", "16", &marker_arg])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("fillsync");
+    let mut lines = std::io::BufRead::lines(std::io::BufReader::new(writer.stdout.take().expect("stdout")));
+    let mut out = String::new();
+    for l in lines.by_ref() {
+        let l = l.expect("read");
+        out.push_str(&l);
+        out.push('\n');
+        if l == "written" {
+            break;
+        }
+    }
+    assert!(out.contains("synced 32") && out.contains("written"), "{out}");
+    // While it lives, the disks hold exactly the synced version: the writes after it reached
+    // no disk, and are the file's contents in memory (a reader on n2 sees them).
     assert_same(&c.export("s", &[]), &pattern(3, 32), "export after sync");
-    // The pages written after the sync are still the file's contents in memory (on n0). A
-    // process on n2 writes one page and unmaps: that checkpoint takes every page written since
-    // the last one, wherever it is — page 20 from n2, the rest of 16.. from n0's memory —
-    // and leaves pages 0..16 at the generation of the first.
-    probe(&c, "n2", &["fill", "s", "32", "7", "20"]);
+    probe(&c, "n2", &["rocheck", "s", "32", "4", "20"]);
+    // Its end unmaps: with a shared mapping, its writes outlive it, and are made durable (a
+    // file no process writes holds on the disks what it holds in memory).
+    std::fs::write(&marker, b"").expect("marker");
+    assert!(writer.wait().expect("wait").success());
     let mut want = pattern(3, 32);
     want[16 * 4096..].copy_from_slice(&pattern(4, 32)[16 * 4096..]);
+    // (The daemon sees the process end, then makes its writes durable.)
+    wait_for(
+        std::time::Duration::from_secs(10),
+        "the ended writer's writes on the disks",
+        || c.export("s", &[]) == want,
+    );
+    // A process on n2 writes one page and unmaps: that checkpoint takes only that page.
+    probe(&c, "n2", &["fill", "s", "32", "7", "20"]);
     want[20 * 4096..21 * 4096].copy_from_slice(&pattern(7, 32)[20 * 4096..21 * 4096]);
     assert_same(&c.export("s", &[]), &want, "export after the second checkpoint");
     c.ok(&["cluster", "down"]);

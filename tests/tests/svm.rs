@@ -191,17 +191,26 @@ fn read_only_mappings_follow_writes_and_refuse_stores() {
 }
 
 /// A spare that takes over a dead node's logical id outranks every incarnation of that node in
-/// shared memory (whatever the daemons' own counters). While other nodes hold pages from
-/// before, it refuses the pages it now manages (their directory died with the node) with a
-/// clear error, never stale data from disk — also to a node that restarted after the
-/// replacement and so never knew the dead one. A file first used after the restarts is
-/// served at once.
+/// shared memory (whatever the daemons' own counters). While a process still writes a file
+/// whose current pages only memory holds, the restarted managers refuse the pages they now
+/// manage (their directory died with the node) with a clear error, never stale data from disk
+/// — also to a node that restarted after the replacement and so never knew the dead one. A
+/// file first used after the restarts is served at once; and once the writer ends (its end
+/// makes its writes durable), its file is served again everywhere, with its latest contents.
 #[test]
 fn a_spare_taking_over_a_manager_refuses_its_lost_pages_and_never_serves_stale_ones() {
     let c = Cluster::start(4, 1);
-    // n0 writes every page: its memory holds the only current copies (the disk has zeros).
-    // Four runs of 16 pages: each node manages one.
-    run_ok(&c, "n0", &["fill", "sp", "64", "1"]);
+    // n0 syncs pattern 9, then writes pattern 1 over every page and keeps the file mapped:
+    // its memory holds the only current copies (the disks hold 9). Four runs of 16 pages:
+    // each node manages one.
+    let marker = c.tmp.path().join("writer-go");
+    let marker_arg = marker.display().to_string();
+    let mut writer = spawn(&c, "n0", &["fillsync", "sp", "64", "9", "1", "0", &marker_arg]);
+    let mut lines = std::io::BufRead::lines(std::io::BufReader::new(writer.stdout.take().expect("stdout")));
+    assert!(
+        lines.by_ref().map_while(Result::ok).any(|l| l == "written"),
+        "the writer did not write"
+    );
     let probes = [0, 16, 32, 48];
     c.destroy("n3");
     c.wait_state("n3", "down");
@@ -213,7 +222,7 @@ fn a_spare_taking_over_a_manager_refuses_its_lost_pages_and_never_serves_stale_o
         for page in probes {
             let o = c
                 .client(node, PROBE)
-                .args(["check", "sp", "64", "1", &page.to_string()])
+                .args(["rocheck", "sp", "64", "1", &page.to_string()])
                 .output()
                 .unwrap();
             let err = String::from_utf8_lossy(&o.stderr);
@@ -227,8 +236,6 @@ fn a_spare_taking_over_a_manager_refuses_its_lost_pages_and_never_serves_stale_o
     }
     // Pages managed by logical 2 and 3 (a run each) are refused everywhere.
     assert_eq!(refused, 3 * 2, "refused faults");
-    // n0 still has its own copies.
-    run_ok(&c, "n0", &["check", "sp", "64", "1"]);
     // A file first used after the restarts has no directory to lose: the fenced nodes ask the
     // others, and serve its pages at once, everywhere, while "sp" stays refused.
     run_ok(&c, "s0", &["fill", "after", "64", "7"]);
@@ -241,18 +248,51 @@ fn a_spare_taking_over_a_manager_refuses_its_lost_pages_and_never_serves_stale_o
             "{n} never served a new file"
         );
     }
-    let still: usize = probes
-        .iter()
-        .filter(|page| {
-            let o = c
-                .client("n1", PROBE)
-                .args(["check", "sp", "64", "1", &page.to_string()])
-                .output()
-                .unwrap();
-            o.status.code() == Some(70) && String::from_utf8_lossy(&o.stderr).contains("restarted")
-        })
-        .count();
-    assert_eq!(still, 2, "pages of the file held before the restarts refused");
+    let refused_now = |node: &str| -> usize {
+        probes
+            .iter()
+            .filter(|page| {
+                let o = c
+                    .client(node, PROBE)
+                    .args(["rocheck", "sp", "64", "1", &page.to_string()])
+                    .output()
+                    .unwrap();
+                let err = String::from_utf8_lossy(&o.stderr);
+                match o.status.code() {
+                    Some(0) => false,
+                    Some(70) if err.contains("restarted") => true,
+                    _ => panic!("{node} page {page}: {:?}: {err}", o.status),
+                }
+            })
+            .count()
+    };
+    assert_eq!(
+        refused_now("n1"),
+        2,
+        "pages of the file written before the restarts refused"
+    );
+    // The writer ends: its writes become durable, the file has no writer, and every node
+    // serves every page of it again, with the writer's contents.
+    std::fs::write(&marker, b"").expect("marker");
+    assert!(writer.wait().expect("writer").success());
+    let mut want = Vec::new();
+    for p in 0..64u64 {
+        for k in 0..512u64 {
+            want.extend_from_slice(&psls_svm::rng::mix64(1 ^ (p << 20) ^ k).to_le_bytes());
+        }
+    }
+    // (The daemon sees the process end, then makes its writes durable.)
+    wait_for(
+        Duration::from_secs(10),
+        "the writer's end made its writes durable",
+        || c.export("sp", &[]) == want,
+    );
+    wait_for(Duration::from_secs(10), "the written file served again", || {
+        refused_now("n1") == 0
+    });
+    for n in ["n0", "n1", "n2", "s0"] {
+        run_ok(&c, n, &["rocheck", "sp", "64", "1"]);
+    }
     // Once no node holds shared pages any more, the fenced nodes serve theirs again.
     c.ok(&["rm", "sp"]);
     c.ok(&["rm", "after"]);

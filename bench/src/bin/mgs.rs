@@ -28,7 +28,8 @@ struct Args {
     /// Doubles per vector (at least the number of vectors).
     #[arg(long, default_value_t = 1024, value_parser = psls_bench::positive)]
     dim: usize,
-    /// The PSLS file to keep the vectors in (default: one named after the job).
+    /// The PSLS file to keep the vectors in (default: `mgs-JOB-VECTORSxDIM`, named after the
+    /// job; `mgs-VECTORSxDIM` outside `psls run`).
     #[arg(long, value_name = "NAME")]
     file: Option<String>,
     /// Skip the plain-threads baseline.
@@ -216,7 +217,12 @@ fn main() -> Result<()> {
     let (rank, size) = (s.rank() as usize, s.size() as usize);
     let st = stride(a.dim);
     let bytes = (a.vectors * st * 8) as u64;
-    let name = a.file.clone().unwrap_or_else(|| format!("mgs-{}x{}", a.vectors, a.dim));
+    // The default file is the job's own: two jobs never write one file by accident, and a
+    // resumed job (same name) finds its vectors.
+    let name = a.file.clone().unwrap_or_else(|| match std::env::var("PSLS_JOB") {
+        Ok(job) if !job.is_empty() => format!("mgs-{job}-{}x{}", a.vectors, a.dim),
+        _ => format!("mgs-{}x{}", a.vectors, a.dim),
+    });
     let mut m = s.map(&name, bytes, true).with_context(|| format!("mapping '{name}'"))?;
     let v = Vectors {
         base: m.as_mut_slice::<f64>().as_mut_ptr(),

@@ -9,8 +9,12 @@
 //! job of its own (`proc:NODE:PID`).
 //!
 //! Claims are made once per (process, file) at its first writable mapping; a process outside
-//! `psls run` releases at its last writable unmap of the file (after its writes were made
-//! durable) or when it ends; a job's ranks' claims go when the job ends for good.
+//! `psls run` releases at its last writable unmap of the file, or when it ends, after its
+//! writes were made durable; a job's ranks' claims go when the job ends for good.
+//!
+//! So a file without a writer has every memory copy equal to the disks' (unless the last
+//! durable write of a process that ended failed): the coherence layer lets go of its copies
+//! freely when a node restarts (`psls_svm::coherence::Svm::set_settled`).
 
 use super::round::CkptShell;
 use crate::failstop::Locked;
@@ -19,6 +23,12 @@ use psls_ipc::ErrorKind;
 use psls_pfs::meta::MetaOp;
 use psls_svm::FileId;
 use std::collections::BTreeSet;
+
+/// Whether `job` is the job of processes outside `psls run` (`ext:` or `proc:`), whose claims
+/// go with the processes, not with an `EndJob`.
+pub fn is_process_job(job: &str) -> bool {
+    job.starts_with("ext:") || job.starts_with("proc:")
+}
 
 /// The job of a process outside `psls run` that set `PSLS_JOB` to `name`.
 pub fn ext_job(uid: u32, name: &str) -> Result<String, OpError> {
@@ -99,11 +109,24 @@ impl CkptShell {
         self.node.submit(MetaOp::ReleaseWriter { file, job }).await
     }
 
-    /// Process `pid` ended: every claim it still holds goes.
+    /// What process `pid` claims: its job and files.
+    pub fn claimed(&self, pid: i32) -> Option<(String, Vec<FileId>)> {
+        self.claims
+            .locked()
+            .get(&pid)
+            .map(|(j, fs)| (j.clone(), fs.iter().copied().collect()))
+    }
+
+    /// Process `pid` ended: every claim it still holds goes — but a `psls run` job's, which
+    /// its files keep until the job ends for good (`EndJob`): a rollback, a resumable job
+    /// and a job finishing its last checkpoint still write them, with no rank running.
     pub async fn release_all(&self, pid: i32) {
         let Some((job, files)) = self.claims.locked().remove(&pid) else {
             return;
         };
+        if !is_process_job(&job) {
+            return;
+        }
         for file in files {
             let op = MetaOp::ReleaseWriter { file, job: job.clone() };
             if let Err(e) = self.node.submit(op).await {

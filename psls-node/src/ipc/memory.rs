@@ -217,6 +217,18 @@ pub(super) async fn lifeline(
     if let Err(e) = crate::sync::gone(&d.sync, crate::sync::who(node, pid)) {
         tracing::warn!(node = %node.name(), pid, error = %e, "could not release a dead client's locks");
     }
+    // Its writes become durable, as at its last unmap (a process's end unmaps: with a
+    // shared mapping its writes outlive it), then its writer claims go: a file nobody writes
+    // holds in memory what its disks hold. (A rank's job makes them durable at its end.)
+    if let Some((job, files)) = d
+        .ckpt
+        .claimed(pid)
+        .filter(|(j, fs)| crate::ckpt::is_process_job(j) && !fs.is_empty())
+    {
+        if let Err(e) = d.ckpt.checkpoint(&job, files).await {
+            tracing::error!(node = %node.name(), pid, job, error = %e, "an ended process's writes could not be made durable: the disks keep its last synced version");
+        }
+    }
     // Its writer claims, and its checkpoint record if it took checkpoints, go too.
     d.ckpt.release_all(pid).await;
     let job = process_job(d, pid);

@@ -105,7 +105,7 @@ pub(super) fn ensure_svm(g: &mut Inner, node: &Node) -> Result<(), OpError> {
         })
     };
     g.svm = Some(if others_hold {
-        tracing::warn!(node = %node.name(), "restarted while other nodes hold shared pages: pages managed here are unavailable until no other node holds any");
+        tracing::warn!(node = %node.name(), "restarted while other nodes hold shared pages: each file's pages managed here are served once no node holds what the previous incarnation granted of it");
         Svm::restarted(me, inc, peers)
     } else {
         Svm::new(me, inc, peers)

@@ -514,15 +514,19 @@ impl SvmShell {
 
     /// This node restarted while others held shared pages, and a request came for a page of
     /// `file` managed here: asks every other node of the cluster whether it held any of
-    /// `file` when it learnt of this incarnation. If none did, `file`'s pages are served from the disks as if
-    /// nobody held them (a file first used after the restart: a new job's segments); else its
-    /// requests are refused. A node that has not learnt of the restart yet, or does not
-    /// answer, is asked again, for `FENCE_ASK_LIMIT` at most.
+    /// `file` when it learnt of this incarnation. If none did, `file`'s pages are served from
+    /// the disks as if nobody held them: a file first used after the restart, or a settled one
+    /// (no job writes it: every node dropped its copies of the pages managed here, which equal
+    /// the disks', when it learnt of the restart or when the file settled). Else a job writes
+    /// it, and its requests are refused until that job rolls back or ends. A node that has
+    /// not learnt of the restart yet, or does not answer, is asked again, for
+    /// `FENCE_ASK_LIMIT` at most.
     async fn check_fence(self: &Arc<Self>, node: &Arc<Node>, file: FileId) {
         let Some((me, inc)) = self.lock().svm.as_ref().map(|s| (s.me(), s.incarnation())) else {
             return;
         };
         let mut clean = false;
+        let mut held_by = String::new();
         let deadline = std::time::Instant::now() + FENCE_ASK_LIMIT;
         for round in 0u32.. {
             let left = deadline.saturating_duration_since(std::time::Instant::now());
@@ -542,17 +546,22 @@ impl SvmShell {
                     file,
                 };
                 let timeout = node.read_timeout().min(left);
-                asks.spawn(async move { node.call_data(&p, req, bytes::Bytes::new(), timeout).await });
+                asks.spawn(async move {
+                    let r = node.call_data(&p, req, bytes::Bytes::new(), timeout).await;
+                    (p, r)
+                });
             }
-            let (mut held, mut unsure) = (false, false);
+            let (mut held, mut unsure) = (Vec::new(), false);
             while let Some(r) = asks.join_next().await {
                 match r {
-                    Ok(Ok((PeerResp::Fence(FenceAnswer::Clean), _))) => {}
-                    Ok(Ok((PeerResp::Fence(FenceAnswer::Held), _))) => held = true,
+                    Ok((_, Ok((PeerResp::Fence(FenceAnswer::Clean), _)))) => {}
+                    Ok((p, Ok((PeerResp::Fence(FenceAnswer::Held), _)))) => held.push(p),
                     _ => unsure = true,
                 }
             }
-            tracing::debug!(node = %node.name(), %file, round, held, unsure, "asked whether a file was held before this restart");
+            held_by = held.join(",");
+            let held = !held.is_empty();
+            tracing::debug!(node = %node.name(), %file, round, held_by, unsure, "asked whether a file was held before this restart");
             if held {
                 break;
             }
@@ -571,7 +580,7 @@ impl SvmShell {
             if clean {
                 tracing::info!(node = %node.name(), %file, "no node held this file before this restart: its pages managed here are served");
             } else {
-                tracing::warn!(node = %node.name(), %file, "this file was held before this restart: its pages managed here stay refused");
+                tracing::warn!(node = %node.name(), %file, held_by, "a job writing this file held pages before this restart: its pages managed here are refused until that job rolls back or ends");
             }
             svm.fence_checked(file, clean);
             run(&mut g, node, &mut out);
@@ -590,7 +599,11 @@ impl SvmShell {
                 .unwrap_or(Incarnation(0))
         });
         match g.svm.as_ref() {
-            Some(svm) => svm.fence_answer(manager, incarnation, file, seg),
+            Some(svm) => {
+                let a = svm.fence_answer(manager, incarnation, file, seg);
+                tracing::debug!(%manager, incarnation = incarnation.0, %file, ?seg, known = svm.known_incarnation(manager).0, up = svm.is_up(manager), settled = svm.is_settled(file), answer = ?a, "asked whether a file was held before a restart");
+                a
+            }
             // No coherence state yet: no page of any file was ever here.
             None => FenceAnswer::Clean,
         }
@@ -600,12 +613,26 @@ impl SvmShell {
     pub fn sync_peers(self: &Arc<Self>, node: &Arc<Node>) {
         let mut out = Vec::new();
         let nobody_holds = self.lock().svm.as_ref().is_some_and(|s| s.recovering()) && others_hold_nothing(node);
+        let st = node.meta_state();
         {
             let mut g = self.lock();
-            let Some(svm) = g.svm.as_mut() else { return };
+            let Inner { svm, segs, .. } = &mut *g;
+            let Some(svm) = svm.as_mut() else { return };
             if nobody_holds && svm.recovering() {
                 tracing::info!(node = %node.name(), "no other node holds shared pages any more: the pages managed here are served again");
                 svm.end_recovery();
+            }
+            // Before the peers: a settled file's copies that died lose nothing.
+            let mut files = svm.files();
+            files.extend(segs.keys().copied());
+            files.sort();
+            files.dedup();
+            for f in files {
+                let settled = st.file_by_id(f).is_some_and(|m| m.writer.is_none());
+                if settled != svm.is_settled(f) {
+                    tracing::debug!(node = %node.name(), file = %f, settled, "file's writer changed");
+                }
+                svm.set_settled(f, settled);
             }
             for (l, inc, up) in peer_views(node) {
                 if l == svm.me() {
@@ -615,6 +642,15 @@ impl SvmShell {
                     svm.peer_up(l, inc);
                 } else {
                     svm.peer_down(l, inc);
+                }
+            }
+            // The processes mapping a settled file saw only what the disks hold: nothing of it
+            // died with an incarnation known now, as if the segment opened now.
+            for (f, seg) in segs.iter_mut() {
+                if svm.is_settled(*f) {
+                    for (l, k) in seg.known_at_open.iter_mut().enumerate() {
+                        *k = (*k).max(svm.known_incarnation(NodeId(l as u32)));
+                    }
                 }
             }
             run(&mut g, node, &mut out);

@@ -160,6 +160,30 @@ fn main() {
         println!("seen {s2}");
         std::process::exit(0)
     }
+    if mode == "rocheck" {
+        // `rocheck NAME PAGES SEED [ONLY]`: `check` through a read-only mapping (no writer
+        // claim: another job may write the file meanwhile).
+        let seed: u64 = arg(4).parse().expect("SEED");
+        let only: Option<usize> = args.get(5).map(|a| a.parse().expect("ONLY"));
+        let m = s.map_read_only(&name, (pages * 4096) as u64).unwrap_or_else(|e| {
+            eprintln!("map: {e}");
+            std::process::exit(1)
+        });
+        let w: &[u64] = m.as_slice();
+        for p in (0..pages).filter(|p| only.is_none_or(|o| o == *p)) {
+            for k in 0..words_per_page {
+                // SAFETY: a plain load inside the mapping (volatile: others write it).
+                let got = unsafe { std::ptr::read_volatile(&w[p * words_per_page + k]) };
+                if got != pattern(seed, p, k) {
+                    eprintln!("page {p} word {k}: {got:#x}, want {:#x}", pattern(seed, p, k));
+                    std::process::exit(4);
+                }
+            }
+        }
+        m.unmap().expect("unmap");
+        println!("ok");
+        std::process::exit(0)
+    }
     if mode == "map" {
         // Only the mapping: `map NAME BYTES CREATE(0|1)`; prints the error if any.
         let create = arg(4) == "1";
@@ -273,9 +297,11 @@ fn main() {
         std::process::exit(0)
     }
     if mode == "fillsync" {
-        // `fillsync NAME PAGES SEED SEED2 FROM`: fills every page with SEED's pattern, syncs
-        // (prints the pages written), writes SEED2's pattern over pages FROM.. and exits at
-        // once: no unmap, so only what the sync made durable is on the disks.
+        // `fillsync NAME PAGES SEED SEED2 FROM [MARKER]`: fills every page with SEED's
+        // pattern, syncs (prints the pages written), writes SEED2's pattern over pages FROM..,
+        // prints "written", waits (still mapped: only what the sync made durable is on the
+        // disks) until file MARKER exists, if given, and exits without unmapping (its end
+        // makes the rest durable).
         let (seed, seed2): (u64, u64) = (arg(4).parse().expect("SEED"), arg(5).parse().expect("SEED2"));
         let from: usize = arg(6).parse().expect("FROM");
         for p in 0..pages {
@@ -295,8 +321,15 @@ fn main() {
                 w[p * words_per_page + k] = pattern(seed2, p, k);
             }
         }
+        println!("written");
         use std::io::Write;
         let _ = std::io::stdout().flush();
+        if let Some(marker) = args.get(7) {
+            let t = Instant::now();
+            while !std::path::Path::new(marker).exists() && t.elapsed() < Duration::from_secs(120) {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
         std::process::exit(0)
     }
     match mode.as_str() {
