@@ -107,7 +107,14 @@ pub fn init(dir: &Path, nodes: u32, spares: u32, memory_mb: u64, base_port: u16,
     let names: Vec<String> = cfg.all().map(|n| n.name.clone()).collect();
     psls_ipc::certs::generate(&cfg.cert_dir(), &cfg.cluster.name, &names)?;
     for n in cfg.all() {
-        std::fs::create_dir_all(cfg.data_dir(n))?;
+        let data = cfg.data_dir(n);
+        std::fs::create_dir_all(&data)?;
+        // A node's first start is incarnation 1; a data folder without this counter is a
+        // blank disk, whose daemon draws an incarnation no earlier one of the node can have.
+        let counter = data.join("incarnation");
+        if !counter.exists() {
+            std::fs::write(counter, "0")?;
+        }
     }
     std::fs::create_dir_all(dir.join("run"))?;
     std::fs::create_dir_all(dir.join("logs"))?;

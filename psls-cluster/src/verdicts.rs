@@ -27,6 +27,9 @@ pub struct Fence {
     pub declared: u64,
     /// The peer whose heartbeat told of it; `None` when this node's committed metadata holds it.
     pub told_by: Option<String>,
+    /// Not a verdict: that peer heard an incarnation of this node later than this one (this
+    /// one started from a folder that lost its counter).
+    pub heard_later: bool,
 }
 
 /// A node's verdict book (names are physical node names).
@@ -102,9 +105,26 @@ impl Verdicts {
         if !self.accepts(from, incarnation) {
             return false;
         }
+        let mut above = None;
         for (p, i) in heard {
             let e = self.reported.entry(p.to_string()).or_insert(0);
             *e = (*e).max(i);
+            if p == self.me && i > self.incarnation {
+                above = Some(i);
+            }
+        }
+        // A peer heard a later incarnation of this node than this one: this one started
+        // from a data folder that lost its counter (a replaced disk) and drew one that an
+        // earlier incarnation had passed. It must not pass for that one: it fences itself
+        // and comes back above it.
+        if let Some(i) = above {
+            if self.fence.is_none() {
+                self.fence = Some(Fence {
+                    declared: i,
+                    told_by: Some(from.to_string()),
+                    heard_later: true,
+                });
+            }
         }
         true
     }
@@ -115,6 +135,7 @@ impl Verdicts {
                 self.fence = Some(Fence {
                     declared,
                     told_by: told_by.map(str::to_string),
+                    heard_later: false,
                 });
             }
             // A verdict on this node only fences it; it is not a sender to drop.
@@ -191,6 +212,27 @@ mod tests {
         assert_eq!(v.poll_fence(), None);
     }
 
+    /// A node whose data folder lost its counter drew an incarnation a peer had already heard
+    /// passed: it fences itself to come back above it; a peer hearing this one or an older one
+    /// changes nothing.
+    #[test]
+    fn a_node_a_peer_heard_later_than_itself_fences_itself_above_it() {
+        let mut v = Verdicts::new("a", 5);
+        assert!(v.handle_heartbeat("b", 1, [], [("a", 5), ("c", 9)]));
+        assert!(v.handle_heartbeat("b", 1, [], [("a", 4)]));
+        assert_eq!(v.poll_fence(), None);
+        assert!(v.handle_heartbeat("b", 1, [], [("a", 7)]));
+        assert_eq!(
+            v.poll_fence(),
+            Some(Fence {
+                declared: 7,
+                told_by: Some("b".into()),
+                heard_later: true,
+            })
+        );
+        assert_eq!(v.poll_fence(), None, "once");
+    }
+
     #[test]
     fn a_node_fences_itself_once_on_its_own_verdict() {
         let mut v = Verdicts::new("a", 3);
@@ -202,6 +244,7 @@ mod tests {
         assert_eq!(
             v.poll_fence(),
             Some(Fence {
+                heard_later: false,
                 declared: 3,
                 told_by: Some("c".into())
             })

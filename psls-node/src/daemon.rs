@@ -155,7 +155,11 @@ pub async fn run(config: &Path, name: &str) -> Result<()> {
     // One daemon per data folder: a second one (a `psls cluster up` on the wrong host, a
     // daemon started twice) stops here, before it touches the incarnation or the metadata.
     lock_data_dir(&dir)?;
-    let incarnation = crate::incarnation::next(&dir)?;
+    let start = crate::incarnation::next(&dir)?;
+    let incarnation = start.incarnation;
+    if start.blank {
+        tracing::warn!(node = name, incarnation, dir = %dir.display(), "blank data folder: a new node, or a replaced disk (its copies are rebuilt from the others if the cluster knew this node)");
+    }
     // PSLS_FAULT_DISK=1 keeps unsynced writes in memory: a kill -9 is then a power cut.
     let fault = std::env::var("PSLS_FAULT_DISK").is_ok_and(|v| v == "1");
     let metrics = Arc::new(crate::metrics::Metrics::new());
@@ -276,6 +280,9 @@ pub async fn run(config: &Path, name: &str) -> Result<()> {
     tokio::spawn(crate::replication::Replication::run(node.clone()));
     node.initial_sync().await;
     tokio::spawn(d.clone().run_ticks());
+    if start.blank {
+        tokio::spawn(crate::pfs::rejoin_blank(node.clone()));
+    }
     {
         // Shared memory learns of a restarted peer at once: its settled copies of the pages
         // that peer manages go before a new job can claim their file.

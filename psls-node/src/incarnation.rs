@@ -1,5 +1,6 @@
-//! A daemon's incarnation: the counter in its data folder (bumped durably at every start) and
-//! rejoining as a new incarnation, which is what a fenced daemon does (DESIGN §2).
+//! A daemon's incarnation: the counter in its data folder (bumped durably at every start; in a
+//! blank folder, drawn from the clock so it never repeats one of a lost disk) and rejoining as
+//! a new incarnation, which is what a fenced daemon does (DESIGN §2).
 //!
 //! A node the cluster declared down — or that learns it was, after a pause or a partition —
 //! must not go on with its old state: others rolled back without it, and every message of its
@@ -28,31 +29,65 @@ pub fn write_durably(path: &Path, data: &[u8]) -> Result<()> {
     Ok(())
 }
 
-fn read_counter(dir: &Path) -> Result<u64> {
-    let p = dir.join("incarnation");
+/// The name of the counter's file in a data folder. `psls cluster init` writes it (as 0) into
+/// the folders it creates: a folder without it is blank (a new node's, or a replaced disk).
+pub const COUNTER_FILE: &str = "incarnation";
+
+/// The highest incarnation a daemon may have: the shared-memory incarnation keeps it in 32 bits.
+pub const MAX_INCARNATION: u64 = u32::MAX as u64;
+
+fn read_counter(dir: &Path) -> Result<Option<u64>> {
+    let p = dir.join(COUNTER_FILE);
     match std::fs::read_to_string(&p) {
         Ok(s) => s
             .trim()
             .parse::<u64>()
+            .map(Some)
             .with_context(|| format!("{} is corrupt", p.display())),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(0),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
         Err(e) => Err(e).with_context(|| format!("reading {}", p.display())),
     }
 }
 
-/// Bumps the incarnation counter in `dir` durably and returns the new incarnation.
-pub fn next(dir: &Path) -> Result<u64> {
-    let next = read_counter(dir)? + 1;
-    write_durably(&dir.join("incarnation"), next.to_string().as_bytes())?;
-    Ok(next)
+/// A daemon's incarnation for this start ([`next`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Start {
+    pub incarnation: u64,
+    /// The data folder had no counter: a new node's, or a disk replaced since the last start.
+    pub blank: bool,
+}
+
+/// Bumps the incarnation counter in `dir` durably and returns the new incarnation. In a blank
+/// folder (no counter), where the previous incarnations of this node are unknown, it is the
+/// time in seconds since the Unix epoch (as Cassandra's generation): above any earlier one
+/// unless the node started more than once a second on average since — and should a peer have
+/// heard a higher one, this one fences itself and comes back above it.
+pub fn next(dir: &Path) -> Result<Start> {
+    let (incarnation, blank) = match read_counter(dir)? {
+        Some(c) => (c + 1, false),
+        None => {
+            let now_s = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(1, |d| d.as_secs());
+            (now_s.max(1), true)
+        }
+    };
+    if incarnation > MAX_INCARNATION {
+        anyhow::bail!(
+            "the incarnation counter in {} reached {incarnation}, above {MAX_INCARNATION}",
+            dir.display()
+        );
+    }
+    write_durably(&dir.join(COUNTER_FILE), incarnation.to_string().as_bytes())?;
+    Ok(Start { incarnation, blank })
 }
 
 /// Raises the counter in `dir` to at least `at_least` (the next start is above it).
 pub fn raise(dir: &Path, at_least: u64) -> Result<()> {
-    if read_counter(dir)? >= at_least {
+    if read_counter(dir)?.is_some_and(|c| c >= at_least) {
         return Ok(());
     }
-    write_durably(&dir.join("incarnation"), at_least.to_string().as_bytes())
+    write_durably(&dir.join(COUNTER_FILE), at_least.to_string().as_bytes())
 }
 
 /// Kills `ranks` (process ids, each the leader of its group) and reaps them, so they do not

@@ -421,6 +421,10 @@ impl Node {
         let Some(f) = fence else { return };
         let why = match &f.told_by {
             None => "the cluster declared this incarnation down (committed verdict)".to_string(),
+            Some(peer) if f.heard_later => format!(
+                "{peer} heard incarnation {} of this node, later than this one (its data folder lost its counter)",
+                f.declared
+            ),
             Some(peer) => format!("{peer} says the cluster declared this incarnation down"),
         };
         self.fence_self(&why, f.declared);

@@ -575,6 +575,15 @@ pub enum MetaOp {
         job: String,
         end: crate::runs::JobEnd,
     },
+    /// Physical node `physical`, which holds logical id `logical`, came back with a blank data
+    /// folder (a replaced disk): as for a spare taking the id over, its copies are rebuilt from
+    /// the other nodes' (`rebuilding`). The map is unchanged: its new incarnation (drawn from
+    /// the clock) already outranks every earlier one, and a change of the id's assignment now
+    /// would look like another restart to the jobs it runs.
+    Rejoin {
+        logical: u32,
+        physical: String,
+    },
 }
 
 /// Format 1 of the operation in a vote record (files of format 2).
@@ -631,6 +640,7 @@ impl MetaOp {
             MetaOp::RemoveFile { .. } => "remove_file",
             MetaOp::Replace { .. } => "replace",
             MetaOp::RebuildDone { .. } => "rebuild_done",
+            MetaOp::Rejoin { .. } => "rejoin",
             MetaOp::BeginCheckpoint { .. } => "begin_checkpoint",
             MetaOp::Checkpoint { .. } => "checkpoint",
             MetaOp::FenceCheckpoint { .. } => "fence_checkpoint",
@@ -657,6 +667,7 @@ impl MetaOp {
             MetaOp::CommitFile { meta, .. } => st.files.get(&meta.name).is_some_and(|f| f.id == meta.id),
             MetaOp::RemoveFile { name, id } => st.files.get(name).is_none_or(|f| f.id != *id),
             MetaOp::Replace { logical, physical } => st.logical.get(logical) == Some(physical),
+            MetaOp::Rejoin { logical, physical } => st.rebuilding.get(logical).is_some_and(|r| &r.physical == physical),
             MetaOp::RebuildDone { logical, physical } => {
                 st.logical.get(logical) == Some(physical)
                     && st.rebuilding.get(logical).is_none_or(|r| &r.physical != physical)
@@ -1089,6 +1100,20 @@ impl MetaState {
                 self.logical.insert(*logical, physical.clone());
                 self.map_version += 1;
                 self.assigned.insert(*logical, self.map_version);
+                self.rebuilding.insert(
+                    *logical,
+                    Rebuild {
+                        physical: physical.clone(),
+                    },
+                );
+                self.touch_nodes();
+            }
+            MetaOp::Rejoin { logical, physical } => {
+                if self.logical.get(logical) != Some(physical) {
+                    return Err(MetaError::Invalid(format!(
+                        "{physical} does not hold logical id {logical}"
+                    )));
+                }
                 self.rebuilding.insert(
                     *logical,
                     Rebuild {

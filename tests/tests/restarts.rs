@@ -74,3 +74,69 @@ fn a_file_is_used_again_at_once_after_any_node_restarts_between_jobs() {
         "no node refused pages as restarted"
     );
 }
+
+/// Empties `node`'s data folder (its disk replaced by a blank one), keeping the folder.
+fn blank_disk(c: &Cluster, node: &str) {
+    let cfg = c.config();
+    let dir = cfg.data_dir(cfg.entry(node).expect("node"));
+    for e in std::fs::read_dir(&dir).expect("data dir") {
+        let p = e.expect("entry").path();
+        if p.is_dir() {
+            std::fs::remove_dir_all(&p).expect("wipe");
+        } else {
+            std::fs::remove_file(&p).expect("wipe");
+        }
+    }
+}
+
+/// A node whose disk is replaced — kill -9 mid-job, its data folder emptied, up again at once
+/// (within the failure timeout, before any verdict) — comes back as an incarnation above every
+/// earlier one, not as a repeat of its first: the others see it restart, the job rolls back
+/// and ends with the unfailed checksum, the node's copies are rebuilt from the others', every
+/// copy scrubs good, and the file exports identical and serves the next job. Before, it came
+/// back as incarnation 1, which its peers took for the node they knew: the job hung or failed.
+#[test]
+fn a_node_back_with_a_blank_disk_is_a_new_incarnation_and_gets_its_copies_back() {
+    let c = Cluster::start(4, 0);
+    let (want, _) = common::finish_unfailed(&c, "n1");
+    let exported = c.export(FILE, &[]);
+    let before = common::incarnation(&c, "n1", "n2");
+    let restarts_before = c
+        .log("n1")
+        .matches("peer restarted with a new incarnation node=n1 peer=\"n2\"")
+        .count();
+    let mut job = common::start_mgs(&c, "n1", &[]);
+    let (id, rest) = job_id(&mut job);
+    wait_first_checkpoint(&c, &id);
+    c.kill("n2");
+    blank_disk(&c, "n2");
+    c.ok(&["cluster", "up"]);
+    let after = common::incarnation(&c, "n1", "n2");
+    assert!(after > before, "n2 is back as {after}, not above {before}");
+    assert!(
+        c.log("n2").contains("blank data folder"),
+        "n2 knows its folder is blank"
+    );
+    assert_eq!(
+        c.log("n1")
+            .matches("peer restarted with a new incarnation node=n1 peer=\"n2\"")
+            .count(),
+        restarts_before + 1,
+        "n1 saw n2 restart once"
+    );
+    let (got, err) = finish_rest(job, rest, "the job through a replaced disk");
+    assert_eq!(got, want, "checksum differs from the unfailed run's\n{err}");
+    assert!(err.contains("restarted from"), "the job rolled back\n{err}");
+    // n2 rejoined as a spare taking its own id over would: its copies are rebuilt.
+    wait_for(Duration::from_secs(120), "n2's copies rebuilt", || {
+        c.status()
+            .nodes
+            .iter()
+            .any(|n| n.name == "n2" && n.logical.is_some() && n.rebuild.is_none())
+    });
+    assert!(c.logs_contain("rejoined with a blank disk"), "n2 recorded its rejoin");
+    let scrub = c.ok(&["scrub"]);
+    assert!(scrub.contains(" 0 bad, 0 repaired, 0 unrepairable"), "{scrub}");
+    assert_same(&c.export(FILE, &[]), &exported, "export after the rebuild");
+    next_job(&c, "n2", &want, "n2's rebuild");
+}

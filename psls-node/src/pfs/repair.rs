@@ -254,6 +254,53 @@ pub fn maybe_rebuild(node: &Arc<Node>) {
     });
 }
 
+/// This daemon started on a blank data folder: if the cluster knew this node (it holds a
+/// logical id in the map), its disk was replaced. It rejoins as a spare taking its own id
+/// over would: `MetaOp::Rejoin` marks it rebuilding, so its copies are re-created from the
+/// others' (`maybe_rebuild`). Tried until it is recorded.
+pub async fn rejoin_blank(node: Arc<Node>) {
+    for attempt in 0u32.. {
+        if attempt > 0 {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+        let st = match node.meta_fresh().await {
+            Ok(st) => st,
+            Err(e) => {
+                tracing::debug!(node = %node.name(), error = %e, "blank data folder: waiting for the metadata");
+                continue;
+            }
+        };
+        // This node holds no id (a spare, or replaced): nothing to rebuild.
+        let map = node.logical_map(&st);
+        let Some(logical) = map.iter().find(|(_, p)| **p == node.me.name).map(|(l, _)| *l) else {
+            return;
+        };
+        // The configured map until the first change: recorded first (as a replacement does).
+        if st.logical.is_empty() {
+            if let Err(e) = node.submit(MetaOp::InitMap { logical: map.clone() }).await {
+                tracing::warn!(node = %node.name(), error = %e, "blank data folder: could not record the node map yet");
+                continue;
+            }
+        }
+        if st.rebuilding.get(&logical).is_some_and(|r| r.physical == node.me.name) {
+            return;
+        }
+        let op = MetaOp::Rejoin {
+            logical,
+            physical: node.me.name.clone(),
+        };
+        match node.submit(op).await {
+            Ok(()) => {
+                tracing::warn!(node = %node.name(), logical, "rejoined with a blank disk: its copies are rebuilt from the other nodes'");
+                return;
+            }
+            Err(e) => {
+                tracing::warn!(node = %node.name(), error = %e, "blank data folder: could not record the rejoin yet")
+            }
+        }
+    }
+}
+
 /// At the coordinator: gives a logical id down longer than `replace_after_ms` to a free spare.
 pub async fn maybe_auto_replace(node: &Arc<Node>) {
     let after = node.cfg.cluster.replace_after_ms;
