@@ -107,14 +107,7 @@ pub fn init(dir: &Path, nodes: u32, spares: u32, memory_mb: u64, base_port: u16,
     let names: Vec<String> = cfg.all().map(|n| n.name.clone()).collect();
     psls_ipc::certs::generate(&cfg.cert_dir(), &cfg.cluster.name, &names)?;
     for n in cfg.all() {
-        let data = cfg.data_dir(n);
-        std::fs::create_dir_all(&data)?;
-        // A node's first start is incarnation 1; a data folder without this counter is a
-        // blank disk, whose daemon draws an incarnation no earlier one of the node can have.
-        let counter = data.join("incarnation");
-        if !counter.exists() {
-            std::fs::write(counter, "0")?;
-        }
+        std::fs::create_dir_all(cfg.data_dir(n))?;
     }
     std::fs::create_dir_all(dir.join("run"))?;
     std::fs::create_dir_all(dir.join("logs"))?;
@@ -260,9 +253,37 @@ fn spawn(dir: &Path, n: &NodeEntry, workers: usize) -> Result<std::process::Chil
     Ok(child)
 }
 
+/// Takes the cluster folder's start lock (`run/up.lock`), waiting (and saying so) while another
+/// `psls cluster up` holds it. Released when the returned lock is dropped.
+fn lock_starts(dir: &Path, quiet: bool) -> Result<nix::fcntl::Flock<std::fs::File>> {
+    use nix::fcntl::{Flock, FlockArg};
+    let run = dir.join("run");
+    std::fs::create_dir_all(&run).with_context(|| format!("creating {}", run.display()))?;
+    let path = run.join("up.lock");
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .with_context(|| format!("opening {}", path.display()))?;
+    match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
+        Ok(l) => Ok(l),
+        Err((file, nix::errno::Errno::EWOULDBLOCK)) => {
+            if !quiet {
+                eprintln!("psls: another `psls cluster up` is starting daemons here; waiting for it");
+            }
+            Flock::lock(file, FlockArg::LockExclusive).map_err(|(_, e)| anyhow!("locking {}: {e}", path.display()))
+        }
+        Err((_, e)) => bail!("locking {}: {e}", path.display()),
+    }
+}
+
 /// `psls cluster up`: starts every daemon that is not running, waits until all are healthy.
 pub fn up(dir: &Path, timeout: Duration, quiet: bool) -> Result<()> {
     let cfg = load(dir)?;
+    // One `cluster up` starts daemons at a time: a second one waits, then finds them running
+    // (two would start the same node twice, and one of them lose its data folder's lock).
+    let starting = lock_starts(dir, quiet)?;
     let mut children = Vec::new();
     let mut expected = Vec::new();
     let mut waited = Vec::new();
@@ -300,6 +321,7 @@ pub fn up(dir: &Path, timeout: Duration, quiet: bool) -> Result<()> {
             println!("started {}", n.name);
         }
     }
+    drop(starting);
     let deadline = Instant::now() + timeout;
     loop {
         for (name, child) in &mut children {

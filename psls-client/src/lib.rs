@@ -167,6 +167,7 @@ impl Client {
         cwd: &str,
         checkpoint: psls_ipc::proto::CkptOptions,
         started: impl FnMut(&str),
+        attempt: &mut Option<u32>,
         note: impl FnMut(&str),
         output: impl FnMut(u32, u64, bool, &[u8]),
     ) -> Result<(i32, String), ClientError> {
@@ -179,7 +180,7 @@ impl Client {
             cwd: cwd.into(),
             checkpoint,
         })?;
-        self.follow(started, note, output)
+        self.follow(started, attempt, note, output)
     }
 
     /// Starts a job (`psls run --detach`) and returns its id once job control recorded it,
@@ -212,29 +213,35 @@ impl Client {
 
     /// Follows job `job` (`psls attach`, or `psls run` after losing its node): its notes and
     /// its ranks' lines after `after` (rank → the last number already had), until its end.
+    /// `attempt`: the job's start this client followed last (kept up to date, as `after` is):
+    /// the restarts since are noted to it.
     pub fn attach(
         &mut self,
         job: &str,
         after: &std::collections::BTreeMap<u32, u64>,
+        attempt: &mut Option<u32>,
         note: impl FnMut(&str),
         output: impl FnMut(u32, u64, bool, &[u8]),
     ) -> Result<(i32, String), ClientError> {
         self.send(&Request::Attach {
             job: job.into(),
             after: after.iter().map(|(r, s)| (*r, *s)).collect(),
+            attempt: *attempt,
         })?;
-        self.follow(|_| {}, note, output)
+        self.follow(|_| {}, attempt, note, output)
     }
 
     fn follow(
         &mut self,
         mut started: impl FnMut(&str),
+        attempt: &mut Option<u32>,
         mut note: impl FnMut(&str),
         mut output: impl FnMut(u32, u64, bool, &[u8]),
     ) -> Result<(i32, String), ClientError> {
         loop {
             match self.recv()? {
                 Response::JobStarted { job } => started(&job),
+                Response::JobAttempt { attempt: a } => *attempt = Some(a),
                 Response::JobNote { message } => note(&message),
                 Response::RankOutput { rank, seq, err, data } => output(rank, seq, err, &data),
                 Response::JobDone { code, message } => return Ok((code, message)),

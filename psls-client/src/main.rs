@@ -456,14 +456,16 @@ fn run_job(cli: &Cli, ask: RunAsk, mut checkpoint: psls_ipc::proto::CkptOptions)
     if let Some(at) = halt_at_unix_s {
         halt_at(&dir, cli.node.clone(), started.clone(), at);
     }
-    // Per rank, the last line printed: a follower from another node goes on after it.
+    // Per rank, the last line printed, and the start followed: a follower from another node
+    // goes on after them.
     let mut after: std::collections::BTreeMap<u32, u64> = std::collections::BTreeMap::new();
+    let mut attempt: Option<u32> = None;
     if let Some(j) = follow_only {
         if let Ok(mut s) = started.lock() {
             *s = Some(j.clone());
         }
         eprintln!("psls: job {j} is running: following it");
-        let (code, message) = follow_job(&dir, cli.node.as_deref(), &j, &mut after, false)?;
+        let (code, message) = follow_job(&dir, cli.node.as_deref(), &j, &mut after, &mut attempt, false)?;
         let _ = std::io::stdout().flush();
         if code != 0 {
             eprintln!("psls: {message}");
@@ -492,6 +494,7 @@ fn run_job(cli: &Cli, ask: RunAsk, mut checkpoint: psls_ipc::proto::CkptOptions)
                 eprintln!("psls: job {j} started");
             }
         },
+        &mut attempt,
         note,
         |rank, seq, err, data| {
             after.insert(rank, seq);
@@ -506,7 +509,7 @@ fn run_job(cli: &Cli, ask: RunAsk, mut checkpoint: psls_ipc::proto::CkptOptions)
             Some(j) => {
                 eprintln!("psls: lost the node daemon ({e}); following job {j} from another node");
                 std::thread::sleep(std::time::Duration::from_millis(500));
-                follow_job(&dir, None, &j, &mut after, true)?
+                follow_job(&dir, None, &j, &mut after, &mut attempt, true)?
             }
             None => return Err(e.into()),
         },
@@ -715,7 +718,7 @@ fn on_signals(dir: &Path, node: Option<String>, job: std::sync::Arc<std::sync::M
 /// `psls attach JOB`: follows the job to its end; returns its status.
 fn attach(dir: &Path, node: Option<&str>, job: &str) -> Result<i32> {
     let mut after = std::collections::BTreeMap::new();
-    let (code, message) = follow_job(dir, node, job, &mut after, false)?;
+    let (code, message) = follow_job(dir, node, job, &mut after, &mut None, false)?;
     let _ = std::io::stdout().flush();
     if code != 0 {
         eprintln!("psls: {message}");
@@ -735,7 +738,7 @@ fn emit_line(rank: u32, err: bool, line: &[u8]) {
 }
 
 /// Follows `job` to its end through `node` (else any node), printing each rank's lines after
-/// `after` (kept up to date); after losing its node daemon it follows again from any node that
+/// `after` and the notes of the restarts after start `attempt` (both kept up to date); after losing its node daemon it follows again from any node that
 /// answers, for as long as the cluster takes to recover ([`FOLLOW_AGAIN_S`]). Returns the end's
 /// status and message. `psls run` and `psls attach` both follow this way; `again`: a node
 /// daemon was lost already (no node answering is then waited out too).
@@ -744,6 +747,7 @@ fn follow_job(
     node: Option<&str>,
     job: &str,
     after: &mut std::collections::BTreeMap<u32, u64>,
+    attempt: &mut Option<u32>,
     mut again: bool,
 ) -> Result<(i32, String)> {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(FOLLOW_AGAIN_S);
@@ -753,6 +757,7 @@ fn follow_job(
             Ok(mut c) => c.attach(
                 job,
                 &after.clone(),
+                attempt,
                 |m| eprintln!("psls: {m}"),
                 |rank, seq, err, data| {
                     after.insert(rank, seq);

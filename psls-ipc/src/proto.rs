@@ -235,6 +235,9 @@ pub enum Request {
     Attach {
         job: String,
         after: Vec<(u32, u64)>,
+        /// The job's start the client followed last (`JobAttempt`), if any: the restarts since
+        /// are noted to it.
+        attempt: Option<u32>,
     },
     /// `psls cancel JOB` (and Ctrl-C of `psls run`): stop the job, keeping it resumable from
     /// its newest intact checkpoint.
@@ -548,6 +551,11 @@ pub enum Response {
     /// What happened to a running job (a rollback and restart after a failure).
     JobNote {
         message: String,
+    },
+    /// The start of the job that the client now follows (before its notes and lines): a
+    /// client that follows again elsewhere names it in `Attach`.
+    JobAttempt {
+        attempt: u32,
     },
     /// First answer to `RunJob`: the job's id (for `psls checkpoint`, `psls halt`).
     JobStarted {

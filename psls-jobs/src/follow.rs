@@ -48,6 +48,9 @@ pub enum FollowAction {
     Skipped { rank: u32, after: u64, next: u64 },
     /// The job ended (or is gone): tell the client, and stop following.
     End { code: i32, message: String },
+    /// Tell the client the start it follows now, so that a client that follows again from
+    /// another node is told what it missed ([`Follower::knowing`]).
+    Start(u32),
 }
 
 /// What the follower waits for.
@@ -69,6 +72,8 @@ pub struct Follower {
     stalled: BTreeMap<u32, u64>,
     /// What the client was told of the job's record: (start, phase).
     told: Option<(u32, String)>,
+    /// The start the client knew when it (re)connected ([`Follower::knowing`]).
+    known: Option<u32>,
     /// The end read before the fetch under way.
     end: Option<(i32, String)>,
     wait: Wait,
@@ -85,10 +90,18 @@ impl Follower {
             after,
             stalled: BTreeMap::new(),
             told: None,
+            known: None,
             end: None,
             wait: Wait::Tick,
             actions: VecDeque::new(),
         }
+    }
+
+    /// The client knew start `attempt` when it connected (it followed the job through another
+    /// node before): restarts since are noted, as if this follower had seen them.
+    pub fn knowing(mut self, attempt: Option<u32>) -> Follower {
+        self.known = attempt;
+        self
     }
 
     /// The last number of each rank's lines sent.
@@ -120,14 +133,31 @@ impl Follower {
             .filter(|e| e.attempt >= self.since)
             .map(|e| (e.code, e.message.clone()));
         if let Some(run) = st.runs.get(job).filter(|r| r.attempt >= self.since) {
+            // This node's records are behind the start the client knew (it followed through a
+            // node that was ahead, or this node restarted and replays its log): nothing to tell
+            // until they catch up.
+            let floor = self.known.max(self.told.as_ref().map(|(a, _)| *a));
+            if floor.is_some_and(|k| run.attempt < k) {
+                self.fetch();
+                return;
+            }
             let phase = match &run.phase {
                 RunPhase::RollingBack { why } => why.clone(),
                 p => format!("{p:?}"),
             };
             let now = (run.attempt, phase);
             if self.told.as_ref() != Some(&now) {
-                if let Some(n) = note(st, job, self.told.as_ref(), run) {
+                // A client that followed start `k` elsewhere missed what came since.
+                let told = self.told.clone().or_else(|| {
+                    self.known
+                        .filter(|&k| k < run.attempt)
+                        .map(|k| (k, format!("{:?}", RunPhase::Running)))
+                });
+                for n in notes(st, job, told.as_ref(), run) {
                     self.actions.push_back(FollowAction::Note(n));
+                }
+                if told.as_ref().is_none_or(|(a, _)| *a != run.attempt) {
+                    self.actions.push_back(FollowAction::Start(run.attempt));
                 }
                 self.told = Some(now);
             }
@@ -212,32 +242,37 @@ impl Follower {
     }
 }
 
-/// What to tell a follower of a change of `job`'s record (`None`: nothing worth a line).
-fn note(st: &MetaState, job: &str, told: Option<&(u32, String)>, run: &RunRecord) -> Option<String> {
+/// What the client is told of `run` after what it was told (`told`: start and phase): the
+/// restart that began a later start (also one it missed: a client that followed another node,
+/// and knows only an earlier start), then the rollback under way.
+fn notes(st: &MetaState, job: &str, told: Option<&(u32, String)>, run: &RunRecord) -> Vec<String> {
     let max = st
         .jobs
         .get(job)
         .and_then(|r| r.spec.as_ref())
         .map_or(0, |s| s.max_restarts);
-    match (&run.phase, told) {
-        (RunPhase::RollingBack { why }, _) if why == crate::control::RESUMED => None,
-        (RunPhase::RollingBack { why }, _) => Some(format!("{why}: rolling job {job} back to its last checkpoint")),
-        (RunPhase::Running, Some((a, was))) if *a < run.attempt => {
-            let from = if run.restart_epoch == 0 {
-                "its start".to_string()
-            } else {
-                format!("checkpoint {}", run.restart_epoch)
-            };
-            if was == crate::control::RESUMED {
-                return Some(format!("job {job} resumed from {from}"));
-            }
-            Some(format!(
+    let mut out = Vec::new();
+    if let Some((_, was)) = told.filter(|(a, _)| *a < run.attempt) {
+        let from = if run.restart_epoch == 0 {
+            "its start".to_string()
+        } else {
+            format!("checkpoint {}", run.restart_epoch)
+        };
+        if was == crate::control::RESUMED {
+            out.push(format!("job {job} resumed from {from}"));
+        } else {
+            out.push(format!(
                 "job {job} restarted from {from} (restart {} of at most {max})",
                 run.restarts
-            ))
+            ));
         }
-        _ => None,
     }
+    if let RunPhase::RollingBack { why } = &run.phase {
+        if why != crate::control::RESUMED {
+            out.push(format!("{why}: rolling job {job} back to its last checkpoint"));
+        }
+    }
+    out
 }
 
 #[cfg(test)]

@@ -157,6 +157,9 @@ struct Client {
     /// Its last fetch was the end's (every kept line, not only those kept twice).
     ending: bool,
     end: Option<(i32, String)>,
+    /// The job's start the client was last told of (`FollowAction::Start`): a reconnecting
+    /// client names it, and is told of the restarts since.
+    attempt: Option<u32>,
 }
 
 /// A message or a step's outcome on its way.
@@ -609,16 +612,17 @@ impl Sim {
             job: job.to_string(),
             node: n,
             since,
-            follower: Follower::new(job, BTreeMap::new(), since),
+            follower: Follower::new(job, BTreeMap::new(), since).knowing(Some(since)),
             printed: BTreeMap::new(),
             seqs: BTreeMap::new(),
             notices: BTreeSet::new(),
             skipped: false,
             ending: false,
             end: None,
+            attempt: None,
         };
         if let Some(prev) = self.clients.iter_mut().rev().find(|c| c.job == job) {
-            c.follower = Follower::new(job, prev.follower.delivered().clone(), since);
+            c.follower = Follower::new(job, prev.follower.delivered().clone(), since).knowing(Some(since));
             c.printed = prev.printed.clone();
             c.seqs = prev.seqs.clone();
             c.notices = prev.notices.clone();
@@ -751,7 +755,7 @@ impl Sim {
             }
             let to = live[self.rng.below(live.len() as u64) as usize];
             let c = &mut self.clients[k];
-            c.follower = Follower::new(&c.job, c.follower.delivered().clone(), c.since);
+            c.follower = Follower::new(&c.job, c.follower.delivered().clone(), c.since).knowing(c.attempt);
             c.node = to;
             let (job, name) = (c.job.clone(), self.nodes[to].name.clone());
             self.trace(|| format!("the client of {job} reconnects to {name}"));
@@ -760,9 +764,21 @@ impl Sim {
         let st = self.view_of(n);
         self.clients[k].follower.handle_tick(&st);
         let job = self.clients[k].job.clone();
+        let mut noted = false;
         while let Some(a) = self.clients[k].follower.poll_action() {
             match a {
-                FollowAction::Note(_) => {}
+                FollowAction::Note(_) => noted = true,
+                FollowAction::Start(b) => {
+                    // A client told of a later start than the one it knew is told how it
+                    // came (a restart, a resume), also after following from another node.
+                    let c = &mut self.clients[k];
+                    assert!(
+                        c.attempt.is_none_or(|a| a == b || noted),
+                        "job {job}: the client knew start {:?} and was moved to {b} with no note",
+                        c.attempt
+                    );
+                    c.attempt = Some(b);
+                }
                 FollowAction::CheckGone => {
                     let fresh = self.driver().map(|_| self.state().clone());
                     self.clients[k].follower.handle_fresh(fresh.as_ref());

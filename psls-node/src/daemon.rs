@@ -104,8 +104,18 @@ fn lock_data_dir(dir: &Path) -> Result<()> {
             Ok(())
         }
         Err((mut file, nix::errno::Errno::EWOULDBLOCK)) => {
+            // The holder writes its pid right after it locks: read until it is there (a
+            // moment), so the message names it.
             let mut pid = String::new();
-            let _ = file.read_to_string(&mut pid);
+            for _ in 0..50 {
+                pid.clear();
+                let _ = file.seek(std::io::SeekFrom::Start(0));
+                let _ = file.read_to_string(&mut pid);
+                if !pid.trim().is_empty() {
+                    break;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
             bail!(
                 "data dir {} is in use by another psls-node (pid {}): one daemon per node",
                 dir.display(),
@@ -158,7 +168,7 @@ pub async fn run(config: &Path, name: &str) -> Result<()> {
     let start = crate::incarnation::next(&dir)?;
     let incarnation = start.incarnation;
     if start.blank {
-        tracing::warn!(node = name, incarnation, dir = %dir.display(), "blank data folder: a new node, or a replaced disk (its copies are rebuilt from the others if the cluster knew this node)");
+        tracing::info!(node = name, incarnation, dir = %dir.display(), "blank data folder: a new node, or a replaced disk (its copies are rebuilt from the others if the cluster knew this node)");
     }
     // PSLS_FAULT_DISK=1 keeps unsynced writes in memory: a kill -9 is then a power cut.
     let fault = std::env::var("PSLS_FAULT_DISK").is_ok_and(|v| v == "1");

@@ -196,6 +196,9 @@ impl Daemon {
                 .await
                 .map(|(checked, bad)| PeerResp::Scrub { checked, bad }),
             PeerReq::MetaSubmit { op } => Ok(node.serve_submit(op).await),
+            PeerReq::DiskFree => Ok(PeerResp::DiskFree {
+                bytes: node.disk_free_now().await,
+            }),
             PeerReq::MetaLog(msg) => {
                 node.replication.deliver(&from, &msg);
                 Ok(PeerResp::Ok)

@@ -29,8 +29,8 @@ pub fn write_durably(path: &Path, data: &[u8]) -> Result<()> {
     Ok(())
 }
 
-/// The name of the counter's file in a data folder. `psls cluster init` writes it (as 0) into
-/// the folders it creates: a folder without it is blank (a new node's, or a replaced disk).
+/// The name of the counter's file in a data folder: a folder without it is blank (a new
+/// node's, or a replaced disk).
 pub const COUNTER_FILE: &str = "incarnation";
 
 /// The highest incarnation a daemon may have: the shared-memory incarnation keeps it in 32 bits.
@@ -59,17 +59,24 @@ pub struct Start {
 
 /// Bumps the incarnation counter in `dir` durably and returns the new incarnation. In a blank
 /// folder (no counter), where the previous incarnations of this node are unknown, it is the
-/// time in seconds since the Unix epoch (as Cassandra's generation): above any earlier one
-/// unless the node started more than once a second on average since — and should a peer have
-/// heard a higher one, this one fences itself and comes back above it.
+/// time in seconds since the Unix epoch (as Cassandra's generation; the start waits for that
+/// second to end, so no two blank starts draw the same): above any earlier one unless the node
+/// restarted more than once a second on average since — and should a peer have heard a higher
+/// one, this one fences itself and comes back above it.
 pub fn next(dir: &Path) -> Result<Start> {
     let (incarnation, blank) = match read_counter(dir)? {
         Some(c) => (c + 1, false),
         None => {
-            let now_s = std::time::SystemTime::now()
+            let now = std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
-                .map_or(1, |d| d.as_secs());
-            (now_s.max(1), true)
+                .unwrap_or_default();
+            // Not before this second is over: a later blank start of this node (its disk
+            // replaced again) then draws a later second.
+            std::thread::sleep(
+                std::time::Duration::from_secs(1)
+                    .saturating_sub(std::time::Duration::from_nanos(u64::from(now.subsec_nanos()))),
+            );
+            (now.as_secs().max(1), true)
         }
     };
     if incarnation > MAX_INCARNATION {

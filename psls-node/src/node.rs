@@ -787,6 +787,33 @@ impl Node {
         let _ = blocking(move || me.refresh_disk_stats()).await;
     }
 
+    /// The page store's free bytes, measured now (the heartbeats carry the figure of the last
+    /// periodic measure, which a disk freed since may have outgrown).
+    pub async fn disk_free_now(self: &Arc<Self>) -> u64 {
+        self.refresh_disk_stats_async().await;
+        self.disk_free.load(Ordering::Relaxed)
+    }
+
+    /// Node `physical`'s free disk space: from its last heartbeat, or, if that is below
+    /// `need`, measured afresh there (a full disk freed since its last periodic measure).
+    pub async fn disk_free_of(self: &Arc<Self>, physical: &str, need: u64) -> u64 {
+        let heard = if physical == self.me.name {
+            self.disk_free.load(Ordering::Relaxed)
+        } else {
+            self.heartbeat_of(physical).map_or(0, |h| h.disk_free_bytes)
+        };
+        if heard >= need {
+            return heard;
+        }
+        if physical == self.me.name {
+            return self.disk_free_now().await;
+        }
+        match self.call(physical, PeerReq::DiskFree).await {
+            Ok(PeerResp::DiskFree { bytes }) => bytes,
+            _ => heard,
+        }
+    }
+
     /// The failure detector's tick: how long (ms) each down peer has been down.
     pub fn down_peers(&self) -> Vec<(String, u64)> {
         let now_ms = self.now_ms();

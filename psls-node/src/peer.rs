@@ -502,6 +502,9 @@ pub enum PeerReq {
     },
     /// From a coordinator that waits for this node's report: send it (again).
     SyncReportAsk,
+    /// Measure this node's free disk space now (not as of its last heartbeat): answered with
+    /// `DiskFree`.
+    DiskFree,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -621,6 +624,10 @@ pub enum PeerResp {
     /// Answer to `MetaSnapshotChunk`: the snapshot's length (the chunk is the payload).
     MetaSnapshotChunk {
         total: u64,
+    },
+    /// Answer to `DiskFree`: the page store's free bytes, measured on the request.
+    DiskFree {
+        bytes: u64,
     },
     Error {
         kind: psls_ipc::ErrorKind,

@@ -109,13 +109,8 @@ fn a_full_disk_at_a_jobs_last_checkpoint_keeps_its_result_and_resume_writes_it()
     // The job is over, and listed as finished (like `sacct`).
     let entry = c.job_entry(&job);
     assert_eq!(entry["state"], "finished", "{entry}");
-    // And the cluster goes on (once the heartbeats carry n2's freed space).
-    wait_for(Duration::from_secs(30), "n2's free space in its heartbeats", || {
-        c.status()
-            .nodes
-            .iter()
-            .any(|n| n.name == "n2" && n.disk_free_bytes > 32 << 20)
-    });
+    // And the cluster goes on at once: where a heartbeat's figure of free space is short (n2's
+    // says its disk is full until its next periodic measure), it is measured afresh.
     let (again, _) = finish(mgs(&c), "a job after the resume");
     assert_eq!(again, want_sum);
     c.ok(&["cluster", "down"]);

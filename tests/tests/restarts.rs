@@ -140,3 +140,33 @@ fn a_node_back_with_a_blank_disk_is_a_new_incarnation_and_gets_its_copies_back()
     assert_same(&c.export(FILE, &[]), &exported, "export after the rebuild");
     next_job(&c, "n2", &want, "n2's rebuild");
 }
+
+/// A `psls run` that follows its job again from another node (its own died while it was
+/// stopped, and the job rolled back and restarted meanwhile) is told of the restart it missed:
+/// it names the start it followed, and the node it follows from now notes what came since.
+/// Before, it printed the ranks' lines but no note of the rollback.
+#[test]
+fn a_psls_run_following_again_from_another_node_is_told_of_the_restart_it_missed() {
+    let c = Cluster::start(4, 0);
+    let (want, _) = common::finish_unfailed(&c, "n1");
+    let mut job = common::start_mgs(&c, "n3", &[]);
+    let (id, rest) = job_id(&mut job);
+    wait_first_checkpoint(&c, &id);
+    let cli = job.id() as i32;
+    signal(cli, nix::sys::signal::Signal::SIGSTOP);
+    c.kill("n3");
+    c.ok(&["cluster", "up"]);
+    wait_for(
+        Duration::from_secs(60),
+        "the job restarted without its psls run",
+        || c.logs_contain(&format!("job=\"{id}\" attempt=1")),
+    );
+    signal(cli, nix::sys::signal::Signal::SIGCONT);
+    let (got, err) = finish_rest(job, rest, "the job followed again from another node");
+    assert_eq!(got, want, "checksum differs from the unfailed run's\n{err}");
+    assert!(err.contains("following job"), "it followed from another node\n{err}");
+    assert!(
+        err.contains(&format!("job {id} restarted from checkpoint")),
+        "the restart it missed is noted\n{err}"
+    );
+}

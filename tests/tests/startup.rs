@@ -44,3 +44,53 @@ fn twenty_fresh_clusters_each_run_a_first_job_at_once() {
         eprintln!("cluster {k}: first job in {:?}", t.elapsed());
     }
 }
+
+/// Two `psls cluster up` at once, with one daemon down: both succeed (the second waits for the
+/// first's starts, and says so), exactly one daemon runs for the node, and the pid file names
+/// it. Before, at least one exited 1 with `data dir … is in use by another psls-node (pid )`.
+#[test]
+fn two_cluster_ups_at_once_both_succeed_and_start_the_node_once() {
+    let c = Cluster::start(4, 0);
+    for round in 0..3 {
+        c.kill("n2");
+        let ups: Vec<std::process::Child> = (0..2)
+            .map(|_| {
+                c.cmd(&["cluster", "up"])
+                    .stdout(Stdio::piped())
+                    .stderr(Stdio::piped())
+                    .spawn()
+                    .expect("cluster up")
+            })
+            .collect();
+        for up in ups {
+            let o = up.wait_with_output().expect("cluster up");
+            assert!(
+                o.status.success(),
+                "round {round}: a cluster up failed: {}{}",
+                String::from_utf8_lossy(&o.stdout),
+                String::from_utf8_lossy(&o.stderr)
+            );
+        }
+        let pid = c.pid("n2");
+        let daemons = std::fs::read_dir("/proc")
+            .expect("proc")
+            .filter_map(|e| e.ok())
+            .filter_map(|e| std::fs::read(e.path().join("cmdline")).ok())
+            .filter(|cmd| {
+                let args: Vec<&[u8]> = cmd.split(|&b| b == 0).collect();
+                args.windows(2)
+                    .any(|w| w[0] == b"--config" && w[1] == c.dir.join("cluster.toml").as_os_str().as_encoded_bytes())
+                    && args.windows(2).any(|w| w[0] == b"--node" && w[1] == b"n2")
+            })
+            .count();
+        assert_eq!(daemons, 1, "round {round}: one daemon for n2");
+        assert!(c.log("n2").contains("psls-node ready"), "round {round}");
+        let cfg = c.config();
+        let lock = std::fs::read_to_string(cfg.data_dir(cfg.entry("n2").expect("n2")).join("lock")).expect("lock");
+        assert_eq!(
+            lock.trim(),
+            pid.to_string(),
+            "round {round}: the pid file names the daemon"
+        );
+    }
+}

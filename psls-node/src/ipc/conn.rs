@@ -35,11 +35,13 @@ pub(crate) enum Flow {
     /// The connection becomes the process's lifeline.
     Lifeline(i32),
     /// The connection follows a job until its end (`after`: per rank, the last output number
-    /// the client has; `since`: the first start followed, an end of an earlier one is stale).
+    /// the client has; `since`: the first start followed, an end of an earlier one is stale;
+    /// `known`: the start the client followed last, whose restarts since it is told of).
     Follow {
         job: String,
         after: std::collections::BTreeMap<u32, u64>,
         since: u32,
+        known: Option<u32>,
     },
 }
 

@@ -191,7 +191,12 @@ async fn client(d: Arc<Daemon>, stream: UnixStream) -> anyhow::Result<()> {
             Flow::Sent => {}
             Flow::Close => return Ok(()),
             Flow::Lifeline(pid) => return memory::lifeline(&c.d, pid, c.r, c.w).await,
-            Flow::Follow { job, after, since } => return ranks::follow(&c.d, job, after, since, c.r, c.w).await,
+            Flow::Follow {
+                job,
+                after,
+                since,
+                known,
+            } => return ranks::follow(&c.d, job, after, since, known, c.r, c.w).await,
         }
     }
 }

@@ -98,6 +98,7 @@ pub(super) async fn handle(c: &mut Conn, req: Request, mut fds: Vec<OwnedFd>) ->
                         job,
                         after: kept,
                         since: attempt,
+                        known: Some(attempt),
                     });
                 }
                 // Running already (job control went on with it after a failure, even of every
@@ -110,6 +111,7 @@ pub(super) async fn handle(c: &mut Conn, req: Request, mut fds: Vec<OwnedFd>) ->
                         job,
                         after: Default::default(),
                         since: 0,
+                        known: None,
                     });
                 }
                 Ok(a) => refused(a),
@@ -126,7 +128,7 @@ pub(super) async fn handle(c: &mut Conn, req: Request, mut fds: Vec<OwnedFd>) ->
         },
         Request::JobRm { job } => ok_or_err(job_rm(&d, caller, &job).await),
         req @ Request::RunJob { .. } => return start_job(c, req).await,
-        Request::Attach { job, after } => {
+        Request::Attach { job, after, attempt } => {
             let st = node.meta_fresh().await;
             let known = st
                 .as_ref()
@@ -146,6 +148,7 @@ pub(super) async fn handle(c: &mut Conn, req: Request, mut fds: Vec<OwnedFd>) ->
                     job,
                     after: after.into_iter().collect(),
                     since: 0,
+                    known: attempt,
                 });
             }
         }
@@ -256,6 +259,7 @@ async fn start_job(c: &mut Conn, req: Request) -> std::io::Result<Flow> {
                 job,
                 after: Default::default(),
                 since: attempt,
+                known: Some(attempt),
             })
         }
         Ok(a) => Ok(Flow::Reply(refused(a))),
@@ -536,6 +540,7 @@ pub(super) async fn follow(
     job: String,
     after: std::collections::BTreeMap<u32, u64>,
     since: u32,
+    known: Option<u32>,
     mut r: OwnedReadHalf,
     mut w: OwnedWriteHalf,
 ) -> anyhow::Result<()> {
@@ -546,7 +551,7 @@ pub(super) async fn follow(
     let mut byte = [0u8; 1];
     let started = std::time::Instant::now();
     let now_ms = || started.elapsed().as_millis() as u64;
-    let mut f = Follower::new(&job, after, since);
+    let mut f = Follower::new(&job, after, since).knowing(known);
     loop {
         tokio::select! {
             _ = tick.tick() => {}
@@ -559,6 +564,7 @@ pub(super) async fn follow(
         while let Some(a) = f.poll_action() {
             match a {
                 FollowAction::Note(message) => send(&mut w, &Response::JobNote { message }).await?,
+                FollowAction::Start(attempt) => send(&mut w, &Response::JobAttempt { attempt }).await?,
                 FollowAction::CheckGone => {
                     let fresh = node.meta_fresh().await.ok();
                     f.handle_fresh(fresh.as_ref());

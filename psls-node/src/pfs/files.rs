@@ -100,8 +100,9 @@ pub fn check_all_serving(node: &Node, st: &MetaState) -> Result<(), OpError> {
     Ok(())
 }
 
-/// Refuses a file that does not fit on some node's disk.
-pub(super) fn check_space(node: &Node, st: &MetaState, id: FileId, size: u64) -> Result<(), OpError> {
+/// Refuses a file that does not fit on some node's disk (measured afresh where the last
+/// heartbeat's figure says it does not).
+pub(super) async fn check_space(node: &Arc<Node>, st: &MetaState, id: FileId, size: u64) -> Result<(), OpError> {
     if size > MAX_FILE_SIZE {
         let msg = format!("a file of {size} bytes exceeds the largest PSLS file ({MAX_FILE_SIZE} bytes, 4 PiB)");
         return Err(OpError::new(ErrorKind::NoSpace, msg));
@@ -113,7 +114,7 @@ pub(super) fn check_space(node: &Node, st: &MetaState, id: FileId, size: u64) ->
             .map(|&r| node.placement.held_count(NodeId(l), id, pages, r))
             .sum::<u64>();
         let need = held.saturating_mul(COPY_BYTES);
-        let free = node.heartbeat_of(&p).map_or(0, |h| h.disk_free_bytes);
+        let free = node.disk_free_of(&p, need).await;
         if need > free {
             return Err(OpError::new(
                 ErrorKind::NoSpace,
@@ -167,7 +168,7 @@ pub async fn create(node: &Arc<Node>, caller: Caller, name: &str, size: u64, mod
     let st = node.meta_state();
     prepare_name(&st, caller, name, false)?;
     let id = new_file_id(&st);
-    check_space(node, &st, id, size)?;
+    check_space(node, &st, id, size).await?;
     let meta = FileMeta::zeroed(id, name.into(), size, caller.uid, caller.gid, mode, now_ms());
     // Answered once the leader applied it: a map, stat or lookup that follows here catches up
     // first.
@@ -315,7 +316,7 @@ impl Importer {
         let replaces = prepare_name(&st, caller, name, replace)?;
         check_all_serving(node, &st)?;
         let id = new_file_id(&st);
-        check_space(node, &st, id, size)?;
+        check_space(node, &st, id, size).await?;
         tracing::info!(node = %node.name(), file = %id, name, size, "import started");
         let (uid, gid, created_unix_ms) = (caller.uid, caller.gid, now_ms());
         let placed_at = st.map_version;

@@ -255,7 +255,7 @@ pub fn maybe_rebuild(node: &Arc<Node>) {
 }
 
 /// This daemon started on a blank data folder: if the cluster knew this node (it holds a
-/// logical id in the map), its disk was replaced. It rejoins as a spare taking its own id
+/// logical id in the map, and written pages that id holds), its disk was replaced. It rejoins as a spare taking its own id
 /// over would: `MetaOp::Rejoin` marks it rebuilding, so its copies are re-created from the
 /// others' (`maybe_rebuild`). Tried until it is recorded.
 pub async fn rejoin_blank(node: Arc<Node>) {
@@ -275,6 +275,18 @@ pub async fn rejoin_blank(node: Arc<Node>) {
         let Some(logical) = map.iter().find(|(_, p)| **p == node.me.name).map(|(l, _)| *l) else {
             return;
         };
+        // A new node of a cluster with no written page it holds (a new cluster's first
+        // start): nothing to rebuild either.
+        let p = node.placement;
+        let holds = st.files.values().any(|f| {
+            [Role::Primary, Role::Mirror]
+                .iter()
+                .any(|&r| p.held(NodeId(logical), f.id, f.pages(), r).any(|i| f.page_gen(i) > 0))
+        });
+        if !holds {
+            tracing::info!(node = %node.name(), logical, "blank data folder, and no written page to hold: nothing to rebuild");
+            return;
+        }
         // The configured map until the first change: recorded first (as a replacement does).
         if st.logical.is_empty() {
             if let Err(e) = node.submit(MetaOp::InitMap { logical: map.clone() }).await {
