@@ -939,8 +939,10 @@ impl Node {
         }
         self.check_holder(file, role, indices.iter().copied())?;
         let store = self.store.clone();
+        // A cleaner's flush writes the recovery copies held here: they supersede nothing.
+        let flush = matches!(gen, WriteGen::Flush { .. });
         match gen {
-            WriteGen::New { gen, seq } => {
+            WriteGen::New { gen, seq } | WriteGen::Flush { gen, seq } => {
                 // The slot to spare is the committed version's, as this node's metadata says
                 // (never the writer's word for it).
                 let t = Instant::now();
@@ -960,13 +962,18 @@ impl Node {
                 let pages = refs.len();
                 let t = Instant::now();
                 // A recovery copy of these pages held here is older: a cleaner round at `gen`
-                // must not write it over them.
-                self.frames.supersede(file, &indices, gen);
+                // must not write it over them. (Not the flush's own copies: marked, they
+                // would go at the commit whatever the cleaning policy keeps.)
+                if !flush {
+                    self.frames.supersede(file, &indices, gen);
+                }
                 let kept = data.clone();
                 blocking(move || store.write_batch(file, role, gen, &refs, &data)).await??;
                 self.store_page_writes.fetch_add(pages as u64, Ordering::Relaxed);
                 // A cleaning policy may keep what a cleaner wrote as recovery copies.
-                self.frames.keep_written(file, role, &indices, gen, &kept);
+                if !flush {
+                    self.frames.keep_written(file, role, &indices, gen, &kept);
+                }
                 tracing::debug!(node = %self.me.name, %file, pages, wait_us, write_us = t.elapsed().as_micros() as u64, "checkpoint pages stored");
             }
             WriteGen::Same { gens } => {

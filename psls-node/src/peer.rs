@@ -198,6 +198,9 @@ pub enum WriteGen {
     /// not hold the page's committed version — as the storing node's metadata says, once it
     /// has reached sequence `seq` (a file it does not know has none).
     New { gen: u64, seq: u64 },
+    /// A cleaner round's flush of recovery copies: as `New`, but these are the copies this
+    /// node's recovery area holds, not newer versions of them (they supersede nothing there).
+    Flush { gen: u64, seq: u64 },
     /// A rewrite of each page's committed version in place (a repair, a rebuild): page `i` at
     /// generation `gens[i]`.
     Same { gens: Vec<u64> },

@@ -66,6 +66,8 @@ fn free_ports(count: u16) -> u16 {
 
 pub use psls_svm::rng::random_bytes;
 
+pub mod nemesis;
+
 pub struct Cluster {
     pub tmp: tempfile::TempDir,
     pub dir: PathBuf,

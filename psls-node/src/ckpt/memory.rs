@@ -168,7 +168,7 @@ impl CkptShell {
                     }
                     let idx: Vec<u64> = chunk.iter().map(|&k| indices[k]).collect();
                     let data = bytes::Bytes::from_owner(buf);
-                    let gen = WriteGen::New { gen, seq };
+                    let gen = WriteGen::Flush { gen, seq };
                     if phys == node.me.name {
                         node.write_pages(file, role, gen, idx, data).await?;
                         local = true;
@@ -305,10 +305,23 @@ impl CkptShell {
                 node.frames.store_moved(&job, epoch, committed, file, &indices)?;
                 Ok((PeerResp::Ok, none))
             }
-            FramesReq::Read { file, index } => Ok(match node.frames.read(file, index) {
-                Some(d) => (PeerResp::Frame { found: true }, d),
-                None => (PeerResp::Frame { found: false }, none),
-            }),
+            FramesReq::Read { file, index } => match node.frames.read(file, index) {
+                Some(d) => Ok((PeerResp::Frame { found: true }, d)),
+                // This node restarted since the start of the job writing the file: its recovery
+                // copies of it died with its previous incarnation, so "none here" would send
+                // the load to a disk copy older than them. Fail closed until the job's rollback
+                // starts it again (and re-creates them).
+                None => match lost_to_restart(node, file) {
+                    Some(job) => Err(OpError::new(
+                        ErrorKind::Unavailable,
+                        format!(
+                            "{} restarted since job {job} started: its recovery copies of page {file}:{index} are lost until the job rolls back",
+                            node.name()
+                        ),
+                    )),
+                    None => Ok((PeerResp::Frame { found: false }, none)),
+                },
+            },
             FramesReq::State { job } => {
                 let m = node.frames.job(&job);
                 Ok((
@@ -484,4 +497,22 @@ async fn reap(inflight: &mut tokio::task::JoinSet<Result<(), OpError>>) -> Resul
         Some(Err(e)) => Err(OpError::new(ErrorKind::Internal, format!("a store task failed: {e}"))),
         None => Ok(()),
     }
+}
+
+/// The job writing `file`, if its current start ran ranks on this node as an earlier
+/// incarnation: whatever recovery copies of the job this node held died with that one.
+fn lost_to_restart(node: &crate::node::Node, file: FileId) -> Option<String> {
+    let st = node.meta_state();
+    let (job, _) = st.file_by_id(file)?.writer.clone()?;
+    let run = st.runs.get(&job)?;
+    // Once a rollback settled or re-created the job's copies here, a page with none is one
+    // whose recovery copies are the disks'.
+    let known = node.frames.job(&job);
+    let restored = known.committed > 0 || known.pre.is_some() || known.floor > 0 || known.recreating.is_some();
+    (!restored
+        && run
+            .nodes
+            .values()
+            .any(|(p, inc)| *p == node.me.name && *inc != node.incarnation))
+    .then_some(job)
 }

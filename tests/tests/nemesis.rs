@@ -1,0 +1,30 @@
+//! The nemesis (`psls_tests::nemesis`) for a few minutes of the suite: random jobs while nodes
+//! are killed, paused and restarted with blank disks; every job must end with the unfailed
+//! run's result and every acknowledged create must stay. `PSLS_NEMESIS_SECS` sets how long
+//! (default 180), `PSLS_NEMESIS_SEED` the seed (default: from the clock, printed); a longer
+//! run: `cargo run -p psls-tests --bin nemesis -- --secs 3600`.
+
+#[test]
+fn the_nemesis_finds_no_wrong_result_no_lost_job_and_no_lost_operation() {
+    let secs: u64 = std::env::var("PSLS_NEMESIS_SECS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(180);
+    let seed: u64 = std::env::var("PSLS_NEMESIS_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(1, |d| d.as_nanos() as u64)
+        });
+    let report = psls_tests::nemesis::run(seed, std::time::Duration::from_secs(secs), &mut |l| eprintln!("{l}"));
+    eprintln!("{}", report.json());
+    assert!(
+        report.ok(),
+        "nemesis seed {seed} (PSLS_NEMESIS_SEED={seed} to replay): {}",
+        report.json()
+    );
+    assert!(report.jobs.values().sum::<u64>() > 0, "no job ran");
+    assert!(report.acked_ops > 0, "no create was acknowledged");
+}
