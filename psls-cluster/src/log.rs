@@ -1368,7 +1368,9 @@ impl<S: Machine, T> Log<S, T> {
 pub fn decode_op<Op: DeserializeOwned>(data: &[u8]) -> Result<Op, String> {
     match data.split_first() {
         Some((&ENTRY_FORMAT, rest)) => postcard::from_bytes(rest).map_err(|e| e.to_string()),
-        Some((v, _)) => Err(format!("unknown entry format {v}")),
+        Some((v, _)) => Err(format!(
+            "log entry of format {v}, and this build reads format {ENTRY_FORMAT} (written by a newer psls-node: run that build, or a newer one)"
+        )),
         None => Err("empty entry".into()),
     }
 }
@@ -1422,5 +1424,22 @@ pub fn decode_wire(b: &[u8]) -> Result<Wire, String> {
             .map_err(|_| "a lost-disk message is 8 bytes".to_string()),
         Some((t, _)) => Err(format!("unknown metadata log message type {t}")),
         None => Err("empty metadata log message".into()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An entry a newer build wrote is refused with one line naming both formats.
+    #[test]
+    fn an_entry_of_a_newer_format_is_refused_naming_both() {
+        let e = decode_op::<u32>(&[ENTRY_FORMAT + 1, 0]).unwrap_err();
+        assert!(
+            e.contains(&format!("of format {}", ENTRY_FORMAT + 1))
+                && e.contains(&format!("reads format {ENTRY_FORMAT}")),
+            "{e}"
+        );
+        assert_eq!(decode_op::<u32>(&[ENTRY_FORMAT, 5]), Ok(5));
     }
 }

@@ -990,6 +990,13 @@ impl Control {
             RunPhase::Running => self.drive_running(job, &run),
             RunPhase::RollingBack { .. } => self.drive_rollback(job, &run),
             RunPhase::Finishing => {
+                // A node lost while the last checkpoints are taken lost the ranks' last writes
+                // there (after their last checkpoint): the job rolls back and runs that part
+                // again, as while it ran. (A result already kept in a memory checkpoint is
+                // written by a resume.)
+                if self.jobs.get(job).is_none_or(|d| d.kept.is_none()) && self.roll_back_if_lost(job, &run) {
+                    return;
+                }
                 let persistent_only = self.meta.job_options.get(job).is_some_and(|o| o.level == "persistent");
                 let d = self.jobs.get_mut(job).expect("driven");
                 if let Some(why) = d.kept.clone() {
@@ -1024,31 +1031,40 @@ impl Control {
         }
     }
 
-    fn drive_running(&mut self, job: &str, run: &RunRecord) {
-        let now = self.now_ms;
+    /// A node of `run` lost its ranks (and with them the job's memory there): the job rolls
+    /// back, or fails past its restarts. Returns whether it did.
+    fn roll_back_if_lost(&mut self, job: &str, run: &RunRecord) -> bool {
         let lost = self.lost_nodes(run);
+        if lost.is_empty() {
+            return false;
+        }
         let max_restarts = self
             .meta
             .jobs
             .get(job)
             .and_then(|r| r.spec.as_ref())
             .map_or(0, |s| s.max_restarts);
-        if !lost.is_empty() {
-            let why = format!("{} went down", lost.join(", "));
-            if run.restarts >= max_restarts {
-                let end = self.end(
-                    EndHow::NodeFail,
-                    LOST_STATUS,
-                    format!(
-                        "job {job} failed: {why}; the job was restarted {} times already (--max-restarts {max_restarts})",
-                        run.restarts
-                    ),
-                    run.attempt,
-                );
-                self.submit_phase(job, run.attempt, RunPhase::Stopping { end });
-            } else {
-                self.submit_phase(job, run.attempt, RunPhase::RollingBack { why: clip(why) });
-            }
+        let why = format!("{} went down", lost.join(", "));
+        if run.restarts >= max_restarts {
+            let end = self.end(
+                EndHow::NodeFail,
+                LOST_STATUS,
+                format!(
+                    "job {job} failed: {why}; the job was restarted {} times already (--max-restarts {max_restarts})",
+                    run.restarts
+                ),
+                run.attempt,
+            );
+            self.submit_phase(job, run.attempt, RunPhase::Stopping { end });
+        } else {
+            self.submit_phase(job, run.attempt, RunPhase::RollingBack { why: clip(why) });
+        }
+        true
+    }
+
+    fn drive_running(&mut self, job: &str, run: &RunRecord) {
+        let now = self.now_ms;
+        if self.roll_back_if_lost(job, run) {
             return;
         }
         let ranks = run.placement.len() as u32;

@@ -18,7 +18,8 @@
 //! node, asked to drop a job's pages), `ckpt.mem.write` (a participant, halfway through
 //! sending its pages to their holders' recovery areas: phase 1 of a memory checkpoint),
 //! `ckpt.mem.commit` (a node told a memory checkpoint committed, before its phase 2),
-//! `launch.spawned` (a node, a rank started but not yet in its table of ranks; only pausing).
+//! `launch.spawned` (a node, a rank started but not yet in its table of ranks; only pausing),
+//! `job.finish` (the job's driver, every rank exited 0, before the job's last checkpoints).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;

@@ -393,6 +393,7 @@ fn execute(d: &Arc<Daemon>, action: Action) {
                 attempt,
                 persistent_only,
             } => {
+                crate::failpoint::pass_async(d.node.name(), "job.finish").await;
                 let r = finish(&d, &job, persistent_only).await;
                 d.jobctl.post(Input::Done {
                     term,

@@ -251,10 +251,11 @@ impl LogStore {
         let created = match format {
             Some(f) if f.as_slice() == FORMAT.to_le_bytes() => false,
             Some(f) => {
+                let found = <[u8; 2]>::try_from(f.as_slice())
+                    .map_or_else(|_| format!("{f:?}"), |b| u16::from_le_bytes(b).to_string());
                 return Err(MetaError::Corrupt(format!(
-                    "metadata store format {:?} is not {FORMAT} (written by a newer psls-node?)",
-                    f
-                )))
+                    "metadata store of format {found}, and this build reads formats up to {FORMAT} (written by a newer psls-node: run that build, or a newer one)"
+                )));
             }
             None => {
                 store.create(amnesiac_if_created)?;

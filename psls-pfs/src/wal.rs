@@ -84,8 +84,8 @@ fn header(generation: u64) -> Vec<u8> {
     h
 }
 
-/// The generation of a whole header of this format, if `h` is one.
-fn read_header(h: &[u8]) -> Option<u64> {
+/// A whole header's format and generation, if `h` is one.
+fn read_header(h: &[u8]) -> Option<(u16, u64)> {
     if h.len() != HEADER_LEN as usize || &h[..8] != MAGIC {
         return None;
     }
@@ -94,7 +94,7 @@ fn read_header(h: &[u8]) -> Option<u64> {
         return None;
     }
     let format = u16::from_le_bytes(h[8..10].try_into().ok()?);
-    (format == FORMAT).then(|| u64::from_le_bytes(h[10..18].try_into().unwrap_or_default()))
+    Some((format, u64::from_le_bytes(h[10..18].try_into().unwrap_or_default())))
 }
 
 fn record(payload: &[u8], out: &mut Vec<u8>) {
@@ -187,10 +187,17 @@ impl Wal {
                 continue;
             }
             f.read_at(0, &mut h).map_err(|e| io(NAMES[i], e))?;
-            if let Some(g) = read_header(&h) {
-                if best.is_none_or(|(_, b)| g > b) {
-                    best = Some((i, g));
+            match read_header(&h) {
+                Some((FORMAT, g)) if best.is_none_or(|(_, b)| g > b) => best = Some((i, g)),
+                Some((FORMAT, _)) => {}
+                // A whole header of another format: refused, not taken for no header.
+                Some((format, _)) => {
+                    return Err(MetaError::Corrupt(format!(
+                        "metadata log file {} of format {format}, and this build reads format {FORMAT} (written by a newer psls-node: run that build, or a newer one)",
+                        NAMES[i]
+                    )))
                 }
+                None => {}
             }
         }
         let Some((active, generation)) = best else {
@@ -369,6 +376,27 @@ mod tests {
         let got = got.unwrap();
         assert_eq!(got.compacted, (1, 1));
         assert_eq!(got.entries, vec![entry(2, 2, b"x"), entry(3, 2, b"y")]);
+    }
+
+    /// A log file a newer build wrote (a whole header of another format) is refused with one
+    /// line naming both formats, not taken for a file with no header (whose log would then be
+    /// lost).
+    #[test]
+    fn a_log_file_of_a_newer_format_is_refused_naming_both() {
+        let dir = tempfile::tempdir().unwrap();
+        let disk = FileDisk::new(dir.path()).unwrap();
+        let mut h = MAGIC.to_vec();
+        h.extend((FORMAT + 1).to_le_bytes());
+        h.extend(7u64.to_le_bytes());
+        let crc = crc32fast::hash(&h);
+        h.extend(crc.to_le_bytes());
+        std::fs::write(dir.path().join(NAMES[0]), &h).unwrap();
+        let e = Wal::open(&disk).unwrap_err().to_string();
+        assert!(
+            e.contains(&format!("of format {}", FORMAT + 1)) && e.contains(&format!("reads format {FORMAT}")),
+            "{e}"
+        );
+        assert_eq!(e.lines().count(), 1, "{e}");
     }
 
     #[test]

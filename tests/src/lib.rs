@@ -8,7 +8,7 @@
 
 use psls_ipc::proto::ClusterStatus;
 use psls_ipc::ClusterConfig;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Command, Output};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
@@ -16,11 +16,13 @@ use std::time::{Duration, Instant};
 /// Folder holding the `psls` and `psls-node` binaries.
 pub fn bin_dir() -> PathBuf {
     let exe = std::env::current_exe().expect("test executable path");
-    let dir = exe
-        .parent()
-        .and_then(Path::parent)
-        .expect("target/<profile>")
-        .to_path_buf();
+    // A test runs from target/<profile>/deps, a binary of this crate from target/<profile>.
+    let here = exe.parent().expect("the executable's folder");
+    let dir = if here.join("psls").exists() {
+        here.to_path_buf()
+    } else {
+        here.parent().expect("target/<profile>").to_path_buf()
+    };
     for b in ["psls", "psls-node"] {
         assert!(
             dir.join(b).exists(),
@@ -103,6 +105,31 @@ impl Cluster {
         tune(&mut cfg);
         std::fs::write(&path, cfg.to_toml()).expect("write config");
         c
+    }
+
+    /// A cluster folder copied from `from` (a fixture: config, certificates, data folders) to
+    /// `at` (replaced if it exists), its nodes given free ports; not started. Dropped, it is
+    /// stopped and `at` removed.
+    pub fn adopt(from: &std::path::Path, at: &std::path::Path) -> Cluster {
+        let _ = std::fs::remove_dir_all(at);
+        copy_tree(from, at);
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let path = at.join("cluster.toml");
+        let mut cfg = ClusterConfig::load(&path).expect("the fixture's config loads");
+        let n = cfg.all().count() as u16;
+        let base = free_ports(3 * n);
+        for (i, e) in cfg.nodes.iter_mut().chain(cfg.spares.iter_mut()).enumerate() {
+            let i = i as u16;
+            e.addr.set_port(base + i);
+            e.link_addr = Some(std::net::SocketAddr::new(e.addr.ip(), base + n + i));
+            e.metrics_addr = Some(std::net::SocketAddr::new(e.addr.ip(), base + 2 * n + i));
+        }
+        std::fs::write(&path, cfg.to_toml()).expect("write config");
+        Cluster {
+            tmp,
+            dir: at.to_path_buf(),
+            env: Vec::new(),
+        }
     }
 
     /// Initialises and starts a cluster.
@@ -369,6 +396,20 @@ impl Drop for Cluster {
         if keep.as_deref() == Some("always") || (std::thread::panicking() && keep.is_some()) {
             let kept = std::mem::replace(&mut self.tmp, tempfile::tempdir().expect("tempdir")).keep();
             eprintln!("cluster kept in {}", kept.display());
+        }
+    }
+}
+
+/// Copies folder `from` to `to`, files and folders.
+pub fn copy_tree(from: &std::path::Path, to: &std::path::Path) {
+    std::fs::create_dir_all(to).expect("create folder");
+    for e in std::fs::read_dir(from).expect("read folder") {
+        let e = e.expect("entry");
+        let (src, dst) = (e.path(), to.join(e.file_name()));
+        if e.file_type().expect("file type").is_dir() {
+            copy_tree(&src, &dst);
+        } else {
+            std::fs::copy(&src, &dst).unwrap_or_else(|err| panic!("copy {}: {err}", src.display()));
         }
     }
 }

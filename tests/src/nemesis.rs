@@ -136,6 +136,7 @@ pub fn run(seed: u64, duration: Duration, say: &mut dyn FnMut(&str)) -> Report {
     ));
     // The unfailed results.
     let (mgs_want, _) = finish(start_mgs_job(&c, "n0", &[]), "the unfailed MGS run");
+    let mgs_file = c.export(MGS_ARGS[1], &[]);
     say(&format!("unfailed MGS checksum {mgs_want}"));
 
     // Creates through random nodes, beside everything; the acknowledged ones must stay.
@@ -238,7 +239,7 @@ pub fn run(seed: u64, duration: Duration, say: &mut dyn FnMut(&str)) -> Report {
                 .lost
                 .push(format!("{what} {id}: exit {code:?}\n{}\n{}", tail(&out), tail(&err)));
             say(&format!("  LOST: exit {code:?}"));
-        } else if let Err(why) = check(kind, &out, &mgs_want) {
+        } else if let Err(why) = check(kind, &out, &mgs_want).and_then(|()| check_file(&c, kind, n, &mgs_file)) {
             report
                 .wrong
                 .push(format!("{what} {id}: {why}\n{}\n{}", tail(&out), tail(&err)));
@@ -491,6 +492,63 @@ fn check(kind: Kind, out: &str, mgs_want: &str) -> Result<(), String> {
                 Ok(())
             } else {
                 Err(format!("{good} of 4 ranks counted {want}"))
+            }
+        }
+    }
+}
+
+/// What the job left on the disks (the last persistent checkpoint: its result, durable at its
+/// end) against an unfailed run's.
+fn check_file(c: &Cluster, kind: Kind, n: u64, mgs_file: &[u8]) -> Result<(), String> {
+    let o = |name: &str| -> Result<Vec<u8>, String> {
+        let path = c.path(&format!("nemesis-export-{n}"));
+        let out = c.run(&["export", name, &path.display().to_string()]);
+        if !out.status.success() {
+            return Err(format!("export of {name}: {}", String::from_utf8_lossy(&out.stderr)));
+        }
+        let data = std::fs::read(&path).map_err(|e| e.to_string())?;
+        let _ = std::fs::remove_file(&path);
+        Ok(data)
+    };
+    let word = |data: &[u8], at: usize| {
+        data.get(at..at + 8)
+            .map(|b| u64::from_le_bytes(b.try_into().unwrap_or([0; 8])))
+    };
+    match kind {
+        Kind::MgsReused | Kind::MgsNew => {
+            let name = if kind == Kind::MgsReused {
+                MGS_ARGS[1].to_string()
+            } else {
+                format!("mgs-nem-{n}")
+            };
+            let data = o(&name)?;
+            if data == mgs_file {
+                Ok(())
+            } else {
+                let at = data.iter().zip(mgs_file).position(|(a, b)| a != b);
+                Err(format!(
+                    "{name} on the disks differs from the unfailed run's (first at byte {at:?})"
+                ))
+            }
+        }
+        Kind::Probe => {
+            let data = o(&format!("nemesis-steps-{n}"))?;
+            let sum = PROBE_STEPS * (PROBE_STEPS + 1) / 2;
+            match (0..4).find(|r| word(&data, r * 4096) != Some(sum)) {
+                None => Ok(()),
+                Some(r) => Err(format!(
+                    "rank {r}'s word on the disks is {:?}, not {sum}",
+                    word(&data, r * 4096)
+                )),
+            }
+        }
+        Kind::Counter => {
+            let data = o("c-counter")?;
+            let want = 4 * COUNTER_ITERATIONS;
+            if word(&data, 0) == Some(want) {
+                Ok(())
+            } else {
+                Err(format!("the counter on the disks is {:?}, not {want}", word(&data, 0)))
             }
         }
     }

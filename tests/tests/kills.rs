@@ -346,3 +346,36 @@ fn psls_runs_own_daemon_killed_in_a_checkpoints_writes_and_again_in_the_rollback
         assert_eq!(got, want, "rank {r}'s lines:\n{out}\n{err}");
     }
 }
+
+/// A node killed while the job finishes (every rank exited 0, its last checkpoints not yet
+/// taken) lost the ranks' writes there since their last checkpoint: the job rolls back and
+/// runs that part again, and its file on the disks holds the unfailed run's sums. Before, the
+/// last cleaner went on without that node's part: the job said finished, and the disks held a
+/// rank's word of a checkpoint before (found by the nemesis).
+#[test]
+fn a_node_killed_while_the_job_finishes_rolls_the_job_back_and_the_disks_hold_its_result() {
+    let (c, dir) = cluster("job.finish:pause", false);
+    let mut run = c
+        .cmd(&[
+            "--node", "n1", "run", "-n", "4", "--level", "memory", "--", PROBE, "steps", "fin", "4", "30", "99", "64",
+            "20", "vol",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("psls run");
+    let _ = &mut run;
+    let (out, err) = run_through(&c, run, &dir, &mut |_| {
+        c.kill("n2");
+        c.ok(&["cluster", "up"]);
+    });
+    assert_eq!(fired(&dir).len(), 1, "{err}");
+    assert_sums(&out, &err);
+    assert!(err.contains("rolling job"), "the job rolled back\n{err}");
+    let data = c.export("fin", &[]);
+    let sum = STEPS * (STEPS + 1) / 2;
+    for r in 0..RANKS as usize {
+        let w = u64::from_le_bytes(data[r * 4096..r * 4096 + 8].try_into().expect("8 bytes"));
+        assert_eq!(w, sum, "rank {r}'s word on the disks\n{err}");
+    }
+}

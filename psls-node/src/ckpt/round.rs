@@ -582,6 +582,30 @@ impl CkptShell {
     }
 
     fn receive(&self, from: NodeId, msg: Msg) {
+        // A round of a job whose current start ran ranks here as an earlier incarnation: the
+        // job's pages and recovery copies here died with it, so this node cannot take its
+        // part; refused, the round aborts and the job rolls back (a cleaner taken without them
+        // would commit a mix of the last writes and older copies).
+        if let Msg::Prepare {
+            job, epoch, coord_inc, ..
+        } = &msg
+        {
+            if let Some(why) = self.lost_since_start(job) {
+                tracing::warn!(node = %self.node.name(), job, epoch, why, "checkpoint round refused");
+                self.send(
+                    from,
+                    Msg::Refused {
+                        job: job.clone(),
+                        epoch: *epoch,
+                        coord_inc: *coord_inc,
+                        why,
+                        seen: 0,
+                        no_room: false,
+                    },
+                );
+                return;
+            }
+        }
         match msg {
             Msg::Prepare { .. } | Msg::Go { .. } | Msg::Decide { .. } | Msg::Flush { .. } => {
                 // The participant knows the coordinator as this node does now, not as of its
@@ -679,6 +703,26 @@ impl CkptShell {
             return;
         }
         tracing::error!(node = %self.node.name(), "checkpoint actions did not settle");
+    }
+
+    /// Why this node cannot take part in a round of `job`: its current start ran ranks here
+    /// as an earlier incarnation of this node.
+    fn lost_since_start(&self, job: &str) -> Option<String> {
+        let st = self.node.meta_state();
+        let run = st.runs.get(job)?;
+        let inc = run
+            .nodes
+            .values()
+            .find(|(p, _)| *p == self.node.me.name)
+            .map(|(_, inc)| *inc)?;
+        (inc != self.node.incarnation).then(|| {
+            format!(
+                "{} restarted since job {job}'s start {} (incarnation {inc}, now {}): its part of the job is lost until the job rolls back",
+                self.node.name(),
+                run.attempt,
+                self.node.incarnation
+            )
+        })
     }
 
     fn send(&self, to: NodeId, msg: Msg) {
