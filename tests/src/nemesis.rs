@@ -115,8 +115,20 @@ impl Fault {
     }
 }
 
+/// What the nemesis may do.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Options {
+    /// No fault in a job's first this many ms (0: anywhere in its first 2 s).
+    pub spare_start_ms: u64,
+}
+
 /// Runs the nemesis with `seed` for about `duration`; `say` gets one line per event.
 pub fn run(seed: u64, duration: Duration, say: &mut dyn FnMut(&str)) -> Report {
+    run_with(seed, duration, Options::default(), say)
+}
+
+/// [`run`] with `options`.
+pub fn run_with(seed: u64, duration: Duration, options: Options, say: &mut dyn FnMut(&str)) -> Report {
     let t0 = Instant::now();
     let mut rng = SplitMix64::new(seed);
     let mut report = Report {
@@ -179,7 +191,12 @@ pub fn run(seed: u64, duration: Duration, say: &mut dyn FnMut(&str)) -> Report {
         };
         let launcher = NODES[rng.below(4) as usize];
         let faults: Vec<(u64, Fault)> = (0..rng.below(3))
-            .map(|_| (rng.below(2000), pick_fault(&mut rng, timeout_ms)))
+            .map(|_| {
+                (
+                    options.spare_start_ms + rng.below(2000),
+                    pick_fault(&mut rng, timeout_ms),
+                )
+            })
             .collect();
         let between = (rng.below(3) == 0).then(|| pick_fault(&mut rng, timeout_ms));
         *report.jobs.entry(kind.name()).or_default() += 1;

@@ -261,12 +261,22 @@ impl CkptShell {
                         me.halt(&job, done.epoch).await;
                     }
                     let stopped_us = decided.elapsed().as_micros() as u64;
-                    let r = r.map(|done| SafeOutcome {
-                        epoch: done.epoch,
-                        halt,
-                        pages: done.pages,
-                        stopped_us,
-                    });
+                    let r = match r {
+                        Ok(done) => Ok(SafeOutcome {
+                            epoch: done.epoch,
+                            halt,
+                            pages: done.pages,
+                            stopped_us,
+                        }),
+                        // The cluster cannot take it now (a node down or rebuilding its
+                        // copies): no checkpoint this time, as an interval not elapsed; the
+                        // ranks go on and the next safe point tries again. (A halt is told.)
+                        Err(e) if e.kind == ErrorKind::Unavailable && !halt => {
+                            tracing::warn!(node = %me.node.name(), job, error = %e, "no checkpoint at this safe point: the cluster cannot take one now");
+                            Ok(SafeOutcome::default())
+                        }
+                        Err(e) => Err(e),
+                    };
                     me.answer(&job, &ranks, r);
                     me.drive();
                 });
