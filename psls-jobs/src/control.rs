@@ -994,7 +994,8 @@ impl Control {
                 // there (after their last checkpoint): the job rolls back and runs that part
                 // again, as while it ran. (A result already kept in a memory checkpoint is
                 // written by a resume.)
-                if self.jobs.get(job).is_none_or(|d| d.kept.is_none()) && self.roll_back_if_lost(job, &run) {
+                let kept = self.meta.finished.contains_key(job) || self.jobs.get(job).is_some_and(|d| d.kept.is_some());
+                if !kept && self.roll_back_if_lost(job, &run) {
                     return;
                 }
                 let persistent_only = self.meta.job_options.get(job).is_some_and(|o| o.level == "persistent");

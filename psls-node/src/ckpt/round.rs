@@ -709,6 +709,10 @@ impl CkptShell {
     /// as an earlier incarnation of this node.
     fn lost_since_start(&self, job: &str) -> Option<String> {
         let st = self.node.meta_state();
+        // A finished job's kept result was restored by its rollback: its cleaner only writes it.
+        if st.finished.contains_key(job) {
+            return None;
+        }
         let run = st.runs.get(job)?;
         let inc = run
             .nodes
