@@ -329,6 +329,9 @@ fn inject(c: &Cluster, f: Fault) {
             signal(pid, nix::sys::signal::Signal::SIGCONT);
         }
         Fault::Wipe { node } => {
+            // One lost disk at a time (the fault model: one failed node and its disk): a second
+            // one while a node still rebuilds its copies may take both copies of a page.
+            wait_rebuilt(c);
             if psls_client::cluster::running_pid(&c.dir, NODES[node]).is_some() {
                 c.kill(NODES[node]);
             }
@@ -346,6 +349,22 @@ fn inject(c: &Cluster, f: Fault) {
             }
             bring_up(c);
         }
+    }
+}
+
+/// Waits (at most two minutes) until no node rebuilds its copies.
+fn wait_rebuilt(c: &Cluster) {
+    let t = Instant::now();
+    while t.elapsed() < Duration::from_secs(120) {
+        let o = c.run(&["cluster", "status", "--json"]);
+        let st: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap_or_default();
+        let rebuilding = st["nodes"]
+            .as_array()
+            .is_some_and(|ns| ns.iter().any(|n| !n["rebuild"].is_null()));
+        if o.status.success() && !rebuilding {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(200));
     }
 }
 
