@@ -275,16 +275,24 @@ pub async fn rejoin_blank(node: Arc<Node>) {
         let Some(logical) = map.iter().find(|(_, p)| **p == node.me.name).map(|(l, _)| *l) else {
             return;
         };
-        // A new node of a cluster with no written page it holds (a new cluster's first
-        // start): nothing to rebuild either.
+        // Nothing to rebuild unless a written page this id holds has no copy here: a new
+        // cluster's first start holds none, and a file written since this start was written
+        // here too (writes need every node).
         let p = node.placement;
-        let holds = st.files.values().any(|f| {
-            [Role::Primary, Role::Mirror]
-                .iter()
-                .any(|&r| p.held(NodeId(logical), f.id, f.pages(), r).any(|i| f.page_gen(i) > 0))
+        let here: std::collections::BTreeSet<(FileId, Role)> = match node.store.files() {
+            Ok(f) => f.into_iter().collect(),
+            Err(e) => {
+                tracing::warn!(node = %node.name(), error = %e, "blank data folder: cannot list the page store");
+                continue;
+            }
+        };
+        let missing = st.files.values().any(|f| {
+            [Role::Primary, Role::Mirror].iter().any(|&r| {
+                !here.contains(&(f.id, r)) && p.held(NodeId(logical), f.id, f.pages(), r).any(|i| f.page_gen(i) > 0)
+            })
         });
-        if !holds {
-            tracing::info!(node = %node.name(), logical, "blank data folder, and no written page to hold: nothing to rebuild");
+        if !missing {
+            tracing::info!(node = %node.name(), logical, "blank data folder, and no written page missing here: nothing to rebuild");
             return;
         }
         // The configured map until the first change: recorded first (as a replacement does).
