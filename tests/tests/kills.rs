@@ -371,7 +371,7 @@ fn a_node_killed_while_the_job_finishes_rolls_the_job_back_and_the_disks_hold_it
     });
     assert_eq!(fired(&dir).len(), 1, "{err}");
     assert_sums(&out, &err);
-    assert!(err.contains("rolling job"), "the job rolled back\n{err}");
+    assert!(err.contains("restarted from checkpoint"), "the job rolled back\n{err}");
     let data = c.export("fin", &[]);
     let sum = STEPS * (STEPS + 1) / 2;
     for r in 0..RANKS as usize {
