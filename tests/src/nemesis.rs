@@ -120,6 +120,8 @@ impl Fault {
 pub struct Options {
     /// No fault in a job's first this many ms (0: anywhere in its first 2 s).
     pub spare_start_ms: u64,
+    /// No pauses: kills where pauses would be.
+    pub no_pauses: bool,
 }
 
 /// Runs the nemesis with `seed` for about `duration`; `say` gets one line per event.
@@ -194,11 +196,11 @@ pub fn run_with(seed: u64, duration: Duration, options: Options, say: &mut dyn F
             .map(|_| {
                 (
                     options.spare_start_ms + rng.below(2000),
-                    pick_fault(&mut rng, timeout_ms),
+                    pick_fault(&mut rng, timeout_ms, options),
                 )
             })
             .collect();
-        let between = (rng.below(3) == 0).then(|| pick_fault(&mut rng, timeout_ms));
+        let between = (rng.below(3) == 0).then(|| pick_fault(&mut rng, timeout_ms, options));
         *report.jobs.entry(kind.name()).or_default() += 1;
         let what = format!("job {n} ({}, through {launcher}, faults {faults:?})", kind.name());
         say(&format!("{:>6.1} s: {what}", t0.elapsed().as_secs_f64()));
@@ -292,18 +294,13 @@ fn tail(s: &str) -> String {
     lines[lines.len().saturating_sub(12)..].join("\n")
 }
 
-fn pick_fault(rng: &mut SplitMix64, timeout_ms: u64) -> Fault {
+fn pick_fault(rng: &mut SplitMix64, timeout_ms: u64, options: Options) -> Fault {
     let node = rng.below(4) as usize;
-    match rng.below(10) {
-        0..=3 => Fault::Kill {
-            node,
-            down_ms: rng.below(1500),
-        },
-        4..=7 => Fault::Pause {
-            node,
-            ms: 200 + rng.below(3 * timeout_ms),
-        },
-        _ => Fault::Wipe { node },
+    let (kind, down_ms, ms) = (rng.below(10), rng.below(1500), 200 + rng.below(3 * timeout_ms));
+    match kind {
+        4..=7 if !options.no_pauses => Fault::Pause { node, ms },
+        8 | 9 => Fault::Wipe { node },
+        _ => Fault::Kill { node, down_ms },
     }
 }
 
