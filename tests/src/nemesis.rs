@@ -122,6 +122,8 @@ pub struct Options {
     pub spare_start_ms: u64,
     /// No pauses: kills where pauses would be.
     pub no_pauses: bool,
+    /// No blank disks: kills where they would be.
+    pub no_wipes: bool,
 }
 
 /// Runs the nemesis with `seed` for about `duration`; `say` gets one line per event.
@@ -299,7 +301,7 @@ fn pick_fault(rng: &mut SplitMix64, timeout_ms: u64, options: Options) -> Fault 
     let (kind, down_ms, ms) = (rng.below(10), rng.below(1500), 200 + rng.below(3 * timeout_ms));
     match kind {
         4..=7 if !options.no_pauses => Fault::Pause { node, ms },
-        8 | 9 => Fault::Wipe { node },
+        8 | 9 if !options.no_wipes => Fault::Wipe { node },
         _ => Fault::Kill { node, down_ms },
     }
 }
