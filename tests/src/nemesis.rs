@@ -238,6 +238,7 @@ pub fn run_with(seed: u64, duration: Duration, options: Options, say: &mut dyn F
             Some(code) => (code, stdout_of(&mut child), err),
             None => {
                 let _ = child.kill();
+                say(&format!("  LOST: did not end within {JOB_LIMIT:?}\n{}", indent(&tail(&err))));
                 report
                     .lost
                     .push(format!("{what}: did not end within {JOB_LIMIT:?}\n{}", tail(&err)));
@@ -259,12 +260,12 @@ pub fn run_with(seed: u64, duration: Duration, options: Options, say: &mut dyn F
             report
                 .lost
                 .push(format!("{what} {id}: exit {code:?}\n{}\n{}", tail(&out), tail(&err)));
-            say(&format!("  LOST: exit {code:?}"));
+            say(&format!("  LOST: exit {code:?}\n{}", indent(&tail(&err))));
         } else if let Err(why) = check(kind, &out, &mgs_want).and_then(|()| check_file(&c, kind, n, &mgs_file)) {
             report
                 .wrong
                 .push(format!("{what} {id}: {why}\n{}\n{}", tail(&out), tail(&err)));
-            say(&format!("  WRONG: {why}"));
+            say(&format!("  WRONG: {why}\n{}", indent(&tail(&err))));
         }
         if let Some(f) = between {
             *report.faults.entry(f.name(timeout_ms)).or_default() += 1;
@@ -288,6 +289,11 @@ pub fn run_with(seed: u64, duration: Duration, options: Options, say: &mut dyn F
         report.kept = Some(kept.display().to_string());
     }
     report
+}
+
+/// Lines indented under a job's line in the log.
+fn indent(s: &str) -> String {
+    s.lines().map(|l| format!("    | {l}")).collect::<Vec<_>>().join("\n")
 }
 
 /// The last lines of a job's output, for a report.
