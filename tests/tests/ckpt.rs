@@ -370,3 +370,70 @@ fn a_checkpointed_page_bad_on_one_copy_is_served_from_the_other_and_repaired_and
     // recovery): a new mapping reads the right bytes from there.
     probe(&c, "n2", &["check", "cs", "8", "7", "5"]);
 }
+
+/// A rank's node that lost its connection mid-call retries the call: the coordinator, still
+/// holding the first (the rank arrived), lets the retry take over the wait instead of failing
+/// the rank with "already in a checkpoint call" (the nemesis met it after a pause).
+#[test]
+fn a_retried_checkpoint_call_takes_over_the_wait() {
+    let c = Cluster::start(3, 0);
+    // n2 stops; a stand-in speaks for it (a new incarnation, as after a restart).
+    c.kill("n2");
+    let peer = Peer::new(&c, "n2");
+    let status: psls_ipc::proto::ClusterStatus =
+        serde_json::from_str(&c.ok(&["cluster", "status", "--json"])).expect("status");
+    let coordinator = status.coordinator.expect("a coordinator");
+    let call = psls_node::peer::SafeCall {
+        job: "retried-1".into(),
+        rank: 0,
+        attempt: 0,
+        size: 2,
+        interval_ms: 3_600_000,
+        timeout_ms: 60_000,
+        level: psls_ckpt::msg::Choice::Auto,
+        persistent_interval_ms: 0,
+        persistent_every: 0,
+        cleaning: psls_ckpt::cleaning::Policy::NoCleaning,
+        files: Vec::new(),
+        uid: 0,
+        gid: 0,
+        launcher: "n2".into(),
+        node_inc: NEW_INCARNATION,
+    };
+    let rank1 = psls_node::peer::SafeCall {
+        rank: 1,
+        ..call.clone()
+    };
+    let req = psls_node::peer::PeerReq::CkptArrive(call);
+    let error = |r: Result<(psls_node::peer::PeerResp, bytes::Bytes), psls_node::transport::NetError>| match r {
+        Ok((psls_node::peer::PeerResp::Error { message, .. }, _)) => message,
+        other => panic!("an error answer, not {other:?}"),
+    };
+    let done = |r: Result<(psls_node::peer::PeerResp, bytes::Bytes), psls_node::transport::NetError>| match r {
+        Ok((psls_node::peer::PeerResp::SafeDone { epoch, halt, .. }, _)) => (epoch, halt),
+        other => panic!("the call's answer, not {other:?}"),
+    };
+    // Quickly (the stand-in sends no heartbeats: it is down again after the failure timeout):
+    // the call, its retry, then rank 1's call. The interval is not over: no checkpoint.
+    let (first, second, other) = std::thread::scope(|s| {
+        let first = s.spawn(|| peer.request(&coordinator, &req, bytes::Bytes::new()));
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        let second = s.spawn(|| peer.request(&coordinator, &req, bytes::Bytes::new()));
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        let other = peer.request(
+            &coordinator,
+            &psls_node::peer::PeerReq::CkptArrive(rank1),
+            bytes::Bytes::new(),
+        );
+        (
+            first.join().expect("first call"),
+            second.join().expect("the retry"),
+            other,
+        )
+    });
+    let first = error(first);
+    assert!(first.contains("retried"), "the first wait is over: {first}");
+    assert_eq!(done(second), (0, false), "the retry is answered with the decision");
+    assert_eq!(done(other), (0, false), "rank 1 too");
+    c.ok(&["cluster", "up"]);
+}

@@ -116,44 +116,64 @@ impl CkptShell {
         };
         let (tx, rx) = tokio::sync::oneshot::channel();
         let key = (call.job.clone(), call.rank);
-        {
+        let retried = {
             let mut waiters = self.safe_waiters.locked();
-            if waiters.get(&key).is_some_and(|(a, _)| *a >= call.attempt) {
-                return Err(OpError::new(
-                    ErrorKind::Invalid,
-                    format!("rank {} of job {} is already in a checkpoint call", call.rank, call.job),
-                ));
-            }
-            let r = self.safe.locked().arrive(
-                node.now_ms(),
-                &call.job,
-                (call.rank, call.attempt),
-                call.size,
-                (call.interval_ms, call.timeout_ms),
-                l,
-                &call.files,
-            );
-            match r {
-                Ok(()) => {}
-                Err(ArriveError::Invalid(m)) => return Err(OpError::new(ErrorKind::Invalid, m)),
-                Err(ArriveError::Again) => {
+            match waiters.get(&key).map(|(a, _)| *a) {
+                Some(a) if a > call.attempt => {
                     return Err(OpError::new(
                         ErrorKind::Invalid,
-                        format!("rank {} of job {} called checkpoint twice", call.rank, call.job),
+                        format!(
+                            "rank {} of job {} calls from start {}; the job is at start {a}",
+                            call.rank, call.job, call.attempt
+                        ),
                     ))
                 }
-                Err(ArriveError::Full) => return Err(unavailable("too many jobs in checkpoint calls")),
+                // The same call again: its node lost the connection it was waiting on and
+                // retried. The rank arrived already; the retry takes over the wait.
+                Some(a) if a == call.attempt => {
+                    tracing::info!(job = %call.job, rank = call.rank, "a checkpoint call retried by {from}");
+                    if let Some((_, old)) = waiters.insert(key, (call.attempt, tx)) {
+                        let _ = old.send(Err(unavailable("the call was retried")));
+                    }
+                    true
+                }
+                _ => {
+                    let r = self.safe.locked().arrive(
+                        node.now_ms(),
+                        &call.job,
+                        (call.rank, call.attempt),
+                        call.size,
+                        (call.interval_ms, call.timeout_ms),
+                        l,
+                        &call.files,
+                    );
+                    match r {
+                        Ok(()) => {}
+                        Err(ArriveError::Invalid(m)) => return Err(OpError::new(ErrorKind::Invalid, m)),
+                        Err(ArriveError::Again) => {
+                            return Err(OpError::new(
+                                ErrorKind::Invalid,
+                                format!("rank {} of job {} called checkpoint twice", call.rank, call.job),
+                            ))
+                        }
+                        Err(ArriveError::Full) => return Err(unavailable("too many jobs in checkpoint calls")),
+                    }
+                    // Which incarnation of its node each rank's call came from.
+                    self.arrived_incs
+                        .locked()
+                        .entry(call.job.clone())
+                        .or_default()
+                        .insert(l, call.node_inc);
+                    // A call of the job's stopped start, still waiting, is over.
+                    if let Some((_, old)) = waiters.insert(key, (call.attempt, tx)) {
+                        let _ = old.send(Err(unavailable(format!("job {} restarted", call.job))));
+                    }
+                    false
+                }
             }
-            // Which incarnation of its node each rank's call came from.
-            self.arrived_incs
-                .locked()
-                .entry(call.job.clone())
-                .or_default()
-                .insert(l, call.node_inc);
-            // A call of the job's stopped start, still waiting, is over.
-            if let Some((_, old)) = waiters.insert(key, (call.attempt, tx)) {
-                let _ = old.send(Err(unavailable(format!("job {} restarted", call.job))));
-            }
+        };
+        if retried {
+            return self.await_safe(rx).await;
         }
         self.owners
             .locked()
@@ -168,6 +188,14 @@ impl CkptShell {
             },
         );
         self.drive();
+        self.await_safe(rx).await
+    }
+
+    /// The answer to a rank's call, once its job's decision was carried out.
+    async fn await_safe(
+        &self,
+        rx: tokio::sync::oneshot::Receiver<Result<SafeOutcome, OpError>>,
+    ) -> Result<PeerResp, OpError> {
         let o = rx
             .await
             .map_err(|_| unavailable("the coordinator stopped during the call"))??;
