@@ -68,6 +68,7 @@ fn free_ports(count: u16) -> u16 {
 
 pub use psls_svm::rng::random_bytes;
 
+pub mod faults;
 pub mod nemesis;
 
 pub struct Cluster {

@@ -5,9 +5,12 @@
 //! Jobs: MGS 1024² on a reused file and on a new one, the probe's checkpointing steps (sums in
 //! a parallel file and a volatile segment), and the C example counting under a lock (when a C
 //! compiler and the library are there). Faults, during a job or between two: kill -9 of a node
-//! (the CLI's node included), a pause (SIGSTOP) shorter or longer than the failure timeout, a
-//! node restarted with a blank data folder (a replaced disk), and a quick restart. Beside
-//! them, a thread creates small files through random nodes and remembers those acknowledged.
+//! (the CLI's node included) and a restart, a pause (SIGSTOP) shorter or longer than the
+//! failure timeout, a node restarted with a blank data folder (a replaced disk), a partition
+//! of a node (both ways or only what it sends; its daemon runs in a network namespace of its
+//! own) and a full disk (each node's page store is a small filesystem, filled for a while).
+//! Beside them, a thread creates small files through random nodes and remembers those
+//! acknowledged.
 //!
 //! A job that ends resumable (exit 75: its nodes failed more often than it may restart) is
 //! resumed until it ends; one that fails otherwise is a lost job, one with another result a
@@ -102,6 +105,10 @@ enum Fault {
     Pause { node: usize, ms: u64 },
     /// kill -9, the data folder emptied (a replaced disk), up again.
     Wipe { node: usize },
+    /// The node's link cut for a while: both ways, or only what it sends.
+    Partition { node: usize, ms: u64, both: bool },
+    /// The node's page store filled (but for 16 KiB) for a while.
+    FullDisk { node: usize, ms: u64 },
 }
 
 impl Fault {
@@ -111,6 +118,9 @@ impl Fault {
             Fault::Pause { ms, .. } if ms > timeout_ms => "pause_past_timeout",
             Fault::Pause { .. } => "pause_within_timeout",
             Fault::Wipe { .. } => "blank_disk",
+            Fault::Partition { both: true, .. } => "partition_both_ways",
+            Fault::Partition { both: false, .. } => "partition_outgoing",
+            Fault::FullDisk { .. } => "full_disk",
         }
     }
 }
@@ -124,6 +134,16 @@ pub struct Options {
     pub no_pauses: bool,
     /// No blank disks: kills where they would be.
     pub no_wipes: bool,
+    /// No partitions (they need root and iproute2): kills where they would be.
+    pub no_partitions: bool,
+    /// No full disks (they need root to mount a filesystem): kills where they would be.
+    pub no_full_disks: bool,
+}
+
+/// The outside fault makers a run needs: a network of namespaces, a filesystem per page store.
+struct Rig {
+    net: Option<crate::faults::Net>,
+    disks: Vec<crate::faults::Mount>,
 }
 
 /// Runs the nemesis with `seed` for about `duration`; `say` gets one line per event.
@@ -139,7 +159,28 @@ pub fn run_with(seed: u64, duration: Duration, options: Options, say: &mut dyn F
         seed,
         ..Report::default()
     };
-    let c = Cluster::start(4, 0);
+    // The rig is made before the cluster and dropped after it (its daemons stopped first).
+    let mut rig = Rig {
+        net: None,
+        disks: Vec::new(),
+    };
+    let mut c = Cluster::init(4, 0, |_| {});
+    if !options.no_partitions {
+        let net = crate::faults::Net::build(4)
+            .expect("network namespaces for partitions (root and iproute2; or Options::no_partitions)");
+        net.place(&mut c);
+        rig.net = Some(net);
+    }
+    if !options.no_full_disks {
+        let cfg = c.config();
+        for node in NODES {
+            let pages = cfg.data_dir(cfg.entry(node).expect("node")).join("pages");
+            let m = crate::faults::Mount::tmpfs(&pages, "768m")
+                .expect("a filesystem per page store for full disks (root; or Options::no_full_disks)");
+            rig.disks.push(m);
+        }
+    }
+    c.ok(&["cluster", "up"]);
     let timeout_ms = c.config().cluster.heartbeat_timeout_ms;
     let counter = build_counter(&c);
     say(&format!(
@@ -228,7 +269,7 @@ pub fn run_with(seed: u64, duration: Duration, options: Options, say: &mut dyn F
             }
             *report.faults.entry(f.name(timeout_ms)).or_default() += 1;
             say(&format!("  {f:?}"));
-            inject(&c, *f);
+            inject(&c, &rig, *f, &mut report);
         }
         let out = wait_job(&mut child, JOB_LIMIT);
         let err = err_reader.join().unwrap_or_default();
@@ -238,7 +279,10 @@ pub fn run_with(seed: u64, duration: Duration, options: Options, say: &mut dyn F
             Some(code) => (code, stdout_of(&mut child), err),
             None => {
                 let _ = child.kill();
-                say(&format!("  LOST: did not end within {JOB_LIMIT:?}\n{}", indent(&tail(&err))));
+                say(&format!(
+                    "  LOST: did not end within {JOB_LIMIT:?}\n{}",
+                    indent(&tail(&err))
+                ));
                 report
                     .lost
                     .push(format!("{what}: did not end within {JOB_LIMIT:?}\n{}", tail(&err)));
@@ -267,10 +311,20 @@ pub fn run_with(seed: u64, duration: Duration, options: Options, say: &mut dyn F
                 .push(format!("{what} {id}: {why}\n{}\n{}", tail(&out), tail(&err)));
             say(&format!("  WRONG: {why}\n{}", indent(&tail(&err))));
         }
+        // A job's own file goes once checked (the disks are small filesystems; a file a
+        // resumable job still holds stays).
+        let own = match kind {
+            Kind::MgsNew => Some(format!("mgs-nem-{n}")),
+            Kind::Probe => Some(format!("nemesis-steps-{n}")),
+            Kind::MgsReused | Kind::Counter => None,
+        };
+        if let Some(name) = own {
+            let _ = c.run(&["rm", &name]);
+        }
         if let Some(f) = between {
             *report.faults.entry(f.name(timeout_ms)).or_default() += 1;
             say(&format!("  between jobs: {f:?}"));
-            inject(&c, f);
+            inject(&c, &rig, f, &mut report);
             bring_up(&c);
         }
         check_ops(&c, &acked, &mut report);
@@ -304,10 +358,13 @@ fn tail(s: &str) -> String {
 
 fn pick_fault(rng: &mut SplitMix64, timeout_ms: u64, options: Options) -> Fault {
     let node = rng.below(4) as usize;
-    let (kind, down_ms, ms) = (rng.below(10), rng.below(1500), 200 + rng.below(3 * timeout_ms));
+    let (kind, down_ms, ms) = (rng.below(14), rng.below(1500), 200 + rng.below(3 * timeout_ms));
+    let (both, full_ms) = (rng.below(2) == 0, 1000 + rng.below(4000));
     match kind {
-        4..=7 if !options.no_pauses => Fault::Pause { node, ms },
-        8 | 9 if !options.no_wipes => Fault::Wipe { node },
+        4..=6 if !options.no_pauses => Fault::Pause { node, ms },
+        7 | 8 if !options.no_wipes => Fault::Wipe { node },
+        9 | 10 if !options.no_partitions => Fault::Partition { node, ms, both },
+        11 | 12 if !options.no_full_disks => Fault::FullDisk { node, ms: full_ms },
         _ => Fault::Kill { node, down_ms },
     }
 }
@@ -316,7 +373,7 @@ fn signal(pid: i32, sig: nix::sys::signal::Signal) {
     let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), sig);
 }
 
-fn inject(c: &Cluster, f: Fault) {
+fn inject(c: &Cluster, rig: &Rig, f: Fault, report: &mut Report) {
     match f {
         Fault::Kill { node, down_ms } => {
             if psls_client::cluster::running_pid(&c.dir, NODES[node]).is_some() {
@@ -335,8 +392,12 @@ fn inject(c: &Cluster, f: Fault) {
         }
         Fault::Wipe { node } => {
             // One lost disk at a time (the fault model: one failed node and its disk): a second
-            // one while a node still rebuilds its copies may take both copies of a page.
-            wait_rebuilt(c);
+            // one while a node still rebuilds its copies may take both copies of a page. A
+            // rebuild that does not end is a finding; the disk is then spared.
+            if let Err(why) = wait_rebuilt(c) {
+                report.lost.push(format!("a rebuild did not end: {why}"));
+                return;
+            }
             if psls_client::cluster::running_pid(&c.dir, NODES[node]).is_some() {
                 c.kill(NODES[node]);
             }
@@ -354,12 +415,26 @@ fn inject(c: &Cluster, f: Fault) {
             }
             bring_up(c);
         }
+        Fault::Partition { node, ms, both } => {
+            let Some(net) = &rig.net else { return };
+            net.cut(node, both);
+            std::thread::sleep(Duration::from_millis(ms));
+            net.heal(node, both);
+        }
+        Fault::FullDisk { node, ms } => {
+            let Some(disk) = rig.disks.get(node) else { return };
+            disk.fill(16 * 1024);
+            std::thread::sleep(Duration::from_millis(ms));
+            // A blank disk between fill and free may have taken the filler already.
+            let _ = std::fs::remove_file(disk.0.join("filler"));
+        }
     }
 }
 
-/// Waits (at most two minutes) until no node rebuilds its copies.
-fn wait_rebuilt(c: &Cluster) {
+/// Waits (at most two minutes) until no node rebuilds its copies; the status otherwise.
+fn wait_rebuilt(c: &Cluster) -> Result<(), String> {
     let t = Instant::now();
+    let mut last = String::new();
     while t.elapsed() < Duration::from_secs(120) {
         let o = c.run(&["cluster", "status", "--json"]);
         let st: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap_or_default();
@@ -367,10 +442,16 @@ fn wait_rebuilt(c: &Cluster) {
             .as_array()
             .is_some_and(|ns| ns.iter().any(|n| !n["rebuild"].is_null()));
         if o.status.success() && !rebuilding {
-            return;
+            return Ok(());
         }
+        last = format!(
+            "{}{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        );
         std::thread::sleep(Duration::from_millis(200));
     }
+    Err(last)
 }
 
 /// `psls cluster up` until it succeeds (a paused node re-executing itself may make one fail).

@@ -5,45 +5,11 @@
 //! disk is the one an unfailed run leaves. And a node whose disk fails an fsync is failed for
 //! good: it says so, the spare takes its place, and the job completes.
 
+use psls_tests::faults::Mount;
 use psls_tests::*;
-use std::process::Command;
 use std::time::Duration;
 
 const FILE: &str = "mgs-1024x1024";
-
-/// A tmpfs of `size` mounted at `at` for the test's life (lazily unmounted at its end).
-struct Mount(std::path::PathBuf);
-
-impl Mount {
-    fn tmpfs(at: &std::path::Path, size: &str) -> Option<Mount> {
-        std::fs::create_dir_all(at).expect("mount point");
-        let ok = Command::new("mount")
-            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
-            .arg(at)
-            .status()
-            .is_ok_and(|s| s.success());
-        ok.then(|| Mount(at.to_path_buf()))
-    }
-
-    /// Fills the filesystem but for `leave` bytes.
-    fn fill(&self, leave: u64) {
-        let st = nix::sys::statvfs::statvfs(&self.0).expect("statvfs");
-        let free = st.blocks_available() * st.fragment_size();
-        let filler = vec![0xa5u8; free.saturating_sub(leave) as usize];
-        // A short write is fine: the disk is as full as it gets.
-        let _ = std::fs::write(self.0.join("filler"), &filler);
-    }
-
-    fn free(&self) {
-        std::fs::remove_file(self.0.join("filler")).expect("remove the filler");
-    }
-}
-
-impl Drop for Mount {
-    fn drop(&mut self) {
-        let _ = Command::new("umount").arg("-l").arg(&self.0).status();
-    }
-}
 
 fn mgs(c: &Cluster) -> std::process::Child {
     mgs_with(c, &[])

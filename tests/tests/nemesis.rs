@@ -27,6 +27,8 @@ fn the_nemesis_finds_no_wrong_result_no_lost_job_and_no_lost_operation() {
         spare_start_ms: 300,
         no_pauses: true,
         no_wipes: true,
+        no_partitions: true,
+        no_full_disks: true,
     };
     let report = psls_tests::nemesis::run_with(seed, std::time::Duration::from_secs(secs), options, &mut |l| {
         eprintln!("{l}")
