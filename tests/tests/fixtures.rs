@@ -1,8 +1,9 @@
 //! Formats on disk (DESIGN §10): a cluster folder an earlier build wrote opens with this one.
 //! `tests/fixtures/format-1/` is a 4-node cluster's folder of the formats of the build that
 //! wrote it (metadata store format 9, log file format 1 with entries of format 1, page slots
-//! of format 1): an imported file, the file of a finished job, and a halted job with its
-//! persistent checkpoint. This build must export both files bit-identical and resume the
+//! of format 1): an imported file, the file of a finished job, a halted job with its
+//! persistent checkpoint, and votes with an uncommitted entry (two followers stopped, then a
+//! create through the leader that could not commit). This build must export both files bit-identical and resume the
 //! halted job to its right result. A change of a format on disk adds a fixture of the new
 //! one beside it (written by `write_the_fixture` below, run by hand) and keeps the old one.
 //!
@@ -67,6 +68,12 @@ fn a_cluster_folder_of_format_1_opens_exports_identical_and_resumes_its_halted_j
         );
     }
     assert!(err.contains("resumed from checkpoint"), "{err}");
+    // The log's uncommitted entry (a create never acknowledged) is committed or dropped, and
+    // the log goes on.
+    let listed = c.ok(&["ls"]);
+    assert!(listed.contains("data.bin") && listed.contains("finished"), "{listed}");
+    c.ok(&["create", "after-the-fixture", "--size", "4K"]);
+    assert!(c.ok(&["ls"]).contains("after-the-fixture"));
     drop(c);
     let _ = std::fs::remove_dir_all(at);
 }
@@ -162,6 +169,30 @@ fn write_the_fixture() {
     assert_eq!(code, Some(0), "{err}");
     std::fs::copy(&exported, expected.join("finished")).expect("copy");
     std::fs::write(out.join("halted-job"), format!("{job}\n")).expect("write");
+    // A vote with an uncommitted entry: two followers stop, and a create through the leader
+    // is appended to its log but cannot commit (and is not acknowledged); then all stop.
+    let (code, st, err) = psls(&["cluster", "status", "--json"]);
+    assert_eq!(code, Some(0), "{err}");
+    let st: serde_json::Value = serde_json::from_str(&st).expect("status");
+    let leader = st["coordinator"].as_str().expect("a leader").to_string();
+    for n in ["n0", "n1", "n2", "n3"].iter().filter(|n| **n != leader).take(2) {
+        let pid = psls_client::cluster::running_pid(at, n).expect("running");
+        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL);
+    }
+    let mut create = std::process::Command::new(psls_bin())
+        .arg("--dir")
+        .arg(at)
+        .args(["--node", &leader, "create", "uncommitted", "--size", "4K"])
+        .env_remove("PSLS_SOCKET")
+        .spawn()
+        .expect("psls create");
+    std::thread::sleep(Duration::from_secs(3));
+    assert!(
+        create.try_wait().expect("wait").is_none_or(|s| !s.success()),
+        "not acknowledged"
+    );
+    let _ = create.kill();
+    let _ = create.wait();
     let (code, _, err) = psls(&["cluster", "down"]);
     assert_eq!(code, Some(0), "{err}");
     for part in ["cluster.toml", "certs", "data"] {
