@@ -19,6 +19,7 @@
 //! sending its pages to their holders' recovery areas: phase 1 of a memory checkpoint),
 //! `ckpt.mem.commit` (a node told a memory checkpoint committed, before its phase 2),
 //! `launch.spawned` (a node, a rank started but not yet in its table of ranks; only pausing),
+//! `launch.prepared` (a node, a start's ranks prepared but not yet started; only pausing),
 //! `job.finish` (the job's driver, every rank exited 0, before the job's last checkpoints).
 
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -15,7 +15,7 @@ use crate::op::OpError;
 pub use crate::peer::JobSpec;
 use crate::peer::{PeerReq, PeerResp};
 use psls_ipc::ErrorKind;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -580,10 +580,17 @@ pub fn local_ranks(jobs: &Jobs) -> Vec<u32> {
 
 /// Kills this node's ranks of `job` of start `attempt` or before (and their children).
 pub fn stop_ranks(jobs: &Jobs, job: &str, attempt: u32) {
-    let pids: Vec<u32> = match lock(&jobs.local).get(job) {
-        Some(l) if l.attempt <= attempt => l.running.values().copied().collect(),
-        _ => Vec::new(),
-    };
+    // Every started rank is in the table of processes from its fork on (a start's table of
+    // running ranks is replaced when a newer start begins, and a rank forked meanwhile is only
+    // in the table of processes).
+    let mut pids: BTreeSet<u32> = lock(&jobs.procs)
+        .iter()
+        .filter(|(_, (spec, _))| spec.job == job && spec.attempt <= attempt)
+        .map(|(pid, _)| *pid)
+        .collect();
+    if let Some(l) = lock(&jobs.local).get(job).filter(|l| l.attempt <= attempt) {
+        pids.extend(l.running.values().copied());
+    }
     for pid in pids {
         // The whole process group of the rank; its relay reports the exit.
         let _ = nix::sys::signal::killpg(
@@ -613,9 +620,6 @@ pub async fn start_ranks(node: &Arc<Node>, jobs: &Arc<Jobs>, job: &str, attempt:
         return Err(refuse(format!("job {job} is not running")));
     };
     let older = lock(&jobs.local).get(job).is_some_and(|l| l.attempt < attempt);
-    if older {
-        stop_ranks(jobs, job, attempt - 1);
-    }
     let todo: Vec<u32> = {
         let mut local = lock(&jobs.local);
         let l = local.entry(job.to_string()).or_default();
@@ -633,6 +637,11 @@ pub async fn start_ranks(node: &Arc<Node>, jobs: &Arc<Jobs>, job: &str, attempt:
         l.starting.extend(todo.iter().copied());
         todo
     };
+    // The newer start is recorded here first: an older start still preparing its ranks no
+    // longer forks them, and those it forked already are in the table of processes.
+    if older {
+        stop_ranks(jobs, job, attempt - 1);
+    }
     if todo.is_empty() {
         return Ok(());
     }
@@ -693,6 +702,7 @@ pub async fn start_ranks(node: &Arc<Node>, jobs: &Arc<Jobs>, job: &str, attempt:
             numbering.insert(rank, n);
         }
     }
+    crate::failpoint::pass_async(node.name(), "launch.prepared").await;
     tracing::info!(node = %node.name(), job, attempt, ranks = ?todo, ?marks, "starting ranks");
     spawn_local(node, jobs, spec, todo, numbering)?;
     jobs.changed.notify_one();
@@ -855,6 +865,7 @@ fn spawn_local(
         return Err(OpError::new(ErrorKind::Invalid, "bad rank numbers"));
     }
     let socket = node.cfg.socket_path(&node.me);
+    let superseded = psls_jobs::local::stale(&node.meta_state(), &spec.job, spec.attempt);
     for &rank in &ranks {
         let mut cmd = tokio::process::Command::new(&spec.program);
         cmd.args(&spec.args)
@@ -885,6 +896,17 @@ fn spawn_local(
         // that maps a file at once is known as its job's (looked up by pid), not taken for a
         // process of its own and refused as a writer by its own job's claim.
         let mut procs = lock(&jobs.procs);
+        // A newer start (or a rollback) came while this one prepared its ranks (reading
+        // their output numbers takes a while): its ranks are not started.
+        let current = lock(&jobs.local)
+            .get(&spec.job)
+            .is_some_and(|l| l.attempt == spec.attempt)
+            && !superseded;
+        if !current {
+            drop(procs);
+            tracing::info!(node = %node.name(), job = %spec.job, attempt = spec.attempt, rank, "a newer start or a rollback came first: the rank is not started");
+            continue;
+        }
         let mut child = match cmd.spawn() {
             Ok(c) => c,
             Err(e) => {

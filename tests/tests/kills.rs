@@ -179,6 +179,47 @@ fn a_rank_that_maps_its_file_before_its_daemon_knows_it_is_its_jobs() {
     assert!(!c.logs_contain("is mapped writable by job"), "{err}");
 }
 
+/// A start slow to prepare its ranks (n1 held up after reading their output numbers) while
+/// the job rolls back once more starts none of them once the newer start began: no rank of an
+/// older start runs beside a newer one (the nemesis met a C job whose rank 1 ran twice, and
+/// lost the newer one's output).
+#[test]
+fn a_start_overtaken_by_a_newer_one_starts_no_rank() {
+    let (c, dir) = cluster("launch.prepared/n1@2:pause=60000", false);
+    let mut run = start(&c, "n0");
+    let (job, rest) = job_id(&mut run);
+    wait_first_checkpoint(&c, &job);
+    // Restart 1: n1 prepares it, and is held up.
+    c.kill("n3");
+    c.ok(&["cluster", "up"]);
+    wait_for(Duration::from_secs(60), "n1 held up preparing start 1", || {
+        !fired(&dir).is_empty()
+    });
+    // Restart 2 begins (and starts rank 1 on n1) meanwhile.
+    c.kill("n2");
+    c.ok(&["cluster", "up"]);
+    let newer = format!("starting ranks node=n1 job=\"{job}\" attempt=2");
+    wait_for(Duration::from_secs(60), "start 2 on n1", || {
+        c.log("n1").contains(&newer)
+    });
+    std::fs::write(dir.join("launch.prepared.n1.release"), b"").expect("release");
+    let mut err = String::new();
+    let mut rest = rest;
+    rest.read_to_string(&mut err).expect("stderr");
+    let o = run.wait_with_output().expect("wait");
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert!(o.status.success(), "job failed ({}):\n{out}\n{err}", o.status);
+    assert_sums(&out, &err);
+    assert_eq!(err.matches("restarted from").count(), 2, "{err}");
+    let older = format!("rank exited node=n1 job={job} attempt=1");
+    assert!(
+        !c.log("n1").contains(&older),
+        "a rank of start 1 ran on n1 beside start 2's:\n{}",
+        c.log("n1")
+    );
+    c.assert_no_rank_left("after the job");
+}
+
 #[test]
 fn the_coordinator_killed_after_a_commit_record_before_answering_the_ranks_and_during_a_rollback() {
     let (c, dir) = cluster("ckpt.committed@3,rollback.fence,ckpt.answer@6", false);
