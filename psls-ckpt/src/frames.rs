@@ -216,6 +216,15 @@ impl FrameCounts {
 /// Pages of one file and role: their indices and data.
 pub type Run<D> = (FileId, Role, Vec<u64>, Vec<D>);
 
+/// Who writes pages to a node's disk during a cleaner round (see [`FrameTable::storing`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DiskWrite {
+    /// The round's writes of the pages its ranks wrote since the last checkpoint.
+    Round,
+    /// The round's flush of the recovery copies held in memory.
+    Flush,
+}
+
 /// See the module documentation.
 #[derive(Debug)]
 pub struct FrameTable<D> {
@@ -480,6 +489,27 @@ impl<D: Clone> FrameTable<D> {
     /// The pre-recovery copy of page `index` of `file`, if held here (for checks).
     pub fn read_pre(&self, file: FileId, index: u64) -> Option<&Frame<D>> {
         self.files.get(&file)?.pages.get(&index)?.pre.as_ref()
+    }
+
+    /// Pages `indices` of `file` are about to be written to this node's disk at `gen` by `by`:
+    /// a round's own writes supersede the older recovery copies held here (the round's flush
+    /// must not write those over them); the flush of the recovery copies supersedes nothing
+    /// (marked, they would go at the commit whatever the cleaning policy keeps).
+    pub fn storing(&mut self, by: DiskWrite, file: FileId, indices: &[u64], gen: u64) {
+        match by {
+            DiskWrite::Round => self.supersede(file, indices, gen),
+            DiskWrite::Flush => {}
+        }
+    }
+
+    /// Pages `indices` of `file` were written to this node's disk at `gen` by `by` (`data`,
+    /// in order): a round's own writes are kept aside for a policy that keeps them; the
+    /// flushed recovery copies are held already.
+    pub fn stored(&mut self, by: DiskWrite, file: FileId, role: Role, indices: &[u64], gen: u64, data: Vec<D>) {
+        match by {
+            DiskWrite::Round => self.keep_written(file, role, indices, gen, data),
+            DiskWrite::Flush => {}
+        }
     }
 
     /// A cleaner round at generation `gen` wrote newer versions of `indices` of `file` here
@@ -1114,6 +1144,37 @@ mod tests {
         assert_eq!(a.counts().pre_recovery, 1);
         a.persistent_aborted("j", 4);
         assert_eq!(a.frames(), 0);
+    }
+
+    /// A review finding: the daemon marked the copies a cleaner flushed as superseded by the
+    /// flush's own write, so a policy keeping recovery copies lost them at the commit.
+    #[test]
+    fn a_flush_supersedes_nothing_and_a_rounds_write_supersedes_the_older_copy() {
+        let f = FileId(3);
+        let run = |by: DiskWrite| {
+            let mut a: FrameTable<u8> = FrameTable::new(16);
+            a.set_policy("j", Policy::P1);
+            a.mark_memory("j", &[f]);
+            a.store_pre("j", 3, 2, f, Role::Primary, Site::Holder, &[0], vec![10])
+                .unwrap();
+            a.commit("j", 3);
+            let flushed = a.to_flush("j", 9);
+            assert_eq!(flushed, vec![(f, Role::Primary, vec![0], vec![10])]);
+            a.storing(by, f, &[0], 9);
+            a.stored(by, f, Role::Primary, &[0], 9, vec![21]);
+            a.persistent_committed("j", 9);
+            (a.read(f, 0).copied(), a.counts().frames())
+        };
+        assert_eq!(
+            run(DiskWrite::Flush),
+            (Some(10), 1),
+            "the flushed copy stays (P1 keeps it)"
+        );
+        assert_eq!(
+            run(DiskWrite::Round),
+            (Some(21), 1),
+            "the round's newer copy replaces it"
+        );
     }
 
     #[test]

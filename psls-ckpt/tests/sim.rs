@@ -90,7 +90,7 @@
 mod common;
 
 use psls_ckpt::cleaning::Policy;
-use psls_ckpt::frames::{site_of, FrameError, FrameTable, Site};
+use psls_ckpt::frames::{site_of, DiskWrite, FrameError, FrameTable, Site};
 use psls_ckpt::msg::Level;
 use psls_ckpt::restore::{NodeState, Restore, RestoreAction};
 use psls_ckpt::{CoordAction, Coordinator, Msg, Outcome, PartAction, Participant};
@@ -1622,13 +1622,15 @@ impl World {
                             w.gen
                         );
                         // A recovery copy held there is older: the round's flush spares it.
-                        self.nodes[h].frames.supersede(p.0, &[p.1], w.gen);
+                        self.nodes[h].frames.storing(DiskWrite::Round, p.0, &[p.1], w.gen);
                         if let Err(e) = self.nodes[h].disk.write((p, role), w.gen, keep, val) {
                             failed = Some(e);
                             continue;
                         }
                         // Kept aside for a policy that keeps what a cleaner wrote.
-                        self.nodes[h].frames.keep_written(p.0, role, &[p.1], w.gen, vec![val]);
+                        self.nodes[h]
+                            .frames
+                            .stored(DiskWrite::Round, p.0, role, &[p.1], w.gen, vec![val]);
                         targets.insert(NodeId(h as u32), self.nodes[h].inc);
                     }
                 }
@@ -1691,9 +1693,14 @@ impl World {
                     }
                     synced.insert(h);
                 }
+                self.nodes[h].frames.storing(DiskWrite::Flush, file, &[idx], gen);
                 if let Err(e) = self.nodes[h].disk.write((p, role), gen, keep, val) {
                     r = Err(e);
+                    continue;
                 }
+                self.nodes[h]
+                    .frames
+                    .stored(DiskWrite::Flush, file, role, &[idx], gen, vec![val]);
                 runs.entry(file).or_default().push((idx, idx + 1));
             }
         }

@@ -5,7 +5,7 @@
 
 use crate::failstop::Locked;
 use crate::op::OpError;
-use psls_ckpt::frames::{FrameError, FrameTable, Run};
+use psls_ckpt::frames::{DiskWrite, FrameError, FrameTable, Run};
 use psls_ipc::proto::ErrorKind;
 use psls_pfs::Role;
 use psls_svm::{FileId, PAGE_SIZE};
@@ -105,8 +105,9 @@ impl RecoveryArea {
         self.table.locked().read(file, index).cloned()
     }
 
-    pub fn supersede(&self, file: FileId, indices: &[u64], gen: u64) {
-        self.table.locked().supersede(file, indices, gen)
+    /// See `psls_ckpt::frames::FrameTable::storing`.
+    pub fn storing(&self, by: DiskWrite, file: FileId, indices: &[u64], gen: u64) {
+        self.table.locked().storing(by, file, indices, gen)
     }
 
     pub fn to_flush(&self, job: &str, gen: u64) -> Vec<Run<bytes::Bytes>> {
@@ -121,15 +122,16 @@ impl RecoveryArea {
         self.table.locked().set_policy(job, policy)
     }
 
-    /// What a cleaner round at `gen` wrote of `file` here (`data`: the pages in order), kept
-    /// aside when the job's policy keeps it (copied only then).
-    pub fn keep_written(&self, file: FileId, role: Role, indices: &[u64], gen: u64, data: &[u8]) {
+    /// What `by` wrote of `file` here at `gen` (`data`: the pages in order), kept aside when
+    /// the job's policy keeps it (copied only then; see
+    /// `psls_ckpt::frames::FrameTable::stored`).
+    pub fn stored(&self, by: DiskWrite, file: FileId, role: Role, indices: &[u64], gen: u64, data: &[u8]) {
         let mut t = self.table.locked();
-        if !t.wants_written(file) || data.len() != indices.len() * PAGE_SIZE {
+        if by == DiskWrite::Flush || !t.wants_written(file) || data.len() != indices.len() * PAGE_SIZE {
             return;
         }
         let pages = data.chunks(PAGE_SIZE).map(bytes::Bytes::copy_from_slice).collect();
-        t.keep_written(file, role, indices, gen, pages)
+        t.stored(by, file, role, indices, gen, pages)
     }
 
     pub fn persistent_aborted(&self, job: &str, gen: u64) {

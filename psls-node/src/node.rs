@@ -26,6 +26,7 @@ use crate::failstop::Locked;
 pub use crate::op::{blocking, peer_error, OpError};
 use crate::peer::{BadCopy, Heartbeat, PageState, PeerReq, PeerResp};
 use crate::transport::{Handler, NetError, Transport};
+use psls_ckpt::frames::DiskWrite;
 use psls_cluster::log::SubmitError;
 use psls_cluster::membership::{Liveness, Membership};
 use psls_cluster::verdicts::{self, Verdicts};
@@ -939,8 +940,10 @@ impl Node {
         }
         self.check_holder(file, role, indices.iter().copied())?;
         let store = self.store.clone();
-        // A cleaner's flush writes the recovery copies held here: they supersede nothing.
-        let flush = matches!(gen, WriteGen::Flush { .. });
+        let by = match gen {
+            WriteGen::Flush { .. } => DiskWrite::Flush,
+            _ => DiskWrite::Round,
+        };
         match gen {
             WriteGen::New { gen, seq } | WriteGen::Flush { gen, seq } => {
                 // The slot to spare is the committed version's, as this node's metadata says
@@ -961,19 +964,11 @@ impl Node {
                 }
                 let pages = refs.len();
                 let t = Instant::now();
-                // A recovery copy of these pages held here is older: a cleaner round at `gen`
-                // must not write it over them. (Not the flush's own copies: marked, they
-                // would go at the commit whatever the cleaning policy keeps.)
-                if !flush {
-                    self.frames.supersede(file, &indices, gen);
-                }
+                self.frames.storing(by, file, &indices, gen);
                 let kept = data.clone();
                 blocking(move || store.write_batch(file, role, gen, &refs, &data)).await??;
                 self.store_page_writes.fetch_add(pages as u64, Ordering::Relaxed);
-                // A cleaning policy may keep what a cleaner wrote as recovery copies.
-                if !flush {
-                    self.frames.keep_written(file, role, &indices, gen, &kept);
-                }
+                self.frames.stored(by, file, role, &indices, gen, &kept);
                 tracing::debug!(node = %self.me.name, %file, pages, wait_us, write_us = t.elapsed().as_micros() as u64, "checkpoint pages stored");
             }
             WriteGen::Same { gens } => {
