@@ -18,6 +18,13 @@ pub enum StoreError {
     NoSuchFile(FileId),
     #[error("page position {0} is beyond the largest file the store holds")]
     BadPageIndex(u64),
+    #[error("page {file}:{index} is stored in page slot format {found}; this build reads formats up to {supported} (a newer build wrote it)")]
+    NewerFormat {
+        file: FileId,
+        index: u64,
+        found: u16,
+        supported: u16,
+    },
     #[error("page {file}:{index} holds generation {found}: a write of older generation {gen} is refused")]
     Newer {
         file: FileId,

@@ -26,6 +26,8 @@ pub enum HeaderState {
     Empty,
     /// Parses and names the expected page.
     Written { gen: u64, crc: u32 },
+    /// A header of a later format (a newer build wrote it): neither read nor written over.
+    Newer { version: u16 },
     /// Anything else: torn, foreign or garbage.
     Garbage,
 }
@@ -58,10 +60,11 @@ pub fn parse(h: &[u8; HEADER_LEN], file: FileId, index: u64) -> HeaderState {
         return HeaderState::Empty;
     }
     let u64_at = |o: usize| u64::from_le_bytes(h[o..o + 8].try_into().expect("8 bytes"));
-    let ok = h[0..4] == MAGIC
-        && u16::from_le_bytes([h[4], h[5]]) == FORMAT_VERSION
-        && u64_at(8) == file.0
-        && u64_at(16) == index;
+    let version = u16::from_le_bytes([h[4], h[5]]);
+    if h[0..4] == MAGIC && version > FORMAT_VERSION {
+        return HeaderState::Newer { version };
+    }
+    let ok = h[0..4] == MAGIC && version == FORMAT_VERSION && u64_at(8) == file.0 && u64_at(16) == index;
     if !ok {
         return HeaderState::Garbage;
     }
@@ -92,5 +95,11 @@ mod tests {
         assert_eq!(parse(&h, FileId(1), 9), HeaderState::Garbage);
         assert_eq!(parse(&h, FileId(0x0102030405060708), 8), HeaderState::Garbage);
         assert_eq!(parse(&[0u8; HEADER_LEN], FileId(1), 1), HeaderState::Empty);
+        let mut later = h;
+        later[4] = 2;
+        assert_eq!(
+            parse(&later, FileId(0x0102030405060708), 9),
+            HeaderState::Newer { version: 2 }
+        );
     }
 }

@@ -173,6 +173,22 @@ fn header_at(buf: &[u8], j: usize, slot: usize) -> &[u8; HEADER_LEN] {
         .expect("64 bytes")
 }
 
+/// A header of a later format: refused, naming both formats.
+fn refuse_newer(st: &[HeaderState; 2], file: FileId, index: u64) -> Result<(), StoreError> {
+    match st.iter().find_map(|s| match s {
+        HeaderState::Newer { version } => Some(*version),
+        _ => None,
+    }) {
+        Some(found) => Err(StoreError::NewerFormat {
+            file,
+            index,
+            found,
+            supported: slot::FORMAT_VERSION,
+        }),
+        None => Ok(()),
+    }
+}
+
 fn gen_of(s: HeaderState) -> Option<u64> {
     match s {
         HeaderState::Written { gen, .. } => Some(gen),
@@ -265,6 +281,7 @@ impl PageStore {
                     ..
                 } = pages[start + j];
                 let st = [0, 1].map(|s| slot::parse(header_at(&hb, j, s), file, index));
+                refuse_newer(&st, file, index)?;
                 if let Some(s) = (0..2).find(|&s| gen_of(st[s]) == Some(expected_gen)) {
                     if let HeaderState::Written { crc, .. } = st[s] {
                         want[j] = Some((s, crc));
@@ -340,6 +357,7 @@ impl PageStore {
                     index, gen: keep_gen, ..
                 } = pages[start + j];
                 let st = [0, 1].map(|s| slot::parse(header_at(&hb, j, s), file, index));
+                refuse_newer(&st, file, index)?;
                 target[j] = if let Some(s) = (0..2).find(|&s| gen_of(st[s]) == Some(gen)) {
                     s
                 } else if let Some(s) = (0..2).find(|&s| gen_of(st[s]) == Some(keep_gen)) {
@@ -598,6 +616,32 @@ mod tests {
         s.write(loc(8), 1, 1, &page(9)).unwrap();
         s.sync().unwrap();
         assert_eq!(s.read(loc(8), 1).unwrap(), ReadOutcome::Ok(page(9)));
+    }
+
+    /// A slot a newer build wrote is refused, naming both formats: neither read as garbage
+    /// (and "repaired" from the other copy) nor written over.
+    #[test]
+    fn a_slot_of_a_later_format_is_refused_naming_both_formats() {
+        let dir = tempfile::tempdir().unwrap();
+        let disk = Arc::new(FileDisk::new(dir.path()).unwrap());
+        let s = PageStore::new(disk.clone());
+        s.write(loc(8), 1, 0, &page(9)).unwrap();
+        s.sync().unwrap();
+        let h = disk.open("f0000000000000007.p.hdr", false).unwrap();
+        h.write_at((8 * PAIR_LEN + 4) as u64, &2u16.to_le_bytes()).unwrap();
+        h.sync().unwrap();
+        let s = PageStore::new(disk);
+        let later = |r: Result<(), StoreError>| match r {
+            Err(
+                e @ StoreError::NewerFormat {
+                    found: 2, supported: 1, ..
+                },
+            ) => e.to_string(),
+            other => panic!("{other:?}"),
+        };
+        let said = later(s.read(loc(8), 1).map(|_| ()));
+        assert!(said.contains("format 2") && said.contains("up to 1"), "{said}");
+        later(s.write(loc(8), 2, 1, &page(3)));
     }
 
     #[test]
