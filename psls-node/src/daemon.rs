@@ -293,6 +293,7 @@ pub async fn run(config: &Path, name: &str) -> Result<()> {
     if start.blank {
         tokio::spawn(crate::pfs::rejoin_blank(node.clone()));
     }
+    tokio::spawn(crate::ckpt::drop_earlier_claims(node.clone()));
     {
         // Shared memory learns of a restarted peer at once: its settled copies of the pages
         // that peer manages go before a new job can claim their file.

@@ -488,6 +488,11 @@ impl LogStore {
                 Some(b) => Some(u64s::<1>("next_gen", &b)?[0]),
                 None => None,
             },
+            // Optional: a store an older build wrote has none.
+            claims: match get("claims")? {
+                Some(b) => Some(postcard::from_bytes(&b).map_err(|e| corrupt("process claims", e))?),
+                None => None,
+            },
             ..Changes::default()
         };
         let open = |name: &str, r: Result<(), redb::TableError>| -> Result<bool, MetaError> {
@@ -747,13 +752,16 @@ fn write_changes(tx: &redb::WriteTransaction, c: &Changes) -> Result<(), MetaErr
             };
         }
     }
-    if c.nodes.is_some() || c.next_gen.is_some() {
+    if c.nodes.is_some() || c.next_gen.is_some() || c.claims.is_some() {
         let mut m = tx.open_table(MISC)?;
         if let Some(n) = &c.nodes {
             m.insert("nodes", pc(n)?.as_slice())?;
         }
         if let Some(g) = c.next_gen {
             m.insert("next_gen", le(&[g]).as_slice())?;
+        }
+        if let Some(cl) = &c.claims {
+            m.insert("claims", pc(cl)?.as_slice())?;
         }
     }
     Ok(())

@@ -115,6 +115,13 @@ pub struct MetaState {
     /// Jobs that ended, with the log index of their end (at most [`crate::runs::MAX_ENDED`]).
     #[serde(skip)]
     pub ended: OrdMap<String, (u64, crate::runs::JobEnd)>,
+    /// The writer claims of processes outside `psls run` (`ext:` and `proc:` jobs), per file:
+    /// counted by the node incarnation each was made on. A claim goes with its incarnation
+    /// (once that is down, its process is gone), so a node's crash leaves no file claimed for
+    /// good. Kept in the store's `claims` record and after the job records of a snapshot
+    /// (both optional: older stores and snapshots have none).
+    #[serde(skip)]
+    pub process_claims: OrdMap<FileId, ProcessClaims>,
     /// File id → name (an index of `files`, rebuilt when a state is decoded).
     #[serde(skip)]
     ids: OrdMap<FileId, String>,
@@ -129,6 +136,13 @@ pub struct MetaState {
     #[serde(skip)]
     gen_rows: GenRows,
 }
+
+/// A file's writer claims made by processes outside `psls run`: (node, incarnation) → how
+/// many processes there claim it.
+pub type ProcessClaims = BTreeMap<(String, u64), u32>;
+
+/// Most files the processes outside `psls run` may claim at once, cluster-wide.
+pub const MAX_PROCESS_CLAIMED_FILES: usize = 65_536;
 
 /// See [`MetaState`]'s field; equal whatever they hold: how the store keeps the maps is not
 /// part of the state.
@@ -166,6 +180,7 @@ struct Touched {
     jobs: BTreeSet<String>,
     nodes: bool,
     next_gen: bool,
+    claims: bool,
 }
 
 /// Equal whatever they hold: which keys wait to be written is not part of the state.
@@ -197,6 +212,8 @@ pub struct Changes {
     /// The node map and the verdicts, when they changed.
     pub nodes: Option<NodesRecord>,
     pub next_gen: Option<u64>,
+    /// The processes' writer claims, whole, when they changed.
+    pub claims: Option<BTreeMap<FileId, ProcessClaims>>,
 }
 
 impl Changes {
@@ -219,6 +236,9 @@ impl Changes {
         if later.next_gen.is_some() {
             self.next_gen = later.next_gen;
         }
+        if later.claims.is_some() {
+            self.claims = later.claims;
+        }
     }
 
     /// Whether nothing changed.
@@ -230,6 +250,7 @@ impl Changes {
             && self.jobs.is_empty()
             && self.runs.is_empty()
             && self.nodes.is_none()
+            && self.claims.is_none()
             && self.next_gen.is_none()
     }
 }
@@ -360,6 +381,9 @@ impl MetaState {
         }
         if let Some(g) = changes.next_gen {
             self.next_gen = g;
+        }
+        if let Some(c) = changes.claims {
+            self.process_claims = c.into_iter().collect();
         }
         self.reindex();
         // Bases of files whose record did not change, then the deltas over them.
@@ -584,6 +608,22 @@ pub enum MetaOp {
         logical: u32,
         physical: String,
     },
+    /// A process outside `psls run` (of `ext:` or `proc:` job `job`) on incarnation
+    /// `incarnation` of node `node` maps file `file` writable (refused if another job does).
+    /// Its claim goes with that incarnation: once it is down, the claim holds nothing.
+    ClaimWriterOn {
+        file: FileId,
+        job: String,
+        node: String,
+        incarnation: u64,
+    },
+    /// That process no longer maps `file` writable.
+    ReleaseWriterOn {
+        file: FileId,
+        job: String,
+        node: String,
+        incarnation: u64,
+    },
 }
 
 /// Format 1 of the operation in a vote record (files of format 2).
@@ -648,6 +688,8 @@ impl MetaOp {
             MetaOp::StartJob { .. } => "start_job",
             MetaOp::ClaimWriter { .. } => "claim_writer",
             MetaOp::ReleaseWriter { .. } => "release_writer",
+            MetaOp::ClaimWriterOn { .. } => "claim_writer_on",
+            MetaOp::ReleaseWriterOn { .. } => "release_writer_on",
             MetaOp::StartJobWith { .. } => "start_job_with",
             MetaOp::DeclareDown { .. } => "declare_down",
             MetaOp::JobFinished { .. } => "job_finished",
@@ -677,7 +719,10 @@ impl MetaOp {
             MetaOp::FenceCheckpoint { job, epoch } => st.job_decided(job, *epoch).is_some(),
             MetaOp::EndJob { job } => !st.jobs.contains_key(job) && st.files_written_by(job).next().is_none(),
             // Counted claims: a resubmission cannot tell whether it was applied.
-            MetaOp::ClaimWriter { .. } | MetaOp::ReleaseWriter { .. } => false,
+            MetaOp::ClaimWriter { .. }
+            | MetaOp::ReleaseWriter { .. }
+            | MetaOp::ClaimWriterOn { .. }
+            | MetaOp::ReleaseWriterOn { .. } => false,
             MetaOp::StartJob { job, spec } => st.jobs.get(job).and_then(|r| r.spec.as_ref()) == Some(spec),
             MetaOp::StartJobWith { job, spec, options } => {
                 st.jobs.get(job).and_then(|r| r.spec.as_ref()) == Some(&**spec)
@@ -811,6 +856,20 @@ impl MetaState {
         if let Some((job, _)) = &meta.writer {
             self.writing.entry(job.clone()).or_default().insert(meta.id);
         }
+        // Claims are of a file with a process job writing it.
+        if meta
+            .writer
+            .as_ref()
+            .is_none_or(|(j, _)| !(j.starts_with("ext:") || j.starts_with("proc:")))
+            && self.process_claims.remove(&meta.id).is_some()
+        {
+            self.touched.claims = true;
+        }
+        if let Some(old) = old.as_ref().filter(|o| o.id != meta.id) {
+            if self.process_claims.remove(&old.id).is_some() {
+                self.touched.claims = true;
+            }
+        }
         if old.as_ref().is_none_or(|o| FileRecord::of(o) != FileRecord::of(&meta)) {
             self.touched.files.insert(meta.name.clone());
         }
@@ -864,7 +923,39 @@ impl MetaState {
             self.ids.remove(&f.id);
             self.touched.ids.insert(f.id);
         }
+        if self.process_claims.remove(&f.id).is_some() {
+            self.touched.claims = true;
+        }
         self.unindex_writer(f);
+    }
+
+    /// Drops the claims on `file` made on node incarnations now down (their processes went
+    /// with them): the writer's count falls by theirs, and at 0 the file is free.
+    fn prune_claims(&mut self, file: FileId) {
+        let Some(claims) = self.process_claims.get(&file) else {
+            return;
+        };
+        let (dead, live): (ProcessClaims, ProcessClaims) = claims
+            .iter()
+            .map(|(k, n)| (k.clone(), *n))
+            .partition(|((node, inc), _)| self.is_down(node, *inc));
+        if dead.is_empty() {
+            return;
+        }
+        let gone: u32 = dead.values().sum();
+        self.touched.claims = true;
+        if live.is_empty() {
+            self.process_claims.remove(&file);
+        } else {
+            self.process_claims.insert(file, live);
+        }
+        if let Some(mut f) = self.file_by_id(file).cloned() {
+            match &mut f.writer {
+                Some((_, n)) if *n > gone => *n -= gone,
+                _ => f.writer = None,
+            }
+            self.put_file(f);
+        }
     }
 
     fn unindex_writer(&mut self, f: &FileMeta) {
@@ -961,6 +1052,7 @@ impl MetaState {
         let mut t = Touched {
             nodes: true,
             next_gen: true,
+            claims: true,
             ..Touched::default()
         };
         for f in self.files.values() {
@@ -1030,6 +1122,9 @@ impl MetaState {
                 down: self.down.clone(),
             }),
             next_gen: t.next_gen.then_some(self.next_gen),
+            claims: t
+                .claims
+                .then(|| self.process_claims.iter().map(|(f, c)| (*f, c.clone())).collect()),
             gen_deltas: Vec::new(),
         }
     }
@@ -1165,6 +1260,16 @@ impl MetaState {
                 let d = self.down.entry(physical.clone()).or_insert(0);
                 *d = (*d).max(*incarnation);
                 self.touch_nodes();
+                // The claims of that node's processes went with them.
+                let claimed: Vec<FileId> = self
+                    .process_claims
+                    .iter()
+                    .filter(|(_, c)| c.keys().any(|(n, _)| n == physical))
+                    .map(|(f, _)| *f)
+                    .collect();
+                for f in claimed {
+                    self.prune_claims(f);
+                }
             }
             MetaOp::JobFinished { job, why, files, epoch } => {
                 // Its result is in a memory checkpoint (which has no record): the job's record
@@ -1219,6 +1324,7 @@ impl MetaState {
             }
             MetaOp::ClaimWriter { file, job } => {
                 crate::jobs::validate_job(job)?;
+                self.prune_claims(*file);
                 let Some(mut f) = self.file_by_id(*file).cloned() else {
                     return Err(MetaError::Invalid(format!("no file with id {file}")));
                 };
@@ -1243,6 +1349,73 @@ impl MetaState {
                     self.put_file(f);
                 }
             }
+            MetaOp::ClaimWriterOn {
+                file,
+                job,
+                node,
+                incarnation,
+            } => {
+                crate::jobs::validate_job(job)?;
+                if !(job.starts_with("ext:") || job.starts_with("proc:")) || node.is_empty() || *incarnation == 0 {
+                    return Err(MetaError::Invalid(format!(
+                        "a claim of a node's process names an ext: or proc: job, a node and an incarnation (not {job})"
+                    )));
+                }
+                if self.is_down(node, *incarnation) {
+                    return Err(MetaError::Invalid(format!("{node} incarnation {incarnation} is down")));
+                }
+                self.prune_claims(*file);
+                let Some(mut f) = self.file_by_id(*file).cloned() else {
+                    return Err(MetaError::Invalid(format!("no file with id {file}")));
+                };
+                match &mut f.writer {
+                    Some((w, _)) if w != job => {
+                        return Err(MetaError::WriterBusy {
+                            name: f.name.clone(),
+                            job: w.clone(),
+                        })
+                    }
+                    Some((_, n)) => *n = n.saturating_add(1),
+                    None => f.writer = Some((job.clone(), 1)),
+                }
+                if !self.process_claims.contains_key(file) && self.process_claims.len() >= MAX_PROCESS_CLAIMED_FILES {
+                    return Err(MetaError::Invalid(format!(
+                        "processes outside psls run claim {MAX_PROCESS_CLAIMED_FILES} files already"
+                    )));
+                }
+                self.put_file(f);
+                let mut claims = self.process_claims.get(file).cloned().unwrap_or_default();
+                let n = claims.entry((node.clone(), *incarnation)).or_insert(0);
+                *n = n.saturating_add(1);
+                self.process_claims.insert(*file, claims);
+                self.touched.claims = true;
+            }
+            MetaOp::ReleaseWriterOn {
+                file,
+                job,
+                node,
+                incarnation,
+            } => {
+                self.prune_claims(*file);
+                let key = (node.clone(), *incarnation);
+                let held = self.process_claims.get(file).is_some_and(|c| c.contains_key(&key));
+                if let Some(mut f) = self.file_by_id(*file).filter(|f| f.written_by(job) && held).cloned() {
+                    match &mut f.writer {
+                        Some((_, n)) if *n > 1 => *n -= 1,
+                        _ => f.writer = None,
+                    }
+                    let mut claims = self.process_claims.get(file).cloned().unwrap_or_default();
+                    if let Some(n) = claims.get_mut(&key) {
+                        *n -= 1;
+                        if *n == 0 {
+                            claims.remove(&key);
+                        }
+                    }
+                    self.process_claims.insert(*file, claims);
+                    self.touched.claims = true;
+                    self.put_file(f);
+                }
+            }
         }
         Ok(())
     }
@@ -1252,6 +1425,10 @@ impl MetaState {
         let mut out = SNAPSHOT_FORMAT.to_le_bytes().to_vec();
         out.extend(postcard::to_stdvec(self).expect("MetaState serializes"));
         out.extend(postcard::to_stdvec(&(&self.runs, &self.ended)).expect("job records serialize"));
+        // Optional (older snapshots end before it; older builds ignore it).
+        let claims: BTreeMap<FileId, ProcessClaims> =
+            self.process_claims.iter().map(|(f, c)| (*f, c.clone())).collect();
+        out.extend(postcard::to_stdvec(&claims).expect("claims serialize"));
         out
     }
 
@@ -1264,7 +1441,12 @@ impl MetaState {
         match v {
             SNAPSHOT_FORMAT => {
                 let (mut st, rest): (MetaState, _) = postcard::take_from_bytes(&bytes[2..]).map_err(corrupt)?;
-                (st.runs, st.ended) = postcard::from_bytes(rest).map_err(corrupt)?;
+                let (jobs, rest) = postcard::take_from_bytes(rest).map_err(corrupt)?;
+                (st.runs, st.ended) = jobs;
+                if !rest.is_empty() {
+                    let claims: BTreeMap<FileId, ProcessClaims> = postcard::from_bytes(rest).map_err(corrupt)?;
+                    st.process_claims = claims.into_iter().collect();
+                }
                 st.reindex();
                 Ok(st)
             }
@@ -1927,6 +2109,77 @@ mod tests {
         assert!(s.jobs.is_empty());
         assert_eq!(s.files["a"].writer, None, "a job's end releases its files");
         s.apply(&claim("k")).unwrap();
+    }
+
+    /// A process outside `psls run` lost with its node leaves no claim: its claims go with
+    /// the incarnation they were made on, once it is down; they persist in the store and in a
+    /// snapshot.
+    #[test]
+    fn a_processs_claim_goes_with_its_node_incarnation() {
+        let dir = tempfile::tempdir().unwrap();
+        let disk = FileDisk::new(dir.path()).unwrap();
+        let claim = |job: &str, node: &str, incarnation: u64| MetaOp::ClaimWriterOn {
+            file: FileId(7),
+            job: job.into(),
+            node: node.into(),
+            incarnation,
+        };
+        let release = |job: &str, node: &str, incarnation: u64| MetaOp::ReleaseWriterOn {
+            file: FileId(7),
+            job: job.into(),
+            node: node.into(),
+            incarnation,
+        };
+        let down = |node: &str, incarnation: u64| MetaOp::DeclareDown {
+            physical: node.into(),
+            incarnation,
+        };
+        {
+            let mut m = MetaStore::open(&disk).unwrap();
+            m.apply(&MetaOp::CommitFile {
+                meta: meta("a", 7),
+                replaces: None,
+                placed_at: None,
+            })
+            .unwrap();
+            m.apply(&claim("ext:0:first", "n1", 5)).unwrap();
+            m.apply(&claim("ext:0:first", "n1", 5)).unwrap();
+            m.apply(&claim("ext:0:first", "n2", 3)).unwrap();
+            assert_eq!(m.state().files["a"].writer, Some(("ext:0:first".into(), 3)));
+            assert!(matches!(
+                m.apply(&claim("ext:0:second", "n3", 1)),
+                Err(MetaError::WriterBusy { .. })
+            ));
+            assert!(m.apply(&claim("j", "n3", 1)).is_err(), "only a process's job");
+            // An older incarnation of n1 down: nothing of 5's goes.
+            m.apply(&down("n1", 4)).unwrap();
+            assert_eq!(m.state().files["a"].writer, Some(("ext:0:first".into(), 3)));
+            m.apply(&down("n1", 5)).unwrap();
+            assert_eq!(m.state().files["a"].writer, Some(("ext:0:first".into(), 1)));
+            assert!(
+                m.apply(&claim("ext:0:first", "n1", 5)).is_err(),
+                "a down incarnation claims nothing"
+            );
+            // A release of a claim that went changes nothing.
+            m.apply(&release("ext:0:first", "n1", 5)).unwrap();
+            assert_eq!(m.state().files["a"].writer, Some(("ext:0:first".into(), 1)));
+            let snap = m.state().clone();
+            assert_eq!(MetaState::decode(&snap.encode()).unwrap(), snap);
+        }
+        let mut m = MetaStore::open(&disk).unwrap();
+        assert_eq!(
+            m.state().process_claims[&FileId(7)],
+            BTreeMap::from([(("n2".to_string(), 3), 1)]),
+            "kept by the store"
+        );
+        m.apply(&release("ext:0:first", "n2", 3)).unwrap();
+        assert_eq!(m.state().files["a"].writer, None);
+        assert!(m.state().process_claims.is_empty());
+        m.apply(&claim("ext:0:second", "n3", 1)).unwrap();
+        // n3 restarts: its process's claim goes, and the file with it.
+        m.apply(&down("n3", 1)).unwrap();
+        assert_eq!(m.state().files["a"].writer, None);
+        assert!(m.state().process_claims.is_empty());
     }
 
     #[test]

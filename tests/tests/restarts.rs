@@ -170,3 +170,51 @@ fn a_psls_run_following_again_from_another_node_is_told_of_the_restart_it_missed
         "the restart it missed is noted\n{err}"
     );
 }
+
+/// A process outside `psls run` writing a file is lost with its node (kill -9 of the daemon):
+/// its claim on the file goes with that incarnation, so another job may write the file once
+/// the node is back (before, the file stayed "mapped writable by job ext:0:first" for good).
+#[test]
+fn a_writer_lost_with_its_node_leaves_no_claim_on_the_file() {
+    let c = Cluster::start(4, 0);
+    let probe = bin_dir().join("svm-probe");
+    let probe = probe.to_str().expect("path");
+    let marker = c.path("release");
+    let mut holder = c
+        .client("n1", probe)
+        .env("PSLS_JOB", "first")
+        .args(["hold", "w1", "4", marker.to_str().expect("path")])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("holder");
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(holder.stdout.as_mut().expect("stdout")),
+        &mut line,
+    )
+    .expect("read");
+    assert_eq!(line.trim(), "mapped");
+    let second = |node: &str| {
+        let o = c
+            .client(node, probe)
+            .env("PSLS_JOB", "second")
+            .args(["map", "w1", "4096", "0"])
+            .output()
+            .expect("probe");
+        (o.status.success(), String::from_utf8_lossy(&o.stdout).into_owned())
+    };
+    let (ok, out) = second("n3");
+    assert!(!ok && out.contains("mapped writable by job ext:0:first"), "{out}");
+    c.kill("n1");
+    c.ok(&["cluster", "up"]);
+    // The holder's process went with its node's daemon.
+    let t = Instant::now();
+    while holder.try_wait().expect("wait").is_none() {
+        assert!(t.elapsed() < Duration::from_secs(30), "the holder outlived its daemon");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    for node in ["n3", "n1"] {
+        let (ok, out) = second(node);
+        assert!(ok, "through {node}: {out}");
+    }
+}

@@ -26,4 +26,4 @@ pub use crate::peer::SafeCall;
 pub use round::{CkptShell, Done, MAX_CKPT_FILES};
 pub use safepoint::restart_output_seq;
 pub use states::{not_reserved, state_file_name, volatile_file_name, MAX_STATE_BYTES};
-pub use writers::{ext_job, is_process_job};
+pub use writers::{drop_earlier_claims, ext_job, is_process_job};

@@ -60,21 +60,42 @@ impl CkptShell {
             .node
             .file_by_id(file)
             .ok_or_else(|| OpError::new(ErrorKind::NotFound, format!("no file with id {file}")))?;
-        if let Some((w, _)) = f.writer.as_ref().filter(|(w, _)| w != job) {
-            return Err(OpError::new(
+        let busy = || {
+            OpError::new(
                 ErrorKind::Exists,
                 format!(
-                    "'{}' is mapped writable by job {w}: one job writes a file at a time (map it read-only, or wait for that job to end)",
-                    f.name
+                    "'{}' is mapped writable by job {}: one job writes a file at a time (map it read-only, or wait for that job to end)",
+                    f.name,
+                    f.writer.as_ref().map_or("", |(w, _)| w.as_str())
                 ),
-            ));
+            )
+        };
+        if let Some((w, _)) = f.writer.as_ref().filter(|(w, _)| w != job) {
+            // A writer outside `psls run` whose processes all ran on node incarnations that
+            // are over (down, or older than their node's incarnation heard now: incarnations
+            // never repeat) holds nothing: those incarnations are recorded down, and the
+            // claims go with them.
+            let st = self.node.meta_state();
+            let claims = st.process_claims.get(&file).cloned().unwrap_or_default();
+            let over = |n: &str, i: u64| st.is_down(n, i) || self.node.heard_incarnation(n) > i;
+            if !is_process_job(w) || claims.is_empty() || !claims.keys().all(|(n, i)| over(n, *i)) {
+                return Err(busy());
+            }
+            let nodes: BTreeSet<&String> = claims
+                .keys()
+                .filter(|(n, i)| !st.is_down(n, *i))
+                .map(|(n, _)| n)
+                .collect();
+            for n in nodes {
+                let op = MetaOp::DeclareDown {
+                    physical: n.clone(),
+                    incarnation: self.node.heard_incarnation(n).saturating_sub(1),
+                };
+                tracing::info!(node = %self.node.name(), %file, peer = %n, "a writer claim of an earlier incarnation of {n} goes with it");
+                self.node.submit(op).await?;
+            }
         }
-        self.node
-            .submit(MetaOp::ClaimWriter {
-                file,
-                job: job.to_string(),
-            })
-            .await?;
+        self.node.submit(self.claim_op(job, file)).await?;
         self.claims
             .locked()
             .entry(pid)
@@ -106,7 +127,37 @@ impl CkptShell {
                 None => return Ok(()),
             }
         };
-        self.node.submit(MetaOp::ReleaseWriter { file, job }).await
+        self.node.submit(self.release_op(&job, file)).await
+    }
+
+    /// The claim of `job` on `file`: a process's is made on this node's incarnation (it goes
+    /// with it); a `psls run` job's holds until the job ends.
+    fn claim_op(&self, job: &str, file: FileId) -> MetaOp {
+        let job = job.to_string();
+        if is_process_job(&job) {
+            MetaOp::ClaimWriterOn {
+                file,
+                job,
+                node: self.node.name().to_string(),
+                incarnation: self.node.incarnation,
+            }
+        } else {
+            MetaOp::ClaimWriter { file, job }
+        }
+    }
+
+    fn release_op(&self, job: &str, file: FileId) -> MetaOp {
+        let job = job.to_string();
+        if is_process_job(&job) {
+            MetaOp::ReleaseWriterOn {
+                file,
+                job,
+                node: self.node.name().to_string(),
+                incarnation: self.node.incarnation,
+            }
+        } else {
+            MetaOp::ReleaseWriter { file, job }
+        }
     }
 
     /// What process `pid` claims: its job and files.
@@ -128,9 +179,50 @@ impl CkptShell {
             return;
         }
         for file in files {
-            let op = MetaOp::ReleaseWriter { file, job: job.clone() };
+            let op = self.release_op(&job, file);
             if let Err(e) = self.node.submit(op).await {
                 tracing::warn!(node = %self.node.name(), pid, %file, error = %e, "could not release a file's writer claim");
+            }
+        }
+    }
+}
+
+/// At a start: the claims that processes on this node's earlier incarnations still hold in
+/// the metadata (they ended with that daemon, or were killed with it, and could not release
+/// them) go, by recording those incarnations down — which they are. Retried until the metadata
+/// answers, for at most `START_CLAIMS_LIMIT`.
+pub async fn drop_earlier_claims(node: std::sync::Arc<crate::node::Node>) {
+    const START_CLAIMS_LIMIT: std::time::Duration = std::time::Duration::from_secs(120);
+    let t = tokio::time::Instant::now();
+    while t.elapsed() < START_CLAIMS_LIMIT {
+        let st = match node.meta_fresh().await {
+            Ok(st) => st,
+            Err(_) => {
+                tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+                continue;
+            }
+        };
+        let me = node.name();
+        let earlier = st
+            .process_claims
+            .values()
+            .flat_map(|c| c.keys())
+            .filter(|(n, i)| n == me && *i < node.incarnation && !st.is_down(n, *i))
+            .map(|(_, i)| *i)
+            .max();
+        let Some(earlier) = earlier else { return };
+        let op = MetaOp::DeclareDown {
+            physical: me.to_string(),
+            incarnation: node.incarnation - 1,
+        };
+        match node.submit(op).await {
+            Ok(()) => {
+                tracing::info!(node = %me, incarnation = node.incarnation, earlier, "the claims of this node's earlier processes went with their incarnation");
+                return;
+            }
+            Err(e) => {
+                tracing::debug!(node = %me, error = %e, "could not record this node's earlier incarnations down yet");
+                tokio::time::sleep(std::time::Duration::from_millis(500)).await;
             }
         }
     }
