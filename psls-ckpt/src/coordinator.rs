@@ -210,6 +210,8 @@ pub struct Coordinator {
     /// Per job, the highest epoch a participant reported seeing in a refusal (bounded by
     /// [`crate::MAX_ROUNDS`]).
     seen: BTreeMap<String, u64>,
+    /// The incarnation each node was last heard at ([`Coordinator::heard`]).
+    heard: BTreeMap<NodeId, u64>,
     actions: VecDeque<CoordAction>,
 }
 
@@ -224,7 +226,22 @@ impl Coordinator {
             rounds: BTreeMap::new(),
             doubts: BTreeMap::new(),
             seen: BTreeMap::new(),
+            heard: BTreeMap::new(),
             actions: VecDeque::new(),
+        }
+    }
+
+    /// Node `n` is heard at incarnation `inc` now (0: not heard). Heard at another one than
+    /// before, it restarted — within the failure timeout, so it is never declared down — and
+    /// its earlier incarnation will not answer the rounds it was in: as [`Self::node_down`].
+    /// (Found by the nemesis: a job's last checkpoint waited ten minutes for a participant
+    /// killed and back within a second.)
+    pub fn heard(&mut self, n: NodeId, inc: u64) {
+        if inc == 0 {
+            return;
+        }
+        if self.heard.insert(n, inc).is_some_and(|was| was != inc) {
+            self.node_down(n);
         }
     }
 
@@ -1241,6 +1258,26 @@ mod tests {
         let a = drain(&mut c);
         assert!(
             matches!(a.last(), Some(CoordAction::Finished { outcome: Outcome::Aborted(why), .. }) if why.contains("restarted")),
+            "{a:?}"
+        );
+        assert!(!c.busy("j"));
+    }
+
+    #[test]
+    fn a_participant_heard_at_a_new_incarnation_aborts_the_rounds_it_was_in() {
+        let mut c = Coordinator::new(600_000, 0);
+        c.heard(NodeId(1), 5);
+        c.start(0, "j", 1, (Level::Persistent, Policy::P1), vec![], nodes(2), 0)
+            .unwrap();
+        c.begun(0, "j", 1, Ok((5, 10, 0)));
+        drain(&mut c);
+        c.heard(NodeId(1), 5);
+        c.heard(NodeId(0), 0);
+        assert!(drain(&mut c).is_empty(), "the same incarnation: the round waits");
+        c.heard(NodeId(1), 6);
+        let a = drain(&mut c);
+        assert!(
+            matches!(a.last(), Some(CoordAction::Finished { outcome: Outcome::Aborted(why), .. }) if why.contains("went down")),
             "{a:?}"
         );
         assert!(!c.busy("j"));

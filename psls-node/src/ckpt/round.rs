@@ -656,6 +656,7 @@ impl CkptShell {
                 if node.is_declared_down(p) {
                     c.node_down(NodeId(*l));
                 }
+                c.heard(NodeId(*l), node.heard_incarnation(p));
             }
             c.retry();
         }
