@@ -320,14 +320,14 @@ fn main() -> Result<()> {
                 .trim_start_matches(|c: char| !c.is_ascii_digit())
                 .parse()
                 .unwrap_or(u64::MAX);
-            slots[base] = node_no + 1;
+            slots[base] = node_no.saturating_add(1);
             for (k, key) in keys.iter().enumerate() {
                 let now = *after.1.get(*key).unwrap_or(&0);
                 // The peak is a level, not a count: as it stands after the run.
                 slots[base + 1 + k] = if key.starts_with("frames_peak") {
                     now
                 } else {
-                    now - before.1.get(*key).unwrap_or(&0)
+                    now.saturating_sub(*before.1.get(*key).unwrap_or(&0))
                 };
             }
         }
