@@ -305,6 +305,9 @@ pub fn run_with(seed: u64, duration: Duration, options: Options, say: &mut dyn F
                 .lost
                 .push(format!("{what} {id}: exit {code:?}\n{}\n{}", tail(&out), tail(&err)));
             say(&format!("  LOST: exit {code:?}\n{}", indent(&tail(&err))));
+            // As an operator would: the failed job is dropped, so that it does not keep its
+            // files from the next jobs (each later failure would be this one again).
+            let _ = c.run(&["jobs", "rm", &id]);
         } else if let Err(why) = check(kind, &out, &mgs_want).and_then(|()| check_file(&c, kind, n, &mgs_file)) {
             report
                 .wrong
@@ -350,9 +353,15 @@ fn indent(s: &str) -> String {
     s.lines().map(|l| format!("    | {l}")).collect::<Vec<_>>().join("\n")
 }
 
-/// The last lines of a job's output, for a report.
+/// The last lines of a job's output, for a report (without the frames of a backtrace).
 fn tail(s: &str) -> String {
-    let lines: Vec<&str> = s.lines().collect();
+    let frame = |l: &&str| {
+        let l = l.split_once("] ").map_or(*l, |(_, r)| r).trim_start();
+        l.starts_with("at ")
+            || l.split_once(": ")
+                .is_some_and(|(n, _)| n.chars().all(|c| c.is_ascii_digit()))
+    };
+    let lines: Vec<&str> = s.lines().filter(|l| !frame(l)).collect();
     lines[lines.len().saturating_sub(12)..].join("\n")
 }
 

@@ -87,6 +87,15 @@ fn a_detached_job_is_cancelled_then_resumed_from_its_checkpoint() {
         c.job_entry(&job)["state"] != "running"
     });
     c.assert_no_rank_left("after the cancel");
+    // It keeps its file: another job on it is told which job keeps it, and how to free it.
+    let other = mgs(&c, "n3", &[]).wait_with_output().expect("another job");
+    let said = String::from_utf8_lossy(&other.stdout).into_owned() + &String::from_utf8_lossy(&other.stderr);
+    assert!(!other.status.success(), "{said}");
+    assert!(
+        said.contains(&format!("is kept by job {job}, which ended and can be resumed"))
+            && said.contains(&format!("psls jobs rm {job}")),
+        "{said}"
+    );
     let resumed = c
         .cmd(&["--node", "n2", "run", "--resume", &job])
         .stdout(Stdio::piped())

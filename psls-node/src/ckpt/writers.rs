@@ -60,22 +60,28 @@ impl CkptShell {
             .node
             .file_by_id(file)
             .ok_or_else(|| OpError::new(ErrorKind::NotFound, format!("no file with id {file}")))?;
-        let busy = || {
-            OpError::new(
-                ErrorKind::Exists,
-                format!(
-                    "'{}' is mapped writable by job {}: one job writes a file at a time (map it read-only, or wait for that job to end)",
-                    f.name,
-                    f.writer.as_ref().map_or("", |(w, _)| w.as_str())
-                ),
-            )
-        };
         if let Some((w, _)) = f.writer.as_ref().filter(|(w, _)| w != job) {
+            let st = self.node.meta_state();
+            let busy = || {
+                // A `psls run` job that is not running keeps its files until it is resumed
+                // or dropped: say how.
+                let msg = if !is_process_job(w) && !st.runs.contains_key(w) {
+                    format!(
+                        "'{}' is kept by job {w}, which ended and can be resumed: `psls run --resume {w}` finishes it, `psls jobs rm {w}` drops it and frees the file",
+                        f.name
+                    )
+                } else {
+                    format!(
+                        "'{}' is mapped writable by job {w}: one job writes a file at a time (map it read-only, or wait for that job to end)",
+                        f.name
+                    )
+                };
+                OpError::new(ErrorKind::Exists, msg)
+            };
             // A writer outside `psls run` whose processes all ran on node incarnations that
             // are over (down, or older than their node's incarnation heard now: incarnations
             // never repeat) holds nothing: those incarnations are recorded down, and the
             // claims go with them.
-            let st = self.node.meta_state();
             let claims = st.process_claims.get(&file).cloned().unwrap_or_default();
             let over = |n: &str, i: u64| st.is_down(n, i) || self.node.heard_incarnation(n) > i;
             if !is_process_job(w) || claims.is_empty() || !claims.keys().all(|(n, i)| over(n, *i)) {
