@@ -291,7 +291,12 @@ pub async fn run(config: &Path, name: &str) -> Result<()> {
     node.initial_sync().await;
     tokio::spawn(d.clone().run_ticks());
     if start.blank {
-        tokio::spawn(crate::pfs::rejoin_blank(node.clone()));
+        node.rejoin_pending.store(true, std::sync::atomic::Ordering::Relaxed);
+        let n = node.clone();
+        tokio::spawn(async move {
+            crate::pfs::rejoin_blank(n.clone()).await;
+            n.rejoin_pending.store(false, std::sync::atomic::Ordering::Relaxed);
+        });
     }
     tokio::spawn(crate::ckpt::drop_earlier_claims(node.clone()));
     {

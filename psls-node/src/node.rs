@@ -80,6 +80,9 @@ pub struct Node {
     /// The metadata log and its leader, the coordinator (the shell of `psls_cluster::log`).
     pub replication: crate::replication::Replication,
     pub(crate) rebuild_running: AtomicBool,
+    /// Started on a blank data folder, and not yet decided whether its copies are rebuilt
+    /// (`pfs::rejoin_blank`): until then it says it is rebuilding (it holds no copy yet).
+    pub(crate) rejoin_pending: AtomicBool,
     pub rebuild_done: AtomicU64,
     pub rebuild_total: AtomicU64,
     /// Pages written to this node's page store, and its fsyncs (for the "no disk I/O during a
@@ -151,6 +154,7 @@ impl Node {
             euid: nix::unistd::geteuid().as_raw(),
             replication: crate::replication::Replication::new(voters, meta.0, meta.1),
             rebuild_running: AtomicBool::new(false),
+            rejoin_pending: AtomicBool::new(false),
             rebuild_done: AtomicU64::new(0),
             rebuild_total: AtomicU64::new(0),
             store_page_writes: AtomicU64::new(0),
@@ -558,7 +562,8 @@ impl Node {
     pub(crate) fn heartbeat(&self) -> Heartbeat {
         let st = self.meta_state();
         let log = self.replication.status();
-        let rebuilding = self.my_logical(&st).is_some_and(|l| st.rebuilding.contains_key(&l.0));
+        let rebuilding = self.my_logical(&st).is_some_and(|l| st.rebuilding.contains_key(&l.0))
+            || self.rejoin_pending.load(Ordering::Relaxed);
         let svm = self
             .beat
             .get()

@@ -139,10 +139,12 @@ pub fn status(node: &Node) -> ClusterStatus {
                 meta_term: hb.as_ref().map_or(0, |h| h.meta_log.0),
                 meta_commit: hb.as_ref().map_or(0, |h| h.meta_log.1),
                 meta_applied: hb.as_ref().map_or(0, |h| h.meta_log.2),
-                // The metadata says whether a node is rebuilding; its heartbeat only how far along.
+                // The metadata says whether a node is rebuilding, its heartbeat how far along;
+                // a node back on a blank disk says so itself until its rebuild is recorded.
                 rebuild: logical
                     .filter(|l| st.rebuilding.get(l).is_some_and(|r| r.physical == n.name))
-                    .map(|_| hb.as_ref().and_then(|h| h.rebuild).unwrap_or((0, 0))),
+                    .map(|_| hb.as_ref().and_then(|h| h.rebuild).unwrap_or((0, 0)))
+                    .or_else(|| hb.as_ref().filter(|_| up).and_then(|h| h.rebuild)),
                 recovery_frames: hb.as_ref().map_or(0, |h| h.frames.recovery),
                 unsaved_frames: hb.as_ref().map_or(0, |h| h.frames.unsaved),
                 pre_recovery_frames: hb.as_ref().map_or(0, |h| h.frames.pre_recovery),
