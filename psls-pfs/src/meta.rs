@@ -929,6 +929,39 @@ impl MetaState {
         self.unindex_writer(f);
     }
 
+    /// A process of `job` maps `file` writable: one more claim (refused if another job writes
+    /// it; claims of processes gone with their node incarnation go first).
+    fn claim_writer(&mut self, file: FileId, job: &str) -> Result<(), MetaError> {
+        self.prune_claims(file);
+        let Some(mut f) = self.file_by_id(file).cloned() else {
+            return Err(MetaError::Invalid(format!("no file with id {file}")));
+        };
+        match &mut f.writer {
+            Some((w, _)) if w != job => {
+                return Err(MetaError::WriterBusy {
+                    name: f.name.clone(),
+                    job: w.clone(),
+                })
+            }
+            Some((_, n)) => *n = n.saturating_add(1),
+            None => f.writer = Some((job.to_string(), 1)),
+        }
+        self.put_file(f);
+        Ok(())
+    }
+
+    /// A process of `job` no longer maps `file` writable: one claim less (the file is free at
+    /// none); nothing if `job` does not write it.
+    fn release_writer(&mut self, file: FileId, job: &str) {
+        if let Some(mut f) = self.file_by_id(file).filter(|f| f.written_by(job)).cloned() {
+            match &mut f.writer {
+                Some((_, n)) if *n > 1 => *n -= 1,
+                _ => f.writer = None,
+            }
+            self.put_file(f);
+        }
+    }
+
     /// Drops the claims on `file` made on node incarnations now down (their processes went
     /// with them): the writer's count falls by theirs, and at 0 the file is free.
     fn prune_claims(&mut self, file: FileId) {
@@ -1324,31 +1357,9 @@ impl MetaState {
             }
             MetaOp::ClaimWriter { file, job } => {
                 crate::jobs::validate_job(job)?;
-                self.prune_claims(*file);
-                let Some(mut f) = self.file_by_id(*file).cloned() else {
-                    return Err(MetaError::Invalid(format!("no file with id {file}")));
-                };
-                match &mut f.writer {
-                    Some((w, _)) if w != job => {
-                        return Err(MetaError::WriterBusy {
-                            name: f.name.clone(),
-                            job: w.clone(),
-                        })
-                    }
-                    Some((_, n)) => *n = n.saturating_add(1),
-                    None => f.writer = Some((job.clone(), 1)),
-                }
-                self.put_file(f);
+                self.claim_writer(*file, job)?;
             }
-            MetaOp::ReleaseWriter { file, job } => {
-                if let Some(mut f) = self.file_by_id(*file).filter(|f| f.written_by(job)).cloned() {
-                    match &mut f.writer {
-                        Some((_, n)) if *n > 1 => *n -= 1,
-                        _ => f.writer = None,
-                    }
-                    self.put_file(f);
-                }
-            }
+            MetaOp::ReleaseWriter { file, job } => self.release_writer(*file, job),
             MetaOp::ClaimWriterOn {
                 file,
                 job,
@@ -1364,26 +1375,12 @@ impl MetaState {
                 if self.is_down(node, *incarnation) {
                     return Err(MetaError::Invalid(format!("{node} incarnation {incarnation} is down")));
                 }
-                self.prune_claims(*file);
-                let Some(mut f) = self.file_by_id(*file).cloned() else {
-                    return Err(MetaError::Invalid(format!("no file with id {file}")));
-                };
-                match &mut f.writer {
-                    Some((w, _)) if w != job => {
-                        return Err(MetaError::WriterBusy {
-                            name: f.name.clone(),
-                            job: w.clone(),
-                        })
-                    }
-                    Some((_, n)) => *n = n.saturating_add(1),
-                    None => f.writer = Some((job.clone(), 1)),
-                }
                 if !self.process_claims.contains_key(file) && self.process_claims.len() >= MAX_PROCESS_CLAIMED_FILES {
                     return Err(MetaError::Invalid(format!(
                         "processes outside psls run claim {MAX_PROCESS_CLAIMED_FILES} files already"
                     )));
                 }
-                self.put_file(f);
+                self.claim_writer(*file, job)?;
                 let mut claims = self.process_claims.get(file).cloned().unwrap_or_default();
                 let n = claims.entry((node.clone(), *incarnation)).or_insert(0);
                 *n = n.saturating_add(1);
@@ -1398,12 +1395,9 @@ impl MetaState {
             } => {
                 self.prune_claims(*file);
                 let key = (node.clone(), *incarnation);
-                let held = self.process_claims.get(file).is_some_and(|c| c.contains_key(&key));
-                if let Some(mut f) = self.file_by_id(*file).filter(|f| f.written_by(job) && held).cloned() {
-                    match &mut f.writer {
-                        Some((_, n)) if *n > 1 => *n -= 1,
-                        _ => f.writer = None,
-                    }
+                let held = self.process_claims.get(file).is_some_and(|c| c.contains_key(&key))
+                    && self.file_by_id(*file).is_some_and(|f| f.written_by(job));
+                if held {
                     let mut claims = self.process_claims.get(file).cloned().unwrap_or_default();
                     if let Some(n) = claims.get_mut(&key) {
                         *n -= 1;
@@ -1413,7 +1407,7 @@ impl MetaState {
                     }
                     self.process_claims.insert(*file, claims);
                     self.touched.claims = true;
-                    self.put_file(f);
+                    self.release_writer(*file, job);
                 }
             }
         }

@@ -365,6 +365,28 @@ impl Cluster {
         cmd
     }
 
+    /// A process outside `psls run` of job `job` (`PSLS_JOB`) on `node` that maps 4 pages of
+    /// `file` writable and holds them until the file `marker` exists (svm-probe's `hold`);
+    /// returned once it mapped them.
+    pub fn hold_writable(&self, node: &str, job: &str, file: &str, marker: &std::path::Path) -> std::process::Child {
+        let probe = bin_dir().join("svm-probe");
+        let mut holder = self
+            .client(node, probe.to_str().expect("path"))
+            .env("PSLS_JOB", job)
+            .args(["hold", file, "4", marker.to_str().expect("path")])
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .expect("holder");
+        let mut line = String::new();
+        std::io::BufRead::read_line(
+            &mut std::io::BufReader::new(holder.stdout.as_mut().expect("stdout")),
+            &mut line,
+        )
+        .expect("read");
+        assert_eq!(line.trim(), "mapped");
+        holder
+    }
+
     /// Runs client `bin ARGS` on `node`, which must succeed; returns its stdout.
     pub fn client_ok(&self, node: &str, bin: &str, args: &[&str]) -> String {
         let o = self.client(node, bin).args(args).output().expect("run client");

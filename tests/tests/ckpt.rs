@@ -243,20 +243,7 @@ fn bad_safe_point_calls_get_clear_errors_and_take_no_checkpoint() {
 fn a_file_is_written_by_one_job_at_a_time() {
     let c = Cluster::start(4, 0);
     let marker = c.path("release");
-    let mut holder = c
-        .client("n1", PROBE)
-        .env("PSLS_JOB", "first")
-        .args(["hold", "w1", "4", marker.to_str().expect("path")])
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .expect("holder");
-    let mut line = String::new();
-    std::io::BufRead::read_line(
-        &mut std::io::BufReader::new(holder.stdout.as_mut().expect("stdout")),
-        &mut line,
-    )
-    .expect("read");
-    assert_eq!(line.trim(), "mapped");
+    let mut holder = c.hold_writable("n1", "first", "w1", &marker);
     // Another job may not map it writable, on any node (reading is free: svm.rs maps
     // read-only next to writers).
     for node in ["n1", "n3"] {

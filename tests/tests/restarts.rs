@@ -180,20 +180,7 @@ fn a_writer_lost_with_its_node_leaves_no_claim_on_the_file() {
     let probe = bin_dir().join("svm-probe");
     let probe = probe.to_str().expect("path");
     let marker = c.path("release");
-    let mut holder = c
-        .client("n1", probe)
-        .env("PSLS_JOB", "first")
-        .args(["hold", "w1", "4", marker.to_str().expect("path")])
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .expect("holder");
-    let mut line = String::new();
-    std::io::BufRead::read_line(
-        &mut std::io::BufReader::new(holder.stdout.as_mut().expect("stdout")),
-        &mut line,
-    )
-    .expect("read");
-    assert_eq!(line.trim(), "mapped");
+    let mut holder = c.hold_writable("n1", "first", "w1", &marker);
     let second = |node: &str| {
         let o = c
             .client(node, probe)

@@ -136,33 +136,40 @@ impl CkptShell {
         self.node.submit(self.release_op(&job, file)).await
     }
 
-    /// The claim of `job` on `file`: a process's is made on this node's incarnation (it goes
-    /// with it); a `psls run` job's holds until the job ends.
+    /// The claim of `job` on `file` (or its release): a process's is made on this node's
+    /// incarnation (it goes with it); a `psls run` job's holds until the job ends.
     fn claim_op(&self, job: &str, file: FileId) -> MetaOp {
-        let job = job.to_string();
-        if is_process_job(&job) {
-            MetaOp::ClaimWriterOn {
-                file,
-                job,
-                node: self.node.name().to_string(),
-                incarnation: self.node.incarnation,
-            }
-        } else {
-            MetaOp::ClaimWriter { file, job }
-        }
+        self.writer_op(job, file, true)
     }
 
     fn release_op(&self, job: &str, file: FileId) -> MetaOp {
+        self.writer_op(job, file, false)
+    }
+
+    fn writer_op(&self, job: &str, file: FileId, claim: bool) -> MetaOp {
         let job = job.to_string();
-        if is_process_job(&job) {
+        if !is_process_job(&job) {
+            return if claim {
+                MetaOp::ClaimWriter { file, job }
+            } else {
+                MetaOp::ReleaseWriter { file, job }
+            };
+        }
+        let (node, incarnation) = (self.node.name().to_string(), self.node.incarnation);
+        if claim {
+            MetaOp::ClaimWriterOn {
+                file,
+                job,
+                node,
+                incarnation,
+            }
+        } else {
             MetaOp::ReleaseWriterOn {
                 file,
                 job,
-                node: self.node.name().to_string(),
-                incarnation: self.node.incarnation,
+                node,
+                incarnation,
             }
-        } else {
-            MetaOp::ReleaseWriter { file, job }
         }
     }
 
