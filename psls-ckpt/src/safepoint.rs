@@ -5,10 +5,15 @@
 //! one (`psls checkpoint`) or for a halt (`psls halt`: a checkpoint, then the job stops) — or
 //! does nothing.
 //!
-//! Invariants: a decision covers exactly the ranks `0..size` of one call, each once; a call
-//! that not every rank makes within the timeout fails for the ranks that made it (the job's
-//! checkpoints are untouched); a forced checkpoint is taken at the next call, and cleared only
-//! when one commits; the tables are bounded ([`crate::MAX_ROUNDS`] jobs, `size` ranks each).
+//! Every call carries its number within the job's start (`seq`: 1, 2, …, counted by the rank's
+//! node), so that a call repeated after its answer was lost (with a killed coordinator) is
+//! never taken for the rank's next one: the ranks of one decision made the same call.
+//!
+//! Invariants: a decision covers exactly the ranks `0..size` of one call, each once, all with
+//! the same number; a call that not every rank makes within the timeout fails for the ranks
+//! that made it (the job's checkpoints are untouched), and so does a call whose ranks are out
+//! of step; a forced checkpoint is taken at the next call, and cleared only when one commits;
+//! the tables are bounded ([`crate::MAX_ROUNDS`] jobs, `size` ranks each).
 
 use psls_svm::{FileId, NodeId};
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
@@ -34,7 +39,8 @@ pub enum SafeAction {
         files: Vec<FileId>,
         ranks: Vec<(u32, NodeId)>,
     },
-    /// Not every rank called within the timeout: fail these ranks' calls.
+    /// Not every rank called within the timeout, or the ranks are out of step: fail these
+    /// ranks' calls.
     TimedOut {
         job: String,
         ranks: Vec<(u32, NodeId)>,
@@ -51,6 +57,9 @@ pub enum ArriveError {
     Again,
     /// Too many jobs at once.
     Full,
+    /// The rank's call is not the one the other ranks made (one of them repeats a call whose
+    /// answer it lost): the calls of the others fail too, and the job must roll back.
+    OutOfStep(String),
 }
 
 #[derive(Debug)]
@@ -65,6 +74,8 @@ struct Job {
     force: bool,
     halt: bool,
     arrived: BTreeMap<u32, NodeId>,
+    /// The number of the call the ranks in `arrived` made.
+    seq: u64,
     files: BTreeSet<FileId>,
     first_ms: u64,
     /// A decision is being carried out: arrivals wait for `done`.
@@ -89,14 +100,15 @@ impl SafePoints {
 
     /// Rank `rank` of start `attempt` of `job` (of `size` ranks; checkpoint interval
     /// `interval_ms`; a call not made by every rank within `timeout_ms` fails), on `node`,
-    /// calls, mapping `files` writable. A call of a later start replaces the calls of earlier
-    /// ones (their ranks were stopped); a call of an earlier start is refused.
+    /// makes its call number `seq` of that start, mapping `files` writable. A call of a later
+    /// start replaces the calls of earlier ones (their ranks were stopped); a call of an
+    /// earlier start is refused; a call whose number is not the other ranks' fails with theirs.
     #[allow(clippy::too_many_arguments)]
     pub fn arrive(
         &mut self,
         now_ms: u64,
         job: &str,
-        (rank, attempt): (u32, u32),
+        (rank, attempt, seq): (u32, u32, u64),
         size: u32,
         (interval_ms, timeout_ms): (u64, u64),
         node: NodeId,
@@ -117,6 +129,7 @@ impl SafePoints {
             force: false,
             halt: false,
             arrived: BTreeMap::new(),
+            seq,
             files: BTreeSet::new(),
             first_ms: now_ms,
             deciding: false,
@@ -142,8 +155,29 @@ impl SafePoints {
         if j.deciding || j.arrived.contains_key(&rank) {
             return Err(ArriveError::Again);
         }
+        if !j.arrived.is_empty() && seq != j.seq {
+            let ranks: Vec<(u32, NodeId)> = j.arrived.iter().map(|(r, n)| (*r, *n)).collect();
+            let why = format!(
+                "the job's ranks are out of step: rank {rank} made its checkpoint call {seq} of this start while {} made call {} (a call answered before its coordinator failed was made again); no checkpoint was taken",
+                if ranks.len() == 1 {
+                    format!("rank {}", ranks[0].0)
+                } else {
+                    format!("{} ranks", ranks.len())
+                },
+                j.seq
+            );
+            j.arrived.clear();
+            j.files.clear();
+            self.actions.push_back(SafeAction::TimedOut {
+                job: job.to_string(),
+                ranks,
+                why: why.clone(),
+            });
+            return Err(ArriveError::OutOfStep(why));
+        }
         if j.arrived.is_empty() {
             j.first_ms = now_ms;
+            j.seq = seq;
         }
         j.interval_ms = interval_ms;
         j.timeout_ms = timeout_ms;
@@ -263,6 +297,11 @@ impl SafePoints {
     pub fn end(&mut self, job: &str) {
         self.jobs.remove(job);
     }
+
+    /// Whether `job` made calls since its last `end`.
+    pub fn has(&self, job: &str) -> bool {
+        self.jobs.contains_key(job)
+    }
 }
 
 #[cfg(test)]
@@ -279,18 +318,21 @@ mod tests {
         let f = [FileId(1)];
         // Interval 0: every call takes one.
         let t = (0, 1000);
-        s.arrive(0, "j", (1, 0), 2, t, NodeId(1), &f).unwrap();
+        s.arrive(0, "j", (1, 0, 1), 2, t, NodeId(1), &f).unwrap();
         assert!(drain(&mut s).is_empty());
-        assert_eq!(s.arrive(0, "j", (1, 0), 2, t, NodeId(1), &f), Err(ArriveError::Again));
+        assert_eq!(
+            s.arrive(0, "j", (1, 0, 1), 2, t, NodeId(1), &f),
+            Err(ArriveError::Again)
+        );
         assert!(matches!(
-            s.arrive(0, "j", (2, 0), 2, t, NodeId(1), &f),
+            s.arrive(0, "j", (2, 0, 1), 2, t, NodeId(1), &f),
             Err(ArriveError::Invalid(_))
         ));
         assert!(matches!(
-            s.arrive(0, "j", (0, 0), 3, t, NodeId(1), &f),
+            s.arrive(0, "j", (0, 0, 1), 3, t, NodeId(1), &f),
             Err(ArriveError::Invalid(_))
         ));
-        s.arrive(5, "j", (0, 0), 2, t, NodeId(0), &[FileId(2)]).unwrap();
+        s.arrive(5, "j", (0, 0, 1), 2, t, NodeId(0), &[FileId(2)]).unwrap();
         match &drain(&mut s)[..] {
             [SafeAction::Decided {
                 decision:
@@ -308,15 +350,15 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert_eq!(
-            s.arrive(6, "j", (0, 0), 2, t, NodeId(0), &f),
+            s.arrive(6, "j", (0, 0, 1), 2, t, NodeId(0), &f),
             Err(ArriveError::Again),
             "still deciding"
         );
         s.done(10, "j", true);
         // Interval 100 ms: skipped until it elapsed since the last commit, unless forced.
         let call = |s: &mut SafePoints, now: u64| {
-            s.arrive(now, "j", (0, 0), 2, (100, 1000), NodeId(0), &f).unwrap();
-            s.arrive(now, "j", (1, 0), 2, (100, 1000), NodeId(1), &f).unwrap();
+            s.arrive(now, "j", (0, 0, 1), 2, (100, 1000), NodeId(0), &f).unwrap();
+            s.arrive(now, "j", (1, 0, 1), 2, (100, 1000), NodeId(1), &f).unwrap();
             match &drain(s)[..] {
                 [SafeAction::Decided { decision, .. }] => *decision,
                 other => panic!("{other:?}"),
@@ -366,8 +408,8 @@ mod tests {
     #[test]
     fn a_call_not_every_rank_makes_times_out_and_a_lost_node_fails_it() {
         let mut s = SafePoints::new();
-        s.arrive(0, "j", (0, 0), 3, (0, 1000), NodeId(0), &[]).unwrap();
-        s.arrive(10, "j", (2, 0), 3, (0, 1000), NodeId(2), &[]).unwrap();
+        s.arrive(0, "j", (0, 0, 1), 3, (0, 1000), NodeId(0), &[]).unwrap();
+        s.arrive(10, "j", (2, 0, 1), 3, (0, 1000), NodeId(2), &[]).unwrap();
         s.tick(1000);
         assert!(drain(&mut s).is_empty());
         s.tick(1001);
@@ -379,19 +421,62 @@ mod tests {
             other => panic!("{other:?}"),
         }
         // A restarted job's calls replace the calls of the stopped start; those are refused.
-        s.arrive(1500, "j", (0, 0), 3, (0, 1000), NodeId(0), &[]).unwrap();
-        s.arrive(1500, "j", (0, 1), 3, (0, 1000), NodeId(0), &[]).unwrap();
+        s.arrive(1500, "j", (0, 0, 1), 3, (0, 1000), NodeId(0), &[]).unwrap();
+        s.arrive(1500, "j", (0, 1, 1), 3, (0, 1000), NodeId(0), &[]).unwrap();
         assert!(matches!(
-            s.arrive(1500, "j", (1, 0), 3, (0, 1000), NodeId(1), &[]),
+            s.arrive(1500, "j", (1, 0, 1), 3, (0, 1000), NodeId(1), &[]),
             Err(ArriveError::Invalid(_))
         ));
-        s.arrive(1500, "j", (1, 1), 3, (0, 1000), NodeId(1), &[]).unwrap();
-        s.arrive(1500, "j", (2, 1), 3, (0, 1000), NodeId(2), &[]).unwrap();
+        s.arrive(1500, "j", (1, 1, 1), 3, (0, 1000), NodeId(1), &[]).unwrap();
+        s.arrive(1500, "j", (2, 1, 1), 3, (0, 1000), NodeId(2), &[]).unwrap();
         assert!(matches!(&drain(&mut s)[..], [SafeAction::Decided { ranks, .. }] if ranks.len() == 3));
         s.done(1500, "j", true);
         // The next call starts afresh.
-        s.arrive(2000, "j", (1, 1), 3, (0, 1000), NodeId(1), &[]).unwrap();
+        s.arrive(2000, "j", (1, 1, 1), 3, (0, 1000), NodeId(1), &[]).unwrap();
         s.node_down(NodeId(1));
         assert!(matches!(&drain(&mut s)[..], [SafeAction::TimedOut { ranks, .. }] if ranks.is_empty()));
+    }
+
+    #[test]
+    fn a_call_made_again_after_its_answer_was_lost_fails_the_call_of_the_ranks_gone_on() {
+        // Call 4 was decided and answered by a coordinator that then died before rank 2 got
+        // its answer: ranks 0 and 1 make call 5 at the next coordinator, rank 2 makes call 4
+        // again. Taken together, a checkpoint would hold ranks at different steps.
+        let mut s = SafePoints::new();
+        let t = (0, 1000);
+        s.arrive(0, "j", (0, 0, 5), 3, t, NodeId(0), &[]).unwrap();
+        s.arrive(1, "j", (1, 0, 5), 3, t, NodeId(1), &[]).unwrap();
+        let e = s.arrive(2, "j", (2, 0, 4), 3, t, NodeId(2), &[]);
+        match e {
+            Err(ArriveError::OutOfStep(why)) => {
+                assert!(
+                    why.contains("rank 2 made its checkpoint call 4") && why.contains("2 ranks made call 5"),
+                    "{why}"
+                )
+            }
+            other => panic!("{other:?}"),
+        }
+        match &drain(&mut s)[..] {
+            [SafeAction::TimedOut { ranks, why, .. }] => {
+                assert_eq!(ranks, &vec![(0, NodeId(0)), (1, NodeId(1))]);
+                assert!(why.contains("out of step"), "{why}");
+            }
+            other => panic!("{other:?}"),
+        }
+        // In the other order too: the repeated call came first.
+        s.arrive(3, "j", (2, 0, 4), 3, t, NodeId(2), &[]).unwrap();
+        assert!(matches!(
+            s.arrive(4, "j", (0, 0, 5), 3, t, NodeId(0), &[]),
+            Err(ArriveError::OutOfStep(_))
+        ));
+        assert!(matches!(&drain(&mut s)[..], [SafeAction::TimedOut { ranks, .. }] if ranks == &vec![(2, NodeId(2))]));
+        // Nothing is left waiting: the restarted job's calls (a new start) are decided.
+        for r in 0..3 {
+            s.arrive(10, "j", (r, 1, 1), 3, t, NodeId(r), &[]).unwrap();
+        }
+        assert!(matches!(&drain(&mut s)[..], [SafeAction::Decided { ranks, .. }] if ranks.len() == 3));
+        assert!(s.has("j"));
+        s.end("j");
+        assert!(!s.has("j"));
     }
 }

@@ -123,6 +123,32 @@ pub struct SafeCall {
     /// The incarnation of the rank's node (set by that node): a checkpoint round must hear
     /// from the same one.
     pub node_inc: u64,
+    /// The rank's session on its node (unique there for the node's incarnation).
+    pub session: u64,
+    /// The call's number in the rank's session (1, 2, …): every rank of one decision makes
+    /// the same one, and a call made again (its answer lost) keeps its number.
+    pub seq: u64,
+}
+
+/// Which call a [`SafeCall`] is: its start, its rank's node incarnation and session, and its
+/// number there.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CallId {
+    pub attempt: u32,
+    pub node_inc: u64,
+    pub session: u64,
+    pub seq: u64,
+}
+
+impl SafeCall {
+    pub fn id(&self) -> CallId {
+        CallId {
+            attempt: self.attempt,
+            node_inc: self.node_inc,
+            session: self.session,
+            seq: self.seq,
+        }
+    }
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]

@@ -360,9 +360,11 @@ fn a_checkpointed_page_bad_on_one_copy_is_served_from_the_other_and_repaired_and
 
 /// A rank's node that lost its connection mid-call retries the call: the coordinator, still
 /// holding the first (the rank arrived), lets the retry take over the wait instead of failing
-/// the rank with "already in a checkpoint call" (the nemesis met it after a pause).
+/// the rank with "already in a checkpoint call" (the nemesis met it after a pause). A call
+/// answered already gets its answer again; a call out of step with the other ranks' fails
+/// theirs (the nemesis met a checkpoint of ranks at different steps, and wrong results).
 #[test]
-fn a_retried_checkpoint_call_takes_over_the_wait() {
+fn a_retried_checkpoint_call_takes_over_the_wait_or_gets_its_answer_again() {
     let c = Cluster::start(3, 0);
     // n2 stops; a stand-in speaks for it (a new incarnation, as after a restart).
     c.kill("n2");
@@ -386,12 +388,15 @@ fn a_retried_checkpoint_call_takes_over_the_wait() {
         gid: 0,
         launcher: "n2".into(),
         node_inc: NEW_INCARNATION,
+        session: 7,
+        seq: 1,
     };
     let rank1 = psls_node::peer::SafeCall {
         rank: 1,
+        session: 8,
         ..call.clone()
     };
-    let req = psls_node::peer::PeerReq::CkptArrive(call);
+    let req = psls_node::peer::PeerReq::CkptArrive(call.clone());
     let error = |r: Result<(psls_node::peer::PeerResp, bytes::Bytes), psls_node::transport::NetError>| match r {
         Ok((psls_node::peer::PeerResp::Error { message, .. }, _)) => message,
         other => panic!("an error answer, not {other:?}"),
@@ -422,5 +427,36 @@ fn a_retried_checkpoint_call_takes_over_the_wait() {
     assert!(first.contains("retried"), "the first wait is over: {first}");
     assert_eq!(done(second), (0, false), "the retry is answered with the decision");
     assert_eq!(done(other), (0, false), "rank 1 too");
+    // Rank 0's call once more (its answer lost on the way): the same answer at once, not a
+    // wait for rank 1's next call (the request gives up after 10 s).
+    let t = std::time::Instant::now();
+    assert_eq!(
+        done(peer.request(&coordinator, &req, bytes::Bytes::new())),
+        (0, false),
+        "a call answered already"
+    );
+    assert!(t.elapsed() < std::time::Duration::from_secs(2), "{:?}", t.elapsed());
+    // Rank 1 makes its next call; rank 0 (as seen by a coordinator that never answered it)
+    // makes call 1 again: out of step, both fail, no checkpoint of ranks at different steps.
+    let next1 = psls_node::peer::PeerReq::CkptArrive(psls_node::peer::SafeCall {
+        rank: 1,
+        session: 8,
+        seq: 2,
+        ..call.clone()
+    });
+    let again0 = psls_node::peer::PeerReq::CkptArrive(psls_node::peer::SafeCall {
+        session: 9,
+        ..call.clone()
+    });
+    let (next1, again0) = std::thread::scope(|s| {
+        let next1 = s.spawn(|| peer.request(&coordinator, &next1, bytes::Bytes::new()));
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        let again0 = peer.request(&coordinator, &again0, bytes::Bytes::new());
+        (next1.join().expect("rank 1's next call"), again0)
+    });
+    for (what, r) in [("rank 1's next call", next1), ("rank 0's call again", again0)] {
+        let e = error(r);
+        assert!(e.contains("out of step"), "{what}: {e}");
+    }
     c.ok(&["cluster", "up"]);
 }

@@ -23,7 +23,7 @@
 use crate::failstop::Locked;
 use crate::node::Node;
 use crate::op::OpError;
-use crate::peer::{PeerReq, PeerResp, WriteGen};
+use crate::peer::{CallId, PeerReq, PeerResp, WriteGen};
 use crate::svm::SvmShell;
 use psls_ckpt::msg::Level;
 use psls_ckpt::{CoordAction, Coordinator, Msg, Outcome, PartAction, Participant};
@@ -75,6 +75,23 @@ pub struct SafeOutcome {
     /// last rank's call to the ranks' answer (their own calls also wait for the slowest rank).
     pub stopped_us: u64,
 }
+
+impl SafeOutcome {
+    pub(super) fn into_resp(self) -> PeerResp {
+        PeerResp::SafeDone {
+            epoch: self.epoch,
+            halt: self.halt,
+            pages: self.pages,
+            stopped_us: self.stopped_us,
+        }
+    }
+}
+
+/// The answer to a rank's safe-point call.
+pub(super) type SafeAnswer = Result<SafeOutcome, OpError>;
+
+/// A job's last answered call of each rank, by rank.
+pub(super) type Answered = HashMap<u32, (CallId, SafeAnswer)>;
 
 /// A rank waiting at the coordinator for its call's outcome.
 pub(super) type SafeWaiter = tokio::sync::oneshot::Sender<Result<SafeOutcome, OpError>>;
@@ -186,7 +203,11 @@ pub struct CkptShell {
     /// At the coordinator: the ranks' safe-point calls.
     pub(super) safe: Mutex<psls_ckpt::SafePoints>,
     /// At the coordinator: the ranks waiting for their call's outcome, by (job, rank).
-    pub(super) safe_waiters: Mutex<HashMap<(String, u32), (u32, SafeWaiter)>>,
+    pub(super) safe_waiters: Mutex<HashMap<(String, u32), (CallId, SafeWaiter)>>,
+    /// At the coordinator: the last call of each rank answered here and its answer, by job
+    /// and rank (a call made again, its answer lost on the way, gets the same). Only jobs the
+    /// safe-point machine holds (at most `MAX_ROUNDS`).
+    pub(super) safe_answered: Mutex<HashMap<String, Answered>>,
     /// On a rank's node: the private state of each local rank's call in progress, by (job,
     /// rank); written with the job's checkpoint.
     pub(super) states: Mutex<HashMap<(String, u32), RankState>>,
@@ -240,6 +261,7 @@ impl CkptShell {
             own: Mutex::new(VecDeque::new()),
             safe: Mutex::new(psls_ckpt::SafePoints::new()),
             safe_waiters: Mutex::new(HashMap::new()),
+            safe_answered: Mutex::new(HashMap::new()),
             states: Mutex::new(HashMap::new()),
             owners: Mutex::new(HashMap::new()),
             claims: Mutex::new(HashMap::new()),
@@ -290,12 +312,17 @@ impl CkptShell {
     /// retried a few times.
     pub(super) async fn call_coordinator(&self, req: PeerReq, timeout: Duration) -> Result<PeerResp, OpError> {
         let mut last = unavailable("no coordinator is reachable");
-        // Three tries only. A longer patience (tried: four failure timeouts, to ride over a
-        // change of coordinator) let a rank's call whose answer was lost with a killed
-        // coordinator be taken by the next one as the rank's next call: a checkpoint of ranks
-        // at different steps, and wrong results after a rollback to it (the nemesis, kill -9
-        // only). A call must carry its number before it can be retried safely.
-        for _ in 0..3 {
+        // A change of coordinator (its node killed, or back at once as a new incarnation that
+        // does not coordinate yet) is ridden over: tried again for a few failure timeouts
+        // before the caller is told. The nemesis met ranks failed by "n0 is no longer the
+        // coordinator" 600 ms into such a change. A rank's call made again is safe: it keeps
+        // its number, so a coordinator never takes it for the rank's next call.
+        let patience = Duration::from_millis(4 * self.node.cfg.cluster.heartbeat_timeout_ms);
+        let t = tokio::time::Instant::now();
+        for attempt in 0u32.. {
+            if attempt >= 3 && t.elapsed() >= patience {
+                break;
+            }
             let Some((_, coordinator)) = self.node.coordinator_now() else {
                 tokio::time::sleep(Duration::from_millis(200)).await;
                 continue;
@@ -565,6 +592,7 @@ impl CkptShell {
         self.cleaner_next.locked().remove(job);
         self.goes.locked().retain(|(j, _), _| j != job);
         self.arrived_incs.locked().remove(job);
+        self.safe_answered.locked().remove(job);
         self.svm.forget_active(job);
         self.node.frames.end_job(job);
     }

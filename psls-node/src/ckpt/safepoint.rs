@@ -116,32 +116,46 @@ impl CkptShell {
         };
         let (tx, rx) = tokio::sync::oneshot::channel();
         let key = (call.job.clone(), call.rank);
+        let id = call.id();
         let retried = {
             let mut waiters = self.safe_waiters.locked();
-            match waiters.get(&key).map(|(a, _)| *a) {
-                Some(a) if a > call.attempt => {
+            match waiters.get(&key).map(|(w, _)| *w) {
+                Some(w) if w.attempt > call.attempt => {
                     return Err(OpError::new(
                         ErrorKind::Invalid,
                         format!(
-                            "rank {} of job {} calls from start {}; the job is at start {a}",
-                            call.rank, call.job, call.attempt
+                            "rank {} of job {} calls from start {}; the job is at start {}",
+                            call.rank, call.job, call.attempt, w.attempt
                         ),
                     ))
                 }
                 // The same call again: its node lost the connection it was waiting on and
                 // retried. The rank arrived already; the retry takes over the wait.
-                Some(a) if a == call.attempt => {
-                    tracing::info!(job = %call.job, rank = call.rank, "a checkpoint call retried by {from}");
-                    if let Some((_, old)) = waiters.insert(key, (call.attempt, tx)) {
+                Some(w) if w == id => {
+                    tracing::info!(job = %call.job, rank = call.rank, seq = call.seq, "a checkpoint call retried by {from}");
+                    if let Some((_, old)) = waiters.insert(key, (id, tx)) {
                         let _ = old.send(Err(unavailable("the call was retried")));
                     }
                     true
                 }
                 _ => {
+                    // The same call again, answered here already (the answer was lost on
+                    // the way): the same answer, never taken for the rank's next call.
+                    let answered = self
+                        .safe_answered
+                        .locked()
+                        .get(&call.job)
+                        .and_then(|a| a.get(&call.rank))
+                        .filter(|(a, _)| *a == id)
+                        .map(|(_, r)| r.clone());
+                    if let Some(r) = answered {
+                        tracing::info!(job = %call.job, rank = call.rank, seq = call.seq, "a checkpoint call answered already, made again by {from}");
+                        return r.map(SafeOutcome::into_resp);
+                    }
                     let r = self.safe.locked().arrive(
                         node.now_ms(),
                         &call.job,
-                        (call.rank, call.attempt),
+                        (call.rank, call.attempt, call.seq),
                         call.size,
                         (call.interval_ms, call.timeout_ms),
                         l,
@@ -157,6 +171,12 @@ impl CkptShell {
                             ))
                         }
                         Err(ArriveError::Full) => return Err(unavailable("too many jobs in checkpoint calls")),
+                        Err(ArriveError::OutOfStep(m)) => {
+                            // The others' calls fail with it (the machine's action).
+                            drop(waiters);
+                            self.drive();
+                            return Err(OpError::new(ErrorKind::Invalid, m));
+                        }
                     }
                     // Which incarnation of its node each rank's call came from.
                     self.arrived_incs
@@ -165,7 +185,7 @@ impl CkptShell {
                         .or_default()
                         .insert(l, call.node_inc);
                     // A call of the job's stopped start, still waiting, is over.
-                    if let Some((_, old)) = waiters.insert(key, (call.attempt, tx)) {
+                    if let Some((_, old)) = waiters.insert(key, (id, tx)) {
                         let _ = old.send(Err(unavailable(format!("job {} restarted", call.job))));
                     }
                     false
@@ -196,24 +216,32 @@ impl CkptShell {
         &self,
         rx: tokio::sync::oneshot::Receiver<Result<SafeOutcome, OpError>>,
     ) -> Result<PeerResp, OpError> {
-        let o = rx
-            .await
-            .map_err(|_| unavailable("the coordinator stopped during the call"))??;
-        Ok(PeerResp::SafeDone {
-            epoch: o.epoch,
-            halt: o.halt,
-            pages: o.pages,
-            stopped_us: o.stopped_us,
-        })
+        rx.await
+            .map_err(|_| unavailable("the coordinator stopped during the call"))?
+            .map(SafeOutcome::into_resp)
     }
 
+    /// Answers the calls of `job`'s `ranks` waiting here with `r`, and keeps it for a call
+    /// made again (while the safe-point machine holds the job).
     fn answer(&self, job: &str, ranks: &[(u32, NodeId)], r: Result<SafeOutcome, OpError>) {
         let mut waiters = self.safe_waiters.locked();
+        let keep = self.safe.locked().has(job);
+        let mut answered = self.safe_answered.locked();
         for (rank, _) in ranks {
-            if let Some((_, w)) = waiters.remove(&(job.to_string(), *rank)) {
+            if let Some((id, w)) = waiters.remove(&(job.to_string(), *rank)) {
+                if keep {
+                    answered
+                        .entry(job.to_string())
+                        .or_default()
+                        .insert(*rank, (id, r.clone()));
+                }
                 let _ = w.send(r.clone());
             }
         }
+        if !keep {
+            answered.remove(job);
+        }
+        debug_assert!(answered.len() <= psls_ckpt::MAX_ROUNDS);
     }
 
     pub(super) fn safe_action(self: &Arc<Self>, a: SafeAction) {
@@ -544,6 +572,7 @@ impl CkptShell {
     /// At the coordinator: `job` is over.
     pub fn serve_end(&self, job: &str) -> PeerResp {
         self.safe.locked().end(job);
+        self.safe_answered.locked().remove(job);
         self.owners.locked().remove(job);
         PeerResp::Ok
     }
@@ -588,6 +617,7 @@ impl CkptShell {
         // Calls of the ranks stopped for the rollback are over; the rollback settles the
         // memory epochs.
         self.safe.locked().end(job);
+        self.safe_answered.locked().remove(job);
         self.arrived_incs.locked().remove(job);
         self.mem_committed.locked().remove(job);
         self.mem_learned.locked().remove(job);

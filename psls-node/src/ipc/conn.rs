@@ -20,6 +20,10 @@ pub(crate) struct Conn {
     pub(super) pid: Option<i32>,
     /// Files this connection was allowed to map, and whether writable.
     pub(super) granted: std::collections::HashMap<u64, bool>,
+    /// This connection's number (unique in this daemon's run).
+    pub(super) id: u64,
+    /// The safe-point calls made on it so far.
+    pub(super) safe_calls: u64,
     pub(super) r: OwnedReadHalf,
     pub(super) w: OwnedWriteHalf,
 }

@@ -80,6 +80,9 @@ pub async fn serve(d: Arc<Daemon>, listener: UnixListener, _path: PathBuf) {
 /// body is not allocated before its bytes come).
 pub const MAX_CLIENTS: usize = 4096;
 
+/// The next client connection's number.
+static NEXT_CONN: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
 async fn client(d: Arc<Daemon>, stream: UnixStream) -> anyhow::Result<()> {
     let cred = stream.peer_cred()?;
     let caller = Caller {
@@ -111,6 +114,8 @@ async fn client(d: Arc<Daemon>, stream: UnixStream) -> anyhow::Result<()> {
         caller,
         pid: cred.pid(),
         granted: std::collections::HashMap::new(),
+        id: NEXT_CONN.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+        safe_calls: 0,
         r,
         w,
     };

@@ -163,7 +163,8 @@ pub(super) async fn handle(c: &mut Conn, req: Request, mut fds: Vec<OwnedFd>) ->
         Request::Checkpoint { state } => match pid {
             None => err(OpError::new(ErrorKind::Invalid, "no peer pid")),
             Some(pid) => {
-                let call = safe_call(&d, caller, pid);
+                c.safe_calls += 1;
+                let call = safe_call(&d, caller, pid, (c.id, c.safe_calls));
                 // What the rank printed before its call is numbered and kept on two nodes
                 // before the checkpoint can hold its number.
                 let output_seq = d.jobs.output_mark(pid as u32).await;
@@ -182,7 +183,7 @@ pub(super) async fn handle(c: &mut Conn, req: Request, mut fds: Vec<OwnedFd>) ->
         Request::RestartState { epoch } => match pid {
             None => err(OpError::new(ErrorKind::Invalid, "no peer pid")),
             Some(pid) => {
-                let call = safe_call(&d, caller, pid);
+                let call = safe_call(&d, caller, pid, (c.id, 0));
                 match d.ckpt.restart_state(&call.job, call.rank, epoch).await {
                     Ok(state) => Response::RestartState { epoch, state },
                     Err(e) => err(e),
@@ -486,8 +487,9 @@ async fn job_rm(d: &Arc<Daemon>, caller: crate::pfs::Caller, job: &str) -> Resul
 }
 
 /// Who makes a safe-point call: a rank of a job running here (its job, rank and options from
-/// the launcher, whatever the process says), or a process outside `psls run` (a job of one).
-fn safe_call(d: &Daemon, caller: crate::pfs::Caller, pid: i32) -> crate::ckpt::SafeCall {
+/// the launcher, whatever the process says), or a process outside `psls run` (a job of one);
+/// its call number `seq` on connection `session`.
+fn safe_call(d: &Daemon, caller: crate::pfs::Caller, pid: i32, (session, seq): (u64, u64)) -> crate::ckpt::SafeCall {
     let files = d.svm.writable_files(pid);
     match d.jobs.rank_of(pid as u32) {
         Some((spec, rank)) => crate::ckpt::SafeCall {
@@ -506,6 +508,8 @@ fn safe_call(d: &Daemon, caller: crate::pfs::Caller, pid: i32) -> crate::ckpt::S
             gid: spec.gid,
             launcher: d.node.name().to_string(),
             node_inc: d.node.incarnation,
+            session,
+            seq,
         },
         None => crate::ckpt::SafeCall {
             job: super::memory::job_of(d, pid),
@@ -524,6 +528,8 @@ fn safe_call(d: &Daemon, caller: crate::pfs::Caller, pid: i32) -> crate::ckpt::S
             gid: caller.gid,
             launcher: d.node.name().to_string(),
             node_inc: d.node.incarnation,
+            session,
+            seq,
         },
     }
 }
