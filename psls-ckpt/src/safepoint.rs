@@ -39,9 +39,15 @@ pub enum SafeAction {
         files: Vec<FileId>,
         ranks: Vec<(u32, NodeId)>,
     },
-    /// Not every rank called within the timeout, or the ranks are out of step: fail these
-    /// ranks' calls.
+    /// Not every rank called within the timeout: fail these ranks' calls.
     TimedOut {
+        job: String,
+        ranks: Vec<(u32, NodeId)>,
+        why: String,
+    },
+    /// The ranks are out of step (one made again a call whose answer was lost with its
+    /// coordinator): fail these ranks' calls as the cluster's failure (the job rolls back).
+    OutOfStep {
         job: String,
         ranks: Vec<(u32, NodeId)>,
         why: String,
@@ -168,7 +174,7 @@ impl SafePoints {
             );
             j.arrived.clear();
             j.files.clear();
-            self.actions.push_back(SafeAction::TimedOut {
+            self.actions.push_back(SafeAction::OutOfStep {
                 job: job.to_string(),
                 ranks,
                 why: why.clone(),
@@ -296,6 +302,22 @@ impl SafePoints {
     /// The job is over: forget it.
     pub fn end(&mut self, job: &str) {
         self.jobs.remove(job);
+    }
+
+    /// This node no longer coordinates: the calls waiting for their job's other ranks (not
+    /// those being decided) are given up here, to be made again at the new coordinator (each
+    /// keeps its number). Returns them, by job.
+    pub fn hand_off(&mut self) -> Vec<(String, Vec<(u32, NodeId)>)> {
+        let mut out = Vec::new();
+        for (job, j) in self.jobs.iter_mut() {
+            if j.deciding || j.arrived.is_empty() {
+                continue;
+            }
+            out.push((job.clone(), j.arrived.iter().map(|(r, n)| (*r, *n)).collect()));
+            j.arrived.clear();
+            j.files.clear();
+        }
+        out
     }
 
     /// Whether `job` made calls since its last `end`.
@@ -457,7 +479,7 @@ mod tests {
             other => panic!("{other:?}"),
         }
         match &drain(&mut s)[..] {
-            [SafeAction::TimedOut { ranks, why, .. }] => {
+            [SafeAction::OutOfStep { ranks, why, .. }] => {
                 assert_eq!(ranks, &vec![(0, NodeId(0)), (1, NodeId(1))]);
                 assert!(why.contains("out of step"), "{why}");
             }
@@ -469,7 +491,7 @@ mod tests {
             s.arrive(4, "j", (0, 0, 5), 3, t, NodeId(0), &[]),
             Err(ArriveError::OutOfStep(_))
         ));
-        assert!(matches!(&drain(&mut s)[..], [SafeAction::TimedOut { ranks, .. }] if ranks == &vec![(2, NodeId(2))]));
+        assert!(matches!(&drain(&mut s)[..], [SafeAction::OutOfStep { ranks, .. }] if ranks == &vec![(2, NodeId(2))]));
         // Nothing is left waiting: the restarted job's calls (a new start) are decided.
         for r in 0..3 {
             s.arrive(10, "j", (r, 1, 1), 3, t, NodeId(r), &[]).unwrap();
@@ -478,5 +500,23 @@ mod tests {
         assert!(s.has("j"));
         s.end("j");
         assert!(!s.has("j"));
+    }
+
+    #[test]
+    fn calls_waiting_at_a_coordinator_that_no_longer_is_one_are_handed_off_and_made_again() {
+        let mut s = SafePoints::new();
+        let t = (0, 1000);
+        s.arrive(0, "a", (0, 0, 3), 2, t, NodeId(0), &[]).unwrap();
+        s.arrive(0, "b", (0, 0, 1), 1, t, NodeId(1), &[]).unwrap();
+        assert!(matches!(&drain(&mut s)[..], [SafeAction::Decided { job, .. }] if job == "b"));
+        // "b" is being decided: its round ends as it would; "a"'s waiting call is handed off.
+        assert_eq!(s.hand_off(), vec![("a".to_string(), vec![(0, NodeId(0))])]);
+        assert!(s.hand_off().is_empty());
+        // Made again here (this node coordinates again), with the other rank: decided.
+        s.arrive(5, "a", (0, 0, 3), 2, t, NodeId(0), &[]).unwrap();
+        s.arrive(5, "a", (1, 0, 3), 2, t, NodeId(1), &[]).unwrap();
+        assert!(matches!(&drain(&mut s)[..], [SafeAction::Decided { ranks, .. }] if ranks.len() == 2));
+        s.tick(10_000);
+        assert!(drain(&mut s).is_empty(), "nothing handed off times out");
     }
 }

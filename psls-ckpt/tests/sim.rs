@@ -2155,6 +2155,7 @@ impl World {
                     attempt,
                     running: ranks,
                     exited: Vec::new(),
+                    blamed: Vec::new(),
                 };
                 self.nodes[i].control.handle_report(&physical, inc, &report);
             }

@@ -75,9 +75,13 @@ pub enum SyncError {
     /// The call itself is wrong (count mismatch, relocking, unlocking a lock not held, ...).
     #[error("{0}")]
     Invalid(String),
-    /// The call cannot complete now (a rank died, the coordinator changed, limits reached).
+    /// The call cannot complete now (a rank died, limits reached).
     #[error("{0}")]
     Unavailable(String),
+    /// The node the call went to no longer coordinates (or takes the caller's node as down):
+    /// the cluster failed the call, not the program.
+    #[error("{0}")]
+    Moved(String),
 }
 
 /// A rank to release: the key it waits on, the rank (`node/pid`), the id of the call it waits

@@ -96,6 +96,10 @@ pub struct Report {
     pub running: Vec<u32>,
     /// Ranks that exited, with their status.
     pub exited: Vec<(u32, i32)>,
+    /// Ranks one of whose calls the cluster failed (a barrier or a safe point across a change
+    /// of coordinator), and why: their non-zero exit is the cluster's failure, not the
+    /// program's, and rolls the job back.
+    pub blamed: Vec<(u32, String)>,
 }
 
 /// An operator's or a user's command.
@@ -275,6 +279,8 @@ struct Driven {
     running: BTreeSet<u32>,
     /// A rank's non-zero exit, judged once the grace is over: (rank, status, since).
     failure: Option<(u32, i32, u64)>,
+    /// Why the cluster failed a call of the failed rank (its exit rolls the job back).
+    failure_blame: Option<String>,
     /// The step asked for and when.
     step: Option<(Step, u64)>,
     /// A submitted operation, until the records show it or it is refused, and when.
@@ -481,6 +487,11 @@ impl Control {
             d.exits.insert(*rank, *code);
             if *code != 0 && d.failure.is_none() {
                 d.failure = Some((*rank, *code, self.now_ms));
+                d.failure_blame = r
+                    .blamed
+                    .iter()
+                    .find(|(b, _)| b == rank)
+                    .map(|(_, why)| clip(why.clone()));
             }
         }
         let job = r.job.clone();
@@ -1039,13 +1050,19 @@ impl Control {
         if lost.is_empty() {
             return false;
         }
+        self.roll_back(job, run, format!("{} went down", lost.join(", ")));
+        true
+    }
+
+    /// Rolls `job` back for `why`, unless it was restarted as often as it may be (then it
+    /// ends as lost to a failure).
+    fn roll_back(&mut self, job: &str, run: &RunRecord, why: String) {
         let max_restarts = self
             .meta
             .jobs
             .get(job)
             .and_then(|r| r.spec.as_ref())
             .map_or(0, |s| s.max_restarts);
-        let why = format!("{} went down", lost.join(", "));
         if run.restarts >= max_restarts {
             let end = self.end(
                 EndHow::NodeFail,
@@ -1060,7 +1077,6 @@ impl Control {
         } else {
             self.submit_phase(job, run.attempt, RunPhase::RollingBack { why: clip(why) });
         }
-        true
     }
 
     fn drive_running(&mut self, job: &str, run: &RunRecord) {
@@ -1072,6 +1088,11 @@ impl Control {
         let d = self.jobs.get_mut(job).expect("driven");
         if d.exits.len() as u32 == ranks && d.failure.is_none() {
             self.submit_phase(job, run.attempt, RunPhase::Finishing);
+            return;
+        }
+        if let (Some((rank, code, _)), Some(blame)) = (d.failure, d.failure_blame.clone()) {
+            let why = format!("rank {rank} exited with status {code} after the cluster failed its call: {blame}");
+            self.roll_back(job, run, why);
             return;
         }
         if let Some((rank, code, since)) = d.failure {
@@ -1433,6 +1454,7 @@ mod tests {
             attempt: 0,
             running: Vec::new(),
             exited: vec![(0, 0), (2, 0)],
+            blamed: Vec::new(),
         };
         c.handle_report("n0", 2, &r);
         c.handle_report(
@@ -1453,5 +1475,110 @@ mod tests {
             panic!("every rank exited 0: the job finishes")
         };
         assert_eq!(phase, RunPhase::Finishing);
+    }
+
+    /// A launched job of 3 ranks (0 and 2 on n0, 1 on n1), `max_restarts` 2, all running.
+    fn running_job() -> (Control, MetaState, BTreeMap<String, NodeView>) {
+        let (mut st, nodes) = cluster();
+        let mut c = Control::new(Config::default());
+        c.handle_tick(0, 0, &nodes);
+        c.handle_meta(&st);
+        c.handle_lead(Some(1));
+        let cmd = Command::Launch {
+            job: "j".into(),
+            spec: Box::new(JobSummary {
+                ranks: 3,
+                max_restarts: 2,
+                ..JobSummary::default()
+            }),
+            options: Box::default(),
+            env: Vec::new(),
+            hosts: Vec::new(),
+            stdin: false,
+        };
+        c.handle_command(7, cmd);
+        let Some(Action::Submit { op, .. }) = c.poll_action() else {
+            panic!("the launch is recorded first")
+        };
+        st.apply_at(2, &op).expect("applies");
+        c.handle_meta(&st);
+        while c.poll_action().is_some() {}
+        let running = |ranks: Vec<u32>| Report {
+            job: "j".into(),
+            attempt: 0,
+            running: ranks,
+            exited: Vec::new(),
+            blamed: Vec::new(),
+        };
+        c.handle_report("n0", 1, &running(vec![0, 2]));
+        c.handle_report("n1", 1, &running(vec![1]));
+        while c.poll_action().is_some() {}
+        (c, st, nodes)
+    }
+
+    #[test]
+    fn a_rank_that_exits_after_the_cluster_failed_its_call_rolls_the_job_back_and_one_that_just_fails_ends_it() {
+        // Blamed: the job rolls back at once, no node being down.
+        let (mut c, _, _) = running_job();
+        let blamed = Report {
+            job: "j".into(),
+            attempt: 0,
+            running: Vec::new(),
+            exited: vec![(1, 1)],
+            blamed: vec![(1, "n0 is not the coordinator (any more)".into())],
+        };
+        c.handle_report("n1", 1, &blamed);
+        match c.poll_action() {
+            Some(Action::Submit {
+                op:
+                    MetaOp::JobPhase {
+                        phase: RunPhase::RollingBack { why },
+                        ..
+                    },
+                ..
+            }) => assert!(
+                why.contains(
+                    "rank 1 exited with status 1 after the cluster failed its call: n0 is not the coordinator"
+                ),
+                "{why}"
+            ),
+            other => panic!("a rollback, not {other:?}"),
+        }
+        // Not blamed (the program's own failure): the job ends once the grace is over (a node
+        // may still be found down meanwhile), and does not roll back.
+        let (mut c, _, nodes) = running_job();
+        c.handle_report(
+            "n1",
+            1,
+            &Report {
+                blamed: Vec::new(),
+                ..blamed.clone()
+            },
+        );
+        assert!(c.poll_action().is_none(), "waits for the grace");
+        // A blame of another rank changes nothing.
+        c.handle_report(
+            "n0",
+            1,
+            &Report {
+                running: vec![0, 2],
+                exited: Vec::new(),
+                blamed: vec![(0, "the coordinator (n0) went down while this rank waited".into())],
+                ..blamed.clone()
+            },
+        );
+        assert!(c.poll_action().is_none(), "waits for the grace");
+        c.handle_tick(Config::default().grace_ms, 0, &nodes);
+        match c.poll_action() {
+            Some(Action::Submit {
+                op:
+                    MetaOp::JobPhase {
+                        phase: RunPhase::Stopping { end },
+                        ..
+                    },
+                ..
+            }) => assert_eq!(end.how, EndHow::Failed),
+            other => panic!("the job ends failed, not {other:?}"),
+        }
     }
 }

@@ -1498,6 +1498,7 @@ impl Sim {
                         attempt: *a,
                         running: Vec::new(),
                         exited: Vec::new(),
+                        blamed: Vec::new(),
                     });
                     match r {
                         Rank::Running { .. } => rep.running.push(*rank),

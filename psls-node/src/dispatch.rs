@@ -47,10 +47,13 @@ impl Daemon {
     /// shared-memory figures in heartbeats).
     pub fn new(node: Arc<Node>, channels: Channels) -> Arc<Daemon> {
         let svm = Arc::new(SvmShell::new(tokio::runtime::Handle::current()));
+        let jobs = Arc::new(Jobs::default());
+        let blamed = jobs.clone();
+        let blame: crate::sync::Blame = Box::new(move |pid, why| blamed.blame(pid, why));
         let d = Arc::new(Daemon {
-            sync: Arc::new(SyncShell::new(node.clone())),
+            sync: Arc::new(SyncShell::new(node.clone(), blame)),
             channels: Arc::new(channels),
-            jobs: Arc::new(Jobs::default()),
+            jobs,
             jobctl: Arc::new(crate::jobctl::JobCtl::default()),
             ckpt: Arc::new(CkptShell::new(
                 node.clone(),
@@ -221,12 +224,18 @@ impl Daemon {
             | PeerReq::SyncGone { .. }
             | PeerReq::SyncReport { .. }
             | PeerReq::SyncReportAsk) => crate::sync::serve(&self.sync, &from, req),
-            PeerReq::SyncDone { key, who, call, error } => {
+            PeerReq::SyncDone {
+                key,
+                who,
+                call,
+                error,
+                moved,
+            } => {
                 let result = match error {
                     None => Ok(()),
                     Some((kind, message)) => Err(OpError::new(kind, message)),
                 };
-                crate::sync::resolve(&self.sync, &key, &who, call, result);
+                crate::sync::resolve(&self.sync, &key, &who, call, result, moved);
                 Ok(PeerResp::Ok)
             }
             req @ (PeerReq::StartRanks { .. }
@@ -440,12 +449,18 @@ impl crate::link::LinkHandler for LinkDelivery {
                     tracing::warn!(node = %node.name(), peer = from, error = %e, "barrier or lock message refused");
                 }
             }
-            PeerReq::SyncDone { key, who, call, error } => {
+            PeerReq::SyncDone {
+                key,
+                who,
+                call,
+                error,
+                moved,
+            } => {
                 let result = match error {
                     None => Ok(()),
                     Some((kind, message)) => Err(OpError::new(kind, message)),
                 };
-                crate::sync::resolve(&d.sync, &key, &who, call, result);
+                crate::sync::resolve(&d.sync, &key, &who, call, result, moved);
             }
             PeerReq::MetaLog(msg) => node.replication.deliver(from, &msg),
             PeerReq::Ckpt(msg) => d.ckpt.deliver(from, msg),

@@ -43,6 +43,8 @@ struct LocalJob {
     running: BTreeMap<u32, u32>,
     /// Ranks that exited, with their status.
     exited: BTreeMap<u32, i32>,
+    /// Ranks one of whose calls the cluster failed, and why (see [`Jobs::blame`]).
+    blamed: BTreeMap<u32, String>,
     /// Ranks a start request is starting now (it awaits other nodes before it spawns them):
     /// a second request for the same start (job control asks again when the first one's
     /// answer is late) leaves them to it.
@@ -154,8 +156,26 @@ impl Jobs {
                 attempt: l.attempt,
                 running: l.running.keys().copied().collect(),
                 exited: l.exited.iter().map(|(r, c)| (*r, *c)).collect(),
+                blamed: l.blamed.iter().map(|(r, w)| (*r, w.clone())).collect(),
             })
             .collect()
+    }
+
+    /// The cluster failed a call of rank process `pid` (a barrier, a lock or a safe point
+    /// across a change of coordinator) for `why`, and the rank is told so now: if it exits
+    /// for it, job control rolls the job back instead of failing it. Called before the rank
+    /// gets the error. Nothing for a process that is not a rank here.
+    pub fn blame(&self, pid: u32, why: &str) {
+        let Some((spec, rank)) = self.rank_of(pid) else { return };
+        let mut local = lock(&self.local);
+        if let Some(l) = local.get_mut(&spec.job).filter(|l| l.attempt == spec.attempt) {
+            if let std::collections::btree_map::Entry::Vacant(e) = l.blamed.entry(rank) {
+                // Clipped: reports carry it.
+                let why: String = why.chars().take(200).collect();
+                tracing::info!(job = %spec.job, attempt = spec.attempt, rank, why, "a rank's call failed by the cluster");
+                e.insert(why);
+            }
+        }
     }
 
     /// Output of `job` here after the follower's numbers (only what a second node keeps too,
@@ -239,7 +259,14 @@ impl Jobs {
 pub async fn copy_output(node: &Arc<Node>, jobs: &Arc<Jobs>) {
     let _one = jobs.copying.lock().await;
     let Some(buddy) = buddy(node) else {
-        // No other node is there to keep it: followers get it as it is.
+        // Other nodes, none reachable now: the output waits for one. This node may be cut off,
+        // about to be declared down and to lose its store; a line a client printed must
+        // outlive one failure (a restarted rank's lines are numbered after the kept ones: the
+        // nemesis met a rank's last lines dropped as already printed, after a partition).
+        if node.cfg.nodes.len() + node.cfg.spares.len() > 1 {
+            return;
+        }
+        // No other node at all: followers get it as it is.
         let waiting: Vec<(String, psls_jobs::output::Record)> = {
             let mut o = lock(&jobs.outbox);
             o.bytes = 0;

@@ -439,6 +439,9 @@ pub enum PeerReq {
         /// The call this answers (a notice for an earlier call, given up, answers nothing).
         call: u64,
         error: Option<(psls_ipc::ErrorKind, String)>,
+        /// The error is the cluster's (`SyncError::Moved`): the node the call went to no
+        /// longer coordinates.
+        moved: bool,
     },
     /// From job control: start this node's ranks of start `attempt` of `job`, as this node's
     /// own records say (idempotent).

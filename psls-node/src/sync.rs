@@ -17,8 +17,9 @@
 //! [`sweep`] (soft state rebuilt from the survivors, DESIGN §3).
 //!
 //! Invariants (besides the protocol's): a wait whose coordinator changes fails within a
-//! heartbeat interval ([`sweep`]: the new coordinator knows nothing of it); every registered
-//! wait is answered exactly once; a node calls only for its own ranks.
+//! heartbeat interval ([`sweep`]: the new coordinator knows nothing of it), as the cluster's
+//! failure ([`Blame`]: a rank that exits for it rolls its job back, never fails it); every
+//! registered wait is answered exactly once; a node calls only for its own ranks.
 
 use crate::failstop::Locked;
 use crate::node::Node;
@@ -34,7 +35,7 @@ impl From<SyncError> for OpError {
     fn from(e: SyncError) -> Self {
         match e {
             SyncError::Invalid(m) => OpError::new(ErrorKind::Invalid, m),
-            SyncError::Unavailable(m) => OpError::new(ErrorKind::Unavailable, m),
+            SyncError::Unavailable(m) | SyncError::Moved(m) => OpError::new(ErrorKind::Unavailable, m),
         }
     }
 }
@@ -78,15 +79,36 @@ pub struct SyncShell {
     pub node: Arc<Node>,
     waits: Waits,
     side: Mutex<SyncSide>,
+    blame: Blame,
 }
 
+/// Told that the cluster failed a call of local process `pid` (its coordinator changed or
+/// was unreachable), and why, before the process gets the error.
+pub type Blame = Box<dyn Fn(u32, &str) + Send + Sync>;
+
 impl SyncShell {
-    pub fn new(node: Arc<Node>) -> SyncShell {
+    pub fn new(node: Arc<Node>, blame: Blame) -> SyncShell {
         SyncShell {
             node,
             waits: Waits::default(),
             side: Mutex::new(SyncSide::default()),
+            blame,
         }
+    }
+
+    /// Answers rank `who`'s call with `r`: an error of the cluster's (`moved`) is blamed on
+    /// the cluster first (see [`Blame`]).
+    fn reply(&self, who: &str, reply: Replier, r: Result<(), OpError>, moved: bool) {
+        if let (Err(e), true) = (&r, moved) {
+            let pid = who
+                .split_once('/')
+                .filter(|(n, _)| *n == self.node.name())
+                .and_then(|(_, p)| p.parse::<u32>().ok());
+            if let Some(pid) = pid {
+                (self.blame)(pid, &e.message);
+            }
+        }
+        reply.send(r);
     }
 
     /// Waits registered now.
@@ -220,7 +242,7 @@ pub fn sweep(sh: &SyncShell) {
     let node = &sh.node;
     let coord = coordinator_id(node);
     let (stale, report) = sh.waits.lock().sweep(coord.as_ref().map(|(_, id)| id.as_str()));
-    give_up(stale);
+    give_up(sh, stale);
     if let (Some((name, _)), Some(held)) = (coord, report) {
         if let Err(e) = send(sh, &name, PeerReq::SyncReport { held }) {
             tracing::debug!(node = %node.name(), coordinator = %name, error = %e, "lock report not sent; will retry");
@@ -267,7 +289,8 @@ pub fn start(sh: &SyncShell, mut req: PeerReq, reply: Replier) {
         }
     };
     let Some((coord, coord_id)) = coordinator_id(node) else {
-        reply.send(Err(OpError::new(ErrorKind::Unavailable, "no coordinator is up")));
+        let e = OpError::new(ErrorKind::Unavailable, "no coordinator is up");
+        sh.reply(&who, reply, Err(e), true);
         return;
     };
     let (switched, registered) = {
@@ -279,7 +302,7 @@ pub fn start(sh: &SyncShell, mut req: PeerReq, reply: Replier) {
     // gets this node's report before anything else.
     let mut sent = Ok(());
     if let Some((stale, held)) = switched {
-        give_up(stale);
+        give_up(sh, stale);
         sent = send(sh, &coord, PeerReq::SyncReport { held });
         if sent.is_err() {
             sh.waits.lock().report_lost();
@@ -294,7 +317,7 @@ pub fn start(sh: &SyncShell, mut req: PeerReq, reply: Replier) {
                 }
                 RegisterError::Duplicate => OpError::new(ErrorKind::Invalid, e.to_string()),
             };
-            reply.send(Err(e));
+            sh.reply(&who, reply, Err(e), false);
             return;
         }
     };
@@ -306,16 +329,18 @@ pub fn start(sh: &SyncShell, mut req: PeerReq, reply: Replier) {
     if sent.is_ok() {
         sent = send(sh, &coord, req);
     }
+    // Not sent: the coordinator is unreachable (the cluster's failure).
     if let Err(e) = sent {
-        if let Some(wait) = sh.waits.lock().take(&key, &who) {
-            wait.reply.send(Err(e));
+        let wait = sh.waits.lock().take(&key, &who);
+        if let Some(wait) = wait {
+            sh.reply(&who, wait.reply, Err(e), true);
         }
     }
 }
 
-/// Answers calls given up because the coordinator changed.
-fn give_up(stale: Vec<((String, String), psls_cluster::sync::Wait<Replier>)>) {
-    for (_, wait) in stale {
+/// Answers calls given up because the coordinator changed (the cluster's failure).
+fn give_up(sh: &SyncShell, stale: Vec<((String, String), psls_cluster::sync::Wait<Replier>)>) {
+    for ((_, who), wait) in stale {
         let e = OpError::new(
             ErrorKind::Unavailable,
             format!(
@@ -323,7 +348,7 @@ fn give_up(stale: Vec<((String, String), psls_cluster::sync::Wait<Replier>)>) {
                 wait.coord.split('#').next().unwrap_or(&wait.coord)
             ),
         );
-        wait.reply.send(Err(e));
+        sh.reply(&who, wait.reply, Err(e), true);
     }
 }
 
@@ -358,10 +383,11 @@ fn deliver(sh: &SyncShell, notices: Vec<Notice>) {
     let node = &sh.node;
     let (local, remote): (Vec<Notice>, Vec<Notice>) = notices.into_iter().partition(|n| node_of(&n.1) == node.name());
     for (key, who, call, result) in remote.into_iter().chain(local) {
+        let moved = matches!(result, Err(SyncError::Moved(_)));
         let result = result.map_err(OpError::from);
         let target = node_of(&who).to_string();
         if target == node.name() {
-            resolve(sh, &key, &who, call, result);
+            resolve(sh, &key, &who, call, result, moved);
             continue;
         }
         let error = result.err().map(|e| (e.kind, e.message));
@@ -370,6 +396,7 @@ fn deliver(sh: &SyncShell, notices: Vec<Notice>) {
             who: who.clone(),
             call,
             error,
+            moved,
         };
         if let Err(e) = node.net.post(&target, &req, bytes::Bytes::new()) {
             tracing::warn!(node = %node.name(), peer = %target, %who, error = %e, "sync notice not sent");
@@ -377,12 +404,13 @@ fn deliver(sh: &SyncShell, notices: Vec<Notice>) {
     }
 }
 
-/// Answers this node's rank `who` waiting on `key` in call `call`.
-pub fn resolve(sh: &SyncShell, key: &str, who: &str, call: u64, result: Result<(), OpError>) {
+/// Answers this node's rank `who` waiting on `key` in call `call` (`moved`: the error is the
+/// cluster's).
+pub fn resolve(sh: &SyncShell, key: &str, who: &str, call: u64, result: Result<(), OpError>, moved: bool) {
     let node = &sh.node;
     let wait = sh.waits.lock().answered(key, who, call, result.is_ok());
     match wait {
-        Some(wait) => wait.reply.send(result),
+        Some(wait) => sh.reply(who, wait.reply, result, moved),
         None => tracing::debug!(node = %node.name(), %who, "sync notice for a wait that is gone"),
     }
 }
@@ -405,7 +433,7 @@ pub fn serve(sh: &SyncShell, from: &str, req: PeerReq) -> Result<PeerResp, OpErr
                 return Ok(PeerResp::Ok);
             }
             let (stale, held) = sh.waits.lock().report_to(&id);
-            give_up(stale);
+            give_up(sh, stale);
             send(sh, &coord, PeerReq::SyncReport { held })?;
             return Ok(PeerResp::Ok);
         }
@@ -455,7 +483,7 @@ pub fn serve(sh: &SyncShell, from: &str, req: PeerReq) -> Result<PeerResp, OpErr
                 | Call::Acquire { key, who, call }
                 | Call::Release { key, who, call } = call
                 {
-                    n.push((key, who, call, Err(SyncError::Unavailable(why))));
+                    n.push((key, who, call, Err(SyncError::Moved(why))));
                 }
             }
             None => n.extend(side.state.call(call)),

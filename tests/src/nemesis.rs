@@ -48,6 +48,9 @@ pub struct Report {
     pub wrong: Vec<String>,
     /// Jobs that failed, or did not end.
     pub lost: Vec<String>,
+    /// Jobs refused with a clear error because a disk their file needed was full (a fault of
+    /// this run): what a user is right to get.
+    pub refused_full: u64,
     /// Metadata operations acknowledged, and those not found afterwards.
     pub acked_ops: u64,
     pub lost_ops: Vec<String>,
@@ -70,6 +73,7 @@ impl Report {
             "faults": self.faults,
             "wrong": self.wrong,
             "lost": self.lost,
+            "refused_full": self.refused_full,
             "acked_ops": self.acked_ops,
             "lost_ops": self.lost_ops,
             "kept": self.kept,
@@ -261,6 +265,7 @@ pub fn run_with(seed: u64, duration: Duration, options: Options, say: &mut dyn F
             s
         });
         let started = Instant::now();
+        let mut full = Vec::new();
         for (at_ms, f) in &faults {
             let wait = Duration::from_millis(*at_ms).saturating_sub(started.elapsed());
             std::thread::sleep(wait);
@@ -270,6 +275,9 @@ pub fn run_with(seed: u64, duration: Duration, options: Options, say: &mut dyn F
             *report.faults.entry(f.name(timeout_ms)).or_default() += 1;
             say(&format!("  {f:?}"));
             inject(&c, &rig, *f, &mut report);
+            if let Fault::FullDisk { node, .. } = f {
+                full.push(*node);
+            }
         }
         let out = wait_job(&mut child, JOB_LIMIT);
         let err = err_reader.join().unwrap_or_default();
@@ -300,7 +308,15 @@ pub fn run_with(seed: u64, duration: Duration, options: Options, say: &mut dyn F
             out.push_str(&String::from_utf8_lossy(&o.stdout));
             err.push_str(&String::from_utf8_lossy(&o.stderr));
         }
-        if code != Some(0) {
+        // A file that could not get room on a disk filled during the job: a clear refusal.
+        let refused = full
+            .iter()
+            .any(|n| err.contains(&format!("on node {n} (n{n}), which has")));
+        if code != Some(0) && refused {
+            report.refused_full += 1;
+            say("  refused: a disk its file needed was full");
+            let _ = c.run(&["jobs", "rm", &id]);
+        } else if code != Some(0) {
             report
                 .lost
                 .push(format!("{what} {id}: exit {code:?}\n{}\n{}", tail(&out), tail(&err)));

@@ -58,3 +58,82 @@ fn a_partitioned_node_and_a_partitioned_coordinator_are_fenced_and_the_job_compl
     }
     c.ok(&["cluster", "down"]);
 }
+
+/// A rank's lines printed while its node is cut off from every other node stay unshown until
+/// a second node keeps them: the cut-off node is declared down, re-executes with an empty
+/// store, and the restarted rank's lines are numbered after what the other nodes kept. (Shown
+/// at once, they moved the client past numbers the restarted rank then used again, and its
+/// last lines were dropped as already printed: a job that ended 0 without rank 0's result,
+/// found by the nemesis.)
+#[test]
+fn lines_printed_on_a_cut_off_node_never_hide_the_restarted_ranks_lines() {
+    let Some(net) = Net::build(4) else {
+        eprintln!("skipped: cannot build network namespaces here (needs root and iproute2)");
+        return;
+    };
+    let mut c = Cluster::init(4, 0, |_| {});
+    net.place(&mut c);
+    c.ok(&["cluster", "up"]);
+    let timeout = Duration::from_millis(c.config().cluster.heartbeat_timeout_ms);
+    let dir = c.path("marks");
+    std::fs::create_dir_all(&dir).expect("marks folder");
+    let d = dir.display();
+    // Rank 0's first start waits for `go`, prints ten lines and stays; its restart prints its
+    // result and ends. The other ranks print one line and end.
+    let script = format!(
+        "if [ \"$PSLS_RANK\" != 0 ]; then echo \"rank $PSLS_RANK\"; exit 0; fi
+         if [ -e {d}/started ]; then echo restarted; echo 'result 0'; exit 0; fi
+         touch {d}/started
+         while [ ! -e {d}/go ]; do sleep 0.05; done
+         for i in 1 2 3 4 5 6 7 8 9 10; do echo \"early $i\"; done
+         touch {d}/printed
+         sleep 600"
+    );
+    let run = c
+        .cmd(&["--node", "n0", "run", "-n", "4", "--", "sh", "-c", &script])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("psls run");
+    let exists = |f: &str| dir.join(f).exists();
+    wait_for(Duration::from_secs(60), "rank 0 started", || exists("started"));
+    // n0 cut off until it takes every other node as down (no second node to keep lines).
+    net.cut(0, true);
+    std::thread::sleep(2 * timeout);
+    std::fs::write(dir.join("go"), b"").expect("go");
+    wait_for(Duration::from_secs(30), "rank 0 printed", || exists("printed"));
+    // Its node's relay takes the lines in.
+    std::thread::sleep(Duration::from_millis(500));
+    net.heal(0, true);
+    let o = wait_within(run, Duration::from_secs(120));
+    let out = String::from_utf8_lossy(&o.stdout);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "the job failed ({}):\n{out}\n{err}", o.status);
+    assert!(
+        err.contains("rolling job"),
+        "n0 was declared down and the job rolled back:\n{err}"
+    );
+    assert!(
+        out.contains("[0] result 0"),
+        "rank 0's result is missing:\n{out}\n{err}"
+    );
+    assert_eq!(out.matches("[0] result 0").count(), 1, "{out}");
+    c.ok(&["cluster", "down"]);
+}
+
+fn wait_within(mut ch: std::process::Child, limit: Duration) -> std::process::Output {
+    let t = std::time::Instant::now();
+    while ch.try_wait().expect("wait").is_none() {
+        if t.elapsed() > limit {
+            let _ = ch.kill();
+            let o = ch.wait_with_output().expect("output");
+            panic!(
+                "psls run did not finish within {limit:?}: {}{}",
+                String::from_utf8_lossy(&o.stdout),
+                String::from_utf8_lossy(&o.stderr)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    ch.wait_with_output().expect("output")
+}

@@ -94,7 +94,8 @@ pub(super) type SafeAnswer = Result<SafeOutcome, OpError>;
 pub(super) type Answered = HashMap<u32, (CallId, SafeAnswer)>;
 
 /// A rank waiting at the coordinator for its call's outcome.
-pub(super) type SafeWaiter = tokio::sync::oneshot::Sender<Result<SafeOutcome, OpError>>;
+/// `None`: this node no longer coordinates; the call is to be made again at the new one.
+pub(super) type SafeWaiter = tokio::sync::oneshot::Sender<Option<SafeAnswer>>;
 
 /// A rank's private state, with the start of the job it belongs to and the rank's last output
 /// line number at its safe point.
@@ -700,6 +701,14 @@ impl CkptShell {
                 if node.is_declared_down(p) {
                     safe.node_down(NodeId(*l));
                 }
+            }
+        }
+        // No longer the coordinator: the calls waiting here are made again at the new one.
+        if !self.coordinating() {
+            let handed = self.safe.locked().hand_off();
+            for (job, ranks) in handed {
+                tracing::info!(node = %node.name(), job, ranks = ranks.len(), "checkpoint calls handed to the new coordinator");
+                self.hand_off(&job, &ranks);
             }
         }
         let coordinator = node.coordinator_now().map(|(l, _)| NodeId(l));

@@ -11,7 +11,7 @@
 //! epoch; each waiting rank is answered exactly once (a decision, a timeout, or the
 //! coordinator's end).
 
-use super::round::{unavailable, CkptShell, Release, SafeOutcome, SafeRound};
+use super::round::{unavailable, CkptShell, Release, SafeAnswer, SafeOutcome, SafeRound};
 use super::states::{self, MAX_STATE_BYTES};
 use crate::failstop::Locked;
 use crate::op::OpError;
@@ -134,7 +134,7 @@ impl CkptShell {
                 Some(w) if w == id => {
                     tracing::info!(job = %call.job, rank = call.rank, seq = call.seq, "a checkpoint call retried by {from}");
                     if let Some((_, old)) = waiters.insert(key, (id, tx)) {
-                        let _ = old.send(Err(unavailable("the call was retried")));
+                        let _ = old.send(Some(Err(unavailable("the call was retried"))));
                     }
                     true
                 }
@@ -175,7 +175,7 @@ impl CkptShell {
                             // The others' calls fail with it (the machine's action).
                             drop(waiters);
                             self.drive();
-                            return Err(OpError::new(ErrorKind::Invalid, m));
+                            return Err(unavailable(m));
                         }
                     }
                     // Which incarnation of its node each rank's call came from.
@@ -186,7 +186,7 @@ impl CkptShell {
                         .insert(l, call.node_inc);
                     // A call of the job's stopped start, still waiting, is over.
                     if let Some((_, old)) = waiters.insert(key, (id, tx)) {
-                        let _ = old.send(Err(unavailable(format!("job {} restarted", call.job))));
+                        let _ = old.send(Some(Err(unavailable(format!("job {} restarted", call.job)))));
                     }
                     false
                 }
@@ -212,13 +212,26 @@ impl CkptShell {
     }
 
     /// The answer to a rank's call, once its job's decision was carried out.
-    async fn await_safe(
-        &self,
-        rx: tokio::sync::oneshot::Receiver<Result<SafeOutcome, OpError>>,
-    ) -> Result<PeerResp, OpError> {
-        rx.await
+    async fn await_safe(&self, rx: tokio::sync::oneshot::Receiver<Option<SafeAnswer>>) -> Result<PeerResp, OpError> {
+        match rx
+            .await
             .map_err(|_| unavailable("the coordinator stopped during the call"))?
-            .map(SafeOutcome::into_resp)
+        {
+            Some(r) => r.map(SafeOutcome::into_resp),
+            // Made again at the new coordinator by the rank's node.
+            None => Ok(PeerResp::NotCoordinator),
+        }
+    }
+
+    /// This node no longer coordinates: `job`'s calls of `ranks` waiting here are told so
+    /// (their nodes make them again at the new coordinator).
+    pub(super) fn hand_off(&self, job: &str, ranks: &[(u32, NodeId)]) {
+        let mut waiters = self.safe_waiters.locked();
+        for (rank, _) in ranks {
+            if let Some((_, w)) = waiters.remove(&(job.to_string(), *rank)) {
+                let _ = w.send(None);
+            }
+        }
     }
 
     /// Answers the calls of `job`'s `ranks` waiting here with `r`, and keeps it for a call
@@ -235,7 +248,7 @@ impl CkptShell {
                         .or_default()
                         .insert(*rank, (id, r.clone()));
                 }
-                let _ = w.send(r.clone());
+                let _ = w.send(Some(r.clone()));
             }
         }
         if !keep {
@@ -341,6 +354,12 @@ impl CkptShell {
                 tracing::warn!(node = %self.node.name(), job, why, "checkpoint call failed");
                 self.arrived_incs.locked().remove(&job);
                 self.answer(&job, &ranks, Err(OpError::new(ErrorKind::Invalid, why)));
+            }
+            // The cluster's failure: the ranks' nodes blame it, and the job rolls back.
+            SafeAction::OutOfStep { job, ranks, why } => {
+                tracing::warn!(node = %self.node.name(), job, why, "checkpoint call failed");
+                self.arrived_incs.locked().remove(&job);
+                self.answer(&job, &ranks, Err(unavailable(why)));
             }
         }
     }

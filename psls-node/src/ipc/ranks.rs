@@ -176,7 +176,15 @@ pub(super) async fn handle(c: &mut Conn, req: Request, mut fds: Vec<OwnedFd>) ->
                         pages: o.pages,
                         stopped_us: o.stopped_us,
                     },
-                    Err(e) => err(e),
+                    Err(e) => {
+                        // Not the program's failure (no coordinator, a change of it, ranks
+                        // out of step after one): if the rank exits for it, the job rolls
+                        // back.
+                        if e.kind == ErrorKind::Unavailable {
+                            d.jobs.blame(pid as u32, &e.message);
+                        }
+                        err(e)
+                    }
                 }
             }
         },
