@@ -347,3 +347,73 @@ fn psls_run_forwards_its_input_to_rank_0_and_rank_0_reads_an_end_when_psls_run_d
     );
     drop(input);
 }
+
+/// The cluster, not the program, failed a rank's call: rank 0 waits at a barrier on n2 when
+/// n0 and n1 are killed (the coordinator with them, and no majority is left to elect another),
+/// so its wait fails and it exits non-zero. None of the job's nodes (n2, n3) went down, yet the
+/// job rolls back and completes once the cluster is whole again, instead of failing (the
+/// nemesis met jobs failed by "n0 is not the coordinator (any more)" after a pause).
+#[test]
+fn a_rank_that_exits_because_the_cluster_failed_its_barrier_rolls_the_job_back() {
+    let c = Cluster::start(4, 0);
+    let probe = bin_dir().join("svm-probe");
+    let go = c.path("go");
+    // Rank 0 goes to the barrier at once; rank 1 only once `go` exists.
+    let script = format!(
+        "if [ \"$PSLS_RANK\" = 1 ]; then while [ ! -e {go} ]; do sleep 0.05; done; fi
+         exec {probe} count barrier-job 1 0 2",
+        go = go.display(),
+        probe = probe.display()
+    );
+    let run = c
+        .cmd(&[
+            "--node",
+            "n2",
+            "run",
+            "-n",
+            "2",
+            "--nodes",
+            "n2,n3",
+            "--max-restarts",
+            "2",
+            "--",
+            "sh",
+            "-c",
+            &script,
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("psls run");
+    let cfg = c.config();
+    let waits = || {
+        let s = psls_client::Session::connect_to(&cfg.socket_path(cfg.entry("n2").expect("n2"))).expect("session");
+        let (_, counters) = s.node_stats().expect("stats");
+        counters
+            .into_iter()
+            .find(|(k, _)| k == "sync_waits")
+            .map_or(0, |(_, v)| v)
+    };
+    wait_for(Duration::from_secs(30), "rank 0 waiting at its barrier", || {
+        waits() >= 1
+    });
+    c.kill("n0");
+    c.kill("n1");
+    // Rank 0's wait fails (its coordinator is gone), and it exits.
+    wait_for(Duration::from_secs(30), "rank 0's wait failed", || {
+        c.log("n2").contains("a rank's call failed by the cluster")
+    });
+    std::fs::write(&go, b"").expect("go");
+    c.ok(&["cluster", "up"]);
+    let o = run.wait_with_output().expect("psls run");
+    let out = String::from_utf8_lossy(&o.stdout);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "the job failed ({}):\n{out}\n{err}", o.status);
+    assert!(
+        c.logs_contain("rank 0 exited with status 101 after the cluster failed its call"),
+        "the rollback's reason is not recorded:\n{err}"
+    );
+    assert!(err.contains("restarted from its start (restart 1 of"), "{err}");
+    // Both ranks passed the barrier once, in the restarted start.
+    assert_eq!(out.lines().filter(|l| l.ends_with(" 0")).count(), 2, "{out}");
+}
