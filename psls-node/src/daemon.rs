@@ -167,7 +167,9 @@ pub async fn run(config: &Path, name: &str) -> Result<()> {
     lock_data_dir(&dir)?;
     let start = crate::incarnation::next(&dir)?;
     let incarnation = start.incarnation;
-    if start.blank {
+    if start.unfinished {
+        tracing::warn!(node = name, incarnation, dir = %dir.display(), "blank data folder whose rejoin was not decided before this restart: a blank start again");
+    } else if start.blank {
         tracing::info!(node = name, incarnation, dir = %dir.display(), "blank data folder: a new node, or a replaced disk (its copies are rebuilt from the others if the cluster knew this node)");
     }
     // PSLS_FAULT_DISK=1 keeps unsynced writes in memory: a kill -9 is then a power cut.
@@ -293,8 +295,12 @@ pub async fn run(config: &Path, name: &str) -> Result<()> {
     if start.blank {
         node.rejoin_pending.store(true, std::sync::atomic::Ordering::Relaxed);
         let n = node.clone();
+        let data = dir.clone();
         tokio::spawn(async move {
-            crate::pfs::rejoin_blank(n.clone()).await;
+            crate::pfs::rejoin_blank(n.clone(), start.unfinished).await;
+            if let Err(e) = crate::incarnation::rejoin_decided(&data) {
+                tracing::warn!(node = %n.name(), error = %e, "the blank start's mark stays: the next start rejoins again");
+            }
             n.rejoin_pending.store(false, std::sync::atomic::Ordering::Relaxed);
         });
     }

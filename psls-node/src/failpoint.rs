@@ -20,7 +20,9 @@
 //! `ckpt.mem.commit` (a node told a memory checkpoint committed, before its phase 2),
 //! `launch.spawned` (a node, a rank started but not yet in its table of ranks; only pausing),
 //! `launch.prepared` (a node, a start's ranks prepared but not yet started; only pausing),
-//! `job.finish` (the job's driver, every rank exited 0, before the job's last checkpoints).
+//! `job.finish` (the job's driver, every rank exited 0, before the job's last checkpoints),
+//! `rejoin.blank` (a node started on a blank folder, before the cluster decides what it means;
+//! only pausing).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;

@@ -33,6 +33,11 @@ pub fn write_durably(path: &Path, data: &[u8]) -> Result<()> {
 /// node's, or a replaced disk).
 pub const COUNTER_FILE: &str = "incarnation";
 
+/// A blank start's mark, kept until the cluster decided what the node's blank disk means
+/// ([`rejoin_decided`]): a start that finds it is a blank start again, whatever the folder
+/// holds by then (the node restarted, killed or fenced, before its copies were rebuilt).
+pub const REJOIN_FILE: &str = "rejoin-pending";
+
 /// The highest incarnation a daemon may have: the shared-memory incarnation keeps it in 32 bits.
 pub const MAX_INCARNATION: u64 = u32::MAX as u64;
 
@@ -53,8 +58,12 @@ fn read_counter(dir: &Path) -> Result<Option<u64>> {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Start {
     pub incarnation: u64,
-    /// The data folder had no counter: a new node's, or a disk replaced since the last start.
+    /// The data folder had no counter: a new node's, or a disk replaced since the last start;
+    /// or it is `unfinished`.
     pub blank: bool,
+    /// An earlier blank start of this folder ended before the cluster decided what it meant
+    /// (what the folder holds is only what was written since; the rest is missing).
+    pub unfinished: bool,
 }
 
 /// Bumps the incarnation counter in `dir` durably and returns the new incarnation. In a blank
@@ -64,6 +73,7 @@ pub struct Start {
 /// restarted more than once a second on average since — and should a peer have heard a higher
 /// one, this one fences itself and comes back above it.
 pub fn next(dir: &Path) -> Result<Start> {
+    let unfinished = dir.join(REJOIN_FILE).exists();
     let (incarnation, blank) = match read_counter(dir)? {
         Some(c) => (c + 1, false),
         None => {
@@ -85,8 +95,28 @@ pub fn next(dir: &Path) -> Result<Start> {
             dir.display()
         );
     }
+    // The mark before the counter: a folder with a counter and no mark is never blank.
+    if blank {
+        write_durably(&dir.join(REJOIN_FILE), b"")?;
+    }
     write_durably(&dir.join(COUNTER_FILE), incarnation.to_string().as_bytes())?;
-    Ok(Start { incarnation, blank })
+    Ok(Start {
+        incarnation,
+        blank: blank || unfinished,
+        unfinished,
+    })
+}
+
+/// The cluster decided what this node's blank start means (a rejoin recorded, or nothing to
+/// rebuild): the next start is an ordinary one.
+pub fn rejoin_decided(dir: &Path) -> Result<()> {
+    match std::fs::remove_file(dir.join(REJOIN_FILE)) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e).with_context(|| format!("removing {}", dir.join(REJOIN_FILE).display())),
+    }
+    std::fs::File::open(dir)?.sync_all()?;
+    Ok(())
 }
 
 /// Raises the counter in `dir` to at least `at_least` (the next start is above it).

@@ -456,17 +456,24 @@ fn inject(c: &Cluster, rig: &Rig, f: Fault, report: &mut Report) {
     }
 }
 
-/// Waits (at most two minutes) until no node rebuilds its copies; the status otherwise.
+/// How `cluster status --json` names a node that is up.
+const STATE_UP: &str = "up";
+
+/// Waits (at most two minutes) until every node is up and none rebuilds its copies; the
+/// status otherwise.
 fn wait_rebuilt(c: &Cluster) -> Result<(), String> {
     let t = Instant::now();
     let mut last = String::new();
     while t.elapsed() < Duration::from_secs(120) {
         let o = c.run(&["cluster", "status", "--json"]);
         let st: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap_or_default();
-        let rebuilding = st["nodes"]
-            .as_array()
-            .is_some_and(|ns| ns.iter().any(|n| !n["rebuild"].is_null()));
-        if o.status.success() && !rebuilding {
+        // Every node up too: a node down or re-executing may still have a rebuild to do.
+        let settled = st["nodes"].as_array().is_some_and(|ns| {
+            ns.iter()
+                .filter(|n| !n["logical"].is_null())
+                .all(|n| n["rebuild"].is_null() && n["state"] == STATE_UP)
+        });
+        if o.status.success() && settled {
             return Ok(());
         }
         last = format!(

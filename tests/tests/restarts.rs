@@ -141,6 +141,46 @@ fn a_node_back_with_a_blank_disk_is_a_new_incarnation_and_gets_its_copies_back()
     next_job(&c, "n2", &want, "n2's rebuild");
 }
 
+/// A node back on a blank disk that restarts before the cluster decided what its disk means
+/// (killed while its rejoin waits) rejoins again at its next start and gets its copies back:
+/// its folder then holds a counter but none of its copies. Before, the next start was taken as
+/// an ordinary one, the node's copies were never rebuilt, and a later loss of the other copies'
+/// disk left pages with none (the nemesis met a rebuild stuck at half after a second wipe).
+#[test]
+fn a_blank_node_restarted_before_its_rejoin_was_decided_rejoins_again() {
+    let mut c = Cluster::start(4, 0);
+    let (want, _) = common::finish_unfailed(&c, "n1");
+    let exported = c.export(FILE, &[]);
+    let points = c.tmp.path().join("failpoints");
+    std::fs::create_dir_all(&points).expect("failpoint dir");
+    c.env.push(("PSLS_FAILPOINTS".into(), "rejoin.blank/n2:pause".into()));
+    c.env.push(("PSLS_FAILPOINT_DIR".into(), points.display().to_string()));
+    c.kill("n2");
+    blank_disk(&c, "n2");
+    // n2 comes back blank and waits before its rejoin; it is killed there.
+    let _ = c.run(&["cluster", "up", "--timeout", "5s"]);
+    wait_for(Duration::from_secs(60), "n2 waiting before its rejoin", || {
+        points.join("rejoin.blank.n2").exists()
+    });
+    c.kill("n2");
+    c.ok(&["cluster", "up", "--timeout", "60s"]);
+    wait_for(Duration::from_secs(120), "n2's copies rebuilt", || {
+        c.status()
+            .nodes
+            .iter()
+            .any(|n| n.name == "n2" && n.logical.is_some() && n.rebuild.is_none())
+    });
+    let scrub = c.ok(&["scrub"]);
+    assert!(scrub.contains(" 0 bad, 0 repaired, 0 unrepairable"), "{scrub}");
+    assert!(
+        c.log("n2").contains("whose rejoin was not decided before this restart"),
+        "n2's second start is a blank start again"
+    );
+    assert!(c.log("n2").contains("rebuild finished"), "n2 rebuilt its copies");
+    assert_same(&c.export(FILE, &[]), &exported, "export after the rebuild");
+    next_job(&c, "n2", &want, "n2's second rejoin");
+}
+
 /// A `psls run` that follows its job again from another node (its own died while it was
 /// stopped, and the job rolled back and restarted meanwhile) is told of the restart it missed:
 /// it names the start it followed, and the node it follows from now notes what came since.

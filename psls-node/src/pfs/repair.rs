@@ -257,8 +257,11 @@ pub fn maybe_rebuild(node: &Arc<Node>) {
 /// This daemon started on a blank data folder: if the cluster knew this node (it holds a
 /// logical id in the map, and written pages that id holds), its disk was replaced. It rejoins as a spare taking its own id
 /// over would: `MetaOp::Rejoin` marks it rebuilding, so its copies are re-created from the
-/// others' (`maybe_rebuild`). Tried until it is recorded.
-pub async fn rejoin_blank(node: Arc<Node>) {
+/// others' (`maybe_rebuild`). Tried until it is recorded. `unfinished`: an earlier blank start
+/// of this folder ended undecided, so what the store holds is only what was written since:
+/// every written page this id holds is taken as missing.
+pub async fn rejoin_blank(node: Arc<Node>, unfinished: bool) {
+    crate::failpoint::pass_async(node.name(), "rejoin.blank").await;
     for attempt in 0u32.. {
         if attempt > 0 {
             tokio::time::sleep(Duration::from_millis(500)).await;
@@ -288,7 +291,8 @@ pub async fn rejoin_blank(node: Arc<Node>) {
         };
         let missing = st.files.values().any(|f| {
             [Role::Primary, Role::Mirror].iter().any(|&r| {
-                !here.contains(&(f.id, r)) && p.held(NodeId(logical), f.id, f.pages(), r).any(|i| f.page_gen(i) > 0)
+                (unfinished || !here.contains(&(f.id, r)))
+                    && p.held(NodeId(logical), f.id, f.pages(), r).any(|i| f.page_gen(i) > 0)
             })
         });
         if !missing {
