@@ -233,7 +233,15 @@ pub enum Wire {
     Raft(Box<Message>),
     /// The sender lost its disk: its log ends at `last_index`, whatever the leader believed
     /// (raft assumes a voter never loses what it acknowledged; the leader starts over with it).
+    /// `nonce`: drawn by the sender in this life, echoed by the leader's [`Wire::CatchUpTo`].
     LostDisk {
+        last_index: u64,
+        nonce: u64,
+    },
+    /// A leader's answer to a [`Wire::LostDisk`] of `nonce`: its log ended at `last_index`
+    /// once the sender had lost its disk, so the sender acknowledged nothing past it.
+    CatchUpTo {
+        nonce: u64,
         last_index: u64,
     },
 }
@@ -447,6 +455,8 @@ pub struct Log<S: Machine, T> {
     amnesia: Option<Option<u64>>,
     /// The index of a state converted from a store before the log that no leader confirmed.
     legacy: Option<u64>,
+    /// This life's [`Wire::LostDisk`] nonce (a [`Wire::CatchUpTo`] for another is stale).
+    lost_nonce: u64,
 }
 
 /// raft-rs logs through `slog`; this drain hands its records to `tracing`.
@@ -559,7 +569,9 @@ impl<S: Machine, T> Log<S, T> {
             timeout_set: 0,
             amnesia: amnesiac.then_some(None),
             legacy: legacy.filter(|l| *l > 0),
+            lost_nonce: 0,
         };
+        log.lost_nonce = log.rng.next();
         // Read requests are told apart from those of this voter's earlier lives (an answer to one
         // of those can still arrive).
         log.reads.next_ctx = log.rng.next();
@@ -742,7 +754,8 @@ impl<S: Machine, T> Log<S, T> {
         }
         let mut msg = match msg {
             Wire::Raft(m) => *m,
-            Wire::LostDisk { last_index } => return self.handle_lost_disk(from, last_index),
+            Wire::LostDisk { last_index, nonce } => return self.handle_lost_disk(from, last_index, nonce),
+            Wire::CatchUpTo { nonce, last_index } => return self.handle_catch_up_to(nonce, last_index),
         };
         if msg.from != raft_id(from) || msg.to != raft_id(self.me) {
             tracing::warn!(from, "metadata log message naming another sender or receiver: dropped");
@@ -763,7 +776,35 @@ impl<S: Machine, T> Log<S, T> {
         // A leader that believes this voter holds more than it does (it lost its disk) would have
         // it commit entries it does not have: the commit is not taken, and the leader is told.
         let last = self.node.raft.raft_log.last_index();
-        if msg.get_msg_type() == MessageType::MsgHeartbeat && msg.commit > last {
+        // A voter catching up after a lost disk learns how far it must catch up only from a
+        // leader's answer to this life's LostDisk: an append or a snapshot may have been sent
+        // before the disk was lost (the log simulator met a voter that left its catching up
+        // without entries it had acknowledged, and was then elected).
+        let from_leader = matches!(
+            msg.get_msg_type(),
+            MessageType::MsgHeartbeat | MessageType::MsgAppend | MessageType::MsgSnapshot
+        );
+        let told_below = msg.get_msg_type() == MessageType::MsgHeartbeat && msg.commit > last;
+        if from_leader && self.amnesia == Some(None) && !told_below {
+            self.actions.push_back(Action::Send {
+                to: from,
+                msg: Wire::LostDisk {
+                    last_index: last,
+                    nonce: self.lost_nonce,
+                },
+            });
+        }
+        // A leadership handed to a voter that may not lead is not taken: a transfer's campaign
+        // ignores the other voters' leases.
+        if msg.get_msg_type() == MessageType::MsgTimeoutNow && (self.amnesia.is_some() || !self.eligible) {
+            tracing::info!(
+                voter = self.me,
+                from,
+                "a leadership transfer to a voter that may not lead: refused"
+            );
+            return;
+        }
+        if told_below {
             if self.amnesia.is_none() {
                 tracing::warn!(
                     voter = self.me,
@@ -776,7 +817,10 @@ impl<S: Machine, T> Log<S, T> {
             msg.commit = self.node.raft.raft_log.committed;
             self.actions.push_back(Action::Send {
                 to: from,
-                msg: Wire::LostDisk { last_index: last },
+                msg: Wire::LostDisk {
+                    last_index: last,
+                    nonce: self.lost_nonce,
+                },
             });
         }
         if let Some(l) = self.legacy {
@@ -787,13 +831,6 @@ impl<S: Machine, T> Log<S, T> {
             let ours = msg.index == l && Some(msg.log_term) == self.node.store().entry_term(l);
             if msg.get_msg_type() == MessageType::MsgAppend && msg.index <= l && !ours {
                 self.forget_legacy(from, l);
-            }
-        }
-        if self.amnesia == Some(None) {
-            match msg.get_msg_type() {
-                MessageType::MsgAppend => self.amnesia = Some(Some(msg.index + msg.entries.len() as u64)),
-                MessageType::MsgSnapshot => self.amnesia = Some(Some(msg.get_snapshot().get_metadata().index)),
-                _ => {}
             }
         }
         if let Err(e) = self.node.step(msg) {
@@ -859,17 +896,28 @@ impl<S: Machine, T> Log<S, T> {
         })));
         self.actions.push_back(Action::Send {
             to: leader,
-            msg: Wire::LostDisk { last_index: 0 },
+            msg: Wire::LostDisk {
+                last_index: 0,
+                nonce: self.lost_nonce,
+            },
         });
         self.timeout_drawn = false;
         self.draw_timeout();
     }
 
-    /// Voter `from` lost its disk: as its leader, start over with it from where its log ends.
-    fn handle_lost_disk(&mut self, from: u32, last_index: u64) {
+    /// Voter `from` lost its disk: as its leader, start over with it from where its log ends,
+    /// and tell it where this log ends now (it must catch up that far before it votes).
+    fn handle_lost_disk(&mut self, from: u32, last_index: u64, nonce: u64) {
         if !self.is_leader() {
             return;
         }
+        self.actions.push_back(Action::Send {
+            to: from,
+            msg: Wire::CatchUpTo {
+                nonce,
+                last_index: self.node.raft.raft_log.last_index(),
+            },
+        });
         if let Some(pr) = self.node.raft.mut_prs().get_mut(raft_id(from)) {
             if pr.matched > last_index {
                 tracing::info!(
@@ -883,6 +931,18 @@ impl<S: Machine, T> Log<S, T> {
                 pr.become_probe();
             }
         }
+    }
+
+    /// A leader's answer to this life's LostDisk: catch up at least to `last_index` before
+    /// voting again.
+    fn handle_catch_up_to(&mut self, nonce: u64, last_index: u64) {
+        if nonce != self.lost_nonce || self.amnesia.is_none() {
+            return;
+        }
+        let target = self.amnesia.flatten().unwrap_or(0).max(last_index);
+        self.amnesia = Some(Some(target));
+        // Caught up already: the next write says so.
+        self.persist(false, Vec::new(), None);
     }
 
     /// Campaigns now (with a pre-vote first) instead of waiting out the election timeout: the
@@ -1395,8 +1455,15 @@ pub fn encode_wire(w: &Wire) -> Vec<u8> {
             }
             out
         }
-        Wire::LostDisk { last_index } => {
+        Wire::LostDisk { last_index, nonce } => {
             let mut out = vec![1u8];
+            out.extend(last_index.to_le_bytes());
+            out.extend(nonce.to_le_bytes());
+            out
+        }
+        Wire::CatchUpTo { nonce, last_index } => {
+            let mut out = vec![2u8];
+            out.extend(nonce.to_le_bytes());
             out.extend(last_index.to_le_bytes());
             out
         }
@@ -1417,11 +1484,24 @@ pub fn decode_wire(b: &[u8]) -> Result<Wire, String> {
         Some((0, rest)) => Message::parse_from_bytes(rest)
             .map(|m| Wire::Raft(Box::new(m)))
             .map_err(|e| e.to_string()),
-        Some((1, rest)) => <[u8; 8]>::try_from(rest)
-            .map(|x| Wire::LostDisk {
-                last_index: u64::from_le_bytes(x),
+        Some((1, rest)) => <[u8; 16]>::try_from(rest)
+            .map(|x| {
+                let (a, b) = x.split_at(8);
+                Wire::LostDisk {
+                    last_index: u64::from_le_bytes(a.try_into().unwrap_or_default()),
+                    nonce: u64::from_le_bytes(b.try_into().unwrap_or_default()),
+                }
             })
-            .map_err(|_| "a lost-disk message is 8 bytes".to_string()),
+            .map_err(|_| "a lost-disk message is 16 bytes".to_string()),
+        Some((2, rest)) => <[u8; 16]>::try_from(rest)
+            .map(|x| {
+                let (a, b) = x.split_at(8);
+                Wire::CatchUpTo {
+                    nonce: u64::from_le_bytes(a.try_into().unwrap_or_default()),
+                    last_index: u64::from_le_bytes(b.try_into().unwrap_or_default()),
+                }
+            })
+            .map_err(|_| "a catch-up message is 16 bytes".to_string()),
         Some((t, _)) => Err(format!("unknown metadata log message type {t}")),
         None => Err("empty metadata log message".into()),
     }

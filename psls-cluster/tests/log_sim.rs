@@ -1,7 +1,8 @@
 //! Seeded simulator of the metadata log ([`psls_cluster::log`]): five voters running the real
 //! machine over a simulated network and simulated disks, with crashes (restarts from what was
 //! persisted), pauses, partitions, message loss and reordering, disks lost for good, and
-//! snapshot installs (the log is compacted after a few entries).
+//! snapshot installs (the log is compacted after a few entries), and disks failing for a while
+//! (a leader that may not lead hands its leadership over).
 //!
 //! The state is a small key-value map whose operations do not commute and are not idempotent
 //! (`Add`), so an entry applied twice, skipped or reordered shows.
@@ -23,7 +24,7 @@
 mod common;
 
 use psls_cluster::log::{Action, Durable, Limits, Log, Machine, Persist, ReadError, SubmitError, Wire};
-use raft::eraftpb::{Entry, HardState};
+use raft::eraftpb::{Entry, HardState, Message, MessageType};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -165,6 +166,8 @@ struct Node {
     durable: Disk,
     volatile: Disk,
     paused: bool,
+    /// Its disk failed for a while: it may not lead (a leader hands its leadership over).
+    ineligible: bool,
     incarnation: u64,
     /// Reads in flight: token → the highest index answered `Ok` when it began.
     reads: BTreeMap<u64, u64>,
@@ -184,6 +187,8 @@ struct Counts {
     snapshots_installed: u64,
     compactions: u64,
     lost_msgs: u64,
+    /// Leaders that became ineligible (and handed their leadership over).
+    hand_overs: u64,
 }
 
 struct Sim {
@@ -230,6 +235,7 @@ impl Sim {
                 durable: Disk::default(),
                 volatile: Disk::default(),
                 paused: false,
+                ineligible: false,
                 incarnation: 0,
                 reads: BTreeMap::new(),
             })
@@ -553,6 +559,25 @@ impl Sim {
                 }
                 self.counts.partitions += 1;
             }
+            890..=899 if running => {
+                // A node's disk fails for a while (one at a time), or works again: a leader
+                // that may not lead hands its leadership to the voter with the longest log.
+                let n = &self.nodes[v as usize];
+                let others = (0..VOTERS).any(|u| u != v && self.nodes[u as usize].ineligible);
+                if !n.ineligible && others {
+                    return;
+                }
+                let ineligible = !n.ineligible;
+                if ineligible && self.log(v).is_leader() {
+                    self.counts.hand_overs += 1;
+                }
+                if self.trace {
+                    eprintln!("node {v} may lead: {}", !ineligible);
+                }
+                self.nodes[v as usize].ineligible = ineligible;
+                self.log(v).set_eligible(!ineligible);
+                self.after(v);
+            }
             _ => {}
         }
     }
@@ -643,6 +668,7 @@ impl Sim {
         }
         self.nodes[v as usize].log = Some(log);
         self.nodes[v as usize].paused = false;
+        self.nodes[v as usize].ineligible = false;
         // Its waiting submissions are never answered (their tokens stay in `submitted`).
         self.check_table(v);
     }
@@ -658,6 +684,10 @@ impl Sim {
         self.cut.clear();
         for n in &mut self.nodes {
             n.paused = false;
+            n.ineligible = false;
+            if let Some(l) = n.log.as_mut() {
+                l.set_eligible(true);
+            }
         }
         // A last operation, resubmitted until it commits.
         let mut done = false;
@@ -752,9 +782,10 @@ fn the_metadata_log_keeps_every_acknowledged_operation() {
         total.snapshots_installed += c.snapshots_installed;
         total.compactions += c.compactions;
         total.lost_msgs += c.lost_msgs;
+        total.hand_overs += c.hand_overs;
     }
     eprintln!(
-        "ok {} dropped {} rejected {} not-leader {} reads {} crashes {} disk losses {} pauses {} partitions {} snapshots {} compactions {} lost msgs {}",
+        "ok {} dropped {} rejected {} not-leader {} reads {} crashes {} disk losses {} pauses {} partitions {} snapshots {} compactions {} lost msgs {} hand-overs {}",
         total.ok,
         total.dropped,
         total.rejected,
@@ -766,10 +797,112 @@ fn the_metadata_log_keeps_every_acknowledged_operation() {
         total.partitions,
         total.snapshots_installed,
         total.compactions,
-        total.lost_msgs
+        total.lost_msgs,
+        total.hand_overs
     );
     // Every path ran.
     assert!(total.ok > 0 && total.dropped > 0 && total.rejected > 0 && total.reads_ok > 0);
     assert!(total.crashes > 0 && total.pauses > 0 && total.partitions > 0 && total.disk_losses > 0);
-    assert!(total.snapshots_installed > 0 && total.compactions > 0);
+    assert!(total.snapshots_installed > 0 && total.compactions > 0 && total.hand_overs > 0);
+}
+
+/// A voter back on a blank disk votes again only once it holds the leader's log as it was
+/// after the loss — not as far as an append sent before the loss said (a link may deliver one
+/// late): the log simulator, with operators moving the leadership, met a voter that left its
+/// catching up at such an append's end, without entries it had acknowledged before the loss,
+/// was counted for their commit and was then elected without them.
+#[test]
+fn a_voter_back_on_a_blank_disk_catches_up_to_the_leaders_log_not_to_a_stale_append() {
+    let limits = Limits {
+        election_ticks: 10,
+        heartbeat_ticks: 2,
+        max_pending: 64,
+        max_reads: 64,
+        max_msg_bytes: 512,
+        max_inflight: 8,
+        compact_after: 1000,
+        keep_behind: 100,
+        read_retry_ticks: 10,
+    };
+    let mut log: Log<Kv, u64> = Log::new(1, VOTERS, limits, Durable::fresh(true), 7).expect("starts");
+    assert!(log.amnesiac());
+    let nonce_of = |log: &mut Log<Kv, u64>| {
+        let mut nonce = None;
+        while let Some(a) = log.poll_action() {
+            if let Action::Send {
+                to: 0,
+                msg: Wire::LostDisk { nonce: n, .. },
+            } = a
+            {
+                nonce = Some(n);
+            }
+        }
+        nonce
+    };
+    // An append leader 0 (term 2) sent before the disk was lost: entries 1 to 3, commit 3.
+    let entries: Vec<Entry> = (1..=3u64)
+        .map(|i| {
+            let mut data = vec![psls_cluster::log::ENTRY_FORMAT];
+            data.extend(
+                postcard::to_stdvec(&Op::Add {
+                    id: i,
+                    key: 0,
+                    delta: i,
+                })
+                .expect("encodes"),
+            );
+            Entry {
+                term: 2,
+                index: i,
+                data: data.into(),
+                ..Default::default()
+            }
+        })
+        .collect();
+    let mut m = Message::default();
+    m.set_msg_type(MessageType::MsgAppend);
+    m.from = 1;
+    m.to = 2;
+    m.term = 2;
+    m.index = 0;
+    m.log_term = 0;
+    m.commit = 3;
+    m.entries = entries.into();
+    log.handle_message(0, Wire::Raft(Box::new(m)));
+    let nonce = nonce_of(&mut log).expect("the voter asks the leader where its log ends");
+    assert!(log.amnesiac(), "a stale append does not end the catching up");
+    // Another life's answer is ignored; this life's says the log ends at 10: not caught up.
+    log.handle_message(
+        0,
+        Wire::CatchUpTo {
+            nonce: nonce.wrapping_add(1),
+            last_index: 3,
+        },
+    );
+    assert!(log.amnesiac(), "an answer to another life's question");
+    log.handle_message(0, Wire::CatchUpTo { nonce, last_index: 10 });
+    assert!(log.amnesiac(), "entries 4 to 10 are still missing");
+    // A leadership handed to it meanwhile is refused.
+    let mut t = Message::default();
+    t.set_msg_type(MessageType::MsgTimeoutNow);
+    t.from = 1;
+    t.to = 2;
+    t.term = 2;
+    log.handle_message(0, Wire::Raft(Box::new(t)));
+    while log.poll_action().is_some() {}
+    assert!(!log.is_leader() && log.term() == 2, "no campaign while catching up");
+    // The wire forms round-trip.
+    for w in [
+        Wire::LostDisk {
+            last_index: 3,
+            nonce: 99,
+        },
+        Wire::CatchUpTo {
+            nonce: 99,
+            last_index: 10,
+        },
+    ] {
+        let b = psls_cluster::log::encode_wire(&w);
+        assert_eq!(psls_cluster::log::decode_wire(&b), Ok(w));
+    }
 }
