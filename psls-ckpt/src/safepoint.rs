@@ -39,18 +39,23 @@ pub enum SafeAction {
         files: Vec<FileId>,
         ranks: Vec<(u32, NodeId)>,
     },
-    /// Not every rank called within the timeout: fail these ranks' calls.
+    /// Not every rank called within the timeout: fail these ranks' calls. `cluster`: the
+    /// cluster's failure, not the program's (a node went down, or a call was one made again
+    /// after a change of coordinator, while the others went on): the job rolls back.
     TimedOut {
         job: String,
         ranks: Vec<(u32, NodeId)>,
         why: String,
+        cluster: bool,
     },
-    /// The ranks are out of step (one made again a call whose answer was lost with its
-    /// coordinator): fail these ranks' calls as the cluster's failure (the job rolls back).
+    /// The ranks' calls have different numbers: fail these ranks' calls. `cluster`: one of
+    /// them was made again after a change of coordinator (its answer was lost with the old
+    /// one), so the job rolls back; otherwise the program calls at different points.
     OutOfStep {
         job: String,
         ranks: Vec<(u32, NodeId)>,
         why: String,
+        cluster: bool,
     },
 }
 
@@ -63,9 +68,9 @@ pub enum ArriveError {
     Again,
     /// Too many jobs at once.
     Full,
-    /// The rank's call is not the one the other ranks made (one of them repeats a call whose
-    /// answer it lost): the calls of the others fail too, and the job must roll back.
-    OutOfStep(String),
+    /// The rank's call is not the one the other ranks made: the calls of the others fail too.
+    /// `cluster`: as in [`SafeAction::OutOfStep`].
+    OutOfStep { why: String, cluster: bool },
 }
 
 #[derive(Debug)]
@@ -82,6 +87,8 @@ struct Job {
     arrived: BTreeMap<u32, NodeId>,
     /// The number of the call the ranks in `arrived` made.
     seq: u64,
+    /// One of the calls in `arrived` was made again after a change of coordinator.
+    resent: bool,
     files: BTreeSet<FileId>,
     first_ms: u64,
     /// A decision is being carried out: arrivals wait for `done`.
@@ -114,7 +121,7 @@ impl SafePoints {
         &mut self,
         now_ms: u64,
         job: &str,
-        (rank, attempt, seq): (u32, u32, u64),
+        (rank, attempt, seq, resent): (u32, u32, u64, bool),
         size: u32,
         (interval_ms, timeout_ms): (u64, u64),
         node: NodeId,
@@ -136,6 +143,7 @@ impl SafePoints {
             halt: false,
             arrived: BTreeMap::new(),
             seq,
+            resent: false,
             files: BTreeSet::new(),
             first_ms: now_ms,
             deciding: false,
@@ -151,6 +159,7 @@ impl SafePoints {
             j.arrived.clear();
             j.files.clear();
             j.deciding = false;
+            j.resent = false;
         }
         if j.size != size {
             return Err(ArriveError::Invalid(format!(
@@ -163,28 +172,40 @@ impl SafePoints {
         }
         if !j.arrived.is_empty() && seq != j.seq {
             let ranks: Vec<(u32, NodeId)> = j.arrived.iter().map(|(r, n)| (*r, *n)).collect();
-            let why = format!(
-                "the job's ranks are out of step: rank {rank} made its checkpoint call {seq} of this start while {} made call {} (a call answered before its coordinator failed was made again); no checkpoint was taken",
-                if ranks.len() == 1 {
-                    format!("rank {}", ranks[0].0)
-                } else {
-                    format!("{} ranks", ranks.len())
-                },
-                j.seq
-            );
+            let cluster = resent || j.resent;
+            let others = if ranks.len() == 1 {
+                format!("rank {}", ranks[0].0)
+            } else {
+                format!("{} ranks", ranks.len())
+            };
+            let why = if cluster {
+                format!(
+                    "the job's ranks are out of step: rank {rank} made its checkpoint call {seq} of this start while {others} made call {} (a call answered before its coordinator failed was made again); no checkpoint was taken",
+                    j.seq
+                )
+            } else {
+                format!(
+                    "rank {rank} made its checkpoint call {seq} of this start while {others} made call {}: every rank must call checkpoint at the same points; no checkpoint was taken",
+                    j.seq
+                )
+            };
             j.arrived.clear();
             j.files.clear();
+            j.resent = false;
             self.actions.push_back(SafeAction::OutOfStep {
                 job: job.to_string(),
                 ranks,
                 why: why.clone(),
+                cluster,
             });
-            return Err(ArriveError::OutOfStep(why));
+            return Err(ArriveError::OutOfStep { why, cluster });
         }
         if j.arrived.is_empty() {
             j.first_ms = now_ms;
             j.seq = seq;
+            j.resent = false;
         }
+        j.resent |= resent;
         j.interval_ms = interval_ms;
         j.timeout_ms = timeout_ms;
         j.arrived.insert(rank, node);
@@ -225,6 +246,7 @@ impl SafePoints {
         j.deciding = false;
         j.arrived.clear();
         j.files.clear();
+        j.resent = false;
     }
 
     /// An operator asks for a checkpoint at `job`'s next call (`halt`: then stop the job).
@@ -267,9 +289,16 @@ impl SafePoints {
                     ""
                 }
             );
+            let cluster = j.resent;
             j.arrived.clear();
             j.files.clear();
-            self.actions.push_back(SafeAction::TimedOut { job, ranks, why });
+            j.resent = false;
+            self.actions.push_back(SafeAction::TimedOut {
+                job,
+                ranks,
+                why,
+                cluster,
+            });
         }
     }
 
@@ -291,10 +320,12 @@ impl SafePoints {
                 .collect();
             j.arrived.clear();
             j.files.clear();
+            j.resent = false;
             self.actions.push_back(SafeAction::TimedOut {
                 job,
                 ranks,
                 why: format!("{n} went down during the checkpoint call"),
+                cluster: true,
             });
         }
     }
@@ -316,6 +347,7 @@ impl SafePoints {
             out.push((job.clone(), j.arrived.iter().map(|(r, n)| (*r, *n)).collect()));
             j.arrived.clear();
             j.files.clear();
+            j.resent = false;
         }
         out
     }
@@ -340,21 +372,22 @@ mod tests {
         let f = [FileId(1)];
         // Interval 0: every call takes one.
         let t = (0, 1000);
-        s.arrive(0, "j", (1, 0, 1), 2, t, NodeId(1), &f).unwrap();
+        s.arrive(0, "j", (1, 0, 1, false), 2, t, NodeId(1), &f).unwrap();
         assert!(drain(&mut s).is_empty());
         assert_eq!(
-            s.arrive(0, "j", (1, 0, 1), 2, t, NodeId(1), &f),
+            s.arrive(0, "j", (1, 0, 1, false), 2, t, NodeId(1), &f),
             Err(ArriveError::Again)
         );
         assert!(matches!(
-            s.arrive(0, "j", (2, 0, 1), 2, t, NodeId(1), &f),
+            s.arrive(0, "j", (2, 0, 1, false), 2, t, NodeId(1), &f),
             Err(ArriveError::Invalid(_))
         ));
         assert!(matches!(
-            s.arrive(0, "j", (0, 0, 1), 3, t, NodeId(1), &f),
+            s.arrive(0, "j", (0, 0, 1, false), 3, t, NodeId(1), &f),
             Err(ArriveError::Invalid(_))
         ));
-        s.arrive(5, "j", (0, 0, 1), 2, t, NodeId(0), &[FileId(2)]).unwrap();
+        s.arrive(5, "j", (0, 0, 1, false), 2, t, NodeId(0), &[FileId(2)])
+            .unwrap();
         match &drain(&mut s)[..] {
             [SafeAction::Decided {
                 decision:
@@ -372,15 +405,17 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert_eq!(
-            s.arrive(6, "j", (0, 0, 1), 2, t, NodeId(0), &f),
+            s.arrive(6, "j", (0, 0, 1, false), 2, t, NodeId(0), &f),
             Err(ArriveError::Again),
             "still deciding"
         );
         s.done(10, "j", true);
         // Interval 100 ms: skipped until it elapsed since the last commit, unless forced.
         let call = |s: &mut SafePoints, now: u64| {
-            s.arrive(now, "j", (0, 0, 1), 2, (100, 1000), NodeId(0), &f).unwrap();
-            s.arrive(now, "j", (1, 0, 1), 2, (100, 1000), NodeId(1), &f).unwrap();
+            s.arrive(now, "j", (0, 0, 1, false), 2, (100, 1000), NodeId(0), &f)
+                .unwrap();
+            s.arrive(now, "j", (1, 0, 1, false), 2, (100, 1000), NodeId(1), &f)
+                .unwrap();
             match &drain(s)[..] {
                 [SafeAction::Decided { decision, .. }] => *decision,
                 other => panic!("{other:?}"),
@@ -430,8 +465,10 @@ mod tests {
     #[test]
     fn a_call_not_every_rank_makes_times_out_and_a_lost_node_fails_it() {
         let mut s = SafePoints::new();
-        s.arrive(0, "j", (0, 0, 1), 3, (0, 1000), NodeId(0), &[]).unwrap();
-        s.arrive(10, "j", (2, 0, 1), 3, (0, 1000), NodeId(2), &[]).unwrap();
+        s.arrive(0, "j", (0, 0, 1, false), 3, (0, 1000), NodeId(0), &[])
+            .unwrap();
+        s.arrive(10, "j", (2, 0, 1, false), 3, (0, 1000), NodeId(2), &[])
+            .unwrap();
         s.tick(1000);
         assert!(drain(&mut s).is_empty());
         s.tick(1001);
@@ -443,18 +480,23 @@ mod tests {
             other => panic!("{other:?}"),
         }
         // A restarted job's calls replace the calls of the stopped start; those are refused.
-        s.arrive(1500, "j", (0, 0, 1), 3, (0, 1000), NodeId(0), &[]).unwrap();
-        s.arrive(1500, "j", (0, 1, 1), 3, (0, 1000), NodeId(0), &[]).unwrap();
+        s.arrive(1500, "j", (0, 0, 1, false), 3, (0, 1000), NodeId(0), &[])
+            .unwrap();
+        s.arrive(1500, "j", (0, 1, 1, false), 3, (0, 1000), NodeId(0), &[])
+            .unwrap();
         assert!(matches!(
-            s.arrive(1500, "j", (1, 0, 1), 3, (0, 1000), NodeId(1), &[]),
+            s.arrive(1500, "j", (1, 0, 1, false), 3, (0, 1000), NodeId(1), &[]),
             Err(ArriveError::Invalid(_))
         ));
-        s.arrive(1500, "j", (1, 1, 1), 3, (0, 1000), NodeId(1), &[]).unwrap();
-        s.arrive(1500, "j", (2, 1, 1), 3, (0, 1000), NodeId(2), &[]).unwrap();
+        s.arrive(1500, "j", (1, 1, 1, false), 3, (0, 1000), NodeId(1), &[])
+            .unwrap();
+        s.arrive(1500, "j", (2, 1, 1, false), 3, (0, 1000), NodeId(2), &[])
+            .unwrap();
         assert!(matches!(&drain(&mut s)[..], [SafeAction::Decided { ranks, .. }] if ranks.len() == 3));
         s.done(1500, "j", true);
         // The next call starts afresh.
-        s.arrive(2000, "j", (1, 1, 1), 3, (0, 1000), NodeId(1), &[]).unwrap();
+        s.arrive(2000, "j", (1, 1, 1, false), 3, (0, 1000), NodeId(1), &[])
+            .unwrap();
         s.node_down(NodeId(1));
         assert!(matches!(&drain(&mut s)[..], [SafeAction::TimedOut { ranks, .. }] if ranks.is_empty()));
     }
@@ -466,11 +508,12 @@ mod tests {
         // again. Taken together, a checkpoint would hold ranks at different steps.
         let mut s = SafePoints::new();
         let t = (0, 1000);
-        s.arrive(0, "j", (0, 0, 5), 3, t, NodeId(0), &[]).unwrap();
-        s.arrive(1, "j", (1, 0, 5), 3, t, NodeId(1), &[]).unwrap();
-        let e = s.arrive(2, "j", (2, 0, 4), 3, t, NodeId(2), &[]);
+        s.arrive(0, "j", (0, 0, 5, false), 3, t, NodeId(0), &[]).unwrap();
+        s.arrive(1, "j", (1, 0, 5, false), 3, t, NodeId(1), &[]).unwrap();
+        // Rank 2's call is made again by its node (`resent`): the cluster's failure.
+        let e = s.arrive(2, "j", (2, 0, 4, true), 3, t, NodeId(2), &[]);
         match e {
-            Err(ArriveError::OutOfStep(why)) => {
+            Err(ArriveError::OutOfStep { why, cluster: true }) => {
                 assert!(
                     why.contains("rank 2 made its checkpoint call 4") && why.contains("2 ranks made call 5"),
                     "{why}"
@@ -479,22 +522,52 @@ mod tests {
             other => panic!("{other:?}"),
         }
         match &drain(&mut s)[..] {
-            [SafeAction::OutOfStep { ranks, why, .. }] => {
+            [SafeAction::OutOfStep {
+                ranks,
+                why,
+                cluster: true,
+                ..
+            }] => {
                 assert_eq!(ranks, &vec![(0, NodeId(0)), (1, NodeId(1))]);
                 assert!(why.contains("out of step"), "{why}");
             }
             other => panic!("{other:?}"),
         }
         // In the other order too: the repeated call came first.
-        s.arrive(3, "j", (2, 0, 4), 3, t, NodeId(2), &[]).unwrap();
+        s.arrive(3, "j", (2, 0, 4, true), 3, t, NodeId(2), &[]).unwrap();
         assert!(matches!(
-            s.arrive(4, "j", (0, 0, 5), 3, t, NodeId(0), &[]),
-            Err(ArriveError::OutOfStep(_))
+            s.arrive(4, "j", (0, 0, 5, false), 3, t, NodeId(0), &[]),
+            Err(ArriveError::OutOfStep { cluster: true, .. })
         ));
-        assert!(matches!(&drain(&mut s)[..], [SafeAction::OutOfStep { ranks, .. }] if ranks == &vec![(2, NodeId(2))]));
+        assert!(
+            matches!(&drain(&mut s)[..], [SafeAction::OutOfStep { ranks, cluster: true, .. }] if ranks == &vec![(2, NodeId(2))])
+        );
+        // No call made again: the program calls at different points (its own failure).
+        s.arrive(5, "j", (0, 0, 6, false), 3, t, NodeId(0), &[]).unwrap();
+        match s.arrive(5, "j", (1, 0, 7, false), 3, t, NodeId(1), &[]) {
+            Err(ArriveError::OutOfStep { why, cluster: false }) => {
+                assert!(
+                    why.contains("every rank must call checkpoint at the same points"),
+                    "{why}"
+                )
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(
+            &drain(&mut s)[..],
+            [SafeAction::OutOfStep { cluster: false, .. }]
+        ));
+        // A call made again that waits in vain for ranks still computing times out as the
+        // cluster's failure.
+        s.arrive(6, "j", (2, 0, 8, true), 3, t, NodeId(2), &[]).unwrap();
+        s.tick(2000);
+        assert!(matches!(
+            &drain(&mut s)[..],
+            [SafeAction::TimedOut { cluster: true, .. }]
+        ));
         // Nothing is left waiting: the restarted job's calls (a new start) are decided.
         for r in 0..3 {
-            s.arrive(10, "j", (r, 1, 1), 3, t, NodeId(r), &[]).unwrap();
+            s.arrive(10, "j", (r, 1, 1, false), 3, t, NodeId(r), &[]).unwrap();
         }
         assert!(matches!(&drain(&mut s)[..], [SafeAction::Decided { ranks, .. }] if ranks.len() == 3));
         assert!(s.has("j"));
@@ -506,15 +579,15 @@ mod tests {
     fn calls_waiting_at_a_coordinator_that_no_longer_is_one_are_handed_off_and_made_again() {
         let mut s = SafePoints::new();
         let t = (0, 1000);
-        s.arrive(0, "a", (0, 0, 3), 2, t, NodeId(0), &[]).unwrap();
-        s.arrive(0, "b", (0, 0, 1), 1, t, NodeId(1), &[]).unwrap();
+        s.arrive(0, "a", (0, 0, 3, false), 2, t, NodeId(0), &[]).unwrap();
+        s.arrive(0, "b", (0, 0, 1, false), 1, t, NodeId(1), &[]).unwrap();
         assert!(matches!(&drain(&mut s)[..], [SafeAction::Decided { job, .. }] if job == "b"));
         // "b" is being decided: its round ends as it would; "a"'s waiting call is handed off.
         assert_eq!(s.hand_off(), vec![("a".to_string(), vec![(0, NodeId(0))])]);
         assert!(s.hand_off().is_empty());
         // Made again here (this node coordinates again), with the other rank: decided.
-        s.arrive(5, "a", (0, 0, 3), 2, t, NodeId(0), &[]).unwrap();
-        s.arrive(5, "a", (1, 0, 3), 2, t, NodeId(1), &[]).unwrap();
+        s.arrive(5, "a", (0, 0, 3, false), 2, t, NodeId(0), &[]).unwrap();
+        s.arrive(5, "a", (1, 0, 3, false), 2, t, NodeId(1), &[]).unwrap();
         assert!(matches!(&drain(&mut s)[..], [SafeAction::Decided { ranks, .. }] if ranks.len() == 2));
         s.tick(10_000);
         assert!(drain(&mut s).is_empty(), "nothing handed off times out");

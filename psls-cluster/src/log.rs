@@ -238,11 +238,12 @@ pub enum Wire {
         last_index: u64,
         nonce: u64,
     },
-    /// A leader's answer to a [`Wire::LostDisk`] of `nonce`: its log ended at `last_index`
-    /// once the sender had lost its disk, so the sender acknowledged nothing past it.
+    /// A leader's answer (in `term`) to a [`Wire::LostDisk`] of `nonce`: its log ended at
+    /// `last_index` once the sender had lost its disk, so the sender acknowledged nothing past it.
     CatchUpTo {
         nonce: u64,
         last_index: u64,
+        term: u64,
     },
 }
 
@@ -457,6 +458,8 @@ pub struct Log<S: Machine, T> {
     legacy: Option<u64>,
     /// This life's [`Wire::LostDisk`] nonce (a [`Wire::CatchUpTo`] for another is stale).
     lost_nonce: u64,
+    /// The term of the last [`Wire::CatchUpTo`] taken: a leader of a later term is asked again.
+    catch_up_term: u64,
 }
 
 /// raft-rs logs through `slog`; this drain hands its records to `tracing`.
@@ -570,6 +573,7 @@ impl<S: Machine, T> Log<S, T> {
             amnesia: amnesiac.then_some(None),
             legacy: legacy.filter(|l| *l > 0),
             lost_nonce: 0,
+            catch_up_term: 0,
         };
         log.lost_nonce = log.rng.next();
         // Read requests are told apart from those of this voter's earlier lives (an answer to one
@@ -755,7 +759,11 @@ impl<S: Machine, T> Log<S, T> {
         let mut msg = match msg {
             Wire::Raft(m) => *m,
             Wire::LostDisk { last_index, nonce } => return self.handle_lost_disk(from, last_index, nonce),
-            Wire::CatchUpTo { nonce, last_index } => return self.handle_catch_up_to(nonce, last_index),
+            Wire::CatchUpTo {
+                nonce,
+                last_index,
+                term,
+            } => return self.handle_catch_up_to(nonce, last_index, term),
         };
         if msg.from != raft_id(from) || msg.to != raft_id(self.me) {
             tracing::warn!(from, "metadata log message naming another sender or receiver: dropped");
@@ -785,7 +793,13 @@ impl<S: Machine, T> Log<S, T> {
             MessageType::MsgHeartbeat | MessageType::MsgAppend | MessageType::MsgSnapshot
         );
         let told_below = msg.get_msg_type() == MessageType::MsgHeartbeat && msg.commit > last;
-        if from_leader && self.amnesia == Some(None) && !told_below {
+        let ask = match self.amnesia {
+            Some(None) => true,
+            // A leader of a later term may have a longer log than the one that answered.
+            Some(Some(_)) => msg.term > self.catch_up_term,
+            None => false,
+        };
+        if from_leader && ask && !told_below {
             self.actions.push_back(Action::Send {
                 to: from,
                 msg: Wire::LostDisk {
@@ -916,6 +930,7 @@ impl<S: Machine, T> Log<S, T> {
             msg: Wire::CatchUpTo {
                 nonce,
                 last_index: self.node.raft.raft_log.last_index(),
+                term: self.term(),
             },
         });
         if let Some(pr) = self.node.raft.mut_prs().get_mut(raft_id(from)) {
@@ -935,12 +950,13 @@ impl<S: Machine, T> Log<S, T> {
 
     /// A leader's answer to this life's LostDisk: catch up at least to `last_index` before
     /// voting again.
-    fn handle_catch_up_to(&mut self, nonce: u64, last_index: u64) {
-        if nonce != self.lost_nonce || self.amnesia.is_none() {
+    fn handle_catch_up_to(&mut self, nonce: u64, last_index: u64, term: u64) {
+        if nonce != self.lost_nonce || self.amnesia.is_none() || term < self.catch_up_term {
             return;
         }
         let target = self.amnesia.flatten().unwrap_or(0).max(last_index);
         self.amnesia = Some(Some(target));
+        self.catch_up_term = term;
         // Caught up already: the next write says so.
         self.persist(false, Vec::new(), None);
     }
@@ -1435,6 +1451,15 @@ pub fn decode_op<Op: DeserializeOwned>(data: &[u8]) -> Result<Op, String> {
     }
 }
 
+/// The little-endian u64 at `at` in `b` (its length checked by the caller).
+fn le_u64(b: &[u8], at: usize) -> u64 {
+    let mut x = [0u8; 8];
+    if let Some(s) = b.get(at..at + 8) {
+        x.copy_from_slice(s);
+    }
+    u64::from_le_bytes(x)
+}
+
 /// Whether `msg` carries a snapshot (its data can be large: the shell sends it apart).
 pub fn is_snapshot(msg: &Wire) -> bool {
     matches!(msg, Wire::Raft(m) if m.get_msg_type() == MessageType::MsgSnapshot)
@@ -1443,7 +1468,8 @@ pub fn is_snapshot(msg: &Wire) -> bool {
 /// Largest encoded message accepted from a peer (snapshots travel apart, in chunks).
 pub const MAX_WIRE_BYTES: usize = 4 << 20;
 
-/// A message as bytes: `[0][protobuf raft message]` or `[1][last index u64 LE]`.
+/// A message as bytes: `[0][protobuf raft message]`, `[1][last index][nonce]` (u64 LE each; an
+/// earlier build sent `[1][last index]`) or `[2][nonce][last index][term]`.
 pub fn encode_wire(w: &Wire) -> Vec<u8> {
     use protobuf::Message as _;
     match w {
@@ -1461,10 +1487,15 @@ pub fn encode_wire(w: &Wire) -> Vec<u8> {
             out.extend(nonce.to_le_bytes());
             out
         }
-        Wire::CatchUpTo { nonce, last_index } => {
+        Wire::CatchUpTo {
+            nonce,
+            last_index,
+            term,
+        } => {
             let mut out = vec![2u8];
             out.extend(nonce.to_le_bytes());
             out.extend(last_index.to_le_bytes());
+            out.extend(term.to_le_bytes());
             out
         }
     }
@@ -1484,24 +1515,22 @@ pub fn decode_wire(b: &[u8]) -> Result<Wire, String> {
         Some((0, rest)) => Message::parse_from_bytes(rest)
             .map(|m| Wire::Raft(Box::new(m)))
             .map_err(|e| e.to_string()),
-        Some((1, rest)) => <[u8; 16]>::try_from(rest)
-            .map(|x| {
-                let (a, b) = x.split_at(8);
-                Wire::LostDisk {
-                    last_index: u64::from_le_bytes(a.try_into().unwrap_or_default()),
-                    nonce: u64::from_le_bytes(b.try_into().unwrap_or_default()),
-                }
-            })
-            .map_err(|_| "a lost-disk message is 16 bytes".to_string()),
-        Some((2, rest)) => <[u8; 16]>::try_from(rest)
-            .map(|x| {
-                let (a, b) = x.split_at(8);
-                Wire::CatchUpTo {
-                    nonce: u64::from_le_bytes(a.try_into().unwrap_or_default()),
-                    last_index: u64::from_le_bytes(b.try_into().unwrap_or_default()),
-                }
-            })
-            .map_err(|_| "a catch-up message is 16 bytes".to_string()),
+        // An earlier build's (8 bytes, no nonce: never matched by a CatchUpTo).
+        Some((1, rest)) if rest.len() == 8 => Ok(Wire::LostDisk {
+            last_index: le_u64(rest, 0),
+            nonce: 0,
+        }),
+        Some((1, rest)) if rest.len() == 16 => Ok(Wire::LostDisk {
+            last_index: le_u64(rest, 0),
+            nonce: le_u64(rest, 8),
+        }),
+        Some((1, _)) => Err("a lost-disk message is 8 or 16 bytes".to_string()),
+        Some((2, rest)) if rest.len() == 24 => Ok(Wire::CatchUpTo {
+            nonce: le_u64(rest, 0),
+            last_index: le_u64(rest, 8),
+            term: le_u64(rest, 16),
+        }),
+        Some((2, _)) => Err("a catch-up message is 24 bytes".to_string()),
         Some((t, _)) => Err(format!("unknown metadata log message type {t}")),
         None => Err("empty metadata log message".into()),
     }

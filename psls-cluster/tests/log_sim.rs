@@ -877,10 +877,18 @@ fn a_voter_back_on_a_blank_disk_catches_up_to_the_leaders_log_not_to_a_stale_app
         Wire::CatchUpTo {
             nonce: nonce.wrapping_add(1),
             last_index: 3,
+            term: 2,
         },
     );
     assert!(log.amnesiac(), "an answer to another life's question");
-    log.handle_message(0, Wire::CatchUpTo { nonce, last_index: 10 });
+    log.handle_message(
+        0,
+        Wire::CatchUpTo {
+            nonce,
+            last_index: 10,
+            term: 2,
+        },
+    );
     assert!(log.amnesiac(), "entries 4 to 10 are still missing");
     // A leadership handed to it meanwhile is refused.
     let mut t = Message::default();
@@ -900,9 +908,20 @@ fn a_voter_back_on_a_blank_disk_catches_up_to_the_leaders_log_not_to_a_stale_app
         Wire::CatchUpTo {
             nonce: 99,
             last_index: 10,
+            term: 4,
         },
     ] {
         let b = psls_cluster::log::encode_wire(&w);
         assert_eq!(psls_cluster::log::decode_wire(&b), Ok(w));
     }
+    // An earlier build's LostDisk (no nonce) still reads.
+    let mut old = vec![1u8];
+    old.extend(7u64.to_le_bytes());
+    assert_eq!(
+        psls_cluster::log::decode_wire(&old),
+        Ok(Wire::LostDisk {
+            last_index: 7,
+            nonce: 0
+        })
+    );
 }

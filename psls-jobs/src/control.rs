@@ -279,7 +279,8 @@ struct Driven {
     running: BTreeSet<u32>,
     /// A rank's non-zero exit, judged once the grace is over: (rank, status, since).
     failure: Option<(u32, i32, u64)>,
-    /// Why the cluster failed a call of the failed rank (its exit rolls the job back).
+    /// A rank that exited non-zero after the cluster failed one of its calls, and why: the
+    /// failure is the cluster's (the job rolls back).
     failure_blame: Option<String>,
     /// The step asked for and when.
     step: Option<(Step, u64)>,
@@ -487,12 +488,22 @@ impl Control {
             d.exits.insert(*rank, *code);
             if *code != 0 && d.failure.is_none() {
                 d.failure = Some((*rank, *code, self.now_ms));
-                d.failure_blame = r
-                    .blamed
-                    .iter()
-                    .find(|(b, _)| b == rank)
-                    .map(|(_, why)| clip(why.clone()));
             }
+        }
+        // Any rank of this start that exited non-zero after the cluster failed one of its
+        // calls makes the failure the cluster's (the first exit reported may be a rank that
+        // failed only because that one did).
+        if d.failure_blame.is_none() {
+            d.failure_blame = r
+                .blamed
+                .iter()
+                .find(|(b, _)| ranks_here.contains(b) && d.exits.get(b).is_some_and(|c| *c != 0))
+                .map(|(b, why)| {
+                    let code = d.exits.get(b).copied().unwrap_or(0);
+                    clip(format!(
+                        "rank {b} exited with status {code} after the cluster failed its call: {why}"
+                    ))
+                });
         }
         let job = r.job.clone();
         self.drive(&job);
@@ -1090,8 +1101,7 @@ impl Control {
             self.submit_phase(job, run.attempt, RunPhase::Finishing);
             return;
         }
-        if let (Some((rank, code, _)), Some(blame)) = (d.failure, d.failure_blame.clone()) {
-            let why = format!("rank {rank} exited with status {code} after the cluster failed its call: {blame}");
+        if let (Some(_), Some(why)) = (d.failure, d.failure_blame.clone()) {
             self.roll_back(job, run, why);
             return;
         }
@@ -1579,6 +1589,42 @@ mod tests {
                 ..
             }) => assert_eq!(end.how, EndHow::Failed),
             other => panic!("the job ends failed, not {other:?}"),
+        }
+        // The first exit reported is not blamed, a later one is (rank 1 failed only because
+        // rank 0's barrier was failed by the cluster): the job rolls back, within the grace.
+        let (mut c, _, _) = running_job();
+        c.handle_report(
+            "n1",
+            1,
+            &Report {
+                blamed: Vec::new(),
+                ..blamed.clone()
+            },
+        );
+        assert!(c.poll_action().is_none(), "waits for the grace");
+        c.handle_report(
+            "n0",
+            1,
+            &Report {
+                running: vec![2],
+                exited: vec![(0, 1)],
+                blamed: vec![(0, "the coordinator (n0) went down while this rank waited".into())],
+                ..blamed.clone()
+            },
+        );
+        match c.poll_action() {
+            Some(Action::Submit {
+                op:
+                    MetaOp::JobPhase {
+                        phase: RunPhase::RollingBack { why },
+                        ..
+                    },
+                ..
+            }) => assert!(
+                why.contains("rank 0 exited with status 1 after the cluster failed its call"),
+                "{why}"
+            ),
+            other => panic!("a rollback, not {other:?}"),
         }
     }
 }

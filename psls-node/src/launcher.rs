@@ -45,6 +45,8 @@ struct LocalJob {
     exited: BTreeMap<u32, i32>,
     /// Ranks one of whose calls the cluster failed, and why (see [`Jobs::blame`]).
     blamed: BTreeMap<u32, String>,
+    /// Safe-point calls each rank made so far (see [`Jobs::next_safe_call`]).
+    safe_calls: BTreeMap<u32, u64>,
     /// Ranks a start request is starting now (it awaits other nodes before it spawns them):
     /// a second request for the same start (job control asks again when the first one's
     /// answer is late) leaves them to it.
@@ -159,6 +161,17 @@ impl Jobs {
                 blamed: l.blamed.iter().map(|(r, w)| (*r, w.clone())).collect(),
             })
             .collect()
+    }
+
+    /// The number of rank process `pid`'s next safe-point call in its start (1, 2, …; every
+    /// session of the process counts), or `None` if it is not a rank here.
+    pub fn next_safe_call(&self, pid: u32) -> Option<u64> {
+        let (spec, rank) = self.rank_of(pid)?;
+        let mut local = lock(&self.local);
+        let l = local.get_mut(&spec.job).filter(|l| l.attempt == spec.attempt)?;
+        let n = l.safe_calls.entry(rank).or_insert(0);
+        *n += 1;
+        Some(*n)
     }
 
     /// The cluster failed a call of rank process `pid` (a barrier, a lock or a safe point

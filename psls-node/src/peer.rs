@@ -125,9 +125,13 @@ pub struct SafeCall {
     pub node_inc: u64,
     /// The rank's session on its node (unique there for the node's incarnation).
     pub session: u64,
-    /// The call's number in the rank's session (1, 2, …): every rank of one decision makes
-    /// the same one, and a call made again (its answer lost) keeps its number.
+    /// The call's number in the rank's start (1, 2, …; counted by the rank's node): every
+    /// rank of one decision makes the same one, and a call made again (its answer lost) keeps
+    /// its number.
     pub seq: u64,
+    /// The rank's node made this call before (to this or an earlier coordinator): a call out
+    /// of step with the others' is then the cluster's failure, not the program's.
+    pub resent: bool,
 }
 
 /// Which call a [`SafeCall`] is: its start, its rank's node incarnation and session, and its

@@ -10,7 +10,12 @@ use std::process::Command;
 pub struct Net {
     prefix: String,
     nodes: usize,
+    /// Unique among the nets of this machine's live processes: names and subnet come from it.
+    id: u32,
 }
+
+/// Nets built by this process so far (two tests of one binary build theirs at once).
+static NETS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
 
 fn sh(args: &[&str]) -> bool {
     Command::new(args[0])
@@ -23,10 +28,12 @@ impl Net {
     /// `nodes` namespaces on the subnet 10.`a`.`b`.0/24 (node i at .i+1); `None` where it
     /// cannot be built here.
     pub fn build(nodes: usize) -> Option<Net> {
-        let id = std::process::id() % 100_000;
+        let k = NETS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let id = (std::process::id() * 8 + k % 8) % 100_000;
         let net = Net {
             prefix: format!("ps{id}"),
             nodes,
+            id,
         };
         let (a, b) = (100 + (id / 250) % 100, id % 250);
         let br = net.bridge();
@@ -66,7 +73,7 @@ impl Net {
         format!("{}b{i}", self.prefix)
     }
     pub fn ip(&self, i: usize) -> String {
-        let id = std::process::id() % 100_000;
+        let id = self.id;
         format!("10.{}.{}.{}", 100 + (id / 250) % 100, id % 250, i + 1)
     }
 

@@ -312,7 +312,8 @@ pub fn run_with(seed: u64, duration: Duration, options: Options, say: &mut dyn F
         let refused = full
             .iter()
             .any(|n| err.contains(&format!("on node {n} (n{n}), which has")));
-        if code != Some(0) && refused {
+        // A clear refusal is an exit with a status (a kill by a signal is not one).
+        if code.is_some_and(|c| c != 0) && refused {
             report.refused_full += 1;
             say("  refused: a disk its file needed was full");
             let _ = c.run(&["jobs", "rm", &id]);

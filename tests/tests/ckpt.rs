@@ -390,6 +390,7 @@ fn a_retried_checkpoint_call_takes_over_the_wait_or_gets_its_answer_again() {
         node_inc: NEW_INCARNATION,
         session: 7,
         seq: 1,
+        resent: false,
     };
     let rank1 = psls_node::peer::SafeCall {
         rank: 1,
@@ -446,6 +447,7 @@ fn a_retried_checkpoint_call_takes_over_the_wait_or_gets_its_answer_again() {
     });
     let again0 = psls_node::peer::PeerReq::CkptArrive(psls_node::peer::SafeCall {
         session: 9,
+        resent: true,
         ..call.clone()
     });
     let (next1, again0) = std::thread::scope(|s| {

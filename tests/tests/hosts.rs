@@ -505,7 +505,7 @@ fn four_separate_hosts_run_a_job_through_a_kill_9_of_one_of_them() {
     let mut h = match Hosts::new() {
         Ok(h) => h,
         Err(why) => {
-            println!("skipped: network namespaces are not available here: {why}");
+            cannot_run(&format!("network namespaces are not available here: {why}"));
             return;
         }
     };

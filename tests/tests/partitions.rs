@@ -5,7 +5,8 @@
 //! veth drops everything leaving through it. Each time the job ends with an unfailed run's
 //! checksum, the node is back as a new incarnation, and the next job runs at once.
 //!
-//! Needs root (network namespaces) and iproute2 (`ip`, `tc`): skipped with one line without.
+//! Needs root (network namespaces) and iproute2 (`ip`, `tc`): skipped with one line without,
+//! failed under `CI=true`.
 
 mod common;
 
@@ -16,7 +17,7 @@ use std::time::Duration;
 #[test]
 fn a_partitioned_node_and_a_partitioned_coordinator_are_fenced_and_the_job_completes() {
     let Some(net) = Net::build(4) else {
-        eprintln!("skipped: cannot build network namespaces here (needs root and iproute2)");
+        cannot_run("cannot build network namespaces here (needs root and iproute2)");
         return;
     };
     // Each daemon in its node's namespace, listening on its own address.
@@ -68,13 +69,12 @@ fn a_partitioned_node_and_a_partitioned_coordinator_are_fenced_and_the_job_compl
 #[test]
 fn lines_printed_on_a_cut_off_node_never_hide_the_restarted_ranks_lines() {
     let Some(net) = Net::build(4) else {
-        eprintln!("skipped: cannot build network namespaces here (needs root and iproute2)");
+        cannot_run("cannot build network namespaces here (needs root and iproute2)");
         return;
     };
     let mut c = Cluster::init(4, 0, |_| {});
     net.place(&mut c);
     c.ok(&["cluster", "up"]);
-    let timeout = Duration::from_millis(c.config().cluster.heartbeat_timeout_ms);
     let dir = c.path("marks");
     std::fs::create_dir_all(&dir).expect("marks folder");
     let d = dir.display();
@@ -97,9 +97,34 @@ fn lines_printed_on_a_cut_off_node_never_hide_the_restarted_ranks_lines() {
         .expect("psls run");
     let exists = |f: &str| dir.join(f).exists();
     wait_for(Duration::from_secs(60), "rank 0 started", || exists("started"));
-    // n0 cut off until it takes every other node as down (no second node to keep lines).
+    // n0 cut off until the others declared it down and it takes every other node as down (no
+    // second node to keep lines).
     net.cut(0, true);
-    std::thread::sleep(2 * timeout);
+    let states = |via: &str| -> Vec<(String, String)> {
+        let o = c.run(&["--node", via, "cluster", "status", "--json"]);
+        let st: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap_or_default();
+        st["nodes"]
+            .as_array()
+            .map(|ns| {
+                ns.iter()
+                    .map(|n| {
+                        (
+                            n["name"].as_str().unwrap_or("").to_string(),
+                            n["state"].as_str().unwrap_or("").to_string(),
+                        )
+                    })
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    wait_for(
+        Duration::from_secs(30),
+        "n0 declared down, and alone in its view",
+        || {
+            states("n1").iter().any(|(n, s)| n == "n0" && s == "down")
+                && states("n0").iter().filter(|(n, _)| n != "n0").all(|(_, s)| s != "up")
+        },
+    );
     std::fs::write(dir.join("go"), b"").expect("go");
     wait_for(Duration::from_secs(30), "rank 0 printed", || exists("printed"));
     // Its node's relay takes the lines in.

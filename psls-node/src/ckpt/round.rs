@@ -318,21 +318,36 @@ impl CkptShell {
         // before the caller is told. The nemesis met ranks failed by "n0 is no longer the
         // coordinator" 600 ms into such a change. A rank's call made again is safe: it keeps
         // its number, so a coordinator never takes it for the rank's next call.
+        // The patience counts from the last exchange that a coordinator held for a while (a
+        // safe-point call waits there for the slowest rank): a change after a long wait gets
+        // the same patience as one at once.
         let patience = Duration::from_millis(4 * self.node.cfg.cluster.heartbeat_timeout_ms);
-        let t = tokio::time::Instant::now();
-        for attempt in 0u32.. {
-            if attempt >= 3 && t.elapsed() >= patience {
+        let mut t = tokio::time::Instant::now();
+        let mut tries = 0u32;
+        let mut req = req;
+        loop {
+            if tries >= 3 && t.elapsed() >= patience {
                 break;
             }
+            tries += 1;
             let Some((_, coordinator)) = self.node.coordinator_now() else {
                 tokio::time::sleep(Duration::from_millis(200)).await;
                 continue;
             };
-            match self
+            let sent = tokio::time::Instant::now();
+            let r = self
                 .node
                 .call_data(&coordinator, req.clone(), bytes::Bytes::new(), timeout)
-                .await
-            {
+                .await;
+            if sent.elapsed() >= patience {
+                t = tokio::time::Instant::now();
+                tries = 1;
+            }
+            // What follows is the same call again (a coordinator may have taken it already).
+            if let PeerReq::CkptArrive(call) = &mut req {
+                call.resent = true;
+            }
+            match r {
                 Ok((PeerResp::NotCoordinator, _)) => {
                     last = unavailable(format!("{coordinator} is no longer the coordinator"))
                 }
@@ -703,8 +718,9 @@ impl CkptShell {
                 }
             }
         }
-        // No longer the coordinator: the calls waiting here are made again at the new one.
-        if !self.coordinating() {
+        // Another node coordinates now: the calls waiting here are made again there. (Not while
+        // no coordinator is known: a brief loss of the lease leaves them waiting here.)
+        if node.coordinator_now().is_some_and(|(_, c)| c != node.name()) {
             let handed = self.safe.locked().hand_off();
             for (job, ranks) in handed {
                 tracing::info!(node = %node.name(), job, ranks = ranks.len(), "checkpoint calls handed to the new coordinator");

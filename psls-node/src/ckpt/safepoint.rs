@@ -155,7 +155,7 @@ impl CkptShell {
                     let r = self.safe.locked().arrive(
                         node.now_ms(),
                         &call.job,
-                        (call.rank, call.attempt, call.seq),
+                        (call.rank, call.attempt, call.seq, call.resent),
                         call.size,
                         (call.interval_ms, call.timeout_ms),
                         l,
@@ -171,11 +171,11 @@ impl CkptShell {
                             ))
                         }
                         Err(ArriveError::Full) => return Err(unavailable("too many jobs in checkpoint calls")),
-                        Err(ArriveError::OutOfStep(m)) => {
+                        Err(ArriveError::OutOfStep { why, cluster }) => {
                             // The others' calls fail with it (the machine's action).
                             drop(waiters);
                             self.drive();
-                            return Err(unavailable(m));
+                            return Err(safe_failure(why, cluster));
                         }
                     }
                     // Which incarnation of its node each rank's call came from.
@@ -350,16 +350,21 @@ impl CkptShell {
                     me.drive();
                 });
             }
-            SafeAction::TimedOut { job, ranks, why } => {
-                tracing::warn!(node = %self.node.name(), job, why, "checkpoint call failed");
-                self.arrived_incs.locked().remove(&job);
-                self.answer(&job, &ranks, Err(OpError::new(ErrorKind::Invalid, why)));
+            SafeAction::TimedOut {
+                job,
+                ranks,
+                why,
+                cluster,
             }
-            // The cluster's failure: the ranks' nodes blame it, and the job rolls back.
-            SafeAction::OutOfStep { job, ranks, why } => {
-                tracing::warn!(node = %self.node.name(), job, why, "checkpoint call failed");
+            | SafeAction::OutOfStep {
+                job,
+                ranks,
+                why,
+                cluster,
+            } => {
+                tracing::warn!(node = %self.node.name(), job, why, cluster, "checkpoint call failed");
                 self.arrived_incs.locked().remove(&job);
-                self.answer(&job, &ranks, Err(unavailable(why)));
+                self.answer(&job, &ranks, Err(safe_failure(why, cluster)));
             }
         }
     }
@@ -677,6 +682,16 @@ impl CkptShell {
         }
         states::check(rank, &page, &state).map_err(|m| OpError::new(ErrorKind::Io, m))?;
         Ok(state)
+    }
+}
+
+/// A failed safe-point call: the cluster's failure (`Unavailable`: the rank's node blames it,
+/// and the job rolls back if the rank exits for it) or the program's (`Invalid`).
+fn safe_failure(why: String, cluster: bool) -> OpError {
+    if cluster {
+        unavailable(why)
+    } else {
+        OpError::new(ErrorKind::Invalid, why)
     }
 }
 

@@ -163,8 +163,11 @@ pub(super) async fn handle(c: &mut Conn, req: Request, mut fds: Vec<OwnedFd>) ->
         Request::Checkpoint { state } => match pid {
             None => err(OpError::new(ErrorKind::Invalid, "no peer pid")),
             Some(pid) => {
+                // A rank's calls are counted per rank (any session of it); another process's
+                // per session.
                 c.safe_calls += 1;
-                let call = safe_call(&d, caller, pid, (c.id, c.safe_calls));
+                let seq = d.jobs.next_safe_call(pid as u32).unwrap_or(c.safe_calls);
+                let call = safe_call(&d, caller, pid, (c.id, seq));
                 // What the rank printed before its call is numbered and kept on two nodes
                 // before the checkpoint can hold its number.
                 let output_seq = d.jobs.output_mark(pid as u32).await;
@@ -518,6 +521,7 @@ fn safe_call(d: &Daemon, caller: crate::pfs::Caller, pid: i32, (session, seq): (
             node_inc: d.node.incarnation,
             session,
             seq,
+            resent: false,
         },
         None => crate::ckpt::SafeCall {
             job: super::memory::job_of(d, pid),
@@ -538,6 +542,7 @@ fn safe_call(d: &Daemon, caller: crate::pfs::Caller, pid: i32, (session, seq): (
             node_inc: d.node.incarnation,
             session,
             seq,
+            resent: false,
         },
     }
 }
