@@ -431,7 +431,7 @@ impl Coordinator {
             {
                 self.abort(
                     &job,
-                    format!("{from} restarted since its ranks reached the safe point (incarnation {part_inc})"),
+                    format!("{from} restarted since its part of the job began (it answers as incarnation {part_inc})"),
                 );
                 return;
             }

@@ -613,12 +613,13 @@ impl Control {
             Done::Released { resumable } => self.driven(job).released = Some(resumable),
             Done::Finished(Ok(())) => {
                 let message = match self.meta.finished.get(job) {
-                    // A resumed job that had finished: only its kept result was written.
-                    Some(f) => format!(
+                    // A resumed job that had finished: only its kept result was written. (The
+                    // record of a result being written, with no reason, is this start's own.)
+                    Some(f) if !f.why.is_empty() => format!(
                         "job {job} had finished: its result, restored from checkpoint {}, is written",
                         f.epoch
                     ),
-                    None => format!("all {ranks} ranks exited with status 0"),
+                    _ => format!("all {ranks} ranks exited with status 0"),
                 };
                 let end = self.end(EndHow::Finished, 0, message, attempt);
                 self.submit_phase(job, attempt, RunPhase::Stopping { end });
@@ -1013,10 +1014,11 @@ impl Control {
             RunPhase::RollingBack { .. } => self.drive_rollback(job, &run),
             RunPhase::Finishing => {
                 // A node lost while the last checkpoints are taken lost the ranks' last writes
-                // there (after their last checkpoint): the job rolls back and runs that part
-                // again, as while it ran. (A result already kept in a memory checkpoint is
-                // written by a resume.)
-                let kept = self.meta.finished.contains_key(job) || self.jobs.get(job).is_some_and(|d| d.kept.is_some());
+                // there (after their last checkpoint), or its copies of the finished result:
+                // the job rolls back, and runs that part again, or (its result's checkpoint
+                // recorded, `meta.finished`) writes the restored result. (A result kept once
+                // the last persistent checkpoint failed is written by a resume.)
+                let kept = self.jobs.get(job).is_some_and(|d| d.kept.is_some());
                 if !kept && self.roll_back_if_lost(job, &run) {
                     return;
                 }
@@ -1305,15 +1307,16 @@ impl Control {
             let e = StepError::Unavailable(format!("{p} failed during the restore"));
             return self.pass_failed(job, run.attempt, e, 0);
         }
-        // 4. A finished job restored to its result only has it written; any other starts again.
-        if self
+        // 4. A finished job restored to its result only has it written (a new start that runs
+        // no rank: its nodes' incarnations are those that hold the restored copies, so a node
+        // restarted since is refused from the rounds only until a restore); any other starts
+        // again.
+        let result = self
             .meta
             .finished
             .get(job)
-            .is_some_and(|f| f.epoch <= epoch && f.epoch > 0)
-        {
-            return self.submit_phase(job, run.attempt, RunPhase::Finishing);
-        }
+            .is_some_and(|f| f.epoch <= epoch && f.epoch > 0);
+        let phase = if result { RunPhase::Finishing } else { RunPhase::Running };
         let (ranks, per_node) = self
             .meta
             .jobs
@@ -1328,7 +1331,7 @@ impl Control {
             per_node,
             run.env.clone(),
             run.hosts.clone(),
-            RunPhase::Running,
+            phase,
         ) {
             Ok(mut next) => {
                 next.restarts = if resumed { 0 } else { run.restarts + 1 };

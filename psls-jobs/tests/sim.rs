@@ -367,6 +367,17 @@ impl Sim {
                 );
                 self.finishing.insert((job.clone(), *attempt));
             }
+            // A start that only writes a restored result: it was kept.
+            if let MetaOp::JobRestart { job, run, .. } = &op {
+                if run.phase == RunPhase::Finishing {
+                    assert!(
+                        self.state().finished.contains_key(job),
+                        "job {job} start {} only writes a result, but none was kept",
+                        run.attempt
+                    );
+                    self.finishing.insert((job.clone(), run.attempt));
+                }
+            }
             if let MetaOp::JobEnd { job, end } = &op {
                 assert!(
                     self.ends.insert((job.clone(), end.attempt)),

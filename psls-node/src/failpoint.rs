@@ -21,6 +21,8 @@
 //! `launch.spawned` (a node, a rank started but not yet in its table of ranks; only pausing),
 //! `launch.prepared` (a node, a start's ranks prepared but not yet started; only pausing),
 //! `job.finish` (the job's driver, every rank exited 0, before the job's last checkpoints),
+//! `job.finish.kept` (the driver, the finished result's memory checkpoint committed and
+//! recorded, before the persistent one),
 //! `rejoin.blank` (a node started on a blank folder, before the cluster decides what it means;
 //! only pausing).
 

@@ -457,7 +457,26 @@ async fn finish(d: &Arc<Daemon>, job: &str, persistent_only: bool) -> Result<(),
             .checkpoint_at(job, files.clone(), psls_ckpt::msg::Level::Memory)
             .await
         {
-            Ok(k) => Some(k.epoch),
+            Ok(k) => {
+                // The finished result's checkpoint is recorded before the persistent one: a
+                // rollback that restores it (a node lost meanwhile) writes it, never restarts
+                // the ranks from it (it holds no rank states: the nemesis met every restarted
+                // rank refused with "state belongs to checkpoint 30, not 31"). A resumed
+                // finished job keeps its record.
+                if !st.finished.contains_key(job) {
+                    let op = MetaOp::JobFinished {
+                        job: job.to_string(),
+                        why: String::new(),
+                        files: files.clone(),
+                        epoch: k.epoch,
+                    };
+                    if let Err(e) = node.submit(op).await {
+                        tracing::warn!(node = %node.name(), job, epoch = k.epoch, error = %e, "the finished result's checkpoint is not recorded");
+                    }
+                }
+                crate::failpoint::pass_async(node.name(), "job.finish.kept").await;
+                Some(k.epoch)
+            }
             Err(e) => {
                 tracing::info!(node = %node.name(), job, error = %e, "no memory checkpoint of the finished job");
                 None

@@ -225,8 +225,11 @@ pub(crate) fn apply_restart(st: &mut MetaState, job: &str, attempt: u32, run: &R
     let mut run = run.clone();
     // A halt asked during the rollback still holds.
     run.halt |= cur.halt;
-    // The new start computes again: a finished result kept before is not its any more.
-    st.finished.remove(job);
+    // A new start that computes again: a finished result kept before is not its any more. (A
+    // start that only writes the restored result keeps it.)
+    if run.phase != RunPhase::Finishing {
+        st.finished.remove(job);
+    }
     st.touch_job(job);
     st.runs.insert(job.to_string(), run);
     Ok(())

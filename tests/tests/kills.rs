@@ -393,8 +393,54 @@ fn psls_runs_own_daemon_killed_in_a_checkpoints_writes_and_again_in_the_rollback
 /// runs that part again, and its file on the disks holds the unfailed run's sums. Before, the
 /// last cleaner went on without that node's part: the job said finished, and the disks held a
 /// rank's word of a checkpoint before (found by the nemesis).
+/// The job's driver killed once its finished result's memory checkpoint committed, before the
+/// persistent one: the rollback restores that result and only writes it (no rank runs again),
+/// and the disks hold the unfailed run's sums. Before, the rollback restarted the ranks from
+/// the result's checkpoint, which holds no rank states: every rank was refused with "state
+/// belongs to checkpoint 20, not 21" and the job was lost (found by the nemesis).
+#[test]
+fn the_driver_killed_between_the_finished_results_checkpoints_has_the_result_written() {
+    let (c, dir) = cluster("job.finish.kept", false);
+    let run = c
+        .cmd(&[
+            "--node", "n1", "run", "-n", "4", "--level", "memory", "--", PROBE, "steps", "kept", "4", "30", "99", "64",
+            "20", "vol",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("psls run");
+    let (out, err) = run_through(&c, run, &dir, &mut |_| {});
+    assert_eq!(fired(&dir).len(), 1, "the driver died at the point\n{err}");
+    assert_eq!(
+        out.matches("done ").count(),
+        RANKS as usize,
+        "every rank's result once\n{out}\n{err}"
+    );
+    assert!(!out.contains("restarted from epoch"), "no rank ran again\n{out}\n{err}");
+    let data = c.export("kept", &[]);
+    let sum = 30 * 31 / 2;
+    for r in 0..RANKS as usize {
+        let w = u64::from_le_bytes(data[r * 4096..r * 4096 + 8].try_into().expect("8 bytes"));
+        assert_eq!(w, sum, "rank {r}'s word on the disks\n{err}");
+    }
+}
+
 #[test]
 fn a_node_killed_while_the_job_finishes_rolls_the_job_back_and_the_disks_hold_its_result() {
+    killed_while_the_job_finishes(false);
+}
+
+/// The same with the node back on a blank disk: its copies and the ranks' writes there are
+/// lost, and a cleaner committed without its part would hold older words (the nemesis met a
+/// job that ended finished with a file differing from the unfailed run's: the wiped node,
+/// whose records lagged, took part with nothing).
+#[test]
+fn a_node_back_on_a_blank_disk_while_the_job_finishes_rolls_the_job_back() {
+    killed_while_the_job_finishes(true);
+}
+
+fn killed_while_the_job_finishes(wipe: bool) {
     let (c, dir) = cluster("job.finish:pause", false);
     let mut run = c
         .cmd(&[
@@ -408,6 +454,18 @@ fn a_node_killed_while_the_job_finishes_rolls_the_job_back_and_the_disks_hold_it
     let _ = &mut run;
     let (out, err) = run_through(&c, run, &dir, &mut |_| {
         c.kill("n2");
+        if wipe {
+            let cfg = c.config();
+            let data = cfg.data_dir(cfg.entry("n2").expect("n2"));
+            for e in std::fs::read_dir(&data).expect("data dir").flatten() {
+                let p = e.path();
+                let _ = if p.is_dir() {
+                    std::fs::remove_dir_all(&p)
+                } else {
+                    std::fs::remove_file(&p)
+                };
+            }
+        }
         c.ok(&["cluster", "up"]);
     });
     assert_eq!(fired(&dir).len(), 1, "{err}");

@@ -463,7 +463,18 @@ impl CkptShell {
                             committed,
                         )
                         .map_err(|e| unavailable(format!("checkpoint of {job} not started: {e:?}")))?;
-                    coord.expect(&job, epoch, sp.expect.clone());
+                    // Every node of the job's current start answers in the incarnation the
+                    // start names (a node restarted since lost its part: its pages and
+                    // recovery copies), whatever its own records say yet (a blank disk's
+                    // may lag: the nemesis met a cleaner committed without a wiped node's
+                    // part).
+                    let mut expect = sp.expect.clone();
+                    if let Some(run) = st.runs.get(&job) {
+                        for (l, (_, inc)) in &run.nodes {
+                            expect.entry(NodeId(*l)).or_insert(*inc);
+                        }
+                    }
+                    coord.expect(&job, epoch, expect);
                     drop(coord);
                     started.insert(job.clone(), epoch);
                     rounds.insert(
@@ -765,13 +776,10 @@ impl CkptShell {
     }
 
     /// Why this node cannot take part in a round of `job`: its current start ran ranks here
-    /// as an earlier incarnation of this node.
+    /// (or, writing a restored result, had its copies restored here) as an earlier
+    /// incarnation of this node.
     fn lost_since_start(&self, job: &str) -> Option<String> {
         let st = self.node.meta_state();
-        // A finished job's kept result was restored by its rollback: its cleaner only writes it.
-        if st.finished.contains_key(job) {
-            return None;
-        }
         let run = st.runs.get(job)?;
         let inc = run
             .nodes
