@@ -216,19 +216,24 @@ struct Sim {
     seed: u64,
 }
 
+/// The simulator's limits: small, so that compaction and snapshots happen.
+fn sim_limits() -> Limits {
+    Limits {
+        election_ticks: 10,
+        heartbeat_ticks: 2,
+        max_pending: 64,
+        max_reads: 64,
+        max_msg_bytes: 512,
+        max_inflight: 8,
+        compact_after: 12,
+        keep_behind: 4,
+        read_retry_ticks: 10,
+    }
+}
+
 impl Sim {
     fn new(seed: u64) -> Sim {
-        let limits = Limits {
-            election_ticks: 10,
-            heartbeat_ticks: 2,
-            max_pending: 64,
-            max_reads: 64,
-            max_msg_bytes: 512,
-            max_inflight: 8,
-            compact_after: 12,
-            keep_behind: 4,
-            read_retry_ticks: 10,
-        };
+        let limits = sim_limits();
         let nodes = (0..VOTERS)
             .map(|v| Node {
                 log: Some(Log::new(v, VOTERS, limits, Durable::fresh(false), seed * 100 + v as u64).expect("starts")),
@@ -814,15 +819,9 @@ fn the_metadata_log_keeps_every_acknowledged_operation() {
 #[test]
 fn a_voter_back_on_a_blank_disk_catches_up_to_the_leaders_log_not_to_a_stale_append() {
     let limits = Limits {
-        election_ticks: 10,
-        heartbeat_ticks: 2,
-        max_pending: 64,
-        max_reads: 64,
-        max_msg_bytes: 512,
-        max_inflight: 8,
         compact_after: 1000,
         keep_behind: 100,
-        read_retry_ticks: 10,
+        ..sim_limits()
     };
     let mut log: Log<Kv, u64> = Log::new(1, VOTERS, limits, Durable::fresh(true), 7).expect("starts");
     assert!(log.amnesiac());

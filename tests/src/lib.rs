@@ -446,6 +446,24 @@ pub fn cannot_run(why: &str) {
     eprintln!("skipped: {why}");
 }
 
+/// Waits for child `ch` at most `limit` (killed and its output shown past it); its output.
+pub fn wait_within(mut ch: std::process::Child, limit: Duration) -> std::process::Output {
+    let t = Instant::now();
+    while ch.try_wait().expect("wait").is_none() {
+        if t.elapsed() > limit {
+            let _ = ch.kill();
+            let o = ch.wait_with_output().expect("output");
+            panic!(
+                "the client did not finish within {limit:?}: {}{}",
+                String::from_utf8_lossy(&o.stdout),
+                String::from_utf8_lossy(&o.stderr)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    ch.wait_with_output().expect("output")
+}
+
 /// Polls `done` every 20 ms until it holds; panics with `what` (and the time waited) if it
 /// does not within `limit`.
 pub fn wait_for(limit: Duration, what: &str, mut done: impl FnMut() -> bool) {

@@ -146,20 +146,3 @@ fn lines_printed_on_a_cut_off_node_never_hide_the_restarted_ranks_lines() {
     assert_eq!(out.matches("[0] result 0").count(), 1, "{out}");
     c.ok(&["cluster", "down"]);
 }
-
-fn wait_within(mut ch: std::process::Child, limit: Duration) -> std::process::Output {
-    let t = std::time::Instant::now();
-    while ch.try_wait().expect("wait").is_none() {
-        if t.elapsed() > limit {
-            let _ = ch.kill();
-            let o = ch.wait_with_output().expect("output");
-            panic!(
-                "psls run did not finish within {limit:?}: {}{}",
-                String::from_utf8_lossy(&o.stdout),
-                String::from_utf8_lossy(&o.stderr)
-            );
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    ch.wait_with_output().expect("output")
-}

@@ -1,7 +1,7 @@
 //! Shared virtual memory across real daemons and real client processes (userfaultfd).
 
-use psls_tests::{wait_for, Cluster};
-use std::process::{Child, Output, Stdio};
+use psls_tests::{wait_for, wait_within, Cluster};
+use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 const PROBE: &str = env!("CARGO_BIN_EXE_svm-probe");
@@ -17,23 +17,6 @@ fn spawn(c: &Cluster, node: &str, args: &[&str]) -> Child {
         .stderr(Stdio::piped())
         .spawn()
         .expect("spawn probe")
-}
-
-fn wait_within(mut ch: Child, limit: Duration) -> Output {
-    let t = Instant::now();
-    while ch.try_wait().expect("wait").is_none() {
-        if t.elapsed() > limit {
-            let _ = ch.kill();
-            let o = ch.wait_with_output().expect("output");
-            panic!(
-                "client did not finish within {limit:?}: {}{}",
-                String::from_utf8_lossy(&o.stdout),
-                String::from_utf8_lossy(&o.stderr)
-            );
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    ch.wait_with_output().expect("output")
 }
 
 /// A counter of `node`'s daemon (`psls_client::Session::node_stats`).
