@@ -17,6 +17,8 @@
 //!   they catch up with a resume);
 //! - a line after a missing one of the same rank waits [`GAP_WAIT_MS`] for it (a node that did
 //!   not answer may keep it), then is sent with the gap skipped; at the end nothing waits;
+//! - a client that followed a start before the one the job ended in is told that the job
+//!   restarted, though the run's record (and the notes it gives) is gone by then;
 //! - a job this node's records do not know is gone only once a fresh read of the metadata
 //!   does not know it either (this node may be behind the leader that recorded it).
 //!
@@ -161,7 +163,20 @@ impl Follower {
                 }
                 self.told = Some(now);
             }
-        } else if self.end.is_none() {
+        } else if let Some(ended) = st.ended.get(job).map(|(_, e)| e).filter(|e| e.attempt >= self.since) {
+            // The job ended in a start after the one the client followed (it lost its node,
+            // and the job was rolled back and restarted before it followed again): the run's
+            // record with its notes is gone, but the client still hears that it restarted.
+            let floor = self.known.max(self.told.as_ref().map(|(a, _)| *a));
+            if let Some(k) = floor.filter(|&k| k < ended.attempt) {
+                self.actions.push_back(FollowAction::Note(format!(
+                    "job {job} was rolled back and restarted while this client was away (it followed start {k}; start {} ended)",
+                    ended.attempt
+                )));
+                self.actions.push_back(FollowAction::Start(ended.attempt));
+                self.told = Some((ended.attempt, "Ended".to_string()));
+            }
+        } else {
             self.wait = Wait::Fresh;
             self.actions.push_back(FollowAction::CheckGone);
             return;
@@ -296,6 +311,38 @@ mod tests {
                 _ => None,
             })
             .collect()
+    }
+
+    #[test]
+    fn a_client_back_after_the_job_ended_in_a_later_start_hears_of_the_restart() {
+        let mut st = MetaState::default();
+        let end = psls_pfs::runs::JobEnd {
+            how: psls_pfs::runs::EndHow::Finished,
+            code: 0,
+            message: String::new(),
+            attempt: 3,
+            at_unix_ms: 0,
+        };
+        st.ended.insert("j".into(), (7, end));
+        // The client followed start 1 through a node it lost.
+        let mut f = Follower::new("j", BTreeMap::new(), 1).knowing(Some(1));
+        f.handle_tick(&st);
+        let note = f.poll_action();
+        assert!(
+            matches!(&note, Some(FollowAction::Note(n)) if n.contains("restarted") && n.contains("start 3")),
+            "{note:?}"
+        );
+        assert_eq!(f.poll_action(), Some(FollowAction::Start(3)));
+        assert!(matches!(f.poll_action(), Some(FollowAction::Fetch { all: true, .. })));
+        f.handle_output(Vec::new(), 0);
+        assert!(matches!(f.poll_action(), Some(FollowAction::End { code: 0, .. })));
+        assert!(f.is_over());
+        // A client that followed the start that ended, or a new one, hears no restart.
+        for known in [Some(3), None] {
+            let mut f = Follower::new("j", BTreeMap::new(), 1).knowing(known);
+            f.handle_tick(&st);
+            assert!(matches!(f.poll_action(), Some(FollowAction::Fetch { all: true, .. })));
+        }
     }
 
     #[test]

@@ -417,3 +417,81 @@ fn a_rank_that_exits_because_the_cluster_failed_its_barrier_rolls_the_job_back()
     // Both ranks passed the barrier once, in the restarted start.
     assert_eq!(out.lines().filter(|l| l.ends_with(" 0")).count(), 2, "{out}");
 }
+
+/// A `psls run` whose daemon sleeps (SIGSTOP past the failure timeout) while the job rolls
+/// back, restarts and ends is told of the restart when it follows again, though the job's
+/// record of the start it followed is gone by then (it used to print only the end: the
+/// issue's "a CLI whose daemon is cut off printed no rollback notes").
+#[test]
+fn a_client_whose_daemon_slept_through_the_jobs_restart_and_end_is_told_of_the_restart() {
+    // A spare replaces n1 (a rollback waits for every logical node, or its replacement).
+    let c = Cluster::start(4, 1);
+    let marks = c.path("marks");
+    std::fs::create_dir_all(&marks).expect("marks folder");
+    // Each rank's first start waits; its restart prints its result and ends.
+    let script = format!(
+        "if [ -e {m}/started-$PSLS_RANK ]; then echo \"result $PSLS_RANK\"; exit 0; fi
+         touch {m}/started-$PSLS_RANK
+         sleep 600",
+        m = marks.display()
+    );
+    let run = c
+        .cmd(&[
+            "--node",
+            "n1",
+            "run",
+            "-n",
+            "2",
+            "--nodes",
+            "n2,n3",
+            "--respawn-timeout",
+            "1s",
+            "--",
+            "sh",
+            "-c",
+            &script,
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("psls run");
+    wait_for(Duration::from_secs(60), "every rank started", || {
+        (0..2).all(|r| marks.join(format!("started-{r}")).exists())
+    });
+    // n1 sleeps; n3, which runs rank 1, is killed and started again (the cluster is healthy
+    // only once n1 wakes).
+    let pid = nix::unistd::Pid::from_raw(c.pid("n1"));
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGSTOP).expect("SIGSTOP");
+    c.kill("n3");
+    let up = c.cmd(&["cluster", "up"]).spawn().expect("cluster up");
+    let ended = || {
+        let o = c.run(&["--node", "n2", "jobs", "--json"]);
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap_or_default();
+        v["jobs"]
+            .as_array()
+            .is_some_and(|a| a.iter().any(|j| j["state"] == "finished"))
+    };
+    let t = std::time::Instant::now();
+    while !ended() && t.elapsed() < Duration::from_secs(60) {
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGCONT).expect("SIGCONT");
+    assert!(ended(), "the job did not end while n1 slept");
+    let up = wait_within(up, Duration::from_secs(120));
+    assert!(
+        up.status.success(),
+        "cluster up: {}",
+        String::from_utf8_lossy(&up.stderr)
+    );
+    let o = wait_within(run, Duration::from_secs(120));
+    let out = String::from_utf8_lossy(&o.stdout);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "the job failed ({}):\n{out}\n{err}", o.status);
+    for r in 0..2 {
+        assert_eq!(out.matches(&format!("[{r}] result {r}")).count(), 1, "{out}\n{err}");
+    }
+    assert!(
+        err.contains("restarted"),
+        "the client was not told of the restart:\n{err}"
+    );
+}
