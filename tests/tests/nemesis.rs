@@ -1,6 +1,7 @@
 //! The nemesis (`psls_tests::nemesis`) for a few minutes of the suite: random jobs while nodes
-//! are killed (the nemesis binary also pauses them and gives them blank disks); every job must end with the unfailed
-//! run's result and every acknowledged create must stay. `PSLS_NEMESIS_SECS` sets how long
+//! are killed, paused (within and past the failure timeout), cut off (both ways and one way),
+//! given blank disks and full disks; every job must end with the unfailed run's result and
+//! every acknowledged create must stay. `PSLS_NEMESIS_SECS` sets how long
 //! (default 180), `PSLS_NEMESIS_SEED` the seed (default: from the clock, printed); a longer
 //! run: `cargo run -p psls-tests --bin nemesis -- --secs 3600`.
 
@@ -18,17 +19,22 @@ fn the_nemesis_finds_no_wrong_result_no_lost_job_and_no_lost_operation() {
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(1, |d| d.as_nanos() as u64)
         });
-    // The suite's run strikes with kill -9 only, sparing each job's first 300 ms: pauses,
-    // blank disks and faults as ranks start found bugs still open (issue 39's notes: a writer
-    // claim no process holds, a checkpoint call failed by a pause, a rebuild waiting on a
-    // node killed meanwhile); the nemesis binary strikes with all of them, anywhere, and
-    // tests/restarts.rs covers a blank disk.
-    let options = psls_tests::nemesis::Options {
-        spare_start_ms: 300,
-        no_pauses: true,
-        no_wipes: true,
-        no_partitions: true,
-        no_full_disks: true,
+    // Every fault the nemesis binary strikes with, anywhere in a job; partitions and full
+    // disks need root (network namespaces, a filesystem per page store) and iproute2.
+    let root = nix::unistd::geteuid().is_root();
+    let ip = std::process::Command::new("ip")
+        .arg("-V")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    let options = if root && ip {
+        psls_tests::nemesis::Options::default()
+    } else {
+        psls_tests::cannot_run("the nemesis's partitions and full disks need root and iproute2");
+        psls_tests::nemesis::Options {
+            no_partitions: true,
+            no_full_disks: true,
+            ..Default::default()
+        }
     };
     let report = psls_tests::nemesis::run_with(seed, std::time::Duration::from_secs(secs), options, &mut |l| {
         eprintln!("{l}")
