@@ -13,6 +13,8 @@
 //!   waiting for their answers.
 //! - [`verdicts`]: which peers the coordinator declares down, which senders every node drops,
 //!   when a node fences itself, and who coordinates (the metadata's leader holding its lease).
+//! - [`watch`]: who heartbeats whom (a bounded, symmetric set per node) and when the silences
+//!   nodes report to the metadata leader become a verdict it proposes.
 //! - [`write`]: the two-phase write of page copies before a commit record (imports, repairs,
 //!   rebuilds).
 //!
@@ -33,4 +35,5 @@ pub mod membership;
 pub mod meta;
 pub mod sync;
 pub mod verdicts;
+pub mod watch;
 pub mod write;
