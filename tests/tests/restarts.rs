@@ -127,14 +127,18 @@ fn a_node_back_with_a_blank_disk_is_a_new_incarnation_and_gets_its_copies_back()
     let (got, err) = finish_rest(job, rest, "the job through a replaced disk");
     assert_eq!(got, want, "checksum differs from the unfailed run's\n{err}");
     assert!(err.contains("restarted from"), "the job rolled back\n{err}");
-    // n2 rejoined as a spare taking its own id over would: its copies are rebuilt.
+    // n2 rejoined as a spare taking its own id over would: its copies are rebuilt. (It
+    // records its rejoin on its own time, maybe after the job's rollback: waiting for the
+    // rebuild's end alone may end before the rebuild began.)
+    wait_for(Duration::from_secs(60), "n2 recorded its rejoin", || {
+        c.logs_contain("rejoined with a blank disk")
+    });
     wait_for(Duration::from_secs(120), "n2's copies rebuilt", || {
         c.status()
             .nodes
             .iter()
             .any(|n| n.name == "n2" && n.logical.is_some() && n.rebuild.is_none())
     });
-    assert!(c.logs_contain("rejoined with a blank disk"), "n2 recorded its rejoin");
     let scrub = c.ok(&["scrub"]);
     assert!(scrub.contains(" 0 bad, 0 repaired, 0 unrepairable"), "{scrub}");
     assert_same(&c.export(FILE, &[]), &exported, "export after the rebuild");
