@@ -104,6 +104,7 @@ impl Daemon {
             t.tick().await;
             if n.is_multiple_of(10) {
                 node.refresh_disk_stats_async().await;
+                node.net.close_idle();
             }
             n += 1;
             node.heartbeat_round(false).await;

@@ -856,6 +856,7 @@ impl Node {
             return;
         }
         let incarnation = hb.incarnation;
+        self.net.heard_from(peer);
         let restarted = self.members.locked().heard(now_ms, peer, incarnation, hb);
         if restarted {
             tracing::info!(node = %self.me.name, peer, incarnation, "peer restarted with a new incarnation");

@@ -93,6 +93,9 @@ pub fn link_configs(dir: &Path, name: &str) -> Result<(Arc<rustls::ServerConfig>
 }
 
 /// QUIC server and client configurations of node `name`.
+/// Most incoming connections waiting for their handshake at once (quinn refuses more).
+pub const MAX_INCOMING_HANDSHAKES: usize = 64;
+
 pub fn configs(dir: &Path, name: &str) -> Result<(quinn::ServerConfig, quinn::ClientConfig)> {
     let (server, client) = tls_configs(dir, name)?;
 
@@ -120,6 +123,8 @@ pub fn configs(dir: &Path, name: &str) -> Result<(quinn::ServerConfig, quinn::Cl
 
     let mut sc = quinn::ServerConfig::with_crypto(Arc::new(quinn::crypto::rustls::QuicServerConfig::try_from(server)?));
     sc.transport_config(transport.clone());
+    // Handshakes waiting to be accepted: a bound, not a queue that grows with the cluster.
+    sc.max_incoming(MAX_INCOMING_HANDSHAKES);
     let mut cc = quinn::ClientConfig::new(Arc::new(quinn::crypto::rustls::QuicClientConfig::try_from(client)?));
     cc.transport_config(transport);
     Ok((sc, cc))
