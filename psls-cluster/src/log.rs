@@ -640,16 +640,43 @@ impl<S: Machine, T> Log<S, T> {
     /// check-quorum), so while this holds no other voter leads — if a message takes less than
     /// the margin. Job control drives only then.
     pub fn lease_held(&self) -> bool {
-        if !self.is_leader() || self.acked_term != self.term() {
-            return self.is_leader() && self.voters == 1;
+        self.lease_ticks_left() > 0
+    }
+
+    /// How many more ticks this voter's lease lasts if no voter answers again (0: it holds
+    /// none; `u64::MAX` for a leader that is the only voter): the majority's oldest answer's.
+    pub fn lease_ticks_left(&self) -> u64 {
+        if !self.is_leader() {
+            return 0;
+        }
+        if self.voters == 1 {
+            return u64::MAX;
+        }
+        if self.acked_term != self.term() {
+            return 0;
         }
         let lease = (self.limits.election_ticks as u64).saturating_sub(self.limits.lease_margin_ticks());
-        let answered = self
+        let mut left: Vec<u64> = self
             .acked
             .values()
-            .filter(|&&t| self.ticks.saturating_sub(t) < lease)
-            .count();
-        (answered + 1) * 2 > self.voters as usize
+            .map(|&t| lease.saturating_sub(self.ticks.saturating_sub(t)))
+            .filter(|&l| l > 0)
+            .collect();
+        left.sort_unstable_by(|a, b| b.cmp(a));
+        // This voter and the (majority − 1) that answered last.
+        let others = (self.voters as usize / 2 + 1) - 1;
+        match others.checked_sub(1) {
+            None => u64::MAX,
+            Some(k) => left.get(k).copied().unwrap_or(0),
+        }
+    }
+
+    /// The shell's clock ran `missed` ticks it did not deliver (its process stood still: a
+    /// pause, a stall): the answers counted toward the lease are that much older, so a lease
+    /// ends by the clock, not by the ticks delivered. Nothing else happens on them (a leader
+    /// that stood still learns of a new term from the next message).
+    pub fn handle_missed_ticks(&mut self, missed: u64) {
+        self.ticks = self.ticks.saturating_add(missed);
     }
 
     /// Whether this voter campaigns (a candidate or pre-candidate) or leads.

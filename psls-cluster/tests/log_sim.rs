@@ -924,3 +924,42 @@ fn a_voter_back_on_a_blank_disk_catches_up_to_the_leaders_log_not_to_a_stale_app
         })
     );
 }
+
+/// A leader's lease ends by the clock: ticks its shell missed (its process stood still) age
+/// the answers it counted, so it holds no lease until a majority answers again — while the
+/// others may have elected another leader.
+#[test]
+fn a_leader_that_stood_still_holds_no_lease_until_a_majority_answers_again() {
+    let mut s = Sim::new(3);
+    s.settle();
+    let l = (0..VOTERS)
+        .find(|u| s.nodes[*u as usize].log.as_ref().is_some_and(|l| l.is_leader()))
+        .expect("a leader");
+    let lease = s.limits.election_ticks as u64 - s.limits.lease_margin_ticks();
+    assert!(s.log(l).lease_held());
+    let left = s.log(l).lease_ticks_left();
+    assert!(left > 0 && left <= lease, "{left} of {lease}");
+    // Ticks delivered without answers: the lease runs down one tick at a time.
+    s.log(l).handle_tick();
+    assert_eq!(s.log(l).lease_ticks_left(), left - 1);
+    // It stood still for a lease's length: none left.
+    s.log(l).handle_missed_ticks(lease);
+    assert!(!s.log(l).lease_held());
+    assert_eq!(s.log(l).lease_ticks_left(), 0);
+    s.after(l);
+    // Its heartbeats answered again: the lease is back (or another leads, and it holds none).
+    for _ in 0..4 * s.limits.heartbeat_ticks {
+        for u in 0..VOTERS {
+            s.log(u).handle_tick();
+            s.after(u);
+        }
+        while let Some((from, to, msg)) = s.net.pop() {
+            s.log(to).handle_message(from, msg);
+            s.after(to);
+        }
+    }
+    let leaders: Vec<u32> = (0..VOTERS)
+        .filter(|u| s.nodes[*u as usize].log.as_ref().is_some_and(|l| l.lease_held()))
+        .collect();
+    assert_eq!(leaders.len(), 1, "one lease: {leaders:?}");
+}

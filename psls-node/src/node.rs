@@ -336,11 +336,11 @@ impl Node {
         self.with_heartbeats(|m| m.heartbeat(physical).is_some_and(|h| h.disk_failed.is_some()))
     }
 
-    /// Whether this node heard a majority of the cluster within the failure timeout. Without
-    /// it, it claims and coordinates nothing.
+    /// Whether this node leads the metadata and a majority of its voters answered it within
+    /// the lease, by the clock (the metadata log's lease: it does not grow with the cluster,
+    /// as hearing a majority of every node did). Without it, it coordinates nothing.
     pub fn holds_lease(&self) -> bool {
-        let now_ms = self.now_ms();
-        self.members.locked().lease_held(now_ms)
+        self.replication.lease_held()
     }
 
     pub fn my_logical(&self, st: &MetaState) -> Option<NodeId> {

@@ -85,6 +85,9 @@ pub struct Status {
     pub is_leader: bool,
     /// Leader with its lease (`Log::lease_held`): no other voter leads now.
     pub lease: bool,
+    /// Until when the lease holds if no voter answers again (a tick short of what the log
+    /// says: the clock may be up to a tick ahead of the ticks delivered).
+    pub lease_until: Option<std::time::Instant>,
     /// Candidate or leader.
     pub claims: bool,
     pub commit: u64,
@@ -135,9 +138,11 @@ impl Replication {
         self.status.locked().claims
     }
 
-    /// Whether this node leads the metadata with its lease (`Log::lease_held`).
+    /// Whether this node leads the metadata with its lease (`Log::lease_held`), by the clock
+    /// now (not as of the log's last batch).
     pub fn lease_held(&self) -> bool {
-        self.status.locked().lease
+        let s = self.status.locked();
+        s.lease && s.lease_until.is_some_and(|u| std::time::Instant::now() < u)
     }
 
     /// [`Replication::leader`] with its term.
@@ -244,6 +249,7 @@ impl Replication {
         let mut fetching = false;
         let mut known: Option<(Option<u32>, u64)> = None;
         let mut leaderless_ticks = 0u64;
+        let mut last_tick = std::time::Instant::now();
         loop {
             let first = tokio::select! {
                 _ = tick.tick() => None,
@@ -254,6 +260,14 @@ impl Replication {
             };
             let mut inputs: Vec<Input> = first.into_iter().collect();
             if inputs.is_empty() {
+                // Ticks this loop did not run (the process stood still, or was starved) still
+                // age the lease's answers.
+                let now = std::time::Instant::now();
+                let missed = (now.duration_since(last_tick).as_millis() as u64 / TICK_MS).saturating_sub(1);
+                last_tick = now;
+                if missed > 0 {
+                    log.handle_missed_ticks(missed);
+                }
                 log.set_eligible(node.may_lead());
                 log.handle_tick();
                 // No leader heard for a while, and this node is the one that should lead (the
@@ -332,6 +346,11 @@ impl Replication {
                 leader: leader.and_then(|l| repl.voters.get(l as usize).cloned()),
                 is_leader: log.is_leader(),
                 lease: log.lease_held(),
+                lease_until: match log.lease_ticks_left() {
+                    0 => None,
+                    u64::MAX => Some(std::time::Instant::now() + Duration::from_secs(3600)),
+                    t => Some(std::time::Instant::now() + Duration::from_millis(t.saturating_sub(1) * TICK_MS)),
+                },
                 claims: log.claims(),
                 commit: log.commit(),
                 applied: log.applied(),
