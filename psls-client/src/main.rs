@@ -230,10 +230,16 @@ enum ClusterCmd {
     },
     /// Stop every daemon.
     Down,
-    /// Per-node state.
+    /// The cluster's state: counts of nodes per state, then the nodes that need a look (not
+    /// up, a failed disk, re-mirroring).
+    #[command(after_help = "Example: psls cluster status --all")]
     Status {
+        /// Print JSON (every node, always).
         #[arg(long)]
         json: bool,
+        /// List every node, not only those that need a look.
+        #[arg(long)]
+        all: bool,
     },
 }
 
@@ -879,7 +885,12 @@ fn mib(b: u64) -> String {
     format!("{:.1} MiB", b as f64 / (1024.0 * 1024.0))
 }
 
-fn print_status(s: &ClusterStatus) {
+/// Whether `n` needs an operator's look: not up, its disk failed, or re-mirroring.
+fn needs_look(n: &psls_ipc::proto::NodeStatus) -> bool {
+    n.state != NodeState::Up || n.disk_failed.is_some() || n.rebuild.is_some_and(|(done, total)| done < total)
+}
+
+fn print_status(s: &ClusterStatus, all: bool) {
     println!(
         "cluster {} (answered by {}, coordinator {}, metadata term {} applied {}, map v{}, {} files)",
         s.cluster,
@@ -890,12 +901,34 @@ fn print_status(s: &ClusterStatus) {
         s.map_version,
         s.files
     );
+    // Counts per state, nodes and spares apart: a line whatever the cluster's size.
+    let count = |spare: bool| {
+        let mut by: std::collections::BTreeMap<String, usize> = std::collections::BTreeMap::new();
+        for n in s.nodes.iter().filter(|n| n.spare == spare) {
+            *by.entry(n.state.to_string()).or_default() += 1;
+        }
+        by.iter()
+            .map(|(st, k)| format!("{k} {st}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let spares = s.nodes.iter().filter(|n| n.spare).count();
+    if spares == 0 {
+        println!("nodes: {}", count(false));
+    } else {
+        println!("nodes: {}; spares: {}", count(false), count(true));
+    }
+    let shown: Vec<&psls_ipc::proto::NodeStatus> = s.nodes.iter().filter(|n| all || needs_look(n)).collect();
+    if shown.is_empty() {
+        println!("every node is up (psls cluster status --all lists them)");
+        return;
+    }
     println!(
         "{:<6} {:>3} {:<21} {:<21} {:>8} {:>4} {:<9} {:>22} {:>12} {:>12}",
         "NODE", "ID", "ADDRESS", "LINK", "PID", "INC", "STATE", "MEMORY", "DISK USED", "DISK FREE"
     );
     let tty = std::io::stdout().is_terminal();
-    for n in &s.nodes {
+    for n in shown {
         let state = match (&n.state, n.spare, n.coordinator) {
             (st, _, true) => format!("{st}*"),
             (NodeState::Up, true, _) => "spare".into(),
@@ -1001,12 +1034,12 @@ fn run(cli: &Cli) -> Result<()> {
                 println!("stopped {} daemons", stopped.len());
             }
         }
-        Cmd::Cluster(ClusterCmd::Status { json }) => {
+        Cmd::Cluster(ClusterCmd::Status { json, all }) => {
             let s = cluster::connect(&dir, node)?.status()?;
             if *json || cli.output == Output::Json {
                 print_json(serde_json::to_value(&s)?)?;
             } else {
-                print_status(&s);
+                print_status(&s, *all);
             }
         }
         Cmd::NodeAdmin(NodeCmd::Replace { id, spare, no_wait }) => {
@@ -1297,7 +1330,7 @@ fn demo(dir: &Path, size_mb: u64) -> Result<()> {
     }
     cluster::up(dir, Duration::from_secs(30), true)?;
     println!("[6/7] restarted {victim}; cluster status:");
-    print_status(&cluster::connect(dir, Some("n0"))?.status()?);
+    print_status(&cluster::connect(dir, Some("n0"))?.status()?, true);
     // The shared-memory job: MGS over a parallel file, one rank per node, next to the same
     // kernel on threads in one process (its JSON line carries the ratio and the checks).
     let mgs = std::env::current_exe()?.with_file_name("mgs");

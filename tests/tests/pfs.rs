@@ -628,11 +628,19 @@ fn json_documents_carry_a_schema_version_ids_as_strings_and_the_tables_state_wor
     assert_eq!(stat["file"]["id"], doc(&["ls", "--json"])["files"][0]["id"]);
     let status = doc(&["--output", "json", "cluster", "status"]);
     assert_eq!(status["schema_version"], 1);
+    // The table counts nodes per state and lists only those that need a look; --all lists
+    // every node; the JSON always has every node.
     let table = c.ok(&["cluster", "status"]);
-    for n in status["nodes"].as_array().expect("nodes") {
+    let all = c.ok(&["cluster", "status", "--all"]);
+    let nodes = status["nodes"].as_array().expect("nodes");
+    assert!(table.contains(&format!("nodes: {} up", nodes.len())), "{table}");
+    assert!(table.contains("every node is up"), "{table}");
+    for n in nodes {
         let state = n["state"].as_str().expect("a state word");
         assert_eq!(state, "up", "{n}");
-        assert!(table.contains(state), "{table}");
+        let name = n["name"].as_str().expect("a name");
+        assert!(!table.contains(&format!("\n{name} ")), "{table}");
+        assert!(all.contains(&format!("\n{name} ")), "{all}");
     }
     let jobs = doc(&["--output", "json", "jobs"]);
     assert_eq!(
