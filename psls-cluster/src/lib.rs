@@ -21,7 +21,8 @@
 //! Seeded simulators drive them (`tests/log_sim.rs`: the metadata log with crashes, pauses,
 //! partitions, lost disks and snapshot installs; `tests/verdict_sim.rs`: the failure detector,
 //! its lease, and the verdicts and fencing it leads to; `tests/sync_sim.rs`: barriers and
-//! locks; `tests/pfs_sim.rs`: imports, disk losses and re-mirroring): they crash and restart
+//! locks; `tests/pfs_sim.rs`: imports, disk losses and re-mirroring; `tests/watch_sim.rs`:
+//! bounded heartbeats, reports and the leader's tally at 16 to 1,024 nodes): they crash and restart
 //! nodes, delay and reorder messages and drop them on dead links, and check the invariants
 //! after every step.
 //!

@@ -73,6 +73,27 @@ impl<H> Membership<H> {
         }
     }
 
+    /// Starts watching `peer` at `now_ms` (its silence counts from then): a peer the leader
+    /// probes on a report. A peer watched already is left as it is.
+    pub fn watch(&mut self, peer: &str, now_ms: u64) {
+        self.peers.entry(peer.to_string()).or_insert(PeerView {
+            last_heard_ms: Some(now_ms),
+            incarnation: None,
+            heartbeat: None,
+            down_since_ms: None,
+        });
+    }
+
+    /// Stops watching `peer`.
+    pub fn unwatch(&mut self, peer: &str) {
+        self.peers.remove(peer);
+    }
+
+    /// Whether `peer` is watched.
+    pub fn watches(&self, peer: &str) -> bool {
+        self.peers.contains_key(peer)
+    }
+
     /// Records a heartbeat of `incarnation` from `peer`. Returns true when the peer restarted
     /// (an incarnation other than the last one heard). Unknown peers are ignored.
     pub fn heard(&mut self, now_ms: u64, peer: &str, incarnation: u64, hb: H) -> bool {

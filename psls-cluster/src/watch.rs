@@ -13,7 +13,8 @@
 //!   hears it too) and takes the report back when it hears the peer again.
 //! - **Deciding** ([`Tally::confirmed`]): the leader proposes a verdict on a peer only on reports
 //!   from two distinct reporters in different failure domains (from any two when the cluster
-//!   has a single domain), or on its own observation: a peer it watches, or one it started to
+//!   has a single domain; a reporter that finds most of its peers silent is not counted: it
+//!   more likely hears nothing itself), or on its own observation: a peer it watches, or one it started to
 //!   probe on a first report, silent to it past the timeout (Ceph's `mon_osd_min_down_reporters`
 //!   with the monitor's own probe). A node cut off from everyone is reported by all its
 //!   watchers, so it is declared about one timeout after its silence began.
@@ -180,19 +181,25 @@ struct Suspicion {
 pub struct Tally {
     me: String,
     interval_ms: u64,
+    timeout_ms: u64,
     suspicions: BTreeMap<String, Suspicion>,
+    /// When the leader itself last heard each reported peer, and at which incarnation.
+    heard: BTreeMap<String, (u64, u64)>,
 }
 
 impl Tally {
     /// A report lapses when not renewed within this many heartbeat intervals.
     pub const REPORT_TTL_INTERVALS: u64 = 3;
 
-    /// The tally of leader `me`; reporters renew their reports every `interval_ms`.
-    pub fn new(me: impl Into<String>, interval_ms: u64) -> Tally {
+    /// The tally of leader `me`; reporters renew their reports every `interval_ms`; the
+    /// failure timeout is `timeout_ms`.
+    pub fn new(me: impl Into<String>, interval_ms: u64, timeout_ms: u64) -> Tally {
         Tally {
             me: me.into(),
             interval_ms: interval_ms.max(1),
+            timeout_ms,
             suspicions: BTreeMap::new(),
+            heard: BTreeMap::new(),
         }
     }
 
@@ -230,15 +237,15 @@ impl Tally {
         }
     }
 
-    /// `target` was heard (by the leader, or it came back as a new incarnation): its tally
-    /// for incarnations up to `incarnation` ends.
-    pub fn handle_heard(&mut self, target: &str, incarnation: u64) {
-        if self
-            .suspicions
-            .get(target)
-            .is_some_and(|s| s.incarnation <= incarnation)
-        {
+    /// The leader heard `target` at `incarnation` (its probe answered, or a message came):
+    /// no verdict on that incarnation while that is less than a failure timeout ago, whoever
+    /// reports it; a report on an earlier incarnation is history.
+    pub fn handle_heard(&mut self, now_ms: u64, target: &str, incarnation: u64) {
+        if self.suspicions.get(target).is_some_and(|s| s.incarnation < incarnation) {
             self.suspicions.remove(target);
+        }
+        if self.suspicions.contains_key(target) {
+            self.heard.insert(target.to_string(), (now_ms, incarnation));
         }
     }
 
@@ -249,6 +256,9 @@ impl Tally {
             s.reporters.retain(|_, at| now_ms.saturating_sub(*at) <= ttl);
             !s.reporters.is_empty()
         });
+        let (timeout, suspicions) = (self.timeout_ms, &self.suspicions);
+        self.heard
+            .retain(|t, (at, _)| suspicions.contains_key(t) && now_ms.saturating_sub(*at) <= timeout);
     }
 
     /// The reported peers the leader should watch itself (its probe): those reported by
@@ -260,17 +270,32 @@ impl Tally {
             .map(String::as_str)
     }
 
-    /// The peers a verdict may be proposed on, with the incarnation reported: reported by two
-    /// distinct reporters in different failure domains of `topology` (any two when it has one
-    /// domain), or by the leader itself (its own observation or probe; `Tally::handle_report`
-    /// with the leader as the reporter).
-    pub fn confirmed(&self, topology: &Topology) -> Vec<(String, u64)> {
+    /// The peers a verdict may be proposed on at `now_ms`, with the incarnation reported:
+    /// reported by two credible reporters in different failure domains of `topology` (any two
+    /// when it has one domain) and not heard by the leader within the failure timeout, or by
+    /// the leader itself (its own observation or probe; `Tally::handle_report` with the leader
+    /// as the reporter).
+    pub fn confirmed(&self, topology: &Topology, now_ms: u64) -> Vec<(String, u64)> {
         let single_domain = topology.domain_count() <= 1;
+        // A reporter that finds most of its watched peers silent more likely hears nothing
+        // itself (its incoming messages lost, or it stalled): its reports do not count.
+        let mut reports: BTreeMap<&str, usize> = BTreeMap::new();
+        for s in self.suspicions.values() {
+            for r in s.reporters.keys() {
+                *reports.entry(r.as_str()).or_default() += 1;
+            }
+        }
+        let credible = |r: &str| r == self.me || reports.get(r).copied().unwrap_or(0) * 2 <= topology.peers_of(r).len();
         let mut out = Vec::new();
         for (target, s) in &self.suspicions {
             let own = s.reporters.contains_key(&self.me);
-            let domains: BTreeSet<Option<&str>> = s.reporters.keys().map(|r| topology.domain(r)).collect();
-            let two = s.reporters.len() >= 2 && (single_domain || domains.len() >= 2);
+            let counted: Vec<&str> = s.reporters.keys().map(String::as_str).filter(|r| credible(r)).collect();
+            let domains: BTreeSet<Option<&str>> = counted.iter().map(|r| topology.domain(r)).collect();
+            let heard = self
+                .heard
+                .get(target)
+                .is_some_and(|&(at, inc)| inc >= s.incarnation && now_ms.saturating_sub(at) <= self.timeout_ms);
+            let two = counted.len() >= 2 && (single_domain || domains.len() >= 2) && !heard;
             if own || two {
                 out.push((target.clone(), s.incarnation));
             }
@@ -281,6 +306,14 @@ impl Tally {
     /// How many reporters `target` has now (for the log and the metrics).
     pub fn reporters(&self, target: &str) -> usize {
         self.suspicions.get(target).map_or(0, |s| s.reporters.len())
+    }
+
+    /// Who reported `target` (for the log).
+    pub fn reporters_of(&self, target: &str) -> Vec<&str> {
+        self.suspicions
+            .get(target)
+            .map(|s| s.reporters.keys().map(String::as_str).collect())
+            .unwrap_or_default()
     }
 }
 
@@ -347,44 +380,52 @@ mod tests {
             [("a", "r1"), ("b", "r1"), ("c", "r2"), ("d", "r2"), ("e", "r3")].map(|(n, d)| (n.into(), d.into())),
             10,
         );
-        let mut y = Tally::new("e", 100);
+        let mut y = Tally::new("e", 100, 1000);
         y.handle_report(0, "a", "d", 5);
-        assert!(y.confirmed(&t).is_empty(), "one reporter");
+        assert!(y.confirmed(&t, 0).is_empty(), "one reporter");
         y.handle_report(10, "a", "d", 5);
-        assert!(y.confirmed(&t).is_empty(), "the same reporter again");
+        assert!(y.confirmed(&t, 0).is_empty(), "the same reporter again");
         y.handle_report(20, "b", "d", 5);
-        assert!(y.confirmed(&t).is_empty(), "two reporters of one domain");
+        assert!(y.confirmed(&t, 0).is_empty(), "two reporters of one domain");
         let watched = BTreeSet::from(["a".to_string()]);
         assert_eq!(y.probes(&watched).collect::<Vec<_>>(), vec!["d"], "the leader probes d");
         y.handle_report(30, "c", "d", 5);
-        assert_eq!(y.confirmed(&t), vec![("d".to_string(), 5)]);
+        assert_eq!(y.confirmed(&t, 0), vec![("d".to_string(), 5)]);
         // A newer incarnation starts again; an older one is ignored.
         y.handle_report(40, "a", "d", 6);
-        assert!(y.confirmed(&t).is_empty());
+        assert!(y.confirmed(&t, 0).is_empty());
         y.handle_report(50, "c", "d", 5);
         assert_eq!(y.reporters("d"), 1);
         // The leader's own observation is enough.
         y.handle_report(60, "e", "d", 6);
-        assert_eq!(y.confirmed(&t), vec![("d".to_string(), 6)]);
-        // Heard again: the tally ends.
-        y.handle_heard("d", 6);
-        assert!(y.confirmed(&t).is_empty());
+        assert_eq!(y.confirmed(&t, 60), vec![("d".to_string(), 6)]);
+        // The leader hears it (and takes its own report back): two reporters confirm nothing
+        // until a failure timeout after the leader last heard it.
+        y.handle_retract("e", "d");
+        y.handle_report(70, "c", "d", 6);
+        y.handle_heard(80, "d", 6);
+        assert!(y.confirmed(&t, 90).is_empty());
+        assert!(y.confirmed(&t, 1080).is_empty());
+        assert_eq!(y.confirmed(&t, 1081), vec![("d".to_string(), 6)]);
+        // A newer incarnation heard: the reports on the old one are history.
+        y.handle_heard(1100, "d", 7);
         assert_eq!(y.reporters("d"), 0);
+        assert!(y.confirmed(&t, 1100).is_empty());
     }
 
     #[test]
     fn reports_lapse_unless_renewed_and_are_taken_back() {
         let t = topo(4, |_| "one".into(), 10);
-        let mut y = Tally::new("n0", 100);
+        let mut y = Tally::new("n0", 100, 1000);
         y.handle_report(0, "n1", "n3", 1);
         y.handle_report(250, "n2", "n3", 1);
-        assert_eq!(y.confirmed(&t).len(), 1, "two reporters of the only domain");
+        assert_eq!(y.confirmed(&t, 0).len(), 1, "two reporters of the only domain");
         y.tick(301);
         assert_eq!(y.reporters("n3"), 1, "n1's report lapsed");
-        assert!(y.confirmed(&t).is_empty());
+        assert!(y.confirmed(&t, 0).is_empty());
         y.handle_report(320, "n1", "n3", 1);
         y.handle_retract("n2", "n3");
-        assert!(y.confirmed(&t).is_empty());
+        assert!(y.confirmed(&t, 0).is_empty());
         y.handle_retract("n1", "n3");
         assert_eq!(y.reporters("n3"), 0);
         y.handle_report(400, "n3", "n3", 1);
