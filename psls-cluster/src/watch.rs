@@ -278,17 +278,18 @@ impl Tally {
     pub fn confirmed(&self, topology: &Topology, now_ms: u64) -> Vec<(String, u64)> {
         let single_domain = topology.domain_count() <= 1;
         // A reporter that finds most of its watched peers silent more likely hears nothing
-        // itself (its incoming messages lost, or it stalled): its reports do not count.
+        // itself (its incoming messages lost, or it stalled): its reports do not count — the
+        // leader's own neither (a node just back from hearing nothing may be elected).
         let mut reports: BTreeMap<&str, usize> = BTreeMap::new();
         for s in self.suspicions.values() {
             for r in s.reporters.keys() {
                 *reports.entry(r.as_str()).or_default() += 1;
             }
         }
-        let credible = |r: &str| r == self.me || reports.get(r).copied().unwrap_or(0) * 2 <= topology.peers_of(r).len();
+        let credible = |r: &str| reports.get(r).copied().unwrap_or(0) * 2 <= topology.peers_of(r).len();
         let mut out = Vec::new();
         for (target, s) in &self.suspicions {
-            let own = s.reporters.contains_key(&self.me);
+            let own = s.reporters.contains_key(&self.me) && credible(&self.me);
             let counted: Vec<&str> = s.reporters.keys().map(String::as_str).filter(|r| credible(r)).collect();
             let domains: BTreeSet<Option<&str>> = counted.iter().map(|r| topology.domain(r)).collect();
             let heard = self
@@ -411,6 +412,30 @@ mod tests {
         y.handle_heard(1100, "d", 7);
         assert_eq!(y.reporters("d"), 0);
         assert!(y.confirmed(&t, 1100).is_empty());
+    }
+
+    /// A reporter that finds most of its peers silent, the leader included, hears nothing
+    /// itself more likely than they all failed: its reports do not count.
+    #[test]
+    fn a_reporter_of_most_of_its_peers_is_not_counted() {
+        let t = topo(16, |i| format!("h{i}"), 10);
+        let mut y = Tally::new("n0", 100, 1000);
+        let deaf = "n5";
+        for p in t.peers_of(deaf) {
+            y.handle_report(0, deaf, p, 1);
+        }
+        y.handle_report(0, "n9", "n4", 1);
+        assert!(y.confirmed(&t, 0).is_empty(), "{:?}", y.confirmed(&t, 0));
+        // The leader, just back from hearing nothing, neither.
+        let mut y = Tally::new("n0", 100, 1000);
+        for p in t.peers_of("n0") {
+            y.handle_report(0, "n0", p, 1);
+        }
+        assert!(y.confirmed(&t, 0).is_empty());
+        // One silent peer of the leader's is its own observation.
+        let mut y = Tally::new("n0", 100, 1000);
+        y.handle_report(0, "n0", "n1", 1);
+        assert_eq!(y.confirmed(&t, 0), vec![("n1".to_string(), 1)]);
     }
 
     #[test]
