@@ -893,11 +893,15 @@ impl CkptShell {
                 }
             }
             CoordAction::Finished { job, epoch, outcome } => {
-                let round = self.rounds.locked().remove(&job);
-                self.round_over.notify_waiters();
-                let (waiters, started, released_us) = match round {
-                    Some(r) => (r.waiters, Some(r.started), r.released_us),
-                    None => (Vec::new(), None, None),
+                // The round's outcome is recorded (the last committed memory epoch above all)
+                // before the round goes and its waiters wake: a safe point waiting for it
+                // starts the next round naming that epoch as committed. (Woken first, it named
+                // the one before, and the next round's Prepare made this node drop the
+                // recovery copies of the epoch just committed: pages written since left out of
+                // the last cleaner, found by the nemesis.)
+                let (started, released_us) = match self.rounds.locked().get(&job) {
+                    Some(r) => (Some(r.started), r.released_us),
+                    None => (None, None),
                 };
                 let r = match outcome {
                     Outcome::Committed { level, pages, bytes } => {
@@ -945,6 +949,8 @@ impl CkptShell {
                         ))
                     }
                 };
+                let waiters = self.rounds.locked().remove(&job).map(|r| r.waiters).unwrap_or_default();
+                self.round_over.notify_waiters();
                 for w in waiters {
                     let _ = w.send(r.clone());
                 }
