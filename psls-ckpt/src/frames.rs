@@ -54,6 +54,10 @@ pub enum FrameError {
     NoRoom { need: u64, used: u64, capacity: u64 },
     /// The request does not fit the table's state (another job's file, an old epoch).
     Invalid(String),
+    /// A rollback's step finds this node without the state the rollback settled here: it
+    /// restarted since (or held another checkpoint). Not a failure of the job: the rollback
+    /// starts again.
+    Restarted(String),
 }
 
 impl std::fmt::Display for FrameError {
@@ -65,7 +69,7 @@ impl std::fmt::Display for FrameError {
                     "{NO_ROOM} {need} recovery copies: {used} of {capacity} frames in use"
                 )
             }
-            FrameError::Invalid(why) => f.write_str(why),
+            FrameError::Invalid(why) | FrameError::Restarted(why) => f.write_str(why),
         }
     }
 }
@@ -486,6 +490,26 @@ impl<D: Clone> FrameTable<D> {
         self.files.get(&file)?.pages.get(&index)?.cur.as_ref().map(|f| &f.data)
     }
 
+    /// [`FrameTable::read`] for a load of `job`: a copy another job keeps is not this job's
+    /// checkpoint (the frames of a job that ended and was not dropped here must never be
+    /// served to the next job writing the file: found by the nemesis, a job computing on
+    /// another job's pages).
+    pub fn read_of(&self, job: &str, file: FileId, index: u64) -> Option<&D> {
+        self.files.get(&file).filter(|ff| ff.job == job)?;
+        self.read(file, index)
+    }
+
+    /// The jobs that hold recovery copies or state here.
+    pub fn jobs(&self) -> Vec<String> {
+        let mut out: Vec<String> = self.jobs.keys().cloned().collect();
+        for ff in self.files.values() {
+            if !out.contains(&ff.job) {
+                out.push(ff.job.clone());
+            }
+        }
+        out
+    }
+
     /// The pre-recovery copy of page `index` of `file`, if held here (for checks).
     pub fn read_pre(&self, file: FileId, index: u64) -> Option<&Frame<D>> {
         self.files.get(&file)?.pages.get(&index)?.pre.as_ref()
@@ -738,7 +762,7 @@ impl<D: Clone> FrameTable<D> {
         }
         let held = self.job(job).committed;
         if held != target {
-            return Err(FrameError::Invalid(format!(
+            return Err(FrameError::Restarted(format!(
                 "recovery copies of {job}: this node holds checkpoint {held}, not {target}"
             )));
         }
@@ -774,7 +798,7 @@ impl<D: Clone> FrameTable<D> {
     /// restore cut short leaves this node lost, and its copies are re-created whole by the next.
     pub fn install(&mut self, job: &str, file: FileId, pages: Vec<(u64, Frame<D>)>) -> Result<(), FrameError> {
         let Some(target) = self.job(job).recreating else {
-            return Err(FrameError::Invalid(format!(
+            return Err(FrameError::Restarted(format!(
                 "recovery copies of {job} re-created here, where no rollback awaits them"
             )));
         };
@@ -818,7 +842,7 @@ impl<D: Clone> FrameTable<D> {
                 jm.recreating = None;
                 Ok(())
             }
-            _ => Err(FrameError::Invalid(format!(
+            _ => Err(FrameError::Restarted(format!(
                 "checkpoint {committed} of {job} is not being re-created here (a restart since the rollback settled it?)"
             ))),
         }
@@ -1213,11 +1237,23 @@ mod tests {
         assert!(a.adopt("j", 2).is_err(), "2 is not the rollback's checkpoint");
         a.adopt("j", 3).unwrap();
         assert_eq!((a.job("j").committed, a.read(f, 4)), (3, Some(&7)));
+        // Another job's load is not served this job's copies.
+        assert_eq!((a.read_of("j", f, 4), a.read_of("k", f, 4)), (Some(&7), None));
         // Found by the simulator: a lost node that restarts while its copies are re-created
         // takes no more of them, and adopts nothing.
+        // (A restart, not a failure of the job: the rollback starts again. The daemon once took
+        // it for a failure and failed the job, found by the nemesis.)
         let mut b: FrameTable<u8> = FrameTable::new(8);
-        assert!(b.install("j", f, vec![(4, frame.clone())]).is_err());
-        assert!(b.adopt("j", 3).is_err());
+        assert!(matches!(
+            b.install("j", f, vec![(4, frame.clone())]),
+            Err(FrameError::Restarted(_))
+        ));
+        assert!(matches!(b.adopt("j", 3), Err(FrameError::Restarted(_))));
+        let placement = psls_pfs::Placement::new(4).expect("4 nodes");
+        assert!(matches!(
+            b.copies_for_lost("j", 3, &[1], &placement, 0),
+            Err(FrameError::Restarted(_))
+        ));
         b.settle("j", 3, 3, 0);
         assert!(
             b.install("j", f, vec![(4, Frame { epoch: 4, ..frame })]).is_err(),

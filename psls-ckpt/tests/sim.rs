@@ -2336,7 +2336,7 @@ impl World {
                     // Refused only by a lost node that restarted since it was settled (its
                     // copies fit where they were).
                     if let Err(e) = self.nodes[o.0 as usize].frames.install(JOB, file, pages) {
-                        assert!(matches!(e, FrameError::Invalid(_)), "{e}");
+                        assert!(matches!(e, FrameError::Restarted(_)), "{e}");
                         self.count(Counts::REFUSED_RECREATIONS);
                         self.fail_restore(k, e.to_string());
                         return false;

@@ -100,11 +100,15 @@ impl Daemon {
         let mut t = tokio::time::interval(interval);
         t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut n: u64 = 0;
+        // Jobs whose recovery copies are here but whom the records no longer know, and since
+        // which tick (a job just started may not be in this node's records yet).
+        let mut orphans: std::collections::HashMap<String, u64> = std::collections::HashMap::new();
         loop {
             t.tick().await;
             if n.is_multiple_of(10) {
                 node.refresh_disk_stats_async().await;
                 node.net.close_idle();
+                self.drop_orphan_frames(&mut orphans, n);
             }
             n += 1;
             node.heartbeat_round(false).await;
@@ -122,6 +126,32 @@ impl Daemon {
         }
     }
 }
+
+impl Daemon {
+    /// Drops the recovery copies of jobs the records have not known for [`ORPHAN_TICKS`]
+    /// ticks (removed while this node was down, or ended while it missed the news): kept,
+    /// they would refuse the next job's copies of the file.
+    fn drop_orphan_frames(&self, orphans: &mut std::collections::HashMap<String, u64>, tick: u64) {
+        let st = self.node.meta_state();
+        let held = self.node.frames.jobs();
+        orphans.retain(|j, _| held.contains(j));
+        for job in held {
+            if st.jobs.contains_key(&job) || st.runs.contains_key(&job) {
+                orphans.remove(&job);
+                continue;
+            }
+            let since = *orphans.entry(job.clone()).or_insert(tick);
+            if tick.saturating_sub(since) >= ORPHAN_TICKS {
+                tracing::info!(node = %self.node.name(), job, "recovery copies of a job the records no longer know dropped");
+                self.ckpt.forget_job(&job);
+                orphans.remove(&job);
+            }
+        }
+    }
+}
+
+/// How many heartbeat ticks a job's recovery copies stay once the records do not know it.
+const ORPHAN_TICKS: u64 = 50;
 
 impl Handler for Daemon {
     fn handle(

@@ -25,6 +25,8 @@ fn op_error(e: FrameError) -> OpError {
     let kind = match e {
         FrameError::NoRoom { .. } => ErrorKind::NoSpace,
         FrameError::Invalid(_) => ErrorKind::Invalid,
+        // The rollback starts again (job control retries an unavailable step).
+        FrameError::Restarted(_) => ErrorKind::Unavailable,
     };
     OpError::new(kind, e.to_string())
 }
@@ -101,8 +103,8 @@ impl RecoveryArea {
     }
 
     /// The committed recovery copy of page `index` of `file`, if held here.
-    pub fn read(&self, file: FileId, index: u64) -> Option<bytes::Bytes> {
-        self.table.locked().read(file, index).cloned()
+    pub fn read(&self, job: &str, file: FileId, index: u64) -> Option<bytes::Bytes> {
+        self.table.locked().read_of(job, file, index).cloned()
     }
 
     /// See `psls_ckpt::frames::FrameTable::storing`.
@@ -186,6 +188,11 @@ impl RecoveryArea {
 
     pub fn end_job(&self, job: &str) {
         self.table.locked().end_job(job)
+    }
+
+    /// The jobs that hold recovery copies or state here.
+    pub fn jobs(&self) -> Vec<String> {
+        self.table.locked().jobs()
     }
 
     pub fn counts(&self) -> FrameCounts {

@@ -261,8 +261,9 @@ pub enum FramesReq {
         file: FileId,
         indices: Vec<u64>,
     },
-    /// The committed recovery copy of a page, if held (answered with `Frame`).
-    Read { file: FileId, index: u64 },
+    /// The committed recovery copy of a page for a load of `job`, if held (answered with
+    /// `Frame`): another job's copies are not served.
+    Read { job: String, file: FileId, index: u64 },
     /// The job's memory-checkpoint state here (answered with `MemState`).
     State { job: String },
     /// A rollback of `job` to memory epoch `target` (0: its persistent checkpoint), every

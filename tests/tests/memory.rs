@@ -294,3 +294,83 @@ fn mgs_completes_under_every_cleaning_policy_with_a_failure_after_a_cleaner_and_
     assert!(!o.status.success());
     assert!(String::from_utf8_lossy(&o.stderr).contains("unknown cleaning policy 'p4'"));
 }
+
+/// `psls jobs rm` of a job that ended keeping memory checkpoints drops its recovery copies on
+/// every node, and the next job on the same file takes memory checkpoints again. (They were
+/// kept: every memory checkpoint of the next job on the file was refused, and a load after its
+/// rollback was served the removed job's pages — a job computing on another job's data, found
+/// by the nemesis.)
+#[test]
+fn a_removed_jobs_recovery_copies_go_and_the_next_job_on_its_file_checkpoints_in_memory() {
+    let c = Cluster::start(4, 0);
+    let probe = bin_dir().join("svm-probe");
+    let frames = || -> u64 {
+        c.status()
+            .nodes
+            .iter()
+            .map(|n| n.recovery_frames + n.pre_recovery_frames)
+            .sum()
+    };
+    // A job taking a memory checkpoint at every step, cancelled: it stays resumable from its
+    // memory checkpoint, which its nodes keep.
+    let mut run = c
+        .cmd(&[
+            "--node",
+            "n0",
+            "run",
+            "-n",
+            "4",
+            "--level",
+            "memory",
+            "--",
+            probe.to_str().expect("path"),
+            "steps",
+            "kept",
+            "4",
+            "1000",
+            "99",
+            "8",
+            "20",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("psls run");
+    let (job, rest) = job_id(&mut run);
+    wait_for(Duration::from_secs(60), "memory checkpoints kept", || frames() > 0);
+    c.ok(&["cancel", &job]);
+    let _ = wait_within(run, Duration::from_secs(60));
+    drop(rest);
+    wait_for(Duration::from_secs(30), "the job cancelled", || {
+        entry(&c, &job).is_some_and(|e| e["state"] != "running")
+    });
+    assert!(frames() > 0, "the cancelled job keeps its memory checkpoint");
+    c.ok(&["jobs", "rm", &job]);
+    wait_for(
+        Duration::from_secs(10),
+        "every node dropped the removed job's copies",
+        || frames() == 0,
+    );
+    // The next job on the file checkpoints in memory (before, every memory checkpoint was
+    // refused where the removed job's copies stayed).
+    let out = c.ok(&[
+        "--node",
+        "n1",
+        "run",
+        "-n",
+        "4",
+        "--level",
+        "memory",
+        "--",
+        probe.to_str().expect("path"),
+        "steps",
+        "kept",
+        "4",
+        "10",
+        "99",
+        "8",
+        "20",
+    ]);
+    assert_eq!(out.matches("done ").count(), 4, "{out}");
+    assert_eq!(out.matches(" epoch ").count(), 40, "a checkpoint at every step:\n{out}");
+}

@@ -305,7 +305,7 @@ impl CkptShell {
                 node.frames.store_moved(&job, epoch, committed, file, &indices)?;
                 Ok((PeerResp::Ok, none))
             }
-            FramesReq::Read { file, index } => match node.frames.read(file, index) {
+            FramesReq::Read { job, file, index } => match node.frames.read(&job, file, index) {
                 Some(d) => Ok((PeerResp::Frame { found: true }, d)),
                 // This node restarted since the start of the job writing the file: its recovery
                 // copies of it died with its previous incarnation, so "none here" would send

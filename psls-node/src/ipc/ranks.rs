@@ -493,6 +493,10 @@ async fn job_rm(d: &Arc<Daemon>, caller: crate::pfs::Caller, job: &str) -> Resul
             format!("job {job} is running (psls halt {job} stops it)"),
         ));
     }
+    // Every node drops what it keeps of the job, its recovery copies first (kept, they were
+    // served to the next job writing the file: found by the nemesis); a node down now drops
+    // them once its records no longer know the job (`Daemon::run_ticks`).
+    crate::launcher::drop_job_segments(&d.node, job).await;
     d.ckpt.end_job(job).await;
     Ok(())
 }

@@ -243,9 +243,10 @@ pub async fn read_page(node: &Arc<Node>, f: &FileMeta, index: u64) -> Result<byt
             format!("page {index} is beyond the end of '{}'", f.name),
         ));
     }
-    // A memory checkpoint's recovery copy is newer than the disks'.
-    if node.frames.in_memory(f.id) {
-        if let Some(d) = read_recovery_copy(node, f.id, index).await? {
+    // A memory checkpoint's recovery copy is newer than the disks': the one the job writing
+    // the file keeps (no other job's).
+    if let Some((job, _)) = f.writer.as_ref().filter(|_| node.frames.in_memory(f.id)) {
+        if let Some(d) = read_recovery_copy(node, job, f.id, index).await? {
             return Ok(d);
         }
     }
@@ -307,13 +308,15 @@ pub fn export_stream(node: &Arc<Node>, caller: Caller, name: &str) -> Result<(Fi
     Ok((f, rx))
 }
 
-/// Reads the committed recovery copy of page `index` of `file` from one of its holders:
+/// Reads the committed recovery copy job `job` keeps of page `index` of `file` from one of
+/// its holders:
 /// `Ok(None)` only when both answered that they hold none (the disks' checkpoint is the
 /// page's). Fails closed: a holder that cannot be asked (down, or not yet heard from by a
 /// node that just restarted) is an error, never a reason to fall back to the disks, whose copy
 /// may be older than the checkpoint the job is at.
 async fn read_recovery_copy(
     node: &Arc<crate::node::Node>,
+    job: &str,
     file: FileId,
     index: u64,
 ) -> Result<Option<bytes::Bytes>, OpError> {
@@ -321,7 +324,11 @@ async fn read_recovery_copy(
     for role in [Role::Primary, Role::Mirror] {
         let l = node.placement.holder(file, index, role);
         let phys = node.physical_of(&st, l);
-        let req = PeerReq::Frames(FramesReq::Read { file, index });
+        let req = PeerReq::Frames(FramesReq::Read {
+            job: job.to_string(),
+            file,
+            index,
+        });
         match node.call_data_ok(&phys, req, bytes::Bytes::new()).await? {
             (PeerResp::Frame { found: true }, d) if d.len() == PAGE_SIZE => return Ok(Some(d)),
             // The other holder may hold one this one lost (a restart not yet repaired).
