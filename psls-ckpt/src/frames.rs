@@ -925,6 +925,12 @@ impl<D: Clone> FrameTable<D> {
         self.memory_files.contains_key(&file)
     }
 
+    /// The job whose memory checkpoints hold `file` here (its loads look for that job's
+    /// recovery copies first).
+    pub fn memory_job(&self, file: FileId) -> Option<&str> {
+        self.memory_files.get(&file).map(String::as_str)
+    }
+
     /// Whether `file` has recovery copies here.
     pub fn holds(&self, file: FileId) -> bool {
         self.files.contains_key(&file)

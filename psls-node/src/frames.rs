@@ -186,6 +186,11 @@ impl RecoveryArea {
         self.table.locked().in_memory(file)
     }
 
+    /// The job whose memory checkpoints hold `file` here.
+    pub fn memory_job(&self, file: FileId) -> Option<String> {
+        self.table.locked().memory_job(file).map(str::to_string)
+    }
+
     pub fn end_job(&self, job: &str) {
         self.table.locked().end_job(job)
     }

@@ -243,10 +243,11 @@ pub async fn read_page(node: &Arc<Node>, f: &FileMeta, index: u64) -> Result<byt
             format!("page {index} is beyond the end of '{}'", f.name),
         ));
     }
-    // A memory checkpoint's recovery copy is newer than the disks': the one the job writing
-    // the file keeps (no other job's).
-    if let Some((job, _)) = f.writer.as_ref().filter(|_| node.frames.in_memory(f.id)) {
-        if let Some(d) = read_recovery_copy(node, job, f.id, index).await? {
+    // A memory checkpoint's recovery copy is newer than the disks': the one kept by the job
+    // whose memory checkpoints hold the file here (no other job's). (Not the file's writer:
+    // a job's state area has none.)
+    if let Some(job) = node.frames.memory_job(f.id) {
+        if let Some(d) = read_recovery_copy(node, &job, f.id, index).await? {
             return Ok(d);
         }
     }
