@@ -414,23 +414,28 @@ fn evict_idle(slots: &mut HashMap<String, Slot>, keep: usize) {
     }
 }
 
-/// Warnings about refused handshakes: at most one line per [`REFUSED_LOG_EVERY_MS`], with the
-/// count of those not logged since (a storm of them must not fill the disk).
+/// Warnings about refused handshakes: at most [`REFUSED_LOG_LINES`] lines per window of
+/// [`REFUSED_LOG_EVERY_MS`], the first of a window with the count of those not logged before
+/// it (a storm of them must not fill the disk; a few intruders are each logged).
 const REFUSED_LOG_EVERY_MS: u64 = 5_000;
-static REFUSED_LAST_MS: AtomicU64 = AtomicU64::new(0);
+const REFUSED_LOG_LINES: u64 = 10;
+/// The current window's start (ms since the first refusal, plus a window) and its lines.
+static REFUSED_WINDOW: Mutex<(u64, u64)> = Mutex::new((0, 0));
 static REFUSED_UNLOGGED: AtomicU64 = AtomicU64::new(0);
 
 fn warn_refused(remote: SocketAddr, why: &dyn std::fmt::Display) {
     static START: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
     let now_ms = START.get_or_init(Instant::now).elapsed().as_millis() as u64 + REFUSED_LOG_EVERY_MS;
-    let last = REFUSED_LAST_MS.load(Ordering::Relaxed);
-    if now_ms.saturating_sub(last) < REFUSED_LOG_EVERY_MS
-        || REFUSED_LAST_MS
-            .compare_exchange(last, now_ms, Ordering::Relaxed, Ordering::Relaxed)
-            .is_err()
     {
-        REFUSED_UNLOGGED.fetch_add(1, Ordering::Relaxed);
-        return;
+        let mut w = REFUSED_WINDOW.locked();
+        if now_ms.saturating_sub(w.0) >= REFUSED_LOG_EVERY_MS {
+            *w = (now_ms, 0);
+        }
+        if w.1 >= REFUSED_LOG_LINES {
+            REFUSED_UNLOGGED.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        w.1 += 1;
     }
     let more = REFUSED_UNLOGGED.swap(0, Ordering::Relaxed);
     tracing::warn!(%remote, error = %why, unlogged_before = more, "refused peer connection");
