@@ -296,13 +296,30 @@ pub fn up(dir: &Path, timeout: Duration, quiet: bool) -> Result<()> {
             continue;
         }
         // A daemon killed a moment ago may still be exiting: its threads hold its ports and
-        // its socket until the last one is gone, and a new one would fail to bind them.
+        // its socket until the last one is gone, and a new one would fail to bind them. (One
+        // that re-executes itself in place shows an empty command line for a moment: it is
+        // running again once it shows its own.)
         if let Some(pid) = exiting_pid(dir, &n.name) {
-            if !wait_gone(pid, Duration::from_secs(10)) {
-                bail!(
-                    "{}: its previous daemon (pid {pid}) is still exiting; try again",
-                    n.name
-                );
+            let deadline = Instant::now() + Duration::from_secs(10);
+            let running = loop {
+                if running_pid(dir, &n.name) == Some(pid) {
+                    break true;
+                }
+                if process_gone(pid) {
+                    break false;
+                }
+                if Instant::now() > deadline {
+                    bail!(
+                        "{}: its previous daemon (pid {pid}) is still exiting; try again",
+                        n.name
+                    );
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            };
+            if running {
+                expected.push(n.clone());
+                waited.push((n.name.clone(), pid));
+                continue;
             }
         }
         if !cfg.data_dir(n).is_dir() {
