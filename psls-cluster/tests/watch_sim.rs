@@ -226,16 +226,8 @@ impl World {
                 let n = &mut self.nodes[i];
                 n.restart_at = None;
                 n.alive = true;
-                n.incarnation = n.incarnation.max(n.verdict.unwrap_or(0)) + 1;
-                n.verdict = None;
-                n.reported.clear();
-                n.members = Membership::new(
-                    self.topo.peers_of(&self.names[i]).into_iter().map(String::from),
-                    TIMEOUT_MS,
-                    now,
-                );
-                let incarnation = n.incarnation;
-                self.boot(i, incarnation);
+                let declared = n.verdict.take().unwrap_or(0);
+                self.rejoin(i, declared, now);
             }
             if self.nodes[i].paused_until.is_some_and(|t| t <= now) {
                 self.nodes[i].paused_until = None;
@@ -248,16 +240,7 @@ impl World {
                 .any(|f| f.nodes.contains(&i) && matches!(f.kind, "cut" | "cut-in" | "rack"));
             if self.running(i) && hears {
                 if let Some(d) = self.nodes[i].verdict.take() {
-                    let n = &mut self.nodes[i];
-                    n.incarnation = n.incarnation.max(d) + 1;
-                    n.reported.clear();
-                    n.members = Membership::new(
-                        self.topo.peers_of(&self.names[i]).into_iter().map(String::from),
-                        TIMEOUT_MS,
-                        now,
-                    );
-                    let incarnation = n.incarnation;
-                    self.boot(i, incarnation);
+                    self.rejoin(i, d, now);
                 }
             }
         }
@@ -387,6 +370,21 @@ impl World {
             (Some(&j), None) if j > heard => j,
             _ => heard,
         }
+    }
+
+    /// Node `i` starts a new incarnation above `declared` with an empty memory (a restart,
+    /// or a rejoin on learning its verdict), and announces it.
+    fn rejoin(&mut self, i: usize, declared: u64, now: u64) {
+        let n = &mut self.nodes[i];
+        n.incarnation = n.incarnation.max(declared) + 1;
+        n.reported.clear();
+        n.members = Membership::new(
+            self.topo.peers_of(&self.names[i]).into_iter().map(String::from),
+            TIMEOUT_MS,
+            now,
+        );
+        let incarnation = n.incarnation;
+        self.boot(i, incarnation);
     }
 
     /// Node `i` announces its new incarnation to the leader.

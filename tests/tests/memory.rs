@@ -313,25 +313,19 @@ fn a_removed_jobs_recovery_copies_go_and_the_next_job_on_its_file_checkpoints_in
     };
     // A job taking a memory checkpoint at every step, cancelled: it stays resumable from its
     // memory checkpoint, which its nodes keep.
+    // The probe's steps on file `kept` through `node`, a memory checkpoint at every step.
+    let steps = |node: &'static str, count: &'static str| -> Vec<String> {
+        let probe = probe.to_str().expect("path").to_string();
+        [
+            "--node", node, "run", "-n", "4", "--level", "memory", "--", &probe, "steps", "kept", "4", count, "99",
+            "8", "20",
+        ]
+        .map(String::from)
+        .to_vec()
+    };
+    let args = steps("n0", "1000");
     let mut run = c
-        .cmd(&[
-            "--node",
-            "n0",
-            "run",
-            "-n",
-            "4",
-            "--level",
-            "memory",
-            "--",
-            probe.to_str().expect("path"),
-            "steps",
-            "kept",
-            "4",
-            "1000",
-            "99",
-            "8",
-            "20",
-        ])
+        .cmd(&args.iter().map(String::as_str).collect::<Vec<_>>())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -353,24 +347,8 @@ fn a_removed_jobs_recovery_copies_go_and_the_next_job_on_its_file_checkpoints_in
     );
     // The next job on the file checkpoints in memory (before, every memory checkpoint was
     // refused where the removed job's copies stayed).
-    let out = c.ok(&[
-        "--node",
-        "n1",
-        "run",
-        "-n",
-        "4",
-        "--level",
-        "memory",
-        "--",
-        probe.to_str().expect("path"),
-        "steps",
-        "kept",
-        "4",
-        "10",
-        "99",
-        "8",
-        "20",
-    ]);
+    let args = steps("n1", "10");
+    let out = c.ok(&args.iter().map(String::as_str).collect::<Vec<_>>());
     assert_eq!(out.matches("done ").count(), 4, "{out}");
     assert_eq!(out.matches(" epoch ").count(), 40, "a checkpoint at every step:\n{out}");
 }
