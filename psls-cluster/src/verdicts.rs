@@ -27,7 +27,8 @@ pub struct Fence {
     pub declared: u64,
     /// The peer whose heartbeat told of it; `None` when this node's committed metadata holds it.
     pub told_by: Option<String>,
-    /// Not a verdict: that peer heard an incarnation of this node later than this one (this
+    /// Not a verdict: that peer (or the committed metadata's record of this node's starts,
+    /// when `told_by` is `None`) knows an incarnation of this node later than this one (this
     /// one started from a folder that lost its counter).
     pub heard_later: bool,
 }
@@ -39,8 +40,11 @@ pub struct Verdicts {
     incarnation: u64,
     /// Committed verdicts: physical → highest incarnation declared down.
     committed: BTreeMap<String, u64>,
-    /// The newest incarnation of each node that any peer reported hearing.
+    /// The newest incarnation known of each node: heard from it (a heartbeat, the stamp of
+    /// any message), reported heard by a peer, or committed as its start (`MetaOp::Boot`).
     reported: BTreeMap<String, u64>,
+    /// Peers known as a newer incarnation than one known before, not yet polled.
+    restarts: Vec<(String, u64)>,
     /// Peers whose declaration is being committed.
     declaring: BTreeSet<String>,
     fence: Option<Fence>,
@@ -54,6 +58,7 @@ impl Verdicts {
             incarnation,
             committed: BTreeMap::new(),
             reported: BTreeMap::new(),
+            restarts: Vec::new(),
             declaring: BTreeSet::new(),
             fence: None,
             fence_polled: false,
@@ -67,6 +72,71 @@ impl Verdicts {
     /// The committed verdicts this node knows.
     pub fn committed(&self) -> &BTreeMap<String, u64> {
         &self.committed
+    }
+
+    /// The newest incarnation known of `peer` (0: none; this node's own for itself).
+    pub fn known(&self, peer: &str) -> u64 {
+        if peer == self.me {
+            return self.incarnation;
+        }
+        self.reported.get(peer).copied().unwrap_or(0)
+    }
+
+    /// Whether `peer`'s newest known incarnation was declared down: it failed, and is not
+    /// known to have started again. A peer of no known incarnation is down if any verdict
+    /// names it (every start commits its incarnation: one not committed yet is unknown).
+    pub fn is_down(&self, peer: &str) -> bool {
+        peer != self.me && !self.accepts(peer, self.known(peer))
+    }
+
+    /// Notes that `peer` is incarnation `incarnation` (heard from it, or reported): a newer
+    /// one than known before is a restart ([`Verdicts::poll_restarts`]).
+    fn note(&mut self, peer: &str, incarnation: u64) {
+        if peer == self.me {
+            return;
+        }
+        let e = self.reported.entry(peer.to_string()).or_insert(0);
+        if incarnation > *e {
+            if *e > 0 {
+                self.restarts.push((peer.to_string(), incarnation));
+            }
+            *e = incarnation;
+        }
+    }
+
+    /// A message stamped with incarnation `incarnation` came from `from`: whether it is taken
+    /// (not of an incarnation declared down). A taken one may make `from` known as restarted.
+    pub fn handle_stamp(&mut self, from: &str, incarnation: u64) -> bool {
+        if !self.accepts(from, incarnation) {
+            return false;
+        }
+        self.note(from, incarnation);
+        true
+    }
+
+    /// The committed incarnations of every node's current start (`MetaState::up_from`). One
+    /// later than this node's own means this one started from a folder that lost its counter:
+    /// it fences itself and starts above it.
+    pub fn handle_booted(&mut self, up_from: &BTreeMap<String, u64>) {
+        for (p, &i) in up_from {
+            if *p == self.me {
+                if i > self.incarnation && self.fence.is_none() {
+                    self.fence = Some(Fence {
+                        declared: i,
+                        told_by: None,
+                        heard_later: true,
+                    });
+                }
+                continue;
+            }
+            self.note(p, i);
+        }
+    }
+
+    /// The peers known as a newer incarnation since the last poll (each with it): what they
+    /// held of the previous one is gone.
+    pub fn poll_restarts(&mut self) -> Vec<(String, u64)> {
+        std::mem::take(&mut self.restarts)
     }
 
     /// Whether this incarnation learnt its verdict (it serves and coordinates nothing more).
@@ -105,13 +175,13 @@ impl Verdicts {
         if !self.accepts(from, incarnation) {
             return false;
         }
+        self.note(from, incarnation);
         let mut above = None;
         for (p, i) in heard {
-            let e = self.reported.entry(p.to_string()).or_insert(0);
-            *e = (*e).max(i);
             if p == self.me && i > self.incarnation {
                 above = Some(i);
             }
+            self.note(p, i);
         }
         // A peer heard a later incarnation of this node than this one: this one started
         // from a data folder that lost its counter (a replaced disk) and drew one that an
@@ -215,6 +285,41 @@ mod tests {
     /// A node whose data folder lost its counter drew an incarnation a peer had already heard
     /// passed: it fences itself to come back above it; a peer hearing this one or an older one
     /// changes nothing.
+    #[test]
+    fn a_peer_is_known_by_its_newest_incarnation_from_any_source_and_its_restarts_are_told_once() {
+        let mut v = Verdicts::new("a", 4);
+        assert_eq!(v.known("b"), 0);
+        assert!(!v.is_down("b"), "unknown and never declared");
+        v.handle_booted(&BTreeMap::from([("b".to_string(), 2), ("a".to_string(), 4)]));
+        assert_eq!((v.known("b"), v.known("a")), (2, 4));
+        assert!(v.poll_restarts().is_empty(), "a first incarnation is no restart");
+        v.handle_committed(&BTreeMap::from([("b".to_string(), 2), ("c".to_string(), 1)]));
+        assert!(
+            v.is_down("b") && v.is_down("c"),
+            "c: declared, and no start of it known"
+        );
+        assert!(!v.handle_stamp("b", 2), "a declared incarnation's message is dropped");
+        assert!(v.handle_stamp("b", 3));
+        assert!(!v.is_down("b"));
+        assert_eq!(v.poll_restarts(), vec![("b".to_string(), 3)]);
+        assert!(v.handle_stamp("b", 3) && v.poll_restarts().is_empty(), "once");
+        // Its start committed later changes nothing more; an older record is history.
+        v.handle_booted(&BTreeMap::from([("b".to_string(), 3)]));
+        v.handle_booted(&BTreeMap::from([("b".to_string(), 1)]));
+        assert_eq!((v.known("b"), v.poll_restarts()), (3, vec![]));
+        assert_eq!(v.poll_fence(), None);
+        // The metadata records a later start of this node than this one.
+        v.handle_booted(&BTreeMap::from([("a".to_string(), 9)]));
+        assert_eq!(
+            v.poll_fence(),
+            Some(Fence {
+                declared: 9,
+                told_by: None,
+                heard_later: true,
+            })
+        );
+    }
+
     #[test]
     fn a_node_a_peer_heard_later_than_itself_fences_itself_above_it() {
         let mut v = Verdicts::new("a", 5);

@@ -254,7 +254,7 @@ pub async fn run(config: &Path, name: &str) -> Result<()> {
     let fenced_node = Arc::downgrade(&node);
     node.net.stamp.set(
         incarnation,
-        Arc::new(move |from: &str, inc: u64| fenced_node.upgrade().is_some_and(|n| n.fenced_sender(from, inc))),
+        Arc::new(move |from: &str, inc: u64| fenced_node.upgrade().is_some_and(|n| !n.take_stamp(from, inc))),
     );
     if let Some(l) = metrics_listener {
         tokio::spawn(crate::metrics::serve(d.clone(), l));
@@ -291,6 +291,9 @@ pub async fn run(config: &Path, name: &str) -> Result<()> {
     node.refresh_disk_stats();
     tokio::spawn(crate::replication::Replication::run(node.clone()));
     node.initial_sync().await;
+    // This start's incarnation, committed before anything of it can be declared down: every
+    // node learns of the restart from it, whether it watches this one or not.
+    tokio::spawn(node.clone().boot());
     tokio::spawn(d.clone().run_ticks());
     if start.blank {
         node.rejoin_pending.store(true, std::sync::atomic::Ordering::Relaxed);
@@ -306,12 +309,16 @@ pub async fn run(config: &Path, name: &str) -> Result<()> {
     }
     tokio::spawn(crate::ckpt::drop_earlier_claims(node.clone()));
     {
-        // Shared memory learns of a restarted peer at once: its settled copies of the pages
-        // that peer manages go before a new job can claim their file.
+        // A peer known as a new incarnation: the transport forgets its connections to the old
+        // one, and shared memory learns of it at once (its settled copies of the pages that
+        // peer manages go before a new job can claim their file).
         let d = d.clone();
         tokio::spawn(async move {
             loop {
                 d.node.peer_restarted.notified().await;
+                for (peer, incarnation) in d.node.take_restarts() {
+                    d.node.net.peer_restarted(&peer, incarnation);
+                }
                 d.svm.sync_peers(&d.node);
             }
         });

@@ -229,7 +229,7 @@ impl Daemon {
                 .scrub_local(files, seq)
                 .await
                 .map(|(checked, bad)| PeerResp::Scrub { checked, bad }),
-            PeerReq::MetaSubmit { op } => Ok(node.serve_submit(op).await),
+            PeerReq::MetaSubmit { op } => Ok(node.serve_submit(&from, op).await),
             PeerReq::DiskFree => Ok(PeerResp::DiskFree {
                 bytes: node.disk_free_now().await,
             }),

@@ -251,7 +251,7 @@ pub async fn run(d: Arc<Daemon>) {
     }
 }
 
-/// Each physical node's liveness and incarnation, from the heartbeats.
+/// Each physical node's liveness and newest known incarnation.
 fn views(d: &Daemon) -> BTreeMap<String, NodeView> {
     let node = &d.node;
     node.cfg
@@ -259,11 +259,7 @@ fn views(d: &Daemon) -> BTreeMap<String, NodeView> {
         .iter()
         .chain(node.cfg.spares.iter())
         .map(|n| {
-            let incarnation = if n.name == node.me.name {
-                node.incarnation
-            } else {
-                node.heartbeat_of(&n.name).map_or(0, |h| h.incarnation)
-            };
+            let incarnation = node.heard_incarnation(&n.name);
             (
                 n.name.clone(),
                 NodeView {

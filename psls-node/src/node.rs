@@ -95,9 +95,12 @@ pub struct Node {
     disk_used: AtomicU64,
     disk_free: AtomicU64,
     pub shutdown: tokio::sync::Notify,
-    /// Told each time a peer is heard as a new incarnation: the subsystems that keep their own
-    /// view of the peers (shared memory) catch up at once, not at their next tick.
+    /// Told each time a peer is known as a new incarnation (its restarts wait in `restarts`):
+    /// the transport forgets its connections to the old one, and the subsystems that keep
+    /// their own view of the peers (shared memory) catch up at once, not at their next tick.
     pub peer_restarted: tokio::sync::Notify,
+    /// Peers known as a new incarnation, not yet acted on ([`Node::take_restarts`]).
+    restarts: Mutex<Vec<(String, u64)>>,
     /// Told each time committed metadata is installed here (for [`Node::meta_reached`]).
     meta_installed: tokio::sync::Notify,
     /// The daemon's request handler, for the requests a node sends itself (set at start-up).
@@ -115,6 +118,10 @@ pub struct Node {
     fencer: OnceLock<Fencer>,
     fencing: AtomicBool,
 }
+
+/// Most restarts of peers queued for the daemon's restart task before they are folded to
+/// each peer's latest.
+const MAX_QUEUED_RESTARTS: usize = 1024;
 
 /// What the daemon does when its incarnation is fenced (given the reason and the incarnation
 /// declared down): it never returns.
@@ -164,6 +171,7 @@ impl Node {
             disk_free: AtomicU64::new(0),
             shutdown: tokio::sync::Notify::new(),
             peer_restarted: tokio::sync::Notify::new(),
+            restarts: Mutex::new(Vec::new()),
             meta_installed: tokio::sync::Notify::new(),
             local: OnceLock::new(),
             beat: OnceLock::new(),
@@ -356,27 +364,61 @@ impl Node {
         physical == self.me.name || self.members.locked().is_live(self.now_ms(), physical)
     }
 
-    /// The incarnation of `physical` last heard (0: never).
+    /// The newest incarnation of `physical` known here (0: none): heard from it (a heartbeat,
+    /// any message's stamp), reported by a peer, or committed as its start (`MetaOp::Boot`).
     pub fn heard_incarnation(&self, physical: &str) -> u64 {
-        if physical == self.me.name {
-            return self.incarnation;
-        }
-        self.members
-            .locked()
-            .view(physical)
-            .and_then(|v| v.incarnation)
-            .unwrap_or(0)
+        self.verdicts.locked().known(physical)
     }
 
-    /// The verdict: the incarnation of `physical` last heard was declared down (committed).
+    /// The verdict: the newest incarnation of `physical` known here was declared down
+    /// (committed), and no later start of it is known.
     pub fn is_declared_down(&self, physical: &str) -> bool {
-        physical != self.me.name && self.fenced_sender(physical, self.heard_incarnation(physical))
+        self.verdicts.locked().is_down(physical)
     }
 
     /// Whether a message of incarnation `incarnation` of `physical` must be dropped: that
     /// incarnation was declared down.
     pub fn fenced_sender(&self, physical: &str, incarnation: u64) -> bool {
         !self.verdicts.locked().accepts(physical, incarnation)
+    }
+
+    /// The receivers' test of every message's stamp: whether a message of incarnation
+    /// `incarnation` from `physical` is taken (not declared down). A taken stamp of a newer
+    /// incarnation than known is that peer's restart, acted on by the daemon's restart task.
+    pub fn take_stamp(&self, physical: &str, incarnation: u64) -> bool {
+        let (taken, restarts) = {
+            let mut v = self.verdicts.locked();
+            (v.handle_stamp(physical, incarnation), v.poll_restarts())
+        };
+        self.queue_restarts(restarts);
+        taken
+    }
+
+    fn queue_restarts(&self, restarts: Vec<(String, u64)>) {
+        if restarts.is_empty() {
+            return;
+        }
+        for (peer, incarnation) in &restarts {
+            tracing::info!(node = %self.me.name, peer = peer.as_str(), incarnation, "peer restarted with a new incarnation");
+        }
+        let mut q = self.restarts.locked();
+        q.extend(restarts);
+        // Bounded: a peer's latest restart is all that matters.
+        if q.len() > MAX_QUEUED_RESTARTS {
+            let mut latest: BTreeMap<String, u64> = BTreeMap::new();
+            for (p, i) in q.drain(..) {
+                let e = latest.entry(p).or_insert(0);
+                *e = (*e).max(i);
+            }
+            q.extend(latest);
+        }
+        drop(q);
+        self.peer_restarted.notify_one();
+    }
+
+    /// The peers known as a new incarnation since the last call (each with it).
+    pub fn take_restarts(&self) -> Vec<(String, u64)> {
+        std::mem::take(&mut *self.restarts.locked())
     }
 
     /// Live: reachable and not declared down — what requests are routed by. A node that is
@@ -411,20 +453,30 @@ impl Node {
 
     // ---- verdicts and fencing ----
 
-    /// Copies the committed verdicts from the metadata; fences this node if one names it.
+    /// Copies the committed verdicts and starts from the metadata; fences this node if one
+    /// names it (or a later start of it).
     pub fn refresh_verdicts(&self) {
-        let down = self.meta.locked().down.clone();
-        let fence = {
+        let (down, up_from) = {
+            let m = self.meta.locked();
+            (m.down.clone(), m.up_from.clone())
+        };
+        let (fence, restarts) = {
             let mut v = self.verdicts.locked();
             v.handle_committed(&down);
-            v.poll_fence()
+            v.handle_booted(&up_from);
+            (v.poll_fence(), v.poll_restarts())
         };
+        self.queue_restarts(restarts);
         self.carry_out_fence(fence);
     }
 
     fn carry_out_fence(&self, fence: Option<verdicts::Fence>) {
         let Some(f) = fence else { return };
         let why = match &f.told_by {
+            None if f.heard_later => format!(
+                "the cluster's metadata records incarnation {} of this node, later than this one (its data folder lost its counter)",
+                f.declared
+            ),
             None => "the cluster declared this incarnation down (committed verdict)".to_string(),
             Some(peer) if f.heard_later => format!(
                 "{peer} heard incarnation {} of this node, later than this one (its data folder lost its counter)",
@@ -720,8 +772,55 @@ impl Node {
         Err(last)
     }
 
-    /// The leader's side of a peer's `MetaSubmit`.
-    pub(crate) async fn serve_submit(self: &Arc<Self>, op: MetaOp) -> PeerResp {
+    /// Commits this start's incarnation (`MetaOp::Boot`), retrying until a leader takes it.
+    /// Refused because the metadata holds a verdict on it or a later start of this node, the
+    /// node fences itself (it starts again above it).
+    pub async fn boot(self: Arc<Self>) {
+        let op = MetaOp::Boot {
+            physical: self.me.name.clone(),
+            incarnation: self.incarnation,
+        };
+        let mut wait = Duration::from_millis(100);
+        loop {
+            if self.is_fencing() {
+                return;
+            }
+            match self.submit(op.clone()).await {
+                Ok(()) => {
+                    tracing::info!(node = %self.me.name, incarnation = self.incarnation, "this start is committed");
+                    return;
+                }
+                Err(e) if e.kind == ErrorKind::Invalid => {
+                    // Refused by the committed state, which this node caught up to.
+                    let st = self.meta_state();
+                    let declared = st.down.get(&self.me.name).copied().filter(|&d| d >= self.incarnation);
+                    let later = st.up_from.get(&self.me.name).copied().filter(|&u| u > self.incarnation);
+                    match (declared, later) {
+                        (Some(d), _) => self.fence_self("this incarnation was declared down before its start was committed", d),
+                        (None, Some(u)) => self.fence_self(&format!("the cluster's metadata records incarnation {u} of this node, later than this one (its data folder lost its counter)"), u),
+                        (None, None) => tracing::error!(node = %self.me.name, error = %e, "this start cannot be committed"),
+                    }
+                    return;
+                }
+                Err(e) => {
+                    tracing::debug!(node = %self.me.name, error = %e, "this start is not committed yet: trying again");
+                    tokio::time::sleep(wait).await;
+                    wait = (wait * 2).min(Duration::from_secs(2));
+                }
+            }
+        }
+    }
+
+    /// The leader's side of a peer's `MetaSubmit`: a node commits only its own start.
+    pub(crate) async fn serve_submit(self: &Arc<Self>, from: &str, op: MetaOp) -> PeerResp {
+        if let MetaOp::Boot { physical, .. } = &op {
+            if physical != from {
+                return peer_error(OpError::new(
+                    ErrorKind::Permission,
+                    format!("{from} may not commit the start of {physical}"),
+                ));
+            }
+        }
         match self.replication.submit(op).await {
             Ok(index) => PeerResp::MetaDone { index },
             Err(SubmitError::NotLeader { .. } | SubmitError::Busy) => PeerResp::NotCoordinator,
@@ -841,13 +940,15 @@ impl Node {
 
     pub(crate) fn heard(&self, peer: &str, hb: Heartbeat) {
         let now_ms = self.now_ms();
-        let (taken, fence) = {
+        let (taken, fence, restarts) = {
             let mut v = self.verdicts.locked();
             let down = hb.down.iter().map(|(p, d)| (p.as_str(), *d));
             let heard = hb.heard.iter().map(|(p, i)| (p.as_str(), *i));
             let taken = v.handle_heartbeat(peer, hb.incarnation, down, heard);
-            (taken, v.poll_fence())
+            let restarts = v.poll_restarts();
+            (taken, v.poll_fence(), restarts)
         };
+        self.queue_restarts(restarts);
         // The sender's committed metadata declared this incarnation down.
         self.carry_out_fence(fence);
         if !taken {
@@ -857,12 +958,8 @@ impl Node {
         }
         let incarnation = hb.incarnation;
         self.net.heard_from(peer);
-        let restarted = self.members.locked().heard(now_ms, peer, incarnation, hb);
-        if restarted {
-            tracing::info!(node = %self.me.name, peer, incarnation, "peer restarted with a new incarnation");
-            self.net.peer_restarted(peer, incarnation);
-            self.peer_restarted.notify_one();
-        }
+        // A restart is told by the verdict book (it knows every source of incarnations).
+        let _ = self.members.locked().heard(now_ms, peer, incarnation, hb);
     }
 
     // ---- local page store requests ----

@@ -180,11 +180,7 @@ pub struct SyncSide {
 /// sync simulator).
 fn coordinator_id(node: &Node) -> Option<(String, String)> {
     let (_, name) = node.coordinator_now()?;
-    let inc = if name == node.name() {
-        node.incarnation
-    } else {
-        node.with_heartbeats(|m| m.view(&name).and_then(|v| v.incarnation).unwrap_or(0))
-    };
+    let inc = node.heard_incarnation(&name);
     let epoch = node
         .replication
         .leader_epoch()

@@ -27,7 +27,8 @@
 //! - `job_runs`: job → postcard [`crate::runs::RunRow`] (job control: its current start or
 //!   its end);
 //! - `misc`: `nodes` → postcard [`NodesRecord`]; `next_gen` and `applied` (index, term) as u64
-//!   LE; `amnesiac` and `legacy`.
+//!   LE; `amnesiac` and `legacy`; `claims` and `up_from` (postcard; optional, a store older
+//!   builds wrote has neither).
 //!
 //! Format 8 had no table `job_runs`: it is converted by setting the format.
 //!
@@ -493,6 +494,11 @@ impl LogStore {
                 Some(b) => Some(postcard::from_bytes(&b).map_err(|e| corrupt("process claims", e))?),
                 None => None,
             },
+            // Optional too.
+            up_from: match get("up_from")? {
+                Some(b) => Some(postcard::from_bytes(&b).map_err(|e| corrupt("node incarnations", e))?),
+                None => None,
+            },
             ..Changes::default()
         };
         let open = |name: &str, r: Result<(), redb::TableError>| -> Result<bool, MetaError> {
@@ -752,7 +758,7 @@ fn write_changes(tx: &redb::WriteTransaction, c: &Changes) -> Result<(), MetaErr
             };
         }
     }
-    if c.nodes.is_some() || c.next_gen.is_some() || c.claims.is_some() {
+    if c.nodes.is_some() || c.next_gen.is_some() || c.claims.is_some() || c.up_from.is_some() {
         let mut m = tx.open_table(MISC)?;
         if let Some(n) = &c.nodes {
             m.insert("nodes", pc(n)?.as_slice())?;
@@ -762,6 +768,9 @@ fn write_changes(tx: &redb::WriteTransaction, c: &Changes) -> Result<(), MetaErr
         }
         if let Some(cl) = &c.claims {
             m.insert("claims", pc(cl)?.as_slice())?;
+        }
+        if let Some(u) = &c.up_from {
+            m.insert("up_from", pc(u)?.as_slice())?;
         }
     }
     Ok(())

@@ -122,6 +122,13 @@ pub struct MetaState {
     /// (both optional: older stores and snapshots have none).
     #[serde(skip)]
     pub process_claims: OrdMap<FileId, ProcessClaims>,
+    /// Each physical node's current incarnation, committed by the node itself before it
+    /// serves (`MetaOp::Boot`, Ceph's `up_from`): a node is up iff this incarnation is above
+    /// its verdict in `down`. Every node learns a peer's restart from it, whether it watches
+    /// that peer or not. Kept in the store's `up_from` record and after the claims of a
+    /// snapshot (both optional: older stores and snapshots have none).
+    #[serde(skip)]
+    pub up_from: BTreeMap<String, u64>,
     /// File id → name (an index of `files`, rebuilt when a state is decoded).
     #[serde(skip)]
     ids: OrdMap<FileId, String>,
@@ -143,6 +150,9 @@ pub type ProcessClaims = BTreeMap<(String, u64), u32>;
 
 /// Most files the processes outside `psls run` may claim at once, cluster-wide.
 pub const MAX_PROCESS_CLAIMED_FILES: usize = 65_536;
+
+/// Most physical nodes whose incarnation the metadata records (`MetaState::up_from`).
+pub const MAX_BOOTED_NODES: usize = 65_536;
 
 /// See [`MetaState`]'s field; equal whatever they hold: how the store keeps the maps is not
 /// part of the state.
@@ -181,6 +191,7 @@ struct Touched {
     nodes: bool,
     next_gen: bool,
     claims: bool,
+    up_from: bool,
 }
 
 /// Equal whatever they hold: which keys wait to be written is not part of the state.
@@ -214,6 +225,8 @@ pub struct Changes {
     pub next_gen: Option<u64>,
     /// The processes' writer claims, whole, when they changed.
     pub claims: Option<BTreeMap<FileId, ProcessClaims>>,
+    /// The nodes' current incarnations, whole, when they changed.
+    pub up_from: Option<BTreeMap<String, u64>>,
 }
 
 impl Changes {
@@ -235,6 +248,9 @@ impl Changes {
         }
         if later.next_gen.is_some() {
             self.next_gen = later.next_gen;
+        }
+        if later.up_from.is_some() {
+            self.up_from = later.up_from;
         }
         if later.claims.is_some() {
             self.claims = later.claims;
@@ -384,6 +400,9 @@ impl MetaState {
         }
         if let Some(c) = changes.claims {
             self.process_claims = c.into_iter().collect();
+        }
+        if let Some(u) = changes.up_from {
+            self.up_from = u;
         }
         self.reindex();
         // Bases of files whose record did not change, then the deltas over them.
@@ -624,6 +643,13 @@ pub enum MetaOp {
         node: String,
         incarnation: u64,
     },
+    /// Physical node `physical` started as incarnation `incarnation` (submitted by that node
+    /// itself, once per start): refused when that incarnation was declared down or a later one
+    /// booted (the node then fences itself and starts above it).
+    Boot {
+        physical: String,
+        incarnation: u64,
+    },
 }
 
 /// Format 1 of the operation in a vote record (files of format 2).
@@ -692,6 +718,7 @@ impl MetaOp {
             MetaOp::ReleaseWriterOn { .. } => "release_writer_on",
             MetaOp::StartJobWith { .. } => "start_job_with",
             MetaOp::DeclareDown { .. } => "declare_down",
+            MetaOp::Boot { .. } => "boot",
             MetaOp::JobFinished { .. } => "job_finished",
             MetaOp::JobStart { .. } => "job_start",
             MetaOp::JobRestart { .. } => "job_restart",
@@ -729,6 +756,7 @@ impl MetaOp {
                     && st.job_options.get(job) == Some(&**options)
             }
             MetaOp::DeclareDown { physical, incarnation } => st.is_down(physical, *incarnation),
+            MetaOp::Boot { physical, incarnation } => st.up_from.get(physical).is_some_and(|u| u >= incarnation),
             MetaOp::JobFinished { job, why, files, epoch } => st
                 .finished
                 .get(job)
@@ -1086,6 +1114,7 @@ impl MetaState {
             nodes: true,
             next_gen: true,
             claims: true,
+            up_from: true,
             ..Touched::default()
         };
         for f in self.files.values() {
@@ -1158,6 +1187,7 @@ impl MetaState {
             claims: t
                 .claims
                 .then(|| self.process_claims.iter().map(|(f, c)| (*f, c.clone())).collect()),
+            up_from: t.up_from.then(|| self.up_from.clone()),
             gen_deltas: Vec::new(),
         }
     }
@@ -1283,6 +1313,33 @@ impl MetaState {
                 // A new start computes again: a finished result it had is not its any more.
                 self.finished.remove(job);
                 crate::jobs::apply_start_with(self, job, spec, options)?
+            }
+            MetaOp::Boot { physical, incarnation } => {
+                if physical.is_empty() || *incarnation == 0 {
+                    return Err(MetaError::Invalid("a boot names a node and an incarnation".into()));
+                }
+                if let Some(&d) = self.down.get(physical).filter(|&&d| d >= *incarnation) {
+                    return Err(MetaError::Invalid(format!(
+                        "incarnation {incarnation} of {physical} was declared down (verdicts up to {d}): it must start as a later one"
+                    )));
+                }
+                match self.up_from.get(physical).copied() {
+                    Some(u) if u > *incarnation => {
+                        return Err(MetaError::Invalid(format!(
+                            "{physical} already started as incarnation {u}, later than {incarnation}: it must start as a later one"
+                        )))
+                    }
+                    Some(u) if u == *incarnation => {}
+                    _ => {
+                        if !self.up_from.contains_key(physical) && self.up_from.len() >= MAX_BOOTED_NODES {
+                            return Err(MetaError::Invalid(format!(
+                                "the metadata records {MAX_BOOTED_NODES} nodes' incarnations: no room for {physical}"
+                            )));
+                        }
+                        self.up_from.insert(physical.clone(), *incarnation);
+                        self.touched.up_from = true;
+                    }
+                }
             }
             MetaOp::DeclareDown { physical, incarnation } => {
                 if physical.is_empty() || *incarnation == 0 {
@@ -1423,6 +1480,8 @@ impl MetaState {
         let claims: BTreeMap<FileId, ProcessClaims> =
             self.process_claims.iter().map(|(f, c)| (*f, c.clone())).collect();
         out.extend(postcard::to_stdvec(&claims).expect("claims serialize"));
+        // Optional too (snapshots before it end after the claims).
+        out.extend(postcard::to_stdvec(&self.up_from).expect("incarnations serialize"));
         out
     }
 
@@ -1438,8 +1497,12 @@ impl MetaState {
                 let (jobs, rest) = postcard::take_from_bytes(rest).map_err(corrupt)?;
                 (st.runs, st.ended) = jobs;
                 if !rest.is_empty() {
-                    let claims: BTreeMap<FileId, ProcessClaims> = postcard::from_bytes(rest).map_err(corrupt)?;
+                    let (claims, rest): (BTreeMap<FileId, ProcessClaims>, _) =
+                        postcard::take_from_bytes(rest).map_err(corrupt)?;
                     st.process_claims = claims.into_iter().collect();
+                    if !rest.is_empty() {
+                        st.up_from = postcard::from_bytes(rest).map_err(corrupt)?;
+                    }
                 }
                 st.reindex();
                 Ok(st)
@@ -2108,6 +2171,53 @@ mod tests {
     /// A process outside `psls run` lost with its node leaves no claim: its claims go with
     /// the incarnation they were made on, once it is down; they persist in the store and in a
     /// snapshot.
+    #[test]
+    fn a_node_boots_above_its_verdict_and_its_last_start_and_the_store_and_snapshots_keep_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let disk = FileDisk::new(dir.path()).unwrap();
+        let boot = |node: &str, incarnation: u64| MetaOp::Boot {
+            physical: node.into(),
+            incarnation,
+        };
+        {
+            let mut m = MetaStore::open(&disk).unwrap();
+            m.apply(&boot("n1", 3)).unwrap();
+            m.apply(&boot("n2", 1)).unwrap();
+            assert!(boot("n1", 3).reflected_in(m.state()));
+            m.apply(&boot("n1", 3)).unwrap();
+            assert!(
+                matches!(m.apply(&boot("n1", 2)), Err(MetaError::Invalid(_))),
+                "an earlier start"
+            );
+            m.apply(&MetaOp::DeclareDown {
+                physical: "n1".into(),
+                incarnation: 5,
+            })
+            .unwrap();
+            assert!(m.apply(&boot("n1", 5)).is_err(), "an incarnation declared down");
+            assert!(m.apply(&boot("", 5)).is_err() && m.apply(&boot("n1", 0)).is_err());
+            assert_eq!(
+                m.state().up_from,
+                BTreeMap::from([("n1".to_string(), 3), ("n2".to_string(), 1)])
+            );
+            m.apply(&boot("n1", 6)).unwrap();
+            let snap = m.state().clone();
+            assert_eq!(MetaState::decode(&snap.encode()).unwrap(), snap);
+            // A snapshot of the previous release (it ends after the claims) still reads.
+            let mut old = snap.encode();
+            old.truncate(old.len() - postcard::to_stdvec(&snap.up_from).unwrap().len());
+            let st = MetaState::decode(&old).unwrap();
+            assert!(st.up_from.is_empty());
+            assert_eq!(st.down, snap.down);
+        }
+        let m = MetaStore::open(&disk).unwrap();
+        assert_eq!(
+            m.state().up_from,
+            BTreeMap::from([("n1".to_string(), 6), ("n2".to_string(), 1)]),
+            "kept by the store"
+        );
+    }
+
     #[test]
     fn a_processs_claim_goes_with_its_node_incarnation() {
         let dir = tempfile::tempdir().unwrap();

@@ -24,7 +24,8 @@ pub(super) fn pidfd_open(pid: i32) -> std::io::Result<OwnedFd> {
     Ok(unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd as i32) })
 }
 
-/// (logical id, incarnation, up) of every logical node, as membership sees them.
+/// (logical id, incarnation, up) of every logical node: its newest known incarnation, up
+/// unless that one was declared down.
 pub(super) fn peer_views(node: &Node) -> Vec<(NodeId, Incarnation, bool)> {
     let st = node.meta_state();
     node.logical_map(&st)
@@ -33,7 +34,7 @@ pub(super) fn peer_views(node: &Node) -> Vec<(NodeId, Incarnation, bool)> {
             if phys == node.me.name {
                 return (NodeId(l), svm_incarnation(&st, l, node.incarnation), true);
             }
-            let inc = node.with_heartbeats(|m| m.heartbeat(&phys).map_or(0, |h| h.incarnation));
+            let inc = node.heard_incarnation(&phys);
             (
                 NodeId(l),
                 svm_incarnation(&st, l, inc),
