@@ -94,6 +94,11 @@ impl<H> Membership<H> {
         self.peers.contains_key(peer)
     }
 
+    /// The peers watched now (sorted).
+    pub fn watched(&self) -> impl Iterator<Item = &str> {
+        self.peers.keys().map(String::as_str)
+    }
+
     /// Records a heartbeat of `incarnation` from `peer`. Returns true when the peer restarted
     /// (an incarnation other than the last one heard). Unknown peers are ignored.
     pub fn heard(&mut self, now_ms: u64, peer: &str, incarnation: u64, hb: H) -> bool {

@@ -62,6 +62,11 @@ pub struct ClusterSection {
     /// starts.
     #[serde(default = "default_cleaning")]
     pub cleaning: String,
+    /// How many peers each node heartbeats at least (Ceph's `osd_heartbeat_min_peers`): its
+    /// ring neighbours, far peers and one in another failure domain, topped up to this; every
+    /// other node in a smaller cluster. 2 to 64.
+    #[serde(default = "default_min_peers")]
+    pub heartbeat_min_peers: usize,
 }
 
 fn default_name() -> String {
@@ -85,6 +90,9 @@ fn default_persistent_interval() -> u64 {
 fn default_cleaning() -> String {
     "p1".into()
 }
+fn default_min_peers() -> usize {
+    10
+}
 
 impl Default for ClusterSection {
     fn default() -> Self {
@@ -97,6 +105,7 @@ impl Default for ClusterSection {
             persistent_interval_s: default_persistent_interval(),
             cleaning: default_cleaning(),
             cert_dir: default_cert_dir(),
+            heartbeat_min_peers: default_min_peers(),
         }
     }
 }
@@ -124,6 +133,10 @@ pub struct NodeEntry {
     /// none: no metrics.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub metrics_addr: Option<SocketAddr>,
+    /// The node's failure domain (a rack, a power feed): a node is declared down only on
+    /// the word of watchers in two domains (or the metadata leader's own). Default: the host.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub domain: Option<String>,
 }
 
 impl NodeEntry {
@@ -133,6 +146,11 @@ impl NodeEntry {
     /// The host's name as the batch system knows it ([`NodeEntry::host`]).
     pub fn host_name(&self) -> &str {
         self.host.as_deref().unwrap_or(&self.name)
+    }
+
+    /// The node's failure domain ([`NodeEntry::domain`]; default: its host).
+    pub fn failure_domain(&self) -> &str {
+        self.domain.as_deref().unwrap_or_else(|| self.host_name())
     }
 
     /// The message link's address (see [`NodeEntry::link_addr`]); `None` when the default
@@ -209,6 +227,12 @@ impl ClusterConfig {
         if c.request_timeout_ms == 0 {
             return Err("request_timeout_ms must be > 0".into());
         }
+        if !(2..=64).contains(&c.heartbeat_min_peers) {
+            return Err(format!(
+                "heartbeat_min_peers must be 2 to 64, not {}",
+                c.heartbeat_min_peers
+            ));
+        }
         let mut names = HashSet::new();
         let mut addrs = HashSet::new();
         for n in self.all() {
@@ -247,6 +271,12 @@ impl ClusterConfig {
                 if !addrs.insert(m) {
                     return Err(format!("address {m} (node {}'s metrics) appears twice", n.name));
                 }
+            }
+            if n.domain
+                .as_ref()
+                .is_some_and(|d| d.is_empty() || d.len() > 255 || d.contains(|c: char| c.is_whitespace()))
+            {
+                return Err(format!("node {}: domain must be 1..255 bytes, without spaces", n.name));
             }
             if n.host
                 .as_ref()
@@ -303,6 +333,7 @@ impl ClusterConfig {
             socket: PathBuf::from("run").join(format!("{name}.sock")),
             memory_mb,
             host: None,
+            domain: None,
             metrics_addr: Some(SocketAddr::from((
                 [127, 0, 0, 1],
                 base_port.wrapping_add((2 * total + i) as u16),

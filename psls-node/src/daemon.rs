@@ -291,6 +291,9 @@ pub async fn run(config: &Path, name: &str) -> Result<()> {
     node.refresh_disk_stats();
     tokio::spawn(crate::replication::Replication::run(node.clone()));
     node.initial_sync().await;
+    // Whether other nodes hold pages an earlier incarnation of this one granted: known before
+    // any coherence state is made (`svm::fault::ensure_svm`).
+    d.svm.ask_peers(&node).await;
     // This start's incarnation, committed before anything of it can be declared down: every
     // node learns of the restart from it, whether it watches this one or not.
     tokio::spawn(node.clone().boot());

@@ -113,8 +113,16 @@ impl Daemon {
             n += 1;
             node.heartbeat_round(false).await;
             // The coordinator turns silences that outlast the failure timeout into verdicts.
-            node.declare_verdicts();
+            node.watch_duties();
             node.check_fresh_cluster();
+            if self.svm.recovering() {
+                // Ends once every node answers that it holds nothing.
+                let d = self.clone();
+                tokio::spawn(async move {
+                    d.svm.ask_peers(&d.node).await;
+                    d.svm.sync_peers(&d.node);
+                });
+            }
             self.svm.sync_peers(&node);
             self.ckpt.tick();
             {
@@ -176,8 +184,28 @@ impl Daemon {
         let r: Result<PeerResp, OpError> = match req {
             PeerReq::Heartbeat(hb) => {
                 node.heard(&from, hb);
-                Ok(PeerResp::HeartbeatAck(node.heartbeat()))
+                let base = node.heartbeat();
+                Ok(PeerResp::HeartbeatAck(node.heartbeat_to(&base, &from)))
             }
+            PeerReq::Watch { silent, back } => {
+                let most = node.cfg.all().count();
+                if silent.len() > most || back.len() > most {
+                    Err(OpError::new(
+                        ErrorKind::Invalid,
+                        "a watch report names more peers than the cluster has",
+                    ))
+                } else {
+                    node.handle_watch(&from, silent, back);
+                    Ok(PeerResp::Ok)
+                }
+            }
+            PeerReq::Figures(hb) => {
+                node.handle_figures(&from, hb);
+                Ok(PeerResp::Ok)
+            }
+            PeerReq::FiguresAsk => Ok(PeerResp::FiguresTable {
+                nodes: node.figures_table(),
+            }),
             PeerReq::WritePages {
                 file,
                 role,
@@ -230,6 +258,14 @@ impl Daemon {
                 .await
                 .map(|(checked, bad)| PeerResp::Scrub { checked, bad }),
             PeerReq::MetaSubmit { op } => Ok(node.serve_submit(&from, op).await),
+            PeerReq::SvmHeld { logical } if (logical as usize) < node.cfg.nodes.len() => {
+                let (segments, knew, fenced) = self.svm.held_for(logical);
+                Ok(PeerResp::SvmHeld { segments, knew, fenced })
+            }
+            PeerReq::SvmHeld { logical } => Err(OpError::new(
+                ErrorKind::Invalid,
+                format!("no logical node {logical} in a cluster of {}", node.cfg.nodes.len()),
+            )),
             PeerReq::DiskFree => Ok(PeerResp::DiskFree {
                 bytes: node.disk_free_now().await,
             }),

@@ -30,13 +30,14 @@ use psls_ckpt::frames::DiskWrite;
 use psls_cluster::log::SubmitError;
 use psls_cluster::membership::{Liveness, Membership};
 use psls_cluster::verdicts::{self, Verdicts};
+use psls_cluster::watch::{Tally, Topology};
 use psls_ipc::proto::NodeState;
 use psls_ipc::{ClusterConfig, ErrorKind, NodeEntry};
 use psls_pfs::logstore::{LogStore, Opened};
 use psls_pfs::meta::{MetaOp, MetaState};
 use psls_pfs::{PageRef, PageStore, Placement, ReadStatus, Role};
 use psls_svm::{FileId, NodeId, PAGE_SIZE};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
@@ -70,8 +71,18 @@ pub struct Node {
     /// The applied namespace, published by the metadata log after every write (a clone is
     /// O(1): readers take it whole).
     meta: Mutex<MetaState>,
-    /// The failure detector (time: milliseconds since `started`).
+    /// The failure detector over the peers this node watches (time: milliseconds since
+    /// `started`): its topology peers, the leader's probes, and every voter while a new node
+    /// learns whether the cluster is new.
     members: Mutex<Membership<Heartbeat>>,
+    /// Who heartbeats whom (`psls_cluster::watch`).
+    topology: Topology,
+    /// This node's part in failure detection beyond its detector: its reports to the
+    /// metadata leader, and the leader's tally of everyone's.
+    watching: Mutex<Watching>,
+    /// The latest figures each node sent (its heartbeats, its reports to the leader, or the
+    /// leader's table of them), with when they came (ms).
+    figures: Mutex<HashMap<String, (Heartbeat, u64)>>,
     started: Instant,
     pub net: Arc<Transport>,
     pub placement: Placement,
@@ -119,6 +130,32 @@ pub struct Node {
     fencing: AtomicBool,
 }
 
+/// A node's part in failure detection beyond its own detector (see `psls_cluster::watch`).
+struct Watching {
+    /// The leader's count of reported silences (meaningful while `leading`).
+    tally: Tally,
+    /// Whether this node led (with its lease) at its last duty: probes and the tally end
+    /// with the leadership.
+    leading: bool,
+    /// The watched peers this node reported silent (to the leader, or its own tally).
+    reported: BTreeSet<String>,
+    /// The figures last sent to the leader: (leader, figures, when in ms).
+    sent_figures: Option<(String, Heartbeat, u64)>,
+    /// When this node last pulled the leader's table of figures (ms).
+    pulled_ms: Option<u64>,
+    /// Each node's committed start as this node first saw it: (incarnation, when in ms; 0 for
+    /// one found at start-up).
+    boot_seen: HashMap<String, (u64, u64)>,
+    /// Since when (ms) each node is known declared down (the leader times replacements from it).
+    down_seen: HashMap<String, u64>,
+}
+
+/// Figures sent to the leader again after this long even when unchanged (ms).
+const FIGURES_REFRESH_MS: u64 = 30_000;
+
+/// How long a pulled table of the leader's figures serves before it is pulled again (ms).
+const FIGURES_PULL_MS: u64 = 1_000;
+
 /// Most restarts of peers queued for the daemon's restart task before they are folded to
 /// each peer's latest.
 const MAX_QUEUED_RESTARTS: usize = 1024;
@@ -139,8 +176,17 @@ impl Node {
         now: Instant,
         metrics: Arc<crate::metrics::Metrics>,
     ) -> Node {
-        let peers = cfg.all().filter(|n| n.name != me.name).map(|n| n.name.clone());
+        let topology = Topology::new(
+            cfg.all().map(|n| (n.name.clone(), n.failure_domain().to_string())),
+            cfg.cluster.heartbeat_min_peers,
+        );
+        let peers = topology.peers_of(&me.name).into_iter().map(String::from);
         let members = Membership::new(peers, cfg.cluster.heartbeat_timeout_ms, 0);
+        let tally = Tally::new(
+            me.name.clone(),
+            cfg.cluster.heartbeat_interval_ms,
+            cfg.cluster.heartbeat_timeout_ms,
+        );
         let voters = cfg.all().map(|n| n.name.clone()).collect();
         let placement = Placement::new(cfg.nodes.len() as u32).expect("validated config has >= 2 nodes");
         let capacity_frames = me.memory_mb * (1024 * 1024 / PAGE_SIZE as u64);
@@ -155,6 +201,17 @@ impl Node {
             frames: crate::frames::RecoveryArea::new(capacity_frames),
             meta: Mutex::new(meta.1.durable.state.clone()),
             members: Mutex::new(members),
+            topology,
+            watching: Mutex::new(Watching {
+                tally,
+                leading: false,
+                reported: BTreeSet::new(),
+                sent_figures: None,
+                pulled_ms: None,
+                boot_seen: HashMap::new(),
+                down_seen: HashMap::new(),
+            }),
+            figures: Mutex::new(HashMap::new()),
             started: now,
             net: Arc::new(net),
             placement,
@@ -217,12 +274,73 @@ impl Node {
         self.physical_now(logical) == physical
     }
 
-    /// The last heartbeat heard from `physical` (this node's own for itself).
+    /// The latest figures of `physical` known here (this node's own for itself): from its
+    /// heartbeats if watched, its reports if this node leads, or the leader's table.
     pub fn heartbeat_of(&self, physical: &str) -> Option<Heartbeat> {
         if physical == self.me.name {
             return Some(self.heartbeat());
         }
-        self.members.locked().heartbeat(physical).cloned()
+        self.figures.locked().get(physical).map(|(h, _)| h.clone())
+    }
+
+    /// Makes the figures of every node at most [`FIGURES_PULL_MS`] old here: a node that does
+    /// not lead pulls the leader's table (one request, at most once a period).
+    pub async fn figures_fresh(self: &Arc<Self>) {
+        if self.replication.is_leader() {
+            return;
+        }
+        let now = self.now_ms();
+        {
+            let mut w = self.watching.locked();
+            if w.pulled_ms.is_some_and(|t| now.saturating_sub(t) < FIGURES_PULL_MS) {
+                return;
+            }
+            w.pulled_ms = Some(now);
+        }
+        let Some(leader) = self.replication.leader() else {
+            return;
+        };
+        let timeout = self.read_timeout();
+        if let Ok((PeerResp::FiguresTable { nodes }, _)) = self
+            .call_data(&leader, PeerReq::FiguresAsk, bytes::Bytes::new(), timeout)
+            .await
+        {
+            let now = self.now_ms();
+            let mut f = self.figures.locked();
+            for (name, hb) in nodes {
+                if name == self.me.name || self.cfg.entry(&name).is_none() {
+                    continue;
+                }
+                // What this node heard itself within the period is as fresh.
+                if f.get(&name)
+                    .is_some_and(|(_, at)| now.saturating_sub(*at) < FIGURES_PULL_MS)
+                {
+                    continue;
+                }
+                f.insert(name, (hb, now));
+            }
+        }
+    }
+
+    /// The leader's table of every node's latest figures (a peer's `FiguresAsk`).
+    pub fn figures_table(&self) -> Vec<(String, Heartbeat)> {
+        let mut out: Vec<(String, Heartbeat)> = self
+            .figures
+            .locked()
+            .iter()
+            .map(|(n, (h, _))| (n.clone(), h.clone()))
+            .collect();
+        out.push((self.me.name.clone(), self.heartbeat()));
+        out
+    }
+
+    /// A node's figures sent to this node as the leader (`Figures`).
+    pub fn handle_figures(&self, from: &str, hb: Heartbeat) {
+        if hb.incarnation < self.heard_incarnation(from) {
+            return;
+        }
+        let now = self.now_ms();
+        self.figures.locked().insert(from.to_string(), (hb, now));
     }
 
     /// Runs `f` with a read-only look at the failure detector (its `heartbeat(peer)` is the
@@ -336,12 +454,15 @@ impl Node {
         Some((l, leader))
     }
 
-    /// Whether `physical`'s page store failed (this node's own, or as its last heartbeat says).
+    /// Whether `physical`'s page store failed (this node's own, or as its latest figures say).
     pub fn disk_failed(&self, physical: &str) -> bool {
         if physical == self.me.name {
             return self.store.is_poisoned();
         }
-        self.with_heartbeats(|m| m.heartbeat(physical).is_some_and(|h| h.disk_failed.is_some()))
+        self.figures
+            .locked()
+            .get(physical)
+            .is_some_and(|(h, _)| h.disk_failed.is_some())
     }
 
     /// Whether this node leads the metadata and a majority of its voters answered it within
@@ -358,10 +479,20 @@ impl Node {
             .map(|(l, _)| NodeId(*l))
     }
 
-    /// The failure detector's impression: `physical` was heard within the failure timeout
-    /// (this node always is). For routing and elections, never for deciding that it failed.
+    /// The failure detector's impression: a watched peer was heard within the failure
+    /// timeout; another one is reachable unless the last dial to it failed (this node always
+    /// is). For routing and elections, never for deciding that it failed.
     pub fn is_reachable(&self, physical: &str) -> bool {
-        physical == self.me.name || self.members.locked().is_live(self.now_ms(), physical)
+        if physical == self.me.name {
+            return true;
+        }
+        {
+            let m = self.members.locked();
+            if m.watches(physical) {
+                return m.is_live(self.now_ms(), physical);
+            }
+        }
+        !self.net.dial_failing(physical)
     }
 
     /// The newest incarnation of `physical` known here (0: none): heard from it (a heartbeat,
@@ -433,10 +564,21 @@ impl Node {
         } else if self.is_declared_down(physical) {
             NodeState::Down
         } else {
-            match self.members.locked().state(self.now_ms(), physical) {
-                Liveness::Up => NodeState::Up,
-                Liveness::Suspect => NodeState::Suspect,
-                Liveness::Down => NodeState::Down,
+            {
+                let m = self.members.locked();
+                if m.watches(physical) {
+                    return match m.state(self.now_ms(), physical) {
+                        Liveness::Up => NodeState::Up,
+                        Liveness::Suspect => NodeState::Suspect,
+                        Liveness::Down => NodeState::Down,
+                    };
+                }
+            }
+            // Not watched here: up once its start is known and while it can be dialled.
+            if self.heard_incarnation(physical) == 0 || self.net.dial_failing(physical) {
+                NodeState::Suspect
+            } else {
+                NodeState::Up
             }
         }
     }
@@ -467,6 +609,16 @@ impl Node {
             (v.poll_fence(), v.poll_restarts())
         };
         self.queue_restarts(restarts);
+        {
+            let now = self.now_ms();
+            let mut w = self.watching.locked();
+            let first = w.boot_seen.is_empty();
+            for (p, &inc) in &up_from {
+                if w.boot_seen.get(p).is_none_or(|&(i, _)| i != inc) {
+                    w.boot_seen.insert(p.clone(), (inc, if first { 0 } else { now }));
+                }
+            }
+        }
         self.carry_out_fence(fence);
     }
 
@@ -499,17 +651,16 @@ impl Node {
         }
     }
 
-    /// The peers of the logical map whose last heartbeat says their page store failed.
+    /// The peers of the logical map whose latest figures say their page store failed.
     pub fn disk_failed_peers(&self) -> Vec<String> {
         let map: Vec<String> = {
             let m = self.meta.locked();
             self.logical_map(&m).into_values().collect()
         };
-        self.with_heartbeats(|m| {
-            map.into_iter()
-                .filter(|p| *p != self.me.name && m.heartbeat(p).is_some_and(|h| h.disk_failed.is_some()))
-                .collect()
-        })
+        let f = self.figures.locked();
+        map.into_iter()
+            .filter(|p| *p != self.me.name && f.get(p).is_some_and(|(h, _)| h.disk_failed.is_some()))
+            .collect()
     }
 
     /// Whether this incarnation is fencing itself (it serves nothing more).
@@ -517,26 +668,165 @@ impl Node {
         self.fencing.load(Ordering::Relaxed)
     }
 
-    /// The coordinator's duty: every peer the failure detector has found silent for longer
-    /// than the failure timeout (after this node's own stalls) is declared down, at the newest
-    /// incarnation any node heard of it, by a committed metadata operation.
-    pub fn declare_verdicts(self: &Arc<Self>) {
-        if !self.replication.is_leader() || !self.holds_lease() {
-            return;
-        }
-        // A node whose disk failed is failed for good, though it still heartbeats: declared
-        // down too (a spare then takes its logical id: `pfs::maybe_auto_replace`).
-        let disk_failed = self.disk_failed_peers();
-        let silent = self.down_peers().into_iter().map(|(p, _)| p);
-        let suspects: Vec<(String, u64)> = silent
-            .chain(disk_failed)
+    /// Failure detection's duties, every heartbeat interval (`psls_cluster::watch`):
+    /// - as a watcher: the watched peers silent past the failure timeout (whose incarnation
+    ///   known here is not declared already) are reported to the metadata leader, again every
+    ///   interval while the silence lasts, and taken back once heard again;
+    /// - as the leader holding its lease: the tally of everyone's reports (this node's own
+    ///   among them), probes of reported peers it does not watch, and a committed verdict on
+    ///   every peer the tally confirms or whose disk failed, at the incarnation reported. Its
+    ///   probes and tally end with its leadership.
+    pub fn watch_duties(self: &Arc<Self>) {
+        let now = self.now_ms();
+        let ticked = self.members.locked().tick(now);
+        let silent: Vec<(String, u64)> = ticked
+            .into_iter()
+            .map(|(p, _)| p)
+            .filter(|p| !self.is_declared_down(p))
             .map(|p| {
                 let inc = self.heard_incarnation(&p);
                 (p, inc)
             })
             .collect();
+        let leading = self.replication.is_leader() && self.holds_lease() && !self.is_fencing();
+        let leader = self.replication.leader();
+        let (reports, back) = {
+            let mut w = self.watching.locked();
+            let now_silent: BTreeSet<String> = silent.iter().map(|(p, _)| p.clone()).collect();
+            let back: Vec<String> = w.reported.difference(&now_silent).cloned().collect();
+            w.reported = now_silent;
+            if w.leading && !leading {
+                // The tally and the probes end with the leadership.
+                w.tally = Tally::new(
+                    self.me.name.clone(),
+                    self.cfg.cluster.heartbeat_interval_ms,
+                    self.cfg.cluster.heartbeat_timeout_ms,
+                );
+            }
+            w.leading = leading;
+            if leading {
+                for (p, inc) in &silent {
+                    let inc = self.report_incarnation(&w, p, *inc, now);
+                    w.tally.handle_report(now, &self.me.name, p, inc);
+                }
+                for p in &back {
+                    w.tally.handle_retract(&self.me.name, p);
+                }
+            }
+            (silent, back)
+        };
+        if !leading {
+            if let Some(l) = leader.filter(|l| *l != self.me.name) {
+                if !reports.is_empty() || !back.is_empty() {
+                    let me = self.clone();
+                    tokio::spawn(async move {
+                        let req = PeerReq::Watch { silent: reports, back };
+                        let _ = me.net.request(&l, &req, bytes::Bytes::new(), me.read_timeout()).await;
+                    });
+                }
+            }
+        }
+        self.prune_watches(leading, now);
+        if leading {
+            self.declare_confirmed(now);
+        }
+    }
+
+    /// The watched peers beyond the topology's: the leader's probes of reported peers (while
+    /// reported), and every voter while this node's new store learns whether the cluster is new.
+    fn prune_watches(&self, leading: bool, now: u64) {
+        let st = self.replication.status();
+        let fresh_pending = st.amnesiac && st.last_index == 0;
+        let probes: BTreeSet<String> = {
+            let w = self.watching.locked();
+            if leading {
+                let own: BTreeSet<String> = self
+                    .topology
+                    .peers_of(&self.me.name)
+                    .into_iter()
+                    .map(String::from)
+                    .collect();
+                w.tally.probes(&own).map(String::from).collect()
+            } else {
+                BTreeSet::new()
+            }
+        };
+        let mut m = self.members.locked();
+        for p in &probes {
+            m.watch(p, now);
+        }
+        if fresh_pending {
+            for n in self.cfg.all().filter(|n| n.name != self.me.name) {
+                m.watch(&n.name, now);
+            }
+            return;
+        }
+        let extra: Vec<String> = m
+            .watched()
+            .filter(|p| !self.topology.watches(&self.me.name, p) && !probes.contains(*p))
+            .map(String::from)
+            .collect();
+        for p in extra {
+            m.unwatch(&p);
+        }
+    }
+
+    /// The incarnation a report made now on `target` is about: the one the reporter heard,
+    /// or the one committed as its start if that was committed more than a failure timeout
+    /// ago (the reporter heard nothing for a timeout: not that one either).
+    fn report_incarnation(&self, w: &Watching, target: &str, heard: u64, now: u64) -> u64 {
+        match w.boot_seen.get(target) {
+            Some(&(inc, at)) if inc > heard && now >= at + self.cfg.cluster.heartbeat_timeout_ms => inc,
+            _ => heard,
+        }
+    }
+
+    /// A watcher's reports (`Watch`), at the leader.
+    pub fn handle_watch(&self, from: &str, silent: Vec<(String, u64)>, back: Vec<String>) {
+        let now = self.now_ms();
+        let mut w = self.watching.locked();
+        if !w.leading {
+            return;
+        }
+        for (p, inc) in silent {
+            if self.cfg.entry(&p).is_none() || p == self.me.name {
+                continue;
+            }
+            let inc = self.report_incarnation(&w, &p, inc, now);
+            w.tally.handle_report(now, from, &p, inc);
+        }
+        for p in back {
+            w.tally.handle_retract(from, &p);
+        }
+    }
+
+    /// The leader's verdicts: every peer the tally confirms, and every one whose disk failed
+    /// (failed for good, though it still heartbeats: a spare then takes its logical id), each
+    /// declared down by a committed metadata operation.
+    fn declare_confirmed(self: &Arc<Self>, now: u64) {
+        let disk_failed = self.disk_failed_peers();
+        let confirmed = {
+            let mut w = self.watching.locked();
+            w.tally.tick(now);
+            w.tally.confirmed(&self.topology, now)
+        };
+        let suspects: Vec<(String, u64)> = confirmed
+            .into_iter()
+            .chain(disk_failed.into_iter().map(|p| {
+                let inc = self.heard_incarnation(&p);
+                (p, inc)
+            }))
+            .collect();
         let declarations = self.verdicts.locked().poll_declarations(true, suspects);
         for (peer, inc) in declarations {
+            let reporters: Vec<String> = self
+                .watching
+                .locked()
+                .tally
+                .reporters_of(&peer)
+                .into_iter()
+                .map(String::from)
+                .collect();
             let me = self.clone();
             tokio::spawn(async move {
                 let op = MetaOp::DeclareDown {
@@ -546,7 +836,7 @@ impl Node {
                 match me.submit(op).await {
                     Ok(()) => {
                         me.metrics.verdicts.with_label_values(&[peer.as_str()]).inc();
-                        tracing::warn!(node = %me.me.name, peer = %peer, incarnation = inc, "node declared down (committed)")
+                        tracing::warn!(node = %me.me.name, peer = %peer, incarnation = inc, ?reporters, "node declared down (committed)")
                     }
                     Err(e) => {
                         tracing::warn!(node = %me.me.name, peer = %peer, incarnation = inc, error = %e, "down verdict not committed")
@@ -555,6 +845,67 @@ impl Node {
                 me.verdicts.locked().handle_declared(&peer);
             });
         }
+    }
+
+    /// Sends this node's figures to the metadata leader when they changed in a way that
+    /// matters (disk, frames, dirty pages, a rebuild), when the leader changed, or every
+    /// [`FIGURES_REFRESH_MS`]: the leader decides the checkpoint level and declares failed
+    /// disks from them, and serves them to the other nodes.
+    pub fn send_figures(self: &Arc<Self>, hb: &Heartbeat) {
+        let Some(leader) = self.replication.leader() else {
+            return;
+        };
+        if leader == self.me.name {
+            return;
+        }
+        let now = self.now_ms();
+        {
+            let mut w = self.watching.locked();
+            let due = match &w.sent_figures {
+                None => true,
+                Some((l, old, at)) => {
+                    *l != leader || now.saturating_sub(*at) >= FIGURES_REFRESH_MS || figures_changed(old, hb)
+                }
+            };
+            if !due {
+                return;
+            }
+            w.sent_figures = Some((leader.clone(), hb.clone(), now));
+        }
+        let me = self.clone();
+        let req = PeerReq::Figures(hb.clone());
+        tokio::spawn(async move {
+            if me
+                .net
+                .request(&leader, &req, bytes::Bytes::new(), me.read_timeout())
+                .await
+                .is_err()
+            {
+                // Sent again at the next tick.
+                me.watching.locked().sent_figures = None;
+            }
+        });
+    }
+
+    /// How long (ms) each node of the map has been known declared down here (the leader
+    /// replaces one down too long with a spare).
+    pub fn declared_down_for(&self) -> Vec<(String, u64)> {
+        let now = self.now_ms();
+        let map: Vec<String> = {
+            let m = self.meta.locked();
+            self.logical_map(&m).into_values().collect()
+        };
+        let mut w = self.watching.locked();
+        let mut out = Vec::new();
+        for p in map {
+            if p != self.me.name && self.is_declared_down(&p) {
+                let since = *w.down_seen.entry(p.clone()).or_insert(now);
+                out.push((p, now.saturating_sub(since)));
+            } else {
+                w.down_seen.remove(&p);
+            }
+        }
+        out
     }
 
     /// Sends a request with a payload to a physical node (handled in-process when it is this
@@ -616,10 +967,8 @@ impl Node {
         let log = self.replication.status();
         let rebuilding = self.my_logical(&st).is_some_and(|l| st.rebuilding.contains_key(&l.0))
             || self.rejoin_pending.load(Ordering::Relaxed);
-        let svm = self
-            .beat
-            .get()
-            .map_or_else(SvmFigures::default, |b| b(self.cfg.nodes.len()));
+        // Nothing of every node: a heartbeat's size does not grow with the cluster.
+        let svm = self.beat.get().map_or_else(SvmFigures::default, |b| b(0));
         Heartbeat {
             incarnation: self.incarnation,
             pid: std::process::id(),
@@ -642,25 +991,30 @@ impl Node {
             frames: self.frames.counts(),
             frame_capacity: self.frames.capacity_frames(),
             dirty_pages: svm.dirty_pages,
-            down: self
-                .verdicts
-                .locked()
-                .committed()
-                .iter()
-                .map(|(p, i)| (p.clone(), *i))
-                .collect(),
+            down: Vec::new(),
             claims: self.replication.claims(),
             disk_failed: self
                 .store
                 .is_poisoned()
                 .then(|| "an fsync of its page store failed: its disk may have lost writes".to_string()),
-            heard: self.with_heartbeats(|m| {
-                self.cfg
-                    .all()
-                    .filter_map(|n| m.view(&n.name).and_then(|v| v.incarnation).map(|i| (n.name.clone(), i)))
-                    .collect()
-            }),
+            heard: Vec::new(),
         }
+    }
+
+    /// This node's heartbeat to `peer`: its figures, and what it knows of `peer` itself (the
+    /// verdict on it, and the newest incarnation of it known here), from which `peer` learns
+    /// that it must fence itself.
+    pub(crate) fn heartbeat_to(&self, base: &Heartbeat, peer: &str) -> Heartbeat {
+        let mut hb = base.clone();
+        let v = self.verdicts.locked();
+        if let Some(&d) = v.committed().get(peer) {
+            hb.down.push((peer.to_string(), d));
+        }
+        let known = v.known(peer);
+        if known > 0 {
+            hb.heard.push((peer.to_string(), known));
+        }
+        hb
     }
 
     /// This node's own heartbeat (for status).
@@ -858,17 +1212,19 @@ impl Node {
 
     // ---- background work ----
 
-    /// One heartbeat to every peer (answers are heard as they come; `wait`: until all are
-    /// in or timed out). A heartbeat may wait as long as the failure timeout: cancelling it
-    /// sooner would also cancel a slow first TLS handshake.
+    /// One heartbeat to every watched peer (answers are heard as they come; `wait`: until all
+    /// are in or timed out), and this node's figures to the leader when due. A heartbeat may
+    /// wait as long as the failure timeout: cancelling it sooner would also cancel a slow
+    /// first TLS handshake.
     pub async fn heartbeat_round(self: &Arc<Self>, wait: bool) {
         let timeout = Duration::from_millis(self.cfg.cluster.heartbeat_timeout_ms);
-        let hb = self.heartbeat();
+        let base = self.heartbeat();
+        self.send_figures(&base);
+        let targets: Vec<String> = self.members.locked().watched().map(String::from).collect();
         let mut tasks = tokio::task::JoinSet::new();
-        for peer in self.cfg.all().filter(|p| p.name != self.me.name) {
+        for name in targets {
             let me = self.clone();
-            let name = peer.name.clone();
-            let hb = hb.clone();
+            let hb = self.heartbeat_to(&base, &name);
             tasks.spawn(async move {
                 if let Ok((PeerResp::HeartbeatAck(theirs), _)) = me
                     .net
@@ -919,12 +1275,6 @@ impl Node {
         }
     }
 
-    /// The failure detector's tick: how long (ms) each down peer has been down.
-    pub fn down_peers(&self) -> Vec<(String, u64)> {
-        let now_ms = self.now_ms();
-        self.members.locked().tick(now_ms)
-    }
-
     /// Measures disk use and free space (blocking: walks the store folder).
     pub fn refresh_disk_stats(&self) {
         let d = self.store.disk();
@@ -932,8 +1282,10 @@ impl Node {
         self.disk_free.store(d.free_bytes().unwrap_or(0), Ordering::Relaxed);
     }
 
-    /// One heartbeat round-trip with every peer (start-up).
+    /// One heartbeat round-trip with every watched peer (start-up; every voter too while
+    /// this node's new store learns whether the cluster is new).
     pub async fn initial_sync(self: &Arc<Self>) {
+        self.prune_watches(false, self.now_ms());
         self.heartbeat_round(true).await;
         self.check_fresh_cluster();
     }
@@ -958,6 +1310,13 @@ impl Node {
         }
         let incarnation = hb.incarnation;
         self.net.heard_from(peer);
+        {
+            let mut w = self.watching.locked();
+            if w.leading {
+                w.tally.handle_heard(now_ms, peer, incarnation);
+            }
+        }
+        self.figures.locked().insert(peer.to_string(), (hb.clone(), now_ms));
         // A restart is told by the verdict book (it knows every source of incarnations).
         let _ = self.members.locked().heard(now_ms, peer, incarnation, hb);
     }
@@ -1194,6 +1553,20 @@ fn page_state(s: ReadStatus) -> PageState {
         ReadStatus::Stale { found } => PageState::Stale(found),
         ReadStatus::Corrupt => PageState::Corrupt,
     }
+}
+
+/// Whether figures changed in a way the leader must hear of before their next refresh: the
+/// disk's state, free space by more than 1/64, frames, dirty pages, a rebuild's progress.
+fn figures_changed(old: &Heartbeat, new: &Heartbeat) -> bool {
+    let free_moved = old.disk_free_bytes.abs_diff(new.disk_free_bytes) > old.disk_free_bytes / 64;
+    old.incarnation != new.incarnation
+        || old.disk_failed != new.disk_failed
+        || free_moved
+        || old.frames != new.frames
+        || old.frame_capacity != new.frame_capacity
+        || old.dirty_pages != new.dirty_pages
+        || old.rebuild != new.rebuild
+        || old.svm_segments != new.svm_segments
 }
 
 /// Resident set size of this process.

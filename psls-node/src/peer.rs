@@ -542,6 +542,21 @@ pub enum PeerReq {
     /// Measure this node's free disk space now (not as of its last heartbeat): answered with
     /// `DiskFree`.
     DiskFree,
+    /// What this node's shared memory holds, and knows of logical node `logical` (the asker,
+    /// restarted): answered with `SvmHeld`.
+    SvmHeld {
+        logical: u32,
+    },
+    /// To the metadata leader, from a watcher: its watched peers silent past the failure
+    /// timeout (each with the incarnation heard), and those it reported and hears again.
+    Watch {
+        silent: Vec<(String, u64)>,
+        back: Vec<String>,
+    },
+    /// To the metadata leader: this node's figures (when they changed, or now and then).
+    Figures(Heartbeat),
+    /// To the metadata leader: its table of every node's latest figures (`FiguresTable`).
+    FiguresAsk,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -669,6 +684,17 @@ pub enum PeerResp {
     Error {
         kind: psls_ipc::ErrorKind,
         message: String,
+    },
+    /// Answer to `SvmHeld`: the segments held here; the shared-memory incarnation of the
+    /// asked logical node known here, and the one seen come back while holding state (0: none).
+    SvmHeld {
+        segments: u64,
+        knew: u64,
+        fenced: u64,
+    },
+    /// Answer to `FiguresAsk`: each node's latest figures known to the leader.
+    FiguresTable {
+        nodes: Vec<(String, Heartbeat)>,
     },
 }
 

@@ -384,6 +384,12 @@ impl Transport {
         self.drop_connection(peer);
     }
 
+    /// Whether the last dial to `peer` failed (and nothing was heard from it since): the
+    /// impression that it is unreachable, for a peer the failure detector does not watch.
+    pub fn dial_failing(&self, peer: &str) -> bool {
+        matches!(self.slots.locked().get(peer), Some(Slot::Failed { .. }))
+    }
+
     /// Forgets the request connection to `peer` and any wait before dialling it again (it
     /// restarted: the next request dials afresh).
     pub fn drop_connection(&self, peer: &str) {

@@ -460,18 +460,19 @@ impl CkptShell {
         Level::Memory
     }
 
-    /// Whether a memory checkpoint surely fits, by the nodes' last heartbeats: every dirty
-    /// page of the cluster gets a frame on two nodes, at most one on any node, so each node
-    /// needs room for all of them beside the frames it holds (the old copies stay until the
-    /// commit).
+    /// Whether a memory checkpoint surely fits, by the figures the nodes sent this node (the
+    /// coordinator, the metadata's leader): every dirty page of the cluster gets a frame on two
+    /// nodes, at most one on any node, so each node needs room for all of them beside the
+    /// frames it holds (the old copies stay until the commit). A node whose figures this node
+    /// has not got may not have room: it does not fit.
     fn memory_fits(&self) -> bool {
         let node = &self.node;
         let st = node.meta_state();
-        let beats: Vec<crate::peer::Heartbeat> = node
-            .logical_map(&st)
-            .values()
-            .filter_map(|p| node.heartbeat_of(p))
-            .collect();
+        let beats: Option<Vec<crate::peer::Heartbeat>> =
+            node.logical_map(&st).values().map(|p| node.heartbeat_of(p)).collect();
+        let Some(beats) = beats else {
+            return false;
+        };
         let dirty: u64 = beats.iter().map(|h| h.dirty_pages).sum();
         // The ranks' states: at most a slot of pages per rank.
         let states = self.states.locked().len() as u64 * 257;

@@ -16,7 +16,10 @@ pub(super) async fn handle(c: &mut Conn, req: Request, _fds: Vec<OwnedFd>) -> st
     let (d, caller) = (c.d.clone(), c.caller);
     let node = d.node.clone();
     let resp = match req {
-        Request::Status => Response::Status(status(&node)),
+        Request::Status => {
+            node.figures_fresh().await;
+            Response::Status(status(&node))
+        }
         Request::Scrub => match check_admin(&node, caller) {
             Ok(()) => match pfs::scrub(&node).await {
                 Ok(r) => Response::Scrub(r),
@@ -130,7 +133,7 @@ pub fn status(node: &Node) -> ClusterStatus {
                 spare: logical.is_none() && is_spare_entry,
                 state,
                 pid: hb.as_ref().filter(|_| up).map(|h| h.pid),
-                incarnation: hb.as_ref().map_or(0, |h| h.incarnation),
+                incarnation: node.heard_incarnation(&n.name),
                 memory_used_bytes: hb.as_ref().map_or(0, |h| h.memory_used_bytes),
                 memory_capacity_bytes: n.memory_mb * 1024 * 1024,
                 disk_used_bytes: hb.as_ref().map_or(0, |h| h.disk_used_bytes),

@@ -108,6 +108,7 @@ pub(super) async fn check_space(node: &Arc<Node>, st: &MetaState, id: FileId, si
         return Err(OpError::new(ErrorKind::NoSpace, msg));
     }
     let pages = size.div_ceil(PAGE_SIZE as u64);
+    node.figures_fresh().await;
     for (l, p) in node.logical_map(st) {
         let held = [Role::Primary, Role::Mirror]
             .iter()

@@ -325,10 +325,15 @@ pub async fn rejoin_blank(node: Arc<Node>, unfinished: bool) {
     }
 }
 
-/// At the coordinator: gives a logical id down longer than `replace_after_ms` to a free spare.
+/// At the coordinator: gives a logical id declared down longer than `replace_after_ms` ago
+/// to a free spare.
 pub async fn maybe_auto_replace(node: &Arc<Node>) {
     let after = node.cfg.cluster.replace_after_ms;
-    let mut downs = node.down_peers();
+    let st = node.meta_state();
+    if node.coordinator(&st).map(|c| c.1) != Some(node.me.name.clone()) {
+        return;
+    }
+    let mut downs = node.declared_down_for();
     // A node whose disk failed is replaced at once, once declared down (it still heartbeats).
     for p in node.disk_failed_peers() {
         if node.is_declared_down(&p) {
@@ -336,10 +341,6 @@ pub async fn maybe_auto_replace(node: &Arc<Node>) {
         }
     }
     if after == 0 && downs.iter().all(|(_, d)| *d != u64::MAX) {
-        return;
-    }
-    let st = node.meta_state();
-    if node.coordinator(&st).map(|c| c.1) != Some(node.me.name.clone()) {
         return;
     }
     let map = node.logical_map(&st);

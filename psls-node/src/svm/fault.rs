@@ -8,6 +8,7 @@ use crate::op::OpError;
 use psls_ipc::ErrorKind;
 use psls_svm::coherence::{Access, Action, Svm, WaiterId};
 use psls_svm::{Incarnation, NodeId, PAGE_SIZE};
+use std::collections::BTreeMap;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::fs::FileExt;
 use std::sync::Arc;
@@ -44,16 +45,14 @@ pub(super) fn peer_views(node: &Node) -> Vec<(NodeId, Incarnation, bool)> {
         .collect()
 }
 
-/// Whether every other node of the map has reported (in its latest heartbeat, sent after it
-/// was last heard to hold any) that it holds no shared-memory segment at all.
-pub(super) fn others_hold_nothing(node: &Node) -> bool {
+/// Whether every other node of the map answered its latest ask ([`SvmShell::ask_peers`])
+/// that it holds no shared-memory segment at all (one that did not answer may hold some).
+pub(super) fn others_hold_nothing(node: &Node, held: &BTreeMap<String, PeerHeld>) -> bool {
     let st = node.meta_state();
-    node.with_heartbeats(|m| {
-        node.logical_map(&st)
-            .values()
-            .filter(|p| **p != node.me.name)
-            .all(|p| m.heartbeat(p).is_some_and(|h| h.svm_segments == 0))
-    })
+    node.logical_map(&st)
+        .values()
+        .filter(|p| **p != node.me.name)
+        .all(|p| held.get(p).is_some_and(|h| h.segments == 0))
 }
 
 /// The shared-memory incarnation of logical node `l` run by a daemon of incarnation
@@ -67,8 +66,9 @@ pub fn svm_incarnation(st: &psls_pfs::meta::MetaState, l: u32, physical: u64) ->
     Incarnation((st.assignment(l) << 32) | physical.min(u32::MAX as u64))
 }
 
-/// Creates the state machine on first use.
-pub(super) fn ensure_svm(g: &mut Inner, node: &Node) -> Result<(), OpError> {
+/// Creates the state machine on first use, given what the other nodes answered last about
+/// what they hold ([`SvmShell::ask_peers`], asked before the daemon serves).
+pub(super) fn ensure_svm(g: &mut Inner, node: &Node, held: &BTreeMap<String, PeerHeld>) -> Result<(), OpError> {
     if g.svm.is_some() {
         return Ok(());
     }
@@ -93,18 +93,12 @@ pub(super) fn ensure_svm(g: &mut Inner, node: &Node) -> Result<(), OpError> {
     // it come back as this one while it held state (it caught up before this check, so its
     // view alone would look current).
     let inc = svm_incarnation(&st, me.0, node.incarnation);
-    let others_hold = {
-        node.with_heartbeats(|m| {
-            node.logical_map(&st).values().any(|p| {
-                *p != node.me.name
-                    && m.heartbeat(p).is_some_and(|h| {
-                        let knew = h.svm_view.get(me.0 as usize).copied().unwrap_or(0);
-                        let fenced = h.svm_fenced.get(me.0 as usize).copied().unwrap_or(0);
-                        h.svm_segments > 0 && ((knew != 0 && knew != inc.0) || fenced == inc.0)
-                    })
-            })
-        })
-    };
+    let others_hold = node.logical_map(&st).values().any(|p| {
+        *p != node.me.name
+            && held
+                .get(p)
+                .is_some_and(|h| h.segments > 0 && ((h.knew != 0 && h.knew != inc.0) || h.fenced == inc.0))
+    });
     g.svm = Some(if others_hold {
         tracing::warn!(node = %node.name(), "restarted while other nodes hold shared pages: each file's pages managed here are served once no node holds what the previous incarnation granted of it");
         Svm::restarted(me, inc, peers)

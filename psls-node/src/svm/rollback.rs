@@ -81,7 +81,7 @@ impl SvmShell {
         let mut out = Vec::new();
         {
             let mut g = self.inner.locked();
-            if let Err(e) = super::fault::ensure_svm(&mut g, node) {
+            if let Err(e) = super::fault::ensure_svm(&mut g, node, &self.held.locked()) {
                 tracing::warn!(node = %node.name(), error = %e, "no coherence state to rebuild directories in");
             }
             let held: Vec<bool> = files.iter().map(|f| g.segs.contains_key(f)).collect();

@@ -26,7 +26,69 @@ impl SvmShell {
             runtime,
             active: Mutex::new(HashMap::new()),
             wp_faults: std::sync::atomic::AtomicU64::new(0),
+            held: Mutex::new(Default::default()),
+            asking: std::sync::atomic::AtomicBool::new(false),
         }
+    }
+
+    /// Asks every other node of the map what its shared memory holds and knows of this one
+    /// (in parallel, each within the read timeout): at start, before any coherence state, to
+    /// learn whether this node restarted while others hold pages its previous incarnation
+    /// granted; and while it recovers, to learn when none holds any. One ask at a time.
+    pub async fn ask_peers(self: &Arc<Self>, node: &Arc<Node>) {
+        use std::sync::atomic::Ordering;
+        if self.asking.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let st = node.meta_state();
+        let Some(me) = node.my_logical(&st) else {
+            self.asking.store(false, Ordering::SeqCst);
+            return;
+        };
+        let mut asks = tokio::task::JoinSet::new();
+        for p in node.logical_map(&st).into_values() {
+            if p == node.me.name || node.is_declared_down(&p) {
+                continue;
+            }
+            let node = node.clone();
+            asks.spawn(async move {
+                let r = node
+                    .call_data(
+                        &p,
+                        PeerReq::SvmHeld { logical: me.0 },
+                        bytes::Bytes::new(),
+                        node.read_timeout(),
+                    )
+                    .await;
+                let held = match r {
+                    Ok((PeerResp::SvmHeld { segments, knew, fenced }, _)) => Some(PeerHeld { segments, knew, fenced }),
+                    _ => None,
+                };
+                (p, held)
+            });
+        }
+        let mut answers = std::collections::BTreeMap::new();
+        while let Some(r) = asks.join_next().await {
+            if let Ok((p, Some(h))) = r {
+                answers.insert(p, h);
+            }
+        }
+        *self.held.locked() = answers;
+        self.asking.store(false, Ordering::SeqCst);
+    }
+
+    /// A peer's `SvmHeld`: what this node's shared memory holds, and knows of `logical`.
+    pub fn held_for(&self, logical: u32) -> (u64, u64, u64) {
+        let g = self.lock();
+        let (knew, fenced) = g.svm.as_ref().map_or((0, 0), |s| {
+            (s.known_incarnation(NodeId(logical)).0, s.fenced(NodeId(logical)).0)
+        });
+        (g.segs.len() as u64, knew, fenced)
+    }
+
+    /// Whether this node refuses the pages it manages until no other node holds any.
+    pub fn recovering(&self) -> bool {
+        self.lock().svm.as_ref().is_some_and(|s| s.recovering())
     }
 
     /// Write-protect faults taken since start.
@@ -186,7 +248,7 @@ impl SvmShell {
             ));
         }
         let mut g = self.lock();
-        ensure_svm(&mut g, node)?;
+        ensure_svm(&mut g, node, &self.held.locked())?;
         if let Some(s) = g.segs.get(&file) {
             return s
                 .memfd
@@ -482,7 +544,7 @@ impl SvmShell {
         }
         {
             let mut g = self.lock();
-            if ensure_svm(&mut g, node).is_err() {
+            if ensure_svm(&mut g, node, &self.held.locked()).is_err() {
                 return;
             }
             let alone = envs.len() == 1;
@@ -612,7 +674,7 @@ impl SvmShell {
     /// Membership changed (or may have): tells the state machine which incarnations are up.
     pub fn sync_peers(self: &Arc<Self>, node: &Arc<Node>) {
         let mut out = Vec::new();
-        let nobody_holds = self.lock().svm.as_ref().is_some_and(|s| s.recovering()) && others_hold_nothing(node);
+        let nobody_holds = self.recovering() && others_hold_nothing(node, &self.held.locked());
         let st = node.meta_state();
         {
             let mut g = self.lock();

@@ -276,6 +276,19 @@ pub struct SvmShell {
     /// Write-protect faults taken since start (a store to a page mapped read-only here: after
     /// a checkpoint, or a page this node may only read).
     pub(super) wp_faults: std::sync::atomic::AtomicU64,
+    /// What each other node of the map answered last to `SvmHeld` (asked at start and while
+    /// recovering; a node that did not answer has no entry).
+    pub(super) held: Mutex<std::collections::BTreeMap<String, PeerHeld>>,
+    /// An ask of every node is under way.
+    pub(super) asking: std::sync::atomic::AtomicBool,
+}
+
+/// A node's answer to `SvmHeld`.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct PeerHeld {
+    pub segments: u64,
+    pub knew: u64,
+    pub fenced: u64,
 }
 
 pub(super) fn errno_of(e: &std::io::Error) -> i32 {
