@@ -196,15 +196,31 @@ pub fn render(d: &Daemon) -> String {
     let status = crate::ipc::admin::status(node);
     let state = gauge(
         "psls_node_state",
-        "Each node's state as this node sees it: 1 for its state (up, suspect, down, replaced), 0 for the others",
+        "The state of this node and of each peer it watches, as this node sees it: 1 for its state (up, suspect, down, replaced), 0 for the others",
         &["node", "state"],
     );
     let incarnation = gauge(
         "psls_node_incarnation",
-        "Each node's incarnation as this node last heard it (0: never heard)",
+        "The incarnation of this node and of each peer it watches, as this node knows it (0: none)",
         &["node"],
     );
-    for n in &status.nodes {
+    let counts = gauge(
+        "psls_cluster_nodes",
+        "The cluster's nodes by state, as this node sees them",
+        &["state"],
+    );
+    for s in ["up", "suspect", "down", "replaced"] {
+        counts
+            .with_label_values(&[s])
+            .set(status.nodes.iter().filter(|n| n.state.to_string() == s).count() as i64);
+    }
+    // A node's series do not grow with the cluster: itself and the peers it watches (every
+    // node is watched by a few, so each one's state is scraped somewhere).
+    for n in status
+        .nodes
+        .iter()
+        .filter(|n| n.name == node.name() || node.watches(&n.name))
+    {
         let word = n.state.to_string();
         for s in ["up", "suspect", "down", "replaced"] {
             state.with_label_values(&[n.name.as_str(), s]).set(i64::from(word == s));

@@ -495,6 +495,11 @@ impl Node {
         !self.net.dial_failing(physical)
     }
 
+    /// Whether this node's failure detector watches `physical` now.
+    pub fn watches(&self, physical: &str) -> bool {
+        self.members.locked().watches(physical)
+    }
+
     /// The newest incarnation of `physical` known here (0: none): heard from it (a heartbeat,
     /// any message's stamp), reported by a peer, or committed as its start (`MetaOp::Boot`).
     pub fn heard_incarnation(&self, physical: &str) -> u64 {
