@@ -20,6 +20,10 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
+/// The highest incarnation a daemon may have (shared memory keeps it in 32 bits): a claim of
+/// a higher one is not taken.
+pub const MAX_INCARNATION: u64 = u32::MAX as u64;
+
 /// Why this incarnation must fence itself.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Fence {
@@ -92,7 +96,7 @@ impl Verdicts {
     /// Notes that `peer` is incarnation `incarnation` (heard from it, or reported): a newer
     /// one than known before is a restart ([`Verdicts::poll_restarts`]).
     fn note(&mut self, peer: &str, incarnation: u64) {
-        if peer == self.me {
+        if peer == self.me || incarnation > MAX_INCARNATION {
             return;
         }
         let e = self.reported.entry(peer.to_string()).or_insert(0);
@@ -107,7 +111,7 @@ impl Verdicts {
     /// A message stamped with incarnation `incarnation` came from `from`: whether it is taken
     /// (not of an incarnation declared down). A taken one may make `from` known as restarted.
     pub fn handle_stamp(&mut self, from: &str, incarnation: u64) -> bool {
-        if !self.accepts(from, incarnation) {
+        if incarnation > MAX_INCARNATION || !self.accepts(from, incarnation) {
             return false;
         }
         self.note(from, incarnation);
@@ -120,7 +124,7 @@ impl Verdicts {
     pub fn handle_booted(&mut self, up_from: &BTreeMap<String, u64>) {
         for (p, &i) in up_from {
             if *p == self.me {
-                if i > self.incarnation && self.fence.is_none() {
+                if i > self.incarnation && i <= MAX_INCARNATION && self.fence.is_none() {
                     self.fence = Some(Fence {
                         declared: i,
                         told_by: None,
@@ -178,7 +182,7 @@ impl Verdicts {
         self.note(from, incarnation);
         let mut above = None;
         for (p, i) in heard {
-            if p == self.me && i > self.incarnation {
+            if p == self.me && i > self.incarnation && i <= MAX_INCARNATION {
                 above = Some(i);
             }
             self.note(p, i);

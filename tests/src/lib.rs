@@ -523,8 +523,9 @@ impl Peer {
 }
 
 /// The incarnation a test's stand-in for a node speaks as: above any the daemons declared down
-/// (a node killed by the test was; a stand-in is a new incarnation of it).
-pub const NEW_INCARNATION: u64 = 1 << 40;
+/// (a node killed by the test was; a stand-in is a new incarnation of it), and within the
+/// incarnations a daemon may have (the node it stands in for starts above it afterwards).
+pub const NEW_INCARNATION: u64 = 1 << 31;
 
 /// A message stamp of [`NEW_INCARNATION`] that fences nobody (for a bare `Link`).
 pub fn new_incarnation() -> std::sync::Arc<psls_node::peer::Stamp> {
