@@ -44,8 +44,8 @@ pub struct Verdicts {
     incarnation: u64,
     /// Committed verdicts: physical → highest incarnation declared down.
     committed: BTreeMap<String, u64>,
-    /// The newest incarnation known of each node: heard from it (a heartbeat, the stamp of
-    /// any message), reported heard by a peer, or committed as its start (`MetaOp::Boot`).
+    /// The newest incarnation known of each node: heard from it (its heartbeats), reported
+    /// heard by a peer, or committed as its start (`MetaOp::Boot`).
     reported: BTreeMap<String, u64>,
     /// Peers known as a newer incarnation than one known before, not yet polled.
     restarts: Vec<(String, u64)>,
@@ -106,16 +106,6 @@ impl Verdicts {
             }
             *e = incarnation;
         }
-    }
-
-    /// A message stamped with incarnation `incarnation` came from `from`: whether it is taken
-    /// (not of an incarnation declared down). A taken one may make `from` known as restarted.
-    pub fn handle_stamp(&mut self, from: &str, incarnation: u64) -> bool {
-        if incarnation > MAX_INCARNATION || !self.accepts(from, incarnation) {
-            return false;
-        }
-        self.note(from, incarnation);
-        true
     }
 
     /// The committed incarnations of every node's current start (`MetaState::up_from`). One
@@ -290,7 +280,7 @@ mod tests {
     /// passed: it fences itself to come back above it; a peer hearing this one or an older one
     /// changes nothing.
     #[test]
-    fn a_peer_is_known_by_its_newest_incarnation_from_any_source_and_its_restarts_are_told_once() {
+    fn a_peer_is_known_by_its_newest_incarnation_heard_or_committed_and_its_restarts_are_told_once() {
         let mut v = Verdicts::new("a", 4);
         assert_eq!(v.known("b"), 0);
         assert!(!v.is_down("b"), "unknown and never declared");
@@ -302,11 +292,17 @@ mod tests {
             v.is_down("b") && v.is_down("c"),
             "c: declared, and no start of it known"
         );
-        assert!(!v.handle_stamp("b", 2), "a declared incarnation's message is dropped");
-        assert!(v.handle_stamp("b", 3));
+        assert!(
+            !v.handle_heartbeat("b", 2, [], []),
+            "a declared incarnation is not heard"
+        );
+        assert!(v.handle_heartbeat("b", 3, [], []));
         assert!(!v.is_down("b"));
         assert_eq!(v.poll_restarts(), vec![("b".to_string(), 3)]);
-        assert!(v.handle_stamp("b", 3) && v.poll_restarts().is_empty(), "once");
+        assert!(
+            v.handle_heartbeat("b", 3, [], []) && v.poll_restarts().is_empty(),
+            "once"
+        );
         // Its start committed later changes nothing more; an older record is history.
         v.handle_booted(&BTreeMap::from([("b".to_string(), 3)]));
         v.handle_booted(&BTreeMap::from([("b".to_string(), 1)]));

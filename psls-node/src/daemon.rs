@@ -11,7 +11,7 @@ use psls_pfs::logstore::LogStore;
 use psls_pfs::{Disk, FaultDisk, FileDisk, PageStore};
 use std::path::Path;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// Checks (or writes, in an empty folder) the marker naming the node a data folder belongs to.
 fn check_marker(dir: &Path, cluster: &str, name: &str) -> Result<()> {
@@ -294,9 +294,15 @@ pub async fn run(config: &Path, name: &str) -> Result<()> {
     // Whether other nodes hold pages an earlier incarnation of this one granted: known before
     // any coherence state is made (`svm::fault::ensure_svm`).
     d.svm.ask_peers(&node).await;
-    // This start's incarnation, committed before anything of it can be declared down: every
-    // node learns of the restart from it, whether it watches this one or not.
-    tokio::spawn(node.clone().boot());
+    // This start's incarnation, committed before the daemon serves (when a leader answers in
+    // time): every node learns of the restart from it, whether it watches this one or not.
+    let boot = tokio::spawn(node.clone().boot());
+    let _ = tokio::time::timeout(node.request_timeout, async {
+        while !boot.is_finished() {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
     tokio::spawn(d.clone().run_ticks());
     if start.blank {
         node.rejoin_pending.store(true, std::sync::atomic::Ordering::Relaxed);

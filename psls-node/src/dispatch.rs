@@ -184,7 +184,7 @@ impl Daemon {
         let r: Result<PeerResp, OpError> = match req {
             PeerReq::Heartbeat(hb) => {
                 node.heard(&from, hb);
-                let base = node.heartbeat();
+                let base = node.heartbeat_recent();
                 Ok(PeerResp::HeartbeatAck(node.heartbeat_to(&base, &from)))
             }
             PeerReq::Watch { silent, back } => {

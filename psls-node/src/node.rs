@@ -83,6 +83,8 @@ pub struct Node {
     /// The latest figures each node sent (its heartbeats, its reports to the leader, or the
     /// leader's table of them), with when they came (ms).
     figures: Mutex<HashMap<String, (Heartbeat, u64)>>,
+    /// The heartbeat built last, and when ([`Node::heartbeat_recent`]).
+    recent_beat: Mutex<Option<(Heartbeat, Instant)>>,
     started: Instant,
     pub net: Arc<Transport>,
     pub placement: Placement,
@@ -212,6 +214,7 @@ impl Node {
                 down_seen: HashMap::new(),
             }),
             figures: Mutex::new(HashMap::new()),
+            recent_beat: Mutex::new(None),
             started: now,
             net: Arc::new(net),
             placement,
@@ -500,8 +503,8 @@ impl Node {
         self.members.locked().watches(physical)
     }
 
-    /// The newest incarnation of `physical` known here (0: none): heard from it (a heartbeat,
-    /// any message's stamp), reported by a peer, or committed as its start (`MetaOp::Boot`).
+    /// The newest incarnation of `physical` known here (0: none): heard from it (its
+    /// heartbeats), reported by a peer, or committed as its start (`MetaOp::Boot`).
     pub fn heard_incarnation(&self, physical: &str) -> u64 {
         self.verdicts.locked().known(physical)
     }
@@ -519,15 +522,11 @@ impl Node {
     }
 
     /// The receivers' test of every message's stamp: whether a message of incarnation
-    /// `incarnation` from `physical` is taken (not declared down). A taken stamp of a newer
-    /// incarnation than known is that peer's restart, acted on by the daemon's restart task.
+    /// `incarnation` from `physical` is taken (not declared down, and an incarnation a daemon
+    /// may have). A stamp is not taken as news of a restart: a peer's new incarnation is known
+    /// from its heartbeats or its committed start.
     pub fn take_stamp(&self, physical: &str, incarnation: u64) -> bool {
-        let (taken, restarts) = {
-            let mut v = self.verdicts.locked();
-            (v.handle_stamp(physical, incarnation), v.poll_restarts())
-        };
-        self.queue_restarts(restarts);
-        taken
+        incarnation <= verdicts::MAX_INCARNATION && !self.fenced_sender(physical, incarnation)
     }
 
     fn queue_restarts(&self, restarts: Vec<(String, u64)>) {
@@ -965,6 +964,20 @@ impl Node {
             (PeerResp::Error { kind, message }, _) => Err(OpError::new(kind, format!("{physical}: {message}"))),
             r => Ok(r),
         }
+    }
+
+    /// This node's heartbeat as built at most half a heartbeat interval ago: what answers to
+    /// the peers' heartbeats carry (building one reads the process's memory from /proc).
+    pub(crate) fn heartbeat_recent(&self) -> Heartbeat {
+        let fresh = Duration::from_millis(self.cfg.cluster.heartbeat_interval_ms / 2);
+        if let Some((hb, at)) = self.recent_beat.locked().as_ref() {
+            if at.elapsed() < fresh {
+                return hb.clone();
+            }
+        }
+        let hb = self.heartbeat();
+        *self.recent_beat.locked() = Some((hb.clone(), Instant::now()));
+        hb
     }
 
     pub(crate) fn heartbeat(&self) -> Heartbeat {

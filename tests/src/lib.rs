@@ -48,17 +48,22 @@ fn free_ports(count: u16) -> u16 {
     const FIRST_PORT: u32 = 20000;
     const SPAN_PORTS: u32 = 12000;
     const STRIDE_PORTS: u32 = 32;
+    // A large cluster takes several strides at once.
+    let strides = u32::from(count).div_ceil(STRIDE_PORTS).max(1);
     assert!(
-        u32::from(count) <= STRIDE_PORTS,
-        "a test cluster of {count} ports does not fit a stride"
+        strides * STRIDE_PORTS <= SPAN_PORTS / 4,
+        "a test cluster of {count} ports does not fit"
     );
     let free = |port: u16| {
         std::net::UdpSocket::bind(("127.0.0.1", port)).is_ok()
             && std::net::TcpListener::bind(("127.0.0.1", port)).is_ok()
     };
     loop {
-        let k = NEXT.fetch_add(1, Ordering::SeqCst);
+        let k = NEXT.fetch_add(strides, Ordering::SeqCst);
         let offset = ((std::process::id() % 375) * STRIDE_PORTS + k * STRIDE_PORTS) % SPAN_PORTS;
+        if offset + strides * STRIDE_PORTS > SPAN_PORTS {
+            continue;
+        }
         let base = (FIRST_PORT + offset) as u16;
         if (0..count).all(|i| free(base + i)) {
             return base;

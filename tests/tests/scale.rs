@@ -41,17 +41,25 @@ fn kill_and_time_verdict(c: &Cluster, victim: &str, via: &str) -> f64 {
     let since = unix_now();
     c.kill(victim);
     let mut verdict = None;
-    wait_for(Duration::from_secs(30), &format!("a committed verdict on {victim}"), || {
-        verdict = verdict_after(c, victim, since);
-        verdict.is_some()
-    });
+    wait_for(
+        Duration::from_secs(30),
+        &format!("a committed verdict on {victim}"),
+        || {
+            verdict = verdict_after(c, victim, since);
+            verdict.is_some()
+        },
+    );
     c.ok(&["--node", via, "cluster", "up"]);
-    wait_for(Duration::from_secs(60), &format!("{victim} back as a new incarnation"), || {
-        status(c, via)
-            .nodes
-            .iter()
-            .any(|n| n.name == victim && n.incarnation > before && n.state.to_string() == "up")
-    });
+    wait_for(
+        Duration::from_secs(60),
+        &format!("{victim} back as a new incarnation"),
+        || {
+            status(c, via)
+                .nodes
+                .iter()
+                .any(|n| n.name == victim && n.incarnation > before && n.state.to_string() == "up")
+        },
+    );
     verdict.expect("waited for")
 }
 
@@ -67,10 +75,16 @@ fn sixty_four_daemons_form_within_a_minute_declare_kills_in_time_and_run_a_job_t
     let t = Instant::now();
     c.ok(&["cluster", "up"]);
     let formed = t.elapsed();
-    assert!(formed < Duration::from_secs(60), "64 daemons took {formed:?} to be healthy");
+    assert!(
+        formed < Duration::from_secs(60),
+        "64 daemons took {formed:?} to be healthy"
+    );
     // Each node heartbeats a bounded set of peers, whatever the cluster's size.
     let st = status(&c, "n0");
-    assert_eq!(st.nodes.iter().filter(|n| n.state.to_string() == "up").count(), NODES as usize);
+    assert_eq!(
+        st.nodes.iter().filter(|n| n.state.to_string() == "up").count(),
+        NODES as usize
+    );
 
     // A node that is not the leader, then the leader (the CLI talks to another node).
     let leader = st.coordinator.clone().expect("a coordinator");
@@ -109,7 +123,10 @@ fn sixty_four_daemons_form_within_a_minute_declare_kills_in_time_and_run_a_job_t
     let victim = ["n20", "n24"].into_iter().find(|n| *n != leader).expect("one of two");
     c.kill(victim);
     let (got, err) = finish_rest(run, rest, "the 16-rank run with a node killed");
-    assert_eq!(got, want, "the 16-rank run with {victim} killed: checksum differs\n{err}");
+    assert_eq!(
+        got, want,
+        "the 16-rank run with {victim} killed: checksum differs\n{err}"
+    );
     c.ok(&["--node", via, "cluster", "up"]);
     c.assert_no_rank_left("the 16-rank run");
     eprintln!(

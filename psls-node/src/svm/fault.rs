@@ -8,7 +8,6 @@ use crate::op::OpError;
 use psls_ipc::ErrorKind;
 use psls_svm::coherence::{Access, Action, Svm, WaiterId};
 use psls_svm::{Incarnation, NodeId, PAGE_SIZE};
-use std::collections::BTreeMap;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::fs::FileExt;
 use std::sync::Arc;
@@ -47,8 +46,13 @@ pub(super) fn peer_views(node: &Node) -> Vec<(NodeId, Incarnation, bool)> {
 
 /// Whether every other node of the map answered its latest ask ([`SvmShell::ask_peers`])
 /// that it holds no shared-memory segment at all (one that did not answer may hold some).
-pub(super) fn others_hold_nothing(node: &Node, held: &BTreeMap<String, PeerHeld>) -> bool {
+pub(super) fn others_hold_nothing(node: &Node, held: &PeersHeld) -> bool {
     let st = node.meta_state();
+    let Some(me) = node.my_logical(&st) else { return false };
+    if held.asked_for != Some(svm_incarnation(&st, me.0, node.incarnation)) {
+        return false;
+    }
+    let held = &held.answers;
     node.logical_map(&st)
         .values()
         .filter(|p| **p != node.me.name)
@@ -68,7 +72,7 @@ pub fn svm_incarnation(st: &psls_pfs::meta::MetaState, l: u32, physical: u64) ->
 
 /// Creates the state machine on first use, given what the other nodes answered last about
 /// what they hold ([`SvmShell::ask_peers`], asked before the daemon serves).
-pub(super) fn ensure_svm(g: &mut Inner, node: &Node, held: &BTreeMap<String, PeerHeld>) -> Result<(), OpError> {
+pub(super) fn ensure_svm(g: &mut Inner, node: &Node, held: &PeersHeld) -> Result<(), OpError> {
     if g.svm.is_some() {
         return Ok(());
     }
@@ -93,12 +97,17 @@ pub(super) fn ensure_svm(g: &mut Inner, node: &Node, held: &BTreeMap<String, Pee
     // it come back as this one while it held state (it caught up before this check, so its
     // view alone would look current).
     let inc = svm_incarnation(&st, me.0, node.incarnation);
-    let others_hold = node.logical_map(&st).values().any(|p| {
-        *p != node.me.name
-            && held
-                .get(p)
-                .is_some_and(|h| h.segments > 0 && ((h.knew != 0 && h.knew != inc.0) || h.fenced == inc.0))
-    });
+    // Answers asked for another incarnation of this node (a spare since given this logical
+    // id) say nothing of this one: it starts as restarted, until the nodes answer it again.
+    let stale = held.asked_for != Some(inc);
+    let held = &held.answers;
+    let others_hold = stale
+        || node.logical_map(&st).values().any(|p| {
+            *p != node.me.name
+                && held
+                    .get(p)
+                    .is_some_and(|h| h.segments > 0 && ((h.knew != 0 && h.knew != inc.0) || h.fenced == inc.0))
+        });
     g.svm = Some(if others_hold {
         tracing::warn!(node = %node.name(), "restarted while other nodes hold shared pages: each file's pages managed here are served once no node holds what the previous incarnation granted of it");
         Svm::restarted(me, inc, peers)

@@ -45,6 +45,7 @@ impl SvmShell {
             self.asking.store(false, Ordering::SeqCst);
             return;
         };
+        let asked_for = super::fault::svm_incarnation(&st, me.0, node.incarnation);
         let mut asks = tokio::task::JoinSet::new();
         for p in node.logical_map(&st).into_values() {
             if p == node.me.name || node.is_declared_down(&p) {
@@ -73,7 +74,10 @@ impl SvmShell {
                 answers.insert(p, h);
             }
         }
-        *self.held.locked() = answers;
+        *self.held.locked() = PeersHeld {
+            asked_for: Some(asked_for),
+            answers,
+        };
         self.asking.store(false, Ordering::SeqCst);
     }
 

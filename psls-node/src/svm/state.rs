@@ -277,10 +277,19 @@ pub struct SvmShell {
     /// a checkpoint, or a page this node may only read).
     pub(super) wp_faults: std::sync::atomic::AtomicU64,
     /// What each other node of the map answered last to `SvmHeld` (asked at start and while
-    /// recovering; a node that did not answer has no entry).
-    pub(super) held: Mutex<std::collections::BTreeMap<String, PeerHeld>>,
+    /// recovering; a node that did not answer has no entry), and for which shared-memory
+    /// incarnation of this node it was asked (a spare that took a logical id over since is
+    /// another one: the answers are not about it).
+    pub(super) held: Mutex<PeersHeld>,
     /// An ask of every node is under way.
     pub(super) asking: std::sync::atomic::AtomicBool,
+}
+
+/// The other nodes' answers to `SvmHeld`, asked for one shared-memory incarnation of this node.
+#[derive(Debug, Default)]
+pub struct PeersHeld {
+    pub asked_for: Option<psls_svm::Incarnation>,
+    pub answers: std::collections::BTreeMap<String, PeerHeld>,
 }
 
 /// A node's answer to `SvmHeld`.
