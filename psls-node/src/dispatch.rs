@@ -111,7 +111,7 @@ impl Daemon {
                 self.drop_orphan_frames(&mut orphans, n);
             }
             n += 1;
-            node.heartbeat_round(false).await;
+            node.beat_round();
             // The coordinator turns silences that outlast the failure timeout into verdicts.
             node.watch_duties();
             node.check_fresh_cluster();
@@ -206,6 +206,10 @@ impl Daemon {
             PeerReq::FiguresAsk => Ok(PeerResp::FiguresTable {
                 nodes: node.figures_table(),
             }),
+            PeerReq::Beat(hb) => {
+                node.handle_beat(&from, hb);
+                Ok(PeerResp::Ok)
+            }
             PeerReq::WritePages {
                 file,
                 role,
@@ -530,6 +534,7 @@ impl crate::link::LinkHandler for LinkDelivery {
                 crate::sync::resolve(&d.sync, &key, &who, call, result, moved);
             }
             PeerReq::MetaLog(msg) => node.replication.deliver(from, &msg),
+            PeerReq::Beat(hb) => node.handle_beat(from, hb),
             PeerReq::Ckpt(msg) => d.ckpt.deliver(from, msg),
             PeerReq::LinkPing { id } => {
                 if let Err(e) = node.net.post(from, &PeerReq::LinkPong { id }, payload) {

@@ -1230,14 +1230,12 @@ impl Node {
 
     // ---- background work ----
 
-    /// One heartbeat to every watched peer (answers are heard as they come; `wait`: until all
-    /// are in or timed out), and this node's figures to the leader when due. A heartbeat may
-    /// wait as long as the failure timeout: cancelling it sooner would also cancel a slow
-    /// first TLS handshake.
-    pub async fn heartbeat_round(self: &Arc<Self>, wait: bool) {
+    /// One heartbeat request to every watched peer, waiting until each answered or timed out
+    /// (start-up: the node knows its peers before it serves). A heartbeat may wait as long as
+    /// the failure timeout: cancelling it sooner would also cancel a slow first TLS handshake.
+    pub async fn heartbeat_round(self: &Arc<Self>) {
         let timeout = Duration::from_millis(self.cfg.cluster.heartbeat_timeout_ms);
         let base = self.heartbeat();
-        self.send_figures(&base);
         let targets: Vec<String> = self.members.locked().watched().map(String::from).collect();
         let mut tasks = tokio::task::JoinSet::new();
         for name in targets {
@@ -1253,10 +1251,34 @@ impl Node {
                 }
             });
         }
-        if wait {
-            while tasks.join_next().await.is_some() {}
-        } else {
-            tasks.detach_all();
+        while tasks.join_next().await.is_some() {}
+    }
+
+    /// Every heartbeat interval: one beat to each watched peer, one-way on the message link
+    /// (cheaper than a request and its answer: the peers' own beats are what this node hears),
+    /// and this node's figures to the leader when due.
+    pub fn beat_round(self: &Arc<Self>) {
+        let base = self.heartbeat();
+        self.send_figures(&base);
+        let targets: Vec<String> = self.members.locked().watched().map(String::from).collect();
+        for peer in targets {
+            let hb = self.heartbeat_to(&base, &peer);
+            // A peer that cannot be reached now is found silent: nothing to say here.
+            let _ = self.net.post(&peer, &PeerReq::Beat(hb), bytes::Bytes::new());
+        }
+    }
+
+    /// A peer's beat (on the message link): heard; answered with this node's own when this
+    /// node does not watch the sender (the leader's probe, a new node asking every voter).
+    pub(crate) fn handle_beat(&self, from: &str, hb: Heartbeat) {
+        self.heard(from, hb);
+        if !self.watches(from) {
+            let base = self.heartbeat_recent();
+            let _ = self.net.post(
+                from,
+                &PeerReq::Beat(self.heartbeat_to(&base, from)),
+                bytes::Bytes::new(),
+            );
         }
     }
 
@@ -1304,7 +1326,7 @@ impl Node {
     /// this node's new store learns whether the cluster is new).
     pub async fn initial_sync(self: &Arc<Self>) {
         self.prune_watches(false, self.now_ms());
-        self.heartbeat_round(true).await;
+        self.heartbeat_round().await;
         self.check_fresh_cluster();
     }
 

@@ -557,6 +557,9 @@ pub enum PeerReq {
     Figures(Heartbeat),
     /// To the metadata leader: its table of every node's latest figures (`FiguresTable`).
     FiguresAsk,
+    /// A heartbeat as a one-way message on the link, to a watched peer every interval (the
+    /// peer's own beats are the answer; a peer that does not watch the sender answers with one).
+    Beat(Heartbeat),
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]

@@ -273,12 +273,15 @@ impl Transport {
         half + Duration::from_micros(x % (half.as_micros() as u64 + 1))
     }
 
-    /// `peer` was heard: a dial to it may go at once.
+    /// `peer` was heard: a dial to it may go at once (on the message link too).
     pub fn heard_from(&self, peer: &str) {
-        let mut slots = self.slots.locked();
-        if matches!(slots.get(peer), Some(Slot::Failed { .. })) {
-            slots.remove(peer);
+        {
+            let mut slots = self.slots.locked();
+            if matches!(slots.get(peer), Some(Slot::Failed { .. })) {
+                slots.remove(peer);
+            }
         }
+        self.link.heard_from(peer);
     }
 
     /// Closes the connections no request used for [`IDLE_CLOSE`] (none under way on them).

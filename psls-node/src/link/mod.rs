@@ -45,7 +45,7 @@ use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// What receives the link's messages.
 pub trait LinkHandler: Send + Sync + 'static {
@@ -155,6 +155,10 @@ struct Out {
     /// Bumped for every connection that comes here (dialled or adopted), within 24 bits:
     /// events of a connection no longer here are ignored.
     generation: u32,
+    /// After dials that failed before their handshake ended: no new dial before this time,
+    /// and how many failed in a row (a jittered, doubling wait, as the request transport's;
+    /// cleared when the peer is heard or a connection to it worked).
+    backoff: Option<(Instant, u32)>,
 }
 
 impl Out {
@@ -341,6 +345,18 @@ impl Link {
             out.conn = out.spare.take();
         }
         if out.conn.is_none() {
+            if let Some((until, failures)) = out.backoff {
+                let now = Instant::now();
+                if now < until {
+                    return Err(NetError::Unreachable {
+                        peer: p.name.clone(),
+                        message: format!(
+                            "{failures} dials failed in a row: no new one for {:?}",
+                            until.saturating_duration_since(now)
+                        ),
+                    });
+                }
+            }
             let generation = out.next_generation();
             let conn = self.dial(k, generation).map_err(|e| NetError::Unreachable {
                 peer: p.name.clone(),
@@ -432,6 +448,13 @@ impl Link {
         let Some(c) = out.conn.as_mut() else { return };
         if let Err(e) = flush(c, &self.writes) {
             lost(p, out, &e.to_string());
+        }
+    }
+
+    /// `peer` was heard (through the request transport): a dial to it may go at once.
+    pub fn heard_from(&self, peer: &str) {
+        if let Some(&k) = self.index.get(peer) {
+            self.peers[k].out.locked().backoff = None;
         }
     }
 
@@ -866,8 +889,29 @@ fn read_frames(
     }
 }
 
-/// Drops the connection of `p` (`out` is its locked state) with what it held.
+/// The wait after the `failures`-th dial in a row that failed before its handshake ended:
+/// doubling from 100 ms to 2 s, drawn between half and all of it (so that the nodes that
+/// lost one peer do not all dial it again at once).
+fn dial_backoff(failures: u32) -> Duration {
+    let full = Duration::from_millis(100)
+        .saturating_mul(1u32 << failures.saturating_sub(1).min(16))
+        .min(Duration::from_secs(2));
+    let half = full / 2;
+    let jitter = rand::random::<u64>() % (half.as_micros() as u64 + 1);
+    half + Duration::from_micros(jitter)
+}
+
+/// Drops the connection of `p` (`out` is its locked state) with what it held. A connection
+/// this node dialled that failed before its handshake ended delays the next dial.
 fn lost(p: &Peer, out: &mut Out, why: &str) {
+    if let Some(c) = out.conn.as_ref() {
+        if c.dialled && c.tls.is_handshaking() {
+            let failures = out.backoff.map_or(0, |(_, f)| f).saturating_add(1);
+            out.backoff = Some((Instant::now() + dial_backoff(failures), failures));
+        } else {
+            out.backoff = None;
+        }
+    }
     if let Some(c) = out.conn.take() {
         if c.queue.is_empty() {
             tracing::debug!(peer = %p.name, error = why, "message link: connection lost");

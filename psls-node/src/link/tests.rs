@@ -275,3 +275,59 @@ fn the_peer_answers_on_the_connection_that_was_dialled() {
     ta.join().unwrap();
     tb.join().unwrap();
 }
+
+/// A peer that refuses connections is not dialled again at every message: after a failed
+/// dial the next waits a jittered, doubling time (posts meanwhile fail at once), and a peer
+/// heard again is dialled at once.
+#[test]
+fn failed_dials_back_off_and_a_peer_heard_again_is_dialled_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let names = ["a", "b"].map(String::from);
+    psls_ipc::certs::generate(dir.path(), "t", &names).unwrap();
+    // A port with nobody listening: connections to it are refused.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let closed_addr = closed.local_addr().unwrap();
+    drop(closed);
+    let a = link(dir.path(), "a", "127.0.0.1:0".parse().unwrap(), "b", closed_addr);
+    let runner = a.clone();
+    let (tx, _rx) = std::sync::mpsc::channel();
+    let t = std::thread::spawn(move || runner.run(Arc::new(Collect(tx))));
+    let ping = |id| a.post("b", &PeerReq::LinkPing { id }, Bytes::new());
+    assert!(ping(1).is_ok(), "the first post dials");
+    // The refusal comes back through the link thread: then posts fail without a dial.
+    let deadline = std::time::Instant::now() + TEST_WAIT;
+    let mut refused = 0;
+    while std::time::Instant::now() < deadline {
+        match ping(2) {
+            Err(NetError::Unreachable { message, .. }) if message.contains("dials failed") => {
+                refused += 1;
+                break;
+            }
+            _ => std::thread::sleep(Duration::from_millis(5)),
+        }
+    }
+    assert_eq!(refused, 1, "posts after a refused dial fail at once");
+    let backoff = a.peers[a.index["b"]].out.locked().backoff;
+    let (until, failures) = backoff.expect("a backoff");
+    assert_eq!(failures, 1);
+    let wait = until.saturating_duration_since(std::time::Instant::now());
+    assert!(
+        wait <= Duration::from_millis(100),
+        "the first wait is at most 100 ms: {wait:?}"
+    );
+    // Heard again: the next post dials at once.
+    a.heard_from("b");
+    assert!(ping(3).is_ok(), "a peer heard again is dialled at once");
+    for n in 2..=6u32 {
+        let full = Duration::from_millis(100) * (1 << (n - 1));
+        let full = full.min(Duration::from_secs(2));
+        let w = dial_backoff(n);
+        assert!(
+            w >= full / 2 && w <= full,
+            "wait {n}: {w:?} not within {:?}..={full:?}",
+            full / 2
+        );
+    }
+    a.close();
+    t.join().unwrap();
+}
