@@ -207,7 +207,11 @@ impl Daemon {
                 nodes: node.figures_table(),
             }),
             PeerReq::Beat(hb) => {
-                node.handle_beat(&from, hb);
+                node.handle_beat(&from, hb, true);
+                Ok(PeerResp::Ok)
+            }
+            PeerReq::BeatBack(hb) => {
+                node.handle_beat(&from, hb, false);
                 Ok(PeerResp::Ok)
             }
             PeerReq::WritePages {
@@ -534,7 +538,8 @@ impl crate::link::LinkHandler for LinkDelivery {
                 crate::sync::resolve(&d.sync, &key, &who, call, result, moved);
             }
             PeerReq::MetaLog(msg) => node.replication.deliver(from, &msg),
-            PeerReq::Beat(hb) => node.handle_beat(from, hb),
+            PeerReq::Beat(hb) => node.handle_beat(from, hb, true),
+            PeerReq::BeatBack(hb) => node.handle_beat(from, hb, false),
             PeerReq::Ckpt(msg) => d.ckpt.deliver(from, msg),
             PeerReq::LinkPing { id } => {
                 if let Err(e) = node.net.post(from, &PeerReq::LinkPong { id }, payload) {

@@ -1268,17 +1268,16 @@ impl Node {
         }
     }
 
-    /// A peer's beat (on the message link): heard; answered with this node's own when this
-    /// node does not watch the sender (the leader's probe, a new node asking every voter).
-    pub(crate) fn handle_beat(&self, from: &str, hb: Heartbeat) {
+    /// A peer's beat (on the message link): heard; a `Beat` (not a `BeatBack`) is answered
+    /// with this node's own when this node does not watch the sender (the leader's probe, a
+    /// new node asking every voter). An answer is never answered: two nodes that stopped
+    /// watching each other would answer each other's answers forever.
+    pub(crate) fn handle_beat(&self, from: &str, hb: Heartbeat, answer: bool) {
         self.heard(from, hb);
-        if !self.watches(from) {
+        if answer && !self.watches(from) {
             let base = self.heartbeat_recent();
-            let _ = self.net.post(
-                from,
-                &PeerReq::Beat(self.heartbeat_to(&base, from)),
-                bytes::Bytes::new(),
-            );
+            let back = PeerReq::BeatBack(self.heartbeat_to(&base, from));
+            let _ = self.net.post(from, &back, bytes::Bytes::new());
         }
     }
 

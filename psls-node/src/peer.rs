@@ -558,8 +558,12 @@ pub enum PeerReq {
     /// To the metadata leader: its table of every node's latest figures (`FiguresTable`).
     FiguresAsk,
     /// A heartbeat as a one-way message on the link, to a watched peer every interval (the
-    /// peer's own beats are the answer; a peer that does not watch the sender answers with one).
+    /// peer's own beats are the answer; a peer that does not watch the sender answers with a
+    /// `BeatBack`).
     Beat(Heartbeat),
+    /// The answer to a `Beat` from a peer this node does not watch: never answered (two
+    /// nodes that watch each other no longer would otherwise answer each other forever).
+    BeatBack(Heartbeat),
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
