@@ -12,3 +12,7 @@ bash scripts/setup.sh
 cargo build --release --workspace --bins --quiet
 bin="${CARGO_TARGET_DIR:-target}/release"
 "$bin/scale-bench" --sizes "$sizes"
+# The simulator's figure: the busiest node's idle messages per second at 16, 128 and 1,024
+# simulated nodes (psls-cluster/tests/watch_sim.rs, the same machines the daemon runs).
+cargo test -p psls-cluster --release --quiet --test watch_sim the_busiest_nodes_idle_messages -- --nocapture 2>&1 |
+    grep "busiest node's idle messages per second"

@@ -48,6 +48,14 @@ pub struct Membership<H> {
     ticked_ms: u64,
     /// When this node last woke from a stall (silence before it is not counted).
     awake_ms: u64,
+    /// When this node last heard any watched peer.
+    heard_any_ms: Option<u64>,
+    /// The last tick at which this node had heard none of its peers for half the timeout: it
+    /// heard nothing itself (its incoming messages lost, a cut). The silences [`Membership::tick`]
+    /// finds count from after it (its peers come back one by one as their beats arrive, and
+    /// the last ones would look silent for a while); its impressions ([`Membership::state`])
+    /// do not.
+    deaf_ms: u64,
     peers: BTreeMap<String, PeerView<H>>,
 }
 
@@ -58,6 +66,8 @@ impl<H> Membership<H> {
             started_ms: now_ms,
             ticked_ms: now_ms,
             awake_ms: now_ms,
+            heard_any_ms: None,
+            deaf_ms: now_ms,
             peers: peers
                 .into_iter()
                 .map(|p| {
@@ -102,6 +112,10 @@ impl<H> Membership<H> {
     /// Records a heartbeat of `incarnation` from `peer`. Returns true when the peer restarted
     /// (an incarnation other than the last one heard). Unknown peers are ignored.
     pub fn heard(&mut self, now_ms: u64, peer: &str, incarnation: u64, hb: H) -> bool {
+        if !self.peers.contains_key(peer) {
+            return false;
+        }
+        self.heard_any_ms = Some(self.heard_any_ms.map_or(now_ms, |t| t.max(now_ms)));
         let Some(v) = self.peers.get_mut(peer) else {
             return false;
         };
@@ -159,17 +173,28 @@ impl<H> Membership<H> {
         heard * 2 > total
     }
 
-    /// Updates `down_since` marks; returns how long (ms) each down peer has been down. A gap
-    /// since the last tick of more than half the timeout is a stall of this node: silence
-    /// before it is forgotten.
+    /// Updates `down_since` marks; returns how long (ms) each down peer has been down: the
+    /// silences to report. A gap since the last tick of more than half the timeout is a stall
+    /// of this node: silence before it is forgotten; so is silence while it heard none of its
+    /// peers (`deaf_ms`).
     pub fn tick(&mut self, now_ms: u64) -> Vec<(String, u64)> {
         if now_ms.saturating_sub(self.ticked_ms) > self.timeout_ms / 2 {
             self.awake_ms = now_ms;
         }
+        // Hearing none of several peers for half the timeout is this node's own silence (one
+        // peer alone may be silent itself: it is found so).
+        if self.peers.len() > 1
+            && self
+                .heard_any_ms
+                .is_some_and(|t| now_ms.saturating_sub(t) > self.timeout_ms / 2)
+        {
+            self.deaf_ms = now_ms;
+        }
         self.ticked_ms = self.ticked_ms.max(now_ms);
         let timeout_ms = self.timeout_ms;
         let mut out = Vec::new();
-        let from: Vec<u64> = self.peers.values().map(|v| self.silence_from(v)).collect();
+        let deaf_ms = self.deaf_ms;
+        let from: Vec<u64> = self.peers.values().map(|v| self.silence_from(v).max(deaf_ms)).collect();
         for ((name, v), from) in self.peers.iter_mut().zip(from) {
             let silence_ms = now_ms.saturating_sub(from);
             if silence_ms > timeout_ms {
@@ -261,5 +286,41 @@ mod tests {
         m.heard(6100, "c", 1, ());
         m.heard(6100, "d", 1, ());
         assert!(m.lease_held(6100));
+    }
+
+    #[test]
+    fn a_node_that_heard_nobody_for_half_the_timeout_counts_silences_from_when_it_hears_again() {
+        let peers = ["a", "b", "c"].map(String::from);
+        let mut m: Membership<()> = Membership::new(peers, 1000, 0);
+        for p in ["a", "b", "c"] {
+            m.heard(100, p, 1, ());
+        }
+        // Cut off from 200 to 1300 (its ticks still run): it hears nobody, and finds nobody
+        // silent (though its impression is that they are down)...
+        for now in (200..=1300).step_by(100) {
+            assert!(m.tick(now).is_empty(), "at {now}");
+        }
+        assert_eq!(m.state(1300, "c"), Liveness::Down);
+        // ... and once it hears one again, the others' silence counts from its last tick that
+        // heard nobody: "c", whose beat comes last, is not silent to it yet.
+        m.heard(1310, "a", 1, ());
+        m.heard(1390, "b", 1, ());
+        assert!(m.tick(1400).is_empty(), "silences count from 1300");
+        for now in (1500..=2300).step_by(100) {
+            m.heard(now, "a", 1, ());
+            m.heard(now, "b", 1, ());
+            assert!(m.tick(now).is_empty(), "at {now}");
+        }
+        assert_eq!(m.tick(2400).len(), 1, "c silent past the timeout after 1300");
+        // A peer that is silent while others are heard is silent from its last beat.
+        for now in (2500..=3600).step_by(100) {
+            m.heard(now, "a", 1, ());
+            m.heard(now, "c", 1, ());
+            m.tick(now);
+        }
+        assert_eq!(
+            m.tick(3600).into_iter().map(|(p, _)| p).collect::<Vec<_>>(),
+            vec!["b".to_string()]
+        );
     }
 }

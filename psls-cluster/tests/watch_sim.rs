@@ -4,7 +4,8 @@
 //! silences) and [`Verdicts`] (the leader's declarations), at 16, 128 and 1,024 nodes in racks
 //! (failure domains), in simulated milliseconds.
 //!
-//! Each node heartbeats its watched peers every [`INTERVAL_MS`] and answers theirs; a watched
+//! Each node sends a one-way beat to its watched peers every [`INTERVAL_MS`] (their own beats
+//! answer it; a peer that does not watch the sender answers with a beat that is not answered); a watched
 //! peer silent past [`TIMEOUT_MS`] is reported to the metadata leader (again every interval
 //! while it lasts), and taken back when heard again. The leader counts reports, probes a peer
 //! reported once (it watches it itself), and declares a peer the tally confirms. The metadata
@@ -47,11 +48,12 @@ const DECLARE_WITHIN_MS: u64 = 2 * TIMEOUT_MS + INTERVAL_MS + 100;
 
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
 enum Msg {
-    Ping {
+    /// A one-way heartbeat on the link (as the daemon's `Beat`): to a watched peer every
+    /// interval; a peer that does not watch the sender answers with one that is not answered
+    /// (`answer: false`, the daemon's `BeatBack`).
+    Beat {
         incarnation: u64,
-    },
-    Pong {
-        incarnation: u64,
+        answer: bool,
     },
     Report {
         target: usize,
@@ -301,7 +303,14 @@ impl World {
                 let inc = self.nodes[i].incarnation;
                 let peers: Vec<usize> = self.watched(i);
                 for p in peers {
-                    self.send(i, p, Msg::Ping { incarnation: inc });
+                    self.send(
+                        i,
+                        p,
+                        Msg::Beat {
+                            incarnation: inc,
+                            answer: true,
+                        },
+                    );
                 }
                 // Reports of silent peers (renewed every interval), and take-backs.
                 let down: Vec<usize> = self.nodes[i]
@@ -432,7 +441,7 @@ impl World {
         self.nodes[to].messages += 1;
         let now = self.now;
         match msg {
-            Msg::Ping { incarnation } => {
+            Msg::Beat { incarnation, answer } => {
                 // Only a declared incarnation is not heard (it learns its verdict instead).
                 if self.committed.get(&self.names[from]).is_none_or(|&d| d < incarnation) {
                     self.nodes[to].members.heard(now, &self.names[from], incarnation, ());
@@ -440,15 +449,16 @@ impl World {
                         self.tally.handle_heard(now, &self.names[from].clone(), incarnation);
                     }
                 }
-                let inc = self.nodes[to].incarnation;
-                self.send(to, from, Msg::Pong { incarnation: inc });
-            }
-            Msg::Pong { incarnation } => {
-                if self.committed.get(&self.names[from]).is_none_or(|&d| d < incarnation) {
-                    self.nodes[to].members.heard(now, &self.names[from], incarnation, ());
-                    if to == self.leader {
-                        self.tally.handle_heard(now, &self.names[from].clone(), incarnation);
-                    }
+                if answer && !self.nodes[to].members.watches(&self.names[from]) {
+                    let inc = self.nodes[to].incarnation;
+                    self.send(
+                        to,
+                        from,
+                        Msg::Beat {
+                            incarnation: inc,
+                            answer: false,
+                        },
+                    );
                 }
             }
             Msg::Report {
