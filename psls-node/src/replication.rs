@@ -27,7 +27,6 @@
 
 use crate::failstop::Locked;
 use crate::node::Node;
-use crate::op::blocking;
 use crate::peer::{PeerReq, PeerResp};
 use psls_cluster::log::{Action, Limits, Log, Persist, ReadError, SubmitError, Wire};
 use psls_pfs::logstore::{LogStore, Opened};
@@ -376,9 +375,13 @@ async fn persist(
 ) {
     let applied = p.applied.0;
     let s = store.clone();
-    let r = blocking(move || s.locked().persist(&p)).await;
-    if let Err(e) = r.map_err(|e| e.to_string()).and_then(|r| r.map_err(|e| e.to_string())) {
-        panic!("cannot write the metadata log (applied {applied}): {e}");
+    match tokio::task::spawn_blocking(move || s.locked().persist(&p)).await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => panic!("cannot write the metadata log (applied {applied}): {e}"),
+        // The runtime is shutting down (the daemon stops): the write may not have happened,
+        // so nothing after it may go out; the task waits to be dropped with the runtime.
+        Err(e) if e.is_cancelled() => std::future::pending::<()>().await,
+        Err(e) => panic!("cannot write the metadata log (applied {applied}): worker failed: {e}"),
     }
     node.publish_meta(log.state().clone());
 }

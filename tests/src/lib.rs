@@ -627,8 +627,14 @@ pub const MGS_ARGS: [&str; 9] = [
 /// Starts [`MGS_ARGS`] as a 4-rank `psls run` job through `launcher` with `options`, its
 /// output piped.
 pub fn start_mgs_job(c: &Cluster, launcher: &str, options: &[&str]) -> std::process::Child {
+    start_mgs_ranks(c, launcher, 4, options)
+}
+
+/// [`start_mgs_job`] with `ranks` ranks.
+pub fn start_mgs_ranks(c: &Cluster, launcher: &str, ranks: u32, options: &[&str]) -> std::process::Child {
     let mgs = mgs_bin();
-    let mut args = vec!["--node", launcher, "run", "-n", "4"];
+    let ranks = ranks.to_string();
+    let mut args = vec!["--node", launcher, "run", "-n", ranks.as_str()];
     args.extend(options);
     args.extend(["--", mgs.as_str()]);
     args.extend(MGS_ARGS);
