@@ -901,6 +901,9 @@ fn print_status(s: &ClusterStatus, all: bool) {
         s.map_version,
         s.files
     );
+    if !s.meta_voters.is_empty() {
+        println!("metadata voters: {}", s.meta_voters.join(", "));
+    }
     // Counts per state, nodes and spares apart: a line whatever the cluster's size.
     let count = |spare: bool| {
         let mut by: std::collections::BTreeMap<String, usize> = std::collections::BTreeMap::new();

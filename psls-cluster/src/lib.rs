@@ -5,7 +5,8 @@
 //! order: sends, durable writes, answers to waiting callers.
 //!
 //! - [`log`]: the metadata log (raft-rs's consensus with pre-vote and check-quorum, group
-//!   commit, read index, log compaction and snapshots) and the state it applies.
+//!   commit, read index, log compaction and snapshots, a few voters changed by joint
+//!   consensus, followers pulling the committed entries) and the state it applies.
 //! - [`membership`]: the failure detector over heartbeats (up, suspect, down) and the lease.
 //! - [`meta`]: the vote records of the replication before the log (a one-slot Multi-Paxos),
 //!   kept only to read stores written before the metadata log.
@@ -13,6 +14,8 @@
 //!   waiting for their answers.
 //! - [`verdicts`]: which peers the coordinator declares down, which senders every node drops,
 //!   when a node fences itself, and who coordinates (the metadata's leader holding its lease).
+//! - [`voters`]: which few nodes are the metadata log's voters, and who replaces one lost for
+//!   good.
 //! - [`watch`]: who heartbeats whom (a bounded, symmetric set per node) and when the silences
 //!   nodes report to the metadata leader become a verdict it proposes.
 //! - [`write`]: the two-phase write of page copies before a commit record (imports, repairs,
@@ -36,5 +39,6 @@ pub mod membership;
 pub mod meta;
 pub mod sync;
 pub mod verdicts;
+pub mod voters;
 pub mod watch;
 pub mod write;

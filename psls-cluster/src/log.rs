@@ -9,12 +9,27 @@
 //! The shell makes durable what [`Action::Persist`] says, before any later action; it sends what
 //! [`Action::Send`] says; it answers submitters and readers.
 //!
-//! - **Voters** are every physical node, numbered `0..voters` (raft ids `1..=voters`), fixed:
-//!   no configuration change ever runs.
+//! - **Nodes and voters.** Every physical node is numbered `0..nodes` (raft ids `1..=nodes`).
+//!   A few of them are the log's voters (raft's `ConfState`, kept with the applied state and
+//!   changed only by [`Log::propose_voters`]: raft-rs's `ConfChangeV2`, joint consensus when
+//!   more than one voter changes, left automatically, or by the next leader).
+//!   Every other node is a *follower*: it runs no raft, and pulls the committed entries from one
+//!   voter at a time ([`Wire::Follow`], answered by [`Wire::Feed`] at once when the voter applied
+//!   more, else held until it does or [`Limits::follow_wait_ticks`] pass), so a leader sends
+//!   nothing per follower and a voter answers a bounded share of them.
+//!   A follower applies what it pulls (configuration changes included, so it knows when it
+//!   becomes a voter) and writes it like a voter; its reads ask the leader's read index.
+//!   A node that finds itself out of the configuration (or is told so by a voter,
+//!   [`Wire::NotVoter`]) becomes a follower; one that finds itself in it becomes a voter.
+//!   A store created in this life starts as a follower: it learns whether it is a voter (then
+//!   catching up as after a lost disk) or whether the cluster is new.
 //! - **Leader.** Elections follow the election timeout the shell gives in ticks, randomized per
-//!   election from a seeded generator (so a seed replays a run); among voters whose logs are as
-//!   long, the lowest-numbered live one wins (raft-rs's priorities); pre-vote and check-quorum are
-//!   on, so a node cut off cannot disrupt a working majority when it comes back, and a leader
+//!   election from a seeded generator (so a seed replays a run); the shell hints the voter that
+//!   should lead to campaign early ([`Log::campaign`]: the lowest-numbered live one, as
+//!   operators expect of the coordinator), and no priorities are set (raft-rs's refuse a
+//!   candidate of a lower priority whose log is as long even when its last term is newer: with
+//!   a voter lost for good and one catching up in a joint configuration, the log simulator met
+//!   elections that could never end); pre-vote and check-quorum are on, so a node cut off cannot disrupt a working majority when it comes back, and a leader
 //!   that hears no majority for an election timeout steps down.
 //!   A node that must not lead ([`Log::set_eligible`]) never campaigns and hands its leadership
 //!   over.
@@ -39,10 +54,15 @@
 //!
 //! Invariants (asserted here, and by the simulator after every step): the applied index only
 //! grows; an entry is applied only once committed; every submission is answered exactly once,
-//! unless this node stops first.
-//! Bounds: at most [`Limits::max_pending`] submissions and [`Limits::max_reads`] reads wait.
+//! unless this node stops first; a follower runs no raft.
+//! Bounds: at most [`Limits::max_pending`] submissions and [`Limits::max_reads`] reads wait;
+//! at most one held [`Wire::Follow`] per node; a [`Wire::Feed`] carries at most
+//! [`Limits::max_msg_bytes`] of entries.
 
-use raft::eraftpb::{ConfState, Entry, EntryType, HardState, Message, MessageType, Snapshot, SnapshotMetadata};
+use raft::eraftpb::{
+    ConfChange, ConfChangeSingle, ConfChangeTransition, ConfChangeType, ConfChangeV2, ConfState, Entry, EntryType,
+    HardState, Message, MessageType, Snapshot, SnapshotMetadata,
+};
 use raft::{GetEntriesContext, RaftState, RawNode, ReadOnlyOption, StateRole, Storage, StorageError};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -84,6 +104,8 @@ struct Unsaved<S: Machine> {
     changes: S::Changes,
     applied: (u64, u64),
     compact_to: Option<(u64, u64)>,
+    /// The voters as of `applied`.
+    conf: ConfState,
 }
 
 /// Format of an entry's data: `[ENTRY_FORMAT u8][postcard operation]`.
@@ -110,6 +132,10 @@ pub struct Limits {
     pub keep_behind: u64,
     /// A read request unanswered after this many ticks is asked again.
     pub read_retry_ticks: u64,
+    /// A follower's [`Wire::Follow`] is held this many ticks at most when there is nothing new
+    /// (then answered empty); one unanswered for this plus an election timeout is asked of
+    /// another voter.
+    pub follow_wait_ticks: u64,
 }
 
 impl Limits {
@@ -132,6 +158,7 @@ impl Limits {
             compact_after: 20_000,
             keep_behind: 5_000,
             read_retry_ticks: election as u64,
+            follow_wait_ticks: 2 * election as u64,
         }
     }
 }
@@ -152,6 +179,9 @@ pub struct Durable<S> {
     /// The state was converted from a store written before the log, at this index, and no
     /// leader has confirmed it since (see [`Log::handle_message`]).
     pub legacy: Option<u64>,
+    /// The voters as of the applied state (`None`: a store written before voters changed, when
+    /// every node was one).
+    pub conf: Option<ConfState>,
 }
 
 impl<S: Machine> Durable<S> {
@@ -165,8 +195,43 @@ impl<S: Machine> Durable<S> {
             applied_term: 0,
             amnesiac,
             legacy: None,
+            conf: None,
         }
     }
+}
+
+/// The configuration whose voters are `voters`.
+pub fn conf_of(voters: &[u32]) -> ConfState {
+    ConfState {
+        voters: voters.iter().map(|v| raft_id(*v)).collect(),
+        ..Default::default()
+    }
+}
+
+/// A configuration as bytes (raft's protobuf), as a store keeps it.
+pub fn encode_conf(c: &ConfState) -> Vec<u8> {
+    use protobuf::Message as _;
+    // Writing a message built here into a vector does not fail.
+    c.write_to_bytes().unwrap_or_default()
+}
+
+/// A configuration from its bytes.
+pub fn decode_conf(b: &[u8]) -> Result<ConfState, String> {
+    use protobuf::Message as _;
+    ConfState::parse_from_bytes(b).map_err(|e| e.to_string())
+}
+
+/// The voters of a configuration (both halves of a joint one), in order.
+pub fn voters_of(conf: &ConfState) -> Vec<u32> {
+    let mut v: Vec<u32> = conf
+        .voters
+        .iter()
+        .chain(conf.voters_outgoing.iter())
+        .filter_map(|id| voter_of(*id))
+        .collect();
+    v.sort_unstable();
+    v.dedup();
+    v
 }
 
 /// One durable write: carried out whole (one transaction, one fsync when `sync`) before any
@@ -193,6 +258,9 @@ pub struct Persist<S: Machine> {
     pub amnesiac: bool,
     /// The index of a converted state no leader has confirmed yet.
     pub legacy: Option<u64>,
+    /// The voters as of `applied`, when the tables are written (`None`: a write of the log
+    /// alone).
+    pub conf: Option<ConfState>,
 }
 
 /// Why a submission was not applied.
@@ -245,6 +313,63 @@ pub enum Wire {
         last_index: u64,
         term: u64,
     },
+    /// A follower asks for the committed entries after `after` (held until there are some, or
+    /// [`Limits::follow_wait_ticks`] pass).
+    Follow {
+        after: u64,
+    },
+    /// The answer to a [`Wire::Follow`].
+    Feed(Box<Feed>),
+    /// A voter's answer to a raft message from a node that is not a voter in its configuration,
+    /// applied up to `applied`: the sender is a follower at least until it applied that far.
+    NotVoter {
+        applied: u64,
+    },
+}
+
+/// Committed entries for a follower: the entries after what it asked for (or the applied state
+/// as a snapshot, once they were compacted away), and the sender's view of the leadership.
+#[derive(Clone, Debug, PartialEq, Default)]
+pub struct Feed {
+    pub entries: Vec<Entry>,
+    pub snapshot: Option<Snapshot>,
+    /// The sender's applied index.
+    pub applied: u64,
+    pub term: u64,
+    pub leader: Option<u32>,
+}
+
+impl Wire {
+    /// The snapshot this message carries, if any.
+    pub fn snapshot(&self) -> Option<&Snapshot> {
+        match self {
+            Wire::Raft(m) if m.get_msg_type() == MessageType::MsgSnapshot => Some(m.get_snapshot()),
+            Wire::Feed(f) => f.snapshot.as_ref(),
+            _ => None,
+        }
+    }
+
+    /// The snapshot this message carries, to change.
+    pub fn snapshot_mut(&mut self) -> Option<&mut Snapshot> {
+        match self {
+            Wire::Raft(m) if m.get_msg_type() == MessageType::MsgSnapshot => Some(m.mut_snapshot()),
+            Wire::Feed(f) => f.snapshot.as_mut(),
+            _ => None,
+        }
+    }
+}
+
+/// Why a change of voters was not proposed.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ConfError {
+    #[error("this node does not lead the metadata")]
+    NotLeader,
+    #[error("a change of the metadata's voters is under way")]
+    Pending,
+    #[error("the metadata's leader must stay a voter")]
+    DropsLeader,
+    #[error("a configuration needs at least one voter, and voters among the cluster's nodes")]
+    Invalid,
 }
 
 /// What the shell must do, in order.
@@ -423,11 +548,46 @@ impl Rng {
     }
 }
 
-/// One voter's side of the metadata log. `T` is the shell's handle for a submission or a read.
+/// A follower's side: whom it pulls from, and what it knows of the leadership.
+#[derive(Debug, Default)]
+struct Following {
+    /// The node asked, and the tick it was asked at.
+    asked: Option<(u32, u64)>,
+    /// Turns of the voters to ask (the next after one that failed).
+    turn: u32,
+    leader: Option<u32>,
+    term: u64,
+    /// A voter said this node is no voter as of this index: it stays a follower until it
+    /// applied that far.
+    not_voter_until: u64,
+    /// The leader's commit index a read answer told, and the tick this node first knew it was
+    /// behind it: a source that does not bring it that far within an election timeout (it is
+    /// cut off from the leader, or lags) is left for another.
+    behind: Option<(u64, u64)>,
+    /// A follower on a store created in this life asks the leader's commit index itself (this
+    /// context, the tick asked), and clears its lost disk once it applied that far as a
+    /// non-voter: whatever it acknowledged as a voter before is committed and here by then, so
+    /// if it is made a voter again it need not catch up before it votes.
+    probe: Option<(u64, u64)>,
+    /// The commit index the probe answered.
+    clear_at: Option<u64>,
+}
+
+/// One node's side of the metadata log. `T` is the shell's handle for a submission or a read.
 pub struct Log<S: Machine, T> {
     me: u32,
-    voters: u32,
+    /// Physical nodes: ids `0..nodes`.
+    nodes: u32,
     limits: Limits,
+    /// `Some` while this node is a follower (its raft node, kept only as the store and the
+    /// configuration's tracker, takes no message and no tick).
+    following: Option<Following>,
+    /// The store was created in this life (the disk was lost, or the cluster is new) and this
+    /// node has not caught up as a voter since: it may have acknowledged entries it no longer
+    /// holds, so as a voter it catches up before it votes (see `amnesia`).
+    lost_disk: bool,
+    /// Followers' [`Wire::Follow`] held here: node → (after, tick asked).
+    held: BTreeMap<u32, (u64, u64)>,
     node: RawNode<Cache<S>>,
     state: S,
     applied_term: u64,
@@ -497,10 +657,12 @@ pub enum StartError {
 }
 
 impl<S: Machine, T> Log<S, T> {
-    /// Voter `me` of `voters`, from what it kept on disk; `seed` randomizes its election
-    /// timeouts.
-    pub fn new(me: u32, voters: u32, limits: Limits, durable: Durable<S>, seed: u64) -> Result<Self, StartError> {
-        assert!(me < voters, "voter {me} of {voters}");
+    /// Node `me` of `nodes`, from what it kept on disk; `seed` randomizes its election
+    /// timeouts. It is a voter if the configuration on disk says so (every node, for a store
+    /// written before voters changed), except a store created in this life, which starts as a
+    /// follower.
+    pub fn new(me: u32, nodes: u32, limits: Limits, durable: Durable<S>, seed: u64) -> Result<Self, StartError> {
+        assert!(me < nodes, "node {me} of {nodes}");
         let Durable {
             mut hard_state,
             compacted,
@@ -509,6 +671,7 @@ impl<S: Machine, T> Log<S, T> {
             applied_term,
             amnesiac,
             legacy,
+            conf,
         } = durable;
         let applied = state.index();
         let bad = |what: String| Err(StartError::Inconsistent(what));
@@ -527,27 +690,37 @@ impl<S: Machine, T> Log<S, T> {
         if applied > last {
             return bad(format!("applied index {applied} is past the last entry {last}"));
         }
+        let conf = conf.unwrap_or_else(|| conf_of(&(0..nodes).collect::<Vec<u32>>()));
+        if voters_of(&conf).is_empty() || voters_of(&conf).iter().any(|v| *v >= nodes) {
+            return bad(format!(
+                "the voters on disk ({:?}) are not among the {nodes} nodes",
+                voters_of(&conf)
+            ));
+        }
         // The commit index is at least what was applied (and at most the last entry).
         hard_state.commit = hard_state.commit.max(applied).min(last);
         // Term 0 is "never ran" to raft-rs, which then refuses a vote with term 0 and stops
         // (it requires a term on every vote answer): a new voter starts in term 1, as if a
         // term with no leader had passed.
         hard_state.term = hard_state.term.max(1);
+        let member = voters_of(&conf).contains(&me);
+        // A blank store learns first whether it is a voter (or the cluster is new).
+        let blank = amnesiac && last == 0;
         let cache = Cache {
             hard_state,
-            conf_state: ConfState {
-                voters: (0..voters).map(raft_id).collect(),
-                ..Default::default()
-            },
+            conf_state: conf,
             compacted,
             entries: entries.into(),
             applied: Some((state.clone(), applied_term)),
         };
-        let node = Self::raw(me, voters, limits, cache, applied)?;
+        let node = Self::raw(me, nodes, limits, cache, applied)?;
         let mut log = Log {
             me,
-            voters,
+            nodes,
             limits,
+            following: (!member || blank).then(Following::default),
+            lost_disk: amnesiac,
+            held: BTreeMap::new(),
             node,
             state,
             applied_term,
@@ -570,7 +743,7 @@ impl<S: Machine, T> Log<S, T> {
             written_applied: (applied, applied_term),
             timeout_drawn: false,
             timeout_set: 0,
-            amnesia: amnesiac.then_some(None),
+            amnesia: (amnesiac && member && !blank).then_some(None),
             legacy: legacy.filter(|l| *l > 0),
             lost_nonce: 0,
             catch_up_term: 0,
@@ -585,7 +758,7 @@ impl<S: Machine, T> Log<S, T> {
 
     fn raw(
         me: u32,
-        voters: u32,
+        _nodes: u32,
         limits: Limits,
         cache: Cache<S>,
         applied: u64,
@@ -600,10 +773,6 @@ impl<S: Machine, T> Log<S, T> {
             check_quorum: true,
             pre_vote: true,
             read_only_option: ReadOnlyOption::Safe,
-            // Lower voter numbers first: between logs as long, a voter votes only for a candidate
-            // of a priority at least its own, so the lowest live voter leads (the logical nodes
-            // before the spares), as operators expect of the coordinator.
-            priority: (voters - me) as i64,
             ..Default::default()
         };
         cfg.validate()
@@ -622,17 +791,49 @@ impl<S: Machine, T> Log<S, T> {
     pub fn state(&self) -> &S {
         &self.state
     }
-    /// The current term.
+    /// The current term (a follower's: the latest a feed told).
     pub fn term(&self) -> u64 {
-        self.node.raft.term
+        match &self.following {
+            Some(f) => f.term,
+            None => self.node.raft.term,
+        }
     }
-    /// The leader of the current term, as far as this voter knows.
+    /// The leader of the current term, as far as this node knows.
     pub fn leader(&self) -> Option<u32> {
-        voter_of(self.node.raft.leader_id)
+        match &self.following {
+            Some(f) => f.leader,
+            None => voter_of(self.node.raft.leader_id),
+        }
     }
-    /// Whether this voter leads.
+    /// Whether this node leads.
     pub fn is_leader(&self) -> bool {
-        self.node.raft.state == StateRole::Leader
+        self.following.is_none() && self.node.raft.state == StateRole::Leader
+    }
+    /// Whether this node is a voter now (else a follower).
+    pub fn is_voter(&self) -> bool {
+        self.following.is_none()
+    }
+    /// The voters of the configuration applied here (both halves of a joint one), in order.
+    pub fn voters(&self) -> Vec<u32> {
+        voters_of(&self.node.store().conf_state)
+    }
+    /// The configuration applied here.
+    pub fn conf(&self) -> &ConfState {
+        &self.node.store().conf_state
+    }
+    /// Whether a change of voters is under way (a joint configuration, or one proposed and not
+    /// applied yet).
+    pub fn conf_changing(&self) -> bool {
+        !self.conf().voters_outgoing.is_empty()
+            || (self.is_leader() && self.node.raft.pending_conf_index > self.state.index())
+    }
+    /// A blank store that waits to learn whether the cluster is new (it may be one of its first
+    /// voters: see [`Log::handle_fresh_cluster`]).
+    pub fn awaiting_fresh(&self) -> bool {
+        self.following.is_some()
+            && self.lost_disk
+            && self.node.store().last_index() == 0
+            && self.voters().contains(&self.me)
     }
     /// Whether this voter leads and holds its lease: a majority (itself included) answered it
     /// in its term within the election timeout less a margin ([`Limits::lease_margin_ticks`]).
@@ -644,27 +845,44 @@ impl<S: Machine, T> Log<S, T> {
     }
 
     /// How many more ticks this voter's lease lasts if no voter answers again (0: it holds
-    /// none; `u64::MAX` for a leader that is the only voter): the majority's oldest answer's.
+    /// none; `u64::MAX` for a leader that is the only voter): the shortest of the majorities'
+    /// (of both halves of a joint configuration), each its oldest answer's.
     pub fn lease_ticks_left(&self) -> u64 {
         if !self.is_leader() {
             return 0;
         }
-        if self.voters == 1 {
+        let conf = self.conf().clone();
+        let mut left = u64::MAX;
+        for half in [&conf.voters, &conf.voters_outgoing] {
+            if half.is_empty() {
+                continue;
+            }
+            left = left.min(self.lease_of(half));
+        }
+        left
+    }
+
+    /// The lease a majority of `voters` (raft ids) gives this leader.
+    fn lease_of(&self, voters: &[u64]) -> u64 {
+        let me = raft_id(self.me);
+        let mine = voters.contains(&me);
+        if voters.len() == 1 && mine {
             return u64::MAX;
         }
         if self.acked_term != self.term() {
             return 0;
         }
         let lease = (self.limits.election_ticks as u64).saturating_sub(self.limits.lease_margin_ticks());
-        let mut left: Vec<u64> = self
-            .acked
-            .values()
+        let mut left: Vec<u64> = voters
+            .iter()
+            .filter(|id| **id != me)
+            .filter_map(|id| voter_of(*id).and_then(|v| self.acked.get(&v)))
             .map(|&t| lease.saturating_sub(self.ticks.saturating_sub(t)))
             .filter(|&l| l > 0)
             .collect();
         left.sort_unstable_by(|a, b| b.cmp(a));
-        // This voter and the (majority − 1) that answered last.
-        let others = (self.voters as usize / 2 + 1) - 1;
+        // This voter (if one) and the (majority − 1) that answered last.
+        let others = (voters.len() / 2 + 1) - usize::from(mine);
         match others.checked_sub(1) {
             None => u64::MAX,
             Some(k) => left.get(k).copied().unwrap_or(0),
@@ -681,11 +899,14 @@ impl<S: Machine, T> Log<S, T> {
 
     /// Whether this voter campaigns (a candidate or pre-candidate) or leads.
     pub fn claims(&self) -> bool {
-        self.node.raft.state != StateRole::Follower
+        self.following.is_none() && self.node.raft.state != StateRole::Follower
     }
-    /// The commit index as this voter knows it.
+    /// The commit index as this node knows it (a follower's: what it applied).
     pub fn commit(&self) -> u64 {
-        self.node.raft.raft_log.committed
+        match &self.following {
+            Some(_) => self.state.index(),
+            None => self.node.raft.raft_log.committed,
+        }
     }
     /// The applied index.
     pub fn applied(&self) -> u64 {
@@ -693,7 +914,10 @@ impl<S: Machine, T> Log<S, T> {
     }
     /// The last index of the log here.
     pub fn last_index(&self) -> u64 {
-        self.node.raft.raft_log.last_index()
+        match &self.following {
+            Some(_) => self.node.store().last_index(),
+            None => self.node.raft.raft_log.last_index(),
+        }
     }
     /// The first index still in the log here.
     pub fn first_index(&self) -> u64 {
@@ -714,9 +938,16 @@ impl<S: Machine, T> Log<S, T> {
     pub fn legacy(&self) -> Option<u64> {
         self.legacy
     }
-    /// Whether this voter is catching up after losing its disk (it neither votes nor campaigns).
+    /// Whether this voter is catching up after losing its disk (it neither votes nor campaigns),
+    /// or is a voter on a blank store that has not learnt yet how far to catch up.
     pub fn amnesiac(&self) -> bool {
-        self.amnesia.is_some()
+        self.amnesia.is_some() || (self.following.is_some() && self.lost_disk && self.voters().contains(&self.me))
+    }
+    /// Whether this node's store was created in this life and it has not caught up since (as
+    /// a voter, or as a follower through the leader's commit index): made a voter, it would
+    /// catch up before it votes, so the leader does not choose it.
+    pub fn lost_disk(&self) -> bool {
+        self.lost_disk
     }
     /// Why the log stopped here, if it did.
     pub fn halted(&self) -> Option<&str> {
@@ -757,11 +988,30 @@ impl<S: Machine, T> Log<S, T> {
         }
         self.ticks += 1;
         self.write_unsaved();
+        self.release_held();
+        if self.following.is_some() {
+            self.follow_tick();
+            return;
+        }
+        // A timeout raft drew itself since the last input (its generator is not seeded) is
+        // replaced before it counts.
+        self.draw_timeout();
         if (self.eligible && self.amnesia.is_none()) || self.is_leader() {
             self.node.tick();
         }
         if !self.eligible && self.is_leader() {
             self.hand_over();
+        }
+        // A leader elected while the configuration was joint leaves it (raft-rs leaves only
+        // when the leader that entered it applies the entry).
+        if self.is_leader()
+            && !self.conf().voters_outgoing.is_empty()
+            && self.node.raft.pending_conf_index <= self.state.index()
+        {
+            let leave = ConfChangeV2::default();
+            if let Err(e) = self.node.propose_conf_change(Vec::new(), leave) {
+                tracing::debug!(voter = self.me, error = %e, "leaving the joint configuration refused");
+            }
         }
         self.draw_timeout();
         // A read request lost with a message (or dropped by a leader that has not committed in
@@ -777,10 +1027,338 @@ impl<S: Machine, T> Log<S, T> {
         }
     }
 
+    /// A follower's tick: asks for entries when no request is out (or one went unanswered too
+    /// long: then another voter), and asks a lost read again.
+    fn follow_tick(&mut self) {
+        let limit = self.limits.follow_wait_ticks + self.limits.election_ticks as u64;
+        let Some(f) = self.following.as_mut() else { return };
+        if let Some((_, at)) = f.asked {
+            if self.ticks.saturating_sub(at) >= limit {
+                f.asked = None;
+                f.turn = f.turn.wrapping_add(1);
+            }
+        }
+        let applied = self.state.index();
+        match f.behind {
+            Some((index, _)) if applied >= index => f.behind = None,
+            Some((index, since)) if self.ticks.saturating_sub(since) >= self.limits.election_ticks as u64 => {
+                tracing::debug!(
+                    node = self.me,
+                    applied,
+                    index,
+                    "the source of entries lags the leader: asking another"
+                );
+                f.asked = None;
+                f.turn = f.turn.wrapping_add(1);
+                f.behind = Some((index, self.ticks));
+            }
+            _ => {}
+        }
+        if f.asked.is_none() {
+            self.ask_feed();
+        }
+        if let Some((ctx, _, sent)) = &self.reads.inflight {
+            if self.ticks.saturating_sub(*sent) >= self.limits.read_retry_ticks {
+                let ctx = *ctx;
+                self.send_read_ctx(ctx);
+            }
+        }
+        self.probe_lost_disk();
+    }
+
+    /// See [`Following::probe`].
+    fn probe_lost_disk(&mut self) {
+        let member = self.voters().contains(&self.me);
+        let applied = self.state.index();
+        let retry = self.limits.read_retry_ticks;
+        let (ticks, leader) = (self.ticks, self.leader());
+        let Some(f) = self.following.as_mut() else { return };
+        if !self.lost_disk || member || applied == 0 {
+            return;
+        }
+        if let Some(at) = f.clear_at {
+            if applied >= at {
+                tracing::info!(node = self.me, applied, "a follower caught up after a lost disk");
+                self.lost_disk = false;
+                f.clear_at = None;
+                f.probe = None;
+                // Written with the next write.
+                self.persist(true, Vec::new(), None);
+            }
+            return;
+        }
+        let due = f.probe.is_none_or(|(_, at)| ticks.saturating_sub(at) >= retry);
+        let Some(leader) = leader.filter(|_| due) else { return };
+        let ctx = self.rng.next();
+        if let Some(f) = self.following.as_mut() {
+            f.probe = Some((ctx, ticks));
+        }
+        let mut m = Message::default();
+        m.set_msg_type(MessageType::MsgReadIndex);
+        m.from = raft_id(self.me);
+        m.to = raft_id(leader);
+        m.entries = vec![Entry {
+            data: ctx.to_le_bytes().to_vec().into(),
+            ..Default::default()
+        }]
+        .into();
+        self.actions.push_back(Action::Send {
+            to: leader,
+            msg: Wire::Raft(Box::new(m)),
+        });
+    }
+
+    /// Asks a voter (not the leader, when there is another) for the entries after the applied
+    /// index.
+    fn ask_feed(&mut self) {
+        let voters: Vec<u32> = self.voters().into_iter().filter(|v| *v != self.me).collect();
+        let Some(f) = self.following.as_mut() else { return };
+        let others: Vec<u32> = voters.iter().copied().filter(|v| Some(*v) != f.leader).collect();
+        let pick = if others.is_empty() { &voters } else { &others };
+        if pick.is_empty() {
+            return;
+        }
+        let to = pick[((self.me as usize) + f.turn as usize) % pick.len()];
+        f.asked = Some((to, self.ticks));
+        let after = self.state.index();
+        self.actions.push_back(Action::Send {
+            to,
+            msg: Wire::Follow { after },
+        });
+    }
+
+    /// Answers the held requests that can be (this node applied past them), and those held long
+    /// enough (empty: the follower asks again, and learns the leadership meanwhile).
+    fn release_held(&mut self) {
+        let applied = self.state.index();
+        let wait = self.limits.follow_wait_ticks;
+        let due: Vec<(u32, u64)> = self
+            .held
+            .iter()
+            .filter(|(_, (after, at))| *after < applied || self.ticks.saturating_sub(*at) >= wait)
+            .map(|(n, (after, _))| (*n, *after))
+            .collect();
+        for (n, after) in due {
+            self.held.remove(&n);
+            let feed = self.feed_after(after);
+            self.actions.push_back(Action::Send {
+                to: n,
+                msg: Wire::Feed(Box::new(feed)),
+            });
+        }
+    }
+
+    /// The committed entries after `after` this node can give (applied here), at most
+    /// [`Limits::max_msg_bytes`] of them, or the applied state once they were compacted away.
+    fn feed_after(&self, after: u64) -> Feed {
+        let applied = self.state.index();
+        let mut feed = Feed {
+            applied,
+            term: self.term(),
+            leader: self.leader(),
+            ..Feed::default()
+        };
+        if after >= applied {
+            return feed;
+        }
+        let store = self.node.store();
+        if after < store.compacted.0 {
+            match store.snapshot(0, 0) {
+                Ok(snap) => feed.snapshot = Some(snap),
+                Err(e) => tracing::debug!(node = self.me, error = %e, "no snapshot for a follower yet"),
+            }
+            return feed;
+        }
+        match store.entries(
+            after + 1,
+            applied + 1,
+            self.limits.max_msg_bytes,
+            GetEntriesContext::empty(false),
+        ) {
+            Ok(entries) => feed.entries = entries,
+            Err(e) => tracing::debug!(node = self.me, after, error = %e, "no entries for a follower"),
+        }
+        feed
+    }
+
+    /// A follower's request: answered now if this node applied past `after`, else held.
+    fn handle_follow(&mut self, from: u32, after: u64) {
+        if after < self.state.index() {
+            let feed = self.feed_after(after);
+            self.actions.push_back(Action::Send {
+                to: from,
+                msg: Wire::Feed(Box::new(feed)),
+            });
+        } else {
+            // One per node: a newer request replaces an older one.
+            self.held.insert(from, (after, self.ticks));
+        }
+    }
+
+    /// Entries (or a snapshot) pulled as a follower: applied and written like a voter's.
+    fn handle_feed(&mut self, from: u32, feed: Feed) {
+        let Some(f) = self.following.as_mut() else {
+            return;
+        };
+        if f.asked.is_some_and(|(n, _)| n == from) {
+            f.asked = None;
+        }
+        if feed.term >= f.term {
+            f.term = feed.term;
+            f.leader = feed.leader.filter(|l| *l < self.nodes);
+        }
+        let applied = self.state.index();
+        let mut answers = Vec::new();
+        if let Some(snap) = feed.snapshot {
+            let meta = snap.get_metadata().clone();
+            if meta.index > applied {
+                let state = match S::decode(&snap.data) {
+                    Ok(s) if s.index() == meta.index => s,
+                    Ok(_) | Err(_) => {
+                        tracing::warn!(
+                            node = self.me,
+                            from,
+                            index = meta.index,
+                            "a follower's snapshot does not decode: dropped"
+                        );
+                        return;
+                    }
+                };
+                if voters_of(meta.get_conf_state()).iter().any(|v| *v >= self.nodes) {
+                    tracing::warn!(
+                        node = self.me,
+                        from,
+                        "a snapshot's voters are not among the nodes: dropped"
+                    );
+                    return;
+                }
+                self.install(state, meta.index, meta.term, &mut answers);
+                let cache = self.node.mut_store();
+                cache.conf_state = meta.get_conf_state().clone();
+                cache.hard_state.commit = meta.index;
+                self.rebuild_node();
+                self.persist(true, Vec::new(), Some((meta.index, meta.term)));
+            }
+        } else {
+            // The entries continuing this node's applied ones.
+            let entries: Vec<Entry> = feed.entries.into_iter().filter(|e| e.index > applied).collect();
+            let contiguous = entries
+                .iter()
+                .enumerate()
+                .all(|(i, e)| e.index == applied + 1 + i as u64);
+            if !entries.is_empty() && contiguous && entries.last().is_some_and(|e| e.index <= feed.applied) {
+                let last = entries.last().map_or(applied, |e| e.index);
+                let cache = self.node.mut_store();
+                cache.append(&entries);
+                cache.hard_state.commit = cache.hard_state.commit.max(last);
+                self.apply(entries.clone(), last, &mut answers);
+                if self.halted.is_some() {
+                    return;
+                }
+                self.persist(false, entries, None);
+            }
+        }
+        self.actions.extend(answers);
+        self.answer_ready_reads();
+        self.release_held();
+        self.check_role();
+        if let Some(f) = self.following.as_mut() {
+            if f.asked.is_none() {
+                self.ask_feed();
+            }
+        }
+    }
+
+    /// Becomes a follower when the configuration applied here leaves this node out, and a voter
+    /// when it takes it in (a blank store: only once it learnt something, catching up first).
+    fn check_role(&mut self) {
+        let member = self.voters().contains(&self.me);
+        match &self.following {
+            None if !member => self.become_follower(0),
+            Some(f) if member && self.state.index() >= f.not_voter_until && self.state.index() > 0 => {
+                let lost = self.lost_disk;
+                self.become_voter(lost);
+            }
+            _ => {}
+        }
+    }
+
+    fn become_follower(&mut self, not_voter_until: u64) {
+        tracing::info!(
+            node = self.me,
+            applied = self.state.index(),
+            "not a voter of the metadata log: follows it"
+        );
+        let (leader, term) = (self.leader(), self.term());
+        for (_, p) in std::mem::take(&mut self.pending) {
+            self.actions.push_back(Action::Done {
+                token: p.token,
+                result: Err(SubmitError::Unknown),
+            });
+        }
+        self.amnesia = None;
+        self.following = Some(Following {
+            leader,
+            term,
+            not_voter_until,
+            ..Following::default()
+        });
+        // Reads ask the leader again, as a follower.
+        if let Some((ctx, _, _)) = &self.reads.inflight {
+            let ctx = *ctx;
+            self.send_read_ctx(ctx);
+        }
+        self.ask_feed();
+    }
+
+    /// Starts raft here from the store as it is (a follower's entries are committed ones).
+    fn become_voter(&mut self, lost_disk: bool) {
+        tracing::info!(
+            node = self.me,
+            applied = self.state.index(),
+            catching_up = lost_disk,
+            "a voter of the metadata log"
+        );
+        self.following = None;
+        self.rebuild_node();
+        self.amnesia = lost_disk.then_some(None);
+        self.lost_nonce = self.rng.next();
+        self.catch_up_term = 0;
+        self.acked.clear();
+        self.timeout_drawn = false;
+        self.draw_timeout();
+        // Reads go through raft now.
+        if let Some((ctx, _, _)) = &self.reads.inflight {
+            let ctx = *ctx;
+            self.node.read_index(ctx.to_le_bytes().to_vec());
+        }
+        self.persist(true, Vec::new(), None);
+    }
+
+    /// A new raft node over a copy of the store as it is (its configuration, its entries, the
+    /// applied state).
+    fn rebuild_node(&mut self) {
+        let old = self.node.store();
+        let applied = self.state.index();
+        let mut hard_state = old.hard_state.clone();
+        hard_state.commit = hard_state.commit.max(applied).min(old.last_index().max(applied));
+        let cache = Cache {
+            hard_state,
+            conf_state: old.conf_state.clone(),
+            compacted: old.compacted,
+            entries: old.entries.clone(),
+            applied: Some((self.state.clone(), self.applied_term)),
+        };
+        match Self::raw(self.me, self.nodes, self.limits, cache, applied) {
+            Ok(node) => self.node = node,
+            Err(e) => self.halt(format!("cannot restart raft over the store: {e}")),
+        }
+    }
+
     /// A message from voter `from` (its authenticated identity). Messages that name another
     /// sender or receiver, or that raft refuses, are dropped.
     pub fn handle_message(&mut self, from: u32, msg: Wire) {
-        if self.halted.is_some() || from >= self.voters || from == self.me {
+        if self.halted.is_some() || from >= self.nodes || from == self.me {
             return;
         }
         let mut msg = match msg {
@@ -791,9 +1369,64 @@ impl<S: Machine, T> Log<S, T> {
                 last_index,
                 term,
             } => return self.handle_catch_up_to(nonce, last_index, term),
+            Wire::Follow { after } => return self.handle_follow(from, after),
+            Wire::Feed(feed) => return self.handle_feed(from, *feed),
+            Wire::NotVoter { applied } => {
+                if self.following.is_none() && applied > self.state.index() {
+                    tracing::info!(node = self.me, from, applied, "a voter says this node is not a voter");
+                    self.become_follower(applied);
+                }
+                return;
+            }
         };
         if msg.from != raft_id(from) || msg.to != raft_id(self.me) {
             tracing::warn!(from, "metadata log message naming another sender or receiver: dropped");
+            return;
+        }
+        if let Some(f) = self.following.as_mut() {
+            // A follower takes only the leader's answers to its reads.
+            if msg.get_msg_type() == MessageType::MsgReadIndexResp {
+                if msg.term >= f.term {
+                    f.term = msg.term;
+                    f.leader = Some(from);
+                }
+                if msg.index > self.state.index() && f.behind.is_none_or(|(i, _)| i < msg.index) {
+                    let since = f.behind.map_or(self.ticks, |(_, t)| t);
+                    f.behind = Some((msg.index, since));
+                }
+                let probe = f.probe.map(|(c, _)| c.to_le_bytes().to_vec());
+                if probe.is_some() && msg.entries.first().map(|e| e.data.to_vec()) == probe {
+                    f.clear_at = Some(msg.index);
+                    f.probe = None;
+                    self.probe_lost_disk();
+                    return;
+                }
+                if let Some(ctx) = msg.entries.first().map(|e| e.data.to_vec()) {
+                    let rs = raft::ReadState {
+                        index: msg.index,
+                        request_ctx: ctx,
+                    };
+                    self.answer_reads(vec![rs]);
+                    self.answer_ready_reads();
+                }
+            }
+            return;
+        }
+        // A node this voter's configuration leaves out gets no vote (one removed while it was
+        // away could otherwise disrupt the voters), and is told; the rest goes to raft, which
+        // counts only its configuration's voters (a leader this voter does not know as a voter
+        // yet, because it lags, is followed).
+        let vote = matches!(
+            msg.get_msg_type(),
+            MessageType::MsgRequestVote | MessageType::MsgRequestPreVote
+        );
+        if vote && !self.voters().contains(&from) {
+            self.actions.push_back(Action::Send {
+                to: from,
+                msg: Wire::NotVoter {
+                    applied: self.state.index(),
+                },
+            });
             return;
         }
         // An answer to this leader in its term renews its lease with that voter.
@@ -899,7 +1532,7 @@ impl<S: Machine, T> Log<S, T> {
             entries: VecDeque::new(),
             applied: Some((S::default(), 0)),
         };
-        match Self::raw(self.me, self.voters, self.limits, cache, 0) {
+        match Self::raw(self.me, self.nodes, self.limits, cache, 0) {
             Ok(node) => self.node = node,
             Err(e) => return self.halt(format!("cannot start over after dropping the converted metadata: {e}")),
         }
@@ -932,8 +1565,9 @@ impl<S: Machine, T> Log<S, T> {
             compact_to: None,
             applied: (0, 0),
             changes: self.state.all_changes(),
-            amnesiac: self.amnesia.is_some(),
+            amnesiac: self.lost_disk,
             legacy: None,
+            conf: Some(self.conf().clone()),
         })));
         self.actions.push_back(Action::Send {
             to: leader,
@@ -992,12 +1626,18 @@ impl<S: Machine, T> Log<S, T> {
     /// shell's hint that no leader is known and this voter is the one that should lead. Harmless
     /// when wrong: the pre-vote fails while a leader holds a majority.
     pub fn campaign(&mut self) {
-        if self.halted.is_some() || !self.eligible || self.amnesia.is_some() || self.is_leader() {
+        if self.halted.is_some()
+            || self.following.is_some()
+            || !self.eligible
+            || self.amnesia.is_some()
+            || self.is_leader()
+        {
             return;
         }
         if let Err(e) = self.node.campaign() {
             tracing::debug!(voter = self.me, error = %e, "campaign refused");
         }
+        self.draw_timeout();
     }
 
     /// The shell learnt that enough other voters never held a log entry that nothing can have been
@@ -1010,23 +1650,81 @@ impl<S: Machine, T> Log<S, T> {
                 "the cluster is new: this voter takes part in elections"
             );
             self.amnesia = None;
+            self.lost_disk = false;
+        }
+        if self.awaiting_fresh() && self.state.index() == 0 {
+            tracing::info!(
+                node = self.me,
+                "the cluster is new: this node is one of its first voters"
+            );
+            self.lost_disk = false;
+            self.become_voter(false);
         }
     }
 
-    /// A message to voter `to` could not be delivered (its link is down): the leader probes it
-    /// again instead of streaming to it.
+    /// A message to node `to` could not be delivered (its link is down): the leader probes it
+    /// again instead of streaming to it; a follower asks another voter.
     pub fn handle_unreachable(&mut self, to: u32) {
-        if to < self.voters && to != self.me {
-            self.node.report_unreachable(raft_id(to));
+        if to >= self.nodes || to == self.me {
+            return;
         }
+        if let Some(f) = self.following.as_mut() {
+            if f.asked.is_some_and(|(n, _)| n == to) {
+                f.asked = None;
+                f.turn = f.turn.wrapping_add(1);
+            }
+            return;
+        }
+        self.node.report_unreachable(raft_id(to));
     }
 
-    /// A snapshot was sent to voter `to` (whether it arrives or not: a voter that did not install
+    /// A snapshot was sent to node `to` (whether it arrives or not: a voter that did not install
     /// it rejects the next append, and is sent one again).
     pub fn handle_snapshot_sent(&mut self, to: u32) {
-        if to < self.voters && to != self.me {
+        if to < self.nodes && to != self.me && self.following.is_none() {
             self.node.report_snapshot(raft_id(to), raft::SnapshotStatus::Finish);
         }
+    }
+
+    /// Leader only: proposes `voters` as the log's voters (one `ConfChangeV2`: joint consensus
+    /// when more than one voter changes, left by itself once applied). The leader stays one.
+    pub fn propose_voters(&mut self, voters: &[u32]) -> Result<(), ConfError> {
+        if !self.is_leader() || self.halted.is_some() {
+            return Err(ConfError::NotLeader);
+        }
+        if self.conf_changing() {
+            return Err(ConfError::Pending);
+        }
+        if voters.is_empty() || voters.iter().any(|v| *v >= self.nodes) {
+            return Err(ConfError::Invalid);
+        }
+        if !voters.contains(&self.me) {
+            return Err(ConfError::DropsLeader);
+        }
+        let now = self.voters();
+        let mut changes = Vec::new();
+        for v in voters.iter().filter(|v| !now.contains(v)) {
+            let mut c = ConfChangeSingle::default();
+            c.set_change_type(ConfChangeType::AddNode);
+            c.node_id = raft_id(*v);
+            changes.push(c);
+        }
+        for v in now.iter().filter(|v| !voters.contains(v)) {
+            let mut c = ConfChangeSingle::default();
+            c.set_change_type(ConfChangeType::RemoveNode);
+            c.node_id = raft_id(*v);
+            changes.push(c);
+        }
+        if changes.is_empty() {
+            return Ok(());
+        }
+        tracing::info!(voter = self.me, from = ?now, to = ?voters, "changing the metadata log's voters");
+        let mut cc = ConfChangeV2::default();
+        cc.set_transition(ConfChangeTransition::Auto);
+        cc.set_changes(changes.into());
+        self.node
+            .propose_conf_change(Vec::new(), cc)
+            .map_err(|_| ConfError::Pending)
     }
 
     /// Proposes `op`; answered with [`Action::Done`].
@@ -1084,15 +1782,43 @@ impl<S: Machine, T> Log<S, T> {
         let ctx = self.reads.next_ctx;
         self.reads.next_ctx = self.reads.next_ctx.wrapping_add(1);
         self.reads.inflight = Some((ctx, tokens, self.ticks));
-        self.node.read_index(ctx.to_le_bytes().to_vec());
+        if self.following.is_some() {
+            self.send_read_ctx(ctx);
+        } else {
+            self.node.read_index(ctx.to_le_bytes().to_vec());
+        }
+    }
+
+    /// A follower asks the leader it knows for its read index (raft's `MsgReadIndex`, which a
+    /// leader answers to any node).
+    fn send_read_ctx(&mut self, ctx: u64) {
+        if let Some(r) = self.reads.inflight.as_mut() {
+            r.2 = self.ticks;
+        }
+        let Some(leader) = self.leader() else { return };
+        let mut m = Message::default();
+        m.set_msg_type(MessageType::MsgReadIndex);
+        m.from = raft_id(self.me);
+        m.to = raft_id(leader);
+        m.entries = vec![Entry {
+            data: ctx.to_le_bytes().to_vec().into(),
+            ..Default::default()
+        }]
+        .into();
+        self.actions.push_back(Action::Send {
+            to: leader,
+            msg: Wire::Raft(Box::new(m)),
+        });
     }
 
     // ---- outputs ----
 
     /// The next action, if any.
     pub fn poll_action(&mut self) -> Option<Action<S, T>> {
-        if self.actions.is_empty() && self.halted.is_none() {
+        if self.actions.is_empty() && self.halted.is_none() && self.following.is_none() {
             self.process();
+            self.release_held();
+            self.check_role();
         }
         self.actions.pop_front()
     }
@@ -1164,6 +1890,8 @@ impl<S: Machine, T> Log<S, T> {
                     Ok(state) => {
                         assert_eq!(state.index(), meta.index, "a snapshot's state is at its index");
                         self.install(state, meta.index, meta.term, &mut answers);
+                        // raft restored its tracker from the snapshot's configuration.
+                        self.node.mut_store().conf_state = meta.get_conf_state().clone();
                         snapshot = Some((meta.index, meta.term));
                     }
                     Err(e) => {
@@ -1173,7 +1901,8 @@ impl<S: Machine, T> Log<S, T> {
                 }
             }
             let committed = rd.take_committed_entries();
-            self.apply(committed, &mut answers);
+            let bound = self.node.raft.raft_log.committed;
+            self.apply(committed, bound, &mut answers);
             if self.halted.is_some() {
                 return;
             }
@@ -1207,7 +1936,8 @@ impl<S: Machine, T> Log<S, T> {
             }
             let committed = light.take_committed_entries();
             if !committed.is_empty() {
-                self.apply(committed, &mut answers);
+                let bound = self.node.raft.raft_log.committed;
+                self.apply(committed, bound, &mut answers);
                 if self.halted.is_some() {
                     return;
                 }
@@ -1226,7 +1956,7 @@ impl<S: Machine, T> Log<S, T> {
     }
 
     fn send(&mut self, msg: Message) {
-        let Some(to) = voter_of(msg.to).filter(|v| *v < self.voters) else {
+        let Some(to) = voter_of(msg.to).filter(|v| *v < self.nodes) else {
             return;
         };
         let vote = matches!(
@@ -1262,28 +1992,34 @@ impl<S: Machine, T> Log<S, T> {
         }
     }
 
-    /// Applies committed entries in order.
-    fn apply(&mut self, entries: Vec<Entry>, answers: &mut Vec<Action<S, T>>) {
+    /// Applies committed entries in order (`committed`: the commit index they are under).
+    fn apply(&mut self, entries: Vec<Entry>, committed: u64, answers: &mut Vec<Action<S, T>>) {
         for e in entries {
             if e.index <= self.state.index() {
                 continue;
             }
             assert_eq!(e.index, self.state.index() + 1, "entries are applied in order");
-            assert!(
-                e.index <= self.node.raft.raft_log.committed,
-                "only committed entries are applied"
-            );
-            let result = if e.get_entry_type() != EntryType::EntryNormal || e.data.is_empty() {
-                self.state.skip(e.index);
-                None
-            } else {
-                match decode_op::<S::Op>(&e.data) {
+            assert!(e.index <= committed, "only committed entries are applied");
+            let result = match e.get_entry_type() {
+                EntryType::EntryConfChange | EntryType::EntryConfChangeV2 => {
+                    if let Err(why) = self.apply_conf(&e) {
+                        self.halt(format!("entry {} (term {}): {why}", e.index, e.term));
+                        return;
+                    }
+                    self.state.skip(e.index);
+                    None
+                }
+                EntryType::EntryNormal if e.data.is_empty() => {
+                    self.state.skip(e.index);
+                    None
+                }
+                EntryType::EntryNormal => match decode_op::<S::Op>(&e.data) {
                     Ok(op) => Some(self.state.apply(e.index, &op)),
                     Err(why) => {
                         self.halt(format!("entry {} (term {}) does not decode: {why}", e.index, e.term));
                         return;
                     }
-                }
+                },
             };
             assert_eq!(
                 self.state.index(),
@@ -1321,6 +2057,30 @@ impl<S: Machine, T> Log<S, T> {
         }
     }
 
+    /// Applies a configuration change entry (raft's own tracker, on a follower too).
+    fn apply_conf(&mut self, e: &Entry) -> Result<(), String> {
+        use protobuf::Message as _;
+        let cs = if e.get_entry_type() == EntryType::EntryConfChange {
+            let cc = ConfChange::parse_from_bytes(&e.data)
+                .map_err(|x| format!("a configuration change does not decode: {x}"))?;
+            self.node.apply_conf_change(&cc)
+        } else {
+            let cc = ConfChangeV2::parse_from_bytes(&e.data)
+                .map_err(|x| format!("a configuration change does not decode: {x}"))?;
+            self.node.apply_conf_change(&cc)
+        }
+        .map_err(|x| format!("the configuration change does not apply: {x}"))?;
+        if voters_of(&cs).iter().any(|v| *v >= self.nodes) || voters_of(&cs).is_empty() {
+            return Err(format!(
+                "the configuration {cs:?} names nodes beyond the {}",
+                self.nodes
+            ));
+        }
+        tracing::info!(node = self.me, index = e.index, voters = ?voters_of(&cs), joint = !cs.voters_outgoing.is_empty(), "metadata log voters");
+        self.node.mut_store().conf_state = cs;
+        Ok(())
+    }
+
     fn persist(&mut self, mut sync: bool, entries: Vec<Entry>, snapshot: Option<(u64, u64)>) {
         let applied = (self.state.index(), self.applied_term);
         // A leader's log matched this voter's past the converted state (or replaced it).
@@ -1343,9 +2103,11 @@ impl<S: Machine, T> Log<S, T> {
                     "caught up after a lost disk: votes again"
                 );
                 self.amnesia = None;
+                self.lost_disk = false;
                 sync = true;
             }
         }
+        let conf = self.conf().clone();
         let changes = if snapshot.is_some() {
             let _ = self.state.take_changes();
             self.state.all_changes()
@@ -1375,13 +2137,15 @@ impl<S: Machine, T> Log<S, T> {
             compact_to,
             applied,
             changes: S::Changes::default(),
-            amnesiac: self.amnesia.is_some(),
+            amnesiac: self.lost_disk,
             legacy: self.legacy,
+            conf: None,
         });
         if p.snapshot.is_some() {
             // A snapshot replaces every key: what waited is in it.
             self.unsaved = None;
             p.changes = changes;
+            p.conf = Some(conf);
             self.written_applied = p.applied;
             self.actions.push_back(Action::Persist(p));
             return;
@@ -1392,12 +2156,14 @@ impl<S: Machine, T> Log<S, T> {
                 S::merge_changes(&mut u.changes, changes);
                 u.applied = applied;
                 u.compact_to = compact_to.or(u.compact_to);
+                u.conf = conf;
                 u
             }
             None => Unsaved {
                 changes,
                 applied,
                 compact_to,
+                conf,
             },
         };
         if !p.sync && p.entries.is_empty() {
@@ -1412,6 +2178,7 @@ impl<S: Machine, T> Log<S, T> {
             p.changes = u.changes;
             p.applied = u.applied;
             p.compact_to = u.compact_to;
+            p.conf = Some(u.conf);
             self.written_applied = u.applied;
         } else {
             p.applied = self.written_applied;
@@ -1436,8 +2203,9 @@ impl<S: Machine, T> Log<S, T> {
             compact_to: u.compact_to,
             applied: u.applied,
             changes: u.changes,
-            amnesiac: self.amnesia.is_some(),
+            amnesiac: self.lost_disk,
             legacy: self.legacy,
+            conf: Some(u.conf),
         })));
     }
 
@@ -1489,14 +2257,16 @@ fn le_u64(b: &[u8], at: usize) -> u64 {
 
 /// Whether `msg` carries a snapshot (its data can be large: the shell sends it apart).
 pub fn is_snapshot(msg: &Wire) -> bool {
-    matches!(msg, Wire::Raft(m) if m.get_msg_type() == MessageType::MsgSnapshot)
+    msg.snapshot().is_some()
 }
 
 /// Largest encoded message accepted from a peer (snapshots travel apart, in chunks).
 pub const MAX_WIRE_BYTES: usize = 4 << 20;
 
 /// A message as bytes: `[0][protobuf raft message]`, `[1][last index][nonce]` (u64 LE each; an
-/// earlier build sent `[1][last index]`) or `[2][nonce][last index][term]`.
+/// earlier build sent `[1][last index]`), `[2][nonce][last index][term]`, `[3][after]`,
+/// `[4][applied][term][leader + 1, 0: none][snapshot length u32 LE, 0: none][protobuf
+/// snapshot][entries u32 LE]([length u32 LE][protobuf entry])*` or `[5][applied]`.
 pub fn encode_wire(w: &Wire) -> Vec<u8> {
     use protobuf::Message as _;
     match w {
@@ -1525,7 +2295,95 @@ pub fn encode_wire(w: &Wire) -> Vec<u8> {
             out.extend(term.to_le_bytes());
             out
         }
+        Wire::Follow { after } => {
+            let mut out = vec![3u8];
+            out.extend(after.to_le_bytes());
+            out
+        }
+        Wire::Feed(f) => {
+            let mut out = vec![4u8];
+            out.extend(f.applied.to_le_bytes());
+            out.extend(f.term.to_le_bytes());
+            out.extend(f.leader.map_or(0, |l| l as u64 + 1).to_le_bytes());
+            let put = |out: &mut Vec<u8>, m: &dyn protobuf::Message| {
+                let at = out.len();
+                out.extend([0u8; 4]);
+                // Writing a message built here into a vector does not fail.
+                if let Err(e) = m.write_to_vec(out) {
+                    tracing::error!(error = %e, "a metadata feed does not encode");
+                }
+                let len = (out.len() - at - 4) as u32;
+                out[at..at + 4].copy_from_slice(&len.to_le_bytes());
+            };
+            match &f.snapshot {
+                Some(snap) => put(&mut out, snap),
+                None => out.extend(0u32.to_le_bytes()),
+            }
+            out.extend((f.entries.len() as u32).to_le_bytes());
+            for e in &f.entries {
+                put(&mut out, e);
+            }
+            out
+        }
+        Wire::NotVoter { applied } => {
+            let mut out = vec![5u8];
+            out.extend(applied.to_le_bytes());
+            out
+        }
     }
+}
+
+/// Reads a feed's body (after its tag).
+fn decode_feed(b: &[u8]) -> Result<Feed, String> {
+    use protobuf::Message as _;
+    let short = || "a metadata feed is cut short".to_string();
+    let mut at = 0usize;
+    let u64_at = |at: &mut usize| -> Result<u64, String> {
+        let v = b.get(*at..*at + 8).ok_or_else(short)?;
+        *at += 8;
+        Ok(le_u64(v, 0))
+    };
+    let applied = u64_at(&mut at)?;
+    let term = u64_at(&mut at)?;
+    let leader = match u64_at(&mut at)? {
+        0 => None,
+        l => Some(u32::try_from(l - 1).map_err(|_| "a metadata feed names no node".to_string())?),
+    };
+    let chunk = |at: &mut usize| -> Result<&[u8], String> {
+        let len = b.get(*at..*at + 4).ok_or_else(short)?;
+        let len = u32::from_le_bytes([len[0], len[1], len[2], len[3]]) as usize;
+        let body = b.get(*at + 4..*at + 4 + len).ok_or_else(short)?;
+        *at += 4 + len;
+        Ok(body)
+    };
+    let snap = chunk(&mut at)?;
+    let snapshot = if snap.is_empty() {
+        None
+    } else {
+        Some(Snapshot::parse_from_bytes(snap).map_err(|e| e.to_string())?)
+    };
+    let n = b.get(at..at + 4).ok_or_else(short)?;
+    let n = u32::from_le_bytes([n[0], n[1], n[2], n[3]]) as usize;
+    at += 4;
+    // Each entry takes at least its 4-byte length: a count beyond the bytes is refused before
+    // anything is allocated for it.
+    if n > b.len().saturating_sub(at) / 4 {
+        return Err(short());
+    }
+    let mut entries = Vec::with_capacity(n);
+    for _ in 0..n {
+        entries.push(Entry::parse_from_bytes(chunk(&mut at)?).map_err(|e| e.to_string())?);
+    }
+    if at != b.len() {
+        return Err("a metadata feed has bytes after its entries".into());
+    }
+    Ok(Feed {
+        entries,
+        snapshot,
+        applied,
+        term,
+        leader,
+    })
 }
 
 /// A message from its bytes (from an authenticated peer; bounded in size, since protobuf 2
@@ -1558,6 +2416,13 @@ pub fn decode_wire(b: &[u8]) -> Result<Wire, String> {
             term: le_u64(rest, 16),
         }),
         Some((2, _)) => Err("a catch-up message is 24 bytes".to_string()),
+        Some((3, rest)) if rest.len() == 8 => Ok(Wire::Follow { after: le_u64(rest, 0) }),
+        Some((3, _)) => Err("a follow message is 8 bytes".to_string()),
+        Some((4, rest)) => decode_feed(rest).map(|f| Wire::Feed(Box::new(f))),
+        Some((5, rest)) if rest.len() == 8 => Ok(Wire::NotVoter {
+            applied: le_u64(rest, 0),
+        }),
+        Some((5, _)) => Err("a not-a-voter message is 8 bytes".to_string()),
         Some((t, _)) => Err(format!("unknown metadata log message type {t}")),
         None => Err("empty metadata log message".into()),
     }

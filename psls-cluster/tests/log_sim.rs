@@ -1,8 +1,11 @@
-//! Seeded simulator of the metadata log ([`psls_cluster::log`]): five voters running the real
+//! Seeded simulator of the metadata log ([`psls_cluster::log`]): eight nodes, five of them
+//! voters at first and the others followers pulling the committed entries, running the real
 //! machine over a simulated network and simulated disks, with crashes (restarts from what was
 //! persisted), pauses, partitions, message loss and reordering, disks lost for good, and
-//! snapshot installs (the log is compacted after a few entries), and disks failing for a while
-//! (a leader that may not lead hands its leadership over).
+//! snapshot installs (the log is compacted after a few entries), disks failing for a while
+//! (a leader that may not lead hands its leadership over), and nodes lost for good one at a
+//! time (the leader replaces a lost voter with a follower, [`psls_cluster::voters::plan`],
+//! through a joint configuration).
 //!
 //! The state is a small key-value map whose operations do not commute and are not idempotent
 //! (`Add`), so an entry applied twice, skipped or reordered shows.
@@ -13,10 +16,12 @@
 //! - a node's per-key table on disk equals the result of applying the log from the start up to
 //!   its durable applied index;
 //! - a node's applied index never goes back, not even across a crash;
-//! - a read answered `Ok(i)` covers every operation answered `Ok` before it began.
+//! - a read answered `Ok(i)` covers every operation answered `Ok` before it began;
+//! - the voters of the most advanced configuration have a live majority (in both halves of a
+//!   joint one): the log never loses its majority to permanent losses one at a time.
 //!
-//! At the end, with every fault healed, every node converges on the same state holding every
-//! operation answered `Ok`.
+//! At the end, with every fault healed, every node still there (followers too) converges on the
+//! same state holding every operation answered `Ok`, and no voter lost for good is a voter.
 //!
 //! `PSLS_SIM_SEED=N` runs one seed (`PSLS_SIM_TRACE=1` prints every event);
 //! `PSLS_SIM_SEEDS=N` runs seeds 0..N.
@@ -24,11 +29,24 @@
 mod common;
 
 use psls_cluster::log::{Action, Durable, Limits, Log, Machine, Persist, ReadError, SubmitError, Wire};
-use raft::eraftpb::{Entry, HardState, Message, MessageType};
+use psls_cluster::voters::{self, Candidate};
+use raft::eraftpb::{ConfState, Entry, EntryType, HardState, Message, MessageType};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
 
 const VOTERS: u32 = 5;
+/// Nodes of the simulated cluster (the first [`VOTERS`] vote at first).
+const NODES: u32 = 8;
+/// Nodes lost for good in a run, at most (one at a time).
+const MAX_GONE: usize = 2;
+
+fn first_conf() -> ConfState {
+    psls_cluster::log::conf_of(&(0..VOTERS).collect::<Vec<u32>>())
+}
+
+fn domain_of(n: u32) -> &'static str {
+    ["rack-a", "rack-b", "rack-c"][n as usize % 3]
+}
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 enum Op {
@@ -111,6 +129,7 @@ struct Disk {
     table: BTreeMap<u8, u64>,
     applied: (u64, u64),
     amnesiac: bool,
+    conf: Option<ConfState>,
 }
 
 impl Disk {
@@ -135,6 +154,9 @@ impl Disk {
         }
         self.applied = p.applied;
         self.amnesiac = p.amnesiac;
+        if let Some(c) = &p.conf {
+            self.conf = Some(c.clone());
+        }
     }
 
     fn compact(&mut self, p: &Persist<Kv>) {
@@ -157,6 +179,7 @@ impl Disk {
             applied_term: self.applied.1,
             amnesiac: self.amnesiac,
             legacy: None,
+            conf: self.conf.clone(),
         }
     }
 }
@@ -189,6 +212,13 @@ struct Counts {
     lost_msgs: u64,
     /// Leaders that became ineligible (and handed their leadership over).
     hand_overs: u64,
+    /// Nodes lost for good, voters among them.
+    gone: u64,
+    gone_voters: u64,
+    /// Changes of voters proposed, and configurations applied somewhere.
+    conf_proposals: u64,
+    /// Reads answered on followers.
+    follower_reads: u64,
 }
 
 struct Sim {
@@ -212,6 +242,8 @@ struct Sim {
     /// Submissions in flight: token → op.
     submitted: BTreeMap<u64, Op>,
     counts: Counts,
+    /// Nodes lost for good.
+    gone: BTreeSet<u32>,
     trace: bool,
     seed: u64,
 }
@@ -228,17 +260,36 @@ fn sim_limits() -> Limits {
         compact_after: 12,
         keep_behind: 4,
         read_retry_ticks: 10,
+        follow_wait_ticks: 20,
     }
 }
 
 impl Sim {
     fn new(seed: u64) -> Sim {
         let limits = sim_limits();
-        let nodes = (0..VOTERS)
+        let nodes = (0..NODES)
             .map(|v| Node {
-                log: Some(Log::new(v, VOTERS, limits, Durable::fresh(false), seed * 100 + v as u64).expect("starts")),
-                durable: Disk::default(),
-                volatile: Disk::default(),
+                log: Some(
+                    Log::new(
+                        v,
+                        NODES,
+                        limits,
+                        Durable {
+                            conf: Some(first_conf()),
+                            ..Durable::fresh(false)
+                        },
+                        seed * 100 + v as u64,
+                    )
+                    .expect("starts"),
+                ),
+                durable: Disk {
+                    conf: Some(first_conf()),
+                    ..Disk::default()
+                },
+                volatile: Disk {
+                    conf: Some(first_conf()),
+                    ..Disk::default()
+                },
                 paused: false,
                 ineligible: false,
                 incarnation: 0,
@@ -259,6 +310,7 @@ impl Sim {
             next_token: 1,
             submitted: BTreeMap::new(),
             counts: Counts::default(),
+            gone: BTreeSet::new(),
             trace: std::env::var_os("PSLS_SIM_TRACE").is_some(),
             seed,
         }
@@ -383,6 +435,9 @@ impl Sim {
                     self.seed
                 );
                 self.counts.reads_ok += 1;
+                if !self.log(v).is_voter() {
+                    self.counts.follower_reads += 1;
+                }
             }
             Err(ReadError::NoLeader | ReadError::Busy) => {}
             Err(ReadError::Halted) => panic!("seed {}: node {v} halted", self.seed),
@@ -436,7 +491,8 @@ impl Sim {
             .map(|(_, e)| e.clone())
             .collect();
         for e in ents {
-            let id = if e.data.is_empty() {
+            let conf_change = e.get_entry_type() != EntryType::EntryNormal;
+            let id = if e.data.is_empty() || conf_change {
                 None
             } else {
                 Some(psls_cluster::log::decode_op::<Op>(&e.data).expect("decodes").id())
@@ -457,7 +513,8 @@ impl Sim {
                     );
                     self.applied.insert(e.index, id);
                     let mut next = self.states.last().cloned().unwrap_or_default();
-                    if let Ok(Op::Add { key, delta, .. }) = psls_cluster::log::decode_op::<Op>(&e.data) {
+                    let op = (!conf_change).then(|| psls_cluster::log::decode_op::<Op>(&e.data));
+                    if let Some(Ok(Op::Add { key, delta, .. })) = op {
                         let x = next.entry(key).or_insert(0);
                         *x = x.wrapping_mul(31).wrapping_add(delta);
                     }
@@ -467,20 +524,134 @@ impl Sim {
         }
     }
 
+    /// The leader with its lease changes the voters as [`voters::plan`] says (the simulator's
+    /// view of who is usable stands for the failure detector's).
+    fn plan_voters(&mut self) {
+        let Some(l) = (0..NODES).find(|u| {
+            let n = &self.nodes[*u as usize];
+            !n.paused && n.log.as_ref().is_some_and(|l| l.lease_held())
+        }) else {
+            return;
+        };
+        if self.log(l).conf_changing() {
+            return;
+        }
+        let cands: Vec<Candidate<'static>> = (0..NODES)
+            .map(|c| {
+                let n = &self.nodes[c as usize];
+                Candidate {
+                    id: c,
+                    domain: domain_of(c),
+                    usable: n.log.as_ref().is_some_and(|l| !l.lost_disk())
+                        && !n.paused
+                        && !n.ineligible
+                        && !self.cut.contains(&(l, c))
+                        && !self.cut.contains(&(c, l)),
+                    gone: self.gone.contains(&c),
+                }
+            })
+            .collect();
+        let current = self.log(l).voters();
+        if let Some(want) = voters::plan(&current, l, VOTERS as usize, &cands) {
+            if self.trace || std::env::var_os("PSLS_SIM_CONF").is_some() {
+                eprintln!(
+                    "leader {l} (term {}): voters {current:?} -> {want:?}",
+                    self.log(l).term()
+                );
+            }
+            if self.log(l).propose_voters(&want).is_ok() {
+                self.counts.conf_proposals += 1;
+            }
+            self.after(l);
+        }
+    }
+
+    /// The most advanced configuration (of the running node that applied most) has a live
+    /// majority in each half.
+    fn check_voters(&self) {
+        let Some(conf) = self
+            .nodes
+            .iter()
+            .filter_map(|n| n.log.as_ref())
+            .max_by_key(|l| l.applied())
+            .map(|l| l.conf().clone())
+        else {
+            return;
+        };
+        for half in [&conf.voters, &conf.voters_outgoing] {
+            if half.is_empty() {
+                continue;
+            }
+            let live = half
+                .iter()
+                .filter(|id| !self.gone.contains(&((**id - 1) as u32)))
+                .count();
+            assert!(
+                live > half.len() / 2,
+                "seed {}: voters {half:?} with {:?} lost for good: no live majority",
+                self.seed,
+                self.gone
+            );
+        }
+    }
+
+    /// Loses node `v` for good (a voter only when the voters have none lost already and no
+    /// change is under way: one at a time).
+    fn lose_for_good(&mut self, v: u32) {
+        if self.gone.len() >= MAX_GONE || self.gone.contains(&v) || self.amnesiacs() > 0 {
+            return;
+        }
+        let Some(conf) = self
+            .nodes
+            .iter()
+            .filter_map(|n| n.log.as_ref())
+            .max_by_key(|l| l.applied())
+            .map(|l| l.conf().clone())
+        else {
+            return;
+        };
+        let voters = psls_cluster::log::voters_of(&conf);
+        if !conf.voters_outgoing.is_empty() || voters.iter().any(|x| self.gone.contains(x)) {
+            return;
+        }
+        // Every voter the most advanced configuration names must know it too, or a lagging
+        // one could still count on the node.
+        let settled = voters
+            .iter()
+            .all(|x| self.nodes[*x as usize].log.as_ref().is_some_and(|l| l.conf() == &conf));
+        if !settled {
+            return;
+        }
+        if self.trace {
+            eprintln!("node {v} lost for good (voters {voters:?})");
+        }
+        self.nodes[v as usize].log = None;
+        self.nodes[v as usize].reads.clear();
+        self.gone.insert(v);
+        self.counts.gone += 1;
+        if voters.contains(&v) {
+            self.counts.gone_voters += 1;
+        }
+    }
+
     fn step(&mut self) {
         let r = self.rng.below(1000);
-        let v = self.rng.below(VOTERS as u64) as u32;
+        let v = self.rng.below(NODES as u64) as u32;
+        if self.gone.contains(&v) && r >= 150 {
+            return;
+        }
         let running = self.nodes[v as usize].log.is_some() && !self.nodes[v as usize].paused;
         match r {
             0..=149 => {
                 // Everyone's clock ticks (paused nodes' does not matter: they do nothing).
-                for u in 0..VOTERS {
+                for u in 0..NODES {
                     let n = &self.nodes[u as usize];
                     if n.log.is_some() && !n.paused {
                         self.log(u).handle_tick();
                         self.after(u);
                     }
                 }
+                self.plan_voters();
             }
             150..=699 => {
                 // Deliver a few messages (any in flight: reordering).
@@ -529,7 +700,7 @@ impl Sim {
             }
             860..=874 => {
                 // Wake a paused node more often than pausing one.
-                let v = match (0..VOTERS).find(|u| self.nodes[*u as usize].paused) {
+                let v = match (0..NODES).find(|u| self.nodes[*u as usize].paused) {
                     Some(u) if self.rng.chance(600) => u,
                     _ => v,
                 };
@@ -547,16 +718,16 @@ impl Sim {
                 match self.rng.below(6) {
                     0..=2 => self.cut.clear(),
                     3 => {
-                        let u = self.rng.below(VOTERS as u64) as u32;
+                        let u = self.rng.below(NODES as u64) as u32;
                         self.cut.insert((v, u));
                     }
                     4 => {
-                        let u = self.rng.below(VOTERS as u64) as u32;
+                        let u = self.rng.below(NODES as u64) as u32;
                         self.cut.insert((v, u));
                         self.cut.insert((u, v));
                     }
                     _ => {
-                        for u in 0..VOTERS {
+                        for u in 0..NODES {
                             self.cut.insert((v, u));
                             self.cut.insert((u, v));
                         }
@@ -568,7 +739,7 @@ impl Sim {
                 // A node's disk fails for a while (one at a time), or works again: a leader
                 // that may not lead hands its leadership to the voter with the longest log.
                 let n = &self.nodes[v as usize];
-                let others = (0..VOTERS).any(|u| u != v && self.nodes[u as usize].ineligible);
+                let others = (0..NODES).any(|u| u != v && self.nodes[u as usize].ineligible);
                 if !n.ineligible && others {
                     return;
                 }
@@ -583,22 +754,28 @@ impl Sim {
                 self.log(v).set_eligible(!ineligible);
                 self.after(v);
             }
+            900..=902 => self.lose_for_good(v),
             _ => {}
         }
+        self.check_voters();
     }
 
     fn status(&self, i: usize) {
-        let roles: Vec<String> = (0..VOTERS)
+        let roles: Vec<String> = (0..NODES)
+            .filter(|u| !self.gone.contains(u))
             .map(|u| {
                 let n = &self.nodes[u as usize];
                 let l = n.log.as_ref().expect("running");
                 format!(
-                    "{}{}t{}c{}a{}f{}l{}",
+                    "{}{}{}t{}c{}a{}f{}l{}",
                     if n.paused { "P" } else { "" },
+                    if l.amnesiac() { "A" } else { "" },
                     if l.is_leader() {
                         "L"
                     } else if l.claims() {
                         "C"
+                    } else if l.is_voter() {
+                        "V"
                     } else {
                         "F"
                     },
@@ -610,7 +787,18 @@ impl Sim {
                 )
             })
             .collect();
-        eprintln!("step {i}: in flight {} cut {:?} {roles:?}", self.net.len(), self.cut);
+        let conf = self
+            .nodes
+            .iter()
+            .filter_map(|n| n.log.as_ref())
+            .max_by_key(|l| l.applied())
+            .map(|l| (l.conf().voters.clone(), l.conf().voters_outgoing.clone()));
+        eprintln!(
+            "step {i}: in flight {} cut {:?} gone {:?} {roles:?} conf {conf:?}",
+            self.net.len(),
+            self.cut,
+            self.gone
+        );
     }
 
     fn deliver_one(&mut self) {
@@ -642,7 +830,7 @@ impl Sim {
     fn amnesiacs(&self) -> usize {
         self.nodes
             .iter()
-            .filter(|n| n.log.as_ref().is_some_and(|l| l.amnesiac()))
+            .filter(|n| n.log.as_ref().is_some_and(|l| l.amnesiac() || l.lost_disk()))
             .count()
     }
 
@@ -653,8 +841,10 @@ impl Sim {
         n.reads.clear();
         n.incarnation += 1;
         if lose_disk {
+            // A store created now records the first voters, as the daemon's does.
             n.durable = Disk {
                 amnesiac: true,
+                conf: Some(first_conf()),
                 ..Disk::default()
             };
             self.counts.disk_losses += 1;
@@ -664,7 +854,7 @@ impl Sim {
         n.volatile = n.durable.clone();
         let durable = n.durable.durable();
         let seed = self.seed * 100 + v as u64 + 1000 * n.incarnation;
-        let log = Log::new(v, VOTERS, self.limits, durable, seed).expect("restarts from its disk");
+        let log = Log::new(v, NODES, self.limits, durable, seed).expect("restarts from its disk");
         if self.trace {
             eprintln!(
                 "node {v} crashed (disk lost: {lose_disk}), restarts at applied {}",
@@ -694,24 +884,32 @@ impl Sim {
                 l.set_eligible(true);
             }
         }
+        let live: Vec<u32> = (0..NODES).filter(|u| !self.gone.contains(u)).collect();
         // A last operation, resubmitted until it commits.
         let mut done = false;
         for round in 0..4000 {
             if self.trace && round % 250 == 0 {
                 self.status(100_000 + round);
             }
-            for u in 0..VOTERS {
+            for &u in &live {
                 self.log(u).handle_tick();
                 self.after(u);
             }
+            self.plan_voters();
             while let Some((from, to, msg)) = self.net.pop() {
+                if self.gone.contains(&to) {
+                    continue;
+                }
                 self.log(to).handle_message(from, msg);
                 self.after(to);
             }
+            self.check_voters();
             done = done || self.acked.contains_key(&(self.next_id - 1));
             if !done && round % 20 == 19 {
-                if let Some(l) =
-                    (0..VOTERS).find(|u| self.nodes[*u as usize].log.as_ref().is_some_and(|l| l.is_leader()))
+                if let Some(l) = live
+                    .iter()
+                    .copied()
+                    .find(|u| self.nodes[*u as usize].log.as_ref().is_some_and(|l| l.is_leader()))
                 {
                     let id = self.next_id;
                     self.next_id += 1;
@@ -723,19 +921,52 @@ impl Sim {
                     self.after(l);
                 }
             }
-            let applied: BTreeSet<u64> = (0..VOTERS).map(|u| self.log(u).applied()).collect();
-            if done && applied.len() == 1 {
+            let applied: BTreeSet<u64> = live.iter().map(|u| self.log(*u).applied()).collect();
+            let confs: BTreeSet<Vec<u32>> = live.iter().map(|u| self.log(*u).voters()).collect();
+            let settled = confs.len() == 1
+                && confs
+                    .iter()
+                    .next()
+                    .is_some_and(|c| c.len() == VOTERS as usize && !c.iter().any(|v| self.gone.contains(v)));
+            if done && applied.len() == 1 && settled {
                 break;
             }
         }
         // Every op answered Ok is applied everywhere, and every node holds the same state.
-        let applied: BTreeSet<u64> = (0..VOTERS).map(|u| self.log(u).applied()).collect();
+        let applied: BTreeSet<u64> = live.iter().map(|u| self.log(*u).applied()).collect();
+        if applied.len() != 1 {
+            self.status(999_999);
+        }
         assert_eq!(
             applied.len(),
             1,
             "seed {}: the nodes did not converge: {applied:?}",
             self.seed
         );
+        // The voters lost for good were replaced.
+        let confs: BTreeSet<Vec<u32>> = live.iter().map(|u| self.log(*u).voters()).collect();
+        if confs.len() != 1 || confs.iter().any(|c| c.len() != VOTERS as usize) {
+            self.status(999_998);
+        }
+        for &u in &live {
+            let v = self.log(u).voters();
+            let l = self.nodes[u as usize].log.as_ref().expect("running");
+            assert!(
+                v.len() == VOTERS as usize && !v.iter().any(|x| self.gone.contains(x)),
+                "seed {}: node {u}'s voters {v:?} ({:?}) with {:?} lost for good; leader {:?} applied {}",
+                self.seed,
+                l.conf(),
+                self.gone,
+                l.leader(),
+                l.applied()
+            );
+            assert_eq!(
+                self.log(u).is_voter(),
+                v.contains(&u),
+                "seed {}: node {u}'s role",
+                self.seed
+            );
+        }
         let top = *applied.iter().next().expect("nodes");
         for (id, i) in &self.acked {
             assert!(
@@ -751,7 +982,7 @@ impl Sim {
             );
         }
         let want = self.states[top as usize].clone();
-        for u in 0..VOTERS {
+        for u in live {
             let seed = self.seed;
             assert_eq!(self.log(u).state().map, want, "seed {seed}: node {u}'s state differs");
         }
@@ -788,6 +1019,10 @@ fn the_metadata_log_keeps_every_acknowledged_operation() {
         total.compactions += c.compactions;
         total.lost_msgs += c.lost_msgs;
         total.hand_overs += c.hand_overs;
+        total.gone += c.gone;
+        total.gone_voters += c.gone_voters;
+        total.conf_proposals += c.conf_proposals;
+        total.follower_reads += c.follower_reads;
     }
     eprintln!(
         "ok {} dropped {} rejected {} not-leader {} reads {} crashes {} disk losses {} pauses {} partitions {} snapshots {} compactions {} lost msgs {} hand-overs {}",
@@ -805,10 +1040,15 @@ fn the_metadata_log_keeps_every_acknowledged_operation() {
         total.lost_msgs,
         total.hand_overs
     );
+    eprintln!(
+        "lost for good {} (voters {}) voter changes proposed {} reads on followers {}",
+        total.gone, total.gone_voters, total.conf_proposals, total.follower_reads
+    );
     // Every path ran.
     assert!(total.ok > 0 && total.dropped > 0 && total.rejected > 0 && total.reads_ok > 0);
     assert!(total.crashes > 0 && total.pauses > 0 && total.partitions > 0 && total.disk_losses > 0);
     assert!(total.snapshots_installed > 0 && total.compactions > 0 && total.hand_overs > 0);
+    assert!(total.gone_voters > 0 && total.conf_proposals > 0 && total.follower_reads > 0);
 }
 
 /// A voter back on a blank disk votes again only once it holds the leader's log as it was
@@ -825,6 +1065,19 @@ fn a_voter_back_on_a_blank_disk_catches_up_to_the_leaders_log_not_to_a_stale_app
     };
     let mut log: Log<Kv, u64> = Log::new(1, VOTERS, limits, Durable::fresh(true), 7).expect("starts");
     assert!(log.amnesiac());
+    // A blank store is a follower first: it asks a voter for the committed entries.
+    let mut asked = false;
+    log.handle_tick();
+    while let Some(a) = log.poll_action() {
+        asked |= matches!(
+            a,
+            Action::Send {
+                msg: Wire::Follow { after: 0 },
+                ..
+            }
+        );
+    }
+    assert!(asked && !log.is_voter(), "a blank store follows first");
     let nonce_of = |log: &mut Log<Kv, u64>| {
         let mut nonce = None;
         while let Some(a) = log.poll_action() {
@@ -858,6 +1111,23 @@ fn a_voter_back_on_a_blank_disk_catches_up_to_the_leaders_log_not_to_a_stale_app
             }
         })
         .collect();
+    // A voter's feed: entry 1, committed. The configuration makes this node a voter, which
+    // catches up before it votes (it may have acknowledged entries it no longer holds).
+    log.handle_message(
+        0,
+        Wire::Feed(Box::new(psls_cluster::log::Feed {
+            entries: entries[..1].to_vec(),
+            applied: 1,
+            term: 2,
+            leader: Some(0),
+            ..Default::default()
+        })),
+    );
+    while log.poll_action().is_some() {}
+    assert!(
+        log.is_voter() && log.amnesiac() && log.applied() == 1,
+        "a voter again, catching up"
+    );
     let mut m = Message::default();
     m.set_msg_type(MessageType::MsgAppend);
     m.from = 1;
@@ -909,6 +1179,21 @@ fn a_voter_back_on_a_blank_disk_catches_up_to_the_leaders_log_not_to_a_stale_app
             last_index: 10,
             term: 4,
         },
+        Wire::Follow { after: 12 },
+        Wire::NotVoter { applied: 40 },
+        Wire::Feed(Box::new(psls_cluster::log::Feed {
+            entries: vec![Entry {
+                term: 3,
+                index: 13,
+                data: vec![1, 2, 3].into(),
+                ..Default::default()
+            }],
+            snapshot: None,
+            applied: 13,
+            term: 3,
+            leader: Some(2),
+        })),
+        Wire::Feed(Box::default()),
     ] {
         let b = psls_cluster::log::encode_wire(&w);
         assert_eq!(psls_cluster::log::decode_wire(&b), Ok(w));

@@ -67,6 +67,14 @@ pub struct ClusterSection {
     /// other node in a smaller cluster. 2 to 64.
     #[serde(default = "default_min_peers")]
     pub heartbeat_min_peers: usize,
+    /// How many nodes vote in the metadata log (odd, 3 to 7; a smaller cluster has as many as
+    /// it has nodes, made odd), spread over failure domains; the others follow it.
+    #[serde(default = "default_metadata_voters")]
+    pub metadata_voters: usize,
+    /// A voter declared down this long (or replaced by a spare) is replaced by a follower in
+    /// the metadata log's voters.
+    #[serde(default = "default_voter_replace_after")]
+    pub voter_replace_after_ms: u64,
 }
 
 fn default_name() -> String {
@@ -93,6 +101,12 @@ fn default_cleaning() -> String {
 fn default_min_peers() -> usize {
     10
 }
+fn default_metadata_voters() -> usize {
+    5
+}
+fn default_voter_replace_after() -> u64 {
+    60_000
+}
 
 impl Default for ClusterSection {
     fn default() -> Self {
@@ -106,6 +120,8 @@ impl Default for ClusterSection {
             cleaning: default_cleaning(),
             cert_dir: default_cert_dir(),
             heartbeat_min_peers: default_min_peers(),
+            metadata_voters: default_metadata_voters(),
+            voter_replace_after_ms: default_voter_replace_after(),
         }
     }
 }
@@ -231,6 +247,15 @@ impl ClusterConfig {
             return Err(format!(
                 "heartbeat_min_peers must be 2 to 64, not {}",
                 c.heartbeat_min_peers
+            ));
+        }
+        if !(3..=7).contains(&c.metadata_voters) || c.metadata_voters.is_multiple_of(2) {
+            return Err(format!("metadata_voters must be 3, 5 or 7, not {}", c.metadata_voters));
+        }
+        if c.voter_replace_after_ms < c.heartbeat_timeout_ms {
+            return Err(format!(
+                "voter_replace_after_ms ({}) must be at least heartbeat_timeout_ms ({})",
+                c.voter_replace_after_ms, c.heartbeat_timeout_ms
             ));
         }
         let mut names = HashSet::new();

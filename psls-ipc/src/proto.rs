@@ -427,6 +427,9 @@ pub struct ClusterStatus {
     /// The metadata log's term, as the answering node knows it.
     #[serde(default)]
     pub meta_term: u64,
+    /// The metadata log's voters (the other nodes follow it), as the answering node knows them.
+    #[serde(default)]
+    pub meta_voters: Vec<String>,
     pub map_version: u64,
     pub files: u64,
     pub nodes: Vec<NodeStatus>,

@@ -966,6 +966,7 @@ impl Sim {
             applied_term: 0,
             amnesiac: false,
             legacy: None,
+            conf: None,
         };
         let seed = self.seed * 100 + n as u64 + 1000 * inc;
         node.log = Log::new(n as u32, VOTERS, limits(), durable, seed).expect("restarts from its disk");

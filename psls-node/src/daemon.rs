@@ -191,9 +191,24 @@ pub async fn run(config: &Path, name: &str) -> Result<()> {
     let pages_disk: Arc<dyn Disk> = Arc::new(crate::metrics::MeteredDisk::new(pages_disk, "pages", &metrics));
     let store = Arc::new(PageStore::new(pages_disk));
     // A store created now may belong to a node that lost its disk: it takes no part in elections
-    // until it caught up, or heartbeats show the cluster is new.
-    let meta =
-        LogStore::open(meta_disk.as_ref(), true).with_context(|| format!("opening metadata in {}", dir.display()))?;
+    // until it caught up, or heartbeats show the cluster is new. It records the cluster's first
+    // voters (a few, spread over the failure domains), the same on every node.
+    let first_voters = {
+        let all: Vec<psls_ipc::config::NodeEntry> = cfg.all().cloned().collect();
+        let cands: Vec<psls_cluster::voters::Candidate<'_>> = all
+            .iter()
+            .enumerate()
+            .map(|(i, n)| psls_cluster::voters::Candidate {
+                id: i as u32,
+                domain: n.failure_domain(),
+                usable: true,
+                gone: false,
+            })
+            .collect();
+        psls_cluster::log::conf_of(&psls_cluster::voters::initial(&cands, cfg.cluster.metadata_voters))
+    };
+    let meta = LogStore::open_with_voters(meta_disk.as_ref(), true, Some(&first_voters))
+        .with_context(|| format!("opening metadata in {}", dir.display()))?;
 
     let (server, client) = crate::tls::configs(&cfg.cert_dir(), name)?;
     // Validation checked that every node has a link address.

@@ -284,6 +284,11 @@ pub fn render(d: &Daemon) -> String {
     m.with_label_values(&["commit"]).set(log.commit as i64);
     m.with_label_values(&["applied"]).set(log.applied as i64);
     single("psls_meta_log_term", "The metadata log's term at this node").set(log.term as i64);
+    single(
+        "psls_meta_log_voter",
+        "1 if this node votes in the metadata log, 0 if it follows it",
+    )
+    .set(i64::from(log.is_voter));
     // Shared memory: the coherence machine's counts.
     let svm = d.svm.stats();
     let c = count(

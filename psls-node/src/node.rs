@@ -150,6 +150,8 @@ struct Watching {
     boot_seen: HashMap<String, (u64, u64)>,
     /// Since when (ms) each node is known declared down (the leader times replacements from it).
     down_seen: HashMap<String, u64>,
+    /// When each node was first seen declared down here (the voters lost for good).
+    voter_down_seen: HashMap<String, u64>,
 }
 
 /// Figures sent to the leader again after this long even when unchanged (ms).
@@ -189,7 +191,7 @@ impl Node {
             cfg.cluster.heartbeat_interval_ms,
             cfg.cluster.heartbeat_timeout_ms,
         );
-        let voters = cfg.all().map(|n| n.name.clone()).collect();
+        let nodes = cfg.all().map(|n| n.name.clone()).collect();
         let placement = Placement::new(cfg.nodes.len() as u32).expect("validated config has >= 2 nodes");
         let capacity_frames = me.memory_mb * (1024 * 1024 / PAGE_SIZE as u64);
         let verdicts = Verdicts::new(me.name.clone(), incarnation);
@@ -212,6 +214,7 @@ impl Node {
                 pulled_ms: None,
                 boot_seen: HashMap::new(),
                 down_seen: HashMap::new(),
+                voter_down_seen: HashMap::new(),
             }),
             figures: Mutex::new(HashMap::new()),
             recent_beat: Mutex::new(None),
@@ -219,7 +222,7 @@ impl Node {
             net: Arc::new(net),
             placement,
             euid: nix::unistd::geteuid().as_raw(),
-            replication: crate::replication::Replication::new(voters, meta.0, meta.1),
+            replication: crate::replication::Replication::new(nodes, meta.0, meta.1),
             rebuild_running: AtomicBool::new(false),
             rejoin_pending: AtomicBool::new(false),
             rebuild_done: AtomicU64::new(0),
@@ -388,13 +391,55 @@ impl Node {
         self.meta_installed.notify_waiters();
     }
 
-    /// Whether this node is the first voter (config order: logical nodes, then spares) the
-    /// failure detector hears, not counting those whose disk failed.
-    pub fn first_live_voter(&self) -> bool {
+    /// Whether this node is the first of `voters` (config order: logical nodes, then spares)
+    /// the failure detector hears, not counting those whose disk failed.
+    pub fn first_live_voter(&self, voters: &[String]) -> bool {
         self.cfg
             .all()
+            .filter(|n| voters.contains(&n.name))
             .find(|n| self.is_reachable(&n.name) && !self.disk_failed(&n.name))
             .is_some_and(|n| n.name == self.me.name)
+    }
+
+    /// What the leader knows of every node when it looks at the metadata log's voters: its
+    /// name, failure domain, whether it is usable (up, not fencing, its disk working) and
+    /// whether it is lost for good (declared down for `voter_replace_after_ms`, or declared
+    /// down and replaced by a spare).
+    pub fn voter_facts(&self) -> Vec<(String, String, bool, bool)> {
+        let now = self.now_ms();
+        let after = self.cfg.cluster.voter_replace_after_ms;
+        let map: BTreeSet<String> = {
+            let m = self.meta.locked();
+            self.logical_map(&m).into_values().collect()
+        };
+        let spares: BTreeSet<&str> = self.cfg.spares.iter().map(|s| s.name.as_str()).collect();
+        let downs: Vec<(String, bool)> = self
+            .cfg
+            .all()
+            .map(|n| (n.name.clone(), n.name != self.me.name && self.is_declared_down(&n.name)))
+            .collect();
+        let mut w = self.watching.locked();
+        let mut out = Vec::new();
+        for (n, (name, down)) in self.cfg.all().zip(downs) {
+            let since = if down {
+                Some(*w.voter_down_seen.entry(name.clone()).or_insert(now))
+            } else {
+                w.voter_down_seen.remove(&name);
+                None
+            };
+            let replaced = !map.contains(&name) && !spares.contains(name.as_str());
+            let gone = since.is_some_and(|t| now.saturating_sub(t) >= after || replaced || self.disk_failed(&name));
+            let usable = if name == self.me.name {
+                self.may_lead()
+            } else {
+                !down
+                    && self.state_of(&name) == psls_ipc::proto::NodeState::Up
+                    && !self.disk_failed(&name)
+                    && self.heartbeat_of(&name).is_some_and(|h| !h.meta_lost_disk)
+            };
+            out.push((name, n.failure_domain().to_string(), usable, gone));
+        }
+        out
     }
 
     /// Whether this node may lead the metadata (and so coordinate): not while it fences itself
@@ -737,10 +782,11 @@ impl Node {
     }
 
     /// The watched peers beyond the topology's: the leader's probes of reported peers (while
-    /// reported), and every voter while this node's new store learns whether the cluster is new.
+    /// reported), the other voters (on a voter), and every voter while this node's new store
+    /// learns whether the cluster is new.
     fn prune_watches(&self, leading: bool, now: u64) {
         let st = self.replication.status();
-        let fresh_pending = st.amnesiac && st.last_index == 0;
+        let fresh_pending = st.awaiting_fresh;
         let probes: BTreeSet<String> = {
             let w = self.watching.locked();
             if leading {
@@ -755,19 +801,26 @@ impl Node {
                 BTreeSet::new()
             }
         };
+        // A voter watches the other voters (a few): it learns at the failure timeout that the
+        // leader is gone, and which live voter should campaign (`Node::first_live_voter`).
+        let voters: BTreeSet<String> = if st.is_voter {
+            st.voters.iter().filter(|v| **v != self.me.name).cloned().collect()
+        } else {
+            BTreeSet::new()
+        };
         let mut m = self.members.locked();
-        for p in &probes {
+        for p in probes.iter().chain(voters.iter()) {
             m.watch(p, now);
         }
         if fresh_pending {
-            for n in self.cfg.all().filter(|n| n.name != self.me.name) {
-                m.watch(&n.name, now);
+            for n in st.voters.iter().filter(|n| **n != self.me.name) {
+                m.watch(n, now);
             }
             return;
         }
         let extra: Vec<String> = m
             .watched()
-            .filter(|p| !self.topology.watches(&self.me.name, p) && !probes.contains(*p))
+            .filter(|p| !self.topology.watches(&self.me.name, p) && !probes.contains(*p) && !voters.contains(*p))
             .map(String::from)
             .collect();
         for p in extra {
@@ -1011,6 +1064,7 @@ impl Node {
             dirty_pages: svm.dirty_pages,
             down: Vec::new(),
             claims: self.replication.claims(),
+            meta_lost_disk: self.replication.status().lost_disk,
             disk_failed: self
                 .store
                 .is_poisoned()
@@ -1202,28 +1256,43 @@ impl Node {
         }
     }
 
-    /// Start-up and every heartbeat round: a node whose metadata store is new and empty learns
-    /// from heartbeats whether the cluster is new (enough other voters hold no log entry that
-    /// none can ever have been committed), and then takes part in elections.
+    /// Start-up and every heartbeat round: a node whose metadata store is new and empty, and
+    /// that is one of the cluster's first voters, learns from heartbeats whether the cluster is
+    /// new: enough of the first voters hold no log entry that none can ever have been
+    /// committed, and no node it hears holds any metadata. It then takes part in elections.
     pub fn check_fresh_cluster(&self) {
         let st = self.replication.status();
-        if !st.amnesiac || st.last_index > 0 {
+        if !st.awaiting_fresh {
             return;
         }
         // An entry ever committed is on a quorum, so on at least quorum - 1 other voters: once
-        // more than (voters - 1) - (quorum - 1) others report an empty log, none was committed.
-        let voters = self.cfg.all().count();
+        // more than (voters - 1) - (quorum - 1) others report an empty log, none was committed
+        // by them. A node heard with metadata (a follower, or voters chosen later) says the
+        // cluster ran.
+        let voters = st.voters.len();
         let quorum = voters / 2 + 1;
-        let need = voters - quorum + 1;
+        // A lone voter has no other to ask: the nodes it hears say.
+        let need = (voters - quorum + 1).min(voters - 1);
         let now_ms = self.now_ms();
-        let empty = self.with_heartbeats(|m| {
-            self.cfg
+        let (empty, ran, heard) = self.with_heartbeats(|m| {
+            let empty = st
+                .voters
+                .iter()
+                .filter(|n| **n != self.me.name && m.is_live(now_ms, n))
+                .filter(|n| m.heartbeat(n).is_some_and(|h| h.meta_seq == 0))
+                .count();
+            let ran = self
+                .cfg
                 .all()
                 .filter(|n| n.name != self.me.name && m.is_live(now_ms, &n.name))
-                .filter(|n| m.heartbeat(&n.name).is_some_and(|h| h.meta_seq == 0))
-                .count()
+                .any(|n| m.heartbeat(&n.name).is_some_and(|h| h.meta_seq > 0));
+            let heard = self
+                .cfg
+                .all()
+                .any(|n| n.name != self.me.name && m.is_live(now_ms, &n.name) && m.heartbeat(&n.name).is_some());
+            (empty, ran, heard)
         });
-        if empty >= need {
+        if empty >= need && !ran && heard {
             self.replication.fresh_cluster();
         }
     }

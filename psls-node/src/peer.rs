@@ -194,6 +194,9 @@ pub struct Heartbeat {
     /// Whether the sender claims or leads a metadata epoch in this life (no other node claims
     /// against a claimer it hears).
     pub claims: bool,
+    /// The sender's metadata store was created in this life and has not caught up since: the
+    /// leader does not make it a voter.
+    pub meta_lost_disk: bool,
 }
 
 /// State of one page of a `ReadPages` answer; its bytes are in the payload at `i * 4096`

@@ -12,8 +12,13 @@
 //! machine before its actions are taken, so many submissions share one write and one round of
 //! appends.
 //!
-//! Voters are the physical nodes of the config (logical nodes first, then spares), numbered in
-//! config order. The log's leader is the cluster's coordinator (of barriers, locks and
+//! Nodes are the physical nodes of the config (logical nodes first, then spares), numbered in
+//! config order; a few of them vote (`metadata_voters`, chosen when the cluster is created by
+//! [`psls_cluster::voters::initial`]), the others follow the log.
+//! The leader changes the voters as [`psls_cluster::voters::plan`] says, at most once a
+//! [`PLAN_EVERY_TICKS`]: a voter lost for good is replaced by a follower, and a cluster whose
+//! every node votes (its stores predate voters) is cut down to the configured few.
+//! The log's leader is the cluster's coordinator (of barriers, locks and
 //! checkpoints too: `Node::coordinator_now`). Its election timeout is the failure detector's
 //! (`heartbeat_timeout_ms`); a node whose disk failed, or that fences itself, does not lead.
 //!
@@ -46,6 +51,8 @@ pub const MAX_BATCH: usize = 4096;
 pub const CHUNK_BYTES: usize = 1 << 20;
 /// Largest snapshot fetched.
 pub const MAX_SNAPSHOT_BYTES: u64 = 4 << 30;
+/// The leader looks at the voters every this many ticks.
+pub const PLAN_EVERY_TICKS: u64 = 20;
 /// What a snapshot's data says when its bytes travel apart: this, then the length (u64 LE).
 const SNAPSHOT_REF: &[u8] = b"psls-snapshot-ref:";
 
@@ -71,7 +78,7 @@ enum Input {
     },
     /// A snapshot fetch ended (successfully or not).
     Fetched,
-    /// A majority of the other voters never held a log entry.
+    /// Enough of the first voters never held a log entry.
     FreshCluster,
 }
 
@@ -97,13 +104,22 @@ pub struct Status {
     pub amnesiac: bool,
     /// At the leader: the index each voter is known to hold.
     pub matched: Vec<(String, u64)>,
+    /// The log's voters (both halves of a joint configuration), in config order.
+    pub voters: Vec<String>,
+    /// This node is one of them (else it follows the log).
+    pub is_voter: bool,
+    /// A blank store waiting to learn whether the cluster is new.
+    pub awaiting_fresh: bool,
+    /// The store was created in this life and has not caught up since.
+    pub lost_disk: bool,
     /// Bytes of the store on disk.
     pub store_bytes: u64,
 }
 
 /// The door other parts of the daemon use: deliver, submit, read, look.
 pub struct Replication {
-    voters: Vec<String>,
+    /// Every physical node, in config order (its position is its number in the log).
+    nodes: Vec<String>,
     tx: mpsc::Sender<Input>,
     rx: Mutex<Option<mpsc::Receiver<Input>>>,
     /// The store and what it held at start, until the task takes them.
@@ -114,11 +130,11 @@ pub struct Replication {
 }
 
 impl Replication {
-    /// Voters: the physical nodes, in config order; the store, opened.
-    pub fn new(voters: Vec<String>, store: LogStore, opened: Opened) -> Replication {
+    /// Nodes: the physical nodes, in config order; the store, opened.
+    pub fn new(nodes: Vec<String>, store: LogStore, opened: Opened) -> Replication {
         let (tx, rx) = mpsc::channel(MAX_INPUTS);
         Replication {
-            voters,
+            nodes,
             tx,
             rx: Mutex::new(Some(rx)),
             start: Mutex::new(Some((store, opened))),
@@ -160,16 +176,16 @@ impl Replication {
         self.status.locked().clone()
     }
 
-    fn voter_of(&self, physical: &str) -> Option<u32> {
-        self.voters.iter().position(|v| v == physical).map(|i| i as u32)
+    fn number_of(&self, physical: &str) -> Option<u32> {
+        self.nodes.iter().position(|v| v == physical).map(|i| i as u32)
     }
 
     /// A log message from peer `from` (its certificate's name).
     pub fn deliver(&self, from: &str, bytes: &[u8]) {
-        let Some(from_v) = self.voter_of(from) else {
+        let Some(from_v) = self.number_of(from) else {
             tracing::warn!(
                 peer = from,
-                "metadata log message from a node that is not a voter: dropped"
+                "metadata log message from a node not in the config: dropped"
             );
             return;
         };
@@ -228,14 +244,14 @@ impl Replication {
             tracing::error!("the metadata log task was started twice");
             return;
         };
-        let Some(me) = repl.voter_of(node.name()) else {
+        let Some(me) = repl.number_of(node.name()) else {
             tracing::error!(node = %node.name(), "this node is not in its own config");
             return;
         };
-        let voters = repl.voters.len() as u32;
+        let nodes = repl.nodes.len() as u32;
         let limits = Limits::for_timeout(node.cfg.cluster.heartbeat_timeout_ms, TICK_MS);
         let seed = rand::random::<u64>();
-        let mut log: Log<MetaState, Token> = match Log::new(me, voters, limits, opened.durable, seed) {
+        let mut log: Log<MetaState, Token> = match Log::new(me, nodes, limits, opened.durable, seed) {
             Ok(l) => l,
             Err(e) => panic!("the metadata log cannot start from this node's store: {e}"),
         };
@@ -248,6 +264,7 @@ impl Replication {
         let mut fetching = false;
         let mut known: Option<(Option<u32>, u64)> = None;
         let mut leaderless_ticks = 0u64;
+        let mut ticks = 0u64;
         let mut last_tick = std::time::Instant::now();
         loop {
             let first = tokio::select! {
@@ -276,12 +293,24 @@ impl Replication {
                 // soon (the failure timeout is the election timeout).
                 let heard = log
                     .leader()
-                    .and_then(|l| repl.voters.get(l as usize))
+                    .and_then(|l| repl.nodes.get(l as usize))
                     .is_some_and(|l| node.is_reachable(l));
                 leaderless_ticks = if heard { 0 } else { leaderless_ticks + 1 };
-                if leaderless_ticks >= 2 * limits.heartbeat_ticks as u64 && node.first_live_voter() {
+                let voters: Vec<String> = log
+                    .voters()
+                    .iter()
+                    .filter_map(|v| repl.nodes.get(*v as usize).cloned())
+                    .collect();
+                if leaderless_ticks >= 2 * limits.heartbeat_ticks as u64
+                    && log.is_voter()
+                    && node.first_live_voter(&voters)
+                {
                     leaderless_ticks = 0;
                     log.campaign();
+                }
+                ticks += 1;
+                if ticks.is_multiple_of(PLAN_EVERY_TICKS) && log.lease_held() && !log.conf_changing() {
+                    plan_voters(&node, &mut log);
                 }
             }
             while inputs.len() < MAX_BATCH {
@@ -334,7 +363,8 @@ impl Replication {
                 tracing::info!(
                     node = %node.name(),
                     term = log.term(),
-                    leader = ?leader.and_then(|l| repl.voters.get(l as usize)),
+                    leader = ?leader.and_then(|l| repl.nodes.get(l as usize)),
+                    voter = log.is_voter(),
                     commit = log.commit(),
                     applied = log.applied(),
                     "metadata leader"
@@ -342,7 +372,7 @@ impl Replication {
             }
             let st = Status {
                 term: log.term(),
-                leader: leader.and_then(|l| repl.voters.get(l as usize).cloned()),
+                leader: leader.and_then(|l| repl.nodes.get(l as usize).cloned()),
                 is_leader: log.is_leader(),
                 lease: log.lease_held(),
                 lease_until: match log.lease_ticks_left() {
@@ -356,13 +386,50 @@ impl Replication {
                 first_index: log.first_index(),
                 last_index: log.last_index(),
                 amnesiac: log.amnesiac(),
-                matched: (0..voters)
-                    .filter_map(|v| log.matched(v).map(|m| (repl.voters[v as usize].clone(), m)))
+                matched: log
+                    .voters()
+                    .into_iter()
+                    .filter_map(|v| Some((repl.nodes.get(v as usize)?.clone(), log.matched(v)?)))
                     .collect(),
+                voters: log
+                    .voters()
+                    .into_iter()
+                    .filter_map(|v| repl.nodes.get(v as usize).cloned())
+                    .collect(),
+                is_voter: log.is_voter(),
+                awaiting_fresh: log.awaiting_fresh(),
+                lost_disk: log.lost_disk(),
                 store_bytes: store.locked().bytes_on_disk(),
             };
             *repl.status.locked() = st;
         }
+    }
+}
+
+/// At the leader with its lease: changes the voters as [`psls_cluster::voters::plan`] says.
+fn plan_voters(node: &Arc<Node>, log: &mut Log<MetaState, Token>) {
+    let repl = &node.replication;
+    let Some(me) = repl.number_of(node.name()) else { return };
+    let facts = node.voter_facts();
+    let cands: Vec<psls_cluster::voters::Candidate<'_>> = facts
+        .iter()
+        .filter_map(|(name, domain, usable, gone)| {
+            Some(psls_cluster::voters::Candidate {
+                id: repl.number_of(name)?,
+                domain,
+                usable: *usable,
+                gone: *gone,
+            })
+        })
+        .collect();
+    let current = log.voters();
+    let Some(want) = psls_cluster::voters::plan(&current, me, node.cfg.cluster.metadata_voters, &cands) else {
+        return;
+    };
+    let names = |v: &[u32]| -> Vec<String> { v.iter().filter_map(|i| repl.nodes.get(*i as usize).cloned()).collect() };
+    tracing::warn!(node = %node.name(), from = ?names(&current), to = ?names(&want), "changing the metadata log's voters");
+    if let Err(e) = log.propose_voters(&want) {
+        tracing::info!(node = %node.name(), error = %e, "the change of voters was not proposed");
     }
 }
 
@@ -388,21 +455,19 @@ async fn persist(
 
 /// Posts one message; a snapshot's bytes are kept to be fetched.
 fn send(node: &Arc<Node>, log: &mut Log<MetaState, Token>, to: u32, mut msg: Wire) {
-    let Some(peer) = node.replication.voters.get(to as usize).cloned() else {
+    let Some(peer) = node.replication.nodes.get(to as usize).cloned() else {
         return;
     };
     let snapshot = psls_cluster::log::is_snapshot(&msg);
-    if let Wire::Raft(m) = &mut msg {
-        if snapshot {
-            let meta = m.get_snapshot().get_metadata();
-            let (index, term) = (meta.index, meta.term);
-            let data = std::mem::take(&mut m.mut_snapshot().data);
-            let mut r = SNAPSHOT_REF.to_vec();
-            r.extend((data.len() as u64).to_le_bytes());
-            m.mut_snapshot().data = r.into();
-            tracing::info!(node = %node.name(), %peer, index, bytes = data.len(), "metadata snapshot offered");
-            *node.replication.serving.locked() = Some((index, term, data));
-        }
+    if let Some(snap) = msg.snapshot_mut() {
+        let meta = snap.get_metadata();
+        let (index, term) = (meta.index, meta.term);
+        let data = std::mem::take(&mut snap.data);
+        let mut r = SNAPSHOT_REF.to_vec();
+        r.extend((data.len() as u64).to_le_bytes());
+        snap.data = r.into();
+        tracing::info!(node = %node.name(), %peer, index, bytes = data.len(), "metadata snapshot offered");
+        *node.replication.serving.locked() = Some((index, term, data));
     }
     let bytes = psls_cluster::log::encode_wire(&msg);
     if let Err(e) = node.net.post(&peer, &PeerReq::MetaLog(bytes), bytes::Bytes::new()) {
@@ -416,14 +481,10 @@ fn send(node: &Arc<Node>, log: &mut Log<MetaState, Token>, to: u32, mut msg: Wir
 
 /// The index, term and length of a snapshot whose bytes travel apart.
 fn snapshot_ref(w: &Wire) -> Option<(u64, u64, u64)> {
-    if !psls_cluster::log::is_snapshot(w) {
-        return None;
-    }
-    let Wire::Raft(m) = w else { return None };
-    let data = &m.get_snapshot().data;
-    let len = data.strip_prefix(SNAPSHOT_REF)?;
+    let snap = w.snapshot()?;
+    let len = snap.data.strip_prefix(SNAPSHOT_REF)?;
     let len = u64::from_le_bytes(<[u8; 8]>::try_from(len).ok()?);
-    let meta = m.get_snapshot().get_metadata();
+    let meta = snap.get_metadata();
     Some((meta.index, meta.term, len))
 }
 
@@ -431,7 +492,7 @@ fn snapshot_ref(w: &Wire) -> Option<(u64, u64, u64)> {
 async fn fetch_snapshot(node: Arc<Node>, from: u32, mut wire: Wire, index: u64, term: u64, len: u64) {
     let repl = &node.replication;
     let result = async {
-        let peer = repl.voters.get(from as usize).cloned().ok_or("no such voter")?;
+        let peer = repl.nodes.get(from as usize).cloned().ok_or("no such node")?;
         if len > MAX_SNAPSHOT_BYTES {
             return Err(format!("a snapshot of {len} bytes exceeds {MAX_SNAPSHOT_BYTES}"));
         }
@@ -458,8 +519,8 @@ async fn fetch_snapshot(node: Arc<Node>, from: u32, mut wire: Wire, index: u64, 
             return Err("the snapshot's chunks overran its length".into());
         }
         tracing::info!(node = %node.name(), %peer, index, bytes = len, ms = started.elapsed().as_millis() as u64, "metadata snapshot fetched");
-        if let Wire::Raft(m) = &mut wire {
-            m.mut_snapshot().data = data.into();
+        if let Some(snap) = wire.snapshot_mut() {
+            snap.data = data.into();
         }
         Ok(())
     }

@@ -28,7 +28,8 @@
 //!   its end);
 //! - `misc`: `nodes` → postcard [`NodesRecord`]; `next_gen` and `applied` (index, term) as u64
 //!   LE; `amnesiac` and `legacy`; `claims` and `up_from` (postcard; optional, a store older
-//!   builds wrote has neither).
+//!   builds wrote has neither); `conf`, the log's voters as of `applied` (raft's protobuf
+//!   `ConfState`; optional: a store older builds wrote has none, and every node voted).
 //!
 //! Format 8 had no table `job_runs`: it is converted by setting the format.
 //!
@@ -54,7 +55,7 @@ use crate::gens::PageGens;
 use crate::meta::{Changes, FileRecord, GenDelta, JobRecord, MetaOp, MetaState, NodesRecord};
 use crate::wal::Wal;
 use psls_cluster::log::{Durable, Machine, Persist};
-use raft::eraftpb::{Entry, EntryType, HardState};
+use raft::eraftpb::{ConfState, Entry, EntryType, HardState};
 use redb::{Durability, ReadableDatabase, ReadableTable, TableDefinition};
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -212,6 +213,16 @@ impl LogStore {
     /// `amnesiac` (see `psls_cluster::log::Durable::amnesiac`) when the caller says this node ran
     /// before.
     pub fn open(disk: &dyn Disk, amnesiac_if_created: bool) -> Result<(LogStore, Opened), MetaError> {
+        LogStore::open_with_voters(disk, amnesiac_if_created, None)
+    }
+
+    /// [`LogStore::open`], a store created now recording `first_voters` as the log's voters
+    /// (`None`: every node, as before voters changed).
+    pub fn open_with_voters(
+        disk: &dyn Disk,
+        amnesiac_if_created: bool,
+        first_voters: Option<&ConfState>,
+    ) -> Result<(LogStore, Opened), MetaError> {
         let file = disk
             .open("meta.redb", true)
             .map_err(|e| MetaError::Db(format!("open meta.redb: {e}")))?;
@@ -259,7 +270,7 @@ impl LogStore {
                 )));
             }
             None => {
-                store.create(amnesiac_if_created)?;
+                store.create(amnesiac_if_created, first_voters)?;
                 log = Some(crate::wal::Replayed::default());
                 true
             }
@@ -283,7 +294,7 @@ impl LogStore {
     }
 
     /// A new store: the format, and whether it starts amnesiac.
-    fn create(&mut self, amnesiac: bool) -> Result<(), MetaError> {
+    fn create(&mut self, amnesiac: bool, voters: Option<&ConfState>) -> Result<(), MetaError> {
         // The log file first: a store whose format is set always has one.
         self.wal.rewrite((0, 0), &HardState::default(), &[])?;
         let tx = self.db.begin_write()?;
@@ -291,6 +302,9 @@ impl LogStore {
             let mut m = tx.open_table(MISC)?;
             m.insert("format", FORMAT.to_le_bytes().as_slice())?;
             m.insert("amnesiac", [amnesiac as u8].as_slice())?;
+            if let Some(c) = voters {
+                m.insert("conf", encode_conf(c)?.as_slice())?;
+            }
         }
         tx.commit()?;
         Ok(())
@@ -476,6 +490,11 @@ impl LogStore {
             None => (0, 0),
         };
         let amnesiac = get("amnesiac")?.is_some_and(|b| b.first() == Some(&1));
+        // Optional: a store written before voters changed has none (every node voted).
+        let conf = match get("conf")? {
+            Some(b) => Some(decode_conf(&b)?),
+            None => None,
+        };
         let legacy = match get("legacy")? {
             Some(b) => Some(u64s::<1>("legacy", &b)?[0]),
             None => None,
@@ -608,6 +627,7 @@ impl LogStore {
                 applied_term: applied.1,
                 amnesiac,
                 legacy,
+                conf,
             },
             legacy,
             created,
@@ -694,6 +714,9 @@ impl LogStore {
         let mut m = tx.open_table(MISC)?;
         m.insert("applied", le(&[p.applied.0, p.applied.1]).as_slice())?;
         m.insert("amnesiac", [p.amnesiac as u8].as_slice())?;
+        if let Some(c) = &p.conf {
+            m.insert("conf", encode_conf(c)?.as_slice())?;
+        }
         match p.legacy {
             Some(l) => m.insert("legacy", le(&[l]).as_slice())?,
             None => m.remove("legacy")?,
@@ -705,6 +728,15 @@ impl LogStore {
     pub fn bytes_on_disk(&self) -> u64 {
         self.file.len().unwrap_or(0) + self.wal.bytes()
     }
+}
+
+/// The log's voters as stored (raft's protobuf `ConfState`).
+fn encode_conf(c: &ConfState) -> Result<Vec<u8>, MetaError> {
+    Ok(psls_cluster::log::encode_conf(c))
+}
+
+fn decode_conf(b: &[u8]) -> Result<ConfState, MetaError> {
+    psls_cluster::log::decode_conf(b).map_err(|e| corrupt("voters", e))
 }
 
 /// Writes the changed keys into the per-key tables.

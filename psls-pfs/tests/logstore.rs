@@ -42,6 +42,7 @@ fn limits() -> Limits {
         compact_after: 40,
         keep_behind: 10,
         read_retry_ticks: 10,
+        follow_wait_ticks: 20,
     }
 }
 
@@ -780,6 +781,7 @@ fn a_snapshot_cut_at_any_point_leaves_a_store_that_opens() {
             changes: snap.all_changes(),
             amnesiac: false,
             legacy: None,
+            conf: None,
         };
         drop(log);
         disk.halt_after(n);
@@ -840,6 +842,7 @@ fn a_cleared_catching_up_flag_survives_a_power_cut() {
         changes: Default::default(),
         amnesiac: false,
         legacy: None,
+        conf: None,
     };
     store.persist(&p).expect("persists");
     disk.power_cut(1);

@@ -4,7 +4,10 @@
 //! of format 1): an imported file, the file of a finished job, a halted job with its
 //! persistent checkpoint, and votes with an uncommitted entry (two followers stopped, then a
 //! create through the leader that could not commit). This build must export both files bit-identical and resume the
-//! halted job to its right result. A change of a format on disk adds a fixture of the new
+//! halted job to its right result.
+//! That build made every node a voter of the metadata log: this one cuts its voters down to
+//! three (the default five, for four nodes, made odd) through a joint configuration, and loses
+//! nothing (the files, the job, the uncommitted entry's outcome, a later create). A change of a format on disk adds a fixture of the new
 //! one beside it (written by `write_the_fixture` below, run by hand) and keeps the old one.
 //!
 //! A job records its program and folder as absolute paths: the fixture is opened at the path
@@ -74,6 +77,30 @@ fn a_cluster_folder_of_format_1_opens_exports_identical_and_resumes_its_halted_j
     assert!(listed.contains("data.bin") && listed.contains("finished"), "{listed}");
     c.ok(&["create", "after-the-fixture", "--size", "4K"]);
     assert!(c.ok(&["ls"]).contains("after-the-fixture"));
+    // Every node was a voter: the leader cut them down to three, which every node knows.
+    let voters = |via: &str| -> Vec<String> {
+        let out = c.ok(&["--node", via, "cluster", "status", "--json"]);
+        let st: psls_ipc::proto::ClusterStatus = serde_json::from_str(&out).expect("status json");
+        st.meta_voters
+    };
+    wait_for(Duration::from_secs(30), "three voters, known to every node", || {
+        (0..4).all(|i| voters(&format!("n{i}")).len() == 3)
+    });
+    // A node that no longer votes follows the log: a create through another is seen there.
+    let follower = (0..4)
+        .map(|i| format!("n{i}"))
+        .find(|n| !voters("n0").contains(n))
+        .expect("a follower");
+    c.ok(&["create", "after-the-cut", "--size", "4K"]);
+    assert!(c.ok(&["--node", &follower, "ls"]).contains("after-the-cut"));
+    for name in ["data.bin", "finished"] {
+        let want = std::fs::read(fixture().join("expected").join(name)).expect("expected export");
+        assert_same(
+            &c.export(name, &[]),
+            &want,
+            &format!("{name} exported after the voters were cut down"),
+        );
+    }
     drop(c);
     let _ = std::fs::remove_dir_all(at);
 }

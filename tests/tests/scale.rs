@@ -1,6 +1,7 @@
 //! A cluster larger than the failure tests' four nodes, on this machine (issue 40): 64 daemons
-//! form within a minute, each heartbeating a bounded set of peers; a kill -9 of a node and of
-//! the metadata leader are each declared within twice the failure timeout (on reports of the
+//! form within a minute, each heartbeating a bounded set of peers, five of them voting in the
+//! metadata log and the others following it; a kill -9 of a follower, of a voter and of the
+//! metadata leader are each declared within twice the failure timeout (on reports of the
 //! victim's watchers, or the leader's own probe); a 16-rank job spread over the cluster
 //! survives a kill -9 of one of its nodes with the unfailed run's checksum; and the cluster
 //! stops cleanly.
@@ -87,15 +88,47 @@ fn sixty_four_daemons_form_within_a_minute_declare_kills_in_time_and_run_a_job_t
         NODES as usize
     );
 
-    // A node that is not the leader, then the leader (the CLI talks to another node).
+    // Five voters (the default), the others follow the log.
+    assert_eq!(
+        st.meta_voters.len(),
+        5,
+        "the metadata log's voters: {:?}",
+        st.meta_voters
+    );
     let leader = st.coordinator.clone().expect("a coordinator");
-    let node = ["n37", "n38"].into_iter().find(|n| *n != leader).expect("one of two");
-    let via = ["n1", "n2"].into_iter().find(|n| *n != leader).expect("one of two");
+    assert!(st.meta_voters.contains(&leader), "the leader {leader} is a voter");
+    // A follower, a voter that does not lead, then the leader (the CLI talks to a follower).
+    let node = ["n37", "n38"]
+        .into_iter()
+        .find(|n| !st.meta_voters.iter().any(|v| v == n))
+        .expect("a follower");
+    let voter = st
+        .meta_voters
+        .iter()
+        .find(|v| **v != leader)
+        .expect("a second voter")
+        .clone();
+    let via = ["n41", "n42"]
+        .into_iter()
+        .find(|n| !st.meta_voters.iter().any(|v| v == n))
+        .expect("a follower");
     let on_node = kill_and_time_verdict(&c, node, via);
-    eprintln!("{node}: verdict after {on_node:.3} s, back at {:?}", t.elapsed());
+    eprintln!(
+        "follower {node}: verdict after {on_node:.3} s, back at {:?}",
+        t.elapsed()
+    );
     assert!(
         on_node <= 2.0 * timeout_s,
         "{node}'s verdict came {on_node:.3} s after its kill (timeout {timeout_s} s)"
+    );
+    let on_voter = kill_and_time_verdict(&c, &voter, via);
+    eprintln!(
+        "voter {voter}: verdict after {on_voter:.3} s, back at {:?}",
+        t.elapsed()
+    );
+    assert!(
+        on_voter <= 2.0 * timeout_s,
+        "the voter {voter}'s verdict came {on_voter:.3} s after its kill (timeout {timeout_s} s)"
     );
     let on_leader = kill_and_time_verdict(&c, &leader, via);
     eprintln!(
@@ -131,7 +164,15 @@ fn sixty_four_daemons_form_within_a_minute_declare_kills_in_time_and_run_a_job_t
     );
     c.assert_no_rank_left("the 16-rank run");
     eprintln!(
-        "64 daemons: healthy in {formed:?}; verdicts {on_node:.3} s ({node}) and {on_leader:.3} s (leader {leader}) after the kill; the 16-rank job survived {victim}'s kill"
+        "64 daemons: healthy in {formed:?}; verdicts {on_node:.3} s (follower {node}), {on_voter:.3} s (voter {voter}) and {on_leader:.3} s (leader {leader}) after the kill; the 16-rank job survived {victim}'s kill"
+    );
+    // The voters are still five, and every node knows them.
+    let after = status(&c, via);
+    assert_eq!(
+        after.meta_voters.len(),
+        5,
+        "voters after the kills: {:?}",
+        after.meta_voters
     );
     let t = Instant::now();
     c.ok(&["cluster", "down"]);

@@ -163,6 +163,7 @@ pub fn status(node: &Node) -> ClusterStatus {
         coordinator,
         meta_seq: st.seq,
         meta_term: node.replication.status().term,
+        meta_voters: node.replication.status().voters,
         map_version: st.map_version,
         files: st.files.len() as u64,
         nodes,
