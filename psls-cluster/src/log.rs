@@ -13,10 +13,11 @@
 //!   A few of them are the log's voters (raft's `ConfState`, kept with the applied state and
 //!   changed only by [`Log::propose_voters`]: raft-rs's `ConfChangeV2`, joint consensus when
 //!   more than one voter changes, left automatically, or by the next leader).
-//!   Every other node is a *follower*: it runs no raft, and pulls the committed entries from one
-//!   voter at a time ([`Wire::Follow`], answered by [`Wire::Feed`] at once when the voter applied
-//!   more, else held until it does or [`Limits::follow_wait_ticks`] pass), so a leader sends
-//!   nothing per follower and a voter answers a bounded share of them.
+//!   Every other node is a *follower*: it runs no raft, and pulls the committed entries from its
+//!   parent in a tree rooted at the voters ([`Wire::Follow`], answered by [`Wire::Feed`] at once
+//!   when the parent applied more, else held until it does or [`Limits::follow_wait_ticks`]
+//!   pass; [`Log::feed_source`]), so a leader sends nothing per follower and no node feeds more
+//!   than [`Limits::follow_fanout`] of them, whatever the cluster's size.
 //!   A follower applies what it pulls (configuration changes included, so it knows when it
 //!   becomes a voter) and writes it like a voter; its reads ask the leader's read index.
 //!   A node that finds itself out of the configuration (or is told so by a voter,
@@ -24,12 +25,13 @@
 //!   A store created in this life starts as a follower: it learns whether it is a voter (then
 //!   catching up as after a lost disk) or whether the cluster is new.
 //! - **Leader.** Elections follow the election timeout the shell gives in ticks, randomized per
-//!   election from a seeded generator (so a seed replays a run); the shell hints the voter that
-//!   should lead to campaign early ([`Log::campaign`]: the lowest-numbered live one, as
-//!   operators expect of the coordinator), and no priorities are set (raft-rs's refuse a
-//!   candidate of a lower priority whose log is as long even when its last term is newer: with
-//!   a voter lost for good and one catching up in a joint configuration, the log simulator met
-//!   elections that could never end); pre-vote and check-quorum are on, so a node cut off cannot disrupt a working majority when it comes back, and a leader
+//!   election from a seeded generator (so a seed replays a run); among voters whose logs are as
+//!   long, the lowest-numbered live one wins (raft-rs's priorities) — until no leader was known
+//!   for [`LEADERLESS_TICKS_PER_ELECTION`] election timeouts: then this voter sets no priority
+//!   until one is (raft-rs's priority refuses a candidate whose log is as long even when its
+//!   last term is newer, and a voter whose own log is stale cannot win either: with a voter
+//!   lost for good and one catching up, the log simulator met elections that never ended);
+//!   pre-vote and check-quorum are on, so a node cut off cannot disrupt a working majority when it comes back, and a leader
 //!   that hears no majority for an election timeout steps down.
 //!   A node that must not lead ([`Log::set_eligible`]) never campaigns and hands its leadership
 //!   over.
@@ -108,6 +110,9 @@ struct Unsaved<S: Machine> {
     conf: ConfState,
 }
 
+/// Election timeouts without a known leader after which a voter drops its election priority.
+pub const LEADERLESS_TICKS_PER_ELECTION: u64 = 3;
+
 /// Format of an entry's data: `[ENTRY_FORMAT u8][postcard operation]`.
 pub const ENTRY_FORMAT: u8 = 1;
 
@@ -134,8 +139,10 @@ pub struct Limits {
     pub read_retry_ticks: u64,
     /// A follower's [`Wire::Follow`] is held this many ticks at most when there is nothing new
     /// (then answered empty); one unanswered for this plus an election timeout is asked of
-    /// another voter.
+    /// another node.
     pub follow_wait_ticks: u64,
+    /// Followers one node feeds at most (see [`Log::feed_source`]).
+    pub follow_fanout: u32,
 }
 
 impl Limits {
@@ -159,6 +166,7 @@ impl Limits {
             keep_behind: 5_000,
             read_retry_ticks: election as u64,
             follow_wait_ticks: 2 * election as u64,
+            follow_fanout: 16,
         }
     }
 }
@@ -553,8 +561,10 @@ impl Rng {
 struct Following {
     /// The node asked, and the tick it was asked at.
     asked: Option<(u32, u64)>,
-    /// Turns of the voters to ask (the next after one that failed).
+    /// Turns of the sources to ask (the next after one that failed: [`Log::feed_source`]),
+    /// and the tick the turn left 0 (after a while the parent is asked again: it may be back).
     turn: u32,
+    turned_at: u64,
     leader: Option<u32>,
     term: u64,
     /// A voter said this node is no voter as of this index: it stays a follower until it
@@ -571,6 +581,15 @@ struct Following {
     probe: Option<(u64, u64)>,
     /// The commit index the probe answered.
     clear_at: Option<u64>,
+}
+
+impl Following {
+    fn next_turn(&mut self, now: u64) {
+        if self.turn == 0 {
+            self.turned_at = now;
+        }
+        self.turn = self.turn.wrapping_add(1);
+    }
 }
 
 /// One node's side of the metadata log. `T` is the shell's handle for a submission or a read.
@@ -620,6 +639,9 @@ pub struct Log<S: Machine, T> {
     lost_nonce: u64,
     /// The term of the last [`Wire::CatchUpTo`] taken: a leader of a later term is asked again.
     catch_up_term: u64,
+    /// Ticks since this voter last knew a leader (its priority is dropped past a few election
+    /// timeouts).
+    leaderless_ticks: u64,
 }
 
 /// raft-rs logs through `slog`; this drain hands its records to `tracing`.
@@ -747,6 +769,7 @@ impl<S: Machine, T> Log<S, T> {
             legacy: legacy.filter(|l| *l > 0),
             lost_nonce: 0,
             catch_up_term: 0,
+            leaderless_ticks: 0,
         };
         log.lost_nonce = log.rng.next();
         // Read requests are told apart from those of this voter's earlier lives (an answer to one
@@ -756,9 +779,16 @@ impl<S: Machine, T> Log<S, T> {
         Ok(log)
     }
 
+    /// Lower node numbers first: between logs as long, a voter votes only for a candidate of a
+    /// priority at least its own, so the lowest live voter leads (the logical nodes before the
+    /// spares), as operators expect of the coordinator.
+    fn priority_of(me: u32, nodes: u32) -> i64 {
+        i64::from(nodes - me)
+    }
+
     fn raw(
         me: u32,
-        _nodes: u32,
+        nodes: u32,
         limits: Limits,
         cache: Cache<S>,
         applied: u64,
@@ -773,6 +803,7 @@ impl<S: Machine, T> Log<S, T> {
             check_quorum: true,
             pre_vote: true,
             read_only_option: ReadOnlyOption::Safe,
+            priority: Self::priority_of(me, nodes),
             ..Default::default()
         };
         cfg.validate()
@@ -1002,6 +1033,24 @@ impl<S: Machine, T> Log<S, T> {
         if !self.eligible && self.is_leader() {
             self.hand_over();
         }
+        // No leader for a few election timeouts: no priority either, until there is one.
+        let priority = Self::priority_of(self.me, self.nodes);
+        if self.node.raft.leader_id == 0 {
+            self.leaderless_ticks += 1;
+            let limit = LEADERLESS_TICKS_PER_ELECTION * self.limits.election_ticks as u64;
+            if self.leaderless_ticks >= limit && self.node.raft.priority != 0 {
+                tracing::info!(
+                    voter = self.me,
+                    "no metadata leader for a while: this voter drops its election priority"
+                );
+                self.node.raft.set_priority(0);
+            }
+        } else {
+            self.leaderless_ticks = 0;
+            if self.node.raft.priority != priority {
+                self.node.raft.set_priority(priority);
+            }
+        }
         // A leader elected while the configuration was joint leaves it (raft-rs leaves only
         // when the leader that entered it applies the entry).
         if self.is_leader()
@@ -1031,12 +1080,17 @@ impl<S: Machine, T> Log<S, T> {
     /// long: then another voter), and asks a lost read again.
     fn follow_tick(&mut self) {
         let limit = self.limits.follow_wait_ticks + self.limits.election_ticks as u64;
+        let back_after = 8 * self.limits.follow_wait_ticks;
         let Some(f) = self.following.as_mut() else { return };
         if let Some((_, at)) = f.asked {
             if self.ticks.saturating_sub(at) >= limit {
                 f.asked = None;
-                f.turn = f.turn.wrapping_add(1);
+                f.next_turn(self.ticks);
             }
+        }
+        if f.turn != 0 && self.ticks.saturating_sub(f.turned_at) >= back_after {
+            // The next request goes to the parent again.
+            f.turn = 0;
         }
         let applied = self.state.index();
         match f.behind {
@@ -1049,7 +1103,7 @@ impl<S: Machine, T> Log<S, T> {
                     "the source of entries lags the leader: asking another"
                 );
                 f.asked = None;
-                f.turn = f.turn.wrapping_add(1);
+                f.next_turn(self.ticks);
                 f.behind = Some((index, self.ticks));
             }
             _ => {}
@@ -1108,18 +1162,52 @@ impl<S: Machine, T> Log<S, T> {
         });
     }
 
-    /// Asks a voter (not the leader, when there is another) for the entries after the applied
-    /// index.
-    fn ask_feed(&mut self) {
-        let voters: Vec<u32> = self.voters().into_iter().filter(|v| *v != self.me).collect();
-        let Some(f) = self.following.as_mut() else { return };
-        let others: Vec<u32> = voters.iter().copied().filter(|v| Some(*v) != f.leader).collect();
-        let pick = if others.is_empty() { &voters } else { &others };
-        if pick.is_empty() {
-            return;
+    /// The node a follower asks for entries at turn `turn`: its parent in a tree of fan-out
+    /// [`Limits::follow_fanout`] rooted at the voters (the nodes in order, voters first: the
+    /// node at position `p` past the voters pulls from the one at `(p - voters) / fanout`),
+    /// then, turn after turn (one did not answer, or lagged), that parent's parent and so on up
+    /// to a voter, then each voter in turn. So no node answers more than the fan-out
+    /// followers, whatever the cluster's size.
+    fn feed_source(&self, turn: u32) -> Option<u32> {
+        let voters = self.voters();
+        let fanout = self.limits.follow_fanout.max(1) as usize;
+        let order: Vec<u32> = voters
+            .iter()
+            .copied()
+            .chain((0..self.nodes).filter(|n| !voters.contains(n)))
+            .collect();
+        let mut chain = Vec::new();
+        if let Some(mut p) = order.iter().position(|n| *n == self.me) {
+            while p >= voters.len() {
+                p = (p - voters.len()) / fanout;
+                chain.push(order[p]);
+            }
         }
-        let to = pick[((self.me as usize) + f.turn as usize) % pick.len()];
-        f.asked = Some((to, self.ticks));
+        if let Some(n) = chain.get(turn as usize) {
+            return Some(*n);
+        }
+        let others: Vec<u32> = voters.iter().copied().filter(|v| *v != self.me).collect();
+        if others.is_empty() {
+            return None;
+        }
+        let t = turn as usize - chain.len()
+            + chain
+                .last()
+                .and_then(|v| others.iter().position(|o| o == v))
+                .unwrap_or(self.me as usize);
+        Some(others[t % others.len()])
+    }
+
+    /// Asks the node [`Log::feed_source`] names for the entries after the applied index.
+    fn ask_feed(&mut self) {
+        let Some(f) = self.following.as_ref() else { return };
+        let Some(to) = self.feed_source(f.turn) else {
+            return;
+        };
+        let ticks = self.ticks;
+        if let Some(f) = self.following.as_mut() {
+            f.asked = Some((to, ticks));
+        }
         let after = self.state.index();
         self.actions.push_back(Action::Send {
             to,
@@ -1671,7 +1759,7 @@ impl<S: Machine, T> Log<S, T> {
         if let Some(f) = self.following.as_mut() {
             if f.asked.is_some_and(|(n, _)| n == to) {
                 f.asked = None;
-                f.turn = f.turn.wrapping_add(1);
+                f.next_turn(self.ticks);
             }
             return;
         }

@@ -43,6 +43,7 @@ fn limits() -> Limits {
         keep_behind: 10,
         read_retry_ticks: 10,
         follow_wait_ticks: 20,
+        follow_fanout: 2,
     }
 }
 
