@@ -16,3 +16,7 @@ bin="${CARGO_TARGET_DIR:-target}/release"
 # simulated nodes (psls-cluster/tests/watch_sim.rs, the same machines the daemon runs).
 cargo test -p psls-cluster --release --quiet --test watch_sim the_busiest_nodes_idle_messages -- --nocapture 2>&1 |
     grep "busiest node's idle messages per second"
+# And the metadata log's (psls-cluster/tests/log_sim.rs: five voters, the followers in a tree):
+# the busiest idle node's messages a tick at 16, 128 and 1,024 nodes.
+cargo test -p psls-cluster --release --quiet --test log_sim the_log_at_16_128_and_1024_nodes -- --nocapture 2>&1 |
+    grep "busiest idle node handles"

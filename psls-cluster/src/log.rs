@@ -1903,10 +1903,17 @@ impl<S: Machine, T> Log<S, T> {
 
     /// The next action, if any.
     pub fn poll_action(&mut self) -> Option<Action<S, T>> {
-        if self.actions.is_empty() && self.halted.is_none() && self.following.is_none() {
-            self.process();
-            self.release_held();
-            self.check_role();
+        if self.actions.is_empty() && self.halted.is_none() {
+            if self.following.is_none() {
+                self.process();
+                self.release_held();
+                self.check_role();
+            } else if self.reads.inflight.is_none() && !self.reads.waiting.is_empty() {
+                // The readers that waited for a follower's request just answered share the
+                // next one (a voter asks it in `process`).
+                let waiting = std::mem::take(&mut self.reads.waiting);
+                self.send_read(waiting);
+            }
         }
         self.actions.pop_front()
     }

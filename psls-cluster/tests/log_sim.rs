@@ -1036,6 +1036,32 @@ impl Sim {
                 self.seed
             );
         }
+        // Every read asked of a node still running is answered (a follower's too: one that
+        // waited behind another's request was once never asked).
+        for _ in 0..400 {
+            if live.iter().all(|u| self.nodes[*u as usize].reads.is_empty()) {
+                break;
+            }
+            for &u in &live {
+                self.log(u).handle_tick();
+                self.after(u);
+            }
+            while let Some((from, to, msg)) = self.net.pop() {
+                if self.gone.contains(&to) {
+                    continue;
+                }
+                self.log(to).handle_message(from, msg);
+                self.after(to);
+            }
+        }
+        for &u in &live {
+            assert!(
+                self.nodes[u as usize].reads.is_empty(),
+                "seed {}: node {u}'s reads {:?} were never answered",
+                self.seed,
+                self.nodes[u as usize].reads
+            );
+        }
         let want = self.states[top as usize].clone();
         for u in live {
             let seed = self.seed;

@@ -1675,6 +1675,7 @@ fn figures_changed(old: &Heartbeat, new: &Heartbeat) -> bool {
         || old.dirty_pages != new.dirty_pages
         || old.rebuild != new.rebuild
         || old.svm_segments != new.svm_segments
+        || old.meta_lost_disk != new.meta_lost_disk
 }
 
 /// Resident set size of this process.
