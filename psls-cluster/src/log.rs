@@ -321,10 +321,12 @@ pub enum Wire {
         last_index: u64,
         term: u64,
     },
-    /// A follower asks for the committed entries after `after` (held until there are some, or
-    /// [`Limits::follow_wait_ticks`] pass).
+    /// A follower asks for the committed entries after `after` (held until there are some, the
+    /// leadership changes, or [`Limits::follow_wait_ticks`] pass); `term`: the latest it knows
+    /// (asked by one that knows an older, it is answered at once).
     Follow {
         after: u64,
+        term: u64,
     },
     /// The answer to a [`Wire::Follow`].
     Feed(Box<Feed>),
@@ -605,8 +607,9 @@ pub struct Log<S: Machine, T> {
     /// node has not caught up as a voter since: it may have acknowledged entries it no longer
     /// holds, so as a voter it catches up before it votes (see `amnesia`).
     lost_disk: bool,
-    /// Followers' [`Wire::Follow`] held here: node → (after, tick asked).
-    held: BTreeMap<u32, (u64, u64)>,
+    /// Followers' [`Wire::Follow`] held here: node → (after, tick asked, the term and leader
+    /// known here then).
+    held: BTreeMap<u32, (u64, u64, (u64, Option<u32>))>,
     node: RawNode<Cache<S>>,
     state: S,
     applied_term: u64,
@@ -1209,22 +1212,27 @@ impl<S: Machine, T> Log<S, T> {
             f.asked = Some((to, ticks));
         }
         let after = self.state.index();
+        let term = self.term();
         self.actions.push_back(Action::Send {
             to,
-            msg: Wire::Follow { after },
+            msg: Wire::Follow { after, term },
         });
     }
 
-    /// Answers the held requests that can be (this node applied past them), and those held long
-    /// enough (empty: the follower asks again, and learns the leadership meanwhile).
+    /// Answers the held requests that can be (this node applied past them, or learnt of a
+    /// new leadership), and those held long enough (empty: the follower asks again, and learns
+    /// the leadership meanwhile).
     fn release_held(&mut self) {
         let applied = self.state.index();
         let wait = self.limits.follow_wait_ticks;
+        let now = (self.term(), self.leader());
         let due: Vec<(u32, u64)> = self
             .held
             .iter()
-            .filter(|(_, (after, at))| *after < applied || self.ticks.saturating_sub(*at) >= wait)
-            .map(|(n, (after, _))| (*n, *after))
+            .filter(|(_, (after, at, known))| {
+                *after < applied || self.ticks.saturating_sub(*at) >= wait || (now.1.is_some() && *known != now)
+            })
+            .map(|(n, (after, _, _))| (*n, *after))
             .collect();
         for (n, after) in due {
             self.held.remove(&n);
@@ -1269,9 +1277,11 @@ impl<S: Machine, T> Log<S, T> {
         feed
     }
 
-    /// A follower's request: answered now if this node applied past `after`, else held.
-    fn handle_follow(&mut self, from: u32, after: u64) {
-        if after < self.state.index() {
+    /// A follower's request: answered now if this node applied past `after` or knows a newer
+    /// leadership than the follower, else held.
+    fn handle_follow(&mut self, from: u32, after: u64, term: u64) {
+        let newer = term < self.term() && self.leader().is_some();
+        if after < self.state.index() || newer {
             let feed = self.feed_after(after);
             self.actions.push_back(Action::Send {
                 to: from,
@@ -1279,7 +1289,8 @@ impl<S: Machine, T> Log<S, T> {
             });
         } else {
             // One per node: a newer request replaces an older one.
-            self.held.insert(from, (after, self.ticks));
+            let known = (self.term(), self.leader());
+            self.held.insert(from, (after, self.ticks, known));
         }
     }
 
@@ -1457,7 +1468,7 @@ impl<S: Machine, T> Log<S, T> {
                 last_index,
                 term,
             } => return self.handle_catch_up_to(nonce, last_index, term),
-            Wire::Follow { after } => return self.handle_follow(from, after),
+            Wire::Follow { after, term } => return self.handle_follow(from, after, term),
             Wire::Feed(feed) => return self.handle_feed(from, *feed),
             Wire::NotVoter { applied } => {
                 if self.following.is_none() && applied > self.state.index() {
@@ -2390,9 +2401,10 @@ pub fn encode_wire(w: &Wire) -> Vec<u8> {
             out.extend(term.to_le_bytes());
             out
         }
-        Wire::Follow { after } => {
+        Wire::Follow { after, term } => {
             let mut out = vec![3u8];
             out.extend(after.to_le_bytes());
+            out.extend(term.to_le_bytes());
             out
         }
         Wire::Feed(f) => {
@@ -2511,8 +2523,11 @@ pub fn decode_wire(b: &[u8]) -> Result<Wire, String> {
             term: le_u64(rest, 16),
         }),
         Some((2, _)) => Err("a catch-up message is 24 bytes".to_string()),
-        Some((3, rest)) if rest.len() == 8 => Ok(Wire::Follow { after: le_u64(rest, 0) }),
-        Some((3, _)) => Err("a follow message is 8 bytes".to_string()),
+        Some((3, rest)) if rest.len() == 16 => Ok(Wire::Follow {
+            after: le_u64(rest, 0),
+            term: le_u64(rest, 8),
+        }),
+        Some((3, _)) => Err("a follow message is 16 bytes".to_string()),
         Some((4, rest)) => decode_feed(rest).map(|f| Wire::Feed(Box::new(f))),
         Some((5, rest)) if rest.len() == 8 => Ok(Wire::NotVoter {
             applied: le_u64(rest, 0),

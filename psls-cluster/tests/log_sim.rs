@@ -1185,7 +1185,7 @@ fn a_voter_back_on_a_blank_disk_catches_up_to_the_leaders_log_not_to_a_stale_app
         asked |= matches!(
             a,
             Action::Send {
-                msg: Wire::Follow { after: 0 },
+                msg: Wire::Follow { after: 0, .. },
                 ..
             }
         );
@@ -1292,7 +1292,7 @@ fn a_voter_back_on_a_blank_disk_catches_up_to_the_leaders_log_not_to_a_stale_app
             last_index: 10,
             term: 4,
         },
-        Wire::Follow { after: 12 },
+        Wire::Follow { after: 12, term: 3 },
         Wire::NotVoter { applied: 40 },
         Wire::Feed(Box::new(psls_cluster::log::Feed {
             entries: vec![Entry {

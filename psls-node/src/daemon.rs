@@ -309,6 +309,10 @@ pub async fn run(config: &Path, name: &str) -> Result<()> {
     // Whether other nodes hold pages an earlier incarnation of this one granted: known before
     // any coherence state is made (`svm::fault::ensure_svm`).
     d.svm.ask_peers(&node).await;
+    // The periodic work (beats to the watched peers first) runs from now on: a node waiting
+    // for its start to commit is not silent to its watchers (a start that waited past the
+    // failure timeout was declared down).
+    tokio::spawn(d.clone().run_ticks());
     // This start's incarnation, committed before the daemon serves (when a leader answers in
     // time): every node learns of the restart from it, whether it watches this one or not.
     let boot = tokio::spawn(node.clone().boot());
@@ -318,7 +322,6 @@ pub async fn run(config: &Path, name: &str) -> Result<()> {
         }
     })
     .await;
-    tokio::spawn(d.clone().run_ticks());
     if start.blank {
         node.rejoin_pending.store(true, std::sync::atomic::Ordering::Relaxed);
         let n = node.clone();
