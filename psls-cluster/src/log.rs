@@ -558,6 +558,9 @@ impl Rng {
     }
 }
 
+/// A term and its leader as a node knows them.
+type Leadership = (u64, Option<u32>);
+
 /// A follower's side: whom it pulls from, and what it knows of the leadership.
 #[derive(Debug, Default)]
 struct Following {
@@ -609,7 +612,7 @@ pub struct Log<S: Machine, T> {
     lost_disk: bool,
     /// Followers' [`Wire::Follow`] held here: node → (after, tick asked, the term and leader
     /// known here then).
-    held: BTreeMap<u32, (u64, u64, (u64, Option<u32>))>,
+    held: BTreeMap<u32, (u64, u64, Leadership)>,
     node: RawNode<Cache<S>>,
     state: S,
     applied_term: u64,
