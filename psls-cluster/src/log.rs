@@ -1169,13 +1169,20 @@ impl<S: Machine, T> Log<S, T> {
     }
 
     /// The node a follower asks for entries at turn `turn`: its parent in a tree of fan-out
-    /// [`Limits::follow_fanout`] rooted at the voters (the nodes in order, voters first: the
+    /// [`Limits::follow_fanout`] rooted at the voters (the nodes in order, voters first and the
+    /// leader last among them: the
     /// node at position `p` past the voters pulls from the one at `(p - voters) / fanout`),
     /// then, turn after turn (one did not answer, or lagged), that parent's parent and so on up
     /// to a voter, then each voter in turn. So no node answers more than the fan-out
     /// followers, whatever the cluster's size.
     fn feed_source(&self, turn: u32) -> Option<u32> {
-        let voters = self.voters();
+        // The leader (as this node knows it) last: it feeds followers only when the other
+        // voters cannot take them all.
+        let mut voters = self.voters();
+        if let Some(i) = self.leader().and_then(|l| voters.iter().position(|v| *v == l)) {
+            let l = voters.remove(i);
+            voters.push(l);
+        }
         let fanout = self.limits.follow_fanout.max(1) as usize;
         let order: Vec<u32> = voters
             .iter()
