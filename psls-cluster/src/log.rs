@@ -1153,19 +1153,7 @@ impl<S: Machine, T> Log<S, T> {
         if let Some(f) = self.following.as_mut() {
             f.probe = Some((ctx, ticks));
         }
-        let mut m = Message::default();
-        m.set_msg_type(MessageType::MsgReadIndex);
-        m.from = raft_id(self.me);
-        m.to = raft_id(leader);
-        m.entries = vec![Entry {
-            data: ctx.to_le_bytes().to_vec().into(),
-            ..Default::default()
-        }]
-        .into();
-        self.actions.push_back(Action::Send {
-            to: leader,
-            msg: Wire::Raft(Box::new(m)),
-        });
+        self.ask_read_index(leader, ctx);
     }
 
     /// The node a follower asks for entries at turn `turn`: its parent in a tree of fan-out
@@ -1898,13 +1886,9 @@ impl<S: Machine, T> Log<S, T> {
         }
     }
 
-    /// A follower asks the leader it knows for its read index (raft's `MsgReadIndex`, which a
+    /// Asks `leader` for its read index under context `ctx` (raft's `MsgReadIndex`, which a
     /// leader answers to any node).
-    fn send_read_ctx(&mut self, ctx: u64) {
-        if let Some(r) = self.reads.inflight.as_mut() {
-            r.2 = self.ticks;
-        }
-        let Some(leader) = self.leader() else { return };
+    fn ask_read_index(&mut self, leader: u32, ctx: u64) {
         let mut m = Message::default();
         m.set_msg_type(MessageType::MsgReadIndex);
         m.from = raft_id(self.me);
@@ -1918,6 +1902,15 @@ impl<S: Machine, T> Log<S, T> {
             to: leader,
             msg: Wire::Raft(Box::new(m)),
         });
+    }
+
+    /// A follower asks the leader it knows for its read index.
+    fn send_read_ctx(&mut self, ctx: u64) {
+        if let Some(r) = self.reads.inflight.as_mut() {
+            r.2 = self.ticks;
+        }
+        let Some(leader) = self.leader() else { return };
+        self.ask_read_index(leader, ctx);
     }
 
     // ---- outputs ----
