@@ -100,9 +100,15 @@ impl Follower {
     }
 
     /// The client knew start `attempt` when it connected (it followed the job through another
-    /// node before): restarts since are noted, as if this follower had seen them.
+    /// node before, or it started that start here): restarts since are noted, as if this
+    /// follower had seen them. The client is told the start at once, before this node's
+    /// records show it: a client that loses this node first must still know the start it
+    /// followed, to be told of the restarts it then missed.
     pub fn knowing(mut self, attempt: Option<u32>) -> Follower {
         self.known = attempt;
+        if let Some(a) = attempt {
+            self.actions.push_back(FollowAction::Start(a));
+        }
         self
     }
 
@@ -326,6 +332,8 @@ mod tests {
         st.ended.insert("j".into(), (7, end));
         // The client followed start 1 through a node it lost.
         let mut f = Follower::new("j", BTreeMap::new(), 1).knowing(Some(1));
+        // The client is told back at once the start it knows.
+        assert_eq!(f.poll_action(), Some(FollowAction::Start(1)));
         f.handle_tick(&st);
         let note = f.poll_action();
         assert!(
@@ -341,8 +349,44 @@ mod tests {
         for known in [Some(3), None] {
             let mut f = Follower::new("j", BTreeMap::new(), 1).knowing(known);
             f.handle_tick(&st);
-            assert!(matches!(f.poll_action(), Some(FollowAction::Fetch { all: true, .. })));
+            let told: Vec<FollowAction> = std::iter::from_fn(|| f.poll_action()).collect();
+            assert!(
+                matches!(told.last(), Some(FollowAction::Fetch { all: true, .. }))
+                    && !told.iter().any(|a| matches!(a, FollowAction::Note(_))),
+                "{told:?}"
+            );
         }
+    }
+
+    /// A client that started a job through a node, and lost that node before its records
+    /// showed the start (the CI met it: the node was paused right after the start), still
+    /// hears of the restart from the next node: it was told its start at once.
+    #[test]
+    fn a_client_that_lost_its_node_before_its_records_showed_the_start_hears_of_the_restart() {
+        let mut f = Follower::new("j", BTreeMap::new(), 0).knowing(Some(0));
+        // The first node's records do not show the start yet: all the client heard is its start.
+        f.handle_tick(&MetaState::default());
+        assert_eq!(f.poll_action(), Some(FollowAction::Start(0)));
+        assert_eq!(f.poll_action(), Some(FollowAction::CheckGone));
+        assert_eq!(f.poll_action(), None);
+        // The next node knows the job ended in start 1.
+        let mut st = MetaState::default();
+        let end = psls_pfs::runs::JobEnd {
+            how: psls_pfs::runs::EndHow::Finished,
+            code: 0,
+            message: String::new(),
+            attempt: 1,
+            at_unix_ms: 0,
+        };
+        st.ended.insert("j".into(), (7, end));
+        let mut f = Follower::new("j", BTreeMap::new(), 0).knowing(Some(0));
+        f.handle_tick(&st);
+        let told: Vec<FollowAction> = std::iter::from_fn(|| f.poll_action()).collect();
+        assert!(
+            told.iter()
+                .any(|a| matches!(a, FollowAction::Note(n) if n.contains("restarted"))),
+            "{told:?}"
+        );
     }
 
     #[test]
