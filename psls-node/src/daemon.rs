@@ -309,6 +309,9 @@ pub async fn run(config: &Path, name: &str) -> Result<()> {
     // Whether other nodes hold pages an earlier incarnation of this one granted: known before
     // any coherence state is made (`svm::fault::ensure_svm`).
     d.svm.ask_peers(&node).await;
+    // That ask went to every node of the map: its connections are not kept (a node's idle
+    // cost must not grow with the cluster).
+    node.net.close_unused();
     // The periodic work (beats to the watched peers first) runs from now on: a node waiting
     // for its start to commit is not silent to its watchers (a start that waited past the
     // failure timeout was declared down).

@@ -96,6 +96,14 @@ pub fn link_configs(dir: &Path, name: &str) -> Result<(Arc<rustls::ServerConfig>
 /// Most incoming connections waiting for their handshake at once (quinn refuses more).
 pub const MAX_INCOMING_HANDSHAKES: usize = 64;
 
+/// How often an otherwise silent QUIC connection sends a ping: well inside its 10 s idle
+/// timeout, so that an open connection stays open until the transport closes it for want of
+/// use (`transport::IDLE_CLOSE`). Not a failure detector (heartbeats are): a connection to a
+/// peer that restarted is reset at its first packet, and a request on one that died times
+/// out. A ping every 500 ms on each idle connection cost a node that had asked every peer at
+/// its start (`SvmShell::ask_peers`) about 1 % of a core at 64 nodes until they closed.
+pub const QUIC_KEEP_ALIVE_MS: u64 = 3000;
+
 pub fn configs(dir: &Path, name: &str) -> Result<(quinn::ServerConfig, quinn::ClientConfig)> {
     let (server, client) = tls_configs(dir, name)?;
 
@@ -106,7 +114,7 @@ pub fn configs(dir: &Path, name: &str) -> Result<(quinn::ServerConfig, quinn::Cl
         .stream_receive_window((16u32 << 20).into())
         .receive_window((64u32 << 20).into())
         .send_window(64 << 20)
-        .keep_alive_interval(Some(std::time::Duration::from_millis(500)))
+        .keep_alive_interval(Some(std::time::Duration::from_millis(QUIC_KEEP_ALIVE_MS)))
         .max_idle_timeout(Some(std::time::Duration::from_secs(10).try_into()?));
     let mut mtu = quinn::MtuDiscoveryConfig::default();
     mtu.upper_bound(MAX_DISCOVERED_PAYLOAD);

@@ -289,6 +289,13 @@ impl Transport {
         self.close_idle_for(IDLE_CLOSE)
     }
 
+    /// Closes every connection no request is under way on now: after a one-off ask of many
+    /// peers (a start's [`crate::svm::SvmShell::ask_peers`]), whose connections would
+    /// otherwise stay open, pinging, for [`IDLE_CLOSE`]. The next request dials again.
+    pub fn close_unused(&self) {
+        self.close_idle_for(Duration::ZERO)
+    }
+
     /// Closes the connections no request used for `idle`.
     fn close_idle_for(&self, idle: Duration) {
         let mut slots = self.slots.locked();

@@ -6,6 +6,8 @@
 //!   mean and busiest, after a settling pause;
 //! - `rss_mib`: each idle daemon's resident memory, mean and largest;
 //! - `create_ms`: `psls create` (CLI included) through n0, p50 and p99 of `--creates`;
+//! - `create_conn_ms`: as many creates over one client connection to n0 (no CLI process: the
+//!   daemons' share of a create);
 //! - `verdict_s`: from a kill -9 of the last node to n0's status showing it down;
 //! - `run_true_s`: `psls run -n N -- /bin/true` through n0 (after the killed node is back).
 //!
@@ -129,6 +131,16 @@ fn measure(cli: &Cli, bin: &Path, dir: &Path, n: usize) -> Result<serde_json::Va
         create_ms.push(t.elapsed().as_secs_f64() * 1000.0);
     }
     create_ms.sort_by(f64::total_cmp);
+    // The same creates over one client connection (no CLI process): the daemons' share.
+    let mut client = psls_client::cluster::connect(dir, Some("n0"))?;
+    let mut create_conn_ms = Vec::with_capacity(cli.creates);
+    for i in 0..cli.creates {
+        let t = Instant::now();
+        client.create(&format!("scale-conn-{i}"), 4096, 0o644)?;
+        create_conn_ms.push(t.elapsed().as_secs_f64() * 1000.0);
+    }
+    drop(client);
+    create_conn_ms.sort_by(f64::total_cmp);
     // kill -9 of the last node; n0's status shows it down.
     let victim = names.last().context("no node")?.clone();
     let vpid = *pids.last().context("no node")?;
@@ -158,6 +170,7 @@ fn measure(cli: &Cli, bin: &Path, dir: &Path, n: usize) -> Result<serde_json::Va
         "idle_cpu_pct": {"mean": mean(&cpu), "max": max(&cpu)},
         "rss_mib": {"mean": mean(&rss), "max": max(&rss)},
         "create_ms": {"p50": pct(&create_ms, 50), "p99": pct(&create_ms, 99)},
+        "create_conn_ms": {"p50": pct(&create_conn_ms, 50), "p99": pct(&create_conn_ms, 99)},
         "verdict_s": verdict_s,
         "run_true_s": run_true_s,
         "log_bytes": log_bytes(dir),
@@ -219,12 +232,13 @@ type Figure<'a> = (&'a str, &'a dyn Fn(&serde_json::Value) -> Option<f64>);
 
 /// Each figure as a ratio to the first size's.
 fn table(rows: &[serde_json::Value]) {
-    let figures: [Figure; 7] = [
+    let figures: [Figure; 8] = [
         ("healthy_s", &|r| r["healthy_s"].as_f64()),
         ("idle_cpu_pct mean", &|r| r["idle_cpu_pct"]["mean"].as_f64()),
         ("idle_cpu_pct max", &|r| r["idle_cpu_pct"]["max"].as_f64()),
         ("rss_mib mean", &|r| r["rss_mib"]["mean"].as_f64()),
         ("create_ms p50", &|r| r["create_ms"]["p50"].as_f64()),
+        ("create_conn_ms p50", &|r| r["create_conn_ms"]["p50"].as_f64()),
         ("verdict_s", &|r| r["verdict_s"].as_f64()),
         ("run_true_s", &|r| r["run_true_s"].as_f64()),
     ];
