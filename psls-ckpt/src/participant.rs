@@ -109,6 +109,10 @@ pub struct Participant {
     jobs: BTreeMap<String, State>,
     /// The highest epoch prepared here, per job (kept across a rollback, dropped at its end).
     seen: BTreeMap<String, u64>,
+    /// Per job, an epoch whose write ended while no coordinator was known, and its round's
+    /// coordinator incarnation: refused to the next coordinator (a round still waiting for it
+    /// would otherwise wait out its whole timeout: the nemesis met a job stalled 600 s).
+    untold: BTreeMap<String, (u64, u64, String)>,
     actions: VecDeque<PartAction>,
 }
 
@@ -126,6 +130,7 @@ impl Participant {
             coordinator: None,
             jobs: BTreeMap::new(),
             seen: BTreeMap::new(),
+            untold: BTreeMap::new(),
             actions: VecDeque::new(),
         }
     }
@@ -167,6 +172,19 @@ impl Participant {
         }
         self.coordinator = c;
         let Some(to) = c else { return };
+        for (job, (epoch, coord_inc, why)) in std::mem::take(&mut self.untold) {
+            self.actions.push_back(PartAction::Send {
+                to,
+                msg: Msg::Refused {
+                    job,
+                    epoch,
+                    coord_inc,
+                    why,
+                    seen: 0,
+                    no_room: false,
+                },
+            });
+        }
         for (job, s) in &self.jobs {
             if let State::Prepared {
                 epoch,
@@ -413,7 +431,15 @@ impl Participant {
             return;
         }
         let Some(to) = self.coordinator else {
-            // No coordinator to tell: the epoch cannot commit without this answer.
+            // No coordinator to tell: the epoch cannot commit without this answer. The next
+            // coordinator hears it refused (the same one, back, may still wait for it).
+            let why = match &result {
+                Ok(_) => "its pages were written while it knew no coordinator".to_string(),
+                Err(r) => r.why.clone(),
+            };
+            if self.untold.contains_key(job) || self.untold.len() < crate::MAX_ROUNDS {
+                self.untold.insert(job.to_string(), (epoch, coord_inc, why));
+            }
             self.jobs.remove(job);
             self.actions.push_back(PartAction::Restore {
                 job: job.to_string(),
@@ -505,12 +531,14 @@ impl Participant {
     /// nothing more is reported (a later `Prepare` still has to be above every epoch seen).
     pub fn forget(&mut self, job: &str) {
         self.jobs.remove(job);
+        self.untold.remove(job);
     }
 
     /// The job ended: nothing of it is kept.
     pub fn end(&mut self, job: &str) {
         self.jobs.remove(job);
         self.seen.remove(job);
+        self.untold.remove(job);
     }
 }
 
@@ -635,5 +663,45 @@ mod tests {
             drain(&mut p)[..],
             [PartAction::Restore { epoch: 5, .. }, PartAction::Write { epoch: 7, .. }]
         ));
+    }
+
+    /// A write that ends while no coordinator is known (the coordinator lost its lease a
+    /// moment) is refused to the next coordinator: the same one, back, would otherwise wait
+    /// for it until the round's timeout (the nemesis met a job stalled 600 s).
+    #[test]
+    fn a_write_ended_without_a_coordinator_is_refused_to_the_next_one() {
+        let mut p = Participant::new(1);
+        p.coordinator_changed(Some(NodeId(0)));
+        p.receive(NodeId(0), prepare(3, 2));
+        drain(&mut p);
+        p.coordinator_changed(None);
+        p.written("j", 3, Err("cannot reach n2".into()));
+        assert!(matches!(drain(&mut p)[..], [PartAction::Restore { epoch: 3, .. }]));
+        assert_eq!(p.in_progress("j"), None);
+        p.coordinator_changed(Some(NodeId(0)));
+        let a = drain(&mut p);
+        assert!(
+            matches!(
+                &a[..],
+                [PartAction::Send {
+                    to: NodeId(0),
+                    msg: Msg::Refused { epoch: 3, why, .. }
+                }] if why.contains("cannot reach n2")
+            ),
+            "{a:?}"
+        );
+        // Told once.
+        p.coordinator_changed(Some(NodeId(1)));
+        assert!(drain(&mut p).is_empty());
+        // A success without a coordinator is refused too (it cannot be prepared without one).
+        p.receive(NodeId(1), prepare(4, 2));
+        drain(&mut p);
+        p.coordinator_changed(None);
+        p.written("j", 4, Ok((vec![], 0)));
+        drain(&mut p);
+        // A job that rolled back forgets it.
+        p.forget("j");
+        p.coordinator_changed(Some(NodeId(1)));
+        assert!(drain(&mut p).is_empty());
     }
 }
