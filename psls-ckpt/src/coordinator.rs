@@ -189,8 +189,20 @@ struct Round {
     written: BTreeMap<FileId, Vec<(u64, u64)>>,
     bytes: u64,
     started_ms: u64,
+    /// The job's last committed epoch its `Prepare` carried, and when it was last sent to
+    /// the participants that have not answered ([`REASK_MS`]).
+    committed: u64,
+    asked_ms: u64,
     phase: Phase,
 }
+
+/// How long a round waits for a participant's answer before it sends that participant its
+/// `Prepare` again. Answers travel on the message link, which drops what was queued on a
+/// connection it loses: without this, a participant that is up but whose answer was lost (or
+/// that dropped its round unanswered) held the round for its whole timeout. A participant
+/// still working on the round ignores the duplicate; one that no longer has it refuses it,
+/// and the round aborts.
+pub const REASK_MS: u64 = 2_000;
 
 /// An epoch reported in doubt, being fenced, and who to tell.
 #[derive(Debug, Default)]
@@ -324,6 +336,8 @@ impl Coordinator {
                 gen: 0,
                 seq: 0,
                 files,
+                committed: 0,
+                asked_ms: 0,
                 waiting: participants.clone(),
                 untaken: participants.clone(),
                 expect: BTreeMap::new(),
@@ -373,6 +387,8 @@ impl Coordinator {
         r.seq = seq;
         r.phase = Phase::Collecting;
         r.started_ms = now_ms;
+        r.committed = committed;
+        r.asked_ms = now_ms;
         for &to in &r.participants {
             self.actions.push_back(CoordAction::Send {
                 to,
@@ -639,6 +655,29 @@ impl Coordinator {
                 format!("no answer from {} within {} ms", waiting.join(", "), self.timeout_ms),
             );
         }
+        // The participants a collecting round has not heard from for a while are asked again.
+        for (job, r) in self.rounds.iter_mut() {
+            if r.phase != Phase::Collecting || now_ms.saturating_sub(r.asked_ms) < REASK_MS {
+                continue;
+            }
+            r.asked_ms = now_ms;
+            for &to in &r.waiting {
+                self.actions.push_back(CoordAction::Send {
+                    to,
+                    msg: Msg::Prepare {
+                        job: job.clone(),
+                        epoch: r.epoch,
+                        level: r.level,
+                        gen: r.gen,
+                        seq: r.seq,
+                        files: r.files.clone(),
+                        committed: r.committed,
+                        cleaning: r.cleaning,
+                        coord_inc: self.inc,
+                    },
+                });
+            }
+        }
     }
 
     fn abort(&mut self, job: &str, why: String) {
@@ -867,6 +906,68 @@ mod tests {
             written: vec![FileRuns { file: FileId(1), runs }],
             bytes: 0,
         }
+    }
+
+    /// A participant not heard from for [`REASK_MS`] is sent its `Prepare` again (its answer
+    /// may have been lost with a connection); those that answered are not.
+    #[test]
+    fn a_silent_participant_is_asked_again_and_its_refusal_aborts_the_round() {
+        let mut c = Coordinator::new(600_000, 0);
+        c.start(0, "j", 1, (Level::Persistent, Policy::P1), vec![FileId(1)], nodes(3), 0)
+            .unwrap();
+        drain(&mut c);
+        c.begun(10, "j", 1, Ok((5, 10, 0)));
+        drain(&mut c);
+        c.receive(NodeId(0), prepared(1, vec![(4, 6)]));
+        c.tick(10 + REASK_MS - 1);
+        assert!(drain(&mut c).is_empty(), "not yet");
+        c.tick(10 + REASK_MS);
+        let a = drain(&mut c);
+        let asked: Vec<NodeId> = a
+            .iter()
+            .filter_map(|x| match x {
+                CoordAction::Send {
+                    to,
+                    msg:
+                        Msg::Prepare {
+                            epoch: 1,
+                            gen: 5,
+                            seq: 10,
+                            ..
+                        },
+                } => Some(*to),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(asked, vec![NodeId(1), NodeId(2)], "{a:?}");
+        // Asked once a period.
+        c.tick(10 + REASK_MS + 1);
+        assert!(drain(&mut c).is_empty());
+        // A participant that no longer has the round refuses it: the round aborts at once,
+        // not after its timeout.
+        c.receive(
+            NodeId(1),
+            Msg::Refused {
+                job: "j".into(),
+                epoch: 1,
+                coord_inc: 0,
+                why: "epoch 1 is not above epoch 1, seen here".into(),
+                seen: 1,
+                no_room: false,
+            },
+        );
+        let a = drain(&mut c);
+        assert!(
+            a.iter().any(|x| matches!(
+                x,
+                CoordAction::Finished {
+                    outcome: Outcome::Aborted(_),
+                    ..
+                }
+            )),
+            "{a:?}"
+        );
+        assert_eq!(c.progress("j"), None);
     }
 
     #[test]

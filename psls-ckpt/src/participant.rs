@@ -304,7 +304,25 @@ impl Participant {
                 return;
             }
             if epoch == s {
-                return; // a duplicate of the round in progress
+                // A duplicate of the round in progress: still being written, it is answered
+                // when written; prepared already, its answer was lost on the way (the
+                // coordinator asks again only after `coordinator::REASK_MS`) and the runs it
+                // carried are not kept, so the round is refused (it aborts, and the decision
+                // restores the pages).
+                if matches!(self.jobs.get(job), Some(State::Prepared { epoch: e, .. }) if *e == epoch) {
+                    self.actions.push_back(PartAction::Send {
+                        to: from,
+                        msg: Msg::Refused {
+                            job: job.to_string(),
+                            epoch,
+                            coord_inc,
+                            why: format!("asked again for epoch {epoch} after its answer: the answer was lost"),
+                            seen: s,
+                            no_room: false,
+                        },
+                    });
+                }
+                return;
             }
         }
         if !self.seen.contains_key(job) && self.seen.len() >= crate::MAX_ROUNDS {
@@ -703,5 +721,44 @@ mod tests {
         p.forget("j");
         p.coordinator_changed(Some(NodeId(1)));
         assert!(drain(&mut p).is_empty());
+    }
+
+    /// The coordinator asks again a participant it did not hear from: one still writing
+    /// ignores it, one prepared already refuses (its answer was lost), one that dropped the
+    /// round refuses it too.
+    #[test]
+    fn a_prepare_asked_again_is_ignored_while_writing_and_refused_once_prepared() {
+        let mut p = Participant::new(1);
+        p.coordinator_changed(Some(NodeId(0)));
+        p.receive(NodeId(0), prepare(3, 2));
+        drain(&mut p);
+        p.receive(NodeId(0), prepare(3, 2));
+        assert!(drain(&mut p).is_empty(), "still writing: answered when written");
+        p.written("j", 3, Ok((vec![], 0)));
+        assert!(matches!(
+            drain(&mut p)[..],
+            [PartAction::Send {
+                msg: Msg::Prepared { epoch: 3, .. },
+                ..
+            }]
+        ));
+        p.receive(NodeId(0), prepare(3, 2));
+        assert!(matches!(
+            drain(&mut p)[..],
+            [PartAction::Send {
+                msg: Msg::Refused { epoch: 3, seen: 3, .. },
+                ..
+            }]
+        ));
+        // Dropped (the job rolled back here): refused as not above the epoch seen.
+        p.forget("j");
+        p.receive(NodeId(0), prepare(3, 2));
+        assert!(matches!(
+            drain(&mut p)[..],
+            [PartAction::Send {
+                msg: Msg::Refused { epoch: 3, .. },
+                ..
+            }]
+        ));
     }
 }
