@@ -196,6 +196,23 @@ struct Round {
     phase: Phase,
 }
 
+impl Round {
+    /// The round's `Prepare` for `job`, from coordinator incarnation `inc`.
+    fn prepare_msg(&self, job: &str, inc: u64) -> Msg {
+        Msg::Prepare {
+            job: job.to_string(),
+            epoch: self.epoch,
+            level: self.level,
+            gen: self.gen,
+            seq: self.seq,
+            files: self.files.clone(),
+            committed: self.committed,
+            cleaning: self.cleaning,
+            coord_inc: inc,
+        }
+    }
+}
+
 /// How long a round waits for a participant's answer before it sends that participant its
 /// `Prepare` again. Answers travel on the message link, which drops what was queued on a
 /// connection it loses: without this, a participant that is up but whose answer was lost (or
@@ -390,20 +407,8 @@ impl Coordinator {
         r.committed = committed;
         r.asked_ms = now_ms;
         for &to in &r.participants {
-            self.actions.push_back(CoordAction::Send {
-                to,
-                msg: Msg::Prepare {
-                    job: job.to_string(),
-                    epoch: r.epoch,
-                    level: r.level,
-                    gen,
-                    seq,
-                    files: r.files.clone(),
-                    committed,
-                    cleaning: r.cleaning,
-                    coord_inc: self.inc,
-                },
-            });
+            let msg = r.prepare_msg(job, self.inc);
+            self.actions.push_back(CoordAction::Send { to, msg });
         }
     }
 
@@ -662,20 +667,8 @@ impl Coordinator {
             }
             r.asked_ms = now_ms;
             for &to in &r.waiting {
-                self.actions.push_back(CoordAction::Send {
-                    to,
-                    msg: Msg::Prepare {
-                        job: job.clone(),
-                        epoch: r.epoch,
-                        level: r.level,
-                        gen: r.gen,
-                        seq: r.seq,
-                        files: r.files.clone(),
-                        committed: r.committed,
-                        cleaning: r.cleaning,
-                        coord_inc: self.inc,
-                    },
-                });
+                let msg = r.prepare_msg(job, self.inc);
+                self.actions.push_back(CoordAction::Send { to, msg });
             }
         }
     }

@@ -173,17 +173,7 @@ impl Participant {
         self.coordinator = c;
         let Some(to) = c else { return };
         for (job, (epoch, coord_inc, why)) in std::mem::take(&mut self.untold) {
-            self.actions.push_back(PartAction::Send {
-                to,
-                msg: Msg::Refused {
-                    job,
-                    epoch,
-                    coord_inc,
-                    why,
-                    seen: 0,
-                    no_room: false,
-                },
-            });
+            self.refuse(to, &job, (epoch, coord_inc), why, 0);
         }
         for (job, s) in &self.jobs {
             if let State::Prepared {
@@ -290,17 +280,13 @@ impl Participant {
                 && self.level_of(job) == Some(level)
                 && self.inc_of(job) == Some(coord_inc);
             if epoch < s || (epoch == s && !same_round) {
-                self.actions.push_back(PartAction::Send {
-                    to: from,
-                    msg: Msg::Refused {
-                        job: job.to_string(),
-                        epoch,
-                        coord_inc,
-                        why: format!("epoch {epoch} is not above epoch {s}, seen here"),
-                        seen: s,
-                        no_room: false,
-                    },
-                });
+                self.refuse(
+                    from,
+                    job,
+                    (epoch, coord_inc),
+                    format!("epoch {epoch} is not above epoch {s}, seen here"),
+                    s,
+                );
                 return;
             }
             if epoch == s {
@@ -310,17 +296,8 @@ impl Participant {
                 // carried are not kept, so the round is refused (it aborts, and the decision
                 // restores the pages).
                 if matches!(self.jobs.get(job), Some(State::Prepared { epoch: e, .. }) if *e == epoch) {
-                    self.actions.push_back(PartAction::Send {
-                        to: from,
-                        msg: Msg::Refused {
-                            job: job.to_string(),
-                            epoch,
-                            coord_inc,
-                            why: format!("asked again for epoch {epoch} after its answer: the answer was lost"),
-                            seen: s,
-                            no_room: false,
-                        },
-                    });
+                    let why = format!("asked again for epoch {epoch} after its answer: the answer was lost");
+                    self.refuse(from, job, (epoch, coord_inc), why, s);
                 }
                 return;
             }
@@ -330,6 +307,23 @@ impl Participant {
         }
         self.seen.insert(job.to_string(), epoch);
         self.begin(msg);
+    }
+
+    /// Refuses `to` the round of `epoch` of coordinator incarnation `coord_inc` (`round`),
+    /// saying the highest epoch `seen` here (0: none to say).
+    fn refuse(&mut self, to: NodeId, job: &str, round: (u64, u64), why: String, seen: u64) {
+        let (epoch, coord_inc) = round;
+        self.actions.push_back(PartAction::Send {
+            to,
+            msg: Msg::Refused {
+                job: job.to_string(),
+                epoch,
+                coord_inc,
+                why,
+                seen,
+                no_room: false,
+            },
+        });
     }
 
     /// Starts the write of a `Prepare` that passed the checks (now, or once the write before

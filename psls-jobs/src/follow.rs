@@ -310,6 +310,20 @@ mod tests {
         }
     }
 
+    /// Records where job "j" finished in start `attempt`.
+    fn finished_in(attempt: u32) -> MetaState {
+        let mut st = MetaState::default();
+        let end = psls_pfs::runs::JobEnd {
+            how: psls_pfs::runs::EndHow::Finished,
+            code: 0,
+            message: String::new(),
+            attempt,
+            at_unix_ms: 0,
+        };
+        st.ended.insert("j".into(), (7, end));
+        st
+    }
+
     fn lines(f: &mut Follower) -> Vec<(u32, u64)> {
         std::iter::from_fn(|| f.poll_action())
             .filter_map(|a| match a {
@@ -321,15 +335,7 @@ mod tests {
 
     #[test]
     fn a_client_back_after_the_job_ended_in_a_later_start_hears_of_the_restart() {
-        let mut st = MetaState::default();
-        let end = psls_pfs::runs::JobEnd {
-            how: psls_pfs::runs::EndHow::Finished,
-            code: 0,
-            message: String::new(),
-            attempt: 3,
-            at_unix_ms: 0,
-        };
-        st.ended.insert("j".into(), (7, end));
+        let st = finished_in(3);
         // The client followed start 1 through a node it lost.
         let mut f = Follower::new("j", BTreeMap::new(), 1).knowing(Some(1));
         // The client is told back at once the start it knows.
@@ -370,15 +376,7 @@ mod tests {
         assert_eq!(f.poll_action(), Some(FollowAction::CheckGone));
         assert_eq!(f.poll_action(), None);
         // The next node knows the job ended in start 1.
-        let mut st = MetaState::default();
-        let end = psls_pfs::runs::JobEnd {
-            how: psls_pfs::runs::EndHow::Finished,
-            code: 0,
-            message: String::new(),
-            attempt: 1,
-            at_unix_ms: 0,
-        };
-        st.ended.insert("j".into(), (7, end));
+        let st = finished_in(1);
         let mut f = Follower::new("j", BTreeMap::new(), 0).knowing(Some(0));
         f.handle_tick(&st);
         let told: Vec<FollowAction> = std::iter::from_fn(|| f.poll_action()).collect();
