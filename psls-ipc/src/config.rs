@@ -75,6 +75,11 @@ pub struct ClusterSection {
     /// the metadata log's voters.
     #[serde(default = "default_voter_replace_after")]
     pub voter_replace_after_ms: u64,
+    /// How many connections a daemon keeps open at once, on each of its two transports (the
+    /// message link and the request transport): past it, the least recently used idle ones
+    /// are closed. 16 to 65536.
+    #[serde(default = "default_max_connections")]
+    pub max_connections: usize,
 }
 
 fn default_name() -> String {
@@ -107,6 +112,9 @@ fn default_metadata_voters() -> usize {
 fn default_voter_replace_after() -> u64 {
     60_000
 }
+fn default_max_connections() -> usize {
+    256
+}
 
 impl Default for ClusterSection {
     fn default() -> Self {
@@ -122,6 +130,7 @@ impl Default for ClusterSection {
             heartbeat_min_peers: default_min_peers(),
             metadata_voters: default_metadata_voters(),
             voter_replace_after_ms: default_voter_replace_after(),
+            max_connections: default_max_connections(),
         }
     }
 }
@@ -256,6 +265,12 @@ impl ClusterConfig {
             return Err(format!(
                 "voter_replace_after_ms ({}) must be at least heartbeat_timeout_ms ({})",
                 c.voter_replace_after_ms, c.heartbeat_timeout_ms
+            ));
+        }
+        if !(16..=65536).contains(&c.max_connections) {
+            return Err(format!(
+                "max_connections must be 16 to 65536, not {}",
+                c.max_connections
             ));
         }
         let mut names = HashSet::new();
@@ -420,9 +435,17 @@ mod tests {
         let mut d = c.clone();
         d.nodes.pop();
         assert!(d.validate().is_err());
-        let mut d = c;
+        let mut d = c.clone();
         d.cluster.heartbeat_timeout_ms = 100;
         assert!(d.validate().is_err());
+        for (n, ok) in [(15, false), (16, true), (65536, true), (65537, false)] {
+            let mut d = c.clone();
+            d.cluster.max_connections = n;
+            match d.validate() {
+                Ok(()) => assert!(ok, "{n} connections accepted"),
+                Err(e) => assert!(!ok && e.contains("max_connections must be 16 to 65536"), "{n}: {e}"),
+            }
+        }
     }
 
     #[test]

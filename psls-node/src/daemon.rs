@@ -237,6 +237,7 @@ pub async fn run(config: &Path, name: &str) -> Result<()> {
             anyhow::anyhow!("cannot listen on {} and {}: {e}", me.addr, link_of(&me))
         }
     })?;
+    let net = net.with_max_connections(cfg.cluster.max_connections);
     let metrics_listener = match me.metrics_addr {
         None => None,
         Some(a) => {
@@ -279,6 +280,7 @@ pub async fn run(config: &Path, name: &str) -> Result<()> {
         d.clone(),
         Arc::new(known),
         node.net.stamp.clone(),
+        node.net.max_connections(),
     ));
     let (link, handler) = (
         node.net.link.clone(),

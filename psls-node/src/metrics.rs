@@ -289,6 +289,24 @@ pub fn render(d: &Daemon) -> String {
         "1 if this node votes in the metadata log, 0 if it follows it",
     )
     .set(i64::from(log.is_voter));
+    let conns = gauge(
+        "psls_connections",
+        "Connections this node holds open, by transport (message link: every one, closing ones and handshakes included; requests: established ones)",
+        &["transport"],
+    );
+    conns
+        .with_label_values(&["link"])
+        .set(node.net.link.open_connections() as i64);
+    conns
+        .with_label_values(&["request"])
+        .set(node.net.open_connections() as i64);
+    count(
+        "psls_link_closes_total",
+        "Message-link connections closed by agreement of both ends (idle, or too many open) since start",
+        &[],
+    )
+    .with_label_values::<&str>(&[])
+    .inc_by(node.net.link.closes());
     // Shared memory: the coherence machine's counts.
     let svm = d.svm.stats();
     let c = count(

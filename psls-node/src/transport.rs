@@ -8,8 +8,8 @@
 //! again); at most [`MAX_DIALS_IN_FLIGHT`] handshakes are under way at once; a failed dial is
 //! not tried again before a jittered, doubling wait ([`DIAL_BACKOFF_MIN`] to
 //! [`DIAL_BACKOFF_MAX`], reset when the peer is heard); a connection unused for [`IDLE_CLOSE`]
-//! is closed, and at most [`MAX_CONNECTIONS`] are kept (the least recently used idle one goes).
-//! Incoming connections past [`MAX_ENDPOINT_CONNECTIONS`] are refused.
+//! is closed, and at most the bound ([`MAX_CONNECTIONS`] unless configured) are kept (the least
+//! recently used idle one goes). Incoming connections past twice the bound are refused.
 //!
 //! One-way messages ([`Transport::post`]: the coherence protocol's, barriers', locks') do not
 //! go through here but through the node's message link ([`crate::link`]), TLS over TCP.
@@ -30,7 +30,6 @@ pub const MAX_DIALS_IN_FLIGHT: usize = 8;
 /// Most request connections this node keeps open to its peers.
 pub const MAX_CONNECTIONS: usize = 256;
 /// Most connections (both ways) the endpoint holds: more incoming ones are refused.
-pub const MAX_ENDPOINT_CONNECTIONS: usize = 2 * MAX_CONNECTIONS;
 /// A connection no request used for this long is closed.
 pub const IDLE_CLOSE: Duration = Duration::from_secs(30);
 /// The wait after a first failed dial before the next; it doubles per failure up to
@@ -83,6 +82,9 @@ pub struct Transport {
     addrs: HashMap<String, SocketAddr>,
     slots: Slots,
     dials: Arc<tokio::sync::Semaphore>,
+    /// Connections kept open at once, at most, on each transport (the least recently used idle
+    /// one goes).
+    max_connections: usize,
     /// The state of the jitter's generator (xorshift).
     jitter: AtomicU64,
     /// One-way messages.
@@ -132,10 +134,26 @@ impl Transport {
             addrs: peers,
             slots: Arc::new(Mutex::new(HashMap::new())),
             dials: Arc::new(tokio::sync::Semaphore::new(MAX_DIALS_IN_FLIGHT)),
+            max_connections: MAX_CONNECTIONS,
             jitter: AtomicU64::new(seed | 1),
             link: Arc::new(link),
             stamp,
         })
+    }
+
+    /// The same transport keeping at most `n` connections open at once (at least 1), on the
+    /// request transport and on the message link, before either runs.
+    pub fn with_max_connections(mut self, n: usize) -> Transport {
+        self.max_connections = n.max(1);
+        if let Some(link) = Arc::get_mut(&mut self.link) {
+            link.set_limits(crate::link::IDLE_CLOSE, n);
+        }
+        self
+    }
+
+    /// Connections kept open at once, at most, on each transport.
+    pub fn max_connections(&self) -> usize {
+        self.max_connections
     }
 
     /// One-way messages (the coherence protocol's, barriers', locks') queued for sending
@@ -218,6 +236,7 @@ impl Transport {
         let (endpoint, dials, all) = (self.endpoint.clone(), self.dials.clone(), self.slots.clone());
         let wait = self.backoff(failures + 1);
         let peer = peer.to_string();
+        let max_connections = self.max_connections;
         tokio::spawn(async move {
             let r = async {
                 let _turn = dials.acquire_owned().await.map_err(|e| e.to_string())?;
@@ -233,7 +252,7 @@ impl Transport {
                 if matches!(slots.get(&peer), Some(Slot::Dialing(r)) if r.same_channel(&tx.subscribe())) {
                     match &r {
                         Ok(conn) => {
-                            evict_idle(&mut slots, MAX_CONNECTIONS.saturating_sub(1));
+                            evict_idle(&mut slots, max_connections.saturating_sub(1));
                             let ready = Slot::Ready {
                                 conn: conn.clone(),
                                 used: Instant::now(),
@@ -531,15 +550,17 @@ pub trait Handler: Send + Sync + 'static {
 /// A boxed, sendable future (boxing breaks the type cycle of a node calling itself).
 pub type BoxFuture<T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send>>;
 
-/// Accepts connections until the endpoint closes.
+/// Accepts connections until the endpoint closes; past twice `max_connections` open, refuses
+/// them.
 pub async fn serve<H: Handler>(
     endpoint: quinn::Endpoint,
     handler: Arc<H>,
     known: Arc<Vec<String>>,
     stamp: Arc<peer::Stamp>,
+    max_connections: usize,
 ) {
     while let Some(incoming) = endpoint.accept().await {
-        if endpoint.open_connections() > MAX_ENDPOINT_CONNECTIONS {
+        if endpoint.open_connections() > 2 * max_connections {
             warn_refused(incoming.remote_address(), &"too many connections");
             incoming.refuse();
             continue;
@@ -717,6 +738,7 @@ mod tests {
             Arc::new(Answer),
             Arc::new(names.to_vec()),
             Arc::new(peer::Stamp::default()),
+            MAX_CONNECTIONS,
         ));
         let a = Arc::new(transport(dir.path(), "a", b.endpoint().local_addr().unwrap()));
         assert!(matches!(ask(a.clone()).await, Ok((PeerResp::Ok, _))));

@@ -80,6 +80,7 @@ async fn bad_peers_are_refused_and_good_ones_served() {
         Arc::new(Probe),
         known,
         server.stamp.clone(),
+        server.max_connections(),
     ));
 
     let client = transport(&certs, "n1", free_addr(), HashMap::from([("n0".to_string(), a0)]));

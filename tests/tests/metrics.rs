@@ -121,6 +121,8 @@ fn nodes_serve_valid_metrics_and_a_killed_node_shows_down_within_two_timeouts_an
             "psls_fault_seconds",
             "psls_link_messages_total",
             "psls_link_bytes_total",
+            "psls_connections",
+            "psls_link_closes_total",
             "psls_recovery_frames",
             "psls_dirty_pages",
             "psls_checkpoint_pause_seconds",

@@ -15,8 +15,9 @@
 //! segment of their own. A node with nothing to send on yet dials the peer; the peer, once the
 //! handshake named the dialler, *adopts* that connection and sends on it too, unless it dialled
 //! one of its own meanwhile (then each direction keeps its own connection, both are read, and
-//! the peer's is sent on once this node's own is lost, rather than dialling again). A node
-//! sends on one connection per peer until it is lost, so messages to a peer stay in order.
+//! the peer's is sent on once this node's own is lost or closed, rather than dialling again).
+//! A node sends on one connection per peer until it is lost or closed, so messages to a peer
+//! stay in order.
 //! News that a peer restarted drops a connection this node dialled, and one adopted from the
 //! peer only if its frames came from an older incarnation. Whoever posts encrypts and writes to the socket itself (the peer's mutex held); the
 //! link thread reads every connection (a peer's under its mutex), drives handshakes and writes
@@ -30,9 +31,20 @@
 //! Batching: messages posted by the link thread's own handlers are only queued, and written
 //! together (one TLS record and one `writev` per peer) once the handlers of a wake-up have run.
 //!
+//! Connections on demand: a node's only connection to a peer that carried nothing either way
+//! for the link's idle time ([`IDLE_CLOSE`] in production) is closed, and so are the least
+//! recently used ones while more than the link's bound are open. A close loses nothing and
+//! keeps the order: the closer sends a *last* frame (length 0) and holds what it posts to the
+//! peer meanwhile; the peer, having read everything before it, answers with its own last
+//! frame after what it had queued, and sends later messages on another connection; the closer
+//! reads the peer's other connections only once it read that answer, then sends what it held.
+//! A close not answered within [`CLOSE_WAIT`] counts as a lost connection.
+//!
 //! Invariants: every queue, connection count and read has a bound; the handler runs on the
 //! link thread with no lock held, so a handler may post; a peer's outgoing state is behind its
-//! own mutex, never held across another peer's.
+//! own mutex, never held across another peer's (the list of connections to read again is
+//! locked inside a peer's, never the other way); a peer has at most one connection closing, and
+//! nothing this node posts to it goes out while the one it sent on closes.
 
 use crate::failstop::Locked;
 use crate::peer::NetError;
@@ -43,7 +55,7 @@ use std::collections::{HashMap, VecDeque};
 use std::io::{IoSlice, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -73,6 +85,25 @@ const EVENTS_PER_WAIT: usize = 64;
 const USER_TIMEOUT: Duration = Duration::from_secs(10);
 /// Socket buffers asked for (the kernel caps them at net.core.[rw]mem_max).
 const SOCKET_BUFFER_BYTES: usize = 4 << 20;
+/// A node's only connection to a peer that carried nothing for this long is closed.
+pub const IDLE_CLOSE: Duration = Duration::from_secs(30);
+/// A close the peer did not answer in this long counts as a lost connection (what was held
+/// meanwhile goes on a new one).
+const CLOSE_WAIT: Duration = Duration::from_secs(30);
+/// Connections open at once (dialled, adopted, closing, and accepted ones being
+/// authenticated) past which the least recently used idle ones are closed.
+pub const DEFAULT_MAX_CONNECTIONS: usize = 256;
+/// How often connections are swept while more than the bound are open.
+const OVER_BOUND_SWEEP: Duration = Duration::from_millis(10);
+/// Accepted connections whose handshake has not named a node yet, at most (the oldest goes).
+const MAX_HANDSHAKES: usize = 64;
+/// Connections open at once, at most: past it, incoming ones are refused (the bound on
+/// connections plus the handshakes that may be under way beyond it).
+fn hard_bound(max_connections: usize) -> usize {
+    max_connections + MAX_HANDSHAKES
+}
+/// The frame that ends a connection's stream (a frame of length 0; a message is never empty).
+const LAST_FRAME: [u8; 4] = [0; 4];
 
 /// epoll tokens: the kind in the top byte, a generation and an index below.
 const TOKEN_LISTENER: u64 = 1 << 56;
@@ -114,6 +145,26 @@ struct Conn {
     dialled: bool,
     /// In its epoll token.
     generation: u32,
+    /// When it last carried a frame either way (or was opened).
+    used: Instant,
+    /// Counted among the link's open connections while it lives.
+    _open: Open,
+}
+
+/// One open connection in the link's count ([`Link::open_connections`]), for its lifetime.
+struct Open(Arc<AtomicUsize>);
+
+impl Open {
+    fn new(count: &Arc<AtomicUsize>) -> Open {
+        count.fetch_add(1, Ordering::Relaxed);
+        Open(count.clone())
+    }
+}
+
+impl Drop for Open {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 /// The receiving side of a connection.
@@ -126,6 +177,8 @@ struct Rx {
     /// The latest incarnation its frames carried (a connection adopted from an incarnation
     /// that restarted since is dropped: [`Link::drop_peer`]).
     incarnation: Option<u64>,
+    /// The peer sent its last frame on it (nothing may follow).
+    last: bool,
 }
 
 struct Peer {
@@ -159,6 +212,23 @@ struct Out {
     /// and how many failed in a row (a jittered, doubling wait, as the request transport's;
     /// cleared when the peer is heard or a connection to it worked).
     backoff: Option<(Instant, u32)>,
+    /// A connection being closed: this node queued its last frame on it; done once the
+    /// peer's last frame was read and everything was written. Meanwhile the peer's other
+    /// connections are not read.
+    closing: Option<Closing>,
+    /// Posted while the connection sent on is closing, sent once the close is done (and
+    /// their bytes): bounded as a connection's queue.
+    pending: VecDeque<Bytes>,
+    pending_bytes: usize,
+}
+
+/// A connection being closed ([`Out::closing`]).
+struct Closing {
+    conn: Conn,
+    /// Since when.
+    since: Instant,
+    /// It was the connection this node sent on: posts wait in [`Out::pending`].
+    sending: bool,
 }
 
 impl Out {
@@ -185,6 +255,9 @@ struct Incoming {
     slot: usize,
     /// Offered for adoption once authenticated (kept receive-only if it was not taken).
     offered: bool,
+    /// Not polled: its peer has a connection closing, whose end must be read first.
+    parked: bool,
+    _open: Open,
 }
 
 pub struct Link {
@@ -197,11 +270,25 @@ pub struct Link {
     peers: Vec<Peer>,
     index: HashMap<String, usize>,
     known: Vec<String>,
+    /// This node's name (the one of `known` that is no peer).
+    me: String,
     stop: AtomicBool,
     posted: AtomicU64,
     writes: AtomicU64,
     /// This node's incarnation on every frame, and the test of incoming ones.
     stamp: Arc<peer::Stamp>,
+    /// A node's only connection to a peer is closed after carrying nothing for this long.
+    idle_close: Duration,
+    /// Connections open at once past which the least recently used idle ones are closed.
+    max_connections: usize,
+    /// Connections open now (every [`Conn`] and [`Incoming`]).
+    open: Arc<AtomicUsize>,
+    /// Tokens of connections to read again (the peer's close that held them is done).
+    rearm: Mutex<Vec<u64>>,
+    /// More connections are open than the bound: sweep at the next wake-up.
+    sweep_now: AtomicBool,
+    /// Closes done (both last frames went) since start.
+    closes: AtomicU64,
 }
 
 impl Link {
@@ -240,7 +327,12 @@ impl Link {
         epoll_add(epoll.as_raw_fd(), wake.as_raw_fd(), libc::EPOLLIN as u32, TOKEN_WAKE)?;
         let mut list: Vec<(String, SocketAddr)> = peers.into_iter().collect();
         list.sort();
-        let index = list.iter().enumerate().map(|(k, (n, _))| (n.clone(), k)).collect();
+        let index: HashMap<String, usize> = list.iter().enumerate().map(|(k, (n, _))| (n.clone(), k)).collect();
+        let me = known
+            .iter()
+            .find(|n| !index.contains_key(*n))
+            .cloned()
+            .unwrap_or_default();
         let peers = list
             .into_iter()
             .map(|(name, addr)| Peer {
@@ -259,11 +351,43 @@ impl Link {
             peers,
             index,
             known,
+            me,
             stop: AtomicBool::new(false),
             posted: AtomicU64::new(0),
             writes: AtomicU64::new(0),
             stamp: Arc::new(peer::Stamp::default()),
+            idle_close: IDLE_CLOSE,
+            max_connections: DEFAULT_MAX_CONNECTIONS,
+            open: Arc::new(AtomicUsize::new(0)),
+            rearm: Mutex::new(Vec::new()),
+            sweep_now: AtomicBool::new(false),
+            closes: AtomicU64::new(0),
         })
+    }
+
+    /// The same link closing a peer's only connection after `idle_close` without a frame, and
+    /// closing the least recently used ones while more than `max_connections` are open
+    /// (at least 1).
+    pub fn with_limits(mut self, idle_close: Duration, max_connections: usize) -> Link {
+        self.set_limits(idle_close, max_connections);
+        self
+    }
+
+    /// Sets the limits of [`Link::with_limits`] before the link runs.
+    pub fn set_limits(&mut self, idle_close: Duration, max_connections: usize) {
+        self.idle_close = idle_close.max(Duration::from_millis(1));
+        self.max_connections = max_connections.max(1);
+    }
+
+    /// Connections open now: dialled, adopted, closing, and accepted ones not yet adopted.
+    pub fn open_connections(&self) -> usize {
+        self.open.load(Ordering::Relaxed)
+    }
+
+    /// Connections closed since start by the close both ends agree on (idle, or too many
+    /// open), not counting lost ones.
+    pub fn closes(&self) -> u64 {
+        self.closes.load(Ordering::Relaxed)
     }
 
     /// The link of node `me` with the certificates in `certs` (benchmarks and tests).
@@ -341,31 +465,25 @@ impl Link {
     fn enqueue(&self, k: usize, head: Bytes, payload: Bytes) -> Result<(), NetError> {
         let p = &self.peers[k];
         let mut out = p.out.locked();
-        if out.conn.is_none() {
-            out.conn = out.spare.take();
-        }
-        if out.conn.is_none() {
-            if let Some((until, failures)) = out.backoff {
-                let now = Instant::now();
-                if now < until {
-                    return Err(NetError::Unreachable {
-                        peer: p.name.clone(),
-                        message: format!(
-                            "{failures} dials failed in a row: no new one for {:?}",
-                            until.saturating_duration_since(now)
-                        ),
-                    });
-                }
-            }
-            let generation = out.next_generation();
-            let conn = self.dial(k, generation).map_err(|e| NetError::Unreachable {
-                peer: p.name.clone(),
-                message: e.to_string(),
-            })?;
-            out.conn = Some(conn);
-        }
-        let c = out.conn.as_mut().expect("dialled above");
         let len = head.len() + payload.len();
+        if out.closing.as_ref().is_some_and(|c| c.sending) {
+            // Held, in order, until the peer answered the close (then sent by the link thread).
+            if out.pending.len() + 2 > QUEUE_CHUNKS || out.pending_bytes + len > QUEUE_BYTES {
+                return Err(NetError::Unreachable {
+                    peer: p.name.clone(),
+                    message: format!("{} bytes held while a connection closes", out.pending_bytes),
+                });
+            }
+            out.pending.push_back(head);
+            if !payload.is_empty() {
+                out.pending.push_back(payload);
+            }
+            out.pending_bytes += len;
+            self.posted.fetch_add(1, Ordering::Relaxed);
+            return Ok(());
+        }
+        self.connect_locked(k, &mut out)?;
+        let c = out.conn.as_mut().expect("connected above");
         if c.queue.len() + 2 > QUEUE_CHUNKS || c.queued_bytes + len > QUEUE_BYTES {
             return Err(NetError::Unreachable {
                 peer: p.name.clone(),
@@ -377,6 +495,7 @@ impl Link {
             c.queue.push_back(payload);
         }
         c.queued_bytes += len;
+        c.used = Instant::now();
         self.posted.fetch_add(1, Ordering::Relaxed);
         let me = self as *const Link as usize;
         let corked = CORK.with(|cork| match cork.borrow_mut().as_mut() {
@@ -392,6 +511,59 @@ impl Link {
             self.flush_locked(p, &mut out);
         }
         Ok(())
+    }
+
+    /// Makes sure peer `k` (`out` is its locked state) has a connection to send on: the one
+    /// it has, else the peer's spare, else a dial (unless dials failed less than their
+    /// backoff ago).
+    fn connect_locked(&self, k: usize, out: &mut Out) -> Result<(), NetError> {
+        let p = &self.peers[k];
+        if out.conn.is_none() {
+            out.conn = out.spare.take();
+        }
+        if out.conn.is_some() {
+            return Ok(());
+        }
+        if let Some((until, failures)) = out.backoff {
+            let now = Instant::now();
+            if now < until {
+                return Err(NetError::Unreachable {
+                    peer: p.name.clone(),
+                    message: format!(
+                        "{failures} dials failed in a row: no new one for {:?}",
+                        until.saturating_duration_since(now)
+                    ),
+                });
+            }
+        }
+        if self.open.load(Ordering::Relaxed) >= hard_bound(self.max_connections) {
+            self.sweep_soon();
+            return Err(NetError::Unreachable {
+                peer: p.name.clone(),
+                message: format!(
+                    "{} connections open: no new one until idle ones are closed",
+                    self.open.load(Ordering::Relaxed)
+                ),
+            });
+        }
+        let generation = out.next_generation();
+        let conn = self.dial(k, generation).map_err(|e| NetError::Unreachable {
+            peer: p.name.clone(),
+            message: e.to_string(),
+        })?;
+        out.conn = Some(conn);
+        if self.open.load(Ordering::Relaxed) > self.max_connections {
+            self.sweep_soon();
+        }
+        Ok(())
+    }
+
+    /// Asks the link thread to close idle connections at its next wake-up (too many are
+    /// open).
+    fn sweep_soon(&self) {
+        if !self.sweep_now.swap(true, Ordering::AcqRel) {
+            self.wake();
+        }
     }
 
     /// Dials peer `k` (without waiting for the connection) and registers it with the link
@@ -439,6 +611,8 @@ impl Link {
             },
             dialled: true,
             generation,
+            used: Instant::now(),
+            _open: Open::new(&self.open),
         })
     }
 
@@ -473,6 +647,23 @@ impl Link {
             if out.spare.as_ref().is_some_and(stale) {
                 out.spare = None;
             }
+            if out.closing.as_ref().is_some_and(|c| stale(&c.conn)) {
+                // What was held for the previous incarnation goes with its connection.
+                out.closing = None;
+                out.pending.clear();
+                out.pending_bytes = 0;
+                self.rearm_locked(k, &out);
+                self.wake();
+            }
+        }
+    }
+
+    /// Asks the link thread to read peer `k`'s connections (`out`, locked) again: the close
+    /// that held them is over, and what they hold was not read.
+    fn rearm_locked(&self, k: usize, out: &Out) {
+        let mut rearm = self.rearm.locked();
+        for c in out.conn.iter().chain(out.spare.iter()) {
+            rearm.push(token(TOKEN_OUT, c.generation, k));
         }
     }
 
@@ -483,6 +674,9 @@ impl Link {
             let mut out = p.out.locked();
             out.conn = None;
             out.spare = None;
+            out.closing = None;
+            out.pending.clear();
+            out.pending_bytes = 0;
         }
         self.wake();
     }
@@ -498,8 +692,9 @@ impl Link {
     /// full sockets left, and delivers messages to `handler`.
     pub fn run(self: Arc<Self>, handler: Arc<dyn LinkHandler>) {
         let mut incoming: Vec<Option<Incoming>> = Vec::new();
-        let max_incoming = 4 * self.known.len() + 8;
         let mut next_seq = 0u64;
+        let sweep_every = (self.idle_close / 4).clamp(Duration::from_millis(1), Duration::from_secs(5));
+        let mut next_sweep = Instant::now() + sweep_every;
         let mut inbox: Vec<(String, PeerReq, Bytes, usize)> = Vec::new();
         // SAFETY: epoll_event is plain data; all zeros is a valid value.
         let mut events: [libc::epoll_event; EVENTS_PER_WAIT] = unsafe { std::mem::zeroed() };
@@ -509,8 +704,15 @@ impl Link {
         // Connections whose read stopped at its budget: read again after the next wait.
         let mut again: Vec<u64> = Vec::new();
         while !self.stop.load(Ordering::Acquire) {
-            let retry = std::mem::take(&mut again);
-            let timeout_ms = if retry.is_empty() { -1 } else { 0 };
+            let mut retry = std::mem::take(&mut again);
+            retry.append(&mut self.rearm.locked());
+            let timeout_ms = if retry.is_empty() {
+                let wait = next_sweep.saturating_duration_since(Instant::now());
+                // Rounded up: a wake-up before the sweep is due would find nothing to do.
+                wait.as_micros().div_ceil(1000).min(i32::MAX as u128) as i32
+            } else {
+                0
+            };
             // SAFETY: a live array of EVENTS_PER_WAIT events.
             let n = unsafe {
                 libc::epoll_wait(
@@ -549,7 +751,7 @@ impl Link {
                         // SAFETY: reads 8 bytes into a live buffer from our eventfd (resets it).
                         unsafe { libc::read(self.wake.as_raw_fd(), v.as_mut_ptr().cast(), v.len()) };
                     }
-                    TOKEN_LISTENER => self.accept(&mut incoming, max_incoming, &mut next_seq),
+                    TOKEN_LISTENER => self.accept(&mut incoming, &mut next_seq),
                     TOKEN_OUT => self.on_conn(k, generation, bits, &mut cx, &mut again),
                     TOKEN_IN => {
                         let (keep, offer) = match incoming.get_mut(k).and_then(Option::as_mut) {
@@ -569,6 +771,18 @@ impl Link {
                     }
                     _ => {}
                 }
+            }
+            let now = Instant::now();
+            if now >= next_sweep || self.sweep_now.swap(false, Ordering::AcqRel) {
+                self.sweep(&mut incoming);
+                // Past the bound (connections busy, or closes under way): look again soon.
+                let over = self.open.load(Ordering::Relaxed) > self.max_connections;
+                next_sweep = now
+                    + if over {
+                        sweep_every.min(OVER_BOUND_SWEEP)
+                    } else {
+                        sweep_every
+                    };
             }
             if inbox.is_empty() {
                 continue;
@@ -595,9 +809,9 @@ impl Link {
         }
     }
 
-    /// Accepts what the listener holds, within the bound on incoming connections.
-    fn accept(&self, incoming: &mut Vec<Option<Incoming>>, max: usize, next_seq: &mut u64) {
-        for _ in 0..max {
+    /// Accepts what the listener holds, within the bounds on handshakes and connections.
+    fn accept(&self, incoming: &mut Vec<Option<Incoming>>, next_seq: &mut u64) {
+        for _ in 0..MAX_HANDSHAKES {
             let (sock, from) = match self.listener.accept() {
                 Ok(x) => x,
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return,
@@ -608,10 +822,15 @@ impl Link {
                     return;
                 }
             };
-            let live = incoming.iter().filter(|c| c.is_some()).count();
-            if live >= max && !evict(incoming) {
-                tracing::warn!(%from, max, "message link: refused a connection, too many open");
+            let handshaking = incoming.iter().flatten().filter(|c| c.rx.peer.is_none()).count();
+            let open = self.open.load(Ordering::Relaxed);
+            if (handshaking >= MAX_HANDSHAKES || open >= hard_bound(self.max_connections)) && !evict(incoming) {
+                self.sweep_now.store(true, Ordering::Release);
+                tracing::warn!(%from, open, "message link: refused a connection, too many open");
                 continue;
+            }
+            if open + 1 > self.max_connections {
+                self.sweep_now.store(true, Ordering::Release);
             }
             let tls = match rustls::ServerConnection::new(self.server.clone()) {
                 Ok(t) => t,
@@ -658,27 +877,42 @@ impl Link {
                 want_out: false,
                 slot,
                 offered: false,
+                parked: false,
+                _open: Open::new(&self.open),
             });
             *next_seq += 1;
         }
     }
 
-    /// Handles readiness of the connection this node sends on to peer `k`: the peer's
-    /// messages (into `cx.inbox`), the handshake's answers, what a full socket left, the end
-    /// of the connection. A read cut short by its budget is asked again through `again`
-    /// (the connection is edge-triggered).
+    /// Handles readiness of a connection of peer `k` (the one this node sends on, the spare,
+    /// or the closing one): the peer's messages (into `cx.inbox`), the handshake's answers,
+    /// what a full socket left, the close's last frames, the end of the connection. A read
+    /// cut short by its budget is asked again through `again` (the connection is
+    /// edge-triggered); one held by a close is asked again once the close is done.
     fn on_conn(&self, k: usize, generation: u32, bits: u32, cx: &mut ReadCtx<'_>, again: &mut Vec<u64>) {
         let Some(p) = self.peers.get(k) else { return };
         let mut out = p.out.locked();
-        let sending = out.conn.as_ref().is_some_and(|c| c.generation == generation);
-        let c = if sending {
-            out.conn.as_mut()
+        let out = &mut *out;
+        let which = if out.conn.as_ref().is_some_and(|c| c.generation == generation) {
+            Which::Conn
+        } else if out.spare.as_ref().is_some_and(|c| c.generation == generation) {
+            Which::Spare
+        } else if out.closing.as_ref().is_some_and(|c| c.conn.generation == generation) {
+            Which::Closing
         } else {
-            out.spare.as_mut().filter(|c| c.generation == generation)
+            return;
+        };
+        // The peer's frames on another connection wait until the closing one's end was read.
+        let held = which != Which::Closing && out.closing.is_some();
+        let c = match which {
+            Which::Conn => out.conn.as_mut(),
+            Which::Spare => out.spare.as_mut(),
+            Which::Closing => out.closing.as_mut().map(|c| &mut c.conn),
         };
         let Some(c) = c else { return };
+        let before = cx.inbox.len();
         let res = (|| -> Result<ReadEnd, String> {
-            let end = read_frames(&c.sock, &mut c.tls, &mut c.rx, cx)
+            let end = read_frames(&c.sock, &mut c.tls, &mut c.rx, cx, &|_| held)
                 .map_err(|()| "failed or refused (logged)".to_string())?;
             if end == ReadEnd::Eof {
                 return Err("closed by the peer".into());
@@ -689,24 +923,196 @@ impl Link {
             flush(c, &self.writes).map_err(|e| e.to_string())?;
             Ok(end)
         })();
-        match res {
-            Ok(ReadEnd::Budget) => again.push(token(TOKEN_OUT, generation, k)),
-            Ok(_) => {}
-            Err(e) if sending => lost(p, &mut out, &e),
-            Err(e) => {
+        if cx.inbox.len() > before {
+            c.used = Instant::now();
+        }
+        match (res, which) {
+            (Ok(ReadEnd::Budget), _) => again.push(token(TOKEN_OUT, generation, k)),
+            (Ok(_), _) => {}
+            (Err(e), Which::Conn) => lost(p, out, &e),
+            (Err(e), Which::Spare) => {
                 tracing::debug!(peer = %p.name, error = %e, "message link: spare connection lost");
                 out.spare = None;
             }
+            (Err(e), Which::Closing) => {
+                tracing::debug!(peer = %p.name, error = %e, "message link: closing connection lost");
+                out.closing = None;
+                self.settle(k, out);
+            }
         }
+        self.advance_close(k, out);
+    }
+
+    /// Moves peer `k`'s close on (`out` is its locked state): a connection on which the peer
+    /// sent its last frame is answered with this node's (after what was queued on it) and
+    /// closes; a closing connection whose last frames both went is done with.
+    fn advance_close(&self, k: usize, out: &mut Out) {
+        let p = &self.peers[k];
+        for sending in [true, false] {
+            let slot = if sending { &mut out.conn } else { &mut out.spare };
+            if !slot.as_ref().is_some_and(|c| c.rx.last) {
+                continue;
+            }
+            let Some(conn) = slot.take() else { continue };
+            if out.closing.is_some() {
+                // Not read while another closes: cannot happen; dropping it loses nothing read.
+                tracing::warn!(peer = %p.name, "message link: the peer closed a second connection at once; dropped");
+                continue;
+            }
+            tracing::debug!(peer = %p.name, "message link: the peer closes a connection");
+            out.closing = Some(Closing {
+                conn,
+                since: Instant::now(),
+                sending,
+            });
+            self.send_last(k, out);
+            return;
+        }
+        if out
+            .closing
+            .as_ref()
+            .is_some_and(|c| c.conn.rx.last && c.conn.queue.is_empty() && !c.conn.tls.wants_write())
+        {
+            tracing::debug!(peer = %p.name, "message link: connection closed");
+            self.closes.fetch_add(1, Ordering::Relaxed);
+            out.closing = None;
+            self.settle(k, out);
+        }
+    }
+
+    /// Queues this node's last frame on peer `k`'s closing connection (`out` is its locked
+    /// state) and writes what the socket takes.
+    fn send_last(&self, k: usize, out: &mut Out) {
+        let Some(cl) = out.closing.as_mut() else { return };
+        cl.conn.queue.push_back(Bytes::from_static(&LAST_FRAME));
+        cl.conn.queued_bytes += LAST_FRAME.len();
+        if let Err(e) = flush(&mut cl.conn, &self.writes) {
+            tracing::debug!(peer = %self.peers[k].name, error = %e, "message link: closing connection lost");
+            out.closing = None;
+            self.settle(k, out);
+            return;
+        }
+        self.advance_close(k, out);
+    }
+
+    /// Peer `k`'s close is over (`out` is its locked state, with no closing connection): its
+    /// other connections are read again, and what was held is sent (on the connection there
+    /// is, the spare, or a new dial).
+    fn settle(&self, k: usize, out: &mut Out) {
+        debug_assert!(out.closing.is_none(), "settled while a connection still closes");
+        self.rearm_locked(k, out);
+        if out.pending.is_empty() {
+            return;
+        }
+        let p = &self.peers[k];
+        if let Err(e) = self.connect_locked(k, out) {
+            tracing::warn!(peer = %p.name, chunks = out.pending.len(), error = %e, "message link: messages held during a close dropped");
+            out.pending.clear();
+            out.pending_bytes = 0;
+            return;
+        }
+        let Some(c) = out.conn.as_mut() else { return };
+        c.queue.append(&mut out.pending);
+        c.queued_bytes += std::mem::take(&mut out.pending_bytes);
+        c.used = Instant::now();
+        self.flush_locked(p, out);
+    }
+
+    /// Whether peer `name` has a connection closing (its other connections are not read).
+    fn closing_with(&self, name: &str) -> bool {
+        self.index
+            .get(name)
+            .is_some_and(|&k| self.peers[k].out.locked().closing.is_some())
+    }
+
+    /// Closes the connections that carried nothing for the idle time (a peer's only one),
+    /// and the least recently used quiet ones while more than the bound are open; drops a
+    /// close the peer did not answer in time; polls again the accepted connections that a
+    /// close held.
+    fn sweep(&self, incoming: &mut [Option<Incoming>]) {
+        let now = Instant::now();
+        let mut quiet: Vec<(Instant, usize)> = Vec::new();
+        for (k, p) in self.peers.iter().enumerate() {
+            let mut out = p.out.locked();
+            if out
+                .closing
+                .as_ref()
+                .is_some_and(|c| now.saturating_duration_since(c.since) >= CLOSE_WAIT)
+            {
+                tracing::warn!(peer = %p.name, wait_ms = CLOSE_WAIT.as_millis() as u64, "message link: the peer did not answer a close; connection dropped");
+                out.closing = None;
+                self.settle(k, &mut out);
+            }
+            if let Some((used, _)) = closable(&out, self.first_here(k)) {
+                quiet.push((used, k));
+            }
+        }
+        for c in incoming.iter_mut().flatten() {
+            if c.parked && !c.rx.peer.as_deref().is_some_and(|n| self.closing_with(n)) {
+                c.parked = false;
+                let t = token(TOKEN_IN, c.generation, c.slot);
+                let _ = epoll_mod(self.epoll.as_raw_fd(), c.sock.as_raw_fd(), libc::EPOLLIN as u32, t);
+            }
+        }
+        quiet.sort_unstable();
+        let mut open = self.open.load(Ordering::Relaxed);
+        for (used, k) in quiet {
+            let idle = now.saturating_duration_since(used) >= self.idle_close;
+            if !idle && open <= self.max_connections {
+                // The rest were used more recently still.
+                break;
+            }
+            self.start_close(k, now.saturating_duration_since(used));
+            open = open.saturating_sub(1);
+        }
+    }
+
+    /// Whether this node's name sorts before peer `k`'s.
+    fn first_here(&self, k: usize) -> bool {
+        self.me.as_str() < self.peers[k].name.as_str()
+    }
+
+    /// Starts closing one of peer `k`'s connections, if they are still quiet.
+    fn start_close(&self, k: usize, idle: Duration) {
+        let p = &self.peers[k];
+        let mut out = p.out.locked();
+        let out = &mut *out;
+        let Some((_, which)) = closable(out, self.first_here(k)) else {
+            return;
+        };
+        let (conn, sending) = match which {
+            Which::Conn => (out.conn.take(), true),
+            _ => (out.spare.take(), false),
+        };
+        let Some(conn) = conn else { return };
+        tracing::debug!(peer = %p.name, idle_ms = idle.as_millis() as u64, "message link: closing a quiet connection");
+        out.closing = Some(Closing {
+            conn,
+            since: Instant::now(),
+            sending,
+        });
+        self.send_last(k, out);
     }
 
     /// Handles readiness of a connection a peer dialled that this node does not send on;
     /// whole messages go to `cx.inbox`. False: the connection is done with (closed by the
     /// peer, failed, or refused).
     fn on_incoming(&self, c: &mut Incoming, bits: u32, cx: &mut ReadCtx<'_>) -> bool {
-        let Ok(end) = read_frames(&c.sock, &mut c.tls, &mut c.rx, cx) else {
+        let Ok(end) = read_frames(&c.sock, &mut c.tls, &mut c.rx, cx, &|n| self.closing_with(n)) else {
             return false;
         };
+        if c.rx.last {
+            // A close on a connection this node does not send on: nothing to answer with; the
+            // peer sees it end.
+            return false;
+        }
+        if end == ReadEnd::Held && !c.parked {
+            // Level-triggered: not polled until the peer's close is done (or it is adopted).
+            c.parked = true;
+            let t = token(TOKEN_IN, c.generation, c.slot);
+            let _ = epoll_mod(self.epoll.as_raw_fd(), c.sock.as_raw_fd(), 0, t);
+            return true;
+        }
         // The handshake's answers.
         let mut flushed = true;
         while c.tls.wants_write() {
@@ -722,7 +1128,7 @@ impl Link {
                 Err(_) => return false,
             }
         }
-        if flushed == c.want_out {
+        if flushed == c.want_out && !c.parked {
             c.want_out = !flushed;
             let events = libc::EPOLLIN as u32 | if c.want_out { libc::EPOLLOUT as u32 } else { 0 };
             let t = token(TOKEN_IN, c.generation, c.slot);
@@ -774,6 +1180,8 @@ impl Link {
             rx: c.rx,
             dialled: false,
             generation,
+            used: Instant::now(),
+            _open: c._open,
         };
         if spare {
             out.spare = Some(conn);
@@ -797,6 +1205,51 @@ enum ReadEnd {
     Budget,
     /// The peer closed its side.
     Eof,
+    /// Not read on: the peer's frames wait for the end of its connection that closes.
+    Held,
+}
+
+/// Which of a peer's connections an event is for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Which {
+    /// The one this node sends on.
+    Conn,
+    /// One the peer dialled, read only.
+    Spare,
+    /// The one closing.
+    Closing,
+}
+
+/// Which of a peer's connections may be closed now, and when it (or the other one) last
+/// carried a frame: every one quiet (nothing queued, read or closing, handshakes done). Of
+/// two, the one the node whose name sorts first dialled (`first_dialled_here`: this node's
+/// name sorts first), so that both ends pick the same one: had each closed a different one,
+/// each would wait for the end of its own before reading the other.
+fn closable(out: &Out, first_dialled_here: bool) -> Option<(Instant, Which)> {
+    if out.closing.is_some() || !out.pending.is_empty() {
+        return None;
+    }
+    let quiet = |c: &Conn| {
+        c.rx.peer.is_some()
+            && !c.tls.is_handshaking()
+            && c.queue.is_empty()
+            && !c.tls.wants_write()
+            && c.rx.buf.is_empty()
+            && !c.rx.last
+    };
+    match (&out.conn, &out.spare) {
+        (Some(c), None) => quiet(c).then_some((c.used, Which::Conn)),
+        (None, Some(c)) => quiet(c).then_some((c.used, Which::Spare)),
+        (Some(c), Some(s)) if quiet(c) && quiet(s) => {
+            let which = if c.dialled == first_dialled_here {
+                Which::Conn
+            } else {
+                Which::Spare
+            };
+            Some((c.used.max(s.used), which))
+        }
+        _ => None,
+    }
 }
 
 /// What reading a connection needs besides the connection: the link thread's buffers and
@@ -814,15 +1267,34 @@ struct ReadCtx<'a> {
 /// an accepted one learns it from the certificate, which must name a node of the cluster).
 /// One read takes what the socket holds (up to the buffer), and TLS is fed from memory: a
 /// message costs one read system call, not one per 4 KiB TLS reads plus a last one that finds
-/// the socket empty. Err: the connection is done with (failed, refused or a bad frame;
-/// logged here).
+/// the socket empty. While `held` says so of the peer, nothing more is read from the socket
+/// and what was read stays whole in the buffer (a read that learns the peer mid-way keeps
+/// its plaintext there); it is cut once reading goes on. Err: the connection is done with
+/// (failed, refused or a bad frame; logged here).
 fn read_frames(
     sock: &TcpStream,
     tls: &mut rustls::Connection,
     rx: &mut Rx,
     cx: &mut ReadCtx<'_>,
+    held: &dyn Fn(&str) -> bool,
 ) -> Result<ReadEnd, ()> {
-    let Rx { buf, peer, incarnation } = rx;
+    let Rx {
+        buf,
+        peer,
+        incarnation,
+        last,
+    } = rx;
+    let mut hold = false;
+    if let Some(from) = peer.as_deref() {
+        if held(from) {
+            return Ok(ReadEnd::Held);
+        }
+        // What a held read left.
+        if let Err(message) = cut_frames(buf, incarnation, last, cx.stamp, from, cx.inbox) {
+            tracing::warn!(peer = %from, %message, "message link: dropped the connection");
+            return Err(());
+        }
+    }
     let mut read = 0usize;
     loop {
         if read >= READ_BUDGET_BYTES {
@@ -857,7 +1329,10 @@ fn read_frames(
                     .and_then(crate::tls::name_in_chain)
                     .filter(|n| cx.known.contains(n))
                 {
-                    Some(name) => *peer = Some(name),
+                    Some(name) => {
+                        hold = held(&name);
+                        *peer = Some(name);
+                    }
                     None => {
                         tracing::warn!(remote = ?sock.peer_addr().ok(), "message link: refused peer, its certificate names no node of this cluster");
                         return Err(());
@@ -871,7 +1346,10 @@ fn read_frames(
                         Ok(0) => break,
                         Ok(k) => {
                             buf.extend_from_slice(&cx.scratch[..k]);
-                            if let Err(message) = cut_frames(buf, incarnation, cx.stamp, from, cx.inbox) {
+                            if hold {
+                                continue;
+                            }
+                            if let Err(message) = cut_frames(buf, incarnation, last, cx.stamp, from, cx.inbox) {
                                 tracing::warn!(peer = %from, %message, "message link: dropped the connection");
                                 return Err(());
                             }
@@ -881,6 +1359,9 @@ fn read_frames(
                     }
                 }
             }
+        }
+        if hold {
+            return Ok(ReadEnd::Held);
         }
         // A short read emptied the socket (epoll says when more comes).
         if n < cx.rbuf.len() {
@@ -1001,20 +1482,30 @@ fn flush(c: &mut Conn, writes: &AtomicU64) -> std::io::Result<()> {
     Ok(())
 }
 
-/// Cuts the whole frames at the start of `buf` into `inbox`. Err: a frame longer than the
-/// limit (the connection is then dropped).
+/// Cuts the whole frames at the start of `buf` into `inbox`; the last frame sets `last`.
+/// Err: a frame longer than the limit, or anything after the last frame (the connection is
+/// then dropped).
 fn cut_frames(
     buf: &mut BytesMut,
     incarnation: &mut Option<u64>,
+    last: &mut bool,
     stamp: &peer::Stamp,
     from: &str,
     inbox: &mut Vec<(String, PeerReq, Bytes, usize)>,
 ) -> Result<(), String> {
     loop {
+        if *last && !buf.is_empty() {
+            return Err(format!("{} bytes after the connection's last frame", buf.len()));
+        }
         if buf.len() < 4 {
             return Ok(());
         }
         let len = u32::from_le_bytes([buf[0], buf[1], buf[2], buf[3]]) as usize;
+        if len == 0 {
+            buf.advance(4);
+            *last = true;
+            continue;
+        }
         if len > MAX_PEER_MSG {
             return Err(format!("frame of {len} bytes exceeds {MAX_PEER_MSG}"));
         }

@@ -331,3 +331,179 @@ fn failed_dials_back_off_and_a_peer_heard_again_is_dialled_at_once() {
     a.close();
     t.join().unwrap();
 }
+
+type Inbox = std::sync::mpsc::Receiver<(String, PeerReq, Bytes)>;
+
+/// Running links of nodes `names` (one cluster, certificates in `certs`), each knowing all the
+/// others, closing quiet connections after `idle` and keeping at most `max[i]` open; with
+/// what each receives and its thread.
+fn mesh(
+    certs: &Path,
+    names: &[&str],
+    idle: Duration,
+    max: &[usize],
+) -> (Vec<Arc<Link>>, Vec<Inbox>, Vec<std::thread::JoinHandle<()>>) {
+    let all: Vec<String> = names.iter().map(|n| n.to_string()).collect();
+    // Free ports, taken again by the links at once (std's listener sets SO_REUSEADDR).
+    let addrs: Vec<SocketAddr> = names
+        .iter()
+        .map(|_| {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            l.local_addr().unwrap()
+        })
+        .collect();
+    let (mut links, mut inboxes, mut threads) = (Vec::new(), Vec::new(), Vec::new());
+    for (i, me) in names.iter().enumerate() {
+        let peers = names
+            .iter()
+            .zip(&addrs)
+            .filter(|(n, _)| *n != me)
+            .map(|(n, a)| (n.to_string(), *a))
+            .collect();
+        let l = Arc::new(
+            Link::for_node(certs, me, addrs[i], peers, all.clone())
+                .unwrap()
+                .with_limits(idle, max[i]),
+        );
+        let (tx, rx) = std::sync::mpsc::channel();
+        let runner = l.clone();
+        threads.push(std::thread::spawn(move || runner.run(Arc::new(Collect(tx)))));
+        links.push(l);
+        inboxes.push(rx);
+    }
+    (links, inboxes, threads)
+}
+
+/// Waits until `done` holds, for at most [`TEST_WAIT`].
+fn wait_until(what: &str, done: impl Fn() -> bool) {
+    let deadline = std::time::Instant::now() + TEST_WAIT;
+    while !done() {
+        assert!(std::time::Instant::now() < deadline, "{what}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// The ids of `n` pings from `from` on `rx`, in the order they came.
+fn pings(rx: &Inbox, from: &str, n: usize) -> Vec<u64> {
+    (0..n)
+        .map(|i| match rx.recv_timeout(TEST_WAIT) {
+            Ok((f, PeerReq::LinkPing { id }, _)) if f == from => id,
+            other => panic!("message {i} of {n} from {from}: {other:?}"),
+        })
+        .collect()
+}
+
+/// A connection that carried nothing for the idle time is closed by both ends together (no
+/// connection stays open on either), and the next message, either way, dials again.
+#[test]
+fn a_quiet_connection_is_closed_by_both_ends_and_the_next_message_dials_again() {
+    let dir = tempfile::tempdir().unwrap();
+    psls_ipc::certs::generate(dir.path(), "t", &["a".to_string(), "b".to_string()]).unwrap();
+    let (links, rx, threads) = mesh(dir.path(), &["a", "b"], Duration::from_millis(100), &[256, 256]);
+    let (a, b) = (&links[0], &links[1]);
+    a.post("b", &PeerReq::LinkPing { id: 1 }, Bytes::new()).unwrap();
+    assert_eq!(pings(&rx[1], "a", 1), [1]);
+    assert_eq!(a.open_connections(), 1, "a sends on the connection it dialled");
+    wait_until("the quiet connection was not closed", || {
+        a.open_connections() == 0 && b.open_connections() == 0
+    });
+    assert_eq!((a.closes(), b.closes()), (1, 1), "one close, done by both ends");
+    b.post("a", &PeerReq::LinkPing { id: 2 }, Bytes::new()).unwrap();
+    assert_eq!(pings(&rx[0], "b", 1), [2], "b dials a after the close");
+    wait_until("the second connection was not closed", || {
+        a.open_connections() == 0 && b.open_connections() == 0
+    });
+    assert_eq!((a.closes(), b.closes()), (2, 2));
+    for l in &links {
+        l.close();
+    }
+    for t in threads {
+        t.join().unwrap();
+    }
+}
+
+/// Both ends post to each other with pauses around the idle time, so that connections close
+/// while messages cross them both ways: every message arrives, once, in the order posted.
+#[test]
+fn closes_lose_nothing_and_keep_the_order_both_ways() {
+    let dir = tempfile::tempdir().unwrap();
+    psls_ipc::certs::generate(dir.path(), "t", &["a".to_string(), "b".to_string()]).unwrap();
+    let (links, rx, threads) = mesh(dir.path(), &["a", "b"], Duration::from_millis(12), &[256, 256]);
+    let n = 1500usize;
+    let senders: Vec<_> = [(0usize, "b", 11u64), (1, "a", 29)]
+        .into_iter()
+        .map(|(i, to, seed)| {
+            let l = links[i].clone();
+            std::thread::spawn(move || {
+                let mut x = seed;
+                for id in 0..n as u64 {
+                    l.post(
+                        to,
+                        &PeerReq::LinkPing { id },
+                        Bytes::from(vec![7u8; (x % 5000) as usize]),
+                    )
+                    .unwrap();
+                    // xorshift: mostly back to back, now and then a pause around the idle time.
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    if x % 16 == 0 {
+                        std::thread::sleep(Duration::from_millis(6 + x % 20));
+                    }
+                }
+            })
+        })
+        .collect();
+    let want: Vec<u64> = (0..n as u64).collect();
+    assert_eq!(pings(&rx[1], "a", n), want, "a to b");
+    assert_eq!(pings(&rx[0], "b", n), want, "b to a");
+    for s in senders {
+        s.join().unwrap();
+    }
+    let closes = links[0].closes() + links[1].closes();
+    assert!(closes >= 4, "connections closed under way: {closes}");
+    wait_until("connections stayed open after the last message", || {
+        links.iter().all(|l| l.open_connections() == 0)
+    });
+    for l in &links {
+        l.close();
+    }
+    for t in threads {
+        t.join().unwrap();
+    }
+}
+
+/// A node allowed one connection that talks to two peers in turn closes the least recently
+/// used one for each new one: every message arrives in order, and it ends with one open.
+#[test]
+fn past_the_bound_the_least_recently_used_connection_closes() {
+    let dir = tempfile::tempdir().unwrap();
+    let names = ["a", "b", "c"];
+    psls_ipc::certs::generate(dir.path(), "t", &names.map(String::from)).unwrap();
+    let (links, rx, threads) = mesh(dir.path(), &names, Duration::from_secs(3600), &[1, 256, 256]);
+    let a = &links[0];
+    let rounds = 60u64;
+    for id in 0..rounds {
+        for to in ["b", "c"] {
+            a.post(to, &PeerReq::LinkPing { id }, Bytes::new()).unwrap();
+        }
+        if id % 3 == 0 {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+    let want: Vec<u64> = (0..rounds).collect();
+    assert_eq!(pings(&rx[1], "a", rounds as usize), want, "a to b");
+    assert_eq!(pings(&rx[2], "a", rounds as usize), want, "a to c");
+    wait_until("a kept more than one connection", || a.open_connections() <= 1);
+    assert!(
+        a.closes() >= 2,
+        "a closed connections to stay within its bound: {}",
+        a.closes()
+    );
+    for l in &links {
+        l.close();
+    }
+    for t in threads {
+        t.join().unwrap();
+    }
+}
