@@ -80,6 +80,10 @@ pub struct ClusterSection {
     /// are closed. 16 to 65536.
     #[serde(default = "default_max_connections")]
     pub max_connections: usize,
+    /// A connection that carried nothing for this long is closed (the next message dials
+    /// again). 50 to 3600000.
+    #[serde(default = "default_connection_idle")]
+    pub connection_idle_ms: u64,
 }
 
 fn default_name() -> String {
@@ -115,6 +119,9 @@ fn default_voter_replace_after() -> u64 {
 fn default_max_connections() -> usize {
     256
 }
+fn default_connection_idle() -> u64 {
+    30_000
+}
 
 impl Default for ClusterSection {
     fn default() -> Self {
@@ -131,6 +138,7 @@ impl Default for ClusterSection {
             metadata_voters: default_metadata_voters(),
             voter_replace_after_ms: default_voter_replace_after(),
             max_connections: default_max_connections(),
+            connection_idle_ms: default_connection_idle(),
         }
     }
 }
@@ -271,6 +279,12 @@ impl ClusterConfig {
             return Err(format!(
                 "max_connections must be 16 to 65536, not {}",
                 c.max_connections
+            ));
+        }
+        if !(50..=3_600_000).contains(&c.connection_idle_ms) {
+            return Err(format!(
+                "connection_idle_ms must be 50 to 3600000, not {}",
+                c.connection_idle_ms
             ));
         }
         let mut names = HashSet::new();
@@ -438,6 +452,12 @@ mod tests {
         let mut d = c.clone();
         d.cluster.heartbeat_timeout_ms = 100;
         assert!(d.validate().is_err());
+        let mut d = c.clone();
+        d.cluster.connection_idle_ms = 10;
+        assert!(d
+            .validate()
+            .unwrap_err()
+            .contains("connection_idle_ms must be 50 to 3600000"));
         for (n, ok) in [(15, false), (16, true), (65536, true), (65537, false)] {
             let mut d = c.clone();
             d.cluster.max_connections = n;

@@ -237,7 +237,10 @@ pub async fn run(config: &Path, name: &str) -> Result<()> {
             anyhow::anyhow!("cannot listen on {} and {}: {e}", me.addr, link_of(&me))
         }
     })?;
-    let net = net.with_max_connections(cfg.cluster.max_connections);
+    let net = net.with_limits(
+        cfg.cluster.max_connections,
+        Duration::from_millis(cfg.cluster.connection_idle_ms),
+    );
     let metrics_listener = match me.metrics_addr {
         None => None,
         Some(a) => {

@@ -85,6 +85,8 @@ pub struct Transport {
     /// Connections kept open at once, at most, on each transport (the least recently used idle
     /// one goes).
     max_connections: usize,
+    /// A connection no request used for this long is closed.
+    idle_close: Duration,
     /// The state of the jitter's generator (xorshift).
     jitter: AtomicU64,
     /// One-way messages.
@@ -135,18 +137,21 @@ impl Transport {
             slots: Arc::new(Mutex::new(HashMap::new())),
             dials: Arc::new(tokio::sync::Semaphore::new(MAX_DIALS_IN_FLIGHT)),
             max_connections: MAX_CONNECTIONS,
+            idle_close: IDLE_CLOSE,
             jitter: AtomicU64::new(seed | 1),
             link: Arc::new(link),
             stamp,
         })
     }
 
-    /// The same transport keeping at most `n` connections open at once (at least 1), on the
-    /// request transport and on the message link, before either runs.
-    pub fn with_max_connections(mut self, n: usize) -> Transport {
-        self.max_connections = n.max(1);
+    /// The same transport keeping at most `max_connections` connections open at once (at
+    /// least 1) and closing one unused for `idle_close`, on the request transport and on the
+    /// message link, before either runs.
+    pub fn with_limits(mut self, max_connections: usize, idle_close: Duration) -> Transport {
+        self.max_connections = max_connections.max(1);
+        self.idle_close = idle_close;
         if let Some(link) = Arc::get_mut(&mut self.link) {
-            link.set_limits(crate::link::IDLE_CLOSE, n);
+            link.set_limits(idle_close, max_connections);
         }
         self
     }
@@ -303,9 +308,10 @@ impl Transport {
         self.link.heard_from(peer);
     }
 
-    /// Closes the connections no request used for [`IDLE_CLOSE`] (none under way on them).
+    /// Closes the connections no request used for the idle time ([`IDLE_CLOSE`] unless
+    /// configured; none under way on them).
     pub fn close_idle(&self) {
-        self.close_idle_for(IDLE_CLOSE)
+        self.close_idle_for(self.idle_close)
     }
 
     /// Closes every connection no request is under way on now: after a one-off ask of many

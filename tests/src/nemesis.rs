@@ -150,6 +150,9 @@ struct Rig {
     disks: Vec<crate::faults::Mount>,
 }
 
+/// How long a connection of the nemesis's cluster stays open without a message.
+const NEMESIS_IDLE_MS: u64 = 300;
+
 /// Runs the nemesis with `seed` for about `duration`; `say` gets one line per event.
 pub fn run(seed: u64, duration: Duration, say: &mut dyn FnMut(&str)) -> Report {
     run_with(seed, duration, Options::default(), say)
@@ -168,7 +171,14 @@ pub fn run_with(seed: u64, duration: Duration, options: Options, say: &mut dyn F
         net: None,
         disks: Vec::new(),
     };
-    let mut c = Cluster::init(4, 0, |_| {});
+    // Connections close after 300 ms without a message (30 s by default), and each node
+    // heartbeats only its two ring neighbours (as in a large cluster), so that the pairs that
+    // do not heartbeat each other close and dial their connections all the time, under every
+    // fault, rather than almost never.
+    let mut c = Cluster::init(4, 0, |cfg| {
+        cfg.cluster.connection_idle_ms = NEMESIS_IDLE_MS;
+        cfg.cluster.heartbeat_min_peers = 2;
+    });
     if !options.no_partitions {
         let net = crate::faults::Net::build(4)
             .expect("network namespaces for partitions (root and iproute2; or Options::no_partitions)");
