@@ -38,7 +38,9 @@
 //! peer meanwhile; the peer, having read everything before it, answers with its own last
 //! frame after what it had queued, and sends later messages on another connection; the closer
 //! reads the peer's other connections only once it read that answer, then sends what it held.
-//! A close not answered within [`CLOSE_WAIT`] counts as a lost connection.
+//! A close not answered within [`CLOSE_WAIT`] counts as a lost connection. At most
+//! [`DEFAULT_MAX_DIALS`] dials are in flight; what is posted to a peer whose dial waits for
+//! its turn is held, in order, and sent once it goes.
 //!
 //! Invariants: every queue, connection count and read has a bound; the handler runs on the
 //! link thread with no lock held, so a handler may post; a peer's outgoing state is behind its
@@ -97,6 +99,9 @@ pub const DEFAULT_MAX_CONNECTIONS: usize = 256;
 const OVER_BOUND_SWEEP: Duration = Duration::from_millis(10);
 /// Accepted connections whose handshake has not named a node yet, at most (the oldest goes).
 const MAX_HANDSHAKES: usize = 64;
+/// Dials whose handshake has not ended, at most (as the request transport's); what is posted
+/// to a peer whose dial waits for its turn is held, in order, until it goes.
+pub const DEFAULT_MAX_DIALS: usize = 16;
 /// Connections open at once, at most: past it, incoming ones are refused (the bound on
 /// connections plus the handshakes that may be under way beyond it).
 fn hard_bound(max_connections: usize) -> usize {
@@ -149,6 +154,8 @@ struct Conn {
     used: Instant,
     /// Counted among the link's open connections while it lives.
     _open: Open,
+    /// A dial's turn among those in flight, until its handshake ends.
+    dial_turn: Option<Open>,
 }
 
 /// One open connection in the link's count ([`Link::open_connections`]), for its lifetime.
@@ -216,10 +223,13 @@ struct Out {
     /// peer's last frame was read and everything was written. Meanwhile the peer's other
     /// connections are not read.
     closing: Option<Closing>,
-    /// Posted while the connection sent on is closing, sent once the close is done (and
-    /// their bytes): bounded as a connection's queue.
+    /// Posted while the connection sent on is closing, or while a dial waits for its turn;
+    /// sent once the close is done or the dial goes (and their bytes): bounded as a
+    /// connection's queue.
     pending: VecDeque<Bytes>,
     pending_bytes: usize,
+    /// In the link's queue of dials waiting for a turn.
+    awaiting_dial: bool,
 }
 
 /// A connection being closed ([`Out::closing`]).
@@ -289,6 +299,11 @@ pub struct Link {
     sweep_now: AtomicBool,
     /// Closes done (both last frames went) since start.
     closes: AtomicU64,
+    /// Dials in flight (handshake not ended) at most, and how many are now.
+    max_dials: usize,
+    dialing: Arc<AtomicUsize>,
+    /// Peers waiting for a dial's turn, in order (each once: [`Out::awaiting_dial`]).
+    waiting: Mutex<VecDeque<usize>>,
 }
 
 impl Link {
@@ -362,6 +377,9 @@ impl Link {
             rearm: Mutex::new(Vec::new()),
             sweep_now: AtomicBool::new(false),
             closes: AtomicU64::new(0),
+            max_dials: DEFAULT_MAX_DIALS,
+            dialing: Arc::new(AtomicUsize::new(0)),
+            waiting: Mutex::new(VecDeque::new()),
         })
     }
 
@@ -377,6 +395,17 @@ impl Link {
     pub fn set_limits(&mut self, idle_close: Duration, max_connections: usize) {
         self.idle_close = idle_close.max(Duration::from_millis(1));
         self.max_connections = max_connections.max(1);
+    }
+
+    /// The same link with at most `max_dials` dials in flight (at least 1).
+    pub fn with_max_dials(mut self, max_dials: usize) -> Link {
+        self.max_dials = max_dials.max(1);
+        self
+    }
+
+    /// Dials whose handshake has not ended.
+    pub fn dials_in_flight(&self) -> usize {
+        self.dialing.load(Ordering::Relaxed)
     }
 
     /// Connections open now: dialled, adopted, closing, and accepted ones not yet adopted.
@@ -466,8 +495,9 @@ impl Link {
         let p = &self.peers[k];
         let mut out = p.out.locked();
         let len = head.len() + payload.len();
-        if out.closing.as_ref().is_some_and(|c| c.sending) {
-            // Held, in order, until the peer answered the close (then sent by the link thread).
+        if out.closing.as_ref().is_some_and(|c| c.sending) || out.awaiting_dial {
+            // Held, in order, until the peer answered the close or the dial got its turn (then
+            // sent by the link thread).
             if out.pending.len() + 2 > QUEUE_CHUNKS || out.pending_bytes + len > QUEUE_BYTES {
                 return Err(NetError::Unreachable {
                     peer: p.name.clone(),
@@ -482,7 +512,16 @@ impl Link {
             self.posted.fetch_add(1, Ordering::Relaxed);
             return Ok(());
         }
-        self.connect_locked(k, &mut out)?;
+        if !self.connect_locked(k, &mut out)? {
+            // The dial waits for its turn: the first message held.
+            out.pending.push_back(head);
+            if !payload.is_empty() {
+                out.pending.push_back(payload);
+            }
+            out.pending_bytes += len;
+            self.posted.fetch_add(1, Ordering::Relaxed);
+            return Ok(());
+        }
         let c = out.conn.as_mut().expect("connected above");
         if c.queue.len() + 2 > QUEUE_CHUNKS || c.queued_bytes + len > QUEUE_BYTES {
             return Err(NetError::Unreachable {
@@ -515,14 +554,18 @@ impl Link {
 
     /// Makes sure peer `k` (`out` is its locked state) has a connection to send on: the one
     /// it has, else the peer's spare, else a dial (unless dials failed less than their
-    /// backoff ago).
-    fn connect_locked(&self, k: usize, out: &mut Out) -> Result<(), NetError> {
+    /// backoff ago). False: the dial waits for a turn (the peer is queued for one; hold what
+    /// is posted in [`Out::pending`]).
+    fn connect_locked(&self, k: usize, out: &mut Out) -> Result<bool, NetError> {
         let p = &self.peers[k];
         if out.conn.is_none() {
             out.conn = out.spare.take();
         }
         if out.conn.is_some() {
-            return Ok(());
+            return Ok(true);
+        }
+        if out.awaiting_dial {
+            return Ok(false);
         }
         if let Some((until, failures)) = out.backoff {
             let now = Instant::now();
@@ -546,16 +589,50 @@ impl Link {
                 ),
             });
         }
+        let Some(turn) = self.dial_turn() else {
+            out.awaiting_dial = true;
+            self.waiting.locked().push_back(k);
+            return Ok(false);
+        };
         let generation = out.next_generation();
-        let conn = self.dial(k, generation).map_err(|e| NetError::Unreachable {
+        let mut conn = self.dial(k, generation).map_err(|e| NetError::Unreachable {
             peer: p.name.clone(),
             message: e.to_string(),
         })?;
+        conn.dial_turn = Some(turn);
         out.conn = Some(conn);
         if self.open.load(Ordering::Relaxed) > self.max_connections {
             self.sweep_soon();
         }
-        Ok(())
+        Ok(true)
+    }
+
+    /// A turn among the dials in flight, if one is free.
+    fn dial_turn(&self) -> Option<Open> {
+        self.dialing
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < self.max_dials).then_some(n + 1)
+            })
+            .ok()?;
+        // The count was taken above: the guard gives it back.
+        Some(Open(self.dialing.clone()))
+    }
+
+    /// Dials the peers waiting for a turn, while turns are free (the link thread, no lock
+    /// held).
+    fn dial_waiting(&self) {
+        while self.dialing.load(Ordering::Acquire) < self.max_dials {
+            let Some(k) = self.waiting.locked().pop_front() else {
+                return;
+            };
+            let p = &self.peers[k];
+            let mut out = p.out.locked();
+            if !out.awaiting_dial {
+                continue;
+            }
+            out.awaiting_dial = false;
+            self.send_held(k, &mut out, "messages held for a dial dropped");
+        }
     }
 
     /// Asks the link thread to close idle connections at its next wake-up (too many are
@@ -613,6 +690,7 @@ impl Link {
             generation,
             used: Instant::now(),
             _open: Open::new(&self.open),
+            dial_turn: None,
         })
     }
 
@@ -621,7 +699,12 @@ impl Link {
     fn flush_locked(&self, p: &Peer, out: &mut Out) {
         let Some(c) = out.conn.as_mut() else { return };
         if let Err(e) = flush(c, &self.writes) {
+            let turn = c.dial_turn.is_some();
             lost(p, out, &e.to_string());
+            if turn {
+                // Its turn is free: the link thread dials whoever waits.
+                self.wake();
+            }
         }
     }
 
@@ -656,6 +739,10 @@ impl Link {
                 self.wake();
             }
         }
+        if !self.waiting.locked().is_empty() {
+            // A dial dropped above may have freed a turn.
+            self.wake();
+        }
     }
 
     /// Asks the link thread to read peer `k`'s connections (`out`, locked) again: the close
@@ -677,7 +764,9 @@ impl Link {
             out.closing = None;
             out.pending.clear();
             out.pending_bytes = 0;
+            out.awaiting_dial = false;
         }
+        self.waiting.locked().clear();
         self.wake();
     }
 
@@ -772,6 +861,7 @@ impl Link {
                     _ => {}
                 }
             }
+            self.dial_waiting();
             let now = Instant::now();
             if now >= next_sweep || self.sweep_now.swap(false, Ordering::AcqRel) {
                 self.sweep(&mut incoming);
@@ -926,6 +1016,10 @@ impl Link {
         if cx.inbox.len() > before {
             c.used = Instant::now();
         }
+        if c.dial_turn.is_some() && !c.tls.is_handshaking() {
+            // The handshake ended: the turn goes to a waiting dial (after this event).
+            c.dial_turn = None;
+        }
         match (res, which) {
             (Ok(ReadEnd::Budget), _) => again.push(token(TOKEN_OUT, generation, k)),
             (Ok(_), _) => {}
@@ -1001,15 +1095,26 @@ impl Link {
     fn settle(&self, k: usize, out: &mut Out) {
         debug_assert!(out.closing.is_none(), "settled while a connection still closes");
         self.rearm_locked(k, out);
+        self.send_held(k, out, "messages held during a close dropped");
+    }
+
+    /// Sends what peer `k` (`out` is its locked state) held, on its connection or a new dial
+    /// (or holds it on, if the dial waits for a turn); if no connection can be had, drops it
+    /// saying `dropped`.
+    fn send_held(&self, k: usize, out: &mut Out, dropped: &str) {
         if out.pending.is_empty() {
             return;
         }
         let p = &self.peers[k];
-        if let Err(e) = self.connect_locked(k, out) {
-            tracing::warn!(peer = %p.name, chunks = out.pending.len(), error = %e, "message link: messages held during a close dropped");
-            out.pending.clear();
-            out.pending_bytes = 0;
-            return;
+        match self.connect_locked(k, out) {
+            Ok(true) => {}
+            Ok(false) => return,
+            Err(e) => {
+                tracing::warn!(peer = %p.name, chunks = out.pending.len(), error = %e, "message link: {dropped}");
+                out.pending.clear();
+                out.pending_bytes = 0;
+                return;
+            }
         }
         let Some(c) = out.conn.as_mut() else { return };
         c.queue.append(&mut out.pending);
@@ -1182,6 +1287,7 @@ impl Link {
             generation,
             used: Instant::now(),
             _open: c._open,
+            dial_turn: None,
         };
         if spare {
             out.spare = Some(conn);

@@ -343,6 +343,15 @@ fn mesh(
     idle: Duration,
     max: &[usize],
 ) -> (Vec<Arc<Link>>, Vec<Inbox>, Vec<std::thread::JoinHandle<()>>) {
+    mesh_tuned(certs, names, &|i, l| l.with_limits(idle, max[i]))
+}
+
+/// Running links of nodes `names` as [`mesh`], each made by `tune` (with its index).
+fn mesh_tuned(
+    certs: &Path,
+    names: &[&str],
+    tune: &dyn Fn(usize, Link) -> Link,
+) -> (Vec<Arc<Link>>, Vec<Inbox>, Vec<std::thread::JoinHandle<()>>) {
     let all: Vec<String> = names.iter().map(|n| n.to_string()).collect();
     // Free ports, taken again by the links at once (std's listener sets SO_REUSEADDR).
     let addrs: Vec<SocketAddr> = names
@@ -360,11 +369,10 @@ fn mesh(
             .filter(|(n, _)| *n != me)
             .map(|(n, a)| (n.to_string(), *a))
             .collect();
-        let l = Arc::new(
-            Link::for_node(certs, me, addrs[i], peers, all.clone())
-                .unwrap()
-                .with_limits(idle, max[i]),
-        );
+        let l = Arc::new(tune(
+            i,
+            Link::for_node(certs, me, addrs[i], peers, all.clone()).unwrap(),
+        ));
         let (tx, rx) = std::sync::mpsc::channel();
         let runner = l.clone();
         threads.push(std::thread::spawn(move || runner.run(Arc::new(Collect(tx)))));
@@ -500,6 +508,50 @@ fn past_the_bound_the_least_recently_used_connection_closes() {
         "a closed connections to stay within its bound: {}",
         a.closes()
     );
+    for l in &links {
+        l.close();
+    }
+    for t in threads {
+        t.join().unwrap();
+    }
+}
+
+/// A node allowed two dials in flight that posts to eight peers at once holds the messages of
+/// those whose dial waits for its turn, and sends them, in order, once it goes: never more
+/// than two handshakes under way, and every message arrives.
+#[test]
+fn dials_wait_for_a_turn_and_lose_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let names = ["a", "b", "c", "d", "e", "f", "g", "h", "i"];
+    psls_ipc::certs::generate(dir.path(), "t", &names.map(String::from)).unwrap();
+    let (links, rx, threads) = mesh_tuned(dir.path(), &names, &|i, l| if i == 0 { l.with_max_dials(2) } else { l });
+    let a = links[0].clone();
+    let most = Arc::new(AtomicUsize::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    let watcher = {
+        let (a, most, stop) = (a.clone(), most.clone(), stop.clone());
+        std::thread::spawn(move || {
+            while !stop.load(Ordering::Relaxed) {
+                most.fetch_max(a.dials_in_flight(), Ordering::Relaxed);
+                std::thread::yield_now();
+            }
+        })
+    };
+    let n = 50u64;
+    for id in 0..n {
+        for to in &names[1..] {
+            a.post(to, &PeerReq::LinkPing { id }, Bytes::new()).unwrap();
+        }
+    }
+    let want: Vec<u64> = (0..n).collect();
+    for (i, to) in names.iter().enumerate().skip(1) {
+        assert_eq!(pings(&rx[i], "a", n as usize), want, "a to {to}");
+    }
+    stop.store(true, Ordering::Relaxed);
+    watcher.join().unwrap();
+    let most = most.load(Ordering::Relaxed);
+    assert!((1..=2).contains(&most), "dials in flight at once: {most}");
+    assert_eq!(a.dials_in_flight(), 0);
     for l in &links {
         l.close();
     }
