@@ -9,7 +9,10 @@
 //! - `create_conn_ms`: as many creates over one client connection to n0 (no CLI process: the
 //!   daemons' share of a create);
 //! - `verdict_s`: from a kill -9 of the last node to n0's status showing it down;
-//! - `run_true_s`: `psls run -n N -- /bin/true` through n0 (after the killed node is back).
+//! - `run_true_s`: `psls run -n N -- /bin/true` through n0 (after the killed node is back);
+//! - `connections`: each daemon's open connections (its `psls_connections` metric) on the
+//!   message link and the request transport, mean and most, `--settle-s` seconds after that
+//!   run (the connections it opened have had time to close when idle).
 //!
 //! One JSON object per size on stdout, then a table of each figure as a ratio to the first
 //! size's (this machine is shared: compare within one run). A size whose cluster does not
@@ -41,6 +44,10 @@ struct Cli {
     /// Each node's memory, in MiB (small: 64 daemons share this machine).
     #[arg(long, default_value_t = 64)]
     memory_mb: u64,
+    /// How long after the last run the daemons' connections are counted, in seconds (a
+    /// connection closes after 30 s without a message).
+    #[arg(long, default_value_t = 40)]
+    settle_s: u64,
     /// Where the clusters' folders go (default: the system's temporary folder).
     #[arg(long)]
     dir: Option<PathBuf>,
@@ -164,6 +171,15 @@ fn measure(cli: &Cli, bin: &Path, dir: &Path, n: usize) -> Result<serde_json::Va
     let ranks = n.to_string();
     let o = psls(&["--node", "n0", "run", "-n", &ranks, "--", "/bin/true"])?;
     let run_true_s = o.status.success().then(|| t.elapsed().as_secs_f64());
+    std::thread::sleep(Duration::from_secs(cli.settle_s));
+    let mut link = Vec::new();
+    let mut request = Vec::new();
+    for e in cfg.all() {
+        let Some(addr) = e.metrics_addr else { continue };
+        let text = scrape(addr).with_context(|| format!("scraping {}'s metrics", e.name))?;
+        link.push(sample(&text, "psls_connections{transport=\"link\"}").unwrap_or(f64::NAN));
+        request.push(sample(&text, "psls_connections{transport=\"request\"}").unwrap_or(f64::NAN));
+    }
     Ok(serde_json::json!({
         "nodes": n,
         "healthy_s": healthy_s,
@@ -173,6 +189,10 @@ fn measure(cli: &Cli, bin: &Path, dir: &Path, n: usize) -> Result<serde_json::Va
         "create_conn_ms": {"p50": pct(&create_conn_ms, 50), "p99": pct(&create_conn_ms, 99)},
         "verdict_s": verdict_s,
         "run_true_s": run_true_s,
+        "connections": {
+            "link": {"mean": mean(&link), "max": max(&link)},
+            "request": {"mean": mean(&request), "max": max(&request)},
+        },
         "log_bytes": log_bytes(dir),
     }))
 }
@@ -199,6 +219,27 @@ fn rss_kib(pid: i32) -> u64 {
                 .and_then(|l| l.split_whitespace().nth(1).and_then(|v| v.parse().ok()))
         })
         .unwrap_or(0)
+}
+
+/// The text of `GET /metrics` at `addr`.
+fn scrape(addr: std::net::SocketAddr) -> Result<String> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(5))?;
+    s.set_read_timeout(Some(Duration::from_secs(10)))?;
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")?;
+    let mut text = String::new();
+    s.read_to_string(&mut text)?;
+    match text.split_once("\r\n\r\n") {
+        Some((head, body)) if head.starts_with("HTTP/1.1 200") => Ok(body.to_string()),
+        _ => bail!("no metrics from {addr}: {}", text.lines().next().unwrap_or_default()),
+    }
+}
+
+/// The value of the sample `series` (labels exactly as printed) in a metrics text.
+fn sample(text: &str, series: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(series).and_then(|v| v.strip_prefix(' ')))
+        .and_then(|v| v.trim().parse().ok())
 }
 
 /// Bytes of the daemons' logs so far.
@@ -232,7 +273,7 @@ type Figure<'a> = (&'a str, &'a dyn Fn(&serde_json::Value) -> Option<f64>);
 
 /// Each figure as a ratio to the first size's.
 fn table(rows: &[serde_json::Value]) {
-    let figures: [Figure; 8] = [
+    let figures: [Figure; 10] = [
         ("healthy_s", &|r| r["healthy_s"].as_f64()),
         ("idle_cpu_pct mean", &|r| r["idle_cpu_pct"]["mean"].as_f64()),
         ("idle_cpu_pct max", &|r| r["idle_cpu_pct"]["max"].as_f64()),
@@ -241,6 +282,8 @@ fn table(rows: &[serde_json::Value]) {
         ("create_conn_ms p50", &|r| r["create_conn_ms"]["p50"].as_f64()),
         ("verdict_s", &|r| r["verdict_s"].as_f64()),
         ("run_true_s", &|r| r["run_true_s"].as_f64()),
+        ("link conns mean", &|r| r["connections"]["link"]["mean"].as_f64()),
+        ("link conns max", &|r| r["connections"]["link"]["max"].as_f64()),
     ];
     let Some(first) = rows.first() else { return };
     print!("{:<20}", "figure");
