@@ -494,46 +494,19 @@ impl Link {
     fn enqueue(&self, k: usize, head: Bytes, payload: Bytes) -> Result<(), NetError> {
         let p = &self.peers[k];
         let mut out = p.out.locked();
-        let len = head.len() + payload.len();
-        if out.closing.as_ref().is_some_and(|c| c.sending) || out.awaiting_dial {
+        let held = out.closing.as_ref().is_some_and(|c| c.sending)
+            || out.awaiting_dial
+            || !self.connect_locked(k, &mut out)?;
+        if held {
             // Held, in order, until the peer answered the close or the dial got its turn (then
             // sent by the link thread).
-            if out.pending.len() + 2 > QUEUE_CHUNKS || out.pending_bytes + len > QUEUE_BYTES {
-                return Err(NetError::Unreachable {
-                    peer: p.name.clone(),
-                    message: format!("{} bytes held while a connection closes", out.pending_bytes),
-                });
-            }
-            out.pending.push_back(head);
-            if !payload.is_empty() {
-                out.pending.push_back(payload);
-            }
-            out.pending_bytes += len;
-            self.posted.fetch_add(1, Ordering::Relaxed);
-            return Ok(());
-        }
-        if !self.connect_locked(k, &mut out)? {
-            // The dial waits for its turn: the first message held.
-            out.pending.push_back(head);
-            if !payload.is_empty() {
-                out.pending.push_back(payload);
-            }
-            out.pending_bytes += len;
+            let o = &mut *out;
+            push_frame(&mut o.pending, &mut o.pending_bytes, head, payload, &p.name, "held")?;
             self.posted.fetch_add(1, Ordering::Relaxed);
             return Ok(());
         }
         let c = out.conn.as_mut().expect("connected above");
-        if c.queue.len() + 2 > QUEUE_CHUNKS || c.queued_bytes + len > QUEUE_BYTES {
-            return Err(NetError::Unreachable {
-                peer: p.name.clone(),
-                message: format!("{} bytes already queued", c.queued_bytes),
-            });
-        }
-        c.queue.push_back(head);
-        if !payload.is_empty() {
-            c.queue.push_back(payload);
-        }
-        c.queued_bytes += len;
+        push_frame(&mut c.queue, &mut c.queued_bytes, head, payload, &p.name, "queued")?;
         c.used = Instant::now();
         self.posted.fetch_add(1, Ordering::Relaxed);
         let me = self as *const Link as usize;
@@ -1585,6 +1558,31 @@ fn flush(c: &mut Conn, writes: &AtomicU64) -> std::io::Result<()> {
             }
         }
     }
+    Ok(())
+}
+
+/// Appends one frame (`head`, then `payload`) to a peer's `queue` of `bytes`, within the
+/// bounds of one; `what` says which queue in the refusal.
+fn push_frame(
+    queue: &mut VecDeque<Bytes>,
+    bytes: &mut usize,
+    head: Bytes,
+    payload: Bytes,
+    peer: &str,
+    what: &str,
+) -> Result<(), NetError> {
+    let len = head.len() + payload.len();
+    if queue.len() + 2 > QUEUE_CHUNKS || *bytes + len > QUEUE_BYTES {
+        return Err(NetError::Unreachable {
+            peer: peer.into(),
+            message: format!("{} bytes already {what}", *bytes),
+        });
+    }
+    queue.push_back(head);
+    if !payload.is_empty() {
+        queue.push_back(payload);
+    }
+    *bytes += len;
     Ok(())
 }
 
