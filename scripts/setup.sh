@@ -20,6 +20,16 @@ if [ ${#need[@]} -gt 0 ]; then
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need[@]}" >/dev/null
 fi
+# rustfmt and clippy: the test command checks the formatting and the lints first.
+if command -v rustup >/dev/null 2>&1; then
+  missing=()
+  cargo fmt --version >/dev/null 2>&1 || missing+=(rustfmt)
+  cargo clippy --version >/dev/null 2>&1 || missing+=(clippy)
+  if [ ${#missing[@]} -gt 0 ]; then
+    echo "setup: adding the toolchain's ${missing[*]}"
+    rustup component add "${missing[@]}"
+  fi
+fi
 # Outside systems some tests run for real (each skips with one line where it is missing):
 # Slurm and munge (tests/tests/slurm.rs), promtool (tests/tests/metrics.rs).
 optional=()

@@ -3,6 +3,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+# Habits first: the formatting, and every lint as an error (`undocumented_unsafe_blocks`
+# among them: a `// SAFETY:` on every `unsafe`).
+cargo fmt --all --check
+cargo clippy --workspace --all-targets --quiet -- -D warnings
 # Libraries too: the C ABI test links libpsls_client.a.
 cargo build --workspace --lib --bins --quiet
 cargo test --workspace --no-run --quiet
