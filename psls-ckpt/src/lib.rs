@@ -11,6 +11,9 @@
 //!   (one write at a time per job), report, and mark them clean or dirty again on the decision.
 //! - [`safepoint::SafePoints`]: the ranks' collective safe-point call, at the coordinator:
 //!   once every rank of a job called, one decision for all (take a checkpoint, or nothing).
+//! - [`level::Levels`]: the level of each checkpoint a job's safe points take (memory, or the
+//!   cleaner: first, after the persistent interval, every N-th, on an operator's request, or
+//!   when memory may not have room).
 //! - [`pages::PageTable`]: page categories (active, readable recovery, pure recovery,
 //!   pre-recovery; dirty, modified) of a job's copies across the nodes, frame counters per
 //!   category, and whether a memory checkpoint fits.
@@ -39,6 +42,7 @@
 pub mod cleaning;
 pub mod coordinator;
 pub mod frames;
+pub mod level;
 pub mod memory;
 pub mod msg;
 pub mod pages;

@@ -91,7 +91,8 @@ mod common;
 
 use psls_ckpt::cleaning::Policy;
 use psls_ckpt::frames::{site_of, DiskWrite, FrameError, FrameTable, Site};
-use psls_ckpt::msg::Level;
+use psls_ckpt::level::{JobChoice, Levels};
+use psls_ckpt::msg::{Choice, Level};
 use psls_ckpt::restore::{NodeState, Restore, RestoreAction};
 use psls_ckpt::{CoordAction, Coordinator, Msg, Outcome, PartAction, Participant};
 use psls_cluster::verdicts::Verdicts;
@@ -274,6 +275,8 @@ struct Node {
     /// As coordinator: the term in which it last learnt the newest committed memory epoch
     /// from the nodes (the daemon's `learn_mem_committed`, before its first round of a term).
     mem_learned_term: u64,
+    /// As coordinator: the real choice of each checkpoint's level (the daemon's).
+    levels: Levels,
     /// The real job-control machine: it drives the job while this node coordinates.
     control: Control,
     /// The metadata sequence number its job control last read.
@@ -308,10 +311,27 @@ impl Node {
             gens: BTreeMap::new(),
             mem_committed: 0,
             mem_learned_term: 0,
+            levels: Levels::new(),
             control: Control::new(control_config(n)),
             control_seq: None,
             ranks: None,
         }
+    }
+}
+
+/// What a job's ranks ask of its checkpoints' level: mostly memory only, else `auto` with an
+/// interval and sometimes an every-N-th cleaner; now and then persistent only.
+fn draw_choice(rng: &mut SplitMix64, cleaning: Policy) -> JobChoice {
+    let level = match rng.below(10) {
+        0 => Choice::Persistent,
+        1..=6 => Choice::Memory,
+        _ => Choice::Auto,
+    };
+    JobChoice {
+        level,
+        persistent_interval_ms: 200 + rng.below(5_000),
+        persistent_every: if rng.chance(500) { 0 } else { 2 + rng.below(4) as u32 },
+        cleaning,
     }
 }
 
@@ -484,6 +504,8 @@ struct World {
     frame_capacity: u64,
     /// The job's cleaning policy: which recovery copies stay after a cleaner checkpoint.
     cleaning: Policy,
+    /// What the job's ranks ask of its checkpoints' level (`psls run --level`, …).
+    choice: JobChoice,
     /// Generations the metadata began: the only ones a disk write may carry.
     begun_gens: BTreeSet<u64>,
     /// The metadata's leader (the cluster's coordinator), its term, and who led each term
@@ -528,6 +550,8 @@ impl World {
             Policy::P3,
             Policy::Lru { frames: 4 },
         ][rng.below(6) as usize];
+        // Drawn from a generator of its own, so that every other draw of a seed stays as it was.
+        let choice = draw_choice(&mut SplitMix64::new(seed ^ 0x1e7e_15c0_ffee_0001), cleaning);
         let mut meta = MetaState::default();
         for (id, pages) in &files {
             meta.apply(&MetaOp::CommitFile {
@@ -587,6 +611,7 @@ impl World {
             trace: std::env::var("PSLS_SIM_TRACE").is_ok(),
             frame_capacity,
             cleaning,
+            choice,
             begun_gens: BTreeSet::new(),
             leader: Some(0),
             term: 1,
@@ -1183,10 +1208,19 @@ impl World {
         if !self.app_runs() || !serving {
             return;
         }
-        let level = level.unwrap_or(if self.rng.chance(600) {
-            Level::Memory
-        } else {
-            Level::Persistent
+        // The daemon's choice (`choose_level`): whether memory has room is one draw (the figures
+        // the coordinator has), the rest is the job's choice and its history here.
+        let level = level.unwrap_or_else(|| {
+            let fits = self.rng.chance(900);
+            let (now, choice) = (self.now_ms, self.choice);
+            let levels = &mut self.nodes[ci].levels;
+            levels.called(JOB, choice);
+            let level = levels.choose(JOB, now, false, fits);
+            assert!(
+                level == Level::Persistent || (fits && choice.level != Choice::Persistent),
+                "a memory checkpoint chosen for a job pinned to persistent ones, or without room"
+            );
+            level
         });
         let all: BTreeSet<NodeId> = (0..self.nodes.len()).map(|i| NodeId(i as u32)).collect();
         let files = self.file_ids();
@@ -1372,7 +1406,9 @@ impl World {
                 if self.declared(i) {
                     self.count(Counts::DECLARED_ROUNDS);
                 }
-                if let Outcome::Committed { .. } = outcome {
+                if let Outcome::Committed { level, .. } = outcome {
+                    let now = self.now_ms;
+                    self.nodes[i].levels.committed(JOB, level, now);
                     // (c) One round of an epoch commits in a run of the job.
                     let me = (self.lineage, i, self.nodes[i].inc);
                     if let Some(before) = self.finished_committed.insert(epoch, me) {

@@ -125,17 +125,6 @@ pub(super) struct Took {
 }
 
 /// A safe point's part in its round (the default for a round a `sync` or an unmap asked for).
-/// How a job's safe points choose their level and what stays in memory after a cleaner (its
-/// ranks' calls say it).
-#[derive(Clone, Copy, Debug)]
-pub(super) struct JobChoice {
-    pub(super) level: psls_ckpt::msg::Choice,
-    pub(super) persistent_interval_ms: u64,
-    /// Every this many-th checkpoint is a cleaner (0: by the interval only).
-    pub(super) persistent_every: u32,
-    pub(super) cleaning: psls_ckpt::cleaning::Policy,
-}
-
 #[derive(Clone, Default)]
 pub(super) struct SafeRound {
     /// Fired when every participant took its pages: the ranks go on (none for a halt).
@@ -224,11 +213,9 @@ pub struct CkptShell {
     /// At the coordinator: per job, the metadata epoch in which it last learnt the newest
     /// committed memory epoch from the nodes (see [`CkptShell::learn_mem_committed`]).
     pub(super) mem_learned: Mutex<HashMap<String, u64>>,
-    pub(super) last_persistent_ms: Mutex<HashMap<String, u64>>,
-    /// At the coordinator: per job, the level its safe points take and its persistent interval.
-    pub(super) choices: Mutex<HashMap<String, JobChoice>>,
-    /// At the coordinator: memory checkpoints committed per job since its last persistent one.
-    pub(super) mem_since_persistent: Mutex<HashMap<String, u32>>,
+    /// At the coordinator: what each job's ranks asked for its checkpoints, and what decides
+    /// their level (when the last persistent one committed, memory ones since, a cleaner owed).
+    pub(super) levels: Mutex<psls_ckpt::level::Levels>,
     /// At the coordinator: each job's last checkpoint committed here (for `psls jobs`).
     pub(super) last_ckpt: Mutex<HashMap<String, crate::peer::LastCkpt>>,
     /// At the coordinator: a round is over (a round waiting for its files or job goes on).
@@ -239,9 +226,6 @@ pub struct CkptShell {
     /// A participant's writes waiting for `Go`, by (job, epoch) (a `Go` before the wait leaves
     /// its permit).
     goes: Mutex<HashMap<(String, u64), Arc<tokio::sync::Notify>>>,
-    /// At the coordinator: jobs whose last memory round let the ranks go and then did not fit
-    /// on a holder: their next checkpoint is the cleaner.
-    pub(super) cleaner_next: Mutex<std::collections::HashSet<String>>,
 }
 
 pub(super) fn unavailable(why: impl Into<String>) -> OpError {
@@ -269,14 +253,11 @@ impl CkptShell {
             gens: Mutex::new(HashMap::new()),
             mem_committed: Mutex::new(HashMap::new()),
             mem_learned: Mutex::new(HashMap::new()),
-            last_persistent_ms: Mutex::new(HashMap::new()),
-            choices: Mutex::new(HashMap::new()),
-            mem_since_persistent: Mutex::new(HashMap::new()),
+            levels: Mutex::new(psls_ckpt::level::Levels::new()),
             last_ckpt: Mutex::new(HashMap::new()),
             round_over: tokio::sync::Notify::new(),
             goes: Mutex::new(HashMap::new()),
             arrived_incs: Mutex::new(HashMap::new()),
-            cleaner_next: Mutex::new(std::collections::HashSet::new()),
         }
     }
 
@@ -526,9 +507,9 @@ impl CkptShell {
     /// At the coordinator: `job`'s cleaning policy (its ranks' calls said it; else the
     /// cluster's).
     fn cleaning_of(&self, job: &str) -> psls_ckpt::cleaning::Policy {
-        self.choices
+        self.levels
             .locked()
-            .get(job)
+            .choice(job)
             .map(|c| c.cleaning)
             .unwrap_or_else(|| self.node.default_cleaning())
     }
@@ -612,11 +593,8 @@ impl CkptShell {
         self.coord.locked().forget(job);
         self.mem_committed.locked().remove(job);
         self.mem_learned.locked().remove(job);
-        self.last_persistent_ms.locked().remove(job);
-        self.choices.locked().remove(job);
-        self.mem_since_persistent.locked().remove(job);
+        self.levels.locked().forget(job);
         self.last_ckpt.locked().remove(job);
-        self.cleaner_next.locked().remove(job);
         self.goes.locked().retain(|(j, _), _| j != job);
         self.arrived_incs.locked().remove(job);
         self.safe_answered.locked().remove(job);
@@ -918,16 +896,10 @@ impl CkptShell {
                                 at_unix_ms: crate::pfs::unix_ms(),
                             },
                         );
-                        match level {
-                            Level::Memory => {
-                                self.mem_committed.locked().insert(job.clone(), epoch);
-                                *self.mem_since_persistent.locked().entry(job.clone()).or_default() += 1;
-                            }
-                            Level::Persistent => {
-                                self.last_persistent_ms.locked().insert(job.clone(), self.node.now_ms());
-                                self.mem_since_persistent.locked().insert(job.clone(), 0);
-                            }
+                        if level == Level::Memory {
+                            self.mem_committed.locked().insert(job.clone(), epoch);
                         }
+                        self.levels.locked().committed(&job, level, self.node.now_ms());
                         self.node
                             .metrics
                             .checkpoint(&level.to_string(), released_us.unwrap_or(commit_us), commit_us);

@@ -17,7 +17,7 @@ use crate::failstop::Locked;
 use crate::op::OpError;
 use crate::peer::{PeerReq, PeerResp, SafeCall};
 use crate::svm::Taken;
-use psls_ckpt::msg::{Choice, Level};
+use psls_ckpt::msg::Level;
 use psls_ckpt::safepoint::ArriveError;
 use psls_ckpt::{Decision, SafeAction};
 use psls_ipc::ErrorKind;
@@ -198,9 +198,9 @@ impl CkptShell {
         self.owners
             .locked()
             .insert(call.job.clone(), (call.uid, call.gid, call.launcher.clone()));
-        self.choices.locked().insert(
-            call.job.clone(),
-            super::round::JobChoice {
+        self.levels.locked().called(
+            &call.job,
+            psls_ckpt::level::JobChoice {
                 level: call.level,
                 persistent_interval_ms: call.persistent_interval_ms,
                 persistent_every: call.persistent_every,
@@ -419,7 +419,7 @@ impl CkptShell {
             (Level::Memory, Err(e)) if e.kind == ErrorKind::NoSpace => {
                 if went_on {
                     tracing::info!(node = %node.name(), job, error = %e, "memory checkpoint did not fit after its ranks went on; the next one is the cleaner");
-                    self.cleaner_next.locked().insert(job.to_string());
+                    self.levels.locked().no_room(job);
                     return Err(e);
                 }
                 tracing::info!(node = %node.name(), job, error = %e, "memory checkpoint failed; taking a persistent one");
@@ -429,35 +429,14 @@ impl CkptShell {
         }
     }
 
-    /// The level of `job`'s checkpoint at this safe point (DESIGN §7): the cleaner on a halt or
-    /// an operator's `psls checkpoint` (`persistent`),
-    /// when pinned, for the job's first checkpoint here, when the persistent interval elapsed
-    /// or this is the job's every-N-th checkpoint (`auto`: a power cut then never loses a
-    /// whole run), or when a memory checkpoint might not fit; memory otherwise.
+    /// The level of `job`'s checkpoint at this safe point (`psls_ckpt::level`): `persistent`
+    /// on a halt or an operator's `psls checkpoint`.
     fn choose_level(&self, job: &str, persistent: bool) -> Level {
-        let node = &self.node;
-        let now = node.now_ms();
-        let c = self.choices.locked().get(job).copied();
-        let (choice, interval_ms, every) = c
-            .map(|c| (c.level, c.persistent_interval_ms, c.persistent_every))
-            .unwrap_or_default();
-        let since = self.mem_since_persistent.locked().get(job).copied().unwrap_or(0);
-        let last = self.last_persistent_ms.locked().get(job).copied();
-        let no_room_before = self.cleaner_next.locked().remove(job);
-        if persistent || choice == Choice::Persistent || no_room_before {
-            return Level::Persistent;
+        let fits = self.memory_fits();
+        if !fits {
+            tracing::info!(node = %self.node.name(), job, "a memory checkpoint might not fit: taking the cleaner");
         }
-        if !self.memory_fits() {
-            tracing::info!(node = %node.name(), job, "a memory checkpoint might not fit: taking the cleaner");
-            return Level::Persistent;
-        }
-        if choice == Choice::Auto && last.is_none_or(|last| now.saturating_sub(last) >= interval_ms) {
-            return Level::Persistent;
-        }
-        if choice == Choice::Auto && every > 0 && since.saturating_add(1) >= every {
-            return Level::Persistent;
-        }
-        Level::Memory
+        self.levels.locked().choose(job, self.node.now_ms(), persistent, fits)
     }
 
     /// Whether a memory checkpoint surely fits, by the figures the nodes sent this node (the
