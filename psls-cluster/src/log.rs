@@ -25,7 +25,7 @@
 //!   A store created in this life starts as a follower: it learns whether it is a voter (then
 //!   catching up as after a lost disk) or whether the cluster is new.
 //! - **Leader.** Elections follow the election timeout the shell gives in ticks, randomized per
-//!   election from a seeded generator (so a seed replays a run); among voters whose logs are as
+//!   election from the project's seeded generator (`psls_svm::rng`, so a seed replays a run); among voters whose logs are as
 //!   long, the lowest-numbered live one wins (raft-rs's priorities) — until no leader was known
 //!   for [`LEADERLESS_TICKS_PER_ELECTION`] election timeouts: then this voter sets no priority
 //!   until one is (raft-rs's priority refuses a candidate whose log is as long even when its
@@ -61,6 +61,7 @@
 //! at most one held [`Wire::Follow`] per node; a [`Wire::Feed`] carries at most
 //! [`Limits::max_msg_bytes`] of entries.
 
+use psls_svm::rng::SplitMix64;
 use raft::eraftpb::{
     ConfChange, ConfChangeSingle, ConfChangeTransition, ConfChangeType, ConfChangeV2, ConfState, Entry, EntryType,
     HardState, Message, MessageType, Snapshot, SnapshotMetadata,
@@ -545,19 +546,6 @@ struct Reads<T> {
     count: usize,
 }
 
-/// A small seeded generator (SplitMix64): election timeouts replay with the seed.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-}
-
 /// A term and its leader as a node knows them.
 type Leadership = (u64, Option<u32>);
 
@@ -619,7 +607,8 @@ pub struct Log<S: Machine, T> {
     pending: BTreeMap<u64, Pending<T>>,
     reads: Reads<T>,
     actions: VecDeque<Action<S, T>>,
-    rng: Rng,
+    /// The project's one seeded generator: election timeouts replay with the seed.
+    rng: SplitMix64,
     ticks: u64,
     /// On a leader: the tick at which each voter last answered it in its term (the lease).
     acked: BTreeMap<u32, u64>,
@@ -761,7 +750,7 @@ impl<S: Machine, T> Log<S, T> {
                 count: 0,
             },
             actions: VecDeque::new(),
-            rng: Rng(seed ^ (me as u64).wrapping_mul(0x2545_F491_4F6C_DD1D)),
+            rng: SplitMix64::new(seed ^ (me as u64).wrapping_mul(0x2545_F491_4F6C_DD1D)),
             ticks: 0,
             acked: BTreeMap::new(),
             acked_term: 0,
@@ -777,10 +766,10 @@ impl<S: Machine, T> Log<S, T> {
             catch_up_term: 0,
             leaderless_ticks: 0,
         };
-        log.lost_nonce = log.rng.next();
+        log.lost_nonce = log.rng.next_u64();
         // Read requests are told apart from those of this voter's earlier lives (an answer to one
         // of those can still arrive).
-        log.reads.next_ctx = log.rng.next();
+        log.reads.next_ctx = log.rng.next_u64();
         log.draw_timeout();
         Ok(log)
     }
@@ -1149,7 +1138,7 @@ impl<S: Machine, T> Log<S, T> {
         }
         let due = f.probe.is_none_or(|(_, at)| ticks.saturating_sub(at) >= retry);
         let Some(leader) = leader.filter(|_| due) else { return };
-        let ctx = self.rng.next();
+        let ctx = self.rng.next_u64();
         if let Some(f) = self.following.as_mut() {
             f.probe = Some((ctx, ticks));
         }
@@ -1419,7 +1408,7 @@ impl<S: Machine, T> Log<S, T> {
         self.following = None;
         self.rebuild_node();
         self.amnesia = lost_disk.then_some(None);
-        self.lost_nonce = self.rng.next();
+        self.lost_nonce = self.rng.next_u64();
         self.catch_up_term = 0;
         self.acked.clear();
         self.timeout_drawn = false;
@@ -1948,7 +1937,7 @@ impl<S: Machine, T> Log<S, T> {
         if self.node.raft.election_elapsed == 0 {
             if !self.timeout_drawn || redrawn {
                 let e = self.limits.election_ticks;
-                let t = e + (self.rng.next() % e as u64) as usize;
+                let t = e + (self.rng.next_u64() % e as u64) as usize;
                 self.node.raft.set_randomized_election_timeout(t);
                 self.timeout_set = t;
                 self.timeout_drawn = true;

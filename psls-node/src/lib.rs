@@ -1,14 +1,18 @@
 //! `psls-node`: the daemon run on every cluster node, the I/O shell around the PSLS protocol
-//! and storage crates. Layered bottom to top (job control and the launcher call each other,
-//! and `jobctl` reaches up to the assembled daemon for the subsystems it drives):
-//! - wire and plumbing: [`peer`] (messages), [`op`] (errors), [`failstop`], [`tls`],
-//!   [`transport`] (requests), [`link`] (one-way messages);
+//! and storage crates. Its modules by role:
+//! - wire and plumbing: [`peer`] (messages), [`op`] (errors), [`failstop`], [`failpoint`],
+//!   [`incarnation`], [`tls`], [`transport`] (requests), [`link`] (one-way messages);
 //! - the core: [`node`] (identity, store, metadata, membership, peer calls) and
 //!   [`replication`] (the shell of `psls_cluster::log`);
-//! - subsystems on the core: [`pfs`] (the mirrored file system across nodes), [`svm`] (shared
-//!   virtual memory), [`sync`] and [`sync_channel`] (barriers and locks), [`launcher`] (jobs);
+//! - subsystems: [`pfs`] (the mirrored file system across nodes), [`svm`] (shared virtual
+//!   memory), [`frames`] and [`ckpt`] (checkpoints), [`sync`] and [`sync_channel`] (barriers
+//!   and locks), [`launcher`], [`jobctl`] and [`recovery`] (jobs);
 //! - the top: [`dispatch`] (the daemon assembled, and what peers send routed to its
-//!   subsystem), [`ipc`] (local clients), [`daemon`] (start-up).
+//!   subsystem), [`ipc`] (local clients), [`metrics`], [`daemon`] (start-up).
+//!
+//! These roles are not yet layers: `dispatch`, `ipc`, `jobctl`, `launcher`, `metrics`, `node`,
+//! `recovery`, `replication`, `sync` and `sync_channel` import one another in a circle, and
+//! some of them reach up to the assembled daemon (issue 41 removes that).
 
 pub mod ckpt;
 pub mod daemon;

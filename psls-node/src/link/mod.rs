@@ -91,7 +91,7 @@ const SOCKET_BUFFER_BYTES: usize = 4 << 20;
 pub const IDLE_CLOSE: Duration = Duration::from_secs(30);
 /// A close the peer did not answer in this long counts as a lost connection (what was held
 /// meanwhile goes on a new one).
-const CLOSE_WAIT: Duration = Duration::from_secs(30);
+pub const CLOSE_WAIT: Duration = Duration::from_secs(30);
 /// Connections open at once (dialled, adopted, closing, and accepted ones being
 /// authenticated) past which the least recently used idle ones are closed.
 pub const DEFAULT_MAX_CONNECTIONS: usize = 256;
