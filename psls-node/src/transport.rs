@@ -413,10 +413,15 @@ impl Transport {
     }
 
     /// `peer` restarted as `incarnation`: forgets both cached connections to it (messages
-    /// still queued on the link were for its previous incarnation).
+    /// still queued on the link were for its previous incarnation), and the backoff of dials
+    /// that failed before it restarted (the next request or message dials at once).
     pub fn peer_restarted(&self, peer: &str, incarnation: u64) {
         self.link.drop_peer(peer, incarnation);
         self.drop_connection(peer);
+        let mut slots = self.slots.locked();
+        if matches!(slots.get(peer), Some(Slot::Failed { .. })) {
+            slots.remove(peer);
+        }
     }
 
     /// Whether the last dial to `peer` failed (and nothing was heard from it since): the
@@ -736,6 +741,10 @@ mod tests {
         a.heard_from("b");
         assert!(ask(a.clone()).await.is_err());
         assert_eq!(offered.load(Ordering::Relaxed), 3);
+        // News that it restarted: dialled at once too.
+        a.peer_restarted("b", 2);
+        assert!(ask(a.clone()).await.is_err());
+        assert_eq!(offered.load(Ordering::Relaxed), 4);
 
         // The real b: answered; an idle connection is closed, the next request dials again.
         let b = transport(dir.path(), "b", "127.0.0.1:9".parse().unwrap());

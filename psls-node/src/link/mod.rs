@@ -696,6 +696,10 @@ impl Link {
     pub fn drop_peer(&self, peer: &str, incarnation: u64) {
         if let Some(&k) = self.index.get(peer) {
             let mut out = self.peers[k].out.locked();
+            // Dials that failed before it restarted say nothing of it now: the next message
+            // dials at once (held back, it would be refused, and a protocol that lost it could
+            // wait for ever: the nemesis met a coherence message refused 24 ms after the news).
+            out.backoff = None;
             let stale = |c: &Conn| c.dialled || c.rx.incarnation.is_some_and(|i| i < incarnation);
             if out.conn.as_ref().is_some_and(stale) {
                 out.conn = None;

@@ -318,6 +318,14 @@ fn failed_dials_back_off_and_a_peer_heard_again_is_dialled_at_once() {
     // Heard again: the next post dials at once.
     a.heard_from("b");
     assert!(ping(3).is_ok(), "a peer heard again is dialled at once");
+    // News that it restarted clears the backoff too.
+    let deadline = std::time::Instant::now() + TEST_WAIT;
+    while a.peers[a.index["b"]].out.locked().backoff.is_none() {
+        assert!(std::time::Instant::now() < deadline, "the second dial was not refused");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    a.drop_peer("b", 7);
+    assert!(ping(4).is_ok(), "a peer that restarted is dialled at once");
     for n in 2..=6u32 {
         let full = Duration::from_millis(100) * (1 << (n - 1));
         let full = full.min(Duration::from_secs(2));
