@@ -390,6 +390,16 @@ fn mesh_tuned(
     (links, inboxes, threads)
 }
 
+/// Closes `links` and waits for their threads.
+fn stop_all(links: &[Arc<Link>], threads: Vec<std::thread::JoinHandle<()>>) {
+    for l in links {
+        l.close();
+    }
+    for t in threads {
+        t.join().unwrap();
+    }
+}
+
 /// Waits until `done` holds, for at most [`TEST_WAIT`].
 fn wait_until(what: &str, done: impl Fn() -> bool) {
     let deadline = std::time::Instant::now() + TEST_WAIT;
@@ -430,12 +440,7 @@ fn a_quiet_connection_is_closed_by_both_ends_and_the_next_message_dials_again() 
         a.open_connections() == 0 && b.open_connections() == 0
     });
     assert_eq!((a.closes(), b.closes()), (2, 2));
-    for l in &links {
-        l.close();
-    }
-    for t in threads {
-        t.join().unwrap();
-    }
+    stop_all(&links, threads);
 }
 
 /// Both ends post to each other with pauses around the idle time, so that connections close
@@ -481,12 +486,7 @@ fn closes_lose_nothing_and_keep_the_order_both_ways() {
     wait_until("connections stayed open after the last message", || {
         links.iter().all(|l| l.open_connections() == 0)
     });
-    for l in &links {
-        l.close();
-    }
-    for t in threads {
-        t.join().unwrap();
-    }
+    stop_all(&links, threads);
 }
 
 /// A node allowed one connection that talks to two peers in turn closes the least recently
@@ -516,12 +516,7 @@ fn past_the_bound_the_least_recently_used_connection_closes() {
         "a closed connections to stay within its bound: {}",
         a.closes()
     );
-    for l in &links {
-        l.close();
-    }
-    for t in threads {
-        t.join().unwrap();
-    }
+    stop_all(&links, threads);
 }
 
 /// A node allowed two dials in flight that posts to eight peers at once holds the messages of
@@ -560,10 +555,5 @@ fn dials_wait_for_a_turn_and_lose_nothing() {
     let most = most.load(Ordering::Relaxed);
     assert!((1..=2).contains(&most), "dials in flight at once: {most}");
     assert_eq!(a.dials_in_flight(), 0);
-    for l in &links {
-        l.close();
-    }
-    for t in threads {
-        t.join().unwrap();
-    }
+    stop_all(&links, threads);
 }
