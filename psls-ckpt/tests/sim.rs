@@ -2100,6 +2100,8 @@ impl World {
                 let view = NodeView {
                     live,
                     incarnation: self.nodes[j].inc,
+                    declared_down: self.declared(j),
+                    disk_failed: false,
                 };
                 (NAMES[j].to_string(), view)
             })

@@ -11,6 +11,10 @@
 //! (which ranks exited, how far a rollback got) is rebuilt by a new driver from the nodes'
 //! [`Report`]s and by doing the idempotent steps again.
 //!
+//! It is also the cluster's one decider of spare replacements ([`Action::Replace`]): for a
+//! node whose disk failed, one declared down for [`Config::replace_after_ms`], and a node a
+//! job's rollback waits for past the job's respawn timeout; one at a time.
+//!
 //! Invariants (checked by `tests/sim.rs` after every step):
 //! - only a driver ([`Control::handle_lead`]) acts, and it acts on its committed view;
 //! - a start's ranks are started only once the start is recorded, on the nodes it names;
@@ -56,6 +60,10 @@ pub struct Config {
     pub nodes: Vec<String>,
     /// The spares (physical names) that may take a failed logical node's place.
     pub spares: Vec<String>,
+    /// A logical node whose physical node is declared down this long is given a free spare,
+    /// whether or not a job runs there (0: only when a job's rollback waits for it past its
+    /// respawn timeout, or at once when its disk failed).
+    pub replace_after_ms: u64,
     /// Most jobs driven at once.
     pub max_jobs: usize,
     /// Most commands waiting for their answer.
@@ -72,6 +80,7 @@ impl Default for Config {
             rebuild_timeout_ms: 600_000,
             nodes: Vec::new(),
             spares: Vec::new(),
+            replace_after_ms: 0,
             max_jobs: 1024,
             max_commands: 1024,
         }
@@ -85,6 +94,10 @@ pub struct NodeView {
     pub live: bool,
     /// Its incarnation (0: never heard).
     pub incarnation: u64,
+    /// Its newest incarnation is declared down in the records.
+    pub declared_down: bool,
+    /// Its heartbeats say its disk failed.
+    pub disk_failed: bool,
 }
 
 /// A node's report of its ranks of one job.
@@ -187,8 +200,6 @@ pub enum StepError {
 pub enum Done {
     /// [`Action::StopRanks`]: these nodes answered (none of the job's ranks runs there).
     Stopped { nodes: Vec<String> },
-    /// [`Action::Replace`].
-    Replaced(Result<(), StepError>),
     /// [`Action::Restore`]: every node is back at checkpoint `epoch` (0: the job's start).
     Restored(Result<u64, StepError>),
     /// [`Action::Finish`]: the last persistent checkpoint is written.
@@ -230,13 +241,10 @@ pub enum Action {
         attempt: u32,
         nodes: Vec<String>,
     },
-    /// Spare `spare` takes logical node `logical`'s place; then [`Done::Replaced`].
-    Replace {
-        job: String,
-        attempt: u32,
-        logical: u32,
-        spare: String,
-    },
+    /// Spare `spare` takes logical node `logical`'s place (its physical node is declared
+    /// down); then [`Control::handle_replaced`]. At most one is asked at a time: the machine
+    /// is the cluster's one decider of replacements.
+    Replace { logical: u32, spare: String },
     /// Fence the job's checkpoints begun, settle its memory checkpoint, and bring every node
     /// back to its newest intact checkpoint; then [`Done::Restored`].
     Restore { job: String, attempt: u32 },
@@ -261,7 +269,6 @@ pub enum Action {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Step {
     Stop,
-    Replace,
     Restore,
     Finish,
     Release,
@@ -297,6 +304,8 @@ struct Driven {
     /// [`STOP_AGAIN_MS`].
     stop_answered_ms: Option<u64>,
     down_since: BTreeMap<String, u64>,
+    /// The logical node this pass waits to see replaced by a spare.
+    wants_spare: Option<u32>,
     ready_since: Option<u64>,
     restored: Option<u64>,
     /// The incarnation of every node when the restore was asked for.
@@ -342,6 +351,21 @@ pub struct Control {
     jobs: BTreeMap<String, Driven>,
     waiting: Vec<Waiting>,
     actions: VecDeque<Action>,
+    spares: Spares,
+}
+
+/// Spare replacement, for the cluster and for every job's rollback: the one decider.
+#[derive(Debug, Default)]
+struct Spares {
+    /// When each physical node of the map was first seen declared down (by this driver).
+    down_since: BTreeMap<String, u64>,
+    /// The replacement asked for, not answered yet: (logical node, spare).
+    asked: Option<(u32, String)>,
+    /// A replacement done, until the records this machine holds show it (within
+    /// [`Config::retry_ms`]): (logical node, spare, when answered).
+    done: Option<(u32, String, u64)>,
+    /// No replacement is asked before this time (after one failed).
+    not_before_ms: u64,
 }
 
 fn clip(s: String) -> String {
@@ -367,6 +391,7 @@ impl Control {
             jobs: BTreeMap::new(),
             waiting: Vec::new(),
             actions: VecDeque::new(),
+            spares: Spares::default(),
         }
     }
 
@@ -395,7 +420,7 @@ impl Control {
             // Running: nothing but running it (a checkpoint's progress is the coordinator's).
             (RunPhase::Running, _) => return None,
             (RunPhase::RollingBack { .. }, Some((Step::Stop, _))) => format!("rolling back: stopping the ranks{pass}"),
-            (RunPhase::RollingBack { .. }, Some((Step::Replace, _))) => {
+            (RunPhase::RollingBack { .. }, _) if d.wants_spare.is_some() => {
                 format!("rolling back: a spare takes a failed node's place{pass}")
             }
             (RunPhase::RollingBack { .. }, Some((Step::Restore, _))) => {
@@ -428,6 +453,7 @@ impl Control {
         }
         self.lead = lead;
         self.jobs.clear();
+        self.spares = Spares::default();
         for w in std::mem::take(&mut self.waiting) {
             self.actions.push_back(Action::Answer {
                 id: w.id,
@@ -585,7 +611,6 @@ impl Control {
         let now = self.now_ms;
         let expected = match &done {
             Done::Stopped { .. } => Step::Stop,
-            Done::Replaced(_) => Step::Replace,
             Done::Restored(_) => Step::Restore,
             Done::Finished(_) => Step::Finish,
             Done::Released { .. } => Step::Release,
@@ -604,8 +629,7 @@ impl Control {
                 d.stopped.extend(nodes);
                 d.stop_answered_ms = Some(now);
             }
-            Done::Replaced(Ok(())) => {}
-            Done::Replaced(Err(e)) | Done::Restored(Err(e)) => {
+            Done::Restored(Err(e)) => {
                 let pause = self.cfg.pass_pause_ms;
                 self.pass_failed(job, attempt, e, pause)
             }
@@ -667,6 +691,35 @@ impl Control {
             }
         }
         self.drive(job);
+    }
+
+    /// The replacement asked in `term` ([`Action::Replace`]) is done. When it failed, every
+    /// rollback waiting for it fails its pass, and no replacement is asked for a pause.
+    pub fn handle_replaced(&mut self, term: u64, logical: u32, result: Result<(), StepError>) {
+        if self.lead != Some(term) || self.spares.asked.as_ref().map(|a| a.0) != Some(logical) {
+            return;
+        }
+        let Some((_, spare)) = self.spares.asked.take() else {
+            return;
+        };
+        if result.is_ok() {
+            self.spares.done = Some((logical, spare, self.now_ms));
+        }
+        if let Err(e) = result {
+            let pause = self.cfg.pass_pause_ms;
+            self.spares.not_before_ms = self.now_ms + pause;
+            let waiting: Vec<(String, u32)> = self
+                .jobs
+                .iter()
+                .filter(|(_, d)| d.wants_spare == Some(logical))
+                .map(|(j, d)| (j.clone(), d.attempt))
+                .collect();
+            for (job, attempt) in waiting {
+                self.driven(&job).wants_spare = None;
+                self.pass_failed(&job, attempt, e.clone(), pause);
+            }
+        }
+        self.drive_all();
     }
 
     /// The driver's state of a job it drives.
@@ -932,8 +985,69 @@ impl Control {
         let running: Vec<String> = self.meta.runs.keys().cloned().collect();
         self.jobs.retain(|j, _| running.contains(j));
         for job in running {
-            self.drive(&job);
+            self.drive_job(&job);
         }
+        self.drive_spares();
+    }
+
+    /// The one decider of spare replacements. A logical node gets the first free live spare
+    /// when its physical node is declared down and its disk failed, or has been declared down
+    /// for [`Config::replace_after_ms`], or a job's rollback waits for it (past the job's
+    /// respawn timeout, the node declared down). One replacement at a time.
+    fn drive_spares(&mut self) {
+        if self.lead.is_none() {
+            return;
+        }
+        let now = self.now_ms;
+        let map = self.logical();
+        let declared = |p: &String| self.nodes.get(p).is_some_and(|v| v.declared_down);
+        let down: Vec<(u32, String)> = map
+            .iter()
+            .filter(|(_, p)| declared(p))
+            .map(|(l, p)| (*l, p.clone()))
+            .collect();
+        self.spares.down_since.retain(|p, _| down.iter().any(|x| x.1 == *p));
+        for (_, p) in &down {
+            self.spares.down_since.entry(p.clone()).or_insert(now);
+        }
+        if let Some((l, spare, at)) = &self.spares.done {
+            if map.get(l) == Some(spare) || now >= at + self.cfg.retry_ms {
+                self.spares.done = None;
+            }
+        }
+        if self.spares.asked.is_some() || self.spares.done.is_some() || now < self.spares.not_before_ms {
+            return;
+        }
+        let after = self.cfg.replace_after_ms;
+        // A rollback asks only once the node is declared down at the incarnation its start
+        // named (or never heard of it).
+        let wanted_by_job = |l: u32| self.jobs.values().any(|d| d.wants_spare == Some(l));
+        let chosen = map.iter().find(|(l, p)| {
+            if self.live(p) {
+                return false;
+            }
+            if wanted_by_job(**l) {
+                return true;
+            }
+            let Some(since) = self.spares.down_since.get(*p) else {
+                return false;
+            };
+            self.nodes.get(*p).is_some_and(|v| v.disk_failed) || (after > 0 && now >= since + after)
+        });
+        let Some((&logical, _)) = chosen else { return };
+        let Some(spare) = self.free_spare() else { return };
+        self.spares.asked = Some((logical, spare.clone()));
+        self.actions.push_back(Action::Replace { logical, spare });
+    }
+
+    /// The first configured spare that holds no logical node and is live.
+    fn free_spare(&self) -> Option<String> {
+        let map = self.logical();
+        self.cfg
+            .spares
+            .iter()
+            .find(|s| !map.values().any(|x| x == *s) && self.live(s))
+            .cloned()
     }
 
     /// The logical → physical map: the records', or the configured one until the records hold
@@ -973,7 +1087,13 @@ impl Control {
     }
 
     /// Decides the next step of `job` from its record and what the driver knows.
+    /// Drives one job, then the replacements it may wait for.
     fn drive(&mut self, job: &str) {
+        self.drive_job(job);
+        self.drive_spares();
+    }
+
+    fn drive_job(&mut self, job: &str) {
         if self.lead.is_none() {
             return;
         }
@@ -988,6 +1108,9 @@ impl Control {
                 attempt: run.attempt,
                 ..Driven::default()
             };
+        }
+        if !matches!(run.phase, RunPhase::RollingBack { .. }) {
+            d.wants_spare = None;
         }
         // A submission waits for the records (or its refusal), within the retry time.
         if let Some((op, at)) = &d.submitted {
@@ -1181,6 +1304,7 @@ impl Control {
         d.stopped.clear();
         d.restored = None;
         d.ready_since = None;
+        d.wants_spare = None;
         d.not_before_ms = now + pause_ms;
     }
 
@@ -1201,12 +1325,8 @@ impl Control {
             .and_then(|r| r.spec.as_ref())
             .map_or(0, |s| s.respawn_timeout_ms);
         let live_nodes: Vec<String> = logical.values().filter(|p| self.live(p)).cloned().collect();
-        let spare = self
-            .cfg
-            .spares
-            .iter()
-            .find(|s| !logical.values().any(|x| x == *s) && self.live(s))
-            .cloned();
+        let spare = self.free_spare();
+        let asked = self.spares.asked.as_ref().map(|a| a.0);
         let rebuild_timeout_ms = self.cfg.rebuild_timeout_ms;
         let incarnations: BTreeMap<String, u64> = logical
             .values()
@@ -1214,6 +1334,7 @@ impl Control {
             .collect();
         let d = self.driven(job);
         d.pass = d.pass.max(1);
+        d.wants_spare = None;
         // 1. Stop the ranks on every live node (again on a node that came back).
         let unstopped: Vec<String> = live_nodes.iter().filter(|p| !d.stopped.contains(*p)).cloned().collect();
         if !unstopped.is_empty() {
@@ -1244,7 +1365,8 @@ impl Control {
                 return;
             }
             match spare {
-                Some(spare) => {
+                _ if asked == Some(l) => d.wants_spare = Some(l),
+                Some(_) => {
                     // The node it replaces may only be paused, and wake with the job's ranks:
                     // the records first hold a verdict on it (as this start named it, or as
                     // last heard), which it obeys when it wakes. (A driver that restarted
@@ -1260,13 +1382,8 @@ impl Control {
                         };
                         return self.submit(job, op);
                     }
-                    let action = Action::Replace {
-                        job: job.to_string(),
-                        attempt: run.attempt,
-                        logical: l,
-                        spare,
-                    };
-                    self.ask(job, Step::Replace, action);
+                    // The decider asks for it ([`Control::drive_spares`]).
+                    self.driven(job).wants_spare = Some(l);
                 }
                 None => {
                     let e = StepError::Unavailable(format!(
@@ -1407,11 +1524,121 @@ mod tests {
                     NodeView {
                         live: true,
                         incarnation: 1,
+                        declared_down: false,
+                        disk_failed: false,
                     },
                 )
             })
             .collect();
         (st, nodes)
+    }
+
+    /// Two logical nodes and spare s0, all live, with this driver leading in term 1.
+    fn with_spare(replace_after_ms: u64) -> (Control, MetaState, BTreeMap<String, NodeView>) {
+        let (st, mut nodes) = cluster();
+        let up = NodeView {
+            live: true,
+            incarnation: 1,
+            declared_down: false,
+            disk_failed: false,
+        };
+        nodes.insert("s0".into(), up);
+        let cfg = Config {
+            nodes: vec!["n0".into(), "n1".into()],
+            spares: vec!["s0".into()],
+            replace_after_ms,
+            ..Config::default()
+        };
+        let mut c = Control::new(cfg);
+        c.handle_tick(0, 0, &nodes);
+        c.handle_meta(&st);
+        c.handle_lead(Some(1));
+        (c, st, nodes)
+    }
+
+    fn down(nodes: &mut BTreeMap<String, NodeView>, p: &str, disk_failed: bool) {
+        let v = nodes.get_mut(p).expect("a node");
+        v.live = false;
+        v.declared_down = true;
+        v.disk_failed = disk_failed;
+    }
+
+    #[test]
+    fn a_node_declared_down_past_replace_after_gets_a_spare_once() {
+        let (mut c, mut st, mut nodes) = with_spare(10_000);
+        down(&mut nodes, "n1", false);
+        c.handle_tick(1_000, 0, &nodes);
+        assert!(c.poll_action().is_none(), "not before replace_after_ms");
+        c.handle_tick(10_999, 0, &nodes);
+        assert!(c.poll_action().is_none(), "not before replace_after_ms");
+        c.handle_tick(11_000, 0, &nodes);
+        assert_eq!(
+            c.poll_action(),
+            Some(Action::Replace {
+                logical: 1,
+                spare: "s0".into()
+            })
+        );
+        // Asked once, however long it runs.
+        c.handle_tick(60_000, 0, &nodes);
+        assert!(c.poll_action().is_none(), "one replacement at a time, asked once");
+        // An answer of another term is not this one's.
+        c.handle_replaced(2, 1, Ok(()));
+        c.handle_tick(61_000, 0, &nodes);
+        assert!(c.poll_action().is_none());
+        st.apply_at(
+            2,
+            &MetaOp::Replace {
+                logical: 1,
+                physical: "s0".into(),
+            },
+        )
+        .expect("applies");
+        c.handle_meta(&st);
+        c.handle_replaced(1, 1, Ok(()));
+        c.handle_tick(120_000, 0, &nodes);
+        assert!(c.poll_action().is_none(), "the map holds the spare: nothing more");
+    }
+
+    #[test]
+    fn a_node_whose_disk_failed_is_replaced_at_once_and_never_without_a_verdict() {
+        let (mut c, _, mut nodes) = with_spare(0);
+        // Its disk failed but it is not declared down yet: nothing.
+        nodes.get_mut("n0").expect("n0").disk_failed = true;
+        c.handle_tick(1_000, 0, &nodes);
+        assert!(c.poll_action().is_none());
+        down(&mut nodes, "n0", true);
+        c.handle_tick(1_001, 0, &nodes);
+        assert_eq!(
+            c.poll_action(),
+            Some(Action::Replace {
+                logical: 0,
+                spare: "s0".into()
+            })
+        );
+        // A failed replacement is asked again after a pause.
+        c.handle_replaced(1, 0, Err(StepError::Unavailable("spare not up".into())));
+        c.handle_tick(1_002, 0, &nodes);
+        assert!(c.poll_action().is_none(), "a pause after a failure");
+        c.handle_tick(1_001 + Config::default().pass_pause_ms, 0, &nodes);
+        assert!(matches!(c.poll_action(), Some(Action::Replace { logical: 0, .. })));
+        // replace_after_ms 0 and a plain verdict: never automatically.
+        let (mut c, _, mut nodes) = with_spare(0);
+        down(&mut nodes, "n1", false);
+        c.handle_tick(1_000_000, 0, &nodes);
+        assert!(c.poll_action().is_none());
+        // No free live spare: nothing is asked.
+        let (mut c, _, mut nodes) = with_spare(5);
+        down(&mut nodes, "n1", false);
+        nodes.get_mut("s0").expect("s0").live = false;
+        c.handle_tick(1_000, 0, &nodes);
+        assert!(c.poll_action().is_none());
+        // Not leading: nothing is asked.
+        let (mut c, _, mut nodes) = with_spare(5);
+        c.handle_lead(None);
+        down(&mut nodes, "n1", true);
+        c.handle_tick(1_000, 0, &nodes);
+        assert!(c.poll_action().is_none());
     }
 
     #[test]

@@ -221,19 +221,17 @@ struct Sim {
     next_cmd: u64,
     answers: u64,
     calm: bool,
+    /// Replacements by a spare committed.
+    replaced: u64,
 }
 
 /// What a submission to the metadata log was for.
 enum Pending {
     /// Job control's, on node `node`.
     Control { node: usize, job: String, op: MetaOp },
-    /// A spare takes a logical node's place (job control's step on node `node`, in `term`).
-    Replace {
-        node: usize,
-        term: u64,
-        job: String,
-        attempt: u32,
-    },
+    /// A spare takes a logical node's place (job control's decision on node `node`, in
+    /// `term`).
+    Replace { node: usize, term: u64, logical: u32 },
     /// The shell's own (the map, a verdict, a rebuild's end, a job let go).
     Plain(MetaOp),
 }
@@ -243,8 +241,11 @@ fn limits() -> Limits {
     Limits::for_timeout(DOWN_AFTER_MS, STEP_MS)
 }
 
-fn cfg() -> Config {
+/// A seed's job control: seeds alternate between no automatic replacement (spares only for
+/// rollbacks), and a node declared down replaced after 2 or 6 failure timeouts.
+fn cfg(seed: u64) -> Config {
     Config {
+        replace_after_ms: [0, 2 * DOWN_AFTER_MS, 6 * DOWN_AFTER_MS][(seed % 3) as usize],
         grace_ms: 1_000,
         pass_pause_ms: 500,
         max_passes: 8,
@@ -270,7 +271,7 @@ impl Sim {
                 .expect("a fresh voter starts");
             nodes.push(Node {
                 name: name.clone(),
-                control: Control::new(cfg()),
+                control: Control::new(cfg(seed)),
                 up: true,
                 paused: false,
                 cut: false,
@@ -318,6 +319,7 @@ impl Sim {
             next_cmd: 0,
             answers: 0,
             calm: false,
+            replaced: 0,
         }
     }
 
@@ -457,6 +459,8 @@ impl Sim {
                     NodeView {
                         live: live && !declared,
                         incarnation,
+                        declared_down: declared,
+                        disk_failed: false,
                     },
                 )
             })
@@ -546,14 +550,16 @@ impl Sim {
                     }
                 }
             }
-            Pending::Replace {
-                node,
-                term,
-                job,
-                attempt,
-            } => {
+            Pending::Replace { node, term, logical } => {
                 let r = result.map(|_| ()).map_err(|e| StepError::Unavailable(e.to_string()));
-                self.done(node, term, &job, attempt, Done::Replaced(r));
+                if self.nodes[node].lead == Some(term) {
+                    self.trace(|| format!("{}: logical {logical} replaced: {r:?}", self.nodes[node].name));
+                    if r.is_ok() {
+                        self.replaced += 1;
+                    }
+                    self.nodes[node].control.handle_replaced(term, logical, r);
+                    self.pump(node);
+                }
             }
             Pending::Plain(op) => {
                 if let MetaOp::DeclareDown { physical, incarnation } = &op {
@@ -942,7 +948,7 @@ impl Sim {
         node.store = Store::default();
         node.outbox.clear();
         node.numbering.clear();
-        node.control = Control::new(cfg());
+        node.control = Control::new(cfg(self.seed));
         // Its submissions die with it.
         self.tokens.retain(|_, p| match p {
             Pending::Control { node, .. } | Pending::Replace { node, .. } => *node != n,
@@ -1112,12 +1118,35 @@ impl Sim {
                 }
                 self.done(from, term, &job, attempt, Done::Stopped { nodes: answered });
             }
-            Action::Replace {
-                job,
-                attempt,
-                logical,
-                spare,
-            } => {
+            Action::Replace { logical, spare } => {
+                // The decider's one replacement at a time (a driver of a later term may ask
+                // while an earlier one's is still on its way).
+                assert!(
+                    !self
+                        .tokens
+                        .values()
+                        .any(|p| matches!(p, Pending::Replace { node, term: t, .. } if *node == from && *t == term)),
+                    "seed {}: two replacements asked at once",
+                    self.seed
+                );
+                assert!(
+                    !st.logical.values().any(|p| *p == spare),
+                    "seed {}: {spare} already holds a logical node",
+                    self.seed
+                );
+                // As the daemon's executor (`pfs::replace`): a node heard again since the
+                // decision is not replaced.
+                let views = self.node_views(from);
+                let old = st
+                    .logical
+                    .get(&logical)
+                    .cloned()
+                    .unwrap_or_else(|| format!("n{logical}"));
+                if views.get(&old).is_some_and(|v| v.live) || !views.get(&spare).is_some_and(|v| v.live) {
+                    let e = StepError::Unavailable(format!("{old} is up, or {spare} is not"));
+                    self.nodes[from].control.handle_replaced(term, logical, Err(e));
+                    return self.pump(from);
+                }
                 let op = MetaOp::Replace {
                     logical,
                     physical: spare.clone(),
@@ -1125,8 +1154,7 @@ impl Sim {
                 let p = Pending::Replace {
                     node: from,
                     term,
-                    job: job.clone(),
-                    attempt,
+                    logical,
                 };
                 self.submit(from, &op, p);
             }
@@ -1611,6 +1639,7 @@ struct Counts {
     lossy: u64,
     unknowing: u64,
     unknowing_after_end: u64,
+    replaced: u64,
 }
 
 fn run(seed: u64, steps: u32) -> Counts {
@@ -1641,6 +1670,7 @@ fn run(seed: u64, steps: u32) -> Counts {
         lossy: sim.lossy.len() as u64,
         unknowing: sim.unknowing.len() as u64,
         unknowing_after_end: sim.unknowing_after_end,
+        replaced: sim.replaced,
     };
     let st = sim.state();
     assert!(
@@ -1683,17 +1713,18 @@ fn jobs_end_once_and_never_run_two_starts_at_once() {
                 total.lossy += c.lossy;
                 total.unknowing += c.unknowing;
                 total.unknowing_after_end += c.unknowing_after_end;
+                total.replaced += c.replaced;
             }
         }
         ended += 1;
     }
     assert_eq!(ended, seeds);
     eprintln!(
-        "{seeds} seeds: {} lines printed to {} clients; of {} clients told their job finished, {} checked to have printed every line (the others: a gap skipped, a node unreachable at the end, or exempt); jobs exempt: {} lost an unprinted line with a second node, {} restarted a rank that could not learn what was printed ({} of them a line kept once, printed at the job's end, then lost before a resume)",
-        total.lines, total.clients, total.finished, total.complete, total.lossy, total.unknowing, total.unknowing_after_end
+        "{seeds} seeds: {} replacements by a spare; {} lines printed to {} clients; of {} clients told their job finished, {} checked to have printed every line (the others: a gap skipped, a node unreachable at the end, or exempt); jobs exempt: {} lost an unprinted line with a second node, {} restarted a rank that could not learn what was printed ({} of them a line kept once, printed at the job's end, then lost before a resume)",
+        total.replaced, total.lines, total.clients, total.finished, total.complete, total.lossy, total.unknowing, total.unknowing_after_end
     );
     // The checks ran: over many seeds, clients printed lines and whole jobs.
     if seeds >= 100 {
-        assert!(total.lines > 0 && total.complete > 0, "{total:?}");
+        assert!(total.lines > 0 && total.complete > 0 && total.replaced > 0, "{total:?}");
     }
 }

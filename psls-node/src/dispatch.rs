@@ -130,7 +130,6 @@ impl Daemon {
                 tokio::spawn(async move { crate::launcher::tick(&d.node, &d.jobs, &d.jobctl).await });
             }
             crate::pfs::maybe_rebuild(&node);
-            crate::pfs::maybe_auto_replace(&node).await;
         }
     }
 }

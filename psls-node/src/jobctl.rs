@@ -44,6 +44,12 @@ pub enum Input {
         attempt: u32,
         done: Done,
     },
+    /// A replacement by a spare asked in `term` is done.
+    Replaced {
+        term: u64,
+        logical: u32,
+        result: Result<(), StepError>,
+    },
     Refused {
         job: String,
         op: MetaOp,
@@ -150,6 +156,7 @@ fn config(d: &Daemon) -> Config {
         rebuild_timeout_ms: 600_000,
         nodes: d.node.cfg.nodes.iter().map(|n| n.name.clone()).collect(),
         spares: d.node.cfg.spares.iter().map(|s| s.name.clone()).collect(),
+        replace_after_ms: c.replace_after_ms,
         ..Config::default()
     }
 }
@@ -193,6 +200,7 @@ pub async fn run(d: Arc<Daemon>) {
                         attempt,
                         done,
                     } => control.handle_done(term, &job, attempt, done),
+                    Input::Replaced { term, logical, result } => control.handle_replaced(term, logical, result),
                     Input::Refused { job, op, why } => control.handle_refused(&job, &op, &why),
                     Input::Halted { job, epoch } => control.handle_halted(&job, epoch),
                     Input::Poke => {}
@@ -265,6 +273,8 @@ fn views(d: &Daemon) -> BTreeMap<String, NodeView> {
                 NodeView {
                     live: node.is_live(&n.name),
                     incarnation,
+                    declared_down: node.is_declared_down(&n.name),
+                    disk_failed: node.peer_disk_failed(&n.name),
                 },
             )
         })
@@ -336,24 +346,18 @@ fn execute(d: &Arc<Daemon>, action: Action) {
                     done: Done::Stopped { nodes: stopped },
                 });
             }
-            Action::Replace {
-                job,
-                attempt,
-                logical,
-                spare,
-            } => {
-                tracing::warn!(node = %node.name(), %job, logical, %spare, "node not back: a spare takes its place");
-                let r = crate::pfs::replace(&node, logical, &spare)
-                    .await
-                    .map(|_| ())
-                    .map_err(|e| {
-                        StepError::Unavailable(format!("replacing logical node {logical} by {spare}: {}", e.message))
-                    });
-                d.jobctl.post(Input::Done {
+            Action::Replace { logical, spare } => {
+                tracing::warn!(node = %node.name(), logical, %spare, "node down too long, or its disk failed: a spare takes its place");
+                let r = crate::pfs::replace(&node, logical, &spare).await.map_err(|e| {
+                    StepError::Unavailable(format!("replacing logical node {logical} by {spare}: {}", e.message))
+                });
+                if let Err(e) = &r {
+                    tracing::warn!(node = %node.name(), logical, %spare, error = %e, "replacement failed");
+                }
+                d.jobctl.post(Input::Replaced {
                     term,
-                    job,
-                    attempt,
-                    done: Done::Replaced(r),
+                    logical,
+                    result: r,
                 });
             }
             Action::Restore { job, attempt } => {

@@ -148,8 +148,6 @@ struct Watching {
     /// Each node's committed start as this node first saw it: (incarnation, when in ms; 0 for
     /// one found at start-up).
     boot_seen: HashMap<String, (u64, u64)>,
-    /// Since when (ms) each node is known declared down (the leader times replacements from it).
-    down_seen: HashMap<String, u64>,
     /// When each node was first seen declared down here (the voters lost for good).
     voter_down_seen: HashMap<String, u64>,
 }
@@ -213,7 +211,6 @@ impl Node {
                 sent_figures: None,
                 pulled_ms: None,
                 boot_seen: HashMap::new(),
-                down_seen: HashMap::new(),
                 voter_down_seen: HashMap::new(),
             }),
             figures: Mutex::new(HashMap::new()),
@@ -712,6 +709,16 @@ impl Node {
             .collect()
     }
 
+    /// Whether `physical`'s heartbeats say its disk failed.
+    pub fn peer_disk_failed(&self, physical: &str) -> bool {
+        physical != self.me.name
+            && self
+                .figures
+                .locked()
+                .get(physical)
+                .is_some_and(|(h, _)| h.disk_failed.is_some())
+    }
+
     /// Whether this incarnation is fencing itself (it serves nothing more).
     pub fn is_fencing(&self) -> bool {
         self.fencing.load(Ordering::Relaxed)
@@ -942,27 +949,6 @@ impl Node {
                 me.watching.locked().sent_figures = None;
             }
         });
-    }
-
-    /// How long (ms) each node of the map has been known declared down here (the leader
-    /// replaces one down too long with a spare).
-    pub fn declared_down_for(&self) -> Vec<(String, u64)> {
-        let now = self.now_ms();
-        let map: Vec<String> = {
-            let m = self.meta.locked();
-            self.logical_map(&m).into_values().collect()
-        };
-        let mut w = self.watching.locked();
-        let mut out = Vec::new();
-        for p in map {
-            if p != self.me.name && self.is_declared_down(&p) {
-                let since = *w.down_seen.entry(p.clone()).or_insert(now);
-                out.push((p, now.saturating_sub(since)));
-            } else {
-                w.down_seen.remove(&p);
-            }
-        }
-        out
     }
 
     /// Sends a request with a payload to a physical node (handled in-process when it is this

@@ -24,4 +24,4 @@ pub use files::{
     write_to_phys, Caller, Importer,
 };
 pub use read::{export_stream, read_page, ExportChunks, Pages};
-pub use repair::{maybe_auto_replace, maybe_rebuild, rebuild, rejoin_blank, replace, scrub};
+pub use repair::{maybe_rebuild, rebuild, rejoin_blank, replace, scrub};
