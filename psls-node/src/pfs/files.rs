@@ -516,7 +516,9 @@ impl Importer {
 
     /// Drops what was written (best effort; nothing was committed).
     pub async fn abort(mut self) {
-        self.inflight.abort_all();
+        // The writes in flight end first (each within the request timeout): one cancelled here
+        // could still reach its node after the removal below, and leave its pages there for
+        // ever (the suite met "stray page files" on a loaded machine).
         while self.inflight.join_next().await.is_some() {}
         if self.node.file_by_id(self.meta.id).is_some() {
             return;
