@@ -15,6 +15,7 @@
 
 use crate::cleaning::Policy;
 use crate::msg::{Choice, Level};
+use psls_svm::ErrorKind;
 use std::collections::BTreeMap;
 
 /// What a job's ranks asked for its checkpoints.
@@ -125,6 +126,25 @@ impl Levels {
         }
     }
 
+    /// `job`'s round at `level` failed with an error of class `kind`; `went_on`: its ranks
+    /// went on meanwhile. Returns the level of a round to run at once, at the same safe point.
+    ///
+    /// Only a memory round that did not fit (`NoSpace`) is followed, by the cleaner: at once
+    /// while the ranks wait (the pages are still the safe point's), else at the job's next
+    /// safe point ([`Levels::no_room`]). After any other failure, a node that died took its
+    /// pages and ranks' states with it: a persistent round now would commit a checkpoint
+    /// without them (the rollback that follows restores the last one).
+    pub fn failed(&mut self, job: &str, level: Level, kind: ErrorKind, went_on: bool) -> Option<Level> {
+        match (level, kind) {
+            (Level::Memory, ErrorKind::NoSpace) if went_on => {
+                self.no_room(job);
+                None
+            }
+            (Level::Memory, ErrorKind::NoSpace) => Some(Level::Persistent),
+            _ => None,
+        }
+    }
+
     /// `job` ended or was forgotten here.
     pub fn forget(&mut self, job: &str) {
         self.jobs.remove(job);
@@ -151,6 +171,37 @@ impl Levels {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_a_memory_round_without_room_is_followed_by_the_cleaner() {
+        let mut l = Levels::new();
+        l.called("j", auto(1000, 0));
+        l.committed("j", Level::Persistent, 0);
+        assert_eq!(l.choose("j", 10, false, true), Level::Memory);
+        assert_eq!(
+            l.failed("j", Level::Memory, ErrorKind::NoSpace, false),
+            Some(Level::Persistent),
+            "at once while the ranks wait"
+        );
+        assert_eq!(l.choose("j", 20, false, true), Level::Memory, "nothing owed");
+        assert_eq!(l.failed("j", Level::Memory, ErrorKind::NoSpace, true), None);
+        assert_eq!(
+            l.choose("j", 30, false, true),
+            Level::Persistent,
+            "owed once the ranks went on"
+        );
+        assert_eq!(l.choose("j", 40, false, true), Level::Memory);
+        for kind in [
+            ErrorKind::Unavailable,
+            ErrorKind::Io,
+            ErrorKind::Internal,
+            ErrorKind::Invalid,
+        ] {
+            assert_eq!(l.failed("j", Level::Memory, kind, false), None, "{kind:?}");
+            assert_eq!(l.choose("j", 50, false, true), Level::Memory, "{kind:?}: nothing owed");
+        }
+        assert_eq!(l.failed("j", Level::Persistent, ErrorKind::NoSpace, false), None);
+    }
 
     fn auto(interval_ms: u64, every: u32) -> JobChoice {
         JobChoice {

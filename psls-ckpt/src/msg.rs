@@ -195,6 +195,17 @@ pub struct Refusal {
     pub no_room: bool,
 }
 
+impl Refusal {
+    /// A write at `level` failed with an error of class `kind`: a memory write that found no
+    /// room refuses with `no_room` (its round is followed by the cleaner).
+    pub fn of(kind: psls_svm::ErrorKind, level: Level, why: String) -> Refusal {
+        Refusal {
+            no_room: kind == psls_svm::ErrorKind::NoSpace && level == Level::Memory,
+            why,
+        }
+    }
+}
+
 impl From<String> for Refusal {
     fn from(why: String) -> Refusal {
         Refusal { why, no_room: false }

@@ -15,8 +15,16 @@
 //! of step; a forced checkpoint is taken at the next call, and cleared only when one commits;
 //! the tables are bounded ([`crate::MAX_ROUNDS`] jobs, `size` ranks each).
 
-use psls_svm::{FileId, NodeId};
+use psls_svm::{ErrorKind, FileId, NodeId};
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
+
+/// Whether a call's checkpoint that failed with an error of class `kind` lets its ranks go on
+/// as if the interval had not elapsed: when the cluster cannot take one now (a node down or
+/// rebuilding its copies), the next call tries again. Never for a halt (its caller is told)
+/// and never after another failure (the ranks are told; the job rolls back).
+pub fn goes_on_after(kind: ErrorKind, halt: bool) -> bool {
+    kind == ErrorKind::Unavailable && !halt
+}
 
 /// What a call does.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -361,6 +369,20 @@ impl SafePoints {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_an_unavailable_cluster_lets_ranks_go_on_without_their_checkpoint() {
+        assert!(goes_on_after(ErrorKind::Unavailable, false));
+        assert!(!goes_on_after(ErrorKind::Unavailable, true), "a halt is told");
+        for k in [
+            ErrorKind::Io,
+            ErrorKind::NoSpace,
+            ErrorKind::Internal,
+            ErrorKind::Invalid,
+        ] {
+            assert!(!goes_on_after(k, false), "{k:?}");
+        }
+    }
 
     fn drain(s: &mut SafePoints) -> Vec<SafeAction> {
         std::iter::from_fn(|| s.poll_action()).collect()

@@ -336,18 +336,9 @@ pub struct JobInfo {
     pub end: String,
 }
 
-/// Class of an error, so that callers can react without parsing text.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub enum ErrorKind {
-    NotFound,
-    Exists,
-    Permission,
-    Invalid,
-    NoSpace,
-    Unavailable,
-    Io,
-    Internal,
-}
+/// Class of an error, so that callers can react without parsing text (defined with the
+/// machines that decide on it).
+pub use psls_svm::ErrorKind;
 
 /// Spelt in JSON as in tables: `up`, `suspect`, `down`, `replaced`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

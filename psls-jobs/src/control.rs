@@ -25,7 +25,7 @@
 use psls_pfs::jobs::{JobOptions, JobSummary};
 use psls_pfs::meta::{MetaOp, MetaState};
 use psls_pfs::runs::{EndHow, JobEnd, RunPhase, RunRecord, MAX_MESSAGE_LEN};
-use psls_svm::FileId;
+use psls_svm::{ErrorKind, FileId};
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 /// Most reports one node sends at once (one per job with ranks there).
@@ -193,6 +193,23 @@ pub enum StepError {
     /// It cannot succeed: the job ends failed.
     #[error("{0}")]
     Failed(String),
+}
+
+impl StepError {
+    /// Retry or fail, by the class of what went wrong: a node down or changing, a disk's I/O
+    /// error (the copy elsewhere may serve) or an internal error (a restarted task) is tried
+    /// again in the rollback's next pass; anything else (a file or checkpoint missing, refused,
+    /// no room) cannot succeed by trying again.
+    pub fn of(kind: ErrorKind, message: String) -> StepError {
+        match kind {
+            ErrorKind::Unavailable | ErrorKind::Io | ErrorKind::Internal => StepError::Unavailable(message),
+            ErrorKind::NotFound
+            | ErrorKind::Exists
+            | ErrorKind::Permission
+            | ErrorKind::Invalid
+            | ErrorKind::NoSpace => StepError::Failed(message),
+        }
+    }
 }
 
 /// The outcome of a step the machine asked for.
@@ -1561,6 +1578,28 @@ mod tests {
         v.live = false;
         v.declared_down = true;
         v.disk_failed = disk_failed;
+    }
+
+    #[test]
+    fn a_step_is_tried_again_only_after_what_may_pass() {
+        let again = [ErrorKind::Unavailable, ErrorKind::Io, ErrorKind::Internal];
+        for k in again {
+            assert_eq!(
+                StepError::of(k, "m".into()),
+                StepError::Unavailable("m".into()),
+                "{k:?}"
+            );
+        }
+        let fail = [
+            ErrorKind::NotFound,
+            ErrorKind::Exists,
+            ErrorKind::Permission,
+            ErrorKind::Invalid,
+            ErrorKind::NoSpace,
+        ];
+        for k in fail {
+            assert_eq!(StepError::of(k, "m".into()), StepError::Failed("m".into()), "{k:?}");
+        }
     }
 
     #[test]

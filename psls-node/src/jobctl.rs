@@ -281,11 +281,9 @@ fn views(d: &Daemon) -> BTreeMap<String, NodeView> {
         .collect()
 }
 
+/// Retry or fail is job control's decision ([`StepError::of`]).
 fn step_error(e: OpError) -> StepError {
-    match e.kind {
-        ErrorKind::Unavailable | ErrorKind::Io | ErrorKind::Internal => StepError::Unavailable(e.message),
-        _ => StepError::Failed(e.message),
-    }
+    StepError::of(e.kind, e.message)
 }
 
 /// Carries out one action in a task of its own.

@@ -954,10 +954,7 @@ impl CkptShell {
                     if let Err(e) = &r {
                         tracing::warn!(node = %me.node.name(), job, epoch, error = %e, "checkpoint pages not written");
                     }
-                    let r = r.map_err(|e| psls_ckpt::msg::Refusal {
-                        no_room: e.kind == ErrorKind::NoSpace && level == Level::Memory,
-                        why: e.message,
-                    });
+                    let r = r.map_err(|e| psls_ckpt::msg::Refusal::of(e.kind, level, e.message));
                     me.part.locked().written(&job, epoch, r);
                     me.drive();
                 });

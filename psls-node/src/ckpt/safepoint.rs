@@ -340,7 +340,7 @@ impl CkptShell {
                         // The cluster cannot take it now (a node down or rebuilding its
                         // copies): no checkpoint this time, as an interval not elapsed; the
                         // ranks go on and the next safe point tries again. (A halt is told.)
-                        Err(e) if e.kind == ErrorKind::Unavailable && !halt => {
+                        Err(e) if psls_ckpt::safepoint::goes_on_after(e.kind, halt) => {
                             tracing::warn!(node = %me.node.name(), job, error = %e, "no checkpoint at this safe point: the cluster cannot take one now");
                             Ok(SafeOutcome::default())
                         }
@@ -409,24 +409,12 @@ impl CkptShell {
         let level = self.choose_level(job, persistent);
         let r = self.run_round(job.to_string(), files.clone(), level, sp.clone()).await;
         let went_on = sp.released();
-        match (level, r) {
-            // A memory checkpoint that did not fit on a holder: the cleaner takes over at once,
-            // so the job goes on. Not after any other failure: a node that died meanwhile took
-            // its pages and ranks' states with it, and a persistent round now would commit a
-            // checkpoint without them (the rollback that follows restores the last one). Nor
-            // once the ranks went on: the pages are no longer those of the safe point, so the
-            // job's next safe point takes the cleaner instead.
-            (Level::Memory, Err(e)) if e.kind == ErrorKind::NoSpace => {
-                if went_on {
-                    tracing::info!(node = %node.name(), job, error = %e, "memory checkpoint did not fit after its ranks went on; the next one is the cleaner");
-                    self.levels.locked().no_room(job);
-                    return Err(e);
-                }
-                tracing::info!(node = %node.name(), job, error = %e, "memory checkpoint failed; taking a persistent one");
-                self.run_round(job.to_string(), files, Level::Persistent, sp).await
-            }
-            (_, r) => r,
-        }
+        // What follows a failure is the level machine's (`Levels::failed`).
+        let Err(e) = r else { return r };
+        let next = self.levels.locked().failed(job, level, e.kind, went_on);
+        let Some(next) = next else { return Err(e) };
+        tracing::info!(node = %node.name(), job, error = %e, ?next, "checkpoint failed; taking another at once");
+        self.run_round(job.to_string(), files, next, sp).await
     }
 
     /// The level of `job`'s checkpoint at this safe point (`psls_ckpt::level`): `persistent`
