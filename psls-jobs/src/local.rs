@@ -72,6 +72,20 @@ pub fn stale(st: &MetaState, job: &str, attempt: u32) -> bool {
     st.ended.get(job).is_some_and(|(_, e)| e.attempt >= attempt)
 }
 
+/// Whether this node keeps its record of `job` (its ranks here, their exits, the forwarded
+/// input): while a rank of it runs here, while the records run the job, and while they do
+/// not hold its end yet (this node may be behind the start it ran).
+pub fn keeps_record(st: &MetaState, job: &str, running_here: bool) -> bool {
+    running_here || st.runs.contains_key(job) || !st.ended.contains_key(job)
+}
+
+/// Whether this node keeps `job`'s output: while it keeps the job's record, while the records
+/// run the job, and while they keep its end (followers fetch the last lines with the end; the
+/// records keep the newest [`psls_pfs::runs::MAX_ENDED`] ends).
+pub fn keeps_output(st: &MetaState, job: &str, record_here: bool) -> bool {
+    record_here || st.runs.contains_key(job) || st.ended.contains_key(job)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -167,5 +181,15 @@ mod tests {
         apply(&mut st, MetaOp::JobEnd { job: "j".into(), end });
         assert!(stale(&st, "j", 1), "an ended job's ranks stop");
         assert!(may_spawn(&st, "j", 1).is_err());
+        // Its record goes once no rank of it runs here; its output stays with its end.
+        assert!(keeps_record(&st, "j", true), "a rank still runs here");
+        assert!(!keeps_record(&st, "j", false));
+        assert!(keeps_output(&st, "j", false), "followers fetch the end");
+        assert!(keeps_record(&st, "k", false), "a job the records do not know yet");
+        assert!(
+            !keeps_output(&MetaState::default(), "j", false),
+            "an end no longer kept"
+        );
+        assert!(keeps_output(&MetaState::default(), "j", true));
     }
 }

@@ -1475,10 +1475,23 @@ impl Sim {
                     *r = Rank::Killed;
                 }
             }
-            // What a node keeps of a job goes with its end (as its records show).
+            // What a node keeps of a job, and its output, go with its end (as its records show:
+            // the daemon's rules).
+            let running: BTreeSet<String> = self.nodes[i]
+                .ranks
+                .iter()
+                .filter(|(_, (_, r))| matches!(r, Rank::Running { .. }))
+                .map(|((job, _), _)| job.clone())
+                .collect();
             self.nodes[i]
                 .ranks
-                .retain(|(job, _), _| st.runs.contains_key(job) || !st.ended.contains_key(job));
+                .retain(|(job, _), _| psls_jobs::local::keeps_record(&st, job, running.contains(job)));
+            let kept: BTreeSet<String> = self.nodes[i].ranks.keys().map(|(job, _)| job.clone()).collect();
+            for job in self.nodes[i].store.jobs() {
+                if !psls_jobs::local::keeps_output(&st, &job, kept.contains(&job)) {
+                    self.nodes[i].store.forget(&job);
+                }
+            }
         }
         // Ranks progress, take checkpoints, exit.
         for i in 0..self.nodes.len() {

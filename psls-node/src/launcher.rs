@@ -762,12 +762,13 @@ pub async fn tick(node: &Arc<Node>, jobs: &Arc<Jobs>, jobctl: &crate::jobctl::Jo
     {
         // A job whose records ended it, with no rank running here, goes (its output stays a
         // while longer: followers fetch the end).
+        use psls_jobs::local::{keeps_output, keeps_record};
         let mut l = lock(&jobs.local);
-        l.retain(|job, lj| !lj.running.is_empty() || st.runs.contains_key(job) || !st.ended.contains_key(job));
+        l.retain(|job, lj| keeps_record(&st, job, !lj.running.is_empty()));
         lock(&jobs.stdin).retain(|job, _| l.contains_key(job));
         let mut out = lock(&jobs.output);
         for job in out.jobs() {
-            if !st.runs.contains_key(&job) && !l.contains_key(&job) && !st.ended.contains_key(&job) {
+            if !keeps_output(&st, &job, l.contains_key(&job)) {
                 out.forget(&job);
             }
         }
