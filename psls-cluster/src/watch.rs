@@ -318,6 +318,221 @@ impl Tally {
     }
 }
 
+/// What a node's failure-detection duties ask of its shell ([`Duties::handle_tick`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Duty {
+    /// Tell the metadata leader `leader` (another node) these silences `(peer, incarnation
+    /// heard)` and these peers heard again (the daemon's `Watch` request).
+    Report {
+        leader: String,
+        silent: Vec<(String, u64)>,
+        back: Vec<String>,
+    },
+    /// Commit a verdict: `peer`'s incarnation `incarnation` is down; `reporters` for the log.
+    /// Its end (committed or not) goes to [`crate::verdicts::Verdicts::handle_declared`].
+    Declare {
+        peer: String,
+        incarnation: u64,
+        reporters: Vec<String>,
+    },
+}
+
+/// One node's failure-detection duties, every heartbeat interval, as the daemon and the
+/// simulators run them (one copy):
+/// - as a watcher: its watched peers silent past the failure timeout (not declared already)
+///   are reported to the metadata leader, again every interval while the silence lasts, and
+///   taken back once heard again;
+/// - as the leader holding its lease: the tally of everyone's reports (its own among them),
+///   probes of reported peers it does not watch ([`Duties::probes`]), and a verdict on every
+///   peer the tally confirms or whose disk failed, at the incarnation reported. Its probes and
+///   tally end with its leadership.
+///
+/// Invariant: only a leading node's tally holds reports, and a verdict is asked only while
+/// leading.
+#[derive(Clone, Debug)]
+pub struct Duties {
+    me: String,
+    interval_ms: u64,
+    timeout_ms: u64,
+    tally: Tally,
+    /// Whether this node led (with its lease) at its last tick.
+    leading: bool,
+    /// The watched peers this node reported silent (to the leader, or its own tally).
+    reported: BTreeSet<String>,
+    /// Each node's committed start as this node first saw it: (incarnation, when in ms; 0 for
+    /// one found at start-up).
+    boot_seen: BTreeMap<String, (u64, u64)>,
+}
+
+impl Duties {
+    /// The duties of node `me`, which heartbeats every `interval_ms`, with failure timeout
+    /// `timeout_ms`.
+    pub fn new(me: impl Into<String>, interval_ms: u64, timeout_ms: u64) -> Duties {
+        let me = me.into();
+        Duties {
+            tally: Tally::new(me.clone(), interval_ms, timeout_ms),
+            me,
+            interval_ms,
+            timeout_ms,
+            leading: false,
+            reported: BTreeSet::new(),
+            boot_seen: BTreeMap::new(),
+        }
+    }
+
+    /// Whether this node led at its last tick.
+    pub fn is_leading(&self) -> bool {
+        self.leading
+    }
+
+    /// The leader's tally (empty while not leading).
+    pub fn tally(&self) -> &Tally {
+        &self.tally
+    }
+
+    /// The reported peers this node, leading, probes beyond those it watches (`own`).
+    pub fn probes(&self, own: &BTreeSet<String>) -> BTreeSet<String> {
+        if !self.leading {
+            return BTreeSet::new();
+        }
+        self.tally.probes(own).map(String::from).collect()
+    }
+
+    /// The records' starts of every node `(node, incarnation)`, at `now_ms` (every install
+    /// of the metadata). The first ones are taken as seen long ago.
+    pub fn handle_boots<'a>(&mut self, now_ms: u64, up_from: impl IntoIterator<Item = (&'a String, &'a u64)>) {
+        let first = self.boot_seen.is_empty();
+        for (p, &inc) in up_from {
+            if self.boot_seen.get(p).is_none_or(|&(i, _)| i != inc) {
+                self.boot_seen.insert(p.clone(), (inc, if first { 0 } else { now_ms }));
+            }
+        }
+    }
+
+    /// This node heard `peer` at `incarnation` (a heartbeat taken).
+    pub fn handle_heard(&mut self, now_ms: u64, peer: &str, incarnation: u64) {
+        if self.leading {
+            self.tally.handle_heard(now_ms, peer, incarnation);
+        }
+    }
+
+    /// `from`'s reports of silences and of peers heard again, taken while this node leads
+    /// with its lease (`leading`, as at a tick); the verdicts they confirm are asked at once.
+    /// `known`: whether a name is a node of the cluster (others are dropped).
+    #[allow(clippy::too_many_arguments)]
+    pub fn handle_reports(
+        &mut self,
+        now_ms: u64,
+        from: &str,
+        silent: Vec<(String, u64)>,
+        back: Vec<String>,
+        leading: bool,
+        known: impl Fn(&str) -> bool,
+        topology: &Topology,
+        verdicts: &mut crate::verdicts::Verdicts,
+    ) -> Vec<Duty> {
+        self.set_leading(leading);
+        if !leading {
+            return Vec::new();
+        }
+        for (p, inc) in silent {
+            if !known(&p) || p == self.me {
+                continue;
+            }
+            let inc = self.report_incarnation(&p, inc, now_ms);
+            self.tally.handle_report(now_ms, from, &p, inc);
+        }
+        for p in back {
+            self.tally.handle_retract(from, &p);
+        }
+        self.declarations(now_ms, Vec::new(), topology, verdicts)
+    }
+
+    /// A leadership that ends ends its tally (and its probes); one that starts starts afresh.
+    fn set_leading(&mut self, leading: bool) {
+        if self.leading != leading {
+            self.tally = Tally::new(self.me.clone(), self.interval_ms, self.timeout_ms);
+        }
+        self.leading = leading;
+    }
+
+    /// The verdicts the leader asks now: on every peer its tally confirms, and on every peer
+    /// whose disk failed.
+    fn declarations(
+        &mut self,
+        now_ms: u64,
+        disk_failed: Vec<(String, u64)>,
+        topology: &Topology,
+        verdicts: &mut crate::verdicts::Verdicts,
+    ) -> Vec<Duty> {
+        self.tally.tick(now_ms);
+        let suspects = self.tally.confirmed(topology, now_ms).into_iter().chain(disk_failed);
+        let mut out = Vec::new();
+        for (peer, incarnation) in verdicts.poll_declarations(true, suspects) {
+            let reporters = self.tally.reporters_of(&peer).into_iter().map(String::from).collect();
+            out.push(Duty::Declare {
+                peer,
+                incarnation,
+                reporters,
+            });
+        }
+        out
+    }
+
+    /// The incarnation a report made now on `target` is about: the one the reporter heard,
+    /// or the one committed as its start if that was committed more than a failure timeout
+    /// ago (the reporter heard nothing for a timeout: not that one either).
+    fn report_incarnation(&self, target: &str, heard: u64, now_ms: u64) -> u64 {
+        match self.boot_seen.get(target) {
+            Some(&(inc, at)) if inc > heard && now_ms >= at + self.timeout_ms => inc,
+            _ => heard,
+        }
+    }
+
+    /// Every heartbeat interval. `silent`: the watched peers the detector finds silent past
+    /// the timeout and not declared, with the incarnation heard; `leading`: this node leads
+    /// the metadata with its lease (and is not fencing); `leader`: the leader as this node
+    /// knows it; `disk_failed`: peers whose heartbeats say their disk failed, with the
+    /// incarnation heard. The verdicts asked are registered in `verdicts` (one at a time per
+    /// peer).
+    #[allow(clippy::too_many_arguments)]
+    pub fn handle_tick(
+        &mut self,
+        now_ms: u64,
+        silent: Vec<(String, u64)>,
+        leading: bool,
+        leader: Option<&str>,
+        disk_failed: Vec<(String, u64)>,
+        topology: &Topology,
+        verdicts: &mut crate::verdicts::Verdicts,
+    ) -> Vec<Duty> {
+        let now_silent: BTreeSet<String> = silent.iter().map(|(p, _)| p.clone()).collect();
+        let back: Vec<String> = self.reported.difference(&now_silent).cloned().collect();
+        self.reported = now_silent;
+        self.set_leading(leading);
+        if !leading {
+            if let Some(l) = leader.filter(|l| *l != self.me) {
+                if !silent.is_empty() || !back.is_empty() {
+                    return vec![Duty::Report {
+                        leader: l.to_string(),
+                        silent,
+                        back,
+                    }];
+                }
+            }
+            return Vec::new();
+        }
+        for (p, inc) in &silent {
+            let inc = self.report_incarnation(p, *inc, now_ms);
+            self.tally.handle_report(now_ms, &self.me, p, inc);
+        }
+        for p in &back {
+            self.tally.handle_retract(&self.me, p);
+        }
+        self.declarations(now_ms, disk_failed, topology, verdicts)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -42,6 +42,7 @@ mod common;
 
 use psls_cluster::membership::{Liveness, Membership};
 use psls_cluster::verdicts::{self, Verdicts};
+use psls_cluster::watch::{Duties, Duty, Topology};
 use psls_svm::rng::SplitMix64;
 use std::collections::BTreeMap;
 
@@ -84,6 +85,10 @@ struct Node {
     incarnation: u64,
     members: Membership<()>,
     verdicts: Verdicts,
+    /// Its failure-detection duties (the daemon's): at 3 to 5 nodes every node watches every
+    /// other, so the leader's own observation declares (the reports of the others, which a
+    /// larger cluster needs, are `watch_sim.rs`'s).
+    duties: Duties,
     /// How many of the committed verdicts this node applied (on its disk: kept across restarts).
     applied: usize,
     /// The leader this node knows, and its term.
@@ -130,6 +135,8 @@ struct World {
     slow_until_ms: BTreeMap<(u32, u32), u64>,
     counts: Counts,
     trace: bool,
+    /// Who watches whom (everyone everyone, at this size).
+    topology: Topology,
 }
 
 fn name(i: u32) -> String {
@@ -156,6 +163,7 @@ impl World {
                 incarnation: 1,
                 members: Membership::new((0..n).filter(|&j| j != i).map(name), TIMEOUT_MS, 0),
                 verdicts: Verdicts::new(name(i), 1),
+                duties: Duties::new(name(i), HEARTBEAT_MS, TIMEOUT_MS),
                 applied: 0,
                 leader: None,
                 leads: None,
@@ -180,6 +188,7 @@ impl World {
             slow_until_ms: BTreeMap::new(),
             counts: Counts::default(),
             trace: std::env::var_os("PSLS_SIM_TRACE").is_some(),
+            topology: Topology::new((0..n).map(|i| (name(i), name(i))), n as usize),
         }
     }
 
@@ -489,6 +498,7 @@ impl World {
         node.incarnation += 1;
         node.members = Membership::new((0..n).filter(|&j| j != i).map(name), TIMEOUT_MS, now_ms);
         node.verdicts = Verdicts::new(name(i), node.incarnation);
+        node.duties = Duties::new(name(i), HEARTBEAT_MS, TIMEOUT_MS);
         node.leader = None;
         node.leads = None;
         node.paused_until_ms = 0;
@@ -529,6 +539,7 @@ impl World {
                 let taken = node.verdicts.handle_heartbeat(&from, incarnation, down, heard);
                 if taken {
                     node.members.heard(now_ms, &from, incarnation, ());
+                    node.duties.handle_heard(now_ms, &from, incarnation);
                 }
                 self.maybe_fence(m.to);
                 taken
@@ -599,18 +610,36 @@ impl World {
         if self.nodes[i as usize].leads.is_some() && !lease {
             self.step_down(i);
         }
-        // The daemon's `declare_verdicts`: the leader, holding its lease, declares every peer
+        // The daemon's `watch_duties`: the leader, holding its lease, declares every peer
         // silent past the timeout at the newest incarnation it heard.
         let coordinating = self.nodes[i as usize].leads.is_some() && lease;
+        let leader = self.nodes[i as usize].leader.map(|(l, _)| name(l));
         let node = &mut self.nodes[i as usize];
-        let suspects: Vec<(String, u64)> = silent
+        let silent: Vec<(String, u64)> = silent
             .into_iter()
             .map(|(p, _)| {
                 let inc = node.members.view(&p).and_then(|v| v.incarnation).unwrap_or(0);
                 (p, inc)
             })
+            .filter(|(p, inc)| node.verdicts.accepts(p, *inc))
             .collect();
-        let out = node.verdicts.poll_declarations(coordinating, suspects);
+        let duties = node.duties.handle_tick(
+            now_ms,
+            silent,
+            coordinating,
+            leader.as_deref(),
+            Vec::new(),
+            &self.topology,
+            &mut node.verdicts,
+        );
+        let out: Vec<(String, u64)> = duties
+            .into_iter()
+            .filter_map(|d| match d {
+                Duty::Declare { peer, incarnation, .. } => Some((peer, incarnation)),
+                // Every node watches every other: the leader observes for itself.
+                Duty::Report { .. } => None,
+            })
+            .collect();
         self.check_declarations(i, coordinating, &out);
         let (inc, term) = (self.nodes[i as usize].incarnation, self.nodes[i as usize].leads);
         for (peer, d) in out {

@@ -1,8 +1,8 @@
 //! Seeded simulation of failure detection at a bounded cost per node (DESIGN §2b, issue 40):
 //! the real [`Topology`] (who heartbeats whom), [`Membership`] (each node's detector over its
-//! watched peers, and the leader's probes), [`Tally`] (the leader's count of reported
-//! silences) and [`Verdicts`] (the leader's declarations), at 16, 128 and 1,024 nodes in racks
-//! (failure domains), in simulated milliseconds.
+//! watched peers, and the leader's probes), [`Duties`] (each node's reports, and the leader's
+//! tally of them, as the daemon runs them) and [`Verdicts`] (the leader's declarations), at 16,
+//! 128 and 1,024 nodes in racks (failure domains), in simulated milliseconds.
 //!
 //! Each node sends a one-way beat to its watched peers every [`INTERVAL_MS`] (their own beats
 //! answer it; a peer that does not watch the sender answers with a beat that is not answered); a watched
@@ -34,7 +34,7 @@ mod common;
 
 use psls_cluster::membership::Membership;
 use psls_cluster::verdicts::Verdicts;
-use psls_cluster::watch::{Tally, Topology, DEFAULT_MIN_PEERS};
+use psls_cluster::watch::{Duties, Duty, Topology, DEFAULT_MIN_PEERS};
 use psls_svm::rng::SplitMix64;
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
@@ -51,31 +51,25 @@ enum Msg {
     /// A one-way heartbeat on the link (as the daemon's `Beat`): to a watched peer every
     /// interval; a peer that does not watch the sender answers with one that is not answered
     /// (`answer: false`, the daemon's `BeatBack`).
-    Beat {
-        incarnation: u64,
-        answer: bool,
-    },
-    Report {
-        target: usize,
-        incarnation: u64,
+    Beat { incarnation: u64, answer: bool },
+    /// A watcher's reports to the leader (the daemon's `Watch`): silences `(peer, incarnation
+    /// heard)` and peers heard again.
+    Watch {
+        silent: Vec<(usize, u64)>,
+        back: Vec<usize>,
         /// The reporter's own incarnation (a declared one's reports are dropped).
         from_incarnation: u64,
     },
-    Retract {
-        target: usize,
-    },
     /// A new incarnation announces itself (the metadata records each node's current one; a
     /// node serves only once it is recorded).
-    Boot {
-        incarnation: u64,
-    },
+    Boot { incarnation: u64 },
 }
 
 struct Node {
     incarnation: u64,
     members: Membership<()>,
-    /// Peers this node reported to the leader (and not taken back).
-    reported: BTreeSet<usize>,
+    /// Its failure-detection duties (the daemon's).
+    duties: Duties,
     alive: bool,
     paused_until: Option<u64>,
     /// When to restart (killed).
@@ -116,7 +110,7 @@ struct World {
     /// election timeout less a margin) ends then: modelled as a fifth of the timeout short of
     /// a timeout after it last could hear.
     lease_until: u64,
-    tally: Tally,
+    /// The leader's verdict book.
     verdicts: Verdicts,
     committed: BTreeMap<String, u64>,
     /// Each node's current incarnation as the metadata records it.
@@ -150,7 +144,12 @@ impl World {
             .map(|i| Node {
                 incarnation: 1,
                 members: Membership::new(topo.peers_of(&names[i]).into_iter().map(String::from), TIMEOUT_MS, 0),
-                reported: BTreeSet::new(),
+                duties: {
+                    let mut d = Duties::new(names[i].clone(), INTERVAL_MS, TIMEOUT_MS);
+                    let up: BTreeMap<String, u64> = names.iter().map(|n| (n.clone(), 1)).collect();
+                    d.handle_boots(0, &up);
+                    d
+                },
                 alive: true,
                 paused_until: None,
                 restart_at: None,
@@ -162,7 +161,6 @@ impl World {
         World {
             n,
             topo,
-            tally: Tally::new(names[0].clone(), INTERVAL_MS, TIMEOUT_MS),
             verdicts: Verdicts::new(names[0].clone(), 1),
             names,
             nodes,
@@ -271,7 +269,6 @@ impl World {
                     self.leader = l;
                     self.leader_lost_at = None;
                     self.lease_until = now + TIMEOUT_MS * 4 / 5;
-                    self.tally = Tally::new(self.names[l].clone(), INTERVAL_MS, TIMEOUT_MS);
                     self.verdicts = Verdicts::new(self.names[l].clone(), self.nodes[l].incarnation);
                     self.verdicts.handle_committed(&self.committed);
                 }
@@ -312,48 +309,34 @@ impl World {
                         },
                     );
                 }
-                // Reports of silent peers (renewed every interval), and take-backs.
-                let down: Vec<usize> = self.nodes[i]
+                // Reports of silent peers (renewed every interval), and take-backs; at the
+                // leader, its tally and verdicts.
+                let silent: Vec<(String, u64)> = self.nodes[i]
                     .members
                     .tick(now)
                     .into_iter()
-                    .filter_map(|(p, _)| self.index(&p))
+                    .filter_map(|(p, _)| {
+                        let t = self.index(&p)?;
+                        let inc = self.heard_incarnation(i, t);
+                        // As the daemon's verdict book: its newest known incarnation (heard, or
+                        // recorded as started) declared down.
+                        let newest = inc.max(self.up_from.get(&t).copied().unwrap_or(0));
+                        let declared = self.committed.get(&p).is_some_and(|&d| d >= newest);
+                        (!declared).then_some((p, inc))
+                    })
                     .collect();
-                for &p in &down {
-                    let incarnation = self.heard_incarnation(i, p);
-                    if i == leader {
-                        let incarnation = self.report_incarnation(p, incarnation);
-                        self.tally
-                            .handle_report(now, &self.names[i].clone(), &self.names[p].clone(), incarnation);
-                    } else {
-                        let from_incarnation = self.nodes[i].incarnation;
-                        self.send(
-                            i,
-                            leader,
-                            Msg::Report {
-                                target: p,
-                                incarnation,
-                                from_incarnation,
-                            },
-                        );
-                    }
-                    self.nodes[i].reported.insert(p);
-                }
-                let back: Vec<usize> = self.nodes[i]
-                    .reported
-                    .iter()
-                    .copied()
-                    .filter(|p| !down.contains(p))
-                    .collect();
-                for p in back {
-                    self.nodes[i].reported.remove(&p);
-                    if i == leader {
-                        self.tally
-                            .handle_retract(&self.names[i].clone(), &self.names[p].clone());
-                    } else {
-                        self.send(i, leader, Msg::Retract { target: p });
-                    }
-                }
+                let leading = i == leader && now < self.lease_until;
+                let leader_name = self.names[leader].clone();
+                let duties = self.nodes[i].duties.handle_tick(
+                    now,
+                    silent,
+                    leading,
+                    Some(&leader_name),
+                    Vec::new(),
+                    &self.topo,
+                    &mut self.verdicts,
+                );
+                self.carry_out(i, duties);
             }
         }
         let hears = !self
@@ -370,29 +353,22 @@ impl World {
         self.faults.retain(|f| f.until_ms > now);
     }
 
-    /// The incarnation a report made now on `target` is about: the one the reporter heard
-    /// last, or the one recorded since if it was recorded more than a failure timeout ago (the
-    /// reporter heard nothing for a timeout: not that one either).
-    fn report_incarnation(&self, target: usize, heard: u64) -> u64 {
-        match (self.up_from.get(&target), self.booted_at.get(&target)) {
-            (Some(&j), Some(&at)) if j > heard && self.now >= at + TIMEOUT_MS => j,
-            (Some(&j), None) if j > heard => j,
-            _ => heard,
-        }
-    }
-
     /// Node `i` starts a new incarnation above `declared` with an empty memory (a restart,
     /// or a rejoin on learning its verdict), and announces it.
     fn rejoin(&mut self, i: usize, declared: u64, now: u64) {
         let n = &mut self.nodes[i];
         n.incarnation = n.incarnation.max(declared) + 1;
-        n.reported.clear();
         n.members = Membership::new(
             self.topo.peers_of(&self.names[i]).into_iter().map(String::from),
             TIMEOUT_MS,
             now,
         );
-        let incarnation = n.incarnation;
+        // A new daemon: its first install of the records takes every start as seen long ago.
+        n.duties = Duties::new(self.names[i].clone(), INTERVAL_MS, TIMEOUT_MS);
+        let _ = n;
+        let up: BTreeMap<String, u64> = self.up_from.iter().map(|(&j, &u)| (self.names[j].clone(), u)).collect();
+        self.nodes[i].duties.handle_boots(now, &up);
+        let incarnation = self.nodes[i].incarnation;
         self.boot(i, incarnation);
     }
 
@@ -400,8 +376,7 @@ impl World {
     fn boot(&mut self, i: usize, incarnation: u64) {
         let leader = self.leader;
         if i == leader {
-            self.up_from.insert(i, incarnation);
-            self.booted_at.insert(i, self.now);
+            self.record_boot(i, incarnation);
         } else {
             self.send(i, leader, Msg::Boot { incarnation });
         }
@@ -445,9 +420,8 @@ impl World {
                 // Only a declared incarnation is not heard (it learns its verdict instead).
                 if self.committed.get(&self.names[from]).is_none_or(|&d| d < incarnation) {
                     self.nodes[to].members.heard(now, &self.names[from], incarnation, ());
-                    if to == self.leader {
-                        self.tally.handle_heard(now, &self.names[from].clone(), incarnation);
-                    }
+                    let name = self.names[from].clone();
+                    self.nodes[to].duties.handle_heard(now, &name, incarnation);
                 }
                 if answer && !self.nodes[to].members.watches(&self.names[from]) {
                     let inc = self.nodes[to].incarnation;
@@ -461,11 +435,11 @@ impl World {
                     );
                 }
             }
-            Msg::Report {
-                target,
-                incarnation,
+            Msg::Watch {
+                silent,
+                back,
                 from_incarnation,
-            } if to == self.leader => {
+            } => {
                 // A declared incarnation's reports are dropped (as all it sends).
                 if self
                     .committed
@@ -474,35 +448,87 @@ impl World {
                 {
                     return;
                 }
-                let (r, t) = (self.names[from].clone(), self.names[target].clone());
-                let incarnation = self.report_incarnation(target, incarnation);
-                self.tally.handle_report(now, &r, &t, incarnation);
-            }
-            Msg::Retract { target } if to == self.leader => {
-                let (r, t) = (self.names[from].clone(), self.names[target].clone());
-                self.tally.handle_retract(&r, &t);
+                let silent = silent
+                    .into_iter()
+                    .map(|(t, inc)| (self.names[t].clone(), inc))
+                    .collect();
+                let back = back.into_iter().map(|t| self.names[t].clone()).collect();
+                let r = self.names[from].clone();
+                let leading = to == self.leader && now < self.lease_until;
+                let duties = self.nodes[to].duties.handle_reports(
+                    now,
+                    &r,
+                    silent,
+                    back,
+                    leading,
+                    |_| true,
+                    &self.topo,
+                    &mut self.verdicts,
+                );
+                self.carry_out(to, duties);
             }
             Msg::Boot { incarnation } if to == self.leader => {
                 if self.up_from.get(&from).is_none_or(|&u| u < incarnation) {
-                    self.up_from.insert(from, incarnation);
-                    self.booted_at.insert(from, now);
+                    self.record_boot(from, incarnation);
                 }
             }
-            Msg::Report { .. } | Msg::Retract { .. } | Msg::Boot { .. } => {}
+            Msg::Boot { .. } => {}
         }
     }
 
-    /// The leader's duties: its tally, its probes, its declarations.
+    /// Node `i`'s failure-detection duties: reports to the leader, and verdicts (committed at
+    /// once).
+    fn carry_out(&mut self, i: usize, duties: Vec<Duty>) {
+        let leader = self.leader;
+        for duty in duties {
+            match duty {
+                Duty::Report { silent, back, .. } => {
+                    let silent = silent
+                        .into_iter()
+                        .filter_map(|(p, inc)| Some((self.index(&p)?, inc)))
+                        .collect();
+                    let back = back.iter().filter_map(|p| self.index(p)).collect();
+                    let from_incarnation = self.nodes[i].incarnation;
+                    self.send(
+                        i,
+                        leader,
+                        Msg::Watch {
+                            silent,
+                            back,
+                            from_incarnation,
+                        },
+                    );
+                }
+                Duty::Declare { peer, incarnation, .. } => {
+                    self.verdicts.handle_declared(&peer);
+                    let t = self.index(&peer).expect("a node");
+                    self.commit(t, incarnation);
+                }
+            }
+        }
+    }
+
+    /// The records take node `i`'s new incarnation; every running node's next install of
+    /// them shows it.
+    fn record_boot(&mut self, i: usize, incarnation: u64) {
+        self.up_from.insert(i, incarnation);
+        self.booted_at.insert(i, self.now);
+        let up = BTreeMap::from([(self.names[i].clone(), incarnation)]);
+        for n in &mut self.nodes {
+            n.duties.handle_boots(self.now, &up);
+        }
+    }
+
+    /// The leader's probes (its tally and declarations are its duties' tick).
     fn lead(&mut self, now: u64) {
         let l = self.leader;
-        self.tally.tick(now);
         let own: BTreeSet<String> = self
             .topo
             .peers_of(&self.names[l])
             .into_iter()
             .map(String::from)
             .collect();
-        let probes: Vec<String> = self.tally.probes(&own).map(String::from).collect();
+        let probes = self.nodes[l].duties.probes(&own);
         for p in &probes {
             self.nodes[l].members.watch(p, now);
         }
@@ -510,16 +536,10 @@ impl World {
         let extra: Vec<String> = (0..self.n)
             .map(|p| self.names[p].clone())
             .filter(|p| !own.contains(p) && *p != self.names[l] && self.nodes[l].members.watches(p))
-            .filter(|p| self.tally.reporters(p) == 0)
+            .filter(|p| !probes.contains(p))
             .collect();
         for p in extra {
             self.nodes[l].members.unwatch(&p);
-        }
-        let confirmed = self.tally.confirmed(&self.topo, now);
-        for (target, incarnation) in self.verdicts.poll_declarations(true, confirmed) {
-            self.verdicts.handle_declared(&target);
-            let t = self.index(&target).expect("a node");
-            self.commit(t, incarnation);
         }
     }
 
@@ -540,7 +560,7 @@ impl World {
             self.n,
             self.leader,
             self.topo.watches(&self.names[self.leader], &self.names[t]),
-            self.tally.reporters_of(&self.names[t]),
+            self.nodes[self.leader].duties.tally().reporters_of(&self.names[t]),
             self.history
         );
         self.verdict_count += 1;
@@ -579,8 +599,8 @@ impl World {
                     f.kind,
                     self.now,
                     self.leader,
-                    self.tally.reporters_of(&self.names[t]),
-                    self.tally.confirmed(&self.topo, self.now),
+                    self.nodes[self.leader].duties.tally().reporters_of(&self.names[t]),
+                    self.nodes[self.leader].duties.tally().confirmed(&self.topo, self.now),
                     self.committed.get(&self.names[t]),
                     self.nodes[t].incarnation,
                     self.history

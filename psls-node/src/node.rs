@@ -30,7 +30,7 @@ use psls_ckpt::frames::DiskWrite;
 use psls_cluster::log::SubmitError;
 use psls_cluster::membership::{Liveness, Membership};
 use psls_cluster::verdicts::{self, Verdicts};
-use psls_cluster::watch::{Tally, Topology};
+use psls_cluster::watch::{Duties, Duty, Topology};
 use psls_ipc::proto::NodeState;
 use psls_ipc::{ClusterConfig, ErrorKind, NodeEntry};
 use psls_pfs::logstore::{LogStore, Opened};
@@ -134,20 +134,12 @@ pub struct Node {
 
 /// A node's part in failure detection beyond its own detector (see `psls_cluster::watch`).
 struct Watching {
-    /// The leader's count of reported silences (meaningful while `leading`).
-    tally: Tally,
-    /// Whether this node led (with its lease) at its last duty: probes and the tally end
-    /// with the leadership.
-    leading: bool,
-    /// The watched peers this node reported silent (to the leader, or its own tally).
-    reported: BTreeSet<String>,
+    /// Its failure-detection duties (a pure machine): its reports, and the leader's tally.
+    duties: Duties,
     /// The figures last sent to the leader: (leader, figures, when in ms).
     sent_figures: Option<(String, Heartbeat, u64)>,
     /// When this node last pulled the leader's table of figures (ms).
     pulled_ms: Option<u64>,
-    /// Each node's committed start as this node first saw it: (incarnation, when in ms; 0 for
-    /// one found at start-up).
-    boot_seen: HashMap<String, (u64, u64)>,
     /// When each node was first seen declared down here (the voters lost for good).
     voter_down_seen: HashMap<String, u64>,
 }
@@ -184,7 +176,7 @@ impl Node {
         );
         let peers = topology.peers_of(&me.name).into_iter().map(String::from);
         let members = Membership::new(peers, cfg.cluster.heartbeat_timeout_ms, 0);
-        let tally = Tally::new(
+        let duties = Duties::new(
             me.name.clone(),
             cfg.cluster.heartbeat_interval_ms,
             cfg.cluster.heartbeat_timeout_ms,
@@ -205,12 +197,9 @@ impl Node {
             members: Mutex::new(members),
             topology,
             watching: Mutex::new(Watching {
-                tally,
-                leading: false,
-                reported: BTreeSet::new(),
+                duties,
                 sent_figures: None,
                 pulled_ms: None,
-                boot_seen: HashMap::new(),
                 voter_down_seen: HashMap::new(),
             }),
             figures: Mutex::new(HashMap::new()),
@@ -657,13 +646,7 @@ impl Node {
         self.queue_restarts(restarts);
         {
             let now = self.now_ms();
-            let mut w = self.watching.locked();
-            let first = w.boot_seen.is_empty();
-            for (p, &inc) in &up_from {
-                if w.boot_seen.get(p).is_none_or(|&(i, _)| i != inc) {
-                    w.boot_seen.insert(p.clone(), (inc, if first { 0 } else { now }));
-                }
-            }
+            self.watching.locked().duties.handle_boots(now, &up_from);
         }
         self.carry_out_fence(fence);
     }
@@ -746,67 +729,86 @@ impl Node {
             .collect();
         let leading = self.replication.is_leader() && self.holds_lease() && !self.is_fencing();
         let leader = self.replication.leader();
-        let (reports, back) = {
+        let disk_failed: Vec<(String, u64)> = self
+            .disk_failed_peers()
+            .into_iter()
+            .map(|p| {
+                let inc = self.heard_incarnation(&p);
+                (p, inc)
+            })
+            .collect();
+        let duties = {
+            // Lock order: watching, then verdicts.
             let mut w = self.watching.locked();
-            let now_silent: BTreeSet<String> = silent.iter().map(|(p, _)| p.clone()).collect();
-            let back: Vec<String> = w.reported.difference(&now_silent).cloned().collect();
-            w.reported = now_silent;
-            if w.leading && !leading {
-                // The tally and the probes end with the leadership.
-                w.tally = Tally::new(
-                    self.me.name.clone(),
-                    self.cfg.cluster.heartbeat_interval_ms,
-                    self.cfg.cluster.heartbeat_timeout_ms,
-                );
-            }
-            w.leading = leading;
-            if leading {
-                for (p, inc) in &silent {
-                    let inc = self.report_incarnation(&w, p, *inc, now);
-                    w.tally.handle_report(now, &self.me.name, p, inc);
-                }
-                for p in &back {
-                    w.tally.handle_retract(&self.me.name, p);
-                }
-            }
-            (silent, back)
+            let mut v = self.verdicts.locked();
+            w.duties.handle_tick(
+                now,
+                silent,
+                leading,
+                leader.as_deref(),
+                disk_failed,
+                &self.topology,
+                &mut v,
+            )
         };
-        if !leading {
-            if let Some(l) = leader.filter(|l| *l != self.me.name) {
-                if !reports.is_empty() || !back.is_empty() {
-                    let me = self.clone();
-                    tokio::spawn(async move {
-                        let req = PeerReq::Watch { silent: reports, back };
-                        let _ = me.net.request(&l, &req, bytes::Bytes::new(), me.read_timeout()).await;
-                    });
-                }
-            }
+        self.prune_watches(now);
+        for duty in duties {
+            self.carry_out_duty(duty);
         }
-        self.prune_watches(leading, now);
-        if leading {
-            self.declare_confirmed(now);
+    }
+
+    /// Carries out one of failure detection's duties (`psls_cluster::watch::Duty`).
+    fn carry_out_duty(self: &Arc<Self>, duty: Duty) {
+        let me = self.clone();
+        match duty {
+            Duty::Report { leader, silent, back } => {
+                tokio::spawn(async move {
+                    let req = PeerReq::Watch { silent, back };
+                    let _ = me
+                        .net
+                        .request(&leader, &req, bytes::Bytes::new(), me.read_timeout())
+                        .await;
+                });
+            }
+            Duty::Declare {
+                peer,
+                incarnation,
+                reporters,
+            } => {
+                tokio::spawn(async move {
+                    let op = MetaOp::DeclareDown {
+                        physical: peer.clone(),
+                        incarnation,
+                    };
+                    match me.submit(op).await {
+                        Ok(()) => {
+                            me.metrics.verdicts.with_label_values(&[peer.as_str()]).inc();
+                            tracing::warn!(node = %me.me.name, peer = %peer, incarnation, ?reporters, "node declared down (committed)")
+                        }
+                        Err(e) => {
+                            tracing::warn!(node = %me.me.name, peer = %peer, incarnation, error = %e, "down verdict not committed")
+                        }
+                    }
+                    me.verdicts.locked().handle_declared(&peer);
+                });
+            }
         }
     }
 
     /// The watched peers beyond the topology's: the leader's probes of reported peers (while
     /// reported), the other voters (on a voter), and every voter while this node's new store
     /// learns whether the cluster is new.
-    fn prune_watches(&self, leading: bool, now: u64) {
+    fn prune_watches(&self, now: u64) {
         let st = self.replication.status();
         let fresh_pending = st.awaiting_fresh;
         let probes: BTreeSet<String> = {
-            let w = self.watching.locked();
-            if leading {
-                let own: BTreeSet<String> = self
-                    .topology
-                    .peers_of(&self.me.name)
-                    .into_iter()
-                    .map(String::from)
-                    .collect();
-                w.tally.probes(&own).map(String::from).collect()
-            } else {
-                BTreeSet::new()
-            }
+            let own: BTreeSet<String> = self
+                .topology
+                .peers_of(&self.me.name)
+                .into_iter()
+                .map(String::from)
+                .collect();
+            self.watching.locked().duties.probes(&own)
         };
         // A voter watches the other voters (a few): it learns at the failure timeout that the
         // leader is gone, and which live voter should campaign (`Node::first_live_voter`).
@@ -835,79 +837,20 @@ impl Node {
         }
     }
 
-    /// The incarnation a report made now on `target` is about: the one the reporter heard,
-    /// or the one committed as its start if that was committed more than a failure timeout
-    /// ago (the reporter heard nothing for a timeout: not that one either).
-    fn report_incarnation(&self, w: &Watching, target: &str, heard: u64, now: u64) -> u64 {
-        match w.boot_seen.get(target) {
-            Some(&(inc, at)) if inc > heard && now >= at + self.cfg.cluster.heartbeat_timeout_ms => inc,
-            _ => heard,
-        }
-    }
-
     /// A watcher's reports (`Watch`), at the leader.
-    pub fn handle_watch(&self, from: &str, silent: Vec<(String, u64)>, back: Vec<String>) {
+    pub fn handle_watch(self: &Arc<Self>, from: &str, silent: Vec<(String, u64)>, back: Vec<String>) {
         let now = self.now_ms();
-        let mut w = self.watching.locked();
-        if !w.leading {
-            return;
-        }
-        for (p, inc) in silent {
-            if self.cfg.entry(&p).is_none() || p == self.me.name {
-                continue;
-            }
-            let inc = self.report_incarnation(&w, &p, inc, now);
-            w.tally.handle_report(now, from, &p, inc);
-        }
-        for p in back {
-            w.tally.handle_retract(from, &p);
-        }
-    }
-
-    /// The leader's verdicts: every peer the tally confirms, and every one whose disk failed
-    /// (failed for good, though it still heartbeats: a spare then takes its logical id), each
-    /// declared down by a committed metadata operation.
-    fn declare_confirmed(self: &Arc<Self>, now: u64) {
-        let disk_failed = self.disk_failed_peers();
-        let confirmed = {
+        let leading = self.replication.is_leader() && self.holds_lease() && !self.is_fencing();
+        let known = |p: &str| self.cfg.entry(p).is_some();
+        let duties = {
+            // Lock order: watching, then verdicts.
             let mut w = self.watching.locked();
-            w.tally.tick(now);
-            w.tally.confirmed(&self.topology, now)
+            let mut v = self.verdicts.locked();
+            w.duties
+                .handle_reports(now, from, silent, back, leading, known, &self.topology, &mut v)
         };
-        let suspects: Vec<(String, u64)> = confirmed
-            .into_iter()
-            .chain(disk_failed.into_iter().map(|p| {
-                let inc = self.heard_incarnation(&p);
-                (p, inc)
-            }))
-            .collect();
-        let declarations = self.verdicts.locked().poll_declarations(true, suspects);
-        for (peer, inc) in declarations {
-            let reporters: Vec<String> = self
-                .watching
-                .locked()
-                .tally
-                .reporters_of(&peer)
-                .into_iter()
-                .map(String::from)
-                .collect();
-            let me = self.clone();
-            tokio::spawn(async move {
-                let op = MetaOp::DeclareDown {
-                    physical: peer.clone(),
-                    incarnation: inc,
-                };
-                match me.submit(op).await {
-                    Ok(()) => {
-                        me.metrics.verdicts.with_label_values(&[peer.as_str()]).inc();
-                        tracing::warn!(node = %me.me.name, peer = %peer, incarnation = inc, ?reporters, "node declared down (committed)")
-                    }
-                    Err(e) => {
-                        tracing::warn!(node = %me.me.name, peer = %peer, incarnation = inc, error = %e, "down verdict not committed")
-                    }
-                }
-                me.verdicts.locked().handle_declared(&peer);
-            });
+        for duty in duties {
+            self.carry_out_duty(duty);
         }
     }
 
@@ -1379,7 +1322,7 @@ impl Node {
     /// One heartbeat round-trip with every watched peer (start-up; every voter too while
     /// this node's new store learns whether the cluster is new).
     pub async fn initial_sync(self: &Arc<Self>) {
-        self.prune_watches(false, self.now_ms());
+        self.prune_watches(self.now_ms());
         self.heartbeat_round().await;
         self.check_fresh_cluster();
     }
@@ -1404,12 +1347,7 @@ impl Node {
         }
         let incarnation = hb.incarnation;
         self.net.heard_from(peer);
-        {
-            let mut w = self.watching.locked();
-            if w.leading {
-                w.tally.handle_heard(now_ms, peer, incarnation);
-            }
-        }
+        self.watching.locked().duties.handle_heard(now_ms, peer, incarnation);
         self.figures.locked().insert(peer.to_string(), (hb.clone(), now_ms));
         // A restart is told by the verdict book (it knows every source of incarnations).
         let _ = self.members.locked().heard(now_ms, peer, incarnation, hb);
