@@ -276,7 +276,7 @@ pub async fn run(config: &Path, name: &str) -> Result<()> {
         Arc::new(move |from: &str, inc: u64| fenced_node.upgrade().is_some_and(|n| !n.take_stamp(from, inc))),
     );
     if let Some(l) = metrics_listener {
-        tokio::spawn(crate::metrics::serve(d.clone(), l));
+        tokio::spawn(crate::exporter::serve(d.clone(), l));
     }
     tokio::spawn(transport::serve(
         node.net.endpoint().clone(),
@@ -309,7 +309,7 @@ pub async fn run(config: &Path, name: &str) -> Result<()> {
     // from a stale namespace.
     // Disk figures go into every heartbeat: peers check free space with them.
     node.refresh_disk_stats();
-    tokio::spawn(crate::replication::Replication::run(node.clone()));
+    tokio::spawn(crate::log_task::run(node.clone()));
     node.initial_sync().await;
     // Whether other nodes hold pages an earlier incarnation of this one granted: known before
     // any coherence state is made (`svm::fault::ensure_svm`).
@@ -358,7 +358,7 @@ pub async fn run(config: &Path, name: &str) -> Result<()> {
             }
         });
     }
-    tokio::spawn(crate::jobctl::run(d.clone()));
+    tokio::spawn(crate::jobctl::run(Arc::new(d.jobctl_shell())));
     tokio::spawn(crate::launcher::copier(d.node.clone(), d.jobs.clone()));
     tokio::spawn(crate::ipc::serve(d.clone(), listener, socket.clone()));
     tracing::info!(node = name, incarnation, addr = %me.addr, socket = %socket.display(), fault_disk = fault, "psls-node ready");

@@ -43,6 +43,15 @@ pub struct Daemon {
 pub const DISK_FAILED_EXIT: i32 = 74;
 
 impl Daemon {
+    /// Job control's view of the daemon.
+    pub fn jobctl_shell(&self) -> crate::jobctl::Shell {
+        crate::jobctl::Shell {
+            node: self.node.clone(),
+            ckpt: self.ckpt.clone(),
+            jobctl: self.jobctl.clone(),
+        }
+    }
+
     /// Assembles the daemon around `node` and wires the core to it (requests to itself,
     /// shared-memory figures in heartbeats).
     pub fn new(node: Arc<Node>, channels: Channels) -> Arc<Daemon> {
@@ -127,7 +136,16 @@ impl Daemon {
             self.ckpt.tick();
             {
                 let d = self.clone();
-                tokio::spawn(async move { crate::launcher::tick(&d.node, &d.jobs, &d.jobctl).await });
+                tokio::spawn(async move {
+                    let reports = crate::launcher::tick(&d.node, &d.jobs).await;
+                    if !reports.is_empty() {
+                        d.jobctl.post(crate::jobctl::Input::Report {
+                            from: d.node.name().to_string(),
+                            incarnation: d.node.incarnation,
+                            reports,
+                        });
+                    }
+                });
             }
             crate::pfs::maybe_rebuild(&node);
         }

@@ -10,8 +10,9 @@
 //! Bounds: at most [`MAX_INPUTS`] inputs wait (a report or an outcome dropped on a full queue
 //! is sent or asked again: the machine retries what it does not hear of).
 
-use crate::dispatch::Daemon;
+use crate::ckpt::CkptShell;
 use crate::failstop::Locked;
+use crate::node::Node;
 use crate::op::OpError;
 use crate::peer::{PeerReq, PeerResp};
 use psls_ipc::ErrorKind;
@@ -61,6 +62,15 @@ pub enum Input {
     },
     /// Something changed (an operation applied): look again.
     Poke,
+}
+
+/// What job control's task and its steps act through: the node, its checkpoints, and the
+/// task's own handle (a narrow view of the daemon).
+#[derive(Clone)]
+pub struct Shell {
+    pub node: Arc<Node>,
+    pub ckpt: Arc<CkptShell>,
+    pub jobctl: Arc<JobCtl>,
 }
 
 /// The handle other parts of the daemon hold.
@@ -120,7 +130,7 @@ impl JobCtl {
 
 /// Sends `cmd` to the metadata's leader and waits for its answer (tries again while the
 /// leader changes, for up to three request timeouts).
-pub async fn command(d: &Arc<Daemon>, cmd: Command) -> Result<Answer, OpError> {
+pub async fn command(d: &Shell, cmd: Command) -> Result<Answer, OpError> {
     let node = &d.node;
     let deadline = Instant::now() + node.request_timeout * 3;
     loop {
@@ -146,7 +156,7 @@ pub async fn command(d: &Arc<Daemon>, cmd: Command) -> Result<Answer, OpError> {
     }
 }
 
-fn config(d: &Daemon) -> Config {
+fn config(d: &Shell) -> Config {
     let c = &d.node.cfg.cluster;
     Config {
         grace_ms: c.heartbeat_timeout_ms + 2 * c.heartbeat_interval_ms,
@@ -162,7 +172,7 @@ fn config(d: &Daemon) -> Config {
 }
 
 /// The task: until the daemon stops.
-pub async fn run(d: Arc<Daemon>) {
+pub async fn run(d: Arc<Shell>) {
     let Some(mut rx) = d.jobctl.rx.locked().take() else {
         return;
     };
@@ -260,7 +270,7 @@ pub async fn run(d: Arc<Daemon>) {
 }
 
 /// Each physical node's liveness and newest known incarnation.
-fn views(d: &Daemon) -> BTreeMap<String, NodeView> {
+fn views(d: &Shell) -> BTreeMap<String, NodeView> {
     let node = &d.node;
     node.cfg
         .nodes
@@ -287,7 +297,7 @@ fn step_error(e: OpError) -> StepError {
 }
 
 /// Carries out one action in a task of its own.
-fn execute(d: &Arc<Daemon>, action: Action) {
+fn execute(d: &Arc<Shell>, action: Action) {
     let d = d.clone();
     // The term the step was asked in: a restore stops at its next call once it is over.
     let term = d.jobctl.lead_term.load(std::sync::atomic::Ordering::SeqCst);
@@ -434,7 +444,7 @@ fn execute(d: &Arc<Daemon>, action: Action) {
 /// The last checkpoints of a job whose ranks all exited 0: a memory one keeps the result in the
 /// nodes' memories (unless the job takes persistent ones only), then a persistent one makes it
 /// durable.
-async fn finish(d: &Arc<Daemon>, job: &str, persistent_only: bool) -> Result<(), FinishError> {
+async fn finish(d: &Arc<Shell>, job: &str, persistent_only: bool) -> Result<(), FinishError> {
     let node = &d.node;
     let st = node.meta_state();
     let mut files: Vec<psls_svm::FileId> = crate::launcher::job_files(node, job, false).await;
@@ -499,7 +509,7 @@ async fn finish(d: &Arc<Daemon>, job: &str, persistent_only: bool) -> Result<(),
 
 /// Lets a job go: with `keep`, what it holds stays if it has a checkpoint to resume from
 /// (returns true); otherwise its segments, recovery copies, area and record go.
-async fn release(d: &Arc<Daemon>, job: &str, keep: bool) -> bool {
+async fn release(d: &Arc<Shell>, job: &str, keep: bool) -> bool {
     let node = &d.node;
     let st = node.meta_state();
     let resumable = keep

@@ -751,7 +751,9 @@ pub async fn start_ranks(node: &Arc<Node>, jobs: &Arc<Jobs>, job: &str, attempt:
 
 /// Every tick: stops the ranks this node's records call stale, lets go of what the records no
 /// longer name, and reports this node's ranks to job control (at the metadata's leader).
-pub async fn tick(node: &Arc<Node>, jobs: &Arc<Jobs>, jobctl: &crate::jobctl::JobCtl) {
+/// Returns the reports for this node's own job control, when it is the metadata leader (they
+/// go to the leader otherwise).
+pub async fn tick(node: &Arc<Node>, jobs: &Arc<Jobs>) -> Vec<psls_jobs::Report> {
     let st = node.meta_state();
     let local: Vec<(String, u32)> = lock(&jobs.local).iter().map(|(j, l)| (j.clone(), l.attempt)).collect();
     for (job, attempt) in &local {
@@ -776,21 +778,17 @@ pub async fn tick(node: &Arc<Node>, jobs: &Arc<Jobs>, jobctl: &crate::jobctl::Jo
     copy_output(node, jobs).await;
     let reports = jobs.reports();
     if reports.is_empty() {
-        return;
+        return Vec::new();
     }
     let Some(leader) = node.replication.leader() else {
-        return;
+        return Vec::new();
     };
-    let incarnation = node.incarnation;
     if leader == node.me.name {
-        jobctl.post(crate::jobctl::Input::Report {
-            from: leader,
-            incarnation,
-            reports,
-        });
-    } else {
-        let _ = node.call(&leader, PeerReq::JobReport { incarnation, reports }).await;
+        return reports;
     }
+    let incarnation = node.incarnation;
+    let _ = node.call(&leader, PeerReq::JobReport { incarnation, reports }).await;
+    Vec::new()
 }
 
 /// Rank 0 of `spec` reads the forwarded input from `input`: a task writes what

@@ -1,5 +1,5 @@
 //! A job's restore, the step of its rollback after a node failure (DESIGN §8) that job control
-//! (`psls_jobs::Control`, through `crate::jobctl`) asks for once the job's ranks are stopped on
+//! (`psls_jobs::Control`, through job control's task) asks for once the job's ranks are stopped on
 //! every node and every logical node is live again (the failed one back with an empty memory,
 //! or a spare in its place).
 //! The steps and their order are `psls_ckpt::restore::Restore`'s (the checkpoint simulator

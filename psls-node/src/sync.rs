@@ -8,7 +8,7 @@
 //! coordinator (one-way, on the message link), and the coordinator posts each notice back to
 //! the waiter's node (`SyncDone`): a call costs one message each way per remote rank. The
 //! waiting rank is answered through its [`Replier`]: straight into its sync channel
-//! ([`crate::sync_channel`]), or through a runtime task for calls on the request connection.
+//! (`sync_channel.rs`), or through a runtime task for calls on the request connection.
 //! Names are scoped by user and job, so jobs and users cannot meet at each other's barriers.
 //!
 //! A coordinator is known by name and incarnation: a new one (another node, or the same one

@@ -91,7 +91,7 @@ pub(super) async fn handle(c: &mut Conn, req: Request, mut fds: Vec<OwnedFd>) ->
                 uid: caller.uid,
                 hosts: checkpoint.nodes,
             };
-            match crate::jobctl::command(&d, cmd).await {
+            match crate::jobctl::command(&d.jobctl_shell(), cmd).await {
                 Ok(psls_jobs::Answer::Started { job, attempt }) => {
                     send(&mut c.w, &Response::JobStarted { job: job.clone() }).await?;
                     return Ok(Flow::Follow {
@@ -154,7 +154,7 @@ pub(super) async fn handle(c: &mut Conn, req: Request, mut fds: Vec<OwnedFd>) ->
         }
         Request::Cancel { job } => {
             let cmd = psls_jobs::Command::Cancel { job, uid: caller.uid };
-            match crate::jobctl::command(&d, cmd).await {
+            match crate::jobctl::command(&d.jobctl_shell(), cmd).await {
                 Ok(psls_jobs::Answer::Accepted { .. }) => Response::Ok,
                 Ok(a) => refused(a),
                 Err(e) => err(e),
@@ -205,7 +205,7 @@ pub(super) async fn handle(c: &mut Conn, req: Request, mut fds: Vec<OwnedFd>) ->
             // A `psls run` job's halt is job control's (it holds across a rollback and a new
             // driver).
             let cmd = psls_jobs::Command::Halt { job, uid: caller.uid };
-            match crate::jobctl::command(&d, cmd).await {
+            match crate::jobctl::command(&d.jobctl_shell(), cmd).await {
                 Ok(psls_jobs::Answer::Accepted { .. }) => Response::Ok,
                 Ok(a) => refused(a),
                 Err(e) => err(e),
@@ -264,7 +264,7 @@ async fn start_job(c: &mut Conn, req: Request) -> std::io::Result<Flow> {
         Ok(cmd) => cmd,
         Err(e) => return Ok(Flow::Reply(err(e))),
     };
-    match crate::jobctl::command(&d, cmd).await {
+    match crate::jobctl::command(&d.jobctl_shell(), cmd).await {
         Ok(psls_jobs::Answer::Started { job, attempt }) => {
             send(&mut c.w, &Response::JobStarted { job: job.clone() }).await?;
             Ok(Flow::Follow {
