@@ -1104,10 +1104,13 @@ impl Control {
     }
 
     /// Decides the next step of `job` from its record and what the driver knows.
-    /// Drives one job, then the replacements it may wait for.
+    /// Drives one job, then the replacement it may wait for (the others are looked at every
+    /// tick: an input about one job does not walk the whole map).
     fn drive(&mut self, job: &str) {
         self.drive_job(job);
-        self.drive_spares();
+        if self.jobs.get(job).is_some_and(|d| d.wants_spare.is_some()) {
+            self.drive_spares();
+        }
     }
 
     fn drive_job(&mut self, job: &str) {
